@@ -1,0 +1,11 @@
+"""KV policies: importing this package registers every built-in policy by name."""
+
+from engine.policies import full  # noqa: F401
+from engine.policies import kara  # noqa: F401
+from engine.policies import zipage  # noqa: F401
+from engine.policies import snapkv  # noqa: F401
+from engine.policies import chunkkv  # noqa: F401
+from engine.policies import growpage, growpage_variants  # noqa: F401
+from engine.policies.base import POLICIES, Action, Decision, KVPolicy, build_policy
+
+__all__ = ["POLICIES", "Action", "Decision", "KVPolicy", "build_policy"]

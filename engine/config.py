@@ -1,0 +1,119 @@
+"""Engine configuration.
+
+`EngineConfig` is the single place where engine knobs live. It is built from keyword arguments with
+`EngineConfig.from_kwargs`, which rejects unknown keys (a silently dropped key is a classic source of
+"why did my flag do nothing" bugs in serving engines).
+
+Scale presets: the papers use block 256 and multi-GB pools on an A100. On CPU the defaults are a
+block of 32 tokens and an explicitly sized pool (`kv_cache_tokens`), as DESIGN.md's "Scale" asks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class ConfigError(ValueError):
+    """A configuration value (engine, sampling or policy) is invalid."""
+
+
+CPU_BLOCK_SIZE = 32
+GPU_BLOCK_SIZE = 256
+CPU_KV_CACHE_TOKENS = 16384
+
+
+@dataclass
+class EngineConfig:
+    """Engine knobs. Every field is documented; unknown keys are errors (see `from_kwargs`).
+
+    model: a HF-format directory, a .gguf file, or the embedded default's name.
+    device: "auto" (cuda if available, else cpu), "cpu" or "cuda".
+    dtype: "auto" (float32 on CPU, the model's dtype or bfloat16 on CUDA), or a torch dtype name.
+    block_size: tokens per KV page; None picks 32 on CPU and 256 on CUDA.
+    kv_cache_tokens: size of the KV pool in token slots (rounded down to whole pages).
+    kv_cache_bytes: size of the KV pool in bytes (alternative to kv_cache_tokens).
+    gpu_memory_utilization: on CUDA with neither size given, the fraction of device memory to use.
+    max_num_seqs: most requests resident (running) at once.
+    max_num_batched_tokens: most tokens processed in one step (decode tokens + prefill chunks).
+    max_model_len: longest logical sequence (prompt + output); None uses the model's limit.
+    enable_prefix_caching: share full prompt pages between requests with the same prefix.
+    policy: name of the KV policy (see engine.policies.registry), or a policy instance.
+    policy_args: keyword arguments for the policy's dataclass.
+    async_compaction: run KV compaction on a background worker while other requests decode.
+    seed: base seed; a request without its own seed gets seed + its request index.
+    """
+
+    model: str = "smollm2-135m-instruct"
+    device: str = "auto"
+    dtype: str = "auto"
+    block_size: int | None = None
+    kv_cache_tokens: int | None = None
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    policy: Any = "full"
+    policy_args: dict = field(default_factory=dict)
+    async_compaction: bool = False
+    seed: int = 0
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        valid = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - valid)
+        if unknown:
+            raise ConfigError(
+                f"unknown engine config key(s) {unknown}; valid keys are {sorted(valid)}"
+            )
+        return cls(**kwargs)
+
+    def __post_init__(self) -> None:
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.block_size is None:
+            self.block_size = GPU_BLOCK_SIZE if self.is_cuda else CPU_BLOCK_SIZE
+        _require_positive("block_size", self.block_size)
+        _require_positive("max_num_seqs", self.max_num_seqs)
+        _require_positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.kv_cache_tokens is not None and self.kv_cache_bytes is not None:
+            raise ConfigError("give kv_cache_tokens or kv_cache_bytes, not both")
+        for name in ("kv_cache_tokens", "kv_cache_bytes", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None:
+                _require_positive(name, value)
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if not isinstance(self.policy_args, dict):
+            raise ConfigError(f"policy_args must be a dict, got {type(self.policy_args).__name__}")
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.startswith("cuda")
+
+    def torch_dtype(self, model_dtype: torch.dtype | None) -> torch.dtype:
+        """The compute dtype: fp32 on CPU (fast and exact there), else the model's or bf16."""
+        if self.dtype != "auto":
+            dtype = getattr(torch, self.dtype, None)
+            if not isinstance(dtype, torch.dtype):
+                raise ConfigError(f"dtype {self.dtype!r} is not a torch dtype name")
+            return dtype
+        if not self.is_cuda:
+            return torch.float32
+        if model_dtype in (torch.float16, torch.bfloat16):
+            return model_dtype
+        return torch.bfloat16
+
+
+def _require_positive(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")

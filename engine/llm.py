@@ -1,0 +1,132 @@
+"""The LLM facade: `LLM(model, **config).generate(prompts, params)`.
+
+Outputs come back in submission order, each with text, token ids, finish reason, token counts,
+first-token/finish times, TPOT, capacity trace and capacity events; `last_stats` holds the run's
+statistics (engine.stats). `stream()` yields outputs as requests finish (for resumable evaluations).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Iterator, Sequence as Seq
+
+from engine.config import ConfigError, EngineConfig
+from engine.models.loader import load_tokenizer, resolve_model
+from engine.policies.base import EngineSpec, KVPolicy, build_policy
+from engine.runner import ModelRunner
+from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+from engine.stats import RequestOutput, RunStats, StepRecord, run_stats
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **kwargs):
+        if model is not None:
+            kwargs["model"] = str(model)
+        self.config = EngineConfig.from_kwargs(**kwargs)
+        self.model_dir = resolve_model(self.config.model)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        self.policy = self._policy()
+        self.runner = ModelRunner(self.config, self.model_dir, self.policy.signals())
+        r = self.runner
+        self.policy.bind(EngineSpec(r.block_size, r.num_layers, r.num_q_heads, r.num_kv_heads,
+                                    r.head_dim, r.num_pages, r.max_model_len))
+        self.eos_ids = self._eos_ids()
+        self.last_stats: RunStats | None = None
+
+    def _policy(self) -> KVPolicy:
+        policy = self.config.policy
+        if isinstance(policy, KVPolicy):
+            if self.config.policy_args:
+                raise ConfigError("policy_args only apply when policy is given by name")
+            return policy
+        if not isinstance(policy, str):
+            raise ConfigError(f"policy must be a name or a KVPolicy, got {type(policy).__name__}")
+        return build_policy(policy, self.config.policy_args)
+
+    def _eos_ids(self) -> set[int]:
+        ids = set()
+        gen = getattr(self.runner.hf_config, "eos_token_id", None)
+        for value in (self.tokenizer.eos_token_id, gen):
+            if isinstance(value, int):
+                ids.add(value)
+            elif isinstance(value, (list, tuple)):
+                ids.update(value)
+        return ids
+
+    # -- public API -----------------------------------------------------------------------------
+    def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
+                 progress: Callable[[RequestOutput, int, int], None] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in submission order."""
+        single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+        batch = [prompts] if single else list(prompts)
+        outputs: list[RequestOutput | None] = [None] * len(batch)
+        for out in self.stream(batch, params):
+            outputs[out.index] = out
+            if progress is not None:
+                progress(out, sum(o is not None for o in outputs), len(batch))
+        return outputs
+
+    def stream(self, prompts: Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None) -> Iterator[RequestOutput]:
+        """Yield each request's output as soon as it finishes; `last_stats` is set at the end."""
+        seqs = self._make_sequences(prompts, params)
+        scheduler = Scheduler(self.config, self.runner, self.policy, self.eos_ids, self._decode)
+        index = {seq.seq_id: i for i, seq in enumerate(seqs)}
+        for seq in seqs:
+            scheduler.add(seq)
+        t0 = time.perf_counter()
+        steps: list[StepRecord] = []
+        outputs: list[RequestOutput] = []
+        forward = 0.0
+        try:
+            while scheduler.has_unfinished():
+                items = scheduler.schedule()
+                steps.append(StepRecord(len(scheduler.running), scheduler.bm.num_used,
+                                        sum(not it.prefill for it in items)))
+                if items:
+                    start = time.perf_counter()
+                    tokens = self.runner.run(items)
+                    forward += time.perf_counter() - start
+                    scheduler.postprocess(items, tokens)
+                elif scheduler.worker is not None and scheduler.worker.busy:
+                    scheduler.collect_compactions(wait=True)
+                for seq in scheduler.drain_finished():
+                    out = RequestOutput.from_sequence(index[seq.seq_id], seq, self._text(seq), t0)
+                    outputs.append(out)
+                    yield out
+        finally:
+            scheduler.shutdown()
+        self.last_stats = run_stats(outputs, steps, scheduler.events, scheduler.counters,
+                                    time.perf_counter() - t0, forward, scheduler.compaction_seconds)
+        self.last_scheduler = scheduler
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _make_sequences(self, prompts, params) -> list[Sequence]:
+        if not prompts:
+            raise ConfigError("generate() needs at least one prompt")
+        if params is None:
+            params = SamplingParams()
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ConfigError(f"{len(plist)} sampling params for {len(prompts)} prompts")
+        seqs = []
+        for i, (prompt, p) in enumerate(zip(prompts, plist)):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
+            if not ids:
+                raise ConfigError(f"prompt {i} is empty: a request needs at least one token")
+            seed = p.seed if p.seed is not None else self.config.seed + i
+            seqs.append(Sequence(ids, p, seed))
+        return seqs
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _text(self, seq: Sequence) -> str:
+        return seq.text if seq.text else self._decode(seq.output_token_ids)
+
+    def apply_chat_template(self, messages: list[dict], **kwargs) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                  add_generation_prompt=True, **kwargs)

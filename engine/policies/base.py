@@ -1,0 +1,302 @@
+"""The contract between the scheduler and a KV policy.
+
+The scheduler owns queues, pages and timing; a policy owns only decisions and token selection. It
+never sees the queues: it receives a `PolicyView` of one sequence (lengths, pages, and accessors for
+the signals it declared) and answers with a `Decision`.
+
+When the scheduler asks:
+- `on_boundary(view)`: a decode step finds the sequence's pages full (physical_len equals
+  num_pages * block_size). Answer GROW (one more page), COMPRESS (compact to `target_len` inside the
+  current pages) or SHRINK (compact and return pages).
+- `fallback(view)`: a GROW found no free page. Answer a compression, or None to let the scheduler
+  preempt.
+- `after_prefill(view, final)`: after each prefill chunk (final=True after the last one). Prompt
+  compression (SnapKV/ChunkKV/Kara) and re-compression of a re-admitted (preempted) request live here
+  (the per-request state survives preemption; `on_preempt(state)` is called at each preemption).
+- `periodic(step, views)`: once per scheduler step, for schedules that are not boundary-triggered
+  (KvLLM's periodic policy). Returns (view, decision) pairs.
+- `select(view, target_len, timer)`: for a COMPRESS/SHRINK decision, the physical slots each
+  (layer, KV head) keeps: `[layers, kv_heads, target_len]` int64, ascending in every row, all rows
+  the same count (Compressed PagedAttention: one block table and one physical length per sequence).
+  The engine then compacts those slots, in order, to the front of the sequence's target pages.
+
+Signals: a policy declares what it reads in `signals()`; the engine keeps them in preallocated slot
+pools bound to running requests (never allocated per step) and exposes them through the view.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Iterator, Protocol
+
+import torch
+
+from engine.config import ConfigError
+
+
+class Action(enum.Enum):
+    GROW = "grow"
+    COMPRESS = "compress"
+    SHRINK = "shrink"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A policy's answer.
+
+    target_len: physical length after compaction (COMPRESS/SHRINK).
+    keep_pages: pages the sequence keeps afterwards. None means: COMPRESS holds its current pages
+        (GrowPage's Compress & Hold, Zipage), SHRINK keeps ceil(target_len / block_size).
+    info: free-form accounting (e.g. GrowPage's delta, r_S, r_L) copied into the event record.
+    """
+
+    action: Action
+    target_len: int | None = None
+    keep_pages: int | None = None
+    info: dict = field(default_factory=dict)
+
+    @staticmethod
+    def grow(**info: Any) -> "Decision":
+        return Decision(Action.GROW, info=info)
+
+    @staticmethod
+    def compress(target_len: int, keep_pages: int | None = None, **info: Any) -> "Decision":
+        return Decision(Action.COMPRESS, target_len, keep_pages, info)
+
+    @staticmethod
+    def shrink(target_len: int, keep_pages: int | None = None, **info: Any) -> "Decision":
+        return Decision(Action.SHRINK, target_len, keep_pages, info)
+
+
+@dataclass(frozen=True)
+class SignalSpec:
+    """What a policy reads; the engine sizes its slot pools from this.
+
+    recent_queries: keep the last n pre-RoPE queries of every layer (all query heads), per request.
+    ema_betas: keep one EMA of the pre-RoPE decode query per beta (GrowPage: (0.9, 0.999)).
+    slot_scores: keep one float per KV slot and head (Zipage's decayed global score); compacted with
+        the KV.
+    """
+
+    recent_queries: int = 0
+    ema_betas: tuple[float, ...] = ()
+    slot_scores: bool = False
+
+    def merge(self, other: "SignalSpec") -> "SignalSpec":
+        return SignalSpec(
+            max(self.recent_queries, other.recent_queries),
+            self.ema_betas or other.ema_betas,
+            self.slot_scores or other.slot_scores,
+        )
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """Engine facts a policy validates against when bound."""
+
+    block_size: int
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_pages: int
+    max_model_len: int
+
+    @property
+    def group_size(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+
+class PolicyView(Protocol):
+    """Read access to one sequence and its signals (implemented by the engine)."""
+
+    seq_id: int
+    logical_len: int       # tokens that exist (prompt + output)
+    num_computed: int      # logical tokens whose KV was produced (position of the next token)
+    physical_len: int      # occupied KV slots
+    num_pages: int
+    block_size: int
+    num_prompt_tokens: int
+    state: Any             # the policy's per-request state (from new_state)
+    is_prefilling: bool
+
+    def keys(self, layers: slice | None = None) -> torch.Tensor:
+        """Keys of physical slots 0..physical_len-1: [layers, kv_heads, physical_len, head_dim]."""
+
+    def values(self, layers: slice | None = None) -> torch.Tensor:
+        """Values, same layout as keys()."""
+
+    def recent_queries(self, rope: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """The last n queries (n = min(signals().recent_queries, available)), oldest first.
+
+        Returns (queries [layers, n, q_heads, head_dim] (RoPE applied at their own positions when
+        rope=True), positions [n] logical positions).
+        """
+
+    def query_ema(self) -> tuple[torch.Tensor, bool]:
+        """(ema [layers, len(ema_betas), q_heads, head_dim] pre-RoPE, initialised?)."""
+
+    def apply_rope(self, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """RoPE at given positions. q: [..., n, q_heads, head_dim], positions: [n]."""
+
+    def slot_scores(self) -> torch.Tensor:
+        """The persistent per-slot score: [layers, kv_heads, physical_len] (a view copy)."""
+
+    def set_slot_scores(self, scores: torch.Tensor) -> None:
+        """Write [layers, kv_heads, physical_len] scores back to the sequence's slots."""
+
+    def recompute_queries(self, start: int, end: int) -> torch.Tensor:
+        """Post-RoPE queries of the tokens in physical slots [start, end), recomputed by a forward
+        pass that reads the cached KV and writes none. The slots must be uncompressed (slot s holds
+        logical position num_computed - physical_len + s). Returns [layers, end-start, q_heads, d].
+        """
+
+
+class StageTimer:
+    """Accumulates wall time per named stage (score, window_mask, topk, compaction, demand...)."""
+
+    def __init__(self) -> None:
+        self.stages: dict[str, float] = {}
+
+    @contextmanager
+    def stage(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stages[name] = self.stages.get(name, 0.0) + time.perf_counter() - start
+
+
+@dataclass
+class KVPolicy:
+    """Base class of every policy. Subclasses are dataclasses whose fields are the paper's knobs
+    (paper defaults or the documented CPU-scale preset), validated in __post_init__ / bind()."""
+
+    name: ClassVar[str] = ""
+    engine: EngineSpec | None = field(default=None, init=False, repr=False, compare=False)
+
+    def bind(self, engine: EngineSpec) -> None:
+        """Called once by the engine; validate against block size and model shape here."""
+        self.engine = engine
+
+    def signals(self) -> SignalSpec:
+        return SignalSpec()
+
+    def new_state(self) -> Any:
+        """Per-request state, created once when the request is added. It survives preemption (so a
+        policy can remember the capacity a request had); `on_preempt` is called at each one."""
+        return None
+
+    def on_preempt(self, state: Any) -> None:
+        """The request lost all its KV and will be re-prefilled (prompt + generated tokens); reset
+        whatever in `state` refers to physical slots (e.g. a compressed-region boundary)."""
+
+    def on_boundary(self, view: PolicyView) -> Decision:
+        return Decision.grow()
+
+    def fallback(self, view: PolicyView) -> Decision | None:
+        return None
+
+    def after_prefill(self, view: PolicyView, final: bool) -> Decision | None:
+        return None
+
+    def periodic(self, step: int, views: list[PolicyView]) -> list[tuple[PolicyView, Decision]]:
+        return []
+
+    def select(self, view: PolicyView, target_len: int, timer: StageTimer) -> torch.Tensor:
+        raise NotImplementedError(f"policy {self.name!r} never compresses")
+
+    def max_pages(self, view: PolicyView) -> int | None:
+        """Most pages a request may hold (None: unbounded). Used for invariant checks."""
+        return None
+
+    @property
+    def block_size(self) -> int:
+        if self.engine is None:
+            raise RuntimeError(f"policy {self.name!r} used before the engine bound it")
+        return self.engine.block_size
+
+
+# -- registry ---------------------------------------------------------------------------------
+
+POLICIES: dict[str, type[KVPolicy]] = {}
+
+
+def register_policy(cls: type[KVPolicy]) -> type[KVPolicy]:
+    if not cls.name:
+        raise TypeError(f"{cls.__name__} needs a class-level `name`")
+    if cls.name in POLICIES:
+        raise TypeError(f"policy name {cls.name!r} registered twice")
+    POLICIES[cls.name] = cls
+    return cls
+
+
+def policy_fields(cls: type[KVPolicy]) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls) if f.init}
+
+
+def build_policy(name: str, args: dict[str, Any] | None = None) -> KVPolicy:
+    """Instantiate a registered policy; string values (from the CLI) are coerced to field types."""
+    import engine.policies  # noqa: F401  (registers the built-in policies)
+
+    if name not in POLICIES:
+        raise ConfigError(f"unknown policy {name!r}; known policies: {sorted(POLICIES)}")
+    cls = POLICIES[name]
+    fields = policy_fields(cls)
+    args = dict(args or {})
+    unknown = sorted(set(args) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"unknown argument(s) {unknown} for policy {name!r}; valid: {sorted(fields)}"
+        )
+    coerced = {k: _coerce(name, k, v, fields[k]) for k, v in args.items()}
+    try:
+        return cls(**coerced)
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"policy {name!r}: {exc}") from exc
+
+
+def parse_policy_args(items: list[str]) -> dict[str, str]:
+    """CLI `k=v` strings to a dict (values stay strings; build_policy coerces them)."""
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"policy argument {item!r} must look like key=value")
+        key, value = item.split("=", 1)
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _coerce(policy: str, key: str, value: Any, f: dataclasses.Field) -> Any:
+    if not isinstance(value, str):
+        return value
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    try:
+        if kind.startswith("bool"):
+            if value.lower() in ("1", "true", "yes", "on"):
+                return True
+            if value.lower() in ("0", "false", "no", "off"):
+                return False
+            raise ValueError(value)
+        if kind.startswith("int"):
+            return None if value.lower() == "none" and "None" in kind else int(value)
+        if kind.startswith("float"):
+            return None if value.lower() == "none" and "None" in kind else float(value)
+        if kind.startswith("tuple"):
+            return tuple(float(x) for x in value.split(","))
+    except ValueError:
+        raise ConfigError(
+            f"policy {policy!r}: argument {key}={value!r} is not a valid {kind}"
+        ) from None
+    return value
+
+
+def pages_for(tokens: int, block_size: int) -> int:
+    return math.ceil(tokens / block_size)

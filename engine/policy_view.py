@@ -1,0 +1,103 @@
+"""The engine's implementation of `PolicyView`: one sequence, seen by its policy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from engine.sequence import Sequence
+
+
+class SeqView:
+    """Lengths of `seq` plus accessors to its KV and query signals (see policies.base.PolicyView)."""
+
+    def __init__(self, seq: Sequence, runner) -> None:
+        self.seq = seq
+        self._runner = runner
+
+    # -- lengths --------------------------------------------------------------------------------
+    @property
+    def seq_id(self) -> int:
+        return self.seq.seq_id
+
+    @property
+    def logical_len(self) -> int:
+        return self.seq.logical_len
+
+    @property
+    def num_computed(self) -> int:
+        return self.seq.num_computed
+
+    @property
+    def physical_len(self) -> int:
+        return self.seq.physical_len
+
+    @property
+    def num_pages(self) -> int:
+        return self.seq.num_pages
+
+    @property
+    def block_size(self) -> int:
+        return self._runner.block_size
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.seq.num_prompt_tokens
+
+    @property
+    def is_prefilling(self) -> bool:
+        return self.seq.is_prefilling
+
+    @property
+    def state(self) -> Any:
+        return self.seq.policy_state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.seq.policy_state = value
+
+    # -- KV -------------------------------------------------------------------------------------
+    def keys(self, layers: slice | None = None) -> torch.Tensor:
+        return self._runner.gather_slots(self._runner.kv.k, self.seq, layers)
+
+    def values(self, layers: slice | None = None) -> torch.Tensor:
+        return self._runner.gather_slots(self._runner.kv.v, self.seq, layers)
+
+    def slot_scores(self) -> torch.Tensor:
+        scores = self._runner.kv.scores
+        if scores is None:
+            raise RuntimeError("slot scores were not declared in the policy's signals()")
+        return self._runner.gather_slots(scores, self.seq)
+
+    def set_slot_scores(self, scores: torch.Tensor) -> None:
+        """scores: [layers, kv_heads, physical_len]."""
+        cache = self._runner.kv.scores
+        bs = self.block_size
+        n = self.seq.physical_len
+        table = torch.tensor(self.seq.block_table, dtype=torch.long, device=cache.device)
+        pos = torch.arange(n, device=cache.device)
+        slots = table[pos // bs] * bs + pos % bs
+        flat = cache.view(cache.shape[0], -1, cache.shape[3])
+        flat[:, slots] = scores.movedim(1, 2).to(cache.dtype)
+
+    # -- queries --------------------------------------------------------------------------------
+    def recent_queries(self, rope: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        queries, positions = self._runner.queries.recent_of(self._slot())
+        if rope:
+            queries = self.apply_rope(queries, positions.to(queries.device))
+        return queries, positions
+
+    def query_ema(self) -> tuple[torch.Tensor, bool]:
+        return self._runner.queries.ema_of(self._slot())
+
+    def apply_rope(self, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self._runner.model.rope.apply(q, positions)
+
+    def recompute_queries(self, start: int, end: int) -> torch.Tensor:
+        return self._runner.recompute_queries(self.seq, start, end)
+
+    def _slot(self) -> int:
+        if self.seq.query_slot is None:
+            raise RuntimeError(f"sequence {self.seq.seq_id} holds no query slot")
+        return self.seq.query_slot

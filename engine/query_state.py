@@ -1,0 +1,111 @@
+"""Preallocated per-request query signals for policies (DESIGN.md: "slot pools bound to running
+requests, never allocated per step").
+
+- recent: ring buffer of the last n pre-RoPE queries of every layer, [layers, slots, n, q_heads, d],
+  with their logical positions [slots, n] (-1 = empty). Zipage/SnapKV rotate them at read time.
+- ema: one EMA of the pre-RoPE *decode* query per beta, [layers, slots, len(betas), q_heads, d]
+  (GrowPage's dual-timescale summaries). A newly bound slot is initialised from its first decode
+  query, overwriting whatever the previous owner left (no clearing needed).
+
+A slot is bound when a request starts running and released at finish or preemption.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.policies.base import SignalSpec
+
+
+@dataclass
+class CapturePlan:
+    """Row indices for one step. recent_*: [R]; ema_*: [E]."""
+
+    recent_rows: torch.Tensor
+    recent_slots: torch.Tensor
+    recent_ring: torch.Tensor
+    ema_rows: torch.Tensor
+    ema_slots: torch.Tensor
+    ema_init: torch.Tensor
+
+
+class QueryStatePool:
+    def __init__(self, spec: SignalSpec, num_layers: int, num_slots: int, q_heads: int,
+                 head_dim: int, device, dtype):
+        self.n = spec.recent_queries
+        self.num_slots = num_slots
+        self.recent = (torch.zeros(num_layers, num_slots, self.n, q_heads, head_dim,
+                                   device=device, dtype=dtype) if self.n else None)
+        self.recent_pos = torch.full((num_slots, max(self.n, 1)), -1, dtype=torch.long)
+        k = len(spec.ema_betas)
+        self.betas = torch.tensor(spec.ema_betas, device=device, dtype=torch.float32)
+        self.ema = (torch.zeros(num_layers, num_slots, k, q_heads, head_dim, device=device,
+                                dtype=dtype) if k else None)
+        self.ema_ready = torch.zeros(num_slots, dtype=torch.bool)
+        self._free = list(range(num_slots - 1, -1, -1))
+        self.plan: CapturePlan | None = None
+
+    @property
+    def active(self) -> bool:
+        return self.recent is not None or self.ema is not None
+
+    # -- slots --------------------------------------------------------------------------------
+    def bind(self) -> int:
+        if not self._free:
+            raise RuntimeError("no free query slot (more running requests than max_num_seqs)")
+        slot = self._free.pop()
+        self.ema_ready[slot] = False
+        self.recent_pos[slot] = -1
+        return slot
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+
+    # -- capture --------------------------------------------------------------------------------
+    def prepare(self, items: list[tuple[int, int, int, int, bool]]) -> None:
+        """items: (first_row, num_tokens, first_position, slot, is_decode) per scheduled sequence
+        that holds a slot. Records positions now; `record` fills the tensors layer by layer."""
+        rr, rs, ring, er, es, ei = [], [], [], [], [], []
+        for row, count, pos, slot, is_decode in items:
+            if self.n:
+                take = min(self.n, count)
+                for i in range(count - take, count):
+                    p = pos + i
+                    rr.append(row + i)
+                    rs.append(slot)
+                    ring.append(p % self.n)
+                    self.recent_pos[slot, p % self.n] = p
+            if self.ema is not None and is_decode:
+                er.append(row + count - 1)
+                es.append(slot)
+                ei.append(not bool(self.ema_ready[slot]))
+                self.ema_ready[slot] = True
+        t = lambda xs, dt=torch.long: torch.tensor(xs, dtype=dt)  # noqa: E731
+        self.plan = CapturePlan(t(rr), t(rs), t(ring), t(er), t(es), t(ei, torch.bool))
+
+    def record(self, layer: int, q_pre: torch.Tensor) -> None:
+        """q_pre: [T, q_heads, d] pre-RoPE queries of this layer for the step's rows."""
+        plan = self.plan
+        if self.recent is not None and plan.recent_rows.numel():
+            self.recent[layer, plan.recent_slots, plan.recent_ring] = q_pre[plan.recent_rows]
+        if self.ema is not None and plan.ema_rows.numel():
+            q = q_pre[plan.ema_rows].unsqueeze(1)  # [E, 1, h, d]
+            old = self.ema[layer, plan.ema_slots]  # [E, k, h, d]
+            beta = self.betas.view(1, -1, 1, 1).to(q.dtype)
+            new = beta * old + (1 - beta) * q
+            new = torch.where(plan.ema_init.view(-1, 1, 1, 1), q.expand_as(new), new)
+            self.ema[layer, plan.ema_slots] = new
+
+    # -- reads ----------------------------------------------------------------------------------
+    def recent_of(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(queries [layers, n', q_heads, d], positions [n']) oldest first, n' <= n filled."""
+        pos = self.recent_pos[slot, : self.n]
+        valid = pos >= 0
+        order = torch.argsort(torch.where(valid, pos, pos.max() + 1 + torch.arange(self.n)))
+        order = order[: int(valid.sum())]
+        return self.recent[:, slot, order], pos[order]
+
+    def ema_of(self, slot: int) -> tuple[torch.Tensor, bool]:
+        return self.ema[:, slot], bool(self.ema_ready[slot])

@@ -1,0 +1,192 @@
+"""Model runner: loads the model, owns the KV cache, turns a scheduled step into tensors, runs the
+forward pass and samples.
+
+KV pool sizing: on CPU the pool is sized explicitly (kv_cache_tokens, or kv_cache_bytes, with a CPU
+default); on CUDA with neither given, it takes `gpu_memory_utilization` of device memory minus what
+the weights and a warm-up forward use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.attention import ForwardContext, KVCache
+from engine.config import CPU_KV_CACHE_TOKENS, ConfigError, EngineConfig
+from engine.models import build_model, load_weights
+from engine.models.loader import iter_safetensors, load_config
+from engine.policies.base import SignalSpec
+from engine.query_state import QueryStatePool
+from engine.sampling import sample
+from engine.sequence import Sequence
+
+
+@dataclass
+class WorkItem:
+    """One sequence's share of a step: `num_tokens` tokens starting at seq.num_computed."""
+
+    seq: Sequence
+    num_tokens: int
+    prefill: bool = False
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the end of the known tokens, so its last row yields the next token."""
+        return self.seq.num_computed + self.num_tokens == len(self.seq.token_ids)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_dir, signals: SignalSpec):
+        self.config = config
+        self.device = torch.device(config.device)
+        self.hf_config = load_config(model_dir)
+        model_dtype = getattr(self.hf_config, "torch_dtype", None) or getattr(self.hf_config, "dtype", None)
+        self.dtype = config.torch_dtype(model_dtype if isinstance(model_dtype, torch.dtype) else None)
+        limit = getattr(self.hf_config, "max_position_embeddings", None) or 4096
+        if config.max_model_len is not None and config.max_model_len > limit:
+            raise ConfigError(
+                f"max_model_len {config.max_model_len} exceeds the model's limit {limit}"
+            )
+        self.max_model_len = config.max_model_len or limit
+        self.model = build_model(self.hf_config, self.max_model_len, self.device, self.dtype)
+        load_weights(self.model, iter_safetensors(model_dir), self.device, self.dtype)
+        cfg = self.hf_config
+        self.num_layers = cfg.num_hidden_layers
+        self.num_q_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = self.model.head_dim
+        self.scale = self.head_dim ** -0.5
+        self.block_size = config.block_size
+        self.kv = self._allocate_kv(signals.slot_scores)
+        self.queries = QueryStatePool(signals, self.num_layers, config.max_num_seqs,
+                                      self.num_q_heads, self.head_dim, self.device, self.dtype)
+
+    # -- memory -----------------------------------------------------------------------------
+    @property
+    def bytes_per_page(self) -> int:
+        per_slot = 2 * self.num_layers * self.num_kv_heads * self.head_dim
+        return per_slot * self.block_size * torch.tensor([], dtype=self.dtype).element_size()
+
+    def _num_pages(self) -> int:
+        cfg = self.config
+        if cfg.kv_cache_tokens is not None:
+            pages = cfg.kv_cache_tokens // self.block_size
+        elif cfg.kv_cache_bytes is not None:
+            pages = cfg.kv_cache_bytes // self.bytes_per_page
+        elif cfg.is_cuda:
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = total * cfg.gpu_memory_utilization - (total - free)
+            pages = int(budget * 0.9) // self.bytes_per_page  # leave room for activations
+        else:
+            pages = CPU_KV_CACHE_TOKENS // self.block_size
+        if pages < 1:
+            raise ConfigError("the KV pool is smaller than one page; raise kv_cache_tokens/bytes")
+        return pages
+
+    def _allocate_kv(self, with_scores: bool) -> KVCache:
+        shape = (self.num_layers, self._num_pages(), self.block_size, self.num_kv_heads, self.head_dim)
+        k = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        v = torch.zeros(shape, device=self.device, dtype=self.dtype)
+        scores = torch.zeros(shape[:-1], device=self.device, dtype=torch.float32) if with_scores else None
+        return KVCache(k, v, scores)
+
+    @property
+    def num_pages(self) -> int:
+        return self.kv.k.shape[1]
+
+    # -- one step ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, items: list[WorkItem]) -> list[int]:
+        """Forward the step's tokens and sample one token for each item that `samples`.
+        Single-token items must come first (the decode group)."""
+        input_ids, positions, ctx, sample_rows = self._prepare(items)
+        hidden = self.model(input_ids, positions, ctx)
+        sampled = [it for it in items if it.samples]
+        if not sampled:
+            return []
+        logits = self.model.compute_logits(hidden[sample_rows])
+        return sample(logits, [it.seq.params for it in sampled], [it.seq.generator for it in sampled])
+
+    def _prepare(self, items: list[WorkItem]):
+        bs = self.block_size
+        ids, pos, slots, sample_rows, capture = [], [], [], [], []
+        for item in items:
+            seq, n = item.seq, item.num_tokens
+            row = len(ids)
+            start = seq.num_computed
+            ids.extend(seq.token_ids[start:start + n])
+            pos.extend(range(start, start + n))
+            for s in range(seq.physical_len, seq.physical_len + n):
+                slots.append(seq.block_table[s // bs] * bs + s % bs)
+            if item.samples:
+                sample_rows.append(row + n - 1)
+            if seq.query_slot is not None:
+                capture.append((row, n, start, seq.query_slot, n == 1 and not seq.is_prefilling))
+        dev = self.device
+        ctx = self._context(items, torch.tensor(slots, dtype=torch.long, device=dev))
+        if self.queries.active and capture:
+            self.queries.prepare(capture)
+            ctx.capture = self.queries
+        return (torch.tensor(ids, dtype=torch.long, device=dev),
+                torch.tensor(pos, dtype=torch.long, device=dev), ctx,
+                torch.tensor(sample_rows, dtype=torch.long, device=dev))
+
+    def _context(self, items: list[WorkItem], slot_mapping, base_override=None) -> ForwardContext:
+        dev = self.device
+        decode = [it for it in items if it.num_tokens == 1]
+        chunks = [it for it in items if it.num_tokens > 1]
+        ctx = ForwardContext(self.kv, self.scale, slot_mapping, num_decode=len(decode))
+        if decode:
+            ctx.decode_block_tables = _tables([it.seq.block_table for it in decode], dev)
+            ctx.decode_context_lens = torch.tensor(
+                [_base(it, base_override) + 1 for it in decode], dtype=torch.long, device=dev)
+        if chunks:
+            q_max = max(it.num_tokens for it in chunks)
+            pad = [b * q_max + i for b, it in enumerate(chunks) for i in range(it.num_tokens)]
+            ctx.prefill_block_tables = _tables([it.seq.block_table for it in chunks], dev)
+            ctx.prefill_base_lens = torch.tensor([_base(it, base_override) for it in chunks],
+                                                 dtype=torch.long, device=dev)
+            ctx.prefill_q_lens = torch.tensor([it.num_tokens for it in chunks], dtype=torch.long,
+                                              device=dev)
+            ctx.prefill_pad_index = torch.tensor(pad, dtype=torch.long, device=dev)
+            ctx.prefill_q_max = q_max
+        return ctx
+
+    # -- policy signals -----------------------------------------------------------------------
+    def gather_slots(self, cache: torch.Tensor, seq: Sequence, layers: slice | None = None) -> torch.Tensor:
+        """cache [layers, pages, bs, kv_heads, *rest] -> [layers, kv_heads, physical_len, *rest]."""
+        table = torch.tensor(seq.block_table, dtype=torch.long, device=self.device)
+        c = cache if layers is None else cache[layers]
+        dense = c[:, table].flatten(1, 2)[:, : seq.physical_len]
+        return dense.movedim(2, 1)
+
+    @torch.inference_mode()
+    def recompute_queries(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
+        """Post-RoPE queries of uncompressed physical slots [start, end): [layers, n, q_heads, d].
+
+        A forward pass over those tokens that reads the cached KV (the slots already hold these
+        tokens' keys) and stores nothing; the final norm and LM head are skipped."""
+        offset = seq.num_computed - seq.physical_len
+        if not 0 <= start < end <= seq.physical_len:
+            raise ValueError(f"slots [{start}, {end}) outside 0..{seq.physical_len}")
+        first = offset + start
+        ids = torch.tensor(seq.token_ids[first:first + end - start], device=self.device)
+        positions = torch.arange(first, first + end - start, device=self.device)
+        item = WorkItem(seq, end - start)
+        ctx = self._context([item], None, base_override=start)
+        ctx.collect = []
+        self.model(ids, positions, ctx, num_layers=self.num_layers)
+        return torch.stack(ctx.collect)
+
+
+def _base(item: WorkItem, override: int | None) -> int:
+    return item.seq.physical_len if override is None else override
+
+
+def _tables(tables: list[list[int]], device) -> torch.Tensor:
+    width = max(len(t) for t in tables)
+    out = torch.full((len(tables), width), -1, dtype=torch.long)
+    for i, t in enumerate(tables):
+        out[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+    return out.to(device)

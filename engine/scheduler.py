@@ -1,0 +1,339 @@
+"""Continuous batching with paged KV, capacity boundaries, compaction and preemption.
+
+Each step packs single-token decodes first, then prefill chunks, under `max_num_batched_tokens`
+and `max_num_seqs`. Before a decode, a sequence whose pages are full is at a *capacity boundary*:
+its policy answers GROW / COMPRESS / SHRINK. A GROW that finds no free page asks the policy for a
+fallback compression; failing that, the scheduler preempts the most recently admitted request
+(recompute: it frees its pages, goes back to the front of the queue, and is re-prefilled later, where
+the policy may compress it back to its capacity).
+
+A request that can never fit (prompt longer than the model context, or more pages than the pool)
+is rejected when added; a lone request that outgrows the whole pool with no way to compress finishes
+with reason "kv_capacity" instead of hanging.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from typing import Callable
+
+from engine.block_manager import BlockManager
+from engine.compaction import CompactionWorker, PolicyError, execute, finalize, plan
+from engine.config import ConfigError, EngineConfig
+from engine.policies.base import Action, Decision, KVPolicy, StageTimer
+from engine.policy_view import SeqView
+from engine.runner import ModelRunner, WorkItem
+from engine.sequence import CapacityEvent, Sequence, SeqStatus
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, runner: ModelRunner, policy: KVPolicy,
+                 eos_ids: set[int], detokenize: Callable[[list[int]], str]):
+        self.config = config
+        self.runner = runner
+        self.policy = policy
+        self.bm = BlockManager(runner.num_pages, runner.block_size, config.enable_prefix_caching)
+        self.eos_ids = eos_ids
+        self.detokenize = detokenize
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.worker = CompactionWorker() if config.async_compaction else None
+        self.counters: Counter[str] = Counter()
+        self.events: list[CapacityEvent] = []
+        self.compaction_seconds = 0.0
+        self.step_index = 0
+        self.finished: list[Sequence] = []
+        self._scheduled: set[int] = set()
+
+    # -- requests -------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        n = seq.num_prompt_tokens
+        limit = self.runner.max_model_len
+        if n == 0:
+            raise ConfigError("empty prompt: a request needs at least one token")
+        if n >= limit:
+            raise ConfigError(
+                f"prompt of {n} tokens does not fit the model context of {limit} tokens "
+                f"(max_model_len); shorten it or raise max_model_len"
+            )
+        if -(-(n + 1) // self.bm.block_size) > self.bm.num_pages:
+            raise ConfigError(
+                f"prompt of {n} tokens needs more KV pages than the whole pool holds "
+                f"({self.bm.num_pages} pages of {self.bm.block_size}); raise kv_cache_tokens"
+            )
+        seq.policy_state = self.policy.new_state()
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def view(self, seq: Sequence) -> SeqView:
+        return SeqView(seq, self.runner)
+
+    # -- scheduling -----------------------------------------------------------------------------
+    def schedule(self) -> list[WorkItem]:
+        self.step_index += 1
+        self.collect_compactions()
+        self._periodic()
+        items = self._pack()
+        if not items and self.running and not (self.worker and self.worker.busy):
+            self._break_stall()
+            items = self._pack()
+        return items
+
+    def _pack(self) -> list[WorkItem]:
+        budget = self.config.max_num_batched_tokens
+        items: list[WorkItem] = []
+        self._scheduled = set()  # victims are never taken from requests already in this step
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is SeqStatus.RUNNING and not seq.compacting and not seq.is_prefilling:
+                if self._ensure_slot(seq):
+                    items.append(WorkItem(seq, 1))
+                    self._scheduled.add(seq.seq_id)
+                    budget -= 1
+        for seq in list(self.running):
+            if budget and seq.is_prefilling and not seq.compacting and seq.status is SeqStatus.RUNNING:
+                item = self._chunk(seq, budget)
+                if item:
+                    items.append(item)
+                    self._scheduled.add(seq.seq_id)
+                    budget -= item.num_tokens
+        while budget and self.waiting and len(self.running) < self.config.max_num_seqs:
+            item = self._admit(self.waiting[0], budget)
+            if item is None:
+                break
+            items.append(item)
+            self._scheduled.add(item.seq.seq_id)
+            budget -= item.num_tokens
+        items.sort(key=lambda it: it.num_tokens > 1)  # the runner wants one-token items first
+        return items
+
+    def _chunk(self, seq: Sequence, budget: int) -> WorkItem | None:
+        """The next prefill chunk that fits the token budget and the free pages."""
+        bs = self.bm.block_size
+        n = min(len(seq.token_ids) - seq.num_computed, budget)
+        room = (seq.num_pages + self.bm.num_free) * bs - seq.physical_len
+        n = min(n, room)
+        if n <= 0:
+            return None
+        self.bm.grow(seq, self.bm.pages_needed(seq, n))
+        return WorkItem(seq, n, prefill=True)
+
+    def _admit(self, seq: Sequence, budget: int) -> WorkItem | None:
+        if not seq.block_table:
+            cached = self.bm.match_prefix(seq)
+            seq.num_computed = seq.physical_len = seq.num_cached_prefix = cached
+        item = self._chunk(seq, budget)
+        if item is None:
+            self.bm.free_sequence(seq)
+            seq.num_computed = seq.physical_len = seq.num_cached_prefix = 0
+            return None
+        self.waiting.popleft()
+        seq.status = SeqStatus.RUNNING
+        if self.runner.queries.active:
+            seq.query_slot = self.runner.queries.bind()
+        self.running.append(seq)
+        return item
+
+    # -- capacity boundaries --------------------------------------------------------------------
+    def _ensure_slot(self, seq: Sequence) -> bool:
+        """True when `seq` has a free slot for its next token (after any boundary decision)."""
+        if seq.physical_len < seq.num_pages * self.bm.block_size:
+            return True
+        view = self.view(seq)
+        timer = StageTimer()
+        with timer.stage("demand"):
+            decision = self.policy.on_boundary(view)
+        if decision.action is not Action.GROW and decision.target_len is not None \
+                and decision.target_len >= seq.num_pages * self.bm.block_size:
+            raise PolicyError(
+                f"{self.policy.name}: a boundary compression must free slots "
+                f"(target {decision.target_len}, capacity {seq.num_pages * self.bm.block_size})"
+            )
+        return self._apply(seq, view, decision, timer, trigger="boundary")
+
+    def _apply(self, seq: Sequence, view: SeqView, decision: Decision, timer: StageTimer,
+               trigger: str) -> bool:
+        if decision.action is not Action.GROW:
+            return self._compact(seq, view, decision, trigger, timer=timer)
+        if self.bm.num_free:
+            self._grow(seq, decision, timer)
+            return True
+        fallback = self.policy.fallback(view)
+        if fallback is not None and fallback.action is not Action.GROW:
+            self.counters["fallback"] += 1
+            return self._compact(seq, view, fallback, "fallback", timer=timer, is_fallback=True)
+        if not self._free_a_page(seq):
+            return False
+        self._grow(seq, decision, timer)
+        return True
+
+    def _grow(self, seq: Sequence, decision: Decision, timer: StageTimer) -> None:
+        pages_before = seq.num_pages
+        self.bm.grow(seq, 1)
+        self.counters["grow"] += 1
+        if decision.info or self.policy.name != "full":
+            self._record(CapacityEvent(
+                time.perf_counter(), seq.seq_id, "grow", seq.num_computed, seq.physical_len,
+                seq.physical_len, pages_before, seq.num_pages, info=dict(decision.info),
+                stages=dict(timer.stages)), seq)
+
+    def _free_a_page(self, seq: Sequence) -> bool:
+        """Preempt other requests until a page is free. False if `seq` itself had to yield."""
+        while not self.bm.num_free:
+            victim = self._victim(exclude=seq)
+            if victim is None:
+                if self.worker and self.worker.busy:
+                    return False  # a compaction in flight will return slots or pages
+                if len(self.running) == 1:
+                    self._finish(seq, "kv_capacity")
+                    return False
+                self._preempt(seq)
+                return False
+            self._preempt(victim)
+        return True
+
+    def _victim(self, exclude: Sequence) -> Sequence | None:
+        for seq in reversed(self.running):
+            if seq is not exclude and not seq.compacting and seq.seq_id not in self._scheduled:
+                return seq
+        return None
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.bm.free_sequence(seq)
+        self._release_slot(seq)
+        self.running.remove(seq)
+        phys, pages = seq.physical_len, seq.num_pages
+        seq.reset_for_recompute()
+        self.policy.on_preempt(seq.policy_state)
+        self.waiting.appendleft(seq)
+        self.counters["preemption"] += 1
+        self._record(CapacityEvent(time.perf_counter(), seq.seq_id, "preempt", seq.logical_len,
+                                   phys, 0, pages, 0), seq)
+
+    def _break_stall(self) -> None:
+        """Nothing could run (every running request waits for pages): make room."""
+        if len(self.running) == 1:
+            self._finish(self.running[0], "kv_capacity")
+        else:
+            self._preempt(self.running[-1])
+
+    # -- compaction -----------------------------------------------------------------------------
+    def _compact(self, seq: Sequence, view: SeqView, decision: Decision, trigger: str,
+                 timer: StageTimer | None = None, is_fallback: bool = False) -> bool:
+        job = plan(seq, decision, self.bm, decision.action.value, is_fallback)
+        while job is None:
+            victim = self._victim(exclude=seq)
+            if victim is None:
+                return False
+            self._preempt(victim)
+            job = plan(seq, decision, self.bm, decision.action.value, is_fallback)
+        job.decision.info.setdefault("trigger", trigger)
+        if timer is not None:
+            job.timer.stages.update(timer.stages)
+        if self.worker is not None:
+            self.worker.submit(job, self.policy, view, self.runner.kv)
+            return False
+        execute(job, self.policy, view, self.runner.kv)
+        self._finish_job(job)
+        return seq.physical_len < seq.num_pages * self.bm.block_size
+
+    def _finish_job(self, job) -> None:
+        event = finalize(job, self.bm)
+        self.counters[event.action] += 1
+        self.compaction_seconds += sum(v for k, v in event.stages.items() if k != "demand")
+        self.events.append(event)
+
+    def collect_compactions(self, wait: bool = False) -> None:
+        if self.worker is not None:
+            for job in self.worker.done(wait=wait):
+                self._finish_job(job)
+
+    def _periodic(self) -> None:
+        views = [self.view(s) for s in self.running if not s.compacting and not s.is_prefilling]
+        for view, decision in self.policy.periodic(self.step_index, views):
+            if decision.action is not Action.GROW:
+                self._compact(view.seq, view, decision, "periodic")
+
+    # -- after the forward pass -----------------------------------------------------------------
+    def postprocess(self, items: list[WorkItem], tokens: list[int]) -> None:
+        self._scheduled = set()
+        sampled = iter(tokens)
+        now = time.perf_counter()
+        prefilled = []
+        for item in items:
+            seq = item.seq
+            samples = item.samples  # read before the lengths move
+            seq.num_computed += item.num_tokens
+            seq.physical_len += item.num_tokens
+            if item.prefill:
+                self.bm.register_prompt_pages(seq)
+            else:
+                seq.capacity_trace.append(seq.num_pages * self.bm.block_size)
+            if samples:
+                seq.token_ids.append(next(sampled))
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                reason = self._stop_reason(seq)
+                if reason:
+                    self._finish(seq, reason, now)
+                    continue
+            if item.prefill:
+                prefilled.append(seq)
+        # Compress after every item is accounted for: a compaction may preempt another request.
+        for seq in prefilled:
+            if seq.status is SeqStatus.RUNNING:
+                self._after_prefill(seq)
+
+    def drain_finished(self) -> list[Sequence]:
+        done, self.finished = self.finished, []
+        return done
+
+    def _after_prefill(self, seq: Sequence) -> None:
+        view = self.view(seq)
+        decision = self.policy.after_prefill(view, final=not seq.is_prefilling)
+        if decision is not None and decision.action is not Action.GROW:
+            self._compact(seq, view, decision, "prefill")
+
+    def _stop_reason(self, seq: Sequence) -> str | None:
+        p = seq.params
+        last = seq.token_ids[-1]
+        if not p.ignore_eos and last in self.eos_ids:
+            return "stop"
+        if p.stop:
+            text = self.detokenize(seq.output_token_ids)
+            hits = [text.find(s) for s in p.stop if s in text]
+            if hits:
+                seq.text = text[: min(hits)]
+                return "stop"
+        if seq.num_output_tokens >= p.max_tokens or seq.logical_len >= self.runner.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str, now: float | None = None) -> None:
+        seq.finish_reason = reason
+        seq.finish_time = now or time.perf_counter()
+        seq.status = SeqStatus.FINISHED
+        self.bm.free_sequence(seq)
+        self._release_slot(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        self.counters[f"finish_{reason}"] += 1
+        self.finished.append(seq)
+
+    def _release_slot(self, seq: Sequence) -> None:
+        if seq.query_slot is not None:
+            self.runner.queries.release(seq.query_slot)
+            seq.query_slot = None
+
+    def _record(self, event: CapacityEvent, seq: Sequence) -> None:
+        seq.events.append(event)
+        self.events.append(event)
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.collect_compactions(wait=True)
+            self.worker.shutdown()
