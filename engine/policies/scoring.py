@@ -1,0 +1,284 @@
+"""Token-scoring building blocks shared by the score-based policies (Zipage, SnapKV, ChunkKV, ...).
+
+Everything here is a small pure function on tensors, vectorised over layers and heads, so that each
+piece can be tested against an explicit-loop reference. Conventions (engine facts, see base.py):
+
+- queries: `[layers, n, q_heads, head_dim]`, post-RoPE, oldest first (view.recent_queries()).
+- keys:    `[layers, kv_heads, length, head_dim]`, post-RoPE (view.keys()).
+- GQA: query head `h` reads KV head `h // group_size`, so the query heads of one KV head are the
+  contiguous block `[j * group_size, (j + 1) * group_size)`.
+- scores are float32 and "higher means keep".
+
+The only function that touches a policy view is `observation_queries`, which gathers the window of
+recent queries and their causal key limits in one place for every policy.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+# -- GQA group reductions ---------------------------------------------------------------------
+
+
+def _split_groups(x: torch.Tensor, group_size: int, dim: int) -> tuple[torch.Tensor, int]:
+    dim = dim % x.dim()
+    heads = x.shape[dim]
+    if group_size < 1 or heads % group_size:
+        raise ValueError(f"{heads} query heads cannot form groups of {group_size}")
+    shape = x.shape[:dim] + (heads // group_size, group_size) + x.shape[dim + 1:]
+    return x.reshape(shape), dim + 1
+
+
+def group_max(x: torch.Tensor, group_size: int, dim: int = 1) -> torch.Tensor:
+    """Max over each GQA group of query heads: `[..., q_heads, ...] -> [..., kv_heads, ...]`."""
+    grouped, gdim = _split_groups(x, group_size, dim)
+    return grouped.amax(dim=gdim)
+
+
+def group_sum(x: torch.Tensor, group_size: int, dim: int = 1) -> torch.Tensor:
+    """Sum over each GQA group of query heads: `[..., q_heads, ...] -> [..., kv_heads, ...]`."""
+    grouped, gdim = _split_groups(x, group_size, dim)
+    return grouped.sum(dim=gdim)
+
+
+def group_mean(x: torch.Tensor, group_size: int, dim: int = 1) -> torch.Tensor:
+    """Mean over each GQA group of query heads: `[..., q_heads, ...] -> [..., kv_heads, ...]`."""
+    grouped, gdim = _split_groups(x, group_size, dim)
+    return grouped.mean(dim=gdim)
+
+
+GROUP_REDUCTIONS = {"max": group_max, "sum": group_sum, "mean": group_mean}
+
+
+# -- observation-window attention -------------------------------------------------------------
+
+
+def causal_key_limits(n: int, length: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Exclusive key limit of each of the `n` most recent queries over `length` physical slots.
+
+    Query i (oldest first) was computed when its own token occupied slot `length - n + i`, so it
+    may see the first `length - (n - 1 - i)` slots (itself included). This holds
+    when the n most recent tokens occupy the last n slots, which every policy here guarantees by
+    protecting (at least) its query window. Returns int64 `[n]`.
+    """
+    return torch.arange(length - n + 1, length + 1, device=device, dtype=torch.long)
+
+
+def observation_probs(queries: torch.Tensor, keys: torch.Tensor,
+                      key_limit: torch.Tensor | None = None,
+                      scale: float | None = None) -> torch.Tensor:
+    """Softmax attention of window queries over a sequence's keys, per query head.
+
+    queries: `[layers, n, q_heads, head_dim]`; keys: `[layers, kv_heads, length, head_dim]`;
+    key_limit: `[n]` exclusive bound of the keys query i may see (None: all keys);
+    scale: defaults to 1/sqrt(head_dim).
+    Returns float32 `[layers, q_heads, n, length]`; masked keys get probability 0.
+    """
+    layers, n, q_heads, dim = queries.shape
+    kv_heads, length = keys.shape[1], keys.shape[2]
+    if q_heads % kv_heads:
+        raise ValueError(f"{q_heads} query heads is not a multiple of {kv_heads} KV heads")
+    group = q_heads // kv_heads
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    # [L, n, kvh, g, d] x [L, kvh, T, d] -> [L, kvh, g, n, T]; no materialised repeat of the keys.
+    q = queries.float().reshape(layers, n, kv_heads, group, dim)
+    logits = torch.einsum("lnkgd,lktd->lkgnt", q, keys.float()) * scale
+    if key_limit is not None:
+        visible = torch.arange(length, device=keys.device)[None, :] < key_limit.to(keys.device)[:, None]
+        logits = logits.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    return probs.reshape(layers, q_heads, n, length)
+
+
+def observation_scores(queries: torch.Tensor, keys: torch.Tensor,
+                       key_limit: torch.Tensor | None = None, *,
+                       group_reduce: str = "max", query_reduce: str = "mean",
+                       scale: float | None = None, layer_stride: int | None = None) -> torch.Tensor:
+    """Per-(layer, KV head) token scores from the attention of a window of recent queries.
+
+    The GQA group is reduced first (per query), then the queries: Zipage takes the max over the
+    group and the mean over queries; SnapKV/ChunkKV sum over queries and average over the group
+    (for two linear reductions the order does not matter). Causally masked entries count as 0 in a
+    mean over queries (the mean always divides by n, as Zipage does).
+
+    queries: `[layers, n, q_heads, head_dim]`; keys: `[layers, kv_heads, length, head_dim]`;
+    key_limit: `[n]` or None. layer_stride bounds the temporary probabilities to
+    `[layer_stride, q_heads, n, length]` (None: all layers at once).
+    Returns float32 `[layers, kv_heads, length]`.
+    """
+    if group_reduce not in GROUP_REDUCTIONS:
+        raise ValueError(f"group_reduce must be one of {sorted(GROUP_REDUCTIONS)}, got {group_reduce!r}")
+    if query_reduce not in ("mean", "sum"):
+        raise ValueError(f"query_reduce must be 'mean' or 'sum', got {query_reduce!r}")
+    layers = queries.shape[0]
+    group = queries.shape[2] // keys.shape[1]
+    stride = layers if layer_stride is None else max(1, layer_stride)
+    out = []
+    for start in range(0, layers, stride):
+        sl = slice(start, start + stride)
+        probs = observation_probs(queries[sl], keys[sl], key_limit, scale)  # [l, h, n, T]
+        per_kv = GROUP_REDUCTIONS[group_reduce](probs, group, dim=1)        # [l, kvh, n, T]
+        out.append(per_kv.mean(dim=2) if query_reduce == "mean" else per_kv.sum(dim=2))
+    return torch.cat(out, dim=0)
+
+
+def observation_queries(view: Any, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last (up to) n post-RoPE queries of a sequence and their causal key limits.
+
+    Reads the engine's recent-query cache; if it holds fewer than min(n, physical_len) queries and
+    the sequence is uncompressed (slot s holds position s), the missing window is recomputed with
+    `view.recompute_queries` instead (e.g. a prompt whose last prefill chunk was shorter than n).
+    Returns (queries `[layers, m, q_heads, head_dim]`, key_limit int64 `[m]`), m <= n.
+    """
+    want = min(n, view.physical_len)
+    queries, _positions = view.recent_queries(rope=True)
+    queries = queries[:, -want:] if want > 0 else queries[:, :0]
+    if queries.shape[1] < want and view.physical_len == view.num_computed:
+        queries = view.recompute_queries(view.physical_len - want, view.physical_len)
+    if queries.shape[1] == 0:
+        raise RuntimeError(
+            f"sequence {view.seq_id}: no recent queries to score with (physical_len="
+            f"{view.physical_len}); the policy's signals() must request recent_queries"
+        )
+    return queries, causal_key_limits(queries.shape[1], view.physical_len, queries.device)
+
+
+# -- score post-processing --------------------------------------------------------------------
+
+
+def pool1d(scores: torch.Tensor, kernel: int, mode: str = "max") -> torch.Tensor:
+    """1-D smoothing over the last (token) axis, stride 1, same length out.
+
+    kernel: odd, >= 1 (1 is the identity). mode "max" (max_pool1d, padding ignored) or "avg"
+    (avg_pool1d with zero padding counted, as torch's default and SnapKV's code do, so the
+    `kernel // 2` tokens at each edge are averaged with zeros).
+    scores: `[..., length]` -> `[..., length]`.
+    """
+    if kernel < 1 or kernel % 2 == 0:
+        raise ValueError(f"pooling kernel must be an odd integer >= 1, got {kernel}")
+    if kernel == 1 or scores.shape[-1] == 0:
+        return scores
+    flat = scores.reshape(-1, 1, scores.shape[-1])
+    if mode == "max":
+        pooled = F.max_pool1d(flat, kernel, stride=1, padding=kernel // 2)
+    elif mode == "avg":
+        pooled = F.avg_pool1d(flat, kernel, stride=1, padding=kernel // 2)
+    else:
+        raise ValueError(f"pooling mode must be 'max' or 'avg', got {mode!r}")
+    return pooled.reshape(scores.shape)
+
+
+def decayed_max(new: torch.Tensor, old: torch.Tensor, decay: float) -> torch.Tensor:
+    """Zipage's global score merge: `max(new, decay * old)`, elementwise (same shapes)."""
+    return torch.maximum(new, old * decay)
+
+
+def protected_mask(length: int, recent: int, sink: int = 0,
+                   device: torch.device | str = "cpu") -> torch.Tensor:
+    """Bool `[length]`: True for the first `sink` and the last `recent` slots (always kept)."""
+    mask = torch.zeros(length, dtype=torch.bool, device=device)
+    if recent > 0:
+        mask[max(0, length - recent):] = True
+    if sink > 0:
+        mask[:sink] = True
+    return mask
+
+
+# -- selection --------------------------------------------------------------------------------
+
+
+def topk_keep(scores: torch.Tensor, k: int, protected: torch.Tensor | None = None) -> torch.Tensor:
+    """Indices of the k best slots per row, protected slots always included, ascending.
+
+    scores: `[..., length]`; protected: bool `[length]` or broadcastable to scores, with at most k
+    True per row. Ties break toward the earlier slot (a stable sort), so results are reproducible
+    and a naive reference can match them exactly (max-pooling creates plateaus of equal scores).
+    Returns int64 `[..., k]`, sorted ascending in every row.
+    """
+    length = scores.shape[-1]
+    if not 0 <= k <= length:
+        raise ValueError(f"cannot keep {k} of {length} slots")
+    ranked = scores.float()
+    if protected is not None:
+        if int(protected.sum(dim=-1).max()) > k:
+            raise ValueError(f"{int(protected.sum(dim=-1).max())} protected slots exceed k={k}")
+        ranked = ranked.masked_fill(protected, float("inf"))
+    # NaN would sort unpredictably; treat it as "never keep" unless protected.
+    ranked = torch.nan_to_num(ranked, nan=float("-inf"))
+    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :k]
+    return torch.sort(order, dim=-1).values
+
+
+def chunk_ids(length: int, chunk_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Chunk of each slot for fixed chunks starting at slot 0 (the last may be partial): `[length]`."""
+    return torch.arange(length, device=device) // chunk_size
+
+
+def chunk_scores(token_scores: torch.Tensor, chunk_size: int) -> torch.Tensor:
+    """Sum of token scores over fixed chunks: `[..., length] -> [..., ceil(length / chunk_size)]`.
+
+    A trailing partial chunk sums over the tokens it has (it is not padded or dropped).
+    """
+    length = token_scores.shape[-1]
+    num_chunks = math.ceil(length / chunk_size)
+    padded = F.pad(token_scores.float(), (0, num_chunks * chunk_size - length))
+    return padded.reshape(*token_scores.shape[:-1], num_chunks, chunk_size).sum(dim=-1)
+
+
+def select_chunks(token_scores: torch.Tensor, chunk_size: int, k: int) -> torch.Tensor:
+    """ChunkKV selection: exactly k slots per row made of the best whole chunks.
+
+    Chunks are ranked by their summed score (ties toward the earlier chunk) and taken whole while
+    they fit. The first chunk that would overshoot k is trimmed: it keeps its best `k - taken`
+    slots by token score (ties toward the earlier slot), so every row keeps exactly k slots and the
+    trimmed chunk is still the next-best chunk's most important part. Chunks after it are skipped
+    even if a shorter one (the trailing partial chunk) would fit, keeping the rule "a prefix of the
+    chunk ranking".
+
+    token_scores: `[rows, length]` (e.g. per layer, summed over its KV heads). Returns int64
+    `[rows, k]` ascending.
+    """
+    rows, length = token_scores.shape
+    if not 0 <= k <= length:
+        raise ValueError(f"cannot keep {k} of {length} slots")
+    device = token_scores.device
+    ids = chunk_ids(length, chunk_size, device)                          # [T]
+    sizes = torch.bincount(ids, minlength=math.ceil(length / chunk_size))  # [C]
+    scores = chunk_scores(token_scores, chunk_size)                      # [rows, C]
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices
+    cum = sizes[order].cumsum(dim=-1)                                    # [rows, C] in rank order
+    before = cum - sizes[order]
+    whole = cum <= k                                                     # chunks taken whole
+    partial = (before < k) & (cum > k)                                   # the trimmed chunk
+    chunk_whole = torch.zeros_like(whole).scatter(1, order, whole)      # back to chunk order
+    chunk_partial = torch.zeros_like(partial).scatter(1, order, partial)
+    remaining = k - torch.where(whole, sizes[order], 0).sum(dim=-1)      # [rows] slots left
+    keep = chunk_whole[:, ids]                                           # [rows, T]
+    in_partial = chunk_partial[:, ids]
+    # Rank the tokens of the trimmed chunk only; every other token gets -inf and is masked below.
+    ranked = token_scores.float().masked_fill(~in_partial, float("-inf"))
+    token_rank = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
+    pos = torch.empty_like(token_rank).scatter_(
+        1, token_rank, torch.arange(length, device=device).expand(rows, length))
+    keep |= in_partial & (pos < remaining[:, None])
+    return keep.nonzero()[:, 1].reshape(rows, k)
+
+
+# -- decision helpers -------------------------------------------------------------------------
+
+
+def fallback_target(num_pages: int, block_size: int, min_len: int) -> int | None:
+    """Target physical length of a fallback compression when GROW found no free page.
+
+    Compress to the current capacity minus one page, which frees a page of slots for the next
+    tokens inside the pages the request already holds; None if that would leave fewer than
+    `min_len` slots (the protected tokens) or no slot at all (the scheduler then preempts).
+    """
+    target = (num_pages - 1) * block_size
+    if target <= 0 or target < min_len:
+        return None
+    return target

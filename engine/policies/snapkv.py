@@ -1,0 +1,178 @@
+"""SnapKV (fixed budget): observation-window attention, pooled, top-k per (layer, KV head).
+
+Scoring (SnapKV, FasterDecoding/SnapKV `snapkv_utils.py`): the last `window` queries attend over
+the sequence (softmax over every key they may see, the window's own keys included under the causal
+mask); their probabilities are summed over the window queries for each key before the window,
+averaged over each GQA group (kvpress's convention; SnapKV's own code scores per head), and
+smoothed by 1-D pooling over the keys before the window. The top `target_len - window` of those
+keys are kept, plus the whole window.
+
+When it runs:
+- prefill: after the last prefill chunk, a prompt longer than `budget` is compressed to `budget` and
+  keeps `ceil(budget / block_size)` pages (SnapKV's prompt compression). The same rule compresses
+  a re-admitted request (re-prefilled with prompt + output after a preemption) back to its budget.
+- decode (threshold-triggered, as in Kara's SnapKV baseline and R-KV): pages grow until a full
+  boundary reaches `budget + block_size` slots, then the request compresses back to `budget` inside
+  the pages it holds; the cache saw-tooths between `budget` and `budget + block_size`. With a budget
+  that is not a page multiple the first boundary at or above `budget + block_size` triggers it.
+- fallback (GROW found no free page): compress to the current capacity minus one page if that still
+  holds the window, else let the scheduler preempt.
+
+Defaults (paper/code -> here):
+
+| knob        | SnapKV                                               | kvarena default (CPU preset)          |
+|-------------|------------------------------------------------------|---------------------------------------|
+| budget      | max_capacity_prompt 2048 (code), 1024-4096 in papers | None -> 8 pages: 256 at b=32, 2048 at b=256 |
+| window      | 32                                                   | 32 (a query count, not scaled)        |
+| pooling     | max-pool, kernel 7 (LongBench config `c4096_w32_k7_maxpool`); the code's fallback default is avg-pool, kernel 5 | max, 7 |
+| GQA         | per head (no GQA in its models)                      | mean over the group (kvpress)         |
+| trigger     | prompt only                                          | prompt + decode threshold budget + one page |
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import ConfigError
+from engine.policies.base import (
+    Decision,
+    EngineSpec,
+    KVPolicy,
+    PolicyView,
+    SignalSpec,
+    StageTimer,
+    register_policy,
+)
+from engine.policies.scoring import (
+    fallback_target,
+    observation_queries,
+    observation_scores,
+    pool1d,
+    protected_mask,
+    topk_keep,
+)
+
+DEFAULT_BUDGET_PAGES = 8  # 2048 tokens at the papers' block 256 (SnapKV's max_capacity_prompt)
+POOLING_MODES = ("max", "avg")
+
+
+def snapkv_scores(queries: torch.Tensor, keys: torch.Tensor, key_limit: torch.Tensor | None, *,
+                  window: int, pool_kernel: int = 7, pool_mode: str = "max",
+                  layer_stride: int | None = None) -> torch.Tensor:
+    """SnapKV's token scores for one request.
+
+    queries: `[layers, n, q_heads, head_dim]`; keys: `[layers, kv_heads, length, head_dim]`;
+    key_limit: `[n]`; window: the protected recent slots (pooling covers only the slots before
+    them, so the window's large self-attention does not bleed into its neighbours).
+    Returns float32 `[layers, kv_heads, length]`; the last `window` entries are unpooled (callers
+    protect them anyway).
+    """
+    score = observation_scores(queries, keys, key_limit, group_reduce="mean", query_reduce="sum",
+                               layer_stride=layer_stride)
+    region = max(0, score.shape[-1] - window)
+    pooled = pool1d(score[..., :region], pool_kernel, pool_mode)
+    return torch.cat([pooled, score[..., region:]], dim=-1)
+
+
+@register_policy
+@dataclass
+class SnapKV(KVPolicy):
+    """Prompt + threshold-triggered decode compression with SnapKV scores (module docstring).
+
+    budget: physical length after a compression (tokens). None: 8 pages of the engine's block.
+    window: observation window (recent queries scored with, recent slots always kept).
+    pooling / pooling_kernel: "max" or "avg" 1-D pooling, odd kernel (1 disables it).
+    layer_stride: layers scored at once (bounds the temporary attention probabilities).
+    """
+
+    name = "snapkv"
+
+    budget: int | None = None
+    window: int = 32
+    pooling: str = "max"
+    pooling_kernel: int = 7
+    layer_stride: int = 8
+
+    def __post_init__(self) -> None:
+        if self.budget is not None and self.budget <= 0:
+            raise ConfigError(
+                f"{self.name}: budget must be a positive number of tokens, got {self.budget}")
+        if self.window < 1:
+            raise ConfigError(f"{self.name}: window must be >= 1 recent queries, got {self.window}")
+        if self.pooling not in POOLING_MODES:
+            raise ConfigError(
+                f"{self.name}: pooling must be one of {list(POOLING_MODES)}, got {self.pooling!r}")
+        if self.pooling_kernel < 1 or self.pooling_kernel % 2 == 0:
+            raise ConfigError(
+                f"{self.name}: pooling_kernel must be an odd integer >= 1, got {self.pooling_kernel}")
+        if self.layer_stride < 1:
+            raise ConfigError(f"{self.name}: layer_stride must be >= 1, got {self.layer_stride}")
+        if self.budget is not None:
+            self._check_budget_covers_window()
+
+    def _check_budget_covers_window(self) -> None:
+        if self.budget <= self.window:
+            raise ConfigError(
+                f"{self.name}: budget ({self.budget}) must exceed the observation window "
+                f"({self.window}), which is always kept")
+
+    def bind(self, engine: EngineSpec) -> None:
+        super().bind(engine)
+        if self.budget is None:
+            self.budget = DEFAULT_BUDGET_PAGES * engine.block_size
+        self._check_budget_covers_window()
+
+    # -- signals -------------------------------------------------------------------------------
+    def signals(self) -> SignalSpec:
+        return SignalSpec(recent_queries=self.window)
+
+    @property
+    def cap_pages(self) -> int:
+        """Pages at the decode threshold: the first boundary at or above budget + one page."""
+        return math.ceil(self.budget / self.block_size) + 1
+
+    def max_pages(self, view: PolicyView) -> int | None:
+        return self.cap_pages
+
+    # -- decisions -----------------------------------------------------------------------------
+    def on_boundary(self, view: PolicyView) -> Decision:
+        if view.num_pages < self.cap_pages:
+            return Decision.grow()
+        keep = self.cap_pages if view.num_pages > self.cap_pages else None
+        return Decision.compress(self.budget, keep_pages=keep, reason="threshold",
+                                 budget=self.budget)
+
+    def fallback(self, view: PolicyView) -> Decision | None:
+        target = fallback_target(view.num_pages, view.block_size, self.window)
+        if target is None or target >= view.physical_len:
+            return None
+        return Decision.compress(target, reason="fallback", budget=self.budget)
+
+    def after_prefill(self, view: PolicyView, final: bool) -> Decision | None:
+        if not final or view.physical_len <= self.budget:
+            return None
+        return Decision.compress(self.budget, keep_pages=math.ceil(self.budget / self.block_size),
+                                 reason="prefill", budget=self.budget)
+
+    # -- selection -----------------------------------------------------------------------------
+    def scores(self, view: PolicyView) -> torch.Tensor:
+        """SnapKV scores of the view's physical slots: float32 `[layers, kv_heads, physical_len]`."""
+        queries, key_limit = observation_queries(view, self.window)
+        return snapkv_scores(queries, view.keys(), key_limit, window=self.window,
+                             pool_kernel=self.pooling_kernel, pool_mode=self.pooling,
+                             layer_stride=self.layer_stride)
+
+    def select(self, view: PolicyView, target_len: int, timer: StageTimer) -> torch.Tensor:
+        with timer.stage("score"):
+            score = self.scores(view)
+        with timer.stage("window_mask"):
+            protected = protected_mask(score.shape[-1], self.window, device=score.device)
+        with timer.stage("topk"):
+            return self.choose(score, target_len, protected)
+
+    def choose(self, score: torch.Tensor, target_len: int, protected: torch.Tensor) -> torch.Tensor:
+        """Kept slots `[layers, kv_heads, target_len]` ascending: top-k per head plus the window."""
+        return topk_keep(score, target_len, protected)

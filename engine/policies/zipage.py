@@ -1,0 +1,234 @@
+"""Zipage (fixed budget): Compressed PagedAttention with a constant per-request page cap.
+
+A request may hold `budget / block_size + 1` pages: `budget` tokens of retained history plus one
+write page. While it holds fewer pages every capacity boundary grows by one page; when the last
+page fills, it compacts back to `budget` slots inside the pages it holds ("Compress & Hold"), which
+frees one page of slots for the next `block_size` tokens. So compression runs every `block_size`
+decoded tokens and evicts `block_size` tokens per (layer, KV head).
+
+Scoring (reference notes B.5): the last `window` queries (all query heads, post-RoPE) attend over
+the request's keys with the causal limit of each cached query; softmax per (query head, query),
+max over each GQA group, mean over the window queries. The `window` most recent slots (the tokens
+of those queries) are always kept; with `attention_sink` so are the first `sink_len` slots.
+Optional stages, in Zipage's order: decayed global score `max(new, decay * old)` kept per slot and
+compacted with the KV (only for slots that survived an earlier compaction; fresh slots use the new
+score), then max-pool smoothing (only before the first compression unless `continue_pooling`,
+because neighbouring slots of a compacted layout are not neighbouring tokens).
+
+Defaults (paper/scripts -> here). Zipage's Config defaults every option off; its evaluation script
+(`scripts/mathbench.sh`) enables the global score (decay 0.8) and pooling (kernel 5, hard-coded in
+its runner), not the attention sink, plus lightning redundancy scoring, which is not implemented
+here (out of scope; R-KV-style redundancy would be a separate scorer). We follow the script:
+
+| knob            | Zipage paper/script            | kvarena default (CPU preset)            |
+|-----------------|--------------------------------|-----------------------------------------|
+| block_size      | 256                            | engine's: 32 on CPU, 256 on CUDA        |
+| budget          | 8 blocks = 2048 tokens         | None -> 8 pages: 256 at b=32, 2048 at b=256 |
+| window (qcl)    | 16                             | 16 (a query count, not scaled)          |
+| global score    | on, decay 0.8 (Config: off)    | on, 0.8                                 |
+| pooling         | on, max-pool 5 (Config: off)   | on, 5, first compression only           |
+| attention sink  | off, sink_len 4                | off, 4                                  |
+| layer_stride    | 8 layers per scoring launch    | 8                                       |
+
+Departures from Zipage, chosen for the engine's contract: a prompt (or a re-admitted request,
+re-prefilled with its output after a preemption) longer than `budget` is compressed to `budget`
+right after its last prefill chunk and keeps `budget / block_size` pages, instead of holding all
+its prompt pages until the last one fills (Zipage's limitation B.13.6). When GROW finds no free
+page, the fallback compresses to the current capacity minus one page (if that still holds the
+protected slots); Zipage instead suspends the request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import ConfigError
+from engine.policies.base import (
+    Decision,
+    EngineSpec,
+    KVPolicy,
+    PolicyView,
+    SignalSpec,
+    StageTimer,
+    register_policy,
+)
+from engine.policies.scoring import (
+    decayed_max,
+    fallback_target,
+    observation_queries,
+    observation_scores,
+    pool1d,
+    protected_mask,
+    topk_keep,
+)
+
+DEFAULT_BUDGET_PAGES = 8  # Zipage's max_cache_blocks_per_seq
+
+
+@dataclass
+class ZipageState:
+    """Per-request state.
+
+    compressed: the request was compacted at least once since admission (pooling stops then).
+    scored_len: slots [0, scored_len) hold a persisted global score from the last compaction; later
+        slots were written since and have none yet.
+    """
+
+    compressed: bool = False
+    scored_len: int = 0
+
+
+def zipage_scores(queries: torch.Tensor, keys: torch.Tensor, key_limit: torch.Tensor | None, *,
+                  old_scores: torch.Tensor | None = None, scored_len: int = 0,
+                  decay: float = 0.8, pool_kernel: int = 1,
+                  layer_stride: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zipage's token scores for one request.
+
+    queries: `[layers, n, q_heads, head_dim]`; keys: `[layers, kv_heads, length, head_dim]`;
+    key_limit: `[n]`; old_scores: persisted `[layers, kv_heads, length]` or None (no global score);
+    only slots `< scored_len` merge with it. pool_kernel 1 disables max-pooling.
+    Returns (selection scores, scores to persist), both float32 `[layers, kv_heads, length]`: the
+    persisted score is taken before pooling, as Zipage's pipeline does.
+    """
+    score = observation_scores(queries, keys, key_limit, group_reduce="max", query_reduce="mean",
+                               layer_stride=layer_stride)
+    if old_scores is not None and scored_len > 0:
+        merged = score.clone()
+        merged[..., :scored_len] = decayed_max(score[..., :scored_len],
+                                               old_scores[..., :scored_len].float(), decay)
+        score = merged
+    return pool1d(score, pool_kernel, "max"), score
+
+
+@register_policy
+@dataclass
+class Zipage(KVPolicy):
+    """Fixed per-request budget with Compress & Hold at the page cap (see the module docstring).
+
+    budget: retained tokens after a compaction; a multiple of the block size. None: 8 pages.
+    window: recent queries cached and recent slots protected (Zipage's query_cache_len).
+    use_global_score / decay: persistent per-slot score max(new, decay * old).
+    pooling / pooling_kernel / continue_pooling: max-pool smoothing of the scores (odd kernel).
+    attention_sink / sink_len: always keep the first sink_len slots.
+    layer_stride: layers scored at once (bounds the temporary attention probabilities).
+    """
+
+    name = "zipage"
+
+    budget: int | None = None
+    window: int = 16
+    use_global_score: bool = True
+    decay: float = 0.8
+    pooling: bool = True
+    pooling_kernel: int = 5
+    continue_pooling: bool = False
+    attention_sink: bool = False
+    sink_len: int = 4
+    layer_stride: int = 8
+
+    def __post_init__(self) -> None:
+        if self.budget is not None and self.budget <= 0:
+            raise ConfigError(f"zipage: budget must be a positive number of tokens, got {self.budget}")
+        if self.window < 1:
+            raise ConfigError(f"zipage: window must be >= 1 recent queries, got {self.window}")
+        if not 0.0 <= self.decay <= 1.0:
+            raise ConfigError(f"zipage: decay must be in [0, 1], got {self.decay}")
+        if self.pooling_kernel < 1 or self.pooling_kernel % 2 == 0:
+            raise ConfigError(
+                f"zipage: pooling_kernel must be an odd integer >= 1, got {self.pooling_kernel}")
+        if self.sink_len < 0 or (self.attention_sink and self.sink_len == 0):
+            raise ConfigError(
+                f"zipage: sink_len must be >= 1 when attention_sink is on (>= 0 otherwise), "
+                f"got {self.sink_len}")
+        if self.layer_stride < 1:
+            raise ConfigError(f"zipage: layer_stride must be >= 1, got {self.layer_stride}")
+        if self.budget is not None:
+            self._check_budget_covers_protected()
+
+    @property
+    def num_protected(self) -> int:
+        return self.window + (self.sink_len if self.attention_sink else 0)
+
+    def _check_budget_covers_protected(self) -> None:
+        if self.budget <= self.num_protected:
+            raise ConfigError(
+                f"zipage: budget ({self.budget}) must exceed the protected tokens "
+                f"({self.num_protected} = window {self.window}"
+                f"{f' + sink_len {self.sink_len}' if self.attention_sink else ''})")
+
+    def bind(self, engine: EngineSpec) -> None:
+        super().bind(engine)
+        b = engine.block_size
+        if self.budget is None:
+            self.budget = DEFAULT_BUDGET_PAGES * b
+        if self.budget % b:
+            lower, upper = (self.budget // b) * b, (self.budget // b + 1) * b
+            hint = f"{lower} or {upper}" if lower > 0 else f"{upper}"
+            raise ConfigError(
+                f"zipage: budget ({self.budget}) must be a multiple of the page size {b} "
+                f"(e.g. {hint})")
+        self._check_budget_covers_protected()
+
+    # -- signals and state ---------------------------------------------------------------------
+    def signals(self) -> SignalSpec:
+        return SignalSpec(recent_queries=self.window, slot_scores=self.use_global_score)
+
+    def new_state(self) -> ZipageState:
+        return ZipageState()
+
+    @property
+    def cap_pages(self) -> int:
+        """Most pages a request holds: budget pages plus one write page."""
+        return self.budget // self.block_size + 1
+
+    def max_pages(self, view: PolicyView) -> int | None:
+        return self.cap_pages
+
+    # -- decisions -----------------------------------------------------------------------------
+    def on_boundary(self, view: PolicyView) -> Decision:
+        if view.num_pages < self.cap_pages:
+            return Decision.grow()
+        # Hold the pages (one write page stays free); a request somehow above the cap gives back
+        # the excess.
+        keep = self.cap_pages if view.num_pages > self.cap_pages else None
+        return Decision.compress(self.budget, keep_pages=keep, reason="budget", budget=self.budget)
+
+    def fallback(self, view: PolicyView) -> Decision | None:
+        target = fallback_target(view.num_pages, view.block_size, self.num_protected)
+        if target is None or target >= view.physical_len:
+            return None
+        return Decision.compress(target, reason="fallback", budget=self.budget)
+
+    def after_prefill(self, view: PolicyView, final: bool) -> Decision | None:
+        if not final or view.physical_len <= self.budget:
+            return None
+        return Decision.compress(self.budget, keep_pages=self.budget // self.block_size,
+                                 reason="prefill", budget=self.budget)
+
+    # -- selection -----------------------------------------------------------------------------
+    def select(self, view: PolicyView, target_len: int, timer: StageTimer) -> torch.Tensor:
+        state = view.state
+        if not isinstance(state, ZipageState):
+            raise RuntimeError(f"zipage: sequence {view.seq_id} has no ZipageState (got {state!r})")
+        with timer.stage("score"):
+            queries, key_limit = observation_queries(view, self.window)
+            keys = view.keys()
+            old = view.slot_scores() if self.use_global_score else None
+            pool = state.compressed is False or self.continue_pooling
+            score, persist = zipage_scores(
+                queries, keys, key_limit, old_scores=old,
+                scored_len=state.scored_len if state.compressed else 0, decay=self.decay,
+                pool_kernel=self.pooling_kernel if (self.pooling and pool) else 1,
+                layer_stride=self.layer_stride)
+            if self.use_global_score:
+                view.set_slot_scores(persist)
+        with timer.stage("window_mask"):
+            protected = protected_mask(score.shape[-1], self.window,
+                                       self.sink_len if self.attention_sink else 0, score.device)
+        with timer.stage("topk"):
+            keep = topk_keep(score, target_len, protected)
+        state.compressed = True
+        state.scored_len = target_len
+        return keep
