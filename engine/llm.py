@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from typing import Callable, Iterator, Sequence as Seq
 
+from engine.block_manager import BlockManager
 from engine.config import ConfigError, EngineConfig
 from engine.models.loader import load_tokenizer, resolve_model
 from engine.policies.base import EngineSpec, KVPolicy, build_policy
@@ -35,6 +36,8 @@ class LLM:
         self.policy.bind(EngineSpec(r.block_size, r.num_layers, r.num_q_heads, r.num_kv_heads,
                                     r.head_dim, r.num_pages, r.max_model_len))
         self.eos_ids = self._eos_ids()
+        # Outlives each generate() call, so prefix-cached pages are reused across calls too.
+        self.block_manager = BlockManager(r.num_pages, r.block_size, self.config.enable_prefix_caching)
         self.last_stats: RunStats | None = None
 
     def _policy(self) -> KVPolicy:
@@ -73,7 +76,8 @@ class LLM:
     def stream(self, prompts: Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None) -> Iterator[RequestOutput]:
         """Yield each request's output as soon as it finishes; `last_stats` is set at the end."""
         seqs = self._make_sequences(prompts, params)
-        scheduler = Scheduler(self.config, self.runner, self.policy, self.eos_ids, self._decode)
+        scheduler = Scheduler(self.config, self.runner, self.policy, self.block_manager,
+                              self.eos_ids, self._decode)
         index = {seq.seq_id: i for i, seq in enumerate(seqs)}
         for seq in seqs:
             scheduler.add(seq)

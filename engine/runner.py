@@ -59,6 +59,7 @@ class ModelRunner:
         self.scale = self.head_dim ** -0.5
         self.block_size = config.block_size
         self.kv = self._allocate_kv(signals.slot_scores)
+        self.logits_hook = None  # tests/analysis: called with (items, logits of sampled rows)
         self.queries = QueryStatePool(signals, self.num_layers, config.max_num_seqs,
                                       self.num_q_heads, self.head_dim, self.device, self.dtype)
 
@@ -106,6 +107,8 @@ class ModelRunner:
         if not sampled:
             return []
         logits = self.model.compute_logits(hidden[sample_rows])
+        if self.logits_hook is not None:
+            self.logits_hook(sampled, logits)
         return sample(logits, [it.seq.params for it in sampled], [it.seq.generator for it in sampled])
 
     def _prepare(self, items: list[WorkItem]):

@@ -29,11 +29,12 @@ from engine.sequence import CapacityEvent, Sequence, SeqStatus
 
 class Scheduler:
     def __init__(self, config: EngineConfig, runner: ModelRunner, policy: KVPolicy,
-                 eos_ids: set[int], detokenize: Callable[[list[int]], str]):
+                 block_manager: BlockManager, eos_ids: set[int],
+                 detokenize: Callable[[list[int]], str]):
         self.config = config
         self.runner = runner
         self.policy = policy
-        self.bm = BlockManager(runner.num_pages, runner.block_size, config.enable_prefix_caching)
+        self.bm = block_manager
         self.eos_ids = eos_ids
         self.detokenize = detokenize
         self.waiting: deque[Sequence] = deque()
@@ -126,6 +127,7 @@ class Scheduler:
         if not seq.block_table:
             cached = self.bm.match_prefix(seq)
             seq.num_computed = seq.physical_len = seq.num_cached_prefix = cached
+            self.counters["prefix_hit_tokens"] += cached
         item = self._chunk(seq, budget)
         if item is None:
             self.bm.free_sequence(seq)

@@ -1,0 +1,191 @@
+"""Engine correctness against transformers on tiny random checkpoints, plus scheduler behaviour
+(prefix caching, chunked prefill, preemption, seeds, bad inputs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine.config import ConfigError
+from engine.llm import LLM
+from engine.sampling import SamplingParams
+from tiny_models import make_tiny_llama_dir, make_tiny_qwen2_dir, make_tiny_qwen3_dir
+
+PROMPTS = [
+    "The quick brown fox",
+    "Paged attention stores keys and values in fixed-size blocks of token slots.",
+    "x",
+    "How many clips did Natalia sell altogether in April and May? Let us think step by step.",
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+# fp32 on both sides; the engine's paged attention sums in a different order than transformers'.
+LOGIT_ATOL = 1e-4
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16, "rope_theta": 10000.0}
+
+MODELS = {
+    "llama-gqa": lambda p: make_tiny_llama_dir(p),
+    "llama-mqa": lambda p: make_tiny_llama_dir(p, num_key_value_heads=1),
+    "llama-mha-tied": lambda p: make_tiny_llama_dir(p, num_key_value_heads=4, tie_word_embeddings=True),
+    "llama3-rope-scaling": lambda p: make_tiny_llama_dir(p, rope_scaling=LLAMA3_ROPE),
+    "qwen3": lambda p: make_tiny_qwen3_dir(p),
+    "qwen2": lambda p: make_tiny_qwen2_dir(p),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(MODELS))
+def model_dir(request, tmp_path_factory):
+    return MODELS[request.param](tmp_path_factory.mktemp(request.param))
+
+
+def hf_greedy(model_dir, tokenizer, prompt: str, n: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy continuation by full forward passes (no cache, EOS not special): tokens, logits [n, V]."""
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=False).input_ids
+    tokens, logits = [], []
+    with torch.no_grad():
+        for _ in range(n):
+            last = hf(ids).logits[0, -1]
+            logits.append(last)
+            tokens.append(int(last.argmax()))
+            ids = torch.cat([ids, torch.tensor([[tokens[-1]]])], dim=1)
+    return tokens, torch.stack(logits)
+
+
+def test_greedy_tokens_and_logits_match_transformers(model_dir):
+    llm = LLM(str(model_dir), block_size=4, kv_cache_tokens=1024)
+    seen: dict[int, list[torch.Tensor]] = {}
+    llm.runner.logits_hook = lambda items, logits: [
+        seen.setdefault(it.seq.seq_id, []).append(logits[i].clone()) for i, it in enumerate(items)]
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.index for o in outs] == list(range(len(PROMPTS)))
+    by_seq = [seen[k] for k in sorted(seen)]  # sequence ids follow submission order
+    for prompt, out, logits in zip(PROMPTS, outs, by_seq):
+        ref_tokens, ref_logits = hf_greedy(model_dir, llm.tokenizer, prompt, GREEDY.max_tokens)
+        assert out.token_ids == ref_tokens
+        got = torch.stack(logits)
+        # first row is the prefill's last position, the rest are decode steps
+        torch.testing.assert_close(got, ref_logits, atol=LOGIT_ATOL, rtol=0)
+        assert out.finish_reason == "length" and out.num_output_tokens == GREEDY.max_tokens
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return make_tiny_llama_dir(tmp_path_factory.mktemp("llama"), num_hidden_layers=2)
+
+
+def run(model_dir, prompts, params=GREEDY, **cfg):
+    cfg.setdefault("block_size", 4)
+    llm = LLM(str(model_dir), **cfg)
+    outs = llm.generate(prompts, params)
+    return llm, outs
+
+
+def test_chunked_prefill_matches_whole_prefill(llama_dir):
+    _, whole = run(llama_dir, PROMPTS, kv_cache_tokens=1024)
+    llm, chunked = run(llama_dir, PROMPTS, kv_cache_tokens=1024, max_num_batched_tokens=5)
+    assert [o.token_ids for o in chunked] == [o.token_ids for o in whole]
+
+
+def test_prefix_caching_gives_identical_outputs(llama_dir):
+    shared = "Paged attention stores keys and values in fixed-size blocks of token slots. " * 2
+    prompts = [shared + "The quick brown fox", shared + "How many clips", shared + "x"]
+    llm_off, off = run(llama_dir, prompts, kv_cache_tokens=1024, enable_prefix_caching=False)
+    llm_on = LLM(str(llama_dir), block_size=4, kv_cache_tokens=1024)
+    first = llm_on.generate(prompts[:1], GREEDY)
+    on = llm_on.generate(prompts, GREEDY)
+    assert llm_on.last_scheduler.counters["prefix_hit_tokens"] > 0
+    assert llm_off.last_scheduler.counters["prefix_hit_tokens"] == 0
+    assert [o.token_ids for o in on] == [o.token_ids for o in off]
+    assert first[0].token_ids == off[0].token_ids
+    bm = llm_on.last_scheduler.bm
+    assert bm.num_free == bm.num_pages
+    # within one call: requests admitted one after another hit the pages of the first
+    llm_seq, one_by_one = run(llama_dir, prompts, kv_cache_tokens=1024, max_num_seqs=1)
+    assert llm_seq.last_scheduler.counters["prefix_hit_tokens"] > 0
+    assert [o.token_ids for o in one_by_one] == [o.token_ids for o in off]
+
+
+def test_preemption_under_tiny_pool_matches_unconstrained(llama_dir):
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    _, free = run(llama_dir, PROMPTS, params, kv_cache_tokens=2048)
+    # 96 slots hold any one request (at most 81 tokens) but far from all four at once
+    llm, tight = run(llama_dir, PROMPTS, params, kv_cache_tokens=96)
+    sched = llm.last_scheduler
+    assert sched.counters["preemption"] > 0
+    assert [o.token_ids for o in tight] == [o.token_ids for o in free]
+    assert sched.bm.num_free == sched.bm.num_pages
+    assert all(p.ref_count == 0 for p in sched.bm.pages)
+    assert sum(o.num_preemptions for o in tight) == sched.counters["preemption"]
+
+
+def test_lone_request_larger_than_pool_finishes_with_kv_capacity(llama_dir):
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    llm, outs = run(llama_dir, ["The quick brown fox"], params, kv_cache_tokens=16)
+    assert outs[0].finish_reason == "kv_capacity"
+    assert 0 < outs[0].num_output_tokens < 100
+
+
+def test_seeded_sampling_is_independent_of_batch(llama_dir):
+    params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=1234, max_tokens=12,
+                            ignore_eos=True)
+    llm = LLM(str(llama_dir), block_size=4, kv_cache_tokens=1024)
+    alone = llm.generate([PROMPTS[1]], params)[0].token_ids
+    mixed = llm.generate(PROMPTS, [params if i == 1 else SamplingParams(temperature=1.0, seed=i)
+                                   for i in range(len(PROMPTS))])
+    assert mixed[1].token_ids == alone
+    other = llm.generate([PROMPTS[1]], SamplingParams(temperature=0.9, top_p=0.9, top_k=50,
+                                                      seed=99, max_tokens=12, ignore_eos=True))
+    assert other[0].token_ids != alone
+
+
+def test_stop_strings_and_eos(llama_dir):
+    llm = LLM(str(llama_dir), block_size=4, kv_cache_tokens=1024)
+    full = llm.generate([PROMPTS[0]], GREEDY)[0]
+    stop = full.text[4:7]
+    assert stop
+    cut = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=16, stop=(stop,)))[0]
+    assert cut.finish_reason == "stop" and cut.text == full.text[: full.text.find(stop)]
+    eos_token = full.token_ids[2]
+    llm.eos_ids = {eos_token}
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=16))[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] == eos_token
+    assert len(out.token_ids) == full.token_ids.index(eos_token) + 1
+
+
+def test_run_stats_follow_metric_definitions(llama_dir):
+    llm, outs = run(llama_dir, PROMPTS, kv_cache_tokens=1024)
+    stats = llm.last_stats
+    assert stats.output_tokens == sum(o.num_output_tokens for o in outs)
+    assert stats.tps == pytest.approx(stats.output_tokens / stats.wall_time)
+    assert 0 < stats.mean_resident <= len(PROMPTS)
+    for o in outs:
+        assert o.tpot == pytest.approx((o.finish_time - o.first_token_time) / (o.num_output_tokens - 1))
+        assert o.avg_kv_budget == pytest.approx(sum(o.capacity_trace) / len(o.capacity_trace))
+        assert all(c % 4 == 0 for c in o.capacity_trace)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"no_such_key": 1}, "unknown engine config key"),
+    ({"policy": "no-such-policy"}, "unknown policy"),
+    ({"block_size": 0}, "block_size must be a positive integer"),
+    ({"kv_cache_tokens": 64, "kv_cache_bytes": 10}, "not both"),
+])
+def test_bad_config_raises_clear_errors(llama_dir, kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        LLM(str(llama_dir), **kwargs)
+
+
+def test_bad_requests_raise_clear_errors(llama_dir):
+    llm = LLM(str(llama_dir), block_size=4, kv_cache_tokens=64, max_model_len=32)
+    with pytest.raises(ConfigError, match="empty"):
+        llm.generate([""], GREEDY)
+    with pytest.raises(ConfigError, match="max_tokens"):
+        SamplingParams(max_tokens=0)
+    with pytest.raises(ConfigError, match="does not fit the model context"):
+        llm.generate(["word " * 40], GREEDY)
+    small = LLM(str(llama_dir), block_size=4, kv_cache_tokens=8)
+    with pytest.raises(ConfigError, match="more KV pages than the whole pool"):
+        small.generate([PROMPTS[1]], GREEDY)
