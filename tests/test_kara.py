@@ -1,0 +1,691 @@
+"""Kara: Eq. 4-9 against naive references, the window geometry and schedules on fake views, and
+(further below) integration through the engine."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from engine.config import ConfigError
+from engine.policies import token2chunk as t2c
+from engine.policies.base import Action, EngineSpec, StageTimer, build_policy
+from engine.policies.kara import Kara, KaraState
+
+# -- naive references ---------------------------------------------------------------------------
+
+
+def naive_window_scores(queries, keys, scale):
+    """queries [n_q, Hq, d], keys [Hkv, m, d] -> [Hkv, m], by explicit loops (sum over group)."""
+    n_q, q_heads, _ = queries.shape
+    kv_heads, m, _ = keys.shape
+    group = q_heads // kv_heads
+    out = torch.zeros(kv_heads, m, dtype=torch.float64)
+    for h in range(q_heads):
+        kvh = h // group
+        for i in range(n_q):
+            logits = [float(queries[i, h] @ keys[kvh, j]) * scale for j in range(m)]
+            top = max(logits)
+            exps = [math.exp(x - top) for x in logits]
+            total = sum(exps)
+            for j in range(m):
+                out[kvh, j] += exps[j] / total
+    return out
+
+
+def naive_token2chunk(scores, cand, gamma, alpha):
+    """One row: scores list[float], cand sorted list[int] -> sorted kept positions."""
+    m = len(scores)
+    chunks = []
+    for k in range(len(cand) - 1):
+        left, right = cand[k], cand[k + 1]
+        gap = right - left
+        if 2 <= gap <= gamma:
+            chunks.append(((scores[left] + scores[right]) * (gap - 1), k, left, right))
+    chunks.sort(key=lambda c: (-c[0], c[1]))
+    keep = set(cand)
+    added = 0
+    for _, _, left, right in chunks[: alpha // gamma]:
+        keep |= set(range(left + 1, right))
+        added += right - left - 1
+    rest = sorted((j for j in range(m) if j not in keep), key=lambda j: (-scores[j], j))
+    keep |= set(rest[: max(0, alpha - added)])
+    return sorted(keep)
+
+
+def naive_topk(scores, count):
+    return sorted(sorted(range(len(scores)), key=lambda j: (-scores[j], j))[:count])
+
+
+# -- Eq. 4 --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("q_heads,kv_heads", [(4, 4), (6, 2), (3, 1)])
+def test_window_scores_match_naive_loop(q_heads, kv_heads):
+    gen = torch.Generator().manual_seed(q_heads * 10 + kv_heads)
+    n_q, m, d = 7, 5, 8
+    queries = torch.randn(n_q, q_heads, d, generator=gen)
+    keys = torch.randn(kv_heads, m, d, generator=gen)
+    got = t2c.window_scores(queries, keys)
+    ref = naive_window_scores(queries, keys, 1 / math.sqrt(d))
+    assert got.shape == (kv_heads, m) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5)
+    # each (query, query head) spreads exactly one unit of mass over W \ U (no causal mask)
+    torch.testing.assert_close(got.sum(), torch.tensor(float(n_q * q_heads)))
+
+
+def test_window_scores_batched_leading_dims_match_per_item():
+    gen = torch.Generator().manual_seed(1)
+    queries = torch.randn(3, 2, 6, 6, 4, generator=gen)   # [L, n, n_q, Hq, d]
+    keys = torch.randn(3, 2, 3, 5, 4, generator=gen)      # [L, n, Hkv, m, d]
+    got = t2c.window_scores(queries, keys, scale=0.3)
+    for l in range(3):
+        for w in range(2):
+            ref = naive_window_scores(queries[l, w], keys[l, w], 0.3)
+            torch.testing.assert_close(got[l, w].double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_window_scores_reject_bad_shapes():
+    with pytest.raises(ValueError, match="multiple"):
+        t2c.window_scores(torch.zeros(2, 3, 4), torch.zeros(2, 5, 4))
+    with pytest.raises(ValueError, match="disagree"):
+        t2c.window_scores(torch.zeros(2, 4, 4), torch.zeros(2, 5, 8))
+
+
+# -- Eq. 5 --------------------------------------------------------------------------------------
+
+
+def test_num_candidates_rounding_and_paper_numbers():
+    assert t2c.num_candidates(10, 0.3) == 3          # 0.3 * 10 is 3.0000000000000004 in floats
+    assert t2c.num_candidates(448, 0.4) == 180       # paper: |W| 512, |U| 64, r 0.4
+    assert t2c.num_candidates(112, 0.4) == 45        # CPU preset: |W| 128, |U| 16
+    assert t2c.num_candidates(7, 1.0) == 7
+    assert t2c.kept_per_window(448, 0.4, 32) == 212
+    assert t2c.kept_per_window(10, 0.8, 4) == 10     # capped at m
+    with pytest.raises(ValueError, match="ratio"):
+        t2c.num_candidates(10, 0.0)
+
+
+def test_candidates_are_top_scores_ascending_with_low_index_tie_break():
+    scores = torch.tensor([[0.5, 0.9, 0.1, 0.9, 0.7]])
+    assert t2c.candidates(scores, 0.6).tolist() == [[1, 3, 4]]
+    ties = torch.ones(1, 6)
+    assert t2c.candidates(ties, 0.5).tolist() == [[0, 1, 2]]
+
+
+# -- Token2Chunk (Eq. 6-8 and the fill rule), hand-worked --------------------------------------
+
+# m = 20; candidates 2, 5, 7, 8, 16 (gaps 3, 2, 1, 8). Non-candidates score 0.01 * j, so the
+# fill rule prefers the highest free indices.
+CAND = [2, 5, 7, 8, 16]
+
+
+def _scores(cand_values=None):
+    scores = torch.tensor([0.01 * j for j in range(20)])
+    for j, v in (cand_values or {j: 10.0 for j in CAND}).items():
+        scores[j] = v
+    return scores[None, :]
+
+
+def _t2c(scores, gamma, alpha):
+    sel = t2c.token2chunk(scores, torch.tensor([CAND]), gamma, alpha)
+    return sel.keep[0].tolist(), int(sel.chunk_tokens[0]), int(sel.fill_tokens[0])
+
+
+def test_token2chunk_gamma_filter_two_chunks_then_fill():
+    # gamma 4, alpha 8: 2 chunks; the gap-8 chunk (8, 16) is too wide; (2, 5) adds 3, 4 and
+    # (5, 7) adds 6; (7, 8) has no interior. 3 tokens added, 5 filled: 19, 18, 17, 15, 14.
+    keep, chunk, fill = _t2c(_scores(), gamma=4, alpha=8)
+    assert keep == [2, 3, 4, 5, 6, 7, 8, 14, 15, 16, 17, 18, 19]
+    assert (chunk, fill) == (3, 5)
+
+
+def test_token2chunk_gap_equal_to_gamma_is_allowed_and_width_wins():
+    # gamma 8, alpha 8: one chunk. R(8,16) = 20 * 7 beats R(2,5) = 20 * 2: interior 9..15.
+    keep, chunk, fill = _t2c(_scores(), gamma=8, alpha=8)
+    assert keep == [2, 5, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 19]
+    assert (chunk, fill) == (7, 1)
+
+
+def test_token2chunk_gap_above_gamma_is_filtered():
+    # gamma 7: gap 8 is out; one chunk (floor(8 / 7)); R(2,5) = 40 > R(5,7) = 20.
+    keep, chunk, fill = _t2c(_scores(), gamma=7, alpha=8)
+    assert keep == [2, 3, 4, 5, 7, 8, 13, 14, 15, 16, 17, 18, 19]
+    assert (chunk, fill) == (2, 6)
+
+
+def test_token2chunk_endpoint_scores_matter():
+    # R(2,5) = (1 + 1) * 2 = 4 < R(5,7) = (1 + 5) * 1 = 6, so the narrower chunk wins.
+    scores = _scores({2: 1.0, 5: 1.0, 7: 5.0, 8: 5.0, 16: 1.0})
+    keep, chunk, fill = _t2c(scores, gamma=4, alpha=4)
+    assert keep == [2, 5, 6, 7, 8, 16, 17, 18, 19]
+    assert (chunk, fill) == (1, 3)
+
+
+def test_token2chunk_alpha_bounds():
+    # alpha < gamma: no chunk at all (floor(alpha / gamma) = 0), all alpha are singles.
+    keep, chunk, fill = _t2c(_scores(), gamma=8, alpha=3)
+    assert keep == [2, 5, 7, 8, 16, 17, 18, 19] and (chunk, fill) == (0, 3)
+    # alpha 0: exactly the candidates.
+    keep, chunk, fill = _t2c(_scores(), gamma=8, alpha=0)
+    assert keep == CAND and (chunk, fill) == (0, 0)
+    # chunks never add more than floor(alpha / gamma) * (gamma - 1) < alpha
+    keep, chunk, fill = _t2c(_scores(), gamma=2, alpha=6)
+    assert chunk == 1 and fill == 5 and len(keep) == len(CAND) + 6
+
+
+def test_token2chunk_fill_is_capped_by_free_positions():
+    scores = torch.rand(1, 6, generator=torch.Generator().manual_seed(0))
+    sel = t2c.select_window(scores, ratio=0.5, max_gap=8, chunk_budget=10)
+    assert sel.keep.tolist() == [list(range(6))]
+
+
+@pytest.mark.parametrize("m,ratio,gamma,alpha", [
+    (112, 0.4, 8, 16), (448, 0.4, 8, 32), (50, 0.2, 4, 9), (30, 0.6, 3, 7), (40, 0.1, 8, 0),
+    (64, 1.0, 8, 8),
+])
+def test_token2chunk_matches_naive_and_keeps_formula_count(m, ratio, gamma, alpha):
+    gen = torch.Generator().manual_seed(m + alpha)
+    rows = 12
+    scores = torch.rand(rows, m, generator=gen) ** 3
+    sel = t2c.select_window(scores, ratio, gamma, alpha)
+    count = t2c.kept_per_window(m, ratio, alpha)
+    assert count == min(m, math.ceil(round(ratio * m, 9)) + alpha)
+    assert sel.keep.shape == (rows, count)
+    assert bool((sel.keep.diff(dim=1) > 0).all())
+    k = t2c.num_candidates(m, ratio)
+    for r in range(rows):
+        row = scores[r].tolist()
+        cand = naive_topk(row, k)
+        assert sel.keep[r].tolist() == naive_token2chunk(row, cand, gamma, alpha)
+    assert bool((sel.chunk_tokens + sel.fill_tokens == count - k).all())
+
+
+def test_without_token2chunk_keeps_best_singles_same_count():
+    scores = torch.rand(5, 40, generator=torch.Generator().manual_seed(3))
+    sel = t2c.select_window(scores, 0.4, 8, 8, use_token2chunk=False)
+    assert sel.keep.shape == (5, 24)
+    for r in range(5):
+        assert sel.keep[r].tolist() == naive_topk(scores[r].tolist(), 24)
+
+
+def test_window_keep_set_appends_buffer():
+    kept = torch.tensor([[0, 3], [1, 2]])
+    assert t2c.window_keep_set(kept, window_len=7, buffer_len=3).tolist() == [
+        [0, 3, 4, 5, 6], [1, 2, 4, 5, 6]]
+
+
+# -- policy on fake views -----------------------------------------------------------------------
+
+POOL = 512
+SPEC = EngineSpec(block_size=8, num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=8,
+                  num_pages=1000, max_model_len=10_000)
+
+
+@dataclass
+class FakeView:
+    """A sequence with per-token random queries (independent of the cache, unlike a real model),
+    per-(layer, head) keys, and a `token` tensor tracking which logical token each slot holds."""
+
+    policy: Kara
+    num_prompt_tokens: int
+    seq_id: int = 0
+    state: KaraState = field(default_factory=KaraState)
+    is_prefilling: bool = False
+    gen: torch.Generator = field(default_factory=lambda: torch.Generator().manual_seed(0))
+    logical_queries: torch.Tensor = None    # [L, logical, Hq, d]
+    k: torch.Tensor = None                  # [L, Hkv, physical, d]
+    token: torch.Tensor = None              # [L, Hkv, physical] logical index held by each slot
+    recompute_calls: list = field(default_factory=list)
+
+    def __post_init__(self):
+        s = SPEC
+        # per-token data drawn up front, so appending in pieces or at once gives the same tokens
+        self.pool_q = torch.randn(s.num_layers, POOL, s.num_q_heads, s.head_dim, generator=self.gen)
+        self.pool_k = torch.randn(s.num_layers, s.num_kv_heads, POOL, s.head_dim,
+                                  generator=self.gen)
+        self.logical_queries = self.pool_q[:, :0]
+        self.k = self.pool_k[:, :, :0]
+        self.token = torch.empty(s.num_layers, s.num_kv_heads, 0, dtype=torch.int64)
+        self.append(self.num_prompt_tokens)
+
+    def append(self, n):
+        s = SPEC
+        start = self.num_computed
+        self.logical_queries = self.pool_q[:, :start + n]
+        self.k = torch.cat([self.k, self.pool_k[:, :, start:start + n]], dim=2)
+        new = torch.arange(start, start + n).expand(s.num_layers, s.num_kv_heads, n)
+        self.token = torch.cat([self.token, new], dim=2)
+
+    @property
+    def physical_len(self):
+        return self.k.shape[2]
+
+    @property
+    def num_computed(self):
+        return self.logical_queries.shape[1]
+
+    logical_len = num_computed
+
+    @property
+    def num_pages(self):
+        return -(-self.physical_len // SPEC.block_size)
+
+    block_size = SPEC.block_size
+
+    def keys(self, layers=None):
+        return self.k[layers or slice(None)]
+
+    def recompute_queries(self, start, end):
+        self.recompute_calls.append((start, end))
+        assert start >= self.state.compressed_upto, "recomputed a compressed slot"
+        first = self.num_computed - self.physical_len      # slot s holds logical first + s
+        return self.logical_queries[:, first + start:first + end]
+
+    def compact(self, slots):
+        self.k = self.k.gather(2, slots[..., None].expand(-1, -1, -1, SPEC.head_dim))
+        self.token = self.token.gather(2, slots)
+
+    def run(self, decision):
+        timer = StageTimer()
+        assert decision.action is Action.COMPRESS
+        slots = self.policy.select(self, decision.target_len, timer)
+        assert slots.shape == (SPEC.num_layers, SPEC.num_kv_heads, decision.target_len)
+        assert bool((slots.diff(dim=-1) > 0).all())
+        self.compact(slots)
+        return slots, timer
+
+
+def make_policy(**kw):
+    kw.setdefault("window_tokens", 16)
+    kw.setdefault("buffer_tokens", 4)
+    kw.setdefault("chunk_budget", 3)
+    kw.setdefault("max_chunk_gap", 2)
+    kw.setdefault("ratio", 0.25)
+    policy = Kara(**kw)
+    policy.bind(SPEC)
+    return policy
+
+
+def reference_window_keep(policy, view_queries, keys, scoring="bidirectional"):
+    """Single window by the naive references: window-relative kept positions of W \\ U per row."""
+    m = policy.stride
+    qs = view_queries if scoring == "bidirectional" else view_queries[:, m:]
+    out = []
+    for l in range(SPEC.num_layers):
+        A = naive_window_scores(qs[l], keys[l, :, :m], 1 / math.sqrt(SPEC.head_dim))
+        for h in range(SPEC.num_kv_heads):
+            row = A[h].tolist()
+            cand = naive_topk(row, t2c.num_candidates(m, policy.ratio))
+            out.append(naive_token2chunk(row, cand, policy.max_chunk_gap, policy.chunk_budget))
+    return torch.tensor(out).view(SPEC.num_layers, SPEC.num_kv_heads, -1)
+
+
+@pytest.mark.parametrize("scoring", ["bidirectional", "buffer"])
+def test_select_one_window_matches_reference(scoring):
+    policy = make_policy(schedule="threshold", scoring=scoring)
+    view = FakeView(policy, num_prompt_tokens=5)
+    view.state = policy.new_state()
+    view.append(15)                                   # tail 15 < |W| = 16: nothing yet
+    assert policy.periodic(1, [view]) == []
+    view.append(3)                                    # tail 18: one window, 2 extra tokens
+    [(v, decision)] = policy.periodic(2, [view])
+    assert v is view
+    kept = policy.kept_per_window                     # ceil(0.25 * 12) + 3 = 6
+    assert kept == 6 and decision.target_len == view.physical_len - (12 - kept)
+    assert decision.keep_pages == -(-decision.target_len // SPEC.block_size)
+    assert decision.info["windows"] == 1 and decision.info["cause"] == "threshold"
+    queries = view.logical_queries[:, 5:21].clone()
+    keys = view.k[:, :, 5:21].clone()
+    slots, timer = view.run(decision)
+    ref = reference_window_keep(policy, queries, keys, scoring)
+    assert torch.equal(slots[..., :5], torch.arange(5).expand(2, 2, 5))        # prompt frozen
+    assert torch.equal(slots[..., 5:5 + kept], ref + 5)                       # Eq. 4-8
+    assert torch.equal(slots[..., 5 + kept:], torch.arange(17, 23).expand(2, 2, 6))  # U + rest
+    expected_call = (5, 21) if scoring == "bidirectional" else (17, 21)
+    assert view.recompute_calls == [expected_call]
+    assert set(timer.stages) == {"score", "topk", "window_mask"}
+    assert view.state.compressed_upto == 5 + kept
+
+
+def test_multi_window_call_equals_window_by_window():
+    # Queries here do not depend on the cache, so one call over 3 windows must equal 3 calls.
+    def build():
+        policy = make_policy(schedule="threshold", compress_prompt=True)
+        view = FakeView(policy, num_prompt_tokens=0, gen=torch.Generator().manual_seed(7))
+        view.state = policy.new_state()
+        return policy, view
+
+    policy, together = build()
+    together.append(43)                               # (43 - 4) // 12 = 3 windows, 7 left
+    decision = policy.after_prefill(together, final=True)
+    assert decision.info["windows"] == 3
+    together.run(decision)
+
+    policy2, apart = build()
+    apart.append(16)
+    for extra in (12, 12, 3):
+        apart.run(policy2.after_prefill(apart, final=True))
+        apart.append(extra)
+    assert apart.physical_len == together.physical_len
+    assert torch.equal(apart.token, together.token)
+    assert apart.state.compressed_upto == together.state.compressed_upto == 3 * 6
+
+
+def test_decode_run_never_recompresses_and_always_keeps_buffer():
+    policy = make_policy(schedule="threshold")
+    view = FakeView(policy, num_prompt_tokens=7)
+    view.state = policy.new_state()
+    compressed_in = torch.zeros(500, dtype=torch.int64)   # times each token was in W \ U
+    for step in range(1, 400):
+        view.append(1)
+        for _, decision in policy.periodic(step, [view]):
+            start = view.state.compressed_upto
+            before = view.token[..., :start].clone()
+            tail_tokens = view.token[0, 0, start:].clone()     # uncompressed: same in every row
+            windows = decision.info["windows"]
+            compressed_in[tail_tokens[: windows * policy.stride]] += 1
+            calls = len(view.recompute_calls)
+            view.run(decision)
+            assert torch.equal(view.token[..., :start], before)       # identity before the tail
+            assert all(s >= start for s, _ in view.recompute_calls[calls:])
+            buffer = tail_tokens[windows * policy.stride:]            # last window's U and after
+            assert len(buffer) >= policy.buffer_tokens
+            assert torch.equal(view.token[..., -len(buffer):], buffer.expand(2, 2, -1))
+        # the threshold schedule never lets the tail reach a full window unprocessed
+        assert policy.tail_len(view) < policy.window_tokens
+    assert compressed_in.max() == 1
+    assert bool((compressed_in[:7] == 0).all())                        # prompt frozen
+    assert view.state.windows_compressed == int(compressed_in.sum()) // policy.stride
+
+
+def test_periodic_schedule_fires_on_period_for_full_windows_only():
+    policy = make_policy(period=10, max_seqs_per_period=2)
+    assert policy.schedule == "periodic"
+    views = []
+    for i, extra in enumerate([15, 16, 40, 28, 3]):      # tails; |W| = 16, m = 12, |U| = 4
+        v = FakeView(policy, num_prompt_tokens=4, seq_id=i)
+        v.state = policy.new_state()
+        v.append(extra)
+        views.append(v)
+    prefilling = FakeView(policy, num_prompt_tokens=4, seq_id=9, is_prefilling=True)
+    prefilling.state = policy.new_state()
+    prefilling.append(50)
+    views.append(prefilling)
+    for step in (0, 1, 5, 9, 11, 15):
+        assert policy.periodic(step, views) == []
+    fired = policy.periodic(20, views)
+    # eligible: tails 16 (1 window), 40 (3), 28 (2); bounded to 2, most windows first
+    assert [(v.seq_id, d.info["windows"]) for v, d in fired] == [(2, 3), (3, 2)]
+    for v, d in fired:
+        v.run(d)
+    fired = policy.periodic(30, views)
+    assert [(v.seq_id, d.info["windows"]) for v, d in fired] == [(1, 1)]
+
+
+def test_default_period_is_window_and_threshold_fires_every_step():
+    policy = make_policy()
+    assert policy.period == policy.window_tokens
+    threshold = make_policy(schedule="threshold")
+    view = FakeView(threshold, num_prompt_tokens=4)
+    view.state = threshold.new_state()
+    view.append(16)
+    assert [v for v, _ in threshold.periodic(7, [view])] == [view]
+
+
+def test_on_boundary_grows_and_fallback_compresses_only_when_it_frees_a_slot():
+    policy = make_policy()
+    view = FakeView(policy, num_prompt_tokens=4)
+    view.state = policy.new_state()
+    view.append(12)                                    # physical 16 = 2 full pages, tail 12
+    assert policy.on_boundary(view).action is Action.GROW
+    assert policy.fallback(view) is None               # no complete window: preempt
+    view.append(4)                                     # physical 20, tail 16
+    view.append(4)                                     # physical 24 = 3 full pages
+    decision = policy.fallback(view)
+    assert decision.action is Action.COMPRESS and decision.target_len == 24 - 6
+    assert decision.keep_pages == 3                    # ceil((18 + 1) / 8): room for the next token
+    full_keep = make_policy(ratio=1.0)                 # keeps everything: nothing to free
+    view2 = FakeView(full_keep, num_prompt_tokens=4)
+    view2.state = full_keep.new_state()
+    view2.append(20)
+    assert full_keep.fallback(view2) is None
+
+
+def test_prefill_compression_and_readmission_return_to_same_physical_length():
+    policy = make_policy(schedule="threshold")
+    view = FakeView(policy, num_prompt_tokens=9, gen=torch.Generator().manual_seed(3))
+    view.state = policy.new_state()
+    assert policy.after_prefill(view, final=True) is None        # prompt frozen by default
+    for step in range(1, 60):
+        view.append(1)
+        for _, d in policy.periodic(step, [view]):
+            view.run(d)
+    # preempted: re-prefilled uncompressed; the state survives, on_preempt resets its boundary
+    again = FakeView(policy, num_prompt_tokens=9, gen=torch.Generator().manual_seed(3))
+    again.append(59)
+    again.state = view.state
+    compressions, upto = view.state.compressions, view.state.compressed_upto
+    phys = view.physical_len
+    policy.on_preempt(again.state)
+    assert again.state.compressed_upto is None and again.state.pending is None
+    assert policy.after_prefill(again, final=False) is None
+    decision = policy.after_prefill(again, final=True)
+    assert decision.info["cause"] == "prefill"
+    assert decision.keep_pages == -(-decision.target_len // SPEC.block_size)
+    again.run(decision)
+    assert again.physical_len == phys
+    assert again.state.compressed_upto == upto
+    assert again.state.compressions == compressions + 1
+    assert torch.equal(again.token[..., :9], view.token[..., :9])
+
+    with_prompt = make_policy(compress_prompt=True)
+    long_prompt = FakeView(with_prompt, num_prompt_tokens=30)
+    long_prompt.state = with_prompt.new_state()
+    decision = with_prompt.after_prefill(long_prompt, final=True)
+    assert decision.info["windows"] == 2                # (30 - 4) // 12
+    long_prompt.run(decision)
+    assert long_prompt.physical_len == 30 - 2 * (12 - 6)
+
+
+def test_r1_keeps_every_slot():
+    policy = make_policy(ratio=1.0, chunk_budget=0, schedule="threshold")
+    view = FakeView(policy, num_prompt_tokens=3)
+    view.state = policy.new_state()
+    view.append(40)
+    [(_, decision)] = policy.periodic(1, [view])
+    assert decision.target_len == view.physical_len
+    slots, _ = view.run(decision)
+    assert torch.equal(slots, torch.arange(43).expand(2, 2, 43))
+
+
+def test_select_rejects_a_target_that_does_not_match_the_plan():
+    policy = make_policy(schedule="threshold")
+    view = FakeView(policy, num_prompt_tokens=3)
+    view.state = policy.new_state()
+    view.append(16)
+    [(_, decision)] = policy.periodic(1, [view])
+    with pytest.raises(ValueError, match="target_len"):
+        policy.select(view, decision.target_len - 1, StageTimer())
+    [(_, decision)] = policy.periodic(2, [view])
+    view.append(1)
+    with pytest.raises(RuntimeError, match="before new KV"):
+        policy.select(view, decision.target_len, StageTimer())
+
+
+# -- configuration ------------------------------------------------------------------------------
+
+
+def test_presets_resolve_by_block_size_and_explicit_values_win():
+    cpu = Kara()
+    cpu.bind(EngineSpec(32, 30, 9, 3, 64, 512, 8192))
+    resolved = (cpu.window_tokens, cpu.buffer_tokens, cpu.chunk_budget, cpu.period)
+    assert resolved == (128, 16, 16, 128)
+    assert cpu.kept_per_window == 45 + 16
+    paper = Kara(buffer_tokens=32)
+    paper.bind(EngineSpec(256, 32, 32, 8, 128, 512, 32768))
+    assert (paper.window_tokens, paper.buffer_tokens, paper.chunk_budget, paper.period) == (
+        512, 32, 32, 512)
+    assert Kara(preset="cpu").window_tokens == 128
+    assert build_policy("kara", {"ratio": "0.3", "schedule": "threshold"}).ratio == 0.3
+
+
+@pytest.mark.parametrize("args,match", [
+    ({"ratio": 0}, "ratio"), ({"ratio": 1.5}, "ratio"), ({"schedule": "sometimes"}, "schedule"),
+    ({"scoring": "causal"}, "scoring"), ({"preset": "gpu"}, "preset"),
+    ({"max_chunk_gap": 0}, "max_chunk_gap"), ({"chunk_budget": -1}, "chunk_budget"),
+    ({"window_tokens": 16, "buffer_tokens": 16, "preset": "cpu"}, "smaller"),
+    ({"windw_tokens": 4}, "unknown"), ({"period": 0}, "period"),
+])
+def test_bad_configuration_names_the_input(args, match):
+    with pytest.raises(ConfigError, match=match):
+        build_policy("kara", args)
+
+
+def test_buffer_not_below_window_rejected_at_bind():
+    policy = Kara(buffer_tokens=200)
+    with pytest.raises(ConfigError, match="buffer_tokens"):
+        policy.bind(EngineSpec(32, 2, 4, 2, 8, 64, 1024))
+
+
+# -- integration through the engine -------------------------------------------------------------
+
+from engine.llm import LLM  # noqa: E402
+from engine.policies.base import SignalSpec  # noqa: E402
+from engine.sampling import SamplingParams  # noqa: E402
+from tiny_models import make_tiny_llama_dir  # noqa: E402
+
+ENGINE_PROMPTS = [
+    "The quick brown fox",
+    "Paged attention stores keys and values in fixed-size blocks of token slots.",
+    "How many clips did Natalia sell altogether in April and May?",
+]
+SMALL = {"window_tokens": 16, "buffer_tokens": 4, "chunk_budget": 2, "max_chunk_gap": 2,
+         "ratio": 0.4}
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return make_tiny_llama_dir(tmp_path_factory.mktemp("kara-llama"), num_hidden_layers=2)
+
+
+def generate(model_dir, policy, max_tokens=48, prompts=ENGINE_PROMPTS, **config):
+    config.setdefault("kv_cache_tokens", 2048)
+    llm = LLM(str(model_dir), block_size=4, policy=policy, **config)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return llm, llm.generate(prompts, params)
+
+
+class CapturingKara(Kara):
+    """Kara that also keeps the engine's last decode queries (a recent-query signal) and, every
+    step, compares them with recompute_queries over the same slots. Only tokens decoded after
+    the request's last compaction are compared: recomputation reads the cache as it is now, and a
+    token decoded before a compaction attended to the uncompacted cache."""
+
+    N = 6
+
+    def signals(self):
+        return SignalSpec(recent_queries=self.N)
+
+    def bind(self, engine):
+        super().bind(engine)
+        self.pairs, self.fresh_from = [], {}
+
+    def _capture(self, view):
+        queries, positions = view.recent_queries(rope=True)
+        start = view.physical_len - queries.shape[1]
+        if queries.shape[1] == 0 or start < self.fresh_from.get(view.seq_id, 0):
+            return
+        recomputed = view.recompute_queries(start, view.physical_len)
+        slots = torch.arange(start, view.physical_len)
+        self.pairs.append((queries, recomputed, positions,
+                           view.num_computed - view.physical_len + slots,
+                           view.seq_id in self.fresh_from))
+
+    def periodic(self, step, views):
+        for view in views:
+            self._capture(view)
+        return super().periodic(step, views)
+
+    def after_prefill(self, view, final):
+        if final:
+            self._capture(view)
+        return super().after_prefill(view, final)
+
+    def select(self, view, target_len, timer):
+        slots = super().select(view, target_len, timer)
+        self.fresh_from[view.seq_id] = target_len
+        return slots
+
+    def on_preempt(self, state):
+        super().on_preempt(state)
+        self.fresh_from.clear()
+
+
+def test_recomputed_window_queries_equal_decode_queries(llama_dir):
+    policy = CapturingKara(schedule="threshold", **SMALL)
+    llm, outs = generate(llama_dir, policy)
+    sched = llm.last_scheduler
+    assert sched.counters["compress"] > 0                    # comparisons after compactions too
+    after_compaction = sum(1 for *_, compacted in policy.pairs if compacted)
+    assert len(policy.pairs) > 20 and after_compaction > 10
+    for decoded, recomputed, positions, expected_positions, _ in policy.pairs:
+        assert torch.equal(positions.cpu(), expected_positions)
+        torch.testing.assert_close(recomputed, decoded, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("extra", [
+    {"schedule": "threshold"},
+    {"schedule": "periodic", "period": 5, "compress_prompt": True},
+])
+def test_keep_everything_matches_full_kv(llama_dir, extra):
+    _, full = generate(llama_dir, "full")
+    args = dict(SMALL, ratio=1.0, chunk_budget=0, **extra)
+    llm, kara = generate(llama_dir, "kara", policy_args=args)
+    sched = llm.last_scheduler
+    events = [e for e in sched.events if e.action == "compress"]
+    assert events and all(e.physical_after == e.physical_before for e in events)
+    assert [o.token_ids for o in kara] == [o.token_ids for o in full]
+
+
+def test_compression_through_engine_follows_the_window_arithmetic(llama_dir):
+    # period 30 > |W|: a firing finds up to 3 complete windows in a tail (stride-m tiling)
+    llm, outs = generate(llama_dir, "kara", policy_args=dict(SMALL, schedule="periodic", period=30))
+    policy, sched = llm.policy, llm.last_scheduler
+    m, kept = policy.stride, policy.kept_per_window                    # 12, 5 + 2
+    events = [e for e in sched.events if e.action == "compress"]
+    assert events
+    for e in events:
+        assert e.info["trigger"] == "periodic"
+        assert e.physical_after == e.physical_before - e.info["windows"] * (m - kept)
+        assert e.pages_after == -(-e.physical_after // 4)
+        assert set(e.stages) >= {"score", "topk", "window_mask", "compaction"}
+    assert max(e.info["windows"] for e in events) >= 2
+    assert all(o.finish_reason == "length" and o.num_output_tokens == 48 for o in outs)
+    assert sched.bm.num_free == sched.bm.num_pages
+
+
+def test_readmitted_request_is_compressed_back(llama_dir):
+    """Under the threshold schedule every complete window is compressed as soon as it exists, so
+    after any compression a request holds N - K (m - kept) slots, N its computed tokens and
+    K = (N - prompt - |U|) // m. A re-prefilled (preempted) request must land on the same
+    length, i.e. exactly where it would be had it never been preempted."""
+    prompts = ENGINE_PROMPTS * 2
+    llm, outs = generate(llama_dir, "kara", max_tokens=64, prompts=prompts, kv_cache_tokens=160,
+                         policy_args=dict(SMALL, schedule="threshold"))
+    sched, policy = llm.last_scheduler, llm.policy
+    assert sched.counters["preemption"] > 0
+    assert all(o.num_output_tokens == 64 for o in outs)
+    m, kept, buffer = policy.stride, policy.kept_per_window, policy.buffer_tokens
+    readmitted = 0
+    for out in outs:
+        for e in out.events:
+            if e["action"] != "compress":
+                continue
+            computed = e["logical_len"]
+            windows = (computed - out.num_prompt_tokens - buffer) // m
+            assert e["physical_after"] == computed - windows * (m - kept)
+            readmitted += e["info"]["trigger"] == "prefill"
+    assert readmitted > 0
