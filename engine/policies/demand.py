@@ -1,0 +1,182 @@
+"""GrowPage's dual-timescale demand estimate as pure tensor functions (paper Sec. 3.2, App. E.1).
+
+The pieces, in the order a capacity boundary uses them:
+
+1. `ema_update` keeps the short/long query summaries (Eq. 6) in the engine's query-state pool on
+   every decode step; a freshly bound slot is initialised from its first query.
+2. `calibrate_rms` rescales each summary to the per-head RMS of the current query (Eq. 12), because
+   averaging shrinks the norm of the summaries and would flatten their attention distributions.
+3. (RoPE at the current position is applied by the caller through the engine's view.)
+4. `group_attention_probs` turns the summaries into one attention distribution per
+   (layer, view, KV head) over a candidate key set, averaging the distributions of the query heads
+   of a GQA group.
+5. A demand metric (`DEMAND_METRICS`: Top-p working-set ratio K/|C| of Eq. 7, or the entropy
+   variant of Table 2) maps each distribution to a ratio, and `demand_trend` averages the ratios
+   over layers and KV heads (Eq. 8): delta = r_S - r_L.
+
+Everything here is computed in float32 (float64 for the cumulative sums), whatever the model dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+# Index of each timescale along the "views" axis of the pool and of every tensor below.
+SHORT, LONG = 0, 1
+
+
+def ema_update(
+    ema: torch.Tensor,
+    q: torch.Tensor,
+    betas: Sequence[float] | torch.Tensor,
+    init_mask: torch.Tensor | bool,
+) -> torch.Tensor:
+    """One decode step of the dual-timescale summaries (Eq. 6), in place.
+
+    ema: [..., num_betas, q_heads, head_dim], e.g. the pool slice of the decoding requests
+        (`pool[layer, slot_ids]` gathered, or `pool[layer]` itself); updated in place and returned.
+        Keep it float32: with beta = 0.999 a bf16 EMA cannot absorb (1 - beta) * q increments.
+    q: [..., q_heads, head_dim] the current query after q-norm and before RoPE (leading dims as
+        ema's, without the betas axis). Any float dtype; it is cast to ema's dtype.
+    betas: num_betas decay factors, (beta_S, beta_L) for GrowPage.
+    init_mask: bool, or a bool tensor with ema's leading dims `[...]`: True where the slot was just
+        bound to a request, so every summary is set to q, overwriting stale values (even NaN/inf
+        garbage from an uninitialised pool, since this selects rather than blends).
+
+    Returns ema (the same tensor): ema[..., i, :, :] = init ? q : betas[i] * ema + (1 - betas[i]) * q.
+    """
+    if ema.dim() < 3 or ema.shape[:-3] + ema.shape[-2:] != q.shape:
+        raise ValueError(
+            f"ema_update: ema {tuple(ema.shape)} must be q {tuple(q.shape)} with a betas axis "
+            "inserted before the last two dims"
+        )
+    beta = torch.as_tensor(betas, dtype=ema.dtype, device=ema.device).reshape(-1, 1, 1)
+    if beta.shape[0] != ema.shape[-3]:
+        raise ValueError(f"ema_update: {beta.shape[0]} betas for {ema.shape[-3]} summaries")
+    q = q.to(ema.dtype).unsqueeze(-3)
+    updated = ema * beta + (1.0 - beta) * q
+    mask = torch.as_tensor(init_mask, device=ema.device, dtype=torch.bool)
+    mask = mask.reshape(mask.shape + (1, 1, 1))
+    ema.copy_(torch.where(mask, q.expand_as(ema), updated))
+    return ema
+
+
+def calibrate_rms(summaries: torch.Tensor, q: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """Rescale each summary to the RMS of the current query, per head (Eq. 12).
+
+    summaries: [layers, views, q_heads, head_dim] pre-RoPE EMAs.
+    q: [layers, q_heads, head_dim] the current pre-RoPE query.
+    Returns [layers, views, q_heads, head_dim] float32. A summary with zero norm stays zero (its
+    attention is uniform), instead of dividing by zero.
+    """
+    s = summaries.float()
+    q = q.float()
+    rms_q = q.pow(2).mean(-1, keepdim=True).sqrt().unsqueeze(1)  # [L, 1, Hq, 1]
+    rms_s = s.pow(2).mean(-1, keepdim=True).sqrt()  # [L, V, Hq, 1]
+    return s * (rms_q / rms_s.clamp_min(eps))
+
+
+def group_attention_probs(
+    queries: torch.Tensor, keys: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention distributions of the summary queries over candidate keys, one per KV head.
+
+    queries: [layers, views, q_heads, head_dim] (post-RoPE).
+    keys: [layers, kv_heads, n, head_dim] (post-RoPE, as cached).
+    Returns [layers, views, kv_heads, n] float32, each row summing to 1.
+
+    GQA: query head h reads KV head h // (q_heads // kv_heads). The paper preserves the native head
+    mapping but does not say how a group's query heads combine; we average the group's softmax
+    distributions. The average is again a distribution (so Top-p and entropy stay well defined), it
+    is the attention mass each cached key receives from the group as a whole, and it weighs every
+    query head equally rather than letting one sharp head decide (as a max would).
+    """
+    layers, views, q_heads, dim = queries.shape
+    kv_heads = keys.shape[1]
+    if q_heads % kv_heads:
+        raise ValueError(f"q_heads {q_heads} is not a multiple of kv_heads {kv_heads}")
+    group = q_heads // kv_heads
+    q = queries.float().reshape(layers, views, kv_heads, group, dim)
+    logits = torch.einsum("lvkgd,lknd->lvkgn", q, keys.float()) * scale
+    return logits.softmax(dim=-1).mean(dim=3)
+
+
+def top_p_working_set(probs: torch.Tensor, p: float) -> torch.Tensor:
+    """K = min{k : sum of the k largest weights >= p} per row (Eq. 2/7).
+
+    probs: [..., n] non-negative weights (n >= 1). Mass is measured relative to each row's total, so
+    rounding in the softmax cannot push the whole row below p. Returns [...] int64 in [1, n].
+    """
+    n = probs.shape[-1]
+    ordered = probs.float().sort(dim=-1, descending=True).values.double()
+    mass = ordered.cumsum(dim=-1)
+    target = p * mass[..., -1:]
+    return ((mass < target).sum(dim=-1) + 1).clamp(max=n)
+
+
+def top_p_ratio(probs: torch.Tensor, p: float) -> torch.Tensor:
+    """Working-set ratio r = K / |C| (Eq. 7). probs: [..., n]; returns [...] float64."""
+    return top_p_working_set(probs, p).double() / probs.shape[-1]
+
+
+def entropy_ratio(probs: torch.Tensor, p: float) -> torch.Tensor:
+    """The entropy metric of Table 2: r = exp(H(a)) / |C|.
+
+    exp(H) is the effective number of attended keys (perplexity), so the ratio lives on the same
+    scale as K / |C| and the same threshold tau applies; `p` is unused (the signature matches
+    `top_p_ratio` so metrics are interchangeable). probs: [..., n]; returns [...] float64.
+    """
+    a = probs.double()
+    a = a / a.sum(dim=-1, keepdim=True)
+    plogp = torch.where(a > 0, a * a.clamp_min(1e-300).log(), torch.zeros_like(a))
+    return (-plogp.sum(dim=-1)).exp() / probs.shape[-1]
+
+
+# name -> ratio function(probs [..., n], p) -> [...]; GrowPage's `metric` field picks one.
+DEMAND_METRICS: dict[str, Callable[[torch.Tensor, float], torch.Tensor]] = {
+    "top_p": top_p_ratio,
+    "entropy": entropy_ratio,
+}
+
+
+@dataclass(frozen=True)
+class Demand:
+    """The request-level demand trend (Eq. 8): delta = r_S - r_L."""
+
+    r_short: float
+    r_long: float
+    candidates: int
+
+    @property
+    def delta(self) -> float:
+        return self.r_short - self.r_long
+
+    def info(self) -> dict:
+        return {"delta": self.delta, "r_S": self.r_short, "r_L": self.r_long,
+                "candidates": self.candidates}
+
+
+def demand_trend(ratios: torch.Tensor, candidates: int) -> Demand:
+    """Average per-(layer, KV head) ratios into the request-level trend (Eq. 8).
+
+    ratios: [layers, 2 (SHORT, LONG), kv_heads]; candidates: |C|, recorded for accounting.
+    """
+    if ratios.dim() != 3 or ratios.shape[1] != 2:
+        raise ValueError(f"ratios must be [layers, 2, kv_heads], got {tuple(ratios.shape)}")
+    r = ratios.double().mean(dim=(0, 2))
+    return Demand(float(r[SHORT]), float(r[LONG]), candidates)
+
+
+def view_ratios(probs: torch.Tensor, metric: str, p: float) -> torch.Tensor:
+    """probs [layers, views, kv_heads, n] -> ratios [layers, views, kv_heads] with a named metric."""
+    if metric not in DEMAND_METRICS:
+        raise ValueError(f"unknown demand metric {metric!r}; valid: {sorted(DEMAND_METRICS)}")
+    return DEMAND_METRICS[metric](probs, p)
+
+
+def attention_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

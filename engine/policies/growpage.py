@@ -1,0 +1,471 @@
+"""GrowPage: on-demand KV budgeting by page (paper Sec. 3-4, App. E).
+
+At every capacity boundary (the request's pages are full) GrowPage compares the attention working
+sets of two query summaries, a short (beta_S) and a long (beta_L) EMA of the pre-RoPE decode query:
+
+    delta = r_S - r_L,   r_x = mean over (layer, KV head) of K^x / |C|   (Eq. 7-8)
+
+and either grows by one page (delta > tau: demand is widening) or *Compresses & Holds*: it keeps its
+pages and compacts to (P - 1) x b occupied slots, so exactly one page of slots is free again
+(Eq. 9-10). Capacity only grows (the default policy never returns pages while a request runs).
+
+Defaults: the paper's values are the field defaults; the fields that are token counts tied to the
+paper's block of 256 default to None and are scaled with the engine's block size at bind():
+
+| knob                  | paper (b = 256)            | CPU preset (b = 32)       | field              |
+|-----------------------|----------------------------|---------------------------|--------------------|
+| beta_S, beta_L        | 0.9, 0.999                 | same                      | beta_short/long    |
+| Top-p coverage p      | 0.99                       | same                      | top_p              |
+| demand threshold tau  | 0                          | same                      | tau                |
+| demand metric         | Top-p working set          | same                      | metric             |
+| protected recent      | 16 tokens                  | 16 tokens                 | protected_recent   |
+| local quota k_loc     | 64 (= b / 4)               | 8 (= b / 4)               | k_loc              |
+| initial capacity      | 4096 (16 pages, see below) | 512 (16 pages)            | initial_capacity   |
+| maximum capacity      | none                       | none                      | max_capacity       |
+| candidate set C       | all but the last 256 slots | all but the last 32 slots | (one page, fixed)  |
+
+Choices where the paper is silent (each also noted where it is implemented):
+- Initial capacity: below it every boundary grows; capacity control starts once the allocation
+  reaches it and stays on. The paper leaves this implicit; we use the fixed budget of its Zipage and
+  GrowPage-Fixed baselines (4096 tokens, Table 5 / App. H.1), kept as a page count (16) so the CPU
+  preset has the same number of pages. Capacities are counted in allocated slots (pages x b), the
+  quantity the paper's "Avg. KV Budget" reports.
+- GQA: a KV head's distribution is the mean of its query heads' distributions (demand.py).
+- Compress & Hold scores every slot except the protected recent ones (the last
+  `protected_recent`), normalising each view's attention over exactly those candidates, so
+  a_S and a_L are distributions over the same set before their max is taken (Eq. 9). The demand
+  estimate instead uses C = all slots but the most recent page (Eq. 7).
+- Block-local quota: "historical blocks" are the request's physical pages at compression time
+  (after earlier compactions a page holds a contiguous run of that head's retained tokens); the last
+  page's block holds only its unprotected slots. If the quotas alone would exceed the budget (only
+  possible when re-admission compresses a long history into few pages), the quota shrinks to
+  budget // pages.
+- Re-admission: after a preemption the request is re-prefilled; `after_prefill(final=True)`
+  compresses it back to the capacity it held (Compress & Hold shape: (P - 1) x b slots in P pages,
+  so one page of slots is free), if its history no longer fits those P pages. The capacity lives in
+  the per-request state, which the engine keeps across preemption (`on_preempt(state)` marks it).
+- Queries: the summaries are calibrated with the most recent decode query and rotated to position
+  view.num_computed (the token about to be decoded). A summary that was never initialised (a
+  boundary or re-admission before the first decode step of a fresh slot) is taken to be the current
+  query, which is exactly the paper's initialisation rule.
+
+Variants (App. H.1) live in growpage_variants.py and differ only in their `CapacityRule`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Protocol
+
+import torch
+
+from engine.config import ConfigError
+from engine.policies.base import (
+    Action,
+    Decision,
+    EngineSpec,
+    KVPolicy,
+    PolicyView,
+    SignalSpec,
+    StageTimer,
+    pages_for,
+    register_policy,
+)
+from engine.policies.demand import (
+    DEMAND_METRICS,
+    Demand,
+    attention_scale,
+    calibrate_rms,
+    demand_trend,
+    group_attention_probs,
+    view_ratios,
+)
+
+PAPER_BLOCK_SIZE = 256
+PAPER_K_LOC = 64
+PAPER_INITIAL_PAGES = 16  # 4096 tokens at b = 256
+
+
+# -- Compress & Hold selection (pure) ---------------------------------------------------------
+
+
+def local_global_keep(
+    scores: torch.Tensor, budget: int, block_size: int, k_loc: int
+) -> torch.Tensor:
+    """Eq. 10: per row, the top-k_loc of every block, then the global top scores up to `budget`.
+
+    scores: [layers, kv_heads, c] finite scores of the candidate slots 0..c-1 (block j = slots
+        j*b .. (j+1)*b - 1; the last block may be partial).
+    budget: slots to keep per row, 0 <= budget <= c.
+    Returns a bool mask [layers, kv_heads, c] with exactly `budget` True in every row.
+    If the blocks' quotas add up to more than the budget, the quota becomes budget // blocks.
+    """
+    layers, heads, c = scores.shape
+    if not 0 <= budget <= c:
+        raise ValueError(f"budget {budget} must be within [0, {c}] candidates")
+    keep = torch.zeros(layers, heads, c, dtype=torch.bool, device=scores.device)
+    if budget == 0:
+        return keep
+    blocks = -(-c // block_size)
+    sizes = [min(block_size, c - j * block_size) for j in range(blocks)]
+    quota = min(k_loc, block_size)
+    if sum(min(quota, s) for s in sizes) > budget:
+        quota = budget // blocks
+    num_local = sum(min(quota, s) for s in sizes)
+    if quota > 0:
+        padded = scores.new_full((layers, heads, blocks * block_size), float("-inf"))
+        padded[..., :c] = scores
+        vals, idx = padded.view(layers, heads, blocks, block_size).topk(quota, dim=-1)
+        idx = idx + torch.arange(blocks, device=scores.device).view(1, 1, -1, 1) * block_size
+        local = torch.zeros(layers, heads, blocks * block_size, dtype=torch.bool,
+                            device=scores.device)
+        # Padding slots of a short last block carry -inf and must not count as kept.
+        local.scatter_(-1, idx.flatten(2), torch.isfinite(vals).flatten(2))
+        keep |= local[..., :c]
+    rest = budget - num_local
+    if rest > 0:
+        remaining = scores.masked_fill(keep, float("-inf"))
+        keep.scatter_(-1, remaining.topk(rest, dim=-1).indices, True)
+    return keep
+
+
+def keep_to_slots(keep: torch.Tensor, num_protected: int) -> torch.Tensor:
+    """Append the protected recent slots to a candidate keep-mask and list the kept slot indices.
+
+    keep: [layers, kv_heads, c] bool, the same count in every row; the protected slots are
+    c .. c + num_protected - 1. Returns [layers, kv_heads, count + num_protected] int64, ascending.
+    """
+    layers, heads, _ = keep.shape
+    full = torch.cat([keep, keep.new_ones(layers, heads, num_protected)], dim=-1)
+    count = int(full[0, 0].sum()) if layers and heads else 0
+    return full.nonzero()[:, -1].reshape(layers, heads, count)
+
+
+def compress_and_hold_select(
+    scores: torch.Tensor, target_len: int, block_size: int, k_loc: int, num_protected: int
+) -> torch.Tensor:
+    """Slots to keep when compacting a sequence of n physical slots to `target_len`.
+
+    scores: [layers, kv_heads, n] per-slot importance (GrowPage: max(a_S, a_L)); the scores of the
+        last min(num_protected, target_len) slots are ignored, those slots are always kept.
+    Returns [layers, kv_heads, target_len] int64, ascending per row.
+    """
+    n = scores.shape[-1]
+    if not 0 < target_len <= n:
+        raise ValueError(f"target_len {target_len} must be within [1, {n}] physical slots")
+    protected = min(num_protected, target_len)
+    keep = local_global_keep(scores[..., : n - protected], target_len - protected, block_size, k_loc)
+    return keep_to_slots(keep, protected)
+
+
+# -- capacity rules ---------------------------------------------------------------------------
+
+
+class CapacityRule(Protocol):
+    """Maps the demand trend at a boundary to an action (before capacity limits are applied)."""
+
+    needs_demand: bool
+
+    def decide(self, delta: float | None) -> Action: ...
+
+
+@dataclass(frozen=True)
+class TrendRule:
+    """GrowPage: grow by one page iff delta > tau, else Compress & Hold (Sec. 3.2)."""
+
+    tau: float
+    needs_demand: ClassVar[bool] = True
+
+    def decide(self, delta: float | None) -> Action:
+        return Action.GROW if delta > self.tau else Action.COMPRESS
+
+
+# -- policy -----------------------------------------------------------------------------------
+
+
+@dataclass
+class GrowPageState:
+    """Per-request capacity-control state.
+
+    active: capacity control has started (the allocation reached the initial capacity).
+    capacity_pages: pages granted by the latest decision; what a re-admission is compressed back to.
+    preempted: set by `on_preempt`, cleared when the re-admitted request is compressed back.
+    last_demand: the latest demand numbers, attached to a fallback's event record.
+    """
+
+    active: bool = False
+    capacity_pages: int = 0
+    preempted: bool = False
+    last_demand: dict = field(default_factory=dict)
+
+
+@register_policy
+@dataclass
+class GrowPage(KVPolicy):
+    """GrowPage with the paper's defaults (see the module docstring for the CPU preset).
+
+    beta_short, beta_long: EMA decays of the short/long query summaries, 0 <= beta_S < beta_L < 1
+        (beta_S = 0 makes the short summary the current query, a Table 2 ablation).
+    top_p: coverage p of the working set K (Eq. 7).
+    tau: demand threshold; GROW iff delta > tau (App. D.1 sweeps -0.003..0.003).
+    metric: "top_p" (K / |C|) or "entropy" (exp(H) / |C|, the Table 2 ablation).
+    k_loc: block-local retention quota per page; None = b / 4 (64 at b = 256, App. D.2).
+    protected_recent: most recent slots never evicted by a compaction.
+    initial_capacity: tokens (a multiple of b) below which boundaries always grow; None = 16 pages.
+    max_capacity: tokens (a multiple of b) a request never grows past; None = unbounded.
+    layer_chunk: layers scored per pass (bounds the temporary [layers, heads, n] score tensors).
+    """
+
+    name = "growpage"
+
+    beta_short: float = 0.9
+    beta_long: float = 0.999
+    top_p: float = 0.99
+    tau: float = 0.0
+    metric: str = "top_p"
+    k_loc: int | None = None
+    protected_recent: int = 16
+    initial_capacity: int | None = None
+    max_capacity: int | None = None
+    layer_chunk: int = 8
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.beta_short < self.beta_long < 1.0:
+            raise ConfigError(
+                f"{self.name}: need 0 <= beta_short < beta_long < 1, got "
+                f"beta_short={self.beta_short}, beta_long={self.beta_long}"
+            )
+        if not 0.0 < self.top_p <= 1.0:
+            raise ConfigError(f"{self.name}: top_p must be in (0, 1], got {self.top_p}")
+        if self.metric not in DEMAND_METRICS:
+            raise ConfigError(
+                f"{self.name}: unknown metric {self.metric!r}; valid: {sorted(DEMAND_METRICS)}"
+            )
+        if not -1.0 <= self.tau <= 1.0:
+            raise ConfigError(f"{self.name}: tau compares ratio differences, need |tau| <= 1, "
+                              f"got {self.tau}")
+        _check_int(self.name, "k_loc", self.k_loc, minimum=0, optional=True)
+        _check_int(self.name, "protected_recent", self.protected_recent, minimum=0)
+        _check_int(self.name, "initial_capacity", self.initial_capacity, minimum=1, optional=True)
+        _check_int(self.name, "max_capacity", self.max_capacity, minimum=1, optional=True)
+        _check_int(self.name, "layer_chunk", self.layer_chunk, minimum=1)
+        if (self.initial_capacity is not None and self.max_capacity is not None
+                and self.max_capacity < self.initial_capacity):
+            raise ConfigError(
+                f"{self.name}: max_capacity {self.max_capacity} is below initial_capacity "
+                f"{self.initial_capacity}"
+            )
+
+    # -- binding and resolved knobs -----------------------------------------------------------
+
+    def bind(self, engine: EngineSpec) -> None:
+        super().bind(engine)
+        b = engine.block_size
+        if engine.num_q_heads % engine.num_kv_heads:
+            raise ConfigError(f"{self.name}: q_heads {engine.num_q_heads} is not a multiple of "
+                              f"kv_heads {engine.num_kv_heads}")
+        if self.protected_recent >= b:
+            raise ConfigError(f"{self.name}: protected_recent {self.protected_recent} must be "
+                              f"below block_size {b} so a compaction has history to select")
+        self.k_loc_slots = b * PAPER_K_LOC // PAPER_BLOCK_SIZE if self.k_loc is None else self.k_loc
+        if self.k_loc_slots > b:
+            raise ConfigError(f"{self.name}: k_loc {self.k_loc} exceeds block_size {b}")
+        self.initial_pages = self._pages("initial_capacity", self.initial_capacity,
+                                         PAPER_INITIAL_PAGES)
+        if self.initial_pages < 2:
+            raise ConfigError(f"{self.name}: initial_capacity must be at least 2 pages "
+                              f"({2 * b} tokens) so Compress & Hold keeps a page of history")
+        self.growth_cap_pages = self._pages("max_capacity", self.max_capacity, None)
+        self.min_pages: int | None = None  # only GrowPage-Shrink returns pages
+        self.rule: CapacityRule = self.make_rule()
+
+    def _pages(self, knob: str, tokens: int | None, default_pages: int | None) -> int | None:
+        """A token-count knob as whole pages; None -> default_pages (paper pages, any block)."""
+        b = self.block_size
+        if tokens is None:
+            return default_pages
+        if tokens % b:
+            raise ConfigError(f"{self.name}: {knob}={tokens} must be a multiple of block_size {b}")
+        return tokens // b
+
+    def make_rule(self) -> CapacityRule:
+        return TrendRule(self.tau)
+
+    def effective_params(self) -> dict:
+        """The knobs after block-size scaling (for result directories and reports)."""
+        b = self.block_size
+        return {
+            "block_size": b, "beta_short": self.beta_short, "beta_long": self.beta_long,
+            "top_p": self.top_p, "tau": self.tau, "metric": self.metric,
+            "k_loc": self.k_loc_slots, "protected_recent": self.protected_recent,
+            "initial_capacity": self.initial_pages * b,
+            "max_capacity": None if self.growth_cap_pages is None else self.growth_cap_pages * b,
+        }
+
+    def signals(self) -> SignalSpec:
+        return SignalSpec(recent_queries=1, ema_betas=(self.beta_short, self.beta_long))
+
+    def new_state(self) -> GrowPageState:
+        return GrowPageState()
+
+    def max_pages(self, view: PolicyView) -> int | None:
+        cap = self.growth_cap_pages
+        if cap is None or view.is_prefilling:
+            return None
+        # A prompt longer than the cap keeps its pages; Compress & Hold never returns them.
+        return max(cap, pages_for(view.num_prompt_tokens, self.block_size))
+
+    # -- decisions ----------------------------------------------------------------------------
+
+    def on_boundary(self, view: PolicyView) -> Decision:
+        state = _state(view)
+        state.last_demand = {}
+        pages = view.num_pages
+        if not state.active and pages < self.initial_pages:
+            return self._grow(state, pages, {"reason": "below_initial"})
+        state.active = True
+        info: dict = {"reason": "demand"}
+        delta = None
+        if self.rule.needs_demand:
+            demand = self.demand(view)
+            state.last_demand = demand.info()
+            info.update(state.last_demand)
+            delta = demand.delta
+        action = self.rule.decide(delta)
+        if action is Action.GROW and self.growth_cap_pages is not None \
+                and pages + 1 > self.growth_cap_pages:
+            action, info["reason"] = Action.COMPRESS, "at_max"
+        if action is Action.SHRINK and (self.min_pages is None or pages - 1 < self.min_pages):
+            action, info["reason"] = Action.COMPRESS, "at_min"
+        if action is Action.GROW:
+            return self._grow(state, pages, info)
+        if action is Action.SHRINK:
+            return self._shrink(state, pages, info)
+        return self._hold(state, pages, info)
+
+    def fallback(self, view: PolicyView) -> Decision | None:
+        """A GROW found no free page: Compress & Hold instead (Sec. 4.2). None (a single page, so
+        no history page to compact into) lets the scheduler preempt others and still grow."""
+        state = _state(view)
+        if view.num_pages < 2:
+            return None
+        return self._hold(state, view.num_pages, {**state.last_demand, "reason": "fallback"})
+
+    def after_prefill(self, view: PolicyView, final: bool) -> Decision | None:
+        """Compress a re-admitted (preempted, re-prefilled) request back to its capacity."""
+        if not final:
+            return None
+        state = _state(view)
+        pages = state.capacity_pages
+        if not state.preempted or pages == 0:
+            # A fresh request (or one preempted during its first prefill): its prompt pages are
+            # its capacity; the decode boundaries take it from here.
+            state.preempted = False
+            state.capacity_pages = view.num_pages
+            return None
+        state.preempted = False
+        b = self.block_size
+        if view.physical_len <= pages * b:
+            state.capacity_pages = max(pages, view.num_pages)
+            return None
+        pages = max(pages, 2)
+        state.capacity_pages = pages
+        return Decision.compress((pages - 1) * b, keep_pages=pages, action="compress",
+                                 reason="readmission", capacity=pages * b)
+
+    def on_preempt(self, state: GrowPageState) -> None:
+        """The request lost its KV and will be re-prefilled; `capacity_pages` (kept up to date by
+        every decision) is what `after_prefill` restores."""
+        if not isinstance(state, GrowPageState):
+            raise RuntimeError(f"GrowPage got {type(state).__name__} state at preemption")
+        state.preempted = True
+
+    def _grow(self, state: GrowPageState, pages: int, info: dict) -> Decision:
+        state.capacity_pages = pages + 1
+        return Decision.grow(**info, action="grow")
+
+    def _hold(self, state: GrowPageState, pages: int, info: dict) -> Decision:
+        """Compress & Hold: keep the P pages, compact to (P - 1) x b slots."""
+        state.capacity_pages = pages
+        return Decision.compress((pages - 1) * self.block_size, **info, action="compress")
+
+    def _shrink(self, state: GrowPageState, pages: int, info: dict) -> Decision:
+        """Compact two pages' worth of history and return one page: (P - 2) x b slots in P - 1
+        pages, so one page of slots stays free (App. H.1)."""
+        state.capacity_pages = pages - 1
+        return Decision.shrink((pages - 2) * self.block_size, keep_pages=pages - 1, **info,
+                               action="shrink")
+
+    # -- demand estimate and selection --------------------------------------------------------
+
+    def summary_queries(self, view: PolicyView) -> torch.Tensor:
+        """Calibrated, rotated short/long summaries: [layers, 2, q_heads, head_dim] float32."""
+        recent, _ = view.recent_queries(rope=False)
+        if recent.shape[1] == 0:
+            raise RuntimeError(
+                f"{self.name}: the engine provided no recent query for sequence {view.seq_id}; "
+                "recent_queries must hold the last decode (or last prefill) query"
+            )
+        q = recent[:, -1].float()
+        ema, ready = view.query_ema()
+        summaries = ema.float() if ready else q.unsqueeze(1).expand(-1, 2, -1, -1)
+        calibrated = calibrate_rms(summaries, q)
+        positions = torch.full((2,), view.num_computed, dtype=torch.long, device=q.device)
+        return view.apply_rope(calibrated, positions).float()
+
+    def demand(self, view: PolicyView) -> Demand:
+        """The demand trend over C = all physical slots but the most recent page (Eq. 7-8)."""
+        candidates = view.physical_len - self.block_size
+        if candidates <= 0:
+            return Demand(0.0, 0.0, 0)
+        queries = self.summary_queries(view)
+        scale = attention_scale(queries.shape[-1])
+        ratios = []
+        for lo, hi in self._layer_chunks(queries.shape[0]):
+            keys = view.keys(slice(lo, hi))[:, :, :candidates]
+            probs = group_attention_probs(queries[lo:hi], keys, scale)
+            ratios.append(view_ratios(probs, self.metric, self.top_p))
+        return demand_trend(torch.cat(ratios), candidates)
+
+    def select(self, view: PolicyView, target_len: int, timer: StageTimer) -> torch.Tensor:
+        """Compress & Hold selection (Eq. 9-10): [layers, kv_heads, target_len] kept slots."""
+        n = view.physical_len
+        if not 0 < target_len <= n:
+            raise ValueError(f"{self.name}: target_len {target_len} must be within [1, {n}]")
+        protected = min(self.protected_recent, target_len)
+        candidates = n - protected
+        with timer.stage("score"):
+            queries = self.summary_queries(view)
+            scale = attention_scale(queries.shape[-1])
+            scores = []
+            for lo, hi in self._layer_chunks(queries.shape[0]):
+                keys = view.keys(slice(lo, hi))[:, :, :candidates]
+                probs = group_attention_probs(queries[lo:hi], keys, scale)
+                scores.append(probs.amax(dim=1))  # s = max(a_S, a_L)
+            scores = torch.cat(scores)
+        with timer.stage("topk"):
+            keep = local_global_keep(scores, target_len - protected, self.block_size,
+                                     self.k_loc_slots)
+        with timer.stage("window_mask"):
+            return keep_to_slots(keep, protected)
+
+    def _layer_chunks(self, layers: int) -> list[tuple[int, int]]:
+        step = self.layer_chunk
+        return [(lo, min(lo + step, layers)) for lo in range(0, layers, step)]
+
+
+def _state(view: PolicyView) -> GrowPageState:
+    if not isinstance(view.state, GrowPageState):
+        raise RuntimeError(
+            f"sequence {view.seq_id} carries {type(view.state).__name__} state; GrowPage needs the "
+            "GrowPageState from its new_state()"
+        )
+    return view.state
+
+
+def _check_int(policy: str, key: str, value, minimum: int, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(f"{policy}: {key} must be an integer >= {minimum}"
+                          f"{' or None' if optional else ''}, got {value!r}")
