@@ -20,13 +20,17 @@ When it runs:
 
 Defaults (paper/code -> here):
 
-| knob        | SnapKV                                               | kvarena default (CPU preset)          |
-|-------------|------------------------------------------------------|---------------------------------------|
-| budget      | max_capacity_prompt 2048 (code), 1024-4096 in papers | None -> 8 pages: 256 at b=32, 2048 at b=256 |
-| window      | 32                                                   | 32 (a query count, not scaled)        |
-| pooling     | max-pool, kernel 7 (LongBench config `c4096_w32_k7_maxpool`); the code's fallback default is avg-pool, kernel 5 | max, 7 |
-| GQA         | per head (no GQA in its models)                      | mean over the group (kvpress)         |
-| trigger     | prompt only                                          | prompt + decode threshold budget + one page |
+| knob    | SnapKV                                        | kvarena default (CPU preset)     |
+|---------|-----------------------------------------------|----------------------------------|
+| budget  | max_capacity_prompt 2048 in code; 4096 in its | None -> 8 pages: 256 at b=32,    |
+|         | LongBench run                                 | 2048 at b=256                    |
+| window  | 32                                            | 32 (a query count, not scaled)   |
+| pooling | max-pool 7 in its LongBench run               | max, 7                           |
+|         | (`ablation_c4096_w32_k7_maxpool`); avg-pool 5 |                                  |
+|         | when no config is given                       |                                  |
+| GQA     | per head (its models score every head)        | mean over the group (kvpress)    |
+| trigger | prompt only                                   | prompt + decode threshold        |
+|         |                                               | (budget + one page)              |
 """
 
 from __future__ import annotations

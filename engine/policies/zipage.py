@@ -178,6 +178,11 @@ class Zipage(KVPolicy):
     def new_state(self) -> ZipageState:
         return ZipageState()
 
+    def on_preempt(self, state: ZipageState) -> None:
+        # The re-prefilled request starts uncompressed: no persisted scores, pooling applies again.
+        state.compressed = False
+        state.scored_len = 0
+
     @property
     def cap_pages(self) -> int:
         """Most pages a request holds: budget pages plus one write page."""
@@ -216,12 +221,12 @@ class Zipage(KVPolicy):
             queries, key_limit = observation_queries(view, self.window)
             keys = view.keys()
             old = view.slot_scores() if self.use_global_score else None
-            pool = state.compressed is False or self.continue_pooling
+            # Pool only a contiguous layout (before the first compaction) unless asked to.
+            pool = self.pooling and (not state.compressed or self.continue_pooling)
             score, persist = zipage_scores(
                 queries, keys, key_limit, old_scores=old,
                 scored_len=state.scored_len if state.compressed else 0, decay=self.decay,
-                pool_kernel=self.pooling_kernel if (self.pooling and pool) else 1,
-                layer_stride=self.layer_stride)
+                pool_kernel=self.pooling_kernel if pool else 1, layer_stride=self.layer_stride)
             if self.use_global_score:
                 view.set_slot_scores(persist)
         with timer.stage("window_mask"):
