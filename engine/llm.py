@@ -61,19 +61,21 @@ class LLM:
         return ids
 
     # -- public API -----------------------------------------------------------------------------
-    def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
-                 progress: Callable[[RequestOutput, int, int], None] | None = None) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs in submission order."""
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 params: SamplingParams | Seq[SamplingParams] | None = None,
+                 on_step: Callable[[int, int], None] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs in submission order.
+        on_step(output_tokens_so_far, finished_requests) is called after every engine step."""
         single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
         batch = [prompts] if single else list(prompts)
         outputs: list[RequestOutput | None] = [None] * len(batch)
-        for out in self.stream(batch, params):
+        for out in self.stream(batch, params, on_step):
             outputs[out.index] = out
-            if progress is not None:
-                progress(out, sum(o is not None for o in outputs), len(batch))
         return outputs
 
-    def stream(self, prompts: Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None) -> Iterator[RequestOutput]:
+    def stream(self, prompts: Seq[Prompt],
+               params: SamplingParams | Seq[SamplingParams] | None = None,
+               on_step: Callable[[int, int], None] | None = None) -> Iterator[RequestOutput]:
         """Yield each request's output as soon as it finishes; `last_stats` is set at the end."""
         seqs = self._make_sequences(prompts, params)
         scheduler = Scheduler(self.config, self.runner, self.policy, self.block_manager,
@@ -101,6 +103,8 @@ class LLM:
                     out = RequestOutput.from_sequence(index[seq.seq_id], seq, self._text(seq), t0)
                     outputs.append(out)
                     yield out
+                if on_step is not None:
+                    on_step(sum(s.num_output_tokens for s in seqs), len(outputs))
         finally:
             scheduler.shutdown()
         self.last_stats = run_stats(outputs, steps, scheduler.events, scheduler.counters,

@@ -112,11 +112,12 @@ class Scheduler:
         items.sort(key=lambda it: it.num_tokens > 1)  # the runner wants one-token items first
         return items
 
-    def _chunk(self, seq: Sequence, budget: int) -> WorkItem | None:
-        """The next prefill chunk that fits the token budget and the free pages."""
+    def _chunk(self, seq: Sequence, budget: int, reserve: int = 0) -> WorkItem | None:
+        """The next prefill chunk that fits the token budget and the free pages, leaving `reserve`
+        pages free."""
         bs = self.bm.block_size
         n = min(len(seq.token_ids) - seq.num_computed, budget)
-        room = (seq.num_pages + self.bm.num_free) * bs - seq.physical_len
+        room = (seq.num_pages + self.bm.num_free - reserve) * bs - seq.physical_len
         n = min(n, room)
         if n <= 0:
             return None
@@ -128,7 +129,10 @@ class Scheduler:
             cached = self.bm.match_prefix(seq)
             seq.num_computed = seq.physical_len = seq.num_cached_prefix = cached
             self.counters["prefix_hit_tokens"] += cached
-        item = self._chunk(seq, budget)
+        # While others run, keep a watermark of free pages so a newcomer does not take the page a
+        # running request needs next (which would preempt it, or the newcomer, right away).
+        reserve = max(1, self.bm.num_pages // 100) if self.running else 0
+        item = self._chunk(seq, budget, reserve)
         if item is None:
             self.bm.free_sequence(seq)
             seq.num_computed = seq.physical_len = seq.num_cached_prefix = 0
