@@ -58,11 +58,11 @@ class SeqView:
         self.seq.policy_state = value
 
     # -- KV -------------------------------------------------------------------------------------
-    def keys(self, layers: slice | None = None) -> torch.Tensor:
-        return self._runner.gather_slots(self._runner.kv.k, self.seq, layers)
+    def keys(self, layers: slice | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
+        return self._runner.gather_slots(self._runner.kv.k, self.seq, layers, start, end)
 
-    def values(self, layers: slice | None = None) -> torch.Tensor:
-        return self._runner.gather_slots(self._runner.kv.v, self.seq, layers)
+    def values(self, layers: slice | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
+        return self._runner.gather_slots(self._runner.kv.v, self.seq, layers, start, end)
 
     def slot_scores(self) -> torch.Tensor:
         scores = self._runner.kv.scores

@@ -157,11 +157,19 @@ class ModelRunner:
         return ctx
 
     # -- policy signals -----------------------------------------------------------------------
-    def gather_slots(self, cache: torch.Tensor, seq: Sequence, layers: slice | None = None) -> torch.Tensor:
-        """cache [layers, pages, bs, kv_heads, *rest] -> [layers, kv_heads, physical_len, *rest]."""
-        table = torch.tensor(seq.block_table, dtype=torch.long, device=self.device)
+    def gather_slots(self, cache: torch.Tensor, seq: Sequence, layers: slice | None = None,
+                     start: int = 0, end: int | None = None) -> torch.Tensor:
+        """cache [layers, pages, bs, kv_heads, *rest] -> [layers, kv_heads, end - start, *rest] for
+        the sequence's physical slots [start, end) (end defaults to physical_len); only the pages
+        covering the range are read."""
+        end = seq.physical_len if end is None else end
+        if not 0 <= start <= end <= seq.physical_len:
+            raise ValueError(f"slot range [{start}, {end}) outside 0..{seq.physical_len}")
+        bs = self.block_size
+        first, last = start // bs, -(-end // bs)
+        table = torch.tensor(seq.block_table[first:last], dtype=torch.long, device=self.device)
         c = cache if layers is None else cache[layers]
-        dense = c[:, table].flatten(1, 2)[:, : seq.physical_len]
+        dense = c[:, table].flatten(1, 2)[:, start - first * bs: end - first * bs]
         return dense.movedim(2, 1)
 
     @torch.inference_mode()

@@ -19,6 +19,8 @@ When the scheduler asks:
   (layer, KV head) keeps: `[layers, kv_heads, target_len]` int64, ascending in every row, all rows
   the same count (Compressed PagedAttention: one block table and one physical length per sequence).
   The engine then compacts those slots, in order, to the front of the sequence's target pages.
+  Contract: `select` runs before any new KV is written for that sequence (a sequence being
+  compacted is not scheduled), so the view's lengths are those the decision was made on.
 
 Signals: a policy declares what it reads in `signals()`; the engine keeps them in preallocated slot
 pools bound to running requests (never allocated per step) and exposes them through the view.
@@ -125,10 +127,11 @@ class PolicyView(Protocol):
     state: Any             # the policy's per-request state (from new_state)
     is_prefilling: bool
 
-    def keys(self, layers: slice | None = None) -> torch.Tensor:
-        """Keys of physical slots 0..physical_len-1: [layers, kv_heads, physical_len, head_dim]."""
+    def keys(self, layers: slice | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Keys of physical slots [start, end) (default: all, 0..physical_len-1):
+        [layers, kv_heads, end - start, head_dim]."""
 
-    def values(self, layers: slice | None = None) -> torch.Tensor:
+    def values(self, layers: slice | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
         """Values, same layout as keys()."""
 
     def recent_queries(self, rope: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,7 +148,9 @@ class PolicyView(Protocol):
         """RoPE at given positions. q: [..., n, q_heads, head_dim], positions: [n]."""
 
     def slot_scores(self) -> torch.Tensor:
-        """The persistent per-slot score: [layers, kv_heads, physical_len] (a view copy)."""
+        """The persistent per-slot score: [layers, kv_heads, physical_len] (a copy). Slots written
+        since the policy last called set_slot_scores hold stale values from the page's previous
+        owner: a policy tracks which prefix it has scored."""
 
     def set_slot_scores(self, scores: torch.Tensor) -> None:
         """Write [layers, kv_heads, physical_len] scores back to the sequence's slots."""
