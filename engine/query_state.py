@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.policies.base import SignalSpec
+from engine.policies.demand import ema_update
 
 
 @dataclass
@@ -41,8 +42,10 @@ class QueryStatePool:
         self.recent_pos = torch.full((num_slots, max(self.n, 1)), -1, dtype=torch.long)
         k = len(spec.ema_betas)
         self.betas = torch.tensor(spec.ema_betas, device=device, dtype=torch.float32)
+        # fp32 whatever the model dtype: in bf16, beta_L = 0.999 rounds to 1 and the long summary
+        # would freeze at its first value.
         self.ema = (torch.zeros(num_layers, num_slots, k, q_heads, head_dim, device=device,
-                                dtype=dtype) if k else None)
+                                dtype=torch.float32) if k else None)
         self.ema_ready = torch.zeros(num_slots, dtype=torch.bool)
         self._free = list(range(num_slots - 1, -1, -1))
         self.plan: CapturePlan | None = None
@@ -91,12 +94,8 @@ class QueryStatePool:
         if self.recent is not None and plan.recent_rows.numel():
             self.recent[layer, plan.recent_slots, plan.recent_ring] = q_pre[plan.recent_rows]
         if self.ema is not None and plan.ema_rows.numel():
-            q = q_pre[plan.ema_rows].unsqueeze(1)  # [E, 1, h, d]
-            old = self.ema[layer, plan.ema_slots]  # [E, k, h, d]
-            beta = self.betas.view(1, -1, 1, 1).to(q.dtype)
-            new = beta * old + (1 - beta) * q
-            new = torch.where(plan.ema_init.view(-1, 1, 1, 1), q.expand_as(new), new)
-            self.ema[layer, plan.ema_slots] = new
+            self.ema[layer, plan.ema_slots] = ema_update(
+                self.ema[layer, plan.ema_slots], q_pre[plan.ema_rows], self.betas, plan.ema_init)
 
     # -- reads ----------------------------------------------------------------------------------
     def recent_of(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -18,7 +18,7 @@ from engine.models import build_model, load_weights
 from engine.models.loader import iter_safetensors, load_config
 from engine.policies.base import SignalSpec
 from engine.query_state import QueryStatePool
-from engine.sampling import sample
+from engine.sampling import sample, token_logprobs
 from engine.sequence import Sequence
 
 
@@ -109,7 +109,17 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[sample_rows])
         if self.logits_hook is not None:
             self.logits_hook(sampled, logits)
-        return sample(logits, [it.seq.params for it in sampled], [it.seq.generator for it in sampled])
+        tokens = sample(logits, [it.seq.params for it in sampled], [it.seq.generator for it in sampled])
+        for i, item in enumerate(sampled):
+            forced = item.seq.params.forced_tokens
+            if item.seq.num_output_tokens < len(forced):
+                tokens[i] = forced[item.seq.num_output_tokens]
+        rows = [i for i, it in enumerate(sampled) if it.seq.params.logprobs]
+        if rows:
+            values = token_logprobs(logits[rows], [tokens[i] for i in rows])
+            for i, value in zip(rows, values):
+                sampled[i].seq.token_logprobs.append(value)
+        return tokens
 
     def _prepare(self, items: list[WorkItem]):
         bs = self.block_size

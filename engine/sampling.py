@@ -25,6 +25,9 @@ class SamplingParams:
     max_tokens: most output tokens.
     stop: strings that end generation (the stop string is cut from the text).
     ignore_eos: keep generating past EOS (benchmarks).
+    forced_tokens: teacher forcing: output token i is forced_tokens[i] while i < len (the model
+        still runs and scores it); generation stops after them unless max_tokens is larger.
+    logprobs: record the log-probability of every output token (sampled or forced).
     """
 
     temperature: float = 1.0
@@ -34,6 +37,8 @@ class SamplingParams:
     max_tokens: int = 256
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    forced_tokens: tuple[int, ...] = field(default_factory=tuple)
+    logprobs: bool = False
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -47,10 +52,18 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
         self.stop = tuple(self.stop)
+        self.forced_tokens = tuple(int(t) for t in self.forced_tokens)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int]) -> list[float]:
+    """log softmax(logits)[row, token] per row. logits: [B, vocab]."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    idx = torch.tensor(tokens, device=logits.device).unsqueeze(1)
+    return logp.gather(1, idx).squeeze(1).tolist()
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],

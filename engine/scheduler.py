@@ -209,10 +209,10 @@ class Scheduler:
         return None
 
     def _preempt(self, seq: Sequence) -> None:
+        phys, pages = seq.physical_len, seq.num_pages
         self.bm.free_sequence(seq)
         self._release_slot(seq)
         self.running.remove(seq)
-        phys, pages = seq.physical_len, seq.num_pages
         seq.reset_for_recompute()
         self.policy.on_preempt(seq.policy_state)
         self.waiting.appendleft(seq)
@@ -315,6 +315,9 @@ class Scheduler:
             if hits:
                 seq.text = text[: min(hits)]
                 return "stop"
+        if p.forced_tokens and seq.num_output_tokens == len(p.forced_tokens) \
+                and p.max_tokens <= len(p.forced_tokens):
+            return "forced"
         if seq.num_output_tokens >= p.max_tokens or seq.logical_len >= self.runner.max_model_len:
             return "length"
         return None

@@ -75,6 +75,7 @@ class Sequence:
         self.num_preemptions = 0
         self.events: list[CapacityEvent] = []
         self.capacity_trace: list[int] = []
+        self.token_logprobs: list[float] = []
         self.arrival = time.perf_counter() if arrival is None else arrival
         self.first_token_time: float | None = None
         self.finish_time: float | None = None

@@ -189,3 +189,17 @@ def test_bad_requests_raise_clear_errors(llama_dir):
     small = LLM(str(llama_dir), block_size=4, kv_cache_tokens=8)
     with pytest.raises(ConfigError, match="more KV pages than the whole pool"):
         small.generate([PROMPTS[1]], GREEDY)
+
+
+def test_forced_tokens_score_a_continuation(llama_dir):
+    llm = LLM(str(llama_dir), block_size=4, kv_cache_tokens=1024)
+    free = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
+                                                     logprobs=True))[0]
+    forced = tuple(reversed(free.token_ids))
+    out = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True,
+                                                    forced_tokens=forced, logprobs=True))[0]
+    assert out.token_ids == list(forced) and out.finish_reason == "forced"
+    assert len(out.token_logprobs) == 8 and all(lp <= 0 for lp in out.token_logprobs)
+    # the first position sees the same context, so its log-probabilities are comparable
+    assert out.token_logprobs[0] <= free.token_logprobs[0] + 1e-6
+    assert sum(out.token_logprobs) < sum(free.token_logprobs)
