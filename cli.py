@@ -105,6 +105,17 @@ def generate(
     console.print(f"[green]{stats.summary()}[/]")
 
 
+def _register_subcommands() -> None:
+    from analysis.cli import analyze_app
+    from evals.benchmarks import bench_app
+
+    app.add_typer(bench_app, name="bench")
+    app.add_typer(analyze_app, name="analyze")
+
+
+_register_subcommands()
+
+
 def main() -> None:  # pragma: no cover
     app()
 
