@@ -1,0 +1,46 @@
+"""Kernels of the engine: each has a Triton implementation (CUDA tensors) and a torch twin
+of the same signature (CPU, and the test oracle). ``name`` dispatches on the tensors' device;
+``name_torch`` / ``name_triton`` pick one explicitly. Importing this package never imports
+triton; the Triton kernels are defined on first use (modules ``_tl_*``)."""
+
+from engine.kernels.attention_scores import (
+    paged_query_probs,
+    paged_query_probs_torch,
+    paged_query_probs_triton,
+)
+from engine.kernels.compact import (
+    compact_kv,
+    compact_slots,
+    compact_slots_torch,
+    compact_slots_triton,
+    has_order_hazard,
+)
+from engine.kernels.paged_attention import (
+    paged_decode_attention,
+    paged_decode_attention_torch,
+    paged_decode_attention_triton,
+    paged_prefill_attention,
+    paged_prefill_attention_torch,
+    paged_prefill_attention_triton,
+)
+from engine.kernels.store_kv import store_kv, store_kv_torch, store_kv_triton
+
+__all__ = [
+    "compact_kv",
+    "compact_slots",
+    "compact_slots_torch",
+    "compact_slots_triton",
+    "has_order_hazard",
+    "paged_decode_attention",
+    "paged_decode_attention_torch",
+    "paged_decode_attention_triton",
+    "paged_prefill_attention",
+    "paged_prefill_attention_torch",
+    "paged_prefill_attention_triton",
+    "paged_query_probs",
+    "paged_query_probs_torch",
+    "paged_query_probs_triton",
+    "store_kv",
+    "store_kv_torch",
+    "store_kv_triton",
+]

@@ -1,0 +1,65 @@
+"""Triton kernel behind ``paged_query_probs_triton``: masked fp32 logits of cached queries
+against one sequence's paged keys, all layers (imported lazily; needs triton)."""
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.kernels._common import dot_tile, next_pow2
+
+
+@triton.jit
+def _logits_kernel(
+    q_ptr, k_ptr, table_ptr, limit_ptr, out_ptr, scale,
+    s_ql, s_qm, s_qh, s_qd,
+    s_kl, s_kb, s_ko, s_kh, s_kd,
+    s_tn,
+    s_ol, s_oh, s_om, s_on,
+    N_QUERIES, LENGTH,
+    Q_HEADS: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    layer_head = tl.program_id(0)
+    layer = layer_head // Q_HEADS
+    head = layer_head % Q_HEADS
+    kv_head = head // GROUP
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+    m_mask = offs_m < N_QUERIES
+    n_mask = offs_n < LENGTH
+    d_mask = offs_d < HEAD_DIM
+    q = tl.load(q_ptr + layer * s_ql + offs_m[:, None] * s_qm + head * s_qh + offs_d[None, :] * s_qd,
+                mask=m_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+    page = tl.load(table_ptr + (offs_n // BLOCK_SIZE) * s_tn, mask=n_mask, other=0).to(tl.int64)
+    row = (offs_n % BLOCK_SIZE).to(tl.int64)
+    k_ptrs = (k_ptr + layer.to(tl.int64) * s_kl + page[:, None] * s_kb + row[:, None] * s_ko
+              + kv_head * s_kh + offs_d[None, :] * s_kd)
+    k = tl.load(k_ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+    limit = tl.load(limit_ptr + offs_m, mask=m_mask, other=0)
+    s = tl.where(offs_n[None, :] < limit[:, None], s, float("-inf"))
+    out_ptrs = (out_ptr + layer.to(tl.int64) * s_ol + head * s_oh + offs_m[:, None] * s_om
+                + offs_n[None, :] * s_on)
+    tl.store(out_ptrs, s, mask=m_mask[:, None] & n_mask[None, :])
+
+
+def launch_logits(queries, k_cache, block_table, length, limits, scale,
+                  block_m: int = 32, block_n: int = 64):
+    """queries [L, n, q_heads, d], k_cache [L, NB, bs, kv_heads, d], limits [n] int64 clamped
+    to [0, length] -> logits [L, q_heads, n, length] fp32, -inf where key j >= limits[i]."""
+    layers, n, q_heads, head_dim = queries.shape
+    block_size, kv_heads = k_cache.shape[2], k_cache.shape[3]
+    out = torch.empty((layers, q_heads, n, length), dtype=torch.float32, device=queries.device)
+    if out.numel() == 0:
+        return out
+    block_m, block_n = dot_tile(n, block_m), dot_tile(length, block_n)
+    grid = (layers * q_heads, triton.cdiv(n, block_m), triton.cdiv(length, block_n))
+    _logits_kernel[grid](
+        queries, k_cache, block_table, limits, out, scale,
+        *queries.stride(), *k_cache.stride(), block_table.stride(0), *out.stride(),
+        n, length,
+        Q_HEADS=q_heads, GROUP=q_heads // kv_heads, BLOCK_SIZE=block_size,
+        HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim, 16), BLOCK_M=block_m, BLOCK_N=block_n,
+    )
+    return out

@@ -1,0 +1,116 @@
+"""Attention probabilities of one sequence's cached queries over its paged keys (all layers).
+
+Used by token-scoring KV policies (SnapKV/Zipage-style query windows, Kara's recomputed window
+queries) at compression time. Triton version for CUDA tensors, torch twin otherwise:
+
+``paged_query_probs(queries, k_cache, block_table, length, key_limit, scale) -> probs``
+
+    queries:     [layers, n, q_heads, head_dim]   post-RoPE queries of one sequence
+    k_cache:     [layers, num_blocks, block_size, kv_heads, head_dim]   (the whole cache)
+    block_table: [nb] int   the sequence's pages, in order
+    length:      int        physical keys 0..length-1 (through block_table) are scored
+    key_limit:   [n] int or None   query i sees keys j < key_limit[i] (None: all `length`);
+                 values are clamped to [0, length]
+    scale:       float      logit scale, usually head_dim ** -0.5
+    probs:       [layers, q_heads, n, length] fp32; softmax over keys. A query whose limit
+                 is 0 sees nothing and gets an all-zero row (not NaN).
+
+GQA: query head h reads kv head h // (q_heads // kv_heads). Logits are computed in fp32.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from engine.kernels._common import check, check_dim, check_integer, check_ndim, check_same_device, use_triton
+
+
+def _validate(queries, k_cache, block_table, length, key_limit) -> int:
+    """Check the inputs; return ``length`` as a Python int."""
+    check_ndim("queries", queries, 4, "[layers, n, q_heads, head_dim]")
+    check_ndim("k_cache", k_cache, 5, "[layers, num_blocks, block_size, kv_heads, head_dim]")
+    check_ndim("block_table", block_table, 1, "[nb]")
+    check_integer("block_table", block_table)
+    check_dim("queries", queries.shape[0], k_cache.shape[0], "layer count (dim 0)")
+    check_dim("queries", queries.shape[3], k_cache.shape[4], "head_dim (last dim)")
+    kv_heads = k_cache.shape[3]
+    check(
+        queries.shape[2] % kv_heads == 0,
+        f"queries' q_heads ({queries.shape[2]}) must be a multiple of k_cache's kv_heads ({kv_heads})",
+    )
+    try:
+        length = operator.index(length)
+    except TypeError:
+        raise ValueError(f"length must be an int, got {type(length).__name__}") from None
+    check(
+        0 <= length <= block_table.shape[0] * k_cache.shape[2],
+        f"length must be an int in [0, len(block_table) * block_size = "
+        f"{block_table.shape[0] * k_cache.shape[2]}], got {length!r}",
+    )
+    check_same_device("queries", queries, k_cache=k_cache, block_table=block_table)
+    if key_limit is not None:
+        check_ndim("key_limit", key_limit, 1, "[n]")
+        check_integer("key_limit", key_limit)
+        check_dim("key_limit", key_limit.shape[0], queries.shape[1], "length (queries n)")
+        check_same_device("queries", queries, key_limit=key_limit)
+    return length
+
+
+def _limits(key_limit, n: int, length: int, device) -> torch.Tensor:
+    """[n] int64 limits clamped to [0, length] (None means every query sees all keys)."""
+    if key_limit is None:
+        return torch.full((n,), length, dtype=torch.long, device=device)
+    return key_limit.long().clamp(0, length)
+
+
+def _masked_softmax(logits: torch.Tensor, limits: torch.Tensor) -> torch.Tensor:
+    """logits [layers, q_heads, n, length] with -inf past each limit -> probs, zero rows for limit 0."""
+    probs = torch.softmax(logits, dim=-1)
+    return probs.masked_fill_((limits == 0)[None, None, :, None], 0.0)
+
+
+def paged_query_probs_torch(queries, k_cache, block_table, length, key_limit, scale):
+    """Torch twin of :func:`paged_query_probs` (module docstring has the shapes).
+
+    Gathers the used pages of every layer at once and computes all layers' logits with one
+    batched matmul per query group (GQA without expanding the keys).
+    """
+    length = _validate(queries, k_cache, block_table, length, key_limit)
+    layers, n, q_heads, head_dim = queries.shape
+    block_size, kv_heads = k_cache.shape[2], k_cache.shape[3]
+    group = q_heads // kv_heads
+    limits = _limits(key_limit, n, length, queries.device)
+    pages = block_table[: -(-length // block_size)].long()
+    keys = k_cache[:, pages].flatten(1, 2)[:, :length].float()  # [layers, length, kv_heads, d]
+    q = queries.float().view(layers, n, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    logits = torch.matmul(q, keys.permute(0, 2, 3, 1).unsqueeze(2))  # [L, kvh, g, n, length]
+    logits = logits.reshape(layers, q_heads, n, length).mul_(float(scale))
+    hidden = torch.arange(length, device=queries.device)[None, :] >= limits[:, None]  # [n, length]
+    logits.masked_fill_(hidden[None, None], float("-inf"))
+    return _masked_softmax(logits, limits)
+
+
+def paged_query_probs_triton(queries, k_cache, block_table, length, key_limit, scale):
+    """Triton version of :func:`paged_query_probs` (same signature).
+
+    A Triton kernel writes the masked fp32 logits tile by tile (program = (layer x q head,
+    query tile, key tile), keys read through the block table); the softmax runs in torch.
+    """
+    length = _validate(queries, k_cache, block_table, length, key_limit)
+    from engine.kernels import _tl_attention_scores
+
+    limits = _limits(key_limit, queries.shape[1], length, queries.device)
+    logits = _tl_attention_scores.launch_logits(queries, k_cache, block_table, length, limits,
+                                                float(scale))
+    return _masked_softmax(logits, limits)
+
+
+def paged_query_probs(queries, k_cache, block_table, length, key_limit, scale):
+    """Softmax attention probabilities [layers, q_heads, n, length] in fp32 (module docstring).
+
+    Triton on CUDA, torch twin otherwise.
+    """
+    impl = paged_query_probs_triton if use_triton(queries) else paged_query_probs_torch
+    return impl(queries, k_cache, block_table, length, key_limit, scale)

@@ -1,0 +1,150 @@
+"""Compaction: move each (layer, KV head)'s kept slots, in order, onto common target slots.
+
+After a policy picks which tokens each (layer, kv head) keeps, compaction writes the i-th kept
+slot of every (layer, head) into the i-th target slot, so one block table and one physical
+length serve all heads (compressed PagedAttention, DESIGN.md "The engine's core model").
+
+``compact_slots(cache, src_slots, dst_slots, *, ordered=False)``, in place:
+
+    cache:     [layers, num_blocks, block_size, kv_heads, *rest]; rest is (head_dim,) for K/V or
+               () for a per-slot score cache
+    src_slots: [layers, kv_heads, K] int64 flat slots (block_id * block_size + offset); row
+               (l, h) lists the slots head h of layer l keeps, in the sequence's slot order
+    dst_slots: [K] int64 flat target slots, the same for every (layer, head); no repeats
+
+    cache[l, dst[i], h] <- old cache[l, src[l, h, i], h]   (flat-slot notation)
+
+The torch twin gathers every source row before scattering, so it is correct for any overlap
+between sources and targets. The Triton kernel (one program per (layer, head), copying tiles of
+rows in order, each tile loaded completely before it is stored) saves that temporary copy but
+is only correct under the
+
+Ordering precondition: for every (layer, head), no target dst[i] is the source src[l, h, j] of
+a later element j > i. Two engine cases satisfy it by construction:
+  * fresh target pages (targets and sources are disjoint), and
+  * in-place compaction to the front of the sequence's own pages, in sequence order, with the
+    sources sorted by sequence position: dst[i] is position i, and the source of any later
+    element j > i sits at position >= j > i, so it is never overwritten before it is read.
+``compact_slots_triton`` trusts the precondition. The dispatcher ``compact_slots`` runs Triton on
+CUDA only when the caller asserts ``ordered=True`` or :func:`has_order_hazard` (one vectorized
+sort + search on the device, one host sync) finds no violation; otherwise it uses the torch
+twin, which is always safe. On CPU the torch twin always runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.kernels._common import check, check_dim, check_integer, check_ndim, check_same_device, use_triton
+
+
+def _validate(cache, src_slots, dst_slots) -> None:
+    check(
+        isinstance(cache, torch.Tensor) and cache.dim() >= 4,
+        "cache must be a tensor [layers, num_blocks, block_size, kv_heads, *rest], got shape "
+        f"{tuple(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__}",
+    )
+    check_ndim("src_slots", src_slots, 3, "[layers, kv_heads, K]")
+    check_ndim("dst_slots", dst_slots, 1, "[K]")
+    check_integer("src_slots", src_slots)
+    check_integer("dst_slots", dst_slots)
+    check_dim("src_slots", src_slots.shape[0], cache.shape[0], "layer count (dim 0)")
+    check_dim("src_slots", src_slots.shape[1], cache.shape[3], "kv_heads (dim 1)")
+    check_dim("dst_slots", dst_slots.shape[0], src_slots.shape[2], "length (K of src_slots)")
+    check_same_device("cache", cache, src_slots=src_slots, dst_slots=dst_slots)
+
+
+def _rows_view(cache: torch.Tensor) -> torch.Tensor:
+    """View cache as [layers, num_blocks * block_size, kv_heads, R] (R = prod(rest), 1 if none)."""
+    layers, blocks, block_size, heads = cache.shape[:4]
+    try:
+        return cache.view(layers, blocks * block_size, heads, -1)
+    except RuntimeError as err:
+        raise ValueError(
+            f"cache (shape {tuple(cache.shape)}, strides {cache.stride()}) must be viewable as "
+            "[layers, num_blocks * block_size, kv_heads, -1]; pass a contiguous cache"
+        ) from err
+
+
+def _check_slot_range(name: str, slots: torch.Tensor, num_slots: int) -> None:
+    if slots.numel():
+        low, high = int(slots.min()), int(slots.max())
+        check(low >= 0 and high < num_slots,
+              f"{name} holds slots in [{low}, {high}], valid is [0, {num_slots - 1}]")
+
+
+def compact_slots_torch(cache, src_slots, dst_slots) -> None:
+    """Torch twin of :func:`compact_slots` (module docstring); safe for any overlap."""
+    _validate(cache, src_slots, dst_slots)
+    rows = _rows_view(cache)
+    _check_slot_range("src_slots", src_slots, rows.shape[1])
+    _check_slot_range("dst_slots", dst_slots, rows.shape[1])
+    layers, heads = rows.shape[0], rows.shape[2]
+    layer_idx = torch.arange(layers, device=cache.device)[:, None, None]
+    head_idx = torch.arange(heads, device=cache.device)[None, :, None]
+    kept = rows[layer_idx, src_slots.long(), head_idx]  # [layers, heads, K, R], a copy
+    rows[layer_idx, dst_slots.long()[None, None, :], head_idx] = kept
+
+
+def compact_slots_triton(cache, src_slots, dst_slots) -> None:
+    """Triton version of :func:`compact_slots` (same signature).
+
+    Requires the ordering precondition of the module docstring (not checked here); slot
+    values are not range-checked either (that would cost a host sync).
+    """
+    _validate(cache, src_slots, dst_slots)
+    from engine.kernels import _tl_compact
+
+    _tl_compact.launch(_rows_view(cache), src_slots, dst_slots)
+
+
+def has_order_hazard(src_slots: torch.Tensor, dst_slots: torch.Tensor) -> bool:
+    """True when some (layer, head) has dst[i] == src[l, h, j] for a j > i, i.e. when an
+    in-order copy would overwrite a source before reading it.
+
+    src_slots: [layers, kv_heads, K]; dst_slots: [K]. O(K log K) per (layer, head): sort each
+    row of sources, binary-search every target in it, compare the found source's index with
+    the target's. Returns a Python bool (one host sync on CUDA).
+    """
+    check_ndim("src_slots", src_slots, 3, "[layers, kv_heads, K]")
+    check_ndim("dst_slots", dst_slots, 1, "[K]")
+    check_dim("dst_slots", dst_slots.shape[0], src_slots.shape[2], "length (K of src_slots)")
+    k = dst_slots.shape[0]
+    if k == 0:
+        return False
+    sorted_src, order = src_slots.long().sort(dim=-1)
+    targets = dst_slots.long().expand_as(sorted_src).contiguous()
+    pos = torch.searchsorted(sorted_src, targets).clamp_(max=k - 1)
+    found = sorted_src.gather(-1, pos) == targets
+    later = order.gather(-1, pos) > torch.arange(k, device=dst_slots.device)
+    return bool((found & later).any())
+
+
+def _pick_impl(cache, src_slots, dst_slots, ordered: bool):
+    """The Triton kernel when it is both available (CUDA) and safe, else the torch twin."""
+    if use_triton(cache) and (ordered or not has_order_hazard(src_slots, dst_slots)):
+        return compact_slots_triton
+    return compact_slots_torch
+
+
+def compact_slots(cache, src_slots, dst_slots, *, ordered: bool = False) -> None:
+    """Compact kept slots in place (module docstring has shapes and the precondition).
+
+    On CUDA, Triton runs when ``ordered=True`` (the caller guarantees the ordering
+    precondition) or when :func:`has_order_hazard` finds none; otherwise, and on CPU, the
+    gather-then-scatter torch twin runs.
+    """
+    _pick_impl(cache, src_slots, dst_slots, ordered)(cache, src_slots, dst_slots)
+
+
+def compact_kv(k_cache, v_cache, src_slots, dst_slots, *, ordered: bool = False) -> None:
+    """:func:`compact_slots` on both caches [layers, num_blocks, block_size, kv_heads, head_dim]
+    with the same sources/targets; the implementation (and hazard check) is chosen once."""
+    check(
+        isinstance(v_cache, torch.Tensor) and k_cache.shape == v_cache.shape,
+        f"k_cache {tuple(k_cache.shape)} and v_cache "
+        f"{tuple(v_cache.shape) if isinstance(v_cache, torch.Tensor) else v_cache!r} differ",
+    )
+    impl = _pick_impl(k_cache, src_slots, dst_slots, ordered)
+    impl(k_cache, src_slots, dst_slots)
+    impl(v_cache, src_slots, dst_slots)

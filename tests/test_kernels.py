@@ -1,0 +1,446 @@
+"""Kernels: torch twins against naive loop references, Triton (interpreter) against the twins.
+
+The Triton kernels run under TRITON_INTERPRET=1 on CPU tensors, which is slow, so every shape
+here is tiny. Paged caches are built with shuffled block tables, -1 padding and spare pages of
+random garbage, so a kernel that reads the wrong page or past a length gets a wrong answer.
+"""
+
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import triton  # noqa: F401  (imported after the env var on purpose)
+
+from engine.kernels import (
+    compact_kv,
+    compact_slots,
+    compact_slots_torch,
+    compact_slots_triton,
+    has_order_hazard,
+    paged_decode_attention,
+    paged_decode_attention_torch,
+    paged_decode_attention_triton,
+    paged_prefill_attention,
+    paged_prefill_attention_torch,
+    paged_prefill_attention_triton,
+    paged_query_probs,
+    paged_query_probs_torch,
+    paged_query_probs_triton,
+    store_kv,
+    store_kv_torch,
+    store_kv_triton,
+)
+
+DTYPES = [torch.float32, torch.float16]
+# (q_heads, kv_heads): GQA and MQA.
+HEADS = [(4, 2), (4, 1)]
+# Twin vs fp64 loop reference, and Triton vs twin; fp16 errors come from output rounding.
+TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.float16: dict(atol=3e-3, rtol=1e-2)}
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _randn(gen, *shape, dtype=torch.float32):
+    return torch.randn(*shape, generator=gen).to(dtype)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def make_tables(lens, block_size, gen, spare_pages=3, spare_cols=1, dtype=torch.int32):
+    """Shuffled block tables [B, max_blocks] (-1 padded) covering `lens`, plus the page count."""
+    needed = [_cdiv(n, block_size) for n in lens]
+    num_blocks = sum(needed) + spare_pages
+    pages = torch.randperm(num_blocks, generator=gen).tolist()
+    table = torch.full((len(lens), max(needed) + spare_cols), -1, dtype=dtype)
+    for b, count in enumerate(needed):
+        table[b, :count] = torch.tensor([pages.pop() for _ in range(count)], dtype=dtype)
+    return table, num_blocks
+
+
+def slots_of(table_row, length, block_size):
+    """[(page, offset)] of physical positions 0..length-1 through one block-table row."""
+    return [(int(table_row[j // block_size]), j % block_size) for j in range(length)]
+
+
+def naive_attention(q_vec, keys, values, scale):
+    """q_vec [d], keys/values [n, d] -> [d], in fp64."""
+    logits = (keys.double() @ q_vec.double()) * scale
+    return torch.softmax(logits, 0) @ values.double()
+
+
+def naive_decode(q, k_cache, v_cache, tables, lens, scale):
+    batch, q_heads, head_dim = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    out = torch.zeros(batch, q_heads, head_dim, dtype=torch.float64)
+    for b in range(batch):
+        slots = slots_of(tables[b], int(lens[b]), block_size)
+        for h in range(q_heads):
+            kvh = h // (q_heads // kv_heads)
+            if slots:
+                keys = torch.stack([k_cache[p, o, kvh] for p, o in slots])
+                values = torch.stack([v_cache[p, o, kvh] for p, o in slots])
+                out[b, h] = naive_attention(q[b, h], keys, values, scale)
+    return out
+
+
+def naive_prefill(q, k_cache, v_cache, tables, base_lens, q_lens, scale):
+    batch, lq_max, q_heads, head_dim = q.shape
+    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    out = torch.zeros(batch, lq_max, q_heads, head_dim, dtype=torch.float64)
+    for b in range(batch):
+        for i in range(int(q_lens[b])):
+            slots = slots_of(tables[b], int(base_lens[b]) + i + 1, block_size)
+            for h in range(q_heads):
+                kvh = h // (q_heads // kv_heads)
+                keys = torch.stack([k_cache[p, o, kvh] for p, o in slots])
+                values = torch.stack([v_cache[p, o, kvh] for p, o in slots])
+                out[b, i, h] = naive_attention(q[b, i, h], keys, values, scale)
+    return out
+
+
+def assert_close(actual, expected, dtype):
+    torch.testing.assert_close(actual.double(), expected.double(), **TOL[dtype])
+
+
+# ----------------------------------------------------------------------------- store_kv
+
+def _store_case(dtype, seed=0):
+    gen = _gen(seed)
+    tokens, kv_heads, head_dim, blocks, block_size = 6, 2, 16, 4, 8
+    # key/value as strided slices of a fused qkv projection, as the model produces them.
+    qkv = _randn(gen, tokens, 3, kv_heads, head_dim, dtype=dtype)
+    key, value = qkv[:, 1], qkv[:, 2]
+    k_cache = _randn(gen, blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    v_cache = _randn(gen, blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    slots = torch.tensor([17, -1, 3, 31, -1, 8], dtype=torch.int64)
+    return key, value, k_cache, v_cache, slots
+
+
+def naive_store(key, value, k_cache, v_cache, slots):
+    k_cache, v_cache = k_cache.clone(), v_cache.clone()
+    block_size = k_cache.shape[1]
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            k_cache[slot // block_size, slot % block_size] = key[t]
+            v_cache[slot // block_size, slot % block_size] = value[t]
+    return k_cache, v_cache
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("impl", [store_kv_torch, store_kv_triton, store_kv], ids=["torch", "triton", "dispatch"])
+def test_store_kv_matches_loop_and_skips_minus_one(impl, dtype):
+    key, value, k_cache, v_cache, slots = _store_case(dtype)
+    want_k, want_v = naive_store(key, value, k_cache, v_cache, slots)
+    impl(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+def test_store_kv_writes_through_a_layer_view_of_the_full_cache():
+    key, value, _, _, slots = _store_case(torch.float32)
+    k_all = torch.zeros(3, 4, 8, 2, 16)
+    v_all = torch.zeros(3, 4, 8, 2, 16)
+    store_kv_torch(key, value, k_all[1], v_all[1], slots)
+    assert k_all[0].abs().sum() == 0 and k_all[2].abs().sum() == 0
+    assert torch.equal(k_all[1].view(-1, 2, 16)[17], key[0])
+    assert torch.equal(v_all[1].view(-1, 2, 16)[8], value[5])
+
+
+def test_store_kv_rejects_bad_input():
+    key, value, k_cache, v_cache, slots = _store_case(torch.float32)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        store_kv(key, value, k_cache, v_cache, slots[:4])
+    with pytest.raises(ValueError, match="slot_mapping"):
+        store_kv(key, value, k_cache, v_cache, torch.tensor([0, 1, 2, 3, 4, 64]))
+    with pytest.raises(ValueError, match="kv_heads, head_dim"):
+        store_kv(key[:, :1], value[:, :1], k_cache, v_cache, slots)
+
+
+# ----------------------------------------------------------------------------- decode
+
+def _decode_case(dtype, heads, seed, block_size=8, head_dim=16, lens=(37, 0, 9, 16)):
+    gen = _gen(seed)
+    q_heads, kv_heads = heads
+    tables, num_blocks = make_tables(lens, block_size, gen)
+    k_cache = _randn(gen, num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    v_cache = _randn(gen, num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    q = _randn(gen, len(lens), q_heads, head_dim, dtype=dtype)
+    return q, k_cache, v_cache, tables, torch.tensor(lens), head_dim**-0.5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", HEADS, ids=["gqa", "mqa"])
+def test_decode_torch_twin_matches_loop_reference(dtype, heads):
+    case = _decode_case(dtype, heads, seed=1)
+    out = paged_decode_attention_torch(*case)
+    assert out.dtype == dtype and out.shape == case[0].shape
+    assert_close(out, naive_decode(*case), dtype)
+    assert out[1].abs().max() == 0  # context length 0 -> zero row
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", HEADS, ids=["gqa", "mqa"])
+def test_decode_triton_matches_twin(dtype, heads):
+    case = _decode_case(dtype, heads, seed=2)
+    out = paged_decode_attention_triton(*case)
+    assert out.dtype == dtype
+    assert_close(out, paged_decode_attention_torch(*case), dtype)
+
+
+def test_decode_odd_block_size_and_head_dim_int64_tables():
+    # block_size 6 and head_dim 24 are not powers of two; the kernels must mask, not assume.
+    q, k_cache, v_cache, tables, lens, scale = _decode_case(
+        torch.float32, (6, 3), seed=3, block_size=6, head_dim=24, lens=(13, 1, 24))
+    tables = tables.long()
+    want = naive_decode(q, k_cache, v_cache, tables, lens, scale)
+    assert_close(paged_decode_attention_torch(q, k_cache, v_cache, tables, lens, scale), want, torch.float32)
+    assert_close(paged_decode_attention_triton(q, k_cache, v_cache, tables, lens, scale), want, torch.float32)
+
+
+def test_decode_dispatch_on_cpu_is_the_twin():
+    case = _decode_case(torch.float32, (4, 2), seed=4)
+    assert torch.equal(paged_decode_attention(*case), paged_decode_attention_torch(*case))
+
+
+def test_decode_rejects_bad_input():
+    q, k_cache, v_cache, tables, lens, scale = _decode_case(torch.float32, (4, 2), seed=5)
+    with pytest.raises(ValueError, match="multiple"):
+        paged_decode_attention(q[:, :3], k_cache, v_cache, tables, lens, scale)
+    with pytest.raises(ValueError, match="context_lens"):
+        paged_decode_attention(q, k_cache, v_cache, tables, lens[:2], scale)
+    with pytest.raises(ValueError, match="block_tables holds only"):
+        paged_decode_attention(q, k_cache, v_cache, tables, lens + 100, scale)
+    with pytest.raises(ValueError, match="integers"):
+        paged_decode_attention(q, k_cache, v_cache, tables.float(), lens, scale)
+
+
+# ----------------------------------------------------------------------------- prefill
+
+def _prefill_case(dtype, heads, seed, base=(20, 0, 3, 5), qlens=(5, 7, 0, 1), lq_max=7):
+    gen = _gen(seed)
+    q_heads, kv_heads = heads
+    block_size, head_dim = 8, 16
+    totals = [b + n for b, n in zip(base, qlens)]
+    tables, num_blocks = make_tables([max(t, 1) for t in totals], block_size, gen, dtype=torch.int64)
+    k_cache = _randn(gen, num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    v_cache = _randn(gen, num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    q = _randn(gen, len(base), lq_max, q_heads, head_dim, dtype=dtype)
+    return q, k_cache, v_cache, tables, torch.tensor(base), torch.tensor(qlens), head_dim**-0.5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", HEADS, ids=["gqa", "mqa"])
+def test_prefill_torch_twin_matches_loop_reference(dtype, heads):
+    case = _prefill_case(dtype, heads, seed=6)
+    out = paged_prefill_attention_torch(*case)
+    assert out.dtype == dtype and out.shape == case[0].shape
+    assert_close(out, naive_prefill(*case), dtype)
+    assert out[2].abs().max() == 0 and out[0, 5:].abs().max() == 0  # padded rows
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", HEADS, ids=["gqa", "mqa"])
+def test_prefill_triton_matches_twin(dtype, heads):
+    case = _prefill_case(dtype, heads, seed=7)
+    assert_close(paged_prefill_attention_triton(*case), paged_prefill_attention_torch(*case), dtype)
+
+
+def test_prefill_triton_several_query_tiles():
+    # 20 query rows span two 16-row tiles; base 9 puts the chunk mid-page.
+    case = _prefill_case(torch.float32, (4, 2), seed=8, base=(9, 0), qlens=(20, 17), lq_max=20)
+    assert_close(paged_prefill_attention_triton(*case), naive_prefill(*case), torch.float32)
+
+
+def test_prefill_last_row_equals_decode():
+    """The last query of a chunk sees exactly the keys a decode step with that length sees."""
+    q, k_cache, v_cache, tables, base, qlens, scale = _prefill_case(torch.float32, (4, 2), seed=9)
+    out = paged_prefill_attention(q, k_cache, v_cache, tables, base, qlens, scale)
+    rows = (qlens - 1).clamp(min=0)
+    last_q = q[torch.arange(q.shape[0]), rows]
+    decode = paged_decode_attention(last_q, k_cache, v_cache, tables, base + qlens, scale)
+    has_rows = qlens > 0
+    torch.testing.assert_close(out[torch.arange(q.shape[0]), rows][has_rows], decode[has_rows])
+
+
+def test_prefill_rejects_q_lens_beyond_rows():
+    q, k_cache, v_cache, tables, base, qlens, scale = _prefill_case(torch.float32, (4, 2), seed=10)
+    with pytest.raises(ValueError, match="Lq_max"):
+        paged_prefill_attention(q, k_cache, v_cache, tables, base, qlens + 7, scale)
+
+
+# ----------------------------------------------------------------------------- query probs
+
+def _probs_case(dtype, heads, seed, length=37, n=5, limits=(37, 30, 0, 1, 50)):
+    gen = _gen(seed)
+    q_heads, kv_heads = heads
+    layers, block_size, head_dim = 2, 8, 16
+    tables, num_blocks = make_tables([length], block_size, gen)
+    k_cache = _randn(gen, layers, num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    queries = _randn(gen, layers, n, q_heads, head_dim, dtype=dtype)
+    key_limit = None if limits is None else torch.tensor(limits)
+    return queries, k_cache, tables[0], length, key_limit, head_dim**-0.5
+
+
+def naive_probs(queries, k_cache, block_table, length, key_limit, scale):
+    layers, n, q_heads, _ = queries.shape
+    block_size, kv_heads = k_cache.shape[2], k_cache.shape[3]
+    slots = slots_of(block_table, length, block_size)
+    probs = torch.zeros(layers, q_heads, n, length, dtype=torch.float64)
+    for layer in range(layers):
+        for h in range(q_heads):
+            kvh = h // (q_heads // kv_heads)
+            keys = torch.stack([k_cache[layer, p, o, kvh] for p, o in slots]).double()
+            for i in range(n):
+                limit = length if key_limit is None else min(int(key_limit[i]), length)
+                if limit > 0:
+                    logits = keys[:limit] @ queries[layer, i, h].double() * scale
+                    probs[layer, h, i, :limit] = torch.softmax(logits, 0)
+    return probs
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", HEADS, ids=["gqa", "mqa"])
+@pytest.mark.parametrize("limits", [(37, 30, 0, 1, 50), None], ids=["limits", "all"])
+def test_query_probs_twin_and_triton(dtype, heads, limits):
+    case = _probs_case(dtype, heads, seed=11, limits=limits)
+    want = naive_probs(*case)
+    twin = paged_query_probs_torch(*case)
+    assert twin.dtype == torch.float32 and twin.shape == (2, heads[0], 5, 37)
+    # Probabilities are fp32 whatever the input dtype, so fp16 inputs stay close too.
+    torch.testing.assert_close(twin.double(), want, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(paged_query_probs_triton(*case), twin, atol=1e-5, rtol=1e-4)
+    assert torch.equal(paged_query_probs(*case), twin)
+
+
+def test_query_probs_rejects_bad_input():
+    queries, k_cache, table, length, limit, scale = _probs_case(torch.float32, (4, 2), seed=12)
+    with pytest.raises(ValueError, match="length"):
+        paged_query_probs(queries, k_cache, table, 10_000, limit, scale)
+    with pytest.raises(ValueError, match="key_limit"):
+        paged_query_probs(queries, k_cache, table, length, limit[:3], scale)
+    with pytest.raises(ValueError, match="layer count"):
+        paged_query_probs(queries[:1], k_cache, table, length, limit, scale)
+
+
+# ----------------------------------------------------------------------------- compaction
+
+def _compact_case(dtype, seed, rest=(16,), fresh=False):
+    """One sequence of 21 tokens on shuffled pages; each (layer, head) keeps 10 of them.
+
+    Targets are the first 10 positions of the sequence's own pages (in-place overlap) or the
+    first 10 positions of two fresh pages.
+    """
+    gen = _gen(seed)
+    layers, kv_heads, block_size, length, keep = 2, 3, 4, 21, 10
+    own = _cdiv(length, block_size)
+    pages = torch.randperm(own + 3, generator=gen)
+    own_pages, fresh_pages = pages[:own], pages[own:]
+    cache = _randn(gen, layers, own + 3, block_size, kv_heads, *rest, dtype=dtype)
+
+    def slot(page_list, pos):
+        return page_list[pos // block_size] * block_size + pos % block_size
+
+    positions = torch.stack([
+        torch.stack([torch.randperm(length, generator=gen)[:keep].sort().values for _ in range(kv_heads)])
+        for _ in range(layers)
+    ])  # [layers, kv_heads, keep], sorted by sequence position
+    src = slot(own_pages, positions)
+    target = fresh_pages if fresh else own_pages
+    dst = slot(target, torch.arange(keep))
+    return cache, src, dst
+
+
+def naive_compact(cache, src, dst):
+    old, new = cache.clone(), cache.clone()
+    layers, _, block_size, kv_heads = cache.shape[:4]
+    for layer in range(layers):
+        for h in range(kv_heads):
+            for i, d in enumerate(dst.tolist()):
+                s = int(src[layer, h, i])
+                new[layer, d // block_size, d % block_size, h] = old[layer, s // block_size, s % block_size, h]
+    return new
+
+
+COMPACT_IMPLS = [compact_slots_torch, compact_slots_triton, compact_slots]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fresh", [False, True], ids=["in_place", "fresh_pages"])
+@pytest.mark.parametrize("impl", COMPACT_IMPLS, ids=["torch", "triton", "dispatch"])
+def test_compact_kv_rows(impl, fresh, dtype):
+    cache, src, dst = _compact_case(dtype, seed=13, fresh=fresh)
+    want = naive_compact(cache, src, dst)
+    impl(cache, src, dst)
+    assert torch.equal(cache, want)
+
+
+@pytest.mark.parametrize("impl", COMPACT_IMPLS, ids=["torch", "triton", "dispatch"])
+def test_compact_score_cache_without_head_dim(impl):
+    cache, src, dst = _compact_case(torch.float32, seed=14, rest=())
+    assert cache.dim() == 4
+    want = naive_compact(cache, src, dst)
+    impl(cache, src, dst)
+    assert torch.equal(cache, want)
+
+
+def test_compact_triton_in_place_across_many_tiles():
+    """Tiles of 4 rows: a tile's targets overwrite sources of earlier tiles only."""
+    from engine.kernels import _tl_compact
+    from engine.kernels.compact import _rows_view
+
+    cache, src, dst = _compact_case(torch.float32, seed=15)
+    want = naive_compact(cache, src, dst)
+    _tl_compact.launch(_rows_view(cache), src, dst, block_k=4)
+    assert torch.equal(cache, want)
+
+
+def test_compact_kv_moves_both_caches():
+    k_cache, src, dst = _compact_case(torch.float16, seed=16)
+    v_cache = k_cache.clone() * 2
+    want_k, want_v = naive_compact(k_cache, src, dst), naive_compact(v_cache, src, dst)
+    compact_kv(k_cache, v_cache, src, dst)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+def test_order_hazard_detection():
+    _, src, dst = _compact_case(torch.float32, seed=17)
+    assert not has_order_hazard(src, dst)  # in place, in sequence order
+    _, src_f, dst_f = _compact_case(torch.float32, seed=17, fresh=True)
+    assert not has_order_hazard(src_f, dst_f)
+    # Writing slot 5 first while a later element still has to read slot 5: unsafe in order.
+    src_bad = torch.tensor([[[2, 5, 9]]])
+    dst_bad = torch.tensor([5, 6, 7])
+    assert has_order_hazard(src_bad, dst_bad)
+    cache = torch.arange(1 * 3 * 4 * 1, dtype=torch.float32).view(1, 3, 4, 1)
+    want = naive_compact(cache, src_bad, dst_bad)
+    compact_slots(cache, src_bad, dst_bad)  # CPU dispatch: the always-safe twin
+    assert torch.equal(cache, want)
+
+
+def test_compact_rejects_bad_input():
+    cache, src, dst = _compact_case(torch.float32, seed=18)
+    with pytest.raises(ValueError, match="dst_slots"):
+        compact_slots(cache, src, dst[:3])
+    with pytest.raises(ValueError, match="kv_heads"):
+        compact_slots(cache, src[:, :2], dst)
+    with pytest.raises(ValueError, match="src_slots holds slots"):
+        compact_slots(cache, src + 1000, dst)
+
+
+# ----------------------------------------------------------------------------- packaging
+
+def test_importing_kernels_does_not_import_triton():
+    root = Path(__file__).resolve().parents[1]
+    code = "import sys, engine.kernels; sys.exit(1 if 'triton' in sys.modules else 0)"
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(root)})
+    assert result.returncode == 0, result.stderr or "engine.kernels imported triton eagerly"
