@@ -1,0 +1,24 @@
+"""Benchmark tasks: a registry by name (``TASKS``, ``get_task``), prompts, per-task defaults.
+
+Registered: ``gsm8k``, ``math500``, ``amc23``, ``aime24``, ``livecodebench``, ``niah``, ``mixed``.
+"""
+
+from evals.tasks.base import (
+    MATH_SYSTEM_PROMPT,
+    SCALES,
+    TASKS,
+    HubSource,
+    LocalLayout,
+    Task,
+    TaskDefaults,
+    cpu_preset,
+    get_task,
+    register_task,
+)
+from evals.tasks import aime24, amc23, gsm8k, livecodebench, math500, mixed, niah  # noqa: F401  (registers)
+from evals.tasks.prompting import render_prompt, supports_thinking_switch
+
+__all__ = [
+    "TASKS", "get_task", "register_task", "Task", "TaskDefaults", "HubSource", "LocalLayout",
+    "SCALES", "cpu_preset", "MATH_SYSTEM_PROMPT", "render_prompt", "supports_thinking_switch",
+]

@@ -1,0 +1,65 @@
+"""Aggregate per-sample grades: accuracy (mean pass@1), extraction rate, unbiased pass@k."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+from math import comb
+from typing import Iterable, Sequence
+
+from evals.problem import GradeResult
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k for one problem: ``1 - C(n-c, k) / C(n, k)``.
+
+    ``n`` samples of which ``c`` are correct; requires ``1 <= k <= n``.
+    """
+    if not (0 <= c <= n):
+        raise ValueError(f"need 0 <= c <= n, got n={n}, c={c}")
+    if not (1 <= k <= n):
+        raise ValueError(f"pass@k needs 1 <= k <= n, got k={k}, n={n}")
+    if n - c < k:
+        return 1.0
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def summarize(
+    records: Iterable[tuple[str, GradeResult]], ks: Sequence[int] = (1,)
+) -> dict:
+    """Metrics over ``(problem uid, result)`` pairs, one pair per generated sample.
+
+    Returns ``samples``, ``problems``, ``accuracy`` (share of correct samples: the mean
+    pass@1 over all samples, as GrowPage reports), ``extraction_rate`` (share of samples
+    with an extracted answer/program), ``mean_score``, ``reasons`` (counts), and
+    ``pass@k`` for each k in ``ks``, averaged over the problems that have at least k
+    samples (``pass@k_problems`` says how many did).
+    """
+    per_problem: dict[str, list[GradeResult]] = defaultdict(list)
+    for uid, result in records:
+        per_problem[uid].append(result)
+    results = [r for rs in per_problem.values() for r in rs]
+    n = len(results)
+    out: dict = {
+        "samples": n,
+        "problems": len(per_problem),
+        "accuracy": sum(r.correct for r in results) / n if n else 0.0,
+        "extraction_rate": sum(r.answered for r in results) / n if n else 0.0,
+        "mean_score": sum(r.score for r in results) / n if n else 0.0,
+        "reasons": dict(Counter(r.reason for r in results)),
+    }
+    for k in ks:
+        eligible = [rs for rs in per_problem.values() if len(rs) >= k]
+        values = [pass_at_k(len(rs), sum(r.correct for r in rs), k) for rs in eligible]
+        out[f"pass@{k}"] = sum(values) / len(values) if values else None
+        out[f"pass@{k}_problems"] = len(values)
+    return out
+
+
+def summarize_by_task(
+    records: Iterable[tuple[str, GradeResult]], ks: Sequence[int] = (1,)
+) -> dict[str, dict]:
+    """:func:`summarize` per source task (the uid prefix before ``/``), e.g. for the mixed workload."""
+    groups: dict[str, list[tuple[str, GradeResult]]] = defaultdict(list)
+    for uid, result in records:
+        groups[uid.split("/", 1)[0]].append((uid, result))
+    return {task: summarize(rs, ks) for task, rs in sorted(groups.items())}

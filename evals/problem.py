@@ -1,0 +1,126 @@
+"""Records shared by tasks, graders and the runner: one problem, a loaded problem set, one grade.
+
+A task turns data rows into :class:`Problem` records; every problem names the grader that
+judges it (``problem.grader``), so an output can be graded without knowing which task (or
+which part of the mixed workload) produced it.  Everything here is plain data and pickles,
+because grading happens in worker processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Mapping
+
+
+class DataUnavailableError(RuntimeError):
+    """Neither the hub dataset nor local data could be read; the message says what was tried."""
+
+
+class RowError(ValueError):
+    """A data row is malformed; the loader skips it and records the reason."""
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One benchmark question.
+
+    Fields:
+        uid: unique across tasks, ``"<task>/<id>"`` (e.g. ``"gsm8k/17"``, ``"niah/L1024_D50"``).
+        task: the task the problem comes from (for the mixed workload: the source task).
+        question: the problem statement shown to the model (NIAH: the question after the document).
+        gold: the reference answer as text (``None`` where tests decide, as for code).
+        grader: name in ``evals.grading.GRADERS`` that judges outputs for this problem.
+        samples: generations this workload asks for this problem; ``None`` means the task's
+            default (or the runner's ``--samples``).  The mixed workload sets it per source.
+        meta: task-specific data, e.g. code tests and starter code, or NIAH's context,
+            length and depth.  Values are JSON-serialisable.
+    """
+
+    uid: str
+    task: str
+    question: str
+    gold: str | None
+    grader: str
+    samples: int | None = None
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+    def with_samples(self, samples: int | None) -> "Problem":
+        return dataclasses.replace(self, samples=samples)
+
+
+@dataclass(frozen=True)
+class SkippedRow:
+    """A row the loader could not use: where it was and why."""
+
+    source: str
+    index: int
+    reason: str
+
+
+@dataclass
+class ProblemSet:
+    """The problems a task loaded, with the rows it skipped and where the data came from.
+
+    Iterable and indexable like a list of problems.  ``skipped`` lists malformed rows (each
+    also reported once through ``warnings.warn`` by the loader), so a run can record them.
+    """
+
+    task: str
+    source: str
+    problems: list[Problem]
+    skipped: list[SkippedRow] = field(default_factory=list)
+
+    def __iter__(self) -> Iterator[Problem]:
+        return iter(self.problems)
+
+    def __len__(self) -> int:
+        return len(self.problems)
+
+    def __getitem__(self, i: int) -> Problem:
+        return self.problems[i]
+
+
+@dataclass(frozen=True)
+class GradeResult:
+    """The verdict on one output.
+
+    Fields:
+        correct: the output counts as solved.
+        score: in [0, 1]; 1.0/0.0 for exact-answer tasks, graded for NIAH, the fraction of
+            passed tests for code (``correct`` still needs every test).
+        extracted: the answer (or code) found in the output; ``None`` when nothing could be
+            extracted.  The extraction rate is the share of outputs with ``extracted`` set.
+        reason: why, one word: ``correct``, ``wrong_answer``, ``no_answer``, ``timeout``,
+            ``error``; for code also ``no_code`` and the first failing test's status
+            (``runtime_error``, ``compile_error``, ``memory``, ``killed``, ``output_limit``...).
+        details: grader-specific extras (per-test results, which extractor matched, ...).
+    """
+
+    correct: bool
+    score: float
+    extracted: str | None
+    reason: str
+    details: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def answered(self) -> bool:
+        return self.extracted is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "correct": self.correct,
+            "score": self.score,
+            "extracted": self.extracted,
+            "reason": self.reason,
+            "details": dict(self.details),
+        }
+
+
+def config_from_mapping(cls: type, values: Mapping[str, Any], what: str):
+    """Build dataclass ``cls`` from ``values``; unknown keys are an error naming the valid ones."""
+    names = {f.name for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(values) - names)
+    if unknown:
+        raise ValueError(f"unknown {what} option(s) {unknown}; valid options: {sorted(names)}")
+    return cls(**values)

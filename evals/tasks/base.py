@@ -1,0 +1,337 @@
+"""Task interface, per-task run defaults, data loading (hub or local files), the task registry.
+
+A task knows where its data lives (a hub dataset id, or a local file/directory in the
+formats of ``/work/shared/data``), how to turn a data row into a :class:`Problem`, which
+chat messages to send for a problem, and which grader judges it.  It knows nothing of the
+engine.  A runner does::
+
+    task = get_task("gsm8k")                     # or get_task("mixed", factor=0.125)
+    problems = task.load(data=args.data, limit=args.limit, tokenizer=tok)
+    defaults = task.defaults("cpu")              # samples, max_tokens, kv_budget, ...
+    prompt = render_prompt(tok, task.messages(p), thinking=args.thinking)
+    result = task.grade(output_text, p)          # or evals.grading.grade_many(pairs)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import warnings
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Iterator, Mapping, Sequence
+
+from evals.grading.base import get_grader
+from evals.problem import (
+    DataUnavailableError,
+    GradeResult,
+    Problem,
+    ProblemSet,
+    RowError,
+    SkippedRow,
+    config_from_mapping,
+)
+
+MATH_SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
+
+SCALES = ("paper", "cpu")
+
+
+@dataclass(frozen=True)
+class TaskDefaults:
+    """Run defaults for one task at one scale.
+
+    Fields:
+        samples: generations per question (pass@1 is averaged over them).
+        max_tokens: maximum output length.
+        kv_budget: per-request KV capacity (tokens) for fixed-budget policies; ``None`` when
+            the workload has no single budget (the mixed workload sweeps several).
+        block_size: KV page size the budgets are meant for.
+        temperature: sampling temperature (0 = greedy).
+    """
+
+    samples: int
+    max_tokens: int
+    kv_budget: int | None
+    block_size: int
+    temperature: float = 0.6
+
+    def __post_init__(self) -> None:
+        for name in ("samples", "max_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"TaskDefaults.{name} must be >= 1, got {getattr(self, name)!r}")
+        if self.kv_budget is not None and self.kv_budget < 1:
+            raise ValueError(f"TaskDefaults.kv_budget must be >= 1 or None, got {self.kv_budget!r}")
+        if self.temperature < 0:
+            raise ValueError(f"TaskDefaults.temperature must be >= 0, got {self.temperature!r}")
+
+
+# The CPU preset divides every length-like default by 8 (block 256 -> 32, budget 4096 -> 512,
+# 8192 -> 1024, output 16384 -> 2048) and caps outputs at 2048 tokens: the DESIGN "Scale"
+# preset (block 32, budgets 256-1024, outputs 1-2k) for a 135M model on 2 cores.
+CPU_DIVISOR = 8
+CPU_MAX_TOKENS_CAP = 2048
+
+
+def cpu_preset(paper: TaskDefaults) -> TaskDefaults:
+    """The CPU-scale preset derived from a paper-scale one (see ``CPU_DIVISOR``)."""
+    return dataclasses.replace(
+        paper,
+        samples=max(1, paper.samples // CPU_DIVISOR),
+        max_tokens=min(CPU_MAX_TOKENS_CAP, max(1, paper.max_tokens // CPU_DIVISOR)),
+        kv_budget=None if paper.kv_budget is None else max(1, paper.kv_budget // CPU_DIVISOR),
+        block_size=max(1, paper.block_size // CPU_DIVISOR),
+    )
+
+
+@dataclass(frozen=True)
+class HubSource:
+    """Where ``datasets.load_dataset`` finds a task: ``load_dataset(path, name, split=split, **kwargs)``."""
+
+    path: str
+    name: str | None = None
+    split: str = "test"
+    kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    def describe(self, path: str | None = None) -> str:
+        parts = [repr(path or self.path)]
+        if self.name:
+            parts.append(f"config {self.name!r}")
+        parts.append(f"split {self.split!r}")
+        parts += [f"{k}={v!r}" for k, v in self.kwargs.items()]
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class LocalLayout:
+    """Where a task's file sits in a local data directory.
+
+    ``folder``: its folder under a data root (``<root>/<folder>/<file>``); ``files``: file
+    names or glob patterns tried in order; ``fields``: the row fields, for error messages.
+    """
+
+    folder: str
+    files: tuple[str, ...]
+    fields: str
+
+
+_HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+TASKS: dict[str, type["Task"]] = {}
+
+
+def register_task(name: str):
+    """Class decorator: make a task available as ``TASKS[name]`` / ``get_task(name)``."""
+
+    def deco(cls: type["Task"]) -> type["Task"]:
+        if name in TASKS:
+            raise ValueError(f"task {name!r} is already registered by {TASKS[name].__name__}")
+        cls.name = name
+        TASKS[name] = cls
+        return cls
+
+    return deco
+
+
+def get_task(name: str, **options: Any) -> "Task":
+    """The task registered as ``name``, configured by ``options`` (its dataclass fields)."""
+    if name not in TASKS:
+        raise KeyError(f"unknown task {name!r}; known tasks: {sorted(TASKS)}")
+    return config_from_mapping(TASKS[name], options, f"task {name!r}")
+
+
+class Task(ABC):
+    """A benchmark.  Subclasses are dataclasses (their fields are task options) and set:
+
+    ``grader`` (name in ``evals.grading.GRADERS``), ``hub`` (``HubSource`` or ``None``),
+    ``local`` (``LocalLayout``), ``paper_defaults`` (GrowPage Table 5 values) and, if the
+    derived one does not fit, ``cpu_defaults``.
+    """
+
+    name: ClassVar[str] = ""
+    grader: ClassVar[str] = ""
+    hub: ClassVar[HubSource | None] = None
+    local: ClassVar[LocalLayout]
+    paper_defaults: ClassVar[TaskDefaults]
+    cpu_defaults: ClassVar[TaskDefaults | None] = None
+
+    # -------------------------------------------------------------- defaults
+
+    def defaults(self, scale: str = "cpu") -> TaskDefaults:
+        """Run defaults at ``scale``: ``"paper"`` (GrowPage Table 5) or ``"cpu"`` (small preset)."""
+        if scale == "paper":
+            return self.paper_defaults
+        if scale == "cpu":
+            return self.cpu_defaults or cpu_preset(self.paper_defaults)
+        raise ValueError(f"unknown scale {scale!r}; valid scales: {list(SCALES)}")
+
+    # -------------------------------------------------------------- prompts and grading
+
+    @abstractmethod
+    def messages(self, problem: Problem) -> list[dict[str, str]]:
+        """Chat messages (``[{"role": ..., "content": ...}, ...]``) asking ``problem``."""
+
+    def grade(self, output: str, problem: Problem) -> GradeResult:
+        """Judge one output in this process (for many outputs use ``evals.grading.grade_many``)."""
+        return get_grader(problem.grader).grade(output, problem)
+
+    # -------------------------------------------------------------- loading
+
+    @abstractmethod
+    def row_to_problem(self, row: Mapping[str, Any], index: int) -> Problem:
+        """One data row (local or hub) -> a problem; raise ``RowError`` if the row is malformed."""
+
+    def load(
+        self,
+        data: str | Path | None = None,
+        *,
+        limit: int | None = None,
+        tokenizer: Any = None,
+    ) -> ProblemSet:
+        """Load problems from ``data`` (a local file, a directory, or a hub id) or, if ``None``,
+        from the task's hub dataset.
+
+        Malformed rows are skipped; they are listed in ``ProblemSet.skipped`` and reported
+        with one ``warnings.warn``.  ``limit`` keeps the first ``limit`` usable problems.
+        Raises ``DataUnavailableError`` saying what was tried when no data can be read.
+        """
+        if limit is not None and limit < 1:
+            raise ValueError(f"limit must be >= 1 or None, got {limit!r}")
+        rows, source = self.read_rows(data)
+        problems: list[Problem] = []
+        skipped: list[SkippedRow] = []
+        seen: set[str] = set()
+        for index, row in rows:
+            if isinstance(row, RowError):
+                skipped.append(SkippedRow(source, index, str(row)))
+                continue
+            try:
+                if not isinstance(row, Mapping):
+                    raise RowError(f"row is a {type(row).__name__}, not a JSON object")
+                problem = self.row_to_problem(row, index)
+                if problem.uid in seen:
+                    raise RowError(f"duplicate id {problem.uid!r}")
+            except RowError as e:
+                skipped.append(SkippedRow(source, index, str(e)))
+                continue
+            seen.add(problem.uid)
+            problems.append(problem)
+            if limit is not None and len(problems) >= limit:
+                break
+        report_skipped(self.name, source, skipped)
+        if not problems:
+            raise DataUnavailableError(
+                f"task {self.name!r}: no usable rows in {source} ({len(skipped)} skipped; "
+                f"expected rows with {self.local.fields})"
+            )
+        return ProblemSet(task=self.name, source=source, problems=problems, skipped=skipped)
+
+    def read_rows(self, data: str | Path | None) -> tuple[Iterator[tuple[int, Any]], str]:
+        """``(rows, source description)``; rows are ``(index, dict | RowError)``."""
+        if data is not None and Path(data).exists():
+            path = self.resolve_local(Path(data))
+            return read_rows_file(path), str(path)
+        if data is not None and not _HUB_ID_RE.match(str(data)):
+            raise DataUnavailableError(
+                f"task {self.name!r}: --data {str(data)!r} does not exist. {self.how_to_pass_data()}"
+            )
+        return self.read_hub(None if data is None else str(data))
+
+    def read_hub(self, hub_id: str | None) -> tuple[Iterator[tuple[int, Any]], str]:
+        if self.hub is None and hub_id is None:
+            raise DataUnavailableError(f"task {self.name!r} has no hub dataset. {self.how_to_pass_data()}")
+        hub = self.hub or HubSource(path=hub_id or "")
+        path = hub_id or hub.path
+        tried = f"the hub dataset {hub.describe(path)}"
+        try:
+            import datasets
+
+            ds = datasets.load_dataset(path, hub.name, split=hub.split, **dict(hub.kwargs))
+        except Exception as e:  # offline, unknown id, script datasets, ...: all mean "not here"
+            given = "no local data was given" if hub_id is None else f"--data {hub_id!r} is not a local path"
+            raise DataUnavailableError(
+                f"task {self.name!r}: could not load {tried} ({type(e).__name__}: {e}); {given}. "
+                f"{self.how_to_pass_data()}"
+            ) from e
+        return ((i, row) for i, row in enumerate(ds)), f"hub:{path}"
+
+    def how_to_pass_data(self) -> str:
+        files = " or ".join(self.local.files)
+        return (
+            f"Pass local data with --data PATH: a {files} file (JSON lines with {self.local.fields}), "
+            f"or a directory holding it directly or as {self.local.folder}/{self.local.files[0]} "
+            f"(e.g. the offline copies in /work/shared/data)."
+        )
+
+    def resolve_local(self, path: Path) -> Path:
+        """The data file for this task at ``path`` (a file, its folder, or a data root)."""
+        if path.is_file():
+            return path
+        tried: list[str] = []
+        for base in (path, path / self.local.folder):
+            for pattern in self.local.files:
+                tried.append(str(base / pattern))
+                matches = sorted(p for p in base.glob(pattern) if p.is_file())
+                if matches:
+                    return matches[0]
+        raise DataUnavailableError(
+            f"task {self.name!r}: no data file in directory {str(path)!r}; tried {tried}. "
+            f"{self.how_to_pass_data()}"
+        )
+
+
+def report_skipped(task: str, source: str, skipped: Sequence[SkippedRow], what: str = "row") -> None:
+    """One warning for all skipped rows (or files) of a load, naming the first and why."""
+    if skipped:
+        first = skipped[0]
+        where = f"row {first.index}" if what == "row" else first.source
+        warnings.warn(
+            f"task {task!r}: skipped {len(skipped)} malformed {what}(s) in {source}; "
+            f"first: {where}: {first.reason}",
+            stacklevel=3,
+        )
+
+
+def read_rows_file(path: Path) -> Iterator[tuple[int, Any]]:
+    """Rows of a ``.jsonl`` file (one JSON object per line; blank lines ignored) or of a
+    ``.json`` file holding a list of objects.  Unparseable lines come back as ``RowError``."""
+    if path.suffix == ".json":
+        try:
+            rows = json.loads(path.read_text(encoding="utf-8"))
+        except ValueError as e:
+            raise DataUnavailableError(f"{path} is not valid JSON: {e}") from e
+        if not isinstance(rows, list):
+            raise DataUnavailableError(f"{path} must hold a JSON list of rows, found {type(rows).__name__}")
+        yield from enumerate(rows)
+        return
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for index, line in enumerate(f):
+            if not line.strip():
+                continue
+            try:
+                yield index, json.loads(line)
+            except ValueError as e:
+                yield index, RowError(f"invalid JSON: {e}")
+
+
+# ------------------------------------------------------------------ row helpers
+
+
+def text_field(row: Mapping[str, Any], *names: str) -> str:
+    """The first of ``names`` present in ``row`` as a non-empty string; else ``RowError``."""
+    for name in names:
+        value = row.get(name)
+        if isinstance(value, str) and value.strip():
+            return value
+    raise RowError(f"missing or empty text field {' / '.join(repr(n) for n in names)}")
+
+
+def row_id(row: Mapping[str, Any], index: int, *names: str) -> str:
+    """The row's id from the first present field of ``names``, else its index in the file."""
+    for name in names:
+        value = row.get(name)
+        if value is not None and str(value).strip():
+            return str(value).strip()
+    return str(index)

@@ -1,0 +1,355 @@
+"""Task registry, defaults, loaders (fixtures in tests/fixtures/data), prompts, NIAH."""
+
+import base64
+import json
+import os
+import pickle
+import re
+import shutil
+import warnings
+import zlib
+from pathlib import Path
+
+# Never wait on the network: datasets/huggingface_hub read these at import time.
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_DATASETS_OFFLINE"] = "1"
+
+import pytest
+
+from evals.niah import Haystack, Needle, lcs_recall, score_answer, scores_to_grid, split_sentences
+from evals.problem import DataUnavailableError
+from evals.tasks import MATH_SYSTEM_PROMPT, TASKS, get_task, render_prompt
+from evals.tasks.livecodebench import decode_tests, function_name
+from evals.tasks.mixed import CPU_FACTOR
+
+DATA = Path(__file__).parent / "fixtures" / "data"
+
+
+@pytest.fixture
+def offline_hub(monkeypatch, tmp_path):
+    """Hub access that fails fast (offline, empty cache), whatever was imported before."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    import datasets
+    import huggingface_hub.constants as hub_constants
+
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "ds-cache"))
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path / "hub-cache"))
+
+
+class WordTokenizer:
+    """A deterministic stand-in tokenizer: one token per word or punctuation mark."""
+
+    def encode(self, text, add_special_tokens=True):
+        return re.findall(r"\w+|[^\w\s]", text)
+
+
+# --------------------------------------------------------------------------- registry/defaults
+
+
+def test_registry():
+    assert set(TASKS) == {"gsm8k", "math500", "amc23", "aime24", "livecodebench", "niah", "mixed"}
+    with pytest.raises(KeyError, match="known tasks"):
+        get_task("gsm9k")
+    with pytest.raises(ValueError, match="unknown task 'mixed' option"):
+        get_task("mixed", scale=2)
+    with pytest.raises(ValueError, match="factor"):
+        get_task("mixed", factor=0)
+
+
+@pytest.mark.parametrize(
+    "name, samples, max_tokens, budget",
+    [("amc23", 32, 16384, 4096), ("aime24", 32, 32768, 4096), ("math500", 8, 16384, 4096),
+     ("gsm8k", 4, 16384, 4096), ("livecodebench", 8, 16384, 8192)],
+)
+def test_paper_defaults_match_table5(name, samples, max_tokens, budget):
+    d = get_task(name).defaults("paper")
+    assert (d.samples, d.max_tokens, d.kv_budget, d.block_size, d.temperature) == (samples, max_tokens, budget, 256, 0.6)
+
+
+def test_cpu_preset():
+    d = get_task("gsm8k").defaults("cpu")
+    assert (d.block_size, d.kv_budget, d.max_tokens, d.samples) == (32, 512, 2048, 1)
+    assert get_task("livecodebench").defaults("cpu").kv_budget == 1024
+    assert get_task("aime24").defaults("cpu").max_tokens == 2048  # capped
+    assert get_task("niah").defaults("cpu").temperature == 0.0
+    with pytest.raises(ValueError, match="valid scales"):
+        get_task("gsm8k").defaults("gpu")
+    for name in TASKS:
+        for scale in ("paper", "cpu"):
+            d = get_task(name).defaults(scale)
+            assert d.kv_budget is None or 256 <= d.kv_budget <= 8192
+
+
+# --------------------------------------------------------------------------- loaders
+
+
+def _load(name, data, task=None, **kw):
+    """Load, returning (problems, warning messages) so tests can check the skipped-row report."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ps = (task or get_task(name)).load(data, **kw)
+    return ps, [str(w.message) for w in caught]
+
+
+def test_gsm8k_loader_skips_malformed_rows():
+    ps, warned = _load("gsm8k", DATA)  # a data root: finds gsm8k/test.jsonl
+    assert [p.gold for p in ps] == ["27", "1234", "180"]
+    assert [p.uid for p in ps] == ["gsm8k/0", "gsm8k/1", "gsm8k/6"]
+    reasons = {s.index: s.reason for s in ps.skipped}
+    assert set(reasons) == {2, 3, 5}
+    assert "invalid JSON" in reasons[2] and "####" in reasons[3] and "question" in reasons[5]
+    assert len(warned) == 1 and "skipped 3 malformed row(s)" in warned[0]
+    assert all(p.grader == "gsm8k" for p in ps)
+
+
+def test_loader_accepts_file_and_folder_and_limit():
+    by_file, _ = _load("gsm8k", DATA / "gsm8k" / "test.jsonl")
+    by_folder, _ = _load("gsm8k", DATA / "gsm8k")
+    assert [p.uid for p in by_file] == [p.uid for p in by_folder]
+    limited, _ = _load("gsm8k", DATA, limit=2)
+    assert len(limited) == 2
+
+
+def test_math500_aime_amc_loaders():
+    math500, _ = _load("math500", DATA)
+    assert [p.gold for p in math500] == [r"\frac{1}{2}", "[2,3]", "4"]  # "4" from the solution's box
+    assert math500[0].uid == "math500/test/prealgebra/1.json" and math500[0].meta["level"] == 1
+    assert len(math500.skipped) == 2
+    aime, _ = _load("aime24", DATA)
+    assert [p.gold for p in aime] == ["025", "204"]
+    assert sorted(s.reason.split()[0] for s in aime.skipped) == ["answer", "duplicate"]
+    amc, _ = _load("amc23", DATA)
+    assert [p.gold for p in amc] == ["27", "2.5"] and amc[1].question.startswith("What is half")
+    assert len(amc.skipped) == 1
+
+
+def test_livecodebench_loader():
+    ps, warned = _load("livecodebench", DATA)
+    assert [p.uid for p in ps] == ["livecodebench/9001_A", "livecodebench/9002"]
+    stdin, func = ps
+    assert stdin.meta["testtype"] == "stdin" and stdin.meta["fn_name"] is None
+    assert func.meta["testtype"] == "functional" and func.meta["fn_name"] == "pairWithSum"
+    assert func.meta["public_only"] and len(func.meta["tests"]) == 2
+    reasons = " | ".join(s.reason for s in ps.skipped)
+    assert "method name" in reasons and "no test cases" in reasons and "compressed form" in reasons
+    assert len(ps.skipped) == 3 and warned
+
+
+def test_livecodebench_compressed_private_tests_and_unsafe_pickles():
+    tests = [{"input": "1\n", "output": "1\n", "testtype": "stdin"}]
+    packed = base64.b64encode(zlib.compress(pickle.dumps(json.dumps(tests)))).decode()
+    assert decode_tests(packed, "private") == tests
+    evil = base64.b64encode(zlib.compress(pickle.dumps(os.getcwd))).decode()  # a global reference
+    with pytest.raises(Exception, match="compressed form"):
+        decode_tests(evil, "private")
+    assert function_name("# class TreeNode:\n#     def __init__(self, x):\nclass Solution:\n    def solve(self, a):") == "solve"
+
+
+def test_missing_data_gives_a_clear_error(offline_hub, tmp_path):
+    with pytest.raises(DataUnavailableError) as e:
+        get_task("gsm8k").load()
+    msg = str(e.value)
+    assert "openai/gsm8k" in msg and "--data" in msg and "test.jsonl" in msg
+    with pytest.raises(DataUnavailableError, match="does not exist"):
+        get_task("math500").load(tmp_path / "nowhere" / "test.jsonl")
+    with pytest.raises(DataUnavailableError, match="tried"):
+        get_task("aime24").load(tmp_path)  # an empty directory
+    with pytest.raises(DataUnavailableError, match="code_generation_lite"):
+        get_task("livecodebench").load()
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("not json\n")
+    with pytest.raises(DataUnavailableError, match="no usable rows"):
+        _load("amc23", empty)
+
+
+def test_hub_loading_calls_datasets(monkeypatch):
+    import datasets
+
+    calls = []
+
+    def fake_load_dataset(path, name=None, split=None, **kwargs):
+        calls.append((path, name, split, kwargs))
+        return [{"question": "What is 2+2?", "answer": "2+2=4\n#### 4"}]
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    ps = get_task("gsm8k").load()
+    assert calls[-1] == ("openai/gsm8k", "main", "test", {}) and ps.source == "hub:openai/gsm8k"
+    assert ps[0].gold == "4"
+    get_task("gsm8k").load("someone/gsm8k-copy")  # a hub id given as --data
+    assert calls[-1][0] == "someone/gsm8k-copy"
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: calls.append((a, k)) or [])
+    with pytest.raises(DataUnavailableError):
+        get_task("livecodebench").load()
+    assert calls[-1] == (("livecodebench/code_generation_lite", None), {"split": "test", "version_tag": "release_v1"})
+
+
+def test_mixed_workload(tmp_path):
+    paper = get_task("mixed")
+    assert [paper.multiplicity(t) for t in ("amc23", "aime24", "gsm8k")] == [32, 32, 1]
+    # The full Table 6 workload: 40*32 + 30*32 + 1319*1 = 3559 requests.
+    assert 40 * paper.multiplicity("amc23") + 30 * paper.multiplicity("aime24") + 1319 * paper.multiplicity("gsm8k") == 3559
+    small = get_task("mixed", factor=CPU_FACTOR)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the fixtures' malformed rows are tested above
+        ps = small.load(DATA)
+    by_task = {}
+    for p in ps:
+        by_task.setdefault(p.task, []).append(p.samples)
+    assert by_task == {"amc23": [4, 4], "aime24": [4, 4], "gsm8k": [1, 1, 1]}
+    assert {p.grader for p in ps} == {"amc", "aime", "gsm8k"}
+    assert get_task("mixed").messages(ps[0])[0]["content"] == MATH_SYSTEM_PROMPT
+    with pytest.raises(DataUnavailableError, match="data root"):
+        small.load(DATA / "gsm8k" / "test.jsonl")
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+def test_math_and_code_messages():
+    p = get_task("gsm8k").load(DATA, limit=1)[0]
+    msgs = get_task("gsm8k").messages(p)
+    assert msgs == [{"role": "system", "content": MATH_SYSTEM_PROMPT}, {"role": "user", "content": p.question}]
+    assert MATH_SYSTEM_PROMPT == "Please reason step by step, and put your final answer within \\boxed{}."
+    lcb = get_task("livecodebench")
+    stdin, func, *_ = _load("livecodebench", DATA)[0]
+    user = lcb.messages(stdin)[1]["content"]
+    assert user.startswith("### Question:\n") and "standard input" in user and "# YOUR CODE HERE" in user
+    assert user.rstrip().endswith("### Answer: (use the provided format with backticks)")
+    user = lcb.messages(func)[1]["content"]
+    assert "def pairWithSum(self" in user and "```python\nclass Solution:" in user
+
+
+class FakeTokenizer:
+    def __init__(self, template):
+        self.chat_template = template
+        self.calls = []
+
+    def apply_chat_template(self, messages, tokenize=True, add_generation_prompt=False, **kw):
+        self.calls.append(dict(tokenize=tokenize, add_generation_prompt=add_generation_prompt, **kw))
+        return "|".join(m["content"] for m in messages) + ("<think>" if kw.get("enable_thinking") else "")
+
+
+def test_render_prompt_thinking_switch():
+    msgs = [{"role": "user", "content": "hi"}]
+    qwen = FakeTokenizer("{% if enable_thinking %}...{% endif %}")
+    assert render_prompt(qwen, msgs, thinking=True) == "hi<think>"
+    assert qwen.calls[-1] == {"tokenize": False, "add_generation_prompt": True, "enable_thinking": True}
+    render_prompt(qwen, msgs, thinking=False)
+    assert qwen.calls[-1]["enable_thinking"] is False
+    render_prompt(qwen, msgs)
+    assert "enable_thinking" not in qwen.calls[-1]
+    plain = FakeTokenizer("{{ messages }}")
+    with pytest.raises(ValueError, match="enable_thinking"):
+        render_prompt(plain, msgs, thinking=True)
+    render_prompt(plain, msgs, thinking=False)  # nothing to switch off: fine
+    assert "enable_thinking" not in plain.calls[-1]
+    with pytest.warns(UserWarning, match="no chat template"):
+        assert render_prompt(FakeTokenizer(None), msgs).endswith("assistant:")
+
+
+def test_render_prompt_with_a_real_transformers_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    core = Tokenizer(models.WordLevel({"[UNK]": 0, "hi": 1}, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    template = (
+        "{% for m in messages %}<{{ m.role }}>{{ m.content }}</{{ m.role }}>{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% if enable_thinking is defined and not enable_thinking %}"
+        "<think></think>{% endif %}{% endif %}"
+    )
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, unk_token="[UNK]", chat_template=template)
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}]
+    assert render_prompt(tok, msgs) == "<system>S</system><user>Q</user><assistant>"
+    assert render_prompt(tok, msgs, thinking=False).endswith("<assistant><think></think>")
+    assert render_prompt(tok, msgs, thinking=True).endswith("<assistant>")
+
+
+# --------------------------------------------------------------------------- NIAH
+
+
+def test_niah_grid_from_essays():
+    task = get_task("niah", lengths=(120, 200), depths=(0, 50, 100))
+    with pytest.warns(UserWarning, match="malformed file.*empty file"):  # LICENSE files ignored
+        ps = task.load(DATA / "niah", tokenizer=WordTokenizer())
+    assert [s.reason for s in ps.skipped] == ["empty file"]
+    assert len(ps) == 6 and ps[0].uid == "niah/L120_D0"
+    needle = task.needle.text
+    for p in ps:
+        ctx = p.meta["context"]
+        assert ctx.count(needle) == 1 and "Public domain" not in ctx
+        assert p.meta["prompt_tokens"] <= p.meta["context_length"]
+        assert p.meta["prompt_tokens"] >= p.meta["context_length"] - 30  # the budget is used
+        before = ctx[: ctx.index(needle)]
+        assert before == "" or re.search(r"[.!?]\s*$", before), "needle not at a sentence boundary"
+        assert p.gold == "lavender honey" and p.grader == "niah"
+    assert ps[0].meta["context"].startswith(needle)
+    assert ps[2].meta["context"].rstrip().endswith(needle)
+    assert 30 <= ps[1].meta["actual_depth_percent"] <= 50
+    msg = task.messages(ps[1])[0]["content"]
+    assert "<document>" in msg and task.needle.question in msg
+
+
+def test_niah_offline_fallback_and_errors(tmp_path):
+    task = get_task("niah", lengths=(300,), depths=(50,))
+    with pytest.warns(UserWarning, match="generated haystack"):
+        ps = task.load(None, tokenizer=WordTokenizer())
+    assert len(ps) == 1 and ps.source.startswith("synthetic")
+    assert "honey" not in ps[0].meta["context"].replace(task.needle.text, "")
+    with pytest.raises(ValueError, match="tokenizer"):
+        task.load(None)
+    with pytest.raises(DataUnavailableError, match="does not exist"):
+        task.load(tmp_path / "missing", tokenizer=WordTokenizer())
+    shutil.copy(DATA / "niah" / "essays" / "empty.txt", tmp_path / "only_empty.txt")
+    with pytest.raises(DataUnavailableError, match="no usable .txt"):
+        task.load(tmp_path, tokenizer=WordTokenizer())
+    with pytest.raises(ValueError, match="too small"), pytest.warns(UserWarning, match="generated"):
+        get_task("niah", lengths=(10,)).load(None, tokenizer=WordTokenizer())
+    with pytest.raises(ValueError, match="depths"):
+        get_task("niah", depths=(120,))
+
+
+def test_niah_short_haystack_is_repeated():
+    task = get_task("niah", lengths=(1500,), depths=(50,))
+    p = _load("niah", DATA / "niah", tokenizer=WordTokenizer(), task=task)[0][0]  # essays: ~250 tokens
+    assert 1400 <= p.meta["prompt_tokens"] <= 1500
+
+
+def test_niah_scoring_and_grid():
+    needle = Needle("The code word is blue falcon.", "What is the code word?", "blue falcon")
+    assert score_answer("It is Blue-Falcon!", needle) == (True, 1.0)
+    found, score = score_answer("Something blue, I think.", needle)
+    assert not found and score == 0.5
+    assert lcs_recall("a b c d", "a x c d") == 0.75
+    assert split_sentences("One. Two!Three?  Four") == ["One. ", "Two!", "Three?  ", "Four"]
+    grader = get_task("niah").grade
+    p = _load("niah", DATA / "niah", tokenizer=WordTokenizer(), task=get_task("niah", lengths=(200,), depths=(0,)))[0][0]
+    r = grader("<think>lavender? no...</think>A spoonful of lavender honey.", p)
+    assert r.correct and r.score == 1.0 and r.extracted == "A spoonful of lavender honey."
+    r = grader("<think>it is lavender honey</think>I don't know.", p)  # only the final answer counts
+    assert not r.correct
+    grid = scores_to_grid([
+        {"context_length": 512, "depth_percent": 0, "score": 1.0},
+        {"context_length": 512, "depth_percent": 0, "score": 0.0},
+        {"context_length": 1024, "depth_percent": 50, "score": 1.0},
+        (256, 50, 0.25),
+    ])
+    assert list(grid.columns) == [256, 512, 1024] and list(grid.index) == [0, 50]
+    assert grid.loc[0, 512] == 0.5 and grid.loc[50, 256] == 0.25
+    assert grid.isna().loc[0, 1024]
+    with pytest.raises(KeyError, match="lacks"):
+        scores_to_grid([{"context_length": 1, "score": 1}])
+
+
+def test_haystack_placement_unit():
+    hay = Haystack("Aa bb. Cc dd. Ee ff. Gg hh.", WordTokenizer(), max_tokens=100)
+    assert hay.total_tokens == 12
+    ctx, depth = hay.place(9, 50, "NEEDLE.")  # 3 sentences fit; halfway is after the first
+    assert ctx == "Aa bb. NEEDLE. Cc dd. Ee ff. " and depth == pytest.approx(100 / 3)
+    ctx, depth = hay.place(12, 100, "NEEDLE.")
+    assert ctx == "Aa bb. Cc dd. Ee ff. Gg hh. NEEDLE." and depth == 100
+    ctx, depth = hay.place(5, 0, "NEEDLE.")  # never less than one sentence
+    assert ctx == "NEEDLE. Aa bb. " and depth == 0
