@@ -10,6 +10,9 @@ engine.  A runner does::
     defaults = task.defaults("cpu")              # samples, max_tokens, kv_budget, ...
     prompt = render_prompt(tok, task.messages(p), thinking=args.thinking)
     result = task.grade(output_text, p)          # or evals.grading.grade_many(pairs)
+
+Samples per problem: ``p.samples`` when the workload sets it (the mixed workload does),
+else the runner's ``--samples``, else ``defaults.samples``.
 """
 
 from __future__ import annotations
