@@ -35,23 +35,19 @@ Defaults (paper/code -> here):
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from engine.config import ConfigError
 from engine.policies.base import (
-    Decision,
-    EngineSpec,
-    KVPolicy,
     PolicyView,
     SignalSpec,
     StageTimer,
     register_policy,
 )
+from engine.policies.fixed_budget import FixedBudgetPolicy
 from engine.policies.scoring import (
-    fallback_target,
     observation_queries,
     observation_scores,
     pool1d,
@@ -59,7 +55,6 @@ from engine.policies.scoring import (
     topk_keep,
 )
 
-DEFAULT_BUDGET_PAGES = 8  # 2048 tokens at the papers' block 256 (SnapKV's max_capacity_prompt)
 POOLING_MODES = ("max", "avg")
 
 
@@ -83,7 +78,7 @@ def snapkv_scores(queries: torch.Tensor, keys: torch.Tensor, key_limit: torch.Te
 
 @register_policy
 @dataclass
-class SnapKV(KVPolicy):
+class SnapKV(FixedBudgetPolicy):
     """Prompt + threshold-triggered decode compression with SnapKV scores (module docstring).
 
     budget: physical length after a compression (tokens). None: 8 pages of the engine's block.
@@ -93,17 +88,15 @@ class SnapKV(KVPolicy):
     """
 
     name = "snapkv"
+    boundary_reason = "threshold"
+    protected_label = "observation window"
 
-    budget: int | None = None
     window: int = 32
     pooling: str = "max"
     pooling_kernel: int = 7
     layer_stride: int = 8
 
     def __post_init__(self) -> None:
-        if self.budget is not None and self.budget <= 0:
-            raise ConfigError(
-                f"{self.name}: budget must be a positive number of tokens, got {self.budget}")
         if self.window < 1:
             raise ConfigError(f"{self.name}: window must be >= 1 recent queries, got {self.window}")
         if self.pooling not in POOLING_MODES:
@@ -114,52 +107,16 @@ class SnapKV(KVPolicy):
                 f"{self.name}: pooling_kernel must be an odd integer >= 1, got {self.pooling_kernel}")
         if self.layer_stride < 1:
             raise ConfigError(f"{self.name}: layer_stride must be >= 1, got {self.layer_stride}")
-        if self.budget is not None:
-            self._check_budget_covers_window()
+        self._check_budget()
 
-    def _check_budget_covers_window(self) -> None:
-        if self.budget <= self.window:
-            raise ConfigError(
-                f"{self.name}: budget ({self.budget}) must exceed the observation window "
-                f"({self.window}), which is always kept")
-
-    def bind(self, engine: EngineSpec) -> None:
-        super().bind(engine)
-        if self.budget is None:
-            self.budget = DEFAULT_BUDGET_PAGES * engine.block_size
-        self._check_budget_covers_window()
+    @property
+    def num_protected(self) -> int:
+        """The observation window: its queries score the rest, its slots are always kept."""
+        return self.window
 
     # -- signals -------------------------------------------------------------------------------
     def signals(self) -> SignalSpec:
         return SignalSpec(recent_queries=self.window)
-
-    @property
-    def cap_pages(self) -> int:
-        """Pages at the decode threshold: the first boundary at or above budget + one page."""
-        return math.ceil(self.budget / self.block_size) + 1
-
-    def max_pages(self, view: PolicyView) -> int | None:
-        return self.cap_pages
-
-    # -- decisions -----------------------------------------------------------------------------
-    def on_boundary(self, view: PolicyView) -> Decision:
-        if view.num_pages < self.cap_pages:
-            return Decision.grow()
-        keep = self.cap_pages if view.num_pages > self.cap_pages else None
-        return Decision.compress(self.budget, keep_pages=keep, reason="threshold",
-                                 budget=self.budget)
-
-    def fallback(self, view: PolicyView) -> Decision | None:
-        target = fallback_target(view.num_pages, view.block_size, self.window)
-        if target is None or target >= view.physical_len:
-            return None
-        return Decision.compress(target, reason="fallback", budget=self.budget)
-
-    def after_prefill(self, view: PolicyView, final: bool) -> Decision | None:
-        if not final or view.physical_len <= self.budget:
-            return None
-        return Decision.compress(self.budget, keep_pages=math.ceil(self.budget / self.block_size),
-                                 reason="prefill", budget=self.budget)
 
     # -- selection -----------------------------------------------------------------------------
     def scores(self, view: PolicyView) -> torch.Tensor:

@@ -46,17 +46,15 @@ import torch
 
 from engine.config import ConfigError
 from engine.policies.base import (
-    Decision,
     EngineSpec,
-    KVPolicy,
     PolicyView,
     SignalSpec,
     StageTimer,
     register_policy,
 )
+from engine.policies.fixed_budget import FixedBudgetPolicy
 from engine.policies.scoring import (
     decayed_max,
-    fallback_target,
     observation_queries,
     observation_scores,
     pool1d,
@@ -64,7 +62,6 @@ from engine.policies.scoring import (
     topk_keep,
 )
 
-DEFAULT_BUDGET_PAGES = 8  # Zipage's max_cache_blocks_per_seq
 
 
 @dataclass
@@ -104,7 +101,7 @@ def zipage_scores(queries: torch.Tensor, keys: torch.Tensor, key_limit: torch.Te
 
 @register_policy
 @dataclass
-class Zipage(KVPolicy):
+class Zipage(FixedBudgetPolicy):
     """Fixed per-request budget with Compress & Hold at the page cap (see the module docstring).
 
     budget: retained tokens after a compaction; a multiple of the block size. None: 8 pages.
@@ -117,7 +114,6 @@ class Zipage(KVPolicy):
 
     name = "zipage"
 
-    budget: int | None = None
     window: int = 16
     use_global_score: bool = True
     decay: float = 0.8
@@ -129,8 +125,6 @@ class Zipage(KVPolicy):
     layer_stride: int = 8
 
     def __post_init__(self) -> None:
-        if self.budget is not None and self.budget <= 0:
-            raise ConfigError(f"zipage: budget must be a positive number of tokens, got {self.budget}")
         if self.window < 1:
             raise ConfigError(f"zipage: window must be >= 1 recent queries, got {self.window}")
         if not 0.0 <= self.decay <= 1.0:
@@ -144,32 +138,25 @@ class Zipage(KVPolicy):
                 f"got {self.sink_len}")
         if self.layer_stride < 1:
             raise ConfigError(f"zipage: layer_stride must be >= 1, got {self.layer_stride}")
-        if self.budget is not None:
-            self._check_budget_covers_protected()
+        self._check_budget()
 
     @property
     def num_protected(self) -> int:
         return self.window + (self.sink_len if self.attention_sink else 0)
 
-    def _check_budget_covers_protected(self) -> None:
-        if self.budget <= self.num_protected:
-            raise ConfigError(
-                f"zipage: budget ({self.budget}) must exceed the protected tokens "
-                f"({self.num_protected} = window {self.window}"
-                f"{f' + sink_len {self.sink_len}' if self.attention_sink else ''})")
+    def describe_protected(self) -> str:
+        sink = f" + sink_len {self.sink_len}" if self.attention_sink else ""
+        return f"protected tokens ({self.num_protected} = window {self.window}{sink})"
 
     def bind(self, engine: EngineSpec) -> None:
         super().bind(engine)
         b = engine.block_size
-        if self.budget is None:
-            self.budget = DEFAULT_BUDGET_PAGES * b
         if self.budget % b:
             lower, upper = (self.budget // b) * b, (self.budget // b + 1) * b
             hint = f"{lower} or {upper}" if lower > 0 else f"{upper}"
             raise ConfigError(
                 f"zipage: budget ({self.budget}) must be a multiple of the page size {b} "
                 f"(e.g. {hint})")
-        self._check_budget_covers_protected()
 
     # -- signals and state ---------------------------------------------------------------------
     def signals(self) -> SignalSpec:
@@ -182,35 +169,6 @@ class Zipage(KVPolicy):
         # The re-prefilled request starts uncompressed: no persisted scores, pooling applies again.
         state.compressed = False
         state.scored_len = 0
-
-    @property
-    def cap_pages(self) -> int:
-        """Most pages a request holds: budget pages plus one write page."""
-        return self.budget // self.block_size + 1
-
-    def max_pages(self, view: PolicyView) -> int | None:
-        return self.cap_pages
-
-    # -- decisions -----------------------------------------------------------------------------
-    def on_boundary(self, view: PolicyView) -> Decision:
-        if view.num_pages < self.cap_pages:
-            return Decision.grow()
-        # Hold the pages (one write page stays free); a request somehow above the cap gives back
-        # the excess.
-        keep = self.cap_pages if view.num_pages > self.cap_pages else None
-        return Decision.compress(self.budget, keep_pages=keep, reason="budget", budget=self.budget)
-
-    def fallback(self, view: PolicyView) -> Decision | None:
-        target = fallback_target(view.num_pages, view.block_size, self.num_protected)
-        if target is None or target >= view.physical_len:
-            return None
-        return Decision.compress(target, reason="fallback", budget=self.budget)
-
-    def after_prefill(self, view: PolicyView, final: bool) -> Decision | None:
-        if not final or view.physical_len <= self.budget:
-            return None
-        return Decision.compress(self.budget, keep_pages=self.budget // self.block_size,
-                                 reason="prefill", budget=self.budget)
 
     # -- selection -----------------------------------------------------------------------------
     def select(self, view: PolicyView, target_len: int, timer: StageTimer) -> torch.Tensor:
