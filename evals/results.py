@@ -1,0 +1,379 @@
+"""Result directories: layout, per-sample JSONL (written as samples finish), resume, metrics.
+
+Layout of one run (one model x task x policy configuration)::
+
+    <out>/<model>/<task>/<label>/
+        config.json     every setting of the run (written before the first sample)
+        samples.jsonl   one JSON object per finished sample, appended and flushed as it finishes
+        segments.jsonl  one line per invocation (a resumed run has several): engine wall time,
+                        tokens, run statistics (None for an interrupted segment)
+        metrics.json    the aggregate, rewritten at the end of every invocation
+        niah_heatmap.png (task niah only)
+
+``<label>`` is the policy name plus the policy arguments given on the command line, sorted,
+e.g. ``full``, ``zipage``, ``zipage+budget=256``, ``growpage-shrink+min_capacity=128+tau=0.001``.
+Values filled in from the task's defaults (the fixed KV budget) are not part of the label, so one
+policy keeps one label across tasks whose budgets differ (as Zipage does in GrowPage's Table 1);
+``config.json`` holds the values actually used.
+
+Resume: a sample is identified by ``(uid, sample index)``. A run that finds ``samples.jsonl``
+skips the samples already there. The settings that change what a sample produces (``IDENTITY``)
+must match those in ``config.json``; otherwise the run stops with an error rather than mix two
+experiments in one file. ``--limit`` and ``--samples`` may change between invocations: metrics
+are computed over the samples the current invocation asks for.
+
+A line cut short by a crash (no trailing newline, or not JSON) is dropped and reported; a sample
+recorded twice keeps its first line.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import statistics
+import tempfile
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+from evals.grading.metrics import summarize
+from evals.problem import GradeResult
+
+CONFIG_FILE = "config.json"
+SAMPLES_FILE = "samples.jsonl"
+SEGMENTS_FILE = "segments.jsonl"
+METRICS_FILE = "metrics.json"
+NIAH_HEATMAP_FILE = "niah_heatmap.png"
+
+# Settings that change what a sample produces; a resumed run must match them exactly.
+IDENTITY = ("model", "task", "task_options", "data_source", "policy", "policy_args", "preset",
+            "max_tokens", "temperature", "seed", "thinking", "block_size")
+
+# Event kinds counted per sample (CapacityEvent.action values, plus fallback compressions).
+EVENT_KINDS = ("grow", "compress", "shrink", "fallback", "preempt", "prefill_compress",
+               "periodic_compress")
+
+
+class ResultsMismatchError(ValueError):
+    """A result directory holds a run with other settings than the one asked for."""
+
+
+SampleKey = tuple[str, int]
+
+
+# ------------------------------------------------------------------------------ names
+
+
+def slug(text: str) -> str:
+    """A file-name-safe version of ``text`` (letters, digits, ``._+=-`` kept)."""
+    out = re.sub(r"[^A-Za-z0-9._+=-]+", "_", str(text)).strip("_")
+    return out or "_"
+
+
+def model_slug(model: str) -> str:
+    """The model's directory name: the embedded default's name, or a path's last component
+    without a ``.gguf`` suffix."""
+    from engine.models.loader import DEFAULT_MODEL, EMBEDDED_MODEL_NAMES
+
+    if str(model).lower() in {n.lower() for n in EMBEDDED_MODEL_NAMES}:
+        return DEFAULT_MODEL
+    name = Path(str(model).rstrip("/")).name
+    if name.endswith(".gguf"):
+        name = name[: -len(".gguf")]
+    return slug(name)
+
+
+def format_value(value: Any) -> str:
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    if isinstance(value, (list, tuple)):
+        return ",".join(format_value(v) for v in value)
+    return str(value)
+
+
+def run_label(policy: str, args: Mapping[str, Any]) -> str:
+    """``policy`` plus ``+key=value`` for each given argument, sorted (see module docstring)."""
+    parts = [policy] + [f"{k}={format_value(v)}" for k, v in sorted(args.items())]
+    return slug("+".join(parts))
+
+
+def run_dir(out: str | Path, model: str, task: str, label: str) -> Path:
+    return Path(out) / model_slug(model) / slug(task) / label
+
+
+# ------------------------------------------------------------------------------ files
+
+
+def write_json(path: Path, obj: Any) -> None:
+    """Write atomically (temporary file + rename), so a crash never leaves half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=2, sort_keys=False, default=_json_default)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def read_json(path: Path) -> Any:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, (set, frozenset, tuple)):
+        return list(obj)
+    if isinstance(obj, Path):
+        return str(obj)
+    return repr(obj)
+
+
+def dumps_line(record: Mapping[str, Any]) -> str:
+    return json.dumps(record, ensure_ascii=False, default=_json_default) + "\n"
+
+
+@dataclass
+class LoadedSamples:
+    """Records read back from ``samples.jsonl``: by key, plus what was wrong with the file."""
+
+    records: dict[SampleKey, dict] = field(default_factory=dict)
+    dropped_lines: list[str] = field(default_factory=list)
+    duplicates: int = 0
+
+
+def load_samples(path: Path, repair: bool = True) -> LoadedSamples:
+    """Read ``samples.jsonl``. A last line without its newline (a write cut short) is dropped
+    and, with ``repair``, cut from the file so later appends start on a fresh line."""
+    loaded = LoadedSamples()
+    if not path.exists():
+        return loaded
+    data = path.read_bytes()
+    good_end = data.rfind(b"\n") + 1
+    if good_end < len(data):
+        loaded.dropped_lines.append("last line was cut short (no newline)")
+        if repair:
+            with open(path, "r+b") as f:
+                f.truncate(good_end)
+    for n, raw in enumerate(data[:good_end].decode("utf-8", errors="replace").splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            rec = json.loads(raw)
+            key = (str(rec["uid"]), int(rec["sample"]))
+        except (ValueError, KeyError, TypeError) as e:
+            loaded.dropped_lines.append(f"line {n}: {type(e).__name__}: {e}")
+            continue
+        if key in loaded.records:
+            loaded.duplicates += 1
+            continue
+        loaded.records[key] = rec
+    return loaded
+
+
+class SampleWriter:
+    """Appends one JSON line per sample and flushes it to disk at once (thread-safe)."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        self._file = open(path, "a", encoding="utf-8")
+        self._lock = threading.Lock()
+
+    def write(self, record: Mapping[str, Any]) -> None:
+        line = dumps_line(record)
+        with self._lock:
+            self._file.write(line)
+            self._file.flush()
+            os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._file.closed:
+                self._file.close()
+
+    def __enter__(self) -> "SampleWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def read_segments(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    out = []
+    for raw in path.read_text(encoding="utf-8").splitlines():
+        try:
+            out.append(json.loads(raw))
+        except ValueError:
+            continue  # a segment line cut short: its samples are still in samples.jsonl
+    return out
+
+
+def append_segment(path: Path, segment: Mapping[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(dumps_line(segment))
+
+
+# ------------------------------------------------------------------------------ identity
+
+
+def check_identity(existing: Mapping[str, Any], wanted: Mapping[str, Any], where: Path) -> None:
+    """Raise ResultsMismatchError naming every identity setting that differs."""
+    diffs = []
+    for key in IDENTITY:
+        a, b = _canon(existing.get(key)), _canon(wanted.get(key))
+        if a != b:
+            diffs.append(f"{key}: stored {existing.get(key)!r}, asked {wanted.get(key)!r}")
+    if diffs:
+        raise ResultsMismatchError(
+            f"{where} holds results of a run with other settings ({'; '.join(diffs)}). "
+            f"Resuming would mix two experiments: pass another --out, or delete the directory "
+            f"to start over."
+        )
+
+
+def _canon(value: Any) -> Any:
+    return json.loads(json.dumps(value, sort_keys=True, default=_json_default))
+
+
+# ------------------------------------------------------------------------------ metrics
+
+
+def grade_of(record: Mapping[str, Any]) -> GradeResult:
+    return GradeResult(correct=bool(record.get("correct")), score=float(record.get("score") or 0.0),
+                       extracted=record.get("extracted"), reason=str(record.get("reason") or ""))
+
+
+def _mean(values: Iterable[float | None]) -> float | None:
+    vals = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return statistics.fmean(vals) if vals else None
+
+
+def compute_metrics(records: Sequence[Mapping[str, Any]], segments: Sequence[Mapping[str, Any]],
+                    planned: int) -> dict:
+    """Aggregate a run (DESIGN.md's metric definitions).
+
+    records: the sample lines of the samples asked for; segments: every invocation's segment
+    line; planned: how many samples the run asks for.
+
+    Accuracy: ``pass@1`` is the share of correct samples averaged per problem (GrowPage's mean
+    pass@1); failed samples (e.g. a prompt longer than the context) count as incorrect.
+    Throughput over a resumed run (several segments): TPS = output tokens of the samples finished
+    in each segment / summed engine wall time of the segments, so the time an interruption
+    wasted is counted. TPOT and the average KV budget are means over samples; C (mean resident
+    requests per decode step) is the step-weighted mean over the segments that completed.
+    Events are summed from the per-sample records (FullKV records no grow events: it never
+    decides). ``grow_ratio`` = boundary grows / boundary decisions (grow + compress + shrink).
+    """
+    ok = [r for r in records if r.get("status") == "ok"]
+    failed = [r for r in records if r.get("status") != "ok"]
+    summary = summarize(((r["uid"], grade_of(r)) for r in records), ks=(1,)) if records else {}
+    output_tokens = sum(int(r.get("output_tokens") or 0) for r in ok)
+    wall = sum(float(s.get("wall_time") or 0.0) for s in segments)
+    seg_tokens = sum(int(s.get("output_tokens") or 0) for s in segments)
+    events: Counter[str] = Counter()
+    decisions = Counter()
+    stages: Counter[str] = Counter()
+    for r in ok:
+        events.update(r.get("events") or {})
+        decisions.update(r.get("decisions") or {})
+        stages.update(r.get("stage_seconds") or {})
+    complete_segs = [s for s in segments if s.get("stats")]
+    steps = sum(s["stats"].get("num_steps") or 0 for s in complete_segs)
+    resident = (sum(s["stats"]["mean_resident"] * (s["stats"].get("num_steps") or 0)
+                    for s in complete_segs) / steps) if steps else None
+    counters: Counter[str] = Counter()
+    for s in complete_segs:
+        counters.update(s["stats"].get("counts") or {})
+    n_decisions = sum(decisions.values())
+    tpot = _mean(r.get("tpot_s") for r in ok)
+    by_source = {}
+    if len({r.get("task") for r in records}) > 1:  # the mixed workload: per source task too
+        for task in sorted({str(r.get("task")) for r in records}):
+            part = [r for r in records if str(r.get("task")) == task]
+            s = summarize(((r["uid"], grade_of(r)) for r in part), ks=(1,))
+            by_source[task] = {"pass@1": s["pass@1"], "samples": s["samples"]}
+    return {
+        "samples_planned": planned,
+        "samples_done": len(records),
+        "complete": len(records) >= planned,
+        "problems": summary.get("problems", 0),
+        "failed": len(failed),
+        "pass@1": summary.get("pass@1"),
+        "accuracy": summary.get("accuracy"),
+        "extraction_rate": summary.get("extraction_rate"),
+        "mean_score": summary.get("mean_score"),
+        "reasons": summary.get("reasons", {}),
+        "output_tokens": output_tokens,
+        "mean_output_tokens": output_tokens / len(ok) if ok else None,
+        "finish_reasons": dict(Counter(str(r.get("finish_reason")) for r in ok)),
+        "tps": seg_tokens / wall if wall > 0 else None,
+        "total_time_s": wall,
+        "tpot_ms": None if tpot is None else tpot * 1000.0,
+        "avg_kv_budget": _mean(r.get("avg_kv_budget") for r in ok),
+        "mean_resident": resident,
+        "events": {k: int(events.get(k, 0)) for k in EVENT_KINDS},
+        "grow_ratio": decisions.get("grow", 0) / n_decisions if n_decisions else None,
+        "stage_seconds": dict(stages),
+        "engine_counters": dict(counters),
+        "segments": len(segments),
+        "interrupted_segments": sum(1 for s in segments if s.get("status") != "complete"),
+        "by_source_task": by_source,
+    }
+
+
+# ------------------------------------------------------------------------------ reading runs
+
+
+@dataclass
+class RunResult:
+    """One result directory read back: its config, metrics and (lazily) sample records."""
+
+    path: Path
+    config: dict
+    metrics: dict
+
+    @property
+    def label(self) -> str:
+        return str(self.config.get("label") or self.path.name)
+
+    @property
+    def task(self) -> str:
+        return str(self.config.get("task") or self.path.parent.name)
+
+    @property
+    def model(self) -> str:
+        return model_slug(str(self.config.get("model") or self.path.parent.parent.name))
+
+    def samples(self) -> list[dict]:
+        return list(load_samples(self.path / SAMPLES_FILE, repair=False).records.values())
+
+
+def find_runs(dirs: Sequence[str | Path]) -> list[RunResult]:
+    """Every result directory (one holding config.json and metrics.json) at or below ``dirs``,
+    in path order. A directory that does not exist is an error naming it."""
+    found: dict[Path, RunResult] = {}
+    for d in dirs:
+        root = Path(d)
+        if not root.exists():
+            raise FileNotFoundError(f"results directory {str(root)!r} does not exist")
+        candidates = [root / METRICS_FILE] if (root / METRICS_FILE).exists() else sorted(root.rglob(METRICS_FILE))
+        for metrics_path in candidates:
+            run = metrics_path.parent
+            if not (run / CONFIG_FILE).exists() or run.resolve() in found:
+                continue
+            try:
+                found[run.resolve()] = RunResult(run, read_json(run / CONFIG_FILE), read_json(metrics_path))
+            except ValueError:
+                continue  # a broken metrics file: the run can be re-run to rewrite it
+    return sorted(found.values(), key=lambda r: str(r.path))

@@ -1,0 +1,259 @@
+"""Evaluation runner, result files and resume, leaderboard, sweep and CLI, on a tiny random Llama
+(tests/tiny_models.py) with the fixture data in tests/fixtures/data (each task's file format)."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from evals import results as R
+from evals.leaderboard import build_leaderboard
+from evals.runner import EvalError, EvalHooks, EvalSettings, resolve_policy_args, run_eval
+from evals.sweep import analyze_sweep, min_sufficient_budget, run_sweep
+from tiny_models import make_tiny_llama_dir
+
+DATA = Path(__file__).parent / "fixtures" / "data"
+TASK_DATA = {
+    "gsm8k": DATA / "gsm8k" / "test.jsonl",
+    "math500": DATA / "math500" / "test.jsonl",
+    "amc23": DATA / "amc23" / "test.jsonl",
+    "aime24": DATA / "aime24" / "test.jsonl",
+    "livecodebench": DATA / "livecodebench" / "lcb_sample.jsonl",
+    "niah": DATA / "niah",
+}
+# The tiny tokenizer is byte-level: NIAH's instructions alone take ~210 tokens.
+NIAH_OPTIONS = {"lengths": (256, 320), "depths": (0.0, 100.0)}
+# block 4 and a 512-token pool: pages fill within a few steps and requests compete for memory.
+ENGINE = dict(block_size=4, kv_cache_tokens=512, max_tokens=12)
+ZIPAGE_BUDGET = 24  # the smallest page multiple above Zipage's 16 protected tokens at block 4
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return make_tiny_llama_dir(tmp_path_factory.mktemp("tiny"))
+
+
+def settings(model_dir, out, task="gsm8k", **kw) -> EvalSettings:
+    base = dict(task=task, model=str(model_dir), data=str(TASK_DATA[task]), out=str(out), **ENGINE)
+    if task == "niah":
+        base["task_options"] = NIAH_OPTIONS
+    base.update(kw)
+    return EvalSettings(**base)
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(x) for x in (path / R.SAMPLES_FILE).read_text().splitlines()]
+
+
+class StopAfter(EvalHooks):
+    """Raises KeyboardInterrupt from the engine loop (as Ctrl-C would) once n requests finished."""
+
+    def __init__(self, n: int):
+        self.n, self.messages = n, []
+
+    def on_step(self, tokens, finished):
+        if finished >= self.n:
+            raise KeyboardInterrupt
+
+    def on_message(self, text):
+        self.messages.append(text)
+
+
+# ------------------------------------------------------------------------------ resume
+
+
+def test_interrupted_run_resumes_to_the_same_results(model_dir, tmp_path):
+    kw = dict(samples=2, temperature=0.8, max_num_seqs=3)
+    reference = run_eval(settings(model_dir, tmp_path / "ref", **kw))
+    assert reference.metrics["complete"] and reference.ran == reference.metrics["samples_planned"]
+
+    first = run_eval(settings(model_dir, tmp_path / "cut", **kw), StopAfter(3))
+    assert first.interrupted
+    kept = lines(first.path)
+    assert 3 <= len(kept) < reference.ran
+    assert not first.metrics["complete"]
+    assert json.loads((first.path / R.SEGMENTS_FILE).read_text())["status"] == "interrupted"
+
+    second = run_eval(settings(model_dir, tmp_path / "cut", **kw))
+    assert not second.interrupted
+    assert second.resumed == len(kept) and second.ran == reference.ran - len(kept)
+    final = lines(second.path)
+    keys = [(r["uid"], r["sample"]) for r in final]
+    assert len(keys) == len(set(keys)) == reference.ran  # nothing lost, nothing twice
+    ref_by_key = {(r["uid"], r["sample"]): r for r in lines(reference.path)}
+    for r in final:  # seed + sample index: the resumed samples are the ones the full run drew
+        ref = ref_by_key[(r["uid"], r["sample"])]
+        assert (r["output"], r["seed"], r["correct"]) == (ref["output"], ref["seed"], ref["correct"])
+    for key in ("pass@1", "extraction_rate", "samples_done", "problems", "output_tokens", "reasons"):
+        assert second.metrics[key] == reference.metrics[key], key
+    assert second.metrics["complete"] and second.metrics["segments"] == 2
+
+    third = run_eval(settings(model_dir, tmp_path / "cut", **kw))  # nothing left to do
+    assert third.ran == 0 and len(lines(third.path)) == reference.ran
+
+
+def test_resume_refuses_other_settings(model_dir, tmp_path):
+    run_eval(settings(model_dir, tmp_path, limit=1))
+    with pytest.raises(R.ResultsMismatchError, match="max_tokens"):
+        run_eval(settings(model_dir, tmp_path, limit=1, max_tokens=13))
+
+
+def test_cut_line_is_dropped_and_repaired(tmp_path):
+    path = tmp_path / R.SAMPLES_FILE
+    path.write_text('{"uid": "a", "sample": 0}\n{"uid": "a", "sample": 0}\n{"uid": "b", "sam')
+    loaded = R.load_samples(path)
+    assert list(loaded.records) == [("a", 0)] and loaded.duplicates == 1
+    assert loaded.dropped_lines and path.read_text().endswith("}\n")
+
+
+# ------------------------------------------------------------------------------ bad input
+
+
+def test_malformed_rows_are_reported_and_skipped(model_dir, tmp_path):
+    hooks = StopAfter(10**9)
+    outcome = run_eval(settings(model_dir, tmp_path), hooks)
+    assert outcome.skipped_rows, "the gsm8k fixture has malformed rows"
+    assert any("malformed" in m for m in hooks.messages)
+    config = json.loads((outcome.path / R.CONFIG_FILE).read_text())
+    assert len(config["skipped_rows"]) == len(outcome.skipped_rows)
+    assert outcome.metrics["complete"] and outcome.ran == config["problems"] > 0
+
+
+def test_missing_data_unknown_names_and_bad_args(model_dir, tmp_path):
+    with pytest.raises(EvalError, match="does not exist"):
+        run_eval(settings(model_dir, tmp_path, data=str(tmp_path / "nope.jsonl")))
+    with pytest.raises(EvalError, match="known tasks"):
+        run_eval(EvalSettings(task="gsm9k", model=str(model_dir), out=str(tmp_path)))
+    with pytest.raises(EvalError, match="known policies"):
+        run_eval(settings(model_dir, tmp_path, policy="zipage2"))
+    with pytest.raises(EvalError, match="valid"):
+        run_eval(settings(model_dir, tmp_path, policy="zipage", policy_args={"budgt": "24"}))
+    with pytest.raises(EvalError, match="max_tokens"):
+        EvalSettings(task="gsm8k", max_tokens=0)
+    assert not any(tmp_path.rglob(R.SAMPLES_FILE))
+
+
+def test_prompt_too_long_is_a_failed_sample(model_dir, tmp_path):
+    data = tmp_path / "gsm8k.jsonl"
+    rows = [{"question": "What is 2 + 3?", "answer": "#### 5"},
+            {"question": "Count the apples. " * 60, "answer": "#### 1"},  # > the 512-token context
+            {"question": "What is 4 + 4?", "answer": "#### 8"},
+            {"question": "Count the pears. " * 20, "answer": "#### 2"}]  # > the 256-token pool
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    outcome = run_eval(settings(model_dir, tmp_path / "out", data=str(data), kv_cache_tokens=256))
+    recs = {r["uid"]: r for r in lines(outcome.path)}
+    assert recs["gsm8k/1"]["status"] == "failed" and "context" in recs["gsm8k/1"]["error"]
+    assert recs["gsm8k/3"]["status"] == "failed" and "pool" in recs["gsm8k/3"]["error"]
+    assert recs["gsm8k/0"]["status"] == recs["gsm8k/2"]["status"] == "ok"
+    assert outcome.metrics["failed"] == 2 and outcome.metrics["samples_done"] == 4
+
+
+def test_budget_comes_from_the_task_unless_given():
+    assert resolve_policy_args("zipage", {}, 512, 32) == {"budget": 512}
+    assert resolve_policy_args("zipage", {}, 500, 32) == {"budget": 480}  # whole pages
+    assert resolve_policy_args("zipage", {"budget": "256"}, 512, 32) == {"budget": 256}
+    assert resolve_policy_args("growpage-fixed", {}, 512, 32) == {"initial_capacity": 512}
+    assert resolve_policy_args("chunkkv", {}, 512, 32) == {"budget": 512}
+    assert resolve_policy_args("full", {}, 512, 32) == {}
+    assert resolve_policy_args("kara", {}, 512, 32) == {}
+
+
+# ------------------------------------------------------------------------------ end to end
+
+
+def test_every_task_format_two_policies_and_the_leaderboard(model_dir, tmp_path):
+    out = tmp_path / "results"
+    for task in TASK_DATA:
+        for policy in ("full", "zipage"):
+            outcome = run_eval(settings(model_dir, out, task=task, policy=policy, limit=2,
+                                        kv_budget=ZIPAGE_BUDGET))
+            m = outcome.metrics
+            assert m["complete"] and m["samples_done"] == m["samples_planned"] > 0, (task, policy)
+            assert m["pass@1"] is not None and m["tps"] > 0 and m["tpot_ms"] > 0
+            recs = lines(outcome.path)
+            assert all(r["reason"] and r["finish_reason"] for r in recs)
+            if policy == "zipage":
+                assert json.loads((outcome.path / R.CONFIG_FILE).read_text())["policy_args"] == {
+                    "budget": ZIPAGE_BUDGET}
+                assert m["events"]["compress"] > 0 and max(r["peak_kv_capacity"] for r in recs) <= ZIPAGE_BUDGET + 4
+    assert (out / "tiny-llama" / "niah" / "zipage" / R.NIAH_HEATMAP_FILE).exists()
+
+    board = build_leaderboard([out], tmp_path / "board")
+    with open(board.files["table1.csv"]) as f:
+        table = list(csv.DictReader(f))
+    assert [r["method"] for r in table] == ["full", "zipage"]
+    for title in ("GSM8K", "MATH500", "AMC23", "AIME24", "LiveCode", "NIAH", "Avg"):
+        assert f"pass@1 (%) {title}" in table[0] and f"TPS (tok/s) {title}" in table[0]
+    assert all(float(r["TPS (tok/s) Avg"]) > 0 for r in table)
+    with open(board.files["table7.csv"]) as f:
+        assert len(list(csv.DictReader(f))) == 2
+    with open(board.files["runs.csv"]) as f:
+        assert len(list(csv.DictReader(f))) == 12
+    md = board.files["leaderboard.md"].read_text()
+    assert "| tiny-llama | full |" in md and "| tiny-llama | zipage |" in md and "TPOT" in md
+    for name in ("pareto.png", "niah_tiny-llama_full.png", "niah_tiny-llama_zipage.png"):
+        assert board.files[name].read_bytes()[:4] == b"\x89PNG"
+
+
+# ------------------------------------------------------------------------------ sweep
+
+
+def test_min_sufficient_budget_is_eq1():
+    budgets = [128, 256, 512, 1024]
+    assert min_sufficient_budget({128: True, 256: True, 512: True, 1024: True}, budgets) == 128
+    # A success below a failure does not count: correctness must hold at every larger budget.
+    assert min_sufficient_budget({128: True, 256: False, 512: True, 1024: True}, budgets) == 512
+    assert min_sufficient_budget({128: True, 256: True, 512: True, 1024: False}, budgets) is None
+
+
+def test_sweep_classifies_every_request(model_dir, tmp_path):
+    base = settings(model_dir, tmp_path, policy="zipage", limit=2, samples=3, temperature=0.7)
+    result = run_sweep(base, [32, 24], rule="majority")
+    assert result.budgets == [24, 32] and len(result.outcomes) == 2
+    assert set(result.classes) == {"24", "32", "Unsolved"}
+    assert sum(result.classes.values()) == len(result.rows) == 2
+    with open(result.files["sweep.csv"]) as f:
+        rows = list(csv.DictReader(f))
+    assert [r["correct@24"].split("/")[1] for r in rows] == ["3", "3"]
+    assert result.files["budget_hist.png"].read_bytes()[:4] == b"\x89PNG"
+    # The rule decides c_i(B): mark one request correct in every sample at both budgets.
+    for outcome in result.outcomes:
+        recs = lines(outcome.path)
+        for r in recs:
+            r["correct"] = r["uid"] == rows[0]["uid"]
+        (outcome.path / R.SAMPLES_FILE).write_text("".join(json.dumps(r) + "\n" for r in recs))
+    again = analyze_sweep(base, result.budgets, "majority", result.outcomes)
+    assert again.classes == {"24": 1, "32": 0, "Unsolved": 1}
+    with pytest.raises(EvalError, match="fixed-budget"):
+        run_sweep(settings(model_dir, tmp_path, policy="growpage"), [24])
+
+
+# ------------------------------------------------------------------------------ CLI
+
+
+def test_cli_eval_two_policies_then_leaderboard(model_dir, tmp_path):
+    from cli import app
+
+    runner = CliRunner()
+    args = ["eval", "--task", "gsm8k", "--data", str(TASK_DATA["gsm8k"]), "--model", str(model_dir),
+            "--policy", "full", "--policy", "zipage", "--policy-arg", f"budget={ZIPAGE_BUDGET}",
+            "--limit", "2", "--max-tokens", "8", "--block-size", "4", "--kv-cache-tokens", "512",
+            "--temperature", "0", "--threads", "1", "--out", str(tmp_path)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert "| tiny-llama | full |" in result.output
+    assert f"| tiny-llama | zipage+budget={ZIPAGE_BUDGET} |" in result.output
+    assert (tmp_path / "tiny-llama" / "gsm8k" / f"zipage+budget={ZIPAGE_BUDGET}" / R.METRICS_FILE).exists()
+
+    result = runner.invoke(app, ["leaderboard", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "leaderboard" / "table1.csv").exists()
+
+    result = runner.invoke(app, ["eval", "--task", "gsm9k", "--model", str(model_dir), "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "known tasks" in result.output
+    result = runner.invoke(app, args[:-2] + ["--policy-arg", "nope=1", "--out", str(tmp_path)])
+    assert result.exit_code == 2 and "none of the policies" in result.output
