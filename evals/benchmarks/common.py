@@ -1,0 +1,443 @@
+"""Shared pieces of the benchmarks: result tables, their rich/JSON/markdown renderings, machine
+facts, engine runs and the output-fidelity metrics.
+
+A benchmark's core function returns a `BenchResult` (one or more `Table`s, the workload scale, the
+targets it checks); the typer command renders it and writes `results/benchmarks/<name>.{json,md}`.
+Every number compared in a benchmark is measured in the same process, one configuration after
+another, so a ratio is what the benchmark reports; absolute tokens/s on a shared 2-core machine are
+noise-prone and are shown for context only.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Sequence
+
+RESULTS_DIR = Path("results/benchmarks")
+
+
+# ----------------------------------------------------------------------------------------------
+# result tables
+
+
+@dataclass(frozen=True)
+class Column:
+    """key: the row dict key; header: the printed header; fmt: a format spec for numbers
+    (e.g. ".1f", ".1%"), or "" for str()."""
+
+    key: str
+    header: str
+    fmt: str = ""
+
+
+@dataclass
+class Table:
+    """One printed table: rows are dicts keyed by the columns' keys (extra keys stay in JSON)."""
+
+    name: str
+    title: str
+    columns: list[Column]
+    rows: list[dict] = field(default_factory=list)
+    caption: str = ""
+
+    def column(self, key: str) -> list[Any]:
+        return [row.get(key) for row in self.rows]
+
+
+@dataclass
+class Target:
+    """A target from the benchmark's issue, checked against the measured value."""
+
+    description: str
+    value: float | None
+    threshold: float
+    comparison: str  # ">=" or "<"
+    met: bool
+
+    @classmethod
+    def check(cls, description: str, value: float | None, comparison: str,
+              threshold: float) -> "Target":
+        if comparison not in (">=", "<"):
+            raise ValueError(f"comparison must be '>=' or '<', got {comparison!r}")
+        if value is None or not math.isfinite(value):
+            met = False
+        else:
+            met = value >= threshold if comparison == ">=" else value < threshold
+        return cls(description, value, threshold, comparison, met)
+
+
+@dataclass
+class BenchResult:
+    name: str
+    title: str
+    scale: dict
+    tables: list[Table]
+    targets: list[Target] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def table(self, name: str) -> Table:
+        for t in self.tables:
+            if t.name == name:
+                return t
+        raise KeyError(f"no table {name!r}; tables: {[t.name for t in self.tables]}")
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name, "title": self.title, "scale": self.scale,
+            "tables": [{"name": t.name, "title": t.title, "caption": t.caption,
+                        "columns": [asdict(c) for c in t.columns], "rows": t.rows}
+                       for t in self.tables],
+            "targets": [asdict(t) for t in self.targets],
+            "notes": self.notes,
+        }
+
+
+def format_value(value: Any, fmt: str) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if fmt and isinstance(value, (int, float)):
+        return format(value, fmt)
+    return str(value)
+
+
+def render_rich(result: BenchResult, console) -> None:
+    from rich.table import Table as RichTable
+
+    console.rule(f"[bold]{result.title}")
+    console.print("scale: " + ", ".join(f"{k}={v}" for k, v in result.scale.items()))
+    for t in result.tables:
+        table = RichTable(title=t.title, caption=t.caption or None, caption_justify="left")
+        for c in t.columns:
+            table.add_column(c.header, justify="left" if not c.fmt else "right")
+        for row in t.rows:
+            table.add_row(*(format_value(row.get(c.key), c.fmt) for c in t.columns))
+        console.print(table)
+    for target in result.targets:
+        mark = "[green]met[/]" if target.met else "[red]NOT met[/]"
+        console.print(f"target: {target.description}: {format_value(target.value, '.3f')} "
+                      f"{target.comparison} {target.threshold:g} -> {mark}")
+    for note in result.notes:
+        console.print(f"note: {note}")
+
+
+def _md_escape(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def render_markdown(result: BenchResult, command: str, facts: dict) -> str:
+    lines = [f"# {result.title}", "", "Command:", "", "```", command, "```", "",
+             "Scale: " + ", ".join(f"`{k}={v}`" for k, v in result.scale.items()), ""]
+    for t in result.tables:
+        lines += [f"## {t.title}", ""]
+        lines.append("| " + " | ".join(_md_escape(c.header) for c in t.columns) + " |")
+        lines.append("|" + "|".join("---" if not c.fmt else "---:" for c in t.columns) + "|")
+        for row in t.rows:
+            lines.append("| " + " | ".join(_md_escape(format_value(row.get(c.key), c.fmt))
+                                           for c in t.columns) + " |")
+        if t.caption:
+            lines += ["", _md_escape(t.caption)]
+        lines.append("")
+    if result.targets:
+        lines += ["## Targets", ""]
+        for target in result.targets:
+            verdict = "met" if target.met else "**not met**"
+            lines.append(f"- {target.description}: {format_value(target.value, '.3f')} "
+                         f"{target.comparison} {target.threshold:g}: {verdict}")
+        lines.append("")
+    if result.notes:
+        lines += ["## Notes", ""] + [f"- {n}" for n in result.notes] + [""]
+    lines += ["## Machine", ""] + [f"- {k}: {v}" for k, v in facts.items()] + [""]
+    return "\n".join(lines)
+
+
+def write_result(result: BenchResult, out_dir: Path, stem: str, command: str,
+                 facts: dict) -> tuple[Path, Path]:
+    """Write `<out_dir>/<stem>.json` (the result, command and facts) and `<stem>.md`."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
+    payload = {"command": command, "machine": facts, **result.to_dict()}
+    json_path.write_text(json.dumps(payload, indent=2, default=_json_default) + "\n")
+    md_path.write_text(render_markdown(result, command, facts))
+    return json_path, md_path
+
+
+def _json_default(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
+
+
+# ----------------------------------------------------------------------------------------------
+# machine facts and the command wrapper
+
+
+def load_average() -> str:
+    try:
+        return " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _git_commit() -> str:
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=5, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return head + (" (tracked files modified)" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def machine_facts(threads: int) -> dict:
+    import torch
+    import transformers
+
+    mem = "unknown"
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal"):
+                mem = f"{int(line.split()[1]) / 2**20:.1f} GiB"
+    except OSError:
+        pass
+    return {
+        "cpu": _cpu_model(), "cpu_count": os.cpu_count(), "memory": mem,
+        "platform": platform.platform(), "python": platform.python_version(),
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "torch_threads": threads, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
+        "omp_policy_applied_before_torch": OMP_POLICY_APPLIED,
+        "git_commit": _git_commit(),
+        "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+    }
+
+
+# Set by evals/benchmarks/__init__.py: whether OMP_WAIT_POLICY was set before torch was imported
+# (libgomp reads it once, when torch loads it).
+OMP_POLICY_APPLIED: bool | None = None
+
+
+def command_line(ctx=None) -> str:
+    """The invoking command: `kvarena <group> <command>` plus every option given on the command
+    line, rebuilt from the command's typer context (so it reads the same under the entry point,
+    `python cli.py` or a test runner); sys.argv without a context."""
+    if ctx is None:
+        argv = list(sys.argv)
+        argv[0] = Path(argv[0]).name if argv else "kvarena"
+        return shlex.join(argv)
+    parts = ["kvarena", *ctx.command_path.split()[1:]]
+    for param in ctx.command.params:
+        source = ctx.get_parameter_source(param.name)
+        if getattr(source, "name", None) != "COMMANDLINE":
+            continue
+        value = ctx.params[param.name]
+        if getattr(param, "is_flag", False):
+            parts.append(param.opts[0] if value else param.secondary_opts[0])
+        else:
+            parts += [param.opts[0], str(value)]
+    return shlex.join(parts)
+
+
+def run_bench_command(core: Callable[..., BenchResult], *, threads: int, out_dir: Path,
+                      quick: bool, ctx=None, **kwargs) -> BenchResult:
+    """What every `kvarena bench` command does: set threads, run the core, print, write files.
+
+    Quick runs write `<name>-quick.{json,md}` so they never overwrite a full run's files."""
+    import torch
+    from rich.console import Console
+
+    if threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
+    torch.set_num_threads(threads)
+    console = Console(width=None if sys.stdout.isatty() else 220)
+    load_start, started = load_average(), time.perf_counter()
+    result = core(quick=quick, log=lambda msg: console.print(f"[dim]{msg}[/]"), **kwargs)
+    facts = machine_facts(threads)
+    facts["load_average_start"] = load_start
+    facts["load_average_end"] = load_average()
+    facts["benchmark_seconds"] = round(time.perf_counter() - started, 1)
+    render_rich(result, console)
+    stem = result.name + ("-quick" if quick else "")
+    paths = write_result(result, out_dir, stem, command_line(ctx), facts)
+    console.print(f"load average start {load_start} / end {facts['load_average_end']}; "
+                  f"{facts['benchmark_seconds']} s; wrote {paths[0]} and {paths[1]}")
+    return result
+
+
+# ----------------------------------------------------------------------------------------------
+# engine runs
+
+
+@dataclass
+class EngineRun:
+    """One engine configuration run on a workload: outputs (submission order), run stats, and
+    the wall and process CPU time (all threads, the compaction worker's included) measured around
+    generate()."""
+
+    label: str
+    outputs: list
+    stats: Any
+    wall: float
+    cpu: float
+
+    @property
+    def token_ids(self) -> list[list[int]]:
+        return [o.token_ids for o in self.outputs]
+
+
+def run_engine(model: str, prompts: Sequence[list[int]], params, *, label: str,
+               warmup: bool = True, **engine_kwargs) -> EngineRun:
+    """Build an LLM, warm it up on a short prompt that shares no page with the workload, run the
+    workload, and free the engine (weights and KV pool) before returning."""
+    from engine.llm import LLM
+    from engine.sampling import SamplingParams
+
+    llm = LLM(model, **engine_kwargs)
+    try:
+        if warmup:
+            llm.generate([list(prompts[0][:4])], SamplingParams(temperature=0.0, max_tokens=2))
+        start, cpu = time.perf_counter(), time.process_time()
+        outputs = llm.generate(list(prompts), params)
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+        return EngineRun(label, outputs, llm.last_stats, wall, cpu)
+    finally:
+        del llm
+        gc.collect()
+
+
+def count(stats, *keys: str) -> int:
+    return sum(int(stats.counts.get(k, 0)) for k in keys)
+
+
+# ----------------------------------------------------------------------------------------------
+# fidelity metrics
+
+
+def position_agreement(reference: Sequence[int], tokens: Sequence[int]) -> float:
+    """Share of the reference's positions where `tokens` has the same token (positions past the
+    end of `tokens` count as disagreements). An empty reference agrees with anything."""
+    if not reference:
+        return 1.0
+    same = sum(a == b for a, b in zip(reference, tokens))
+    return same / len(reference)
+
+
+def prefix_agreement(reference: Sequence[int], tokens: Sequence[int]) -> float:
+    """Share of the reference reproduced before the first differing token."""
+    if not reference:
+        return 1.0
+    n = 0
+    for a, b in zip(reference, tokens):
+        if a != b:
+            break
+        n += 1
+    return n / len(reference)
+
+
+def mean_agreement(references: Iterable[Sequence[int]], outputs: Iterable[Sequence[int]],
+                   metric: Callable[[Sequence[int], Sequence[int]], float] = position_agreement
+                   ) -> float:
+    """Per-request agreement, averaged over requests (each request weighs the same)."""
+    values = [metric(r, o) for r, o in zip(references, outputs, strict=True)]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def mean_physical_len(output) -> float | None:
+    """Physical KV length averaged over a request's decode steps, rebuilt from its events.
+
+    Between events the physical length grows one slot per decoded token, as the logical one does.
+    A compaction event (logical_len = tokens computed when it ran) resets it to physical_after; a
+    preemption is followed by a re-prefill of every token, so the physical length is the logical
+    one again until the next event. The decode steps are the positions
+    num_prompt_tokens .. num_prompt_tokens + num_output_tokens - 2 (the last output token is
+    sampled but never written to the cache); a request with one output token has none (None).
+    """
+    first, last = output.num_prompt_tokens, output.num_prompt_tokens + output.num_output_tokens - 1
+    if last <= first:
+        return None
+    anchors: list[tuple[int, int]] = []  # (logical position, physical length at it)
+    for e in output.events:
+        if e["action"] == "grow":
+            continue
+        physical = e["logical_len"] if e["action"] == "preempt" else e["physical_after"]
+        anchors.append((e["logical_len"], physical))
+    total, a, anchor = 0, 0, (first, first)
+    # An event at logical L is applied before the token at position L is decoded.
+    for pos in range(first, last):
+        while a < len(anchors) and anchors[a][0] <= pos:
+            anchor = anchors[a]
+            a += 1
+        total += anchor[1] + (pos - anchor[0])
+    return total / (last - first)
+
+
+def finite(values: Iterable[Any]) -> bool:
+    return all(isinstance(v, (int, float)) and math.isfinite(v) for v in values)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def policy_metrics(run: EngineRun, reference: EngineRun | None = None) -> dict:
+    """The standard per-configuration numbers (DESIGN.md "Metrics"), from one engine run.
+
+    compaction_share: compaction_seconds / wall_time (scoring, top-k and compaction of every
+        compression event; the demand estimate is not included).
+    overhead: every stage timer of every capacity event (demand estimate, attention score, window
+        mask, top-k, compaction) summed, over forward_seconds + compaction_seconds.
+    agreement / prefix: position-wise / identical-prefix share of the reference's greedy tokens
+        (see position_agreement, prefix_agreement), per request, averaged over requests.
+    mean_physical: the physical KV length averaged over decode steps, then over requests.
+    tps_cpu: output tokens per second of process CPU time (all threads). On a shared machine the
+        wall clock also counts time other processes held the cores; CPU time counts only this
+        process's work, so its ratios are the steadier ones (spinning threads would inflate it,
+        which is one reason the benchmarks set OMP_WAIT_POLICY=PASSIVE).
+    """
+    s = run.stats
+    physical = [v for v in (mean_physical_len(o) for o in run.outputs) if v is not None]
+    decode_time = s.forward_seconds + s.compaction_seconds
+    row = {
+        "tps": s.tps, "wall_s": s.wall_time, "output_tokens": s.output_tokens,
+        "cpu_s": run.cpu, "tps_cpu": s.output_tokens / run.cpu if run.cpu > 0 else None,
+        "mean_resident": s.mean_resident, "peak_pages": s.peak_pages,
+        "avg_kv_budget": s.avg_kv_budget,
+        "grow": count(s, "grow"), "compress": count(s, "compress"), "shrink": count(s, "shrink"),
+        "fallback": count(s, "fallback"), "preemption": count(s, "preemption"),
+        "compress_events": count(s, "compress", "shrink"),
+        "grow_ratio": s.grow_ratio,
+        "compaction_seconds": s.compaction_seconds, "forward_seconds": s.forward_seconds,
+        "stage_seconds": dict(s.stage_seconds),
+        "compaction_share": s.compaction_seconds / s.wall_time if s.wall_time else None,
+        "overhead": sum(s.stage_seconds.values()) / decode_time if decode_time else None,
+        "mean_physical": sum(physical) / len(physical) if physical else None,
+    }
+    if reference is not None:
+        row["agreement"] = mean_agreement(reference.token_ids, run.token_ids)
+        row["prefix"] = mean_agreement(reference.token_ids, run.token_ids, prefix_agreement)
+    return row
