@@ -495,31 +495,39 @@ def _generate(settings: EvalSettings, config: dict, plan: Plan, todo: list[R.Sam
         _ENGINES.clear()
 
 
-# One loaded engine is kept between runs of the same engine settings (the tasks of one policy
-# in one command), so the weights load once. Each run still gets a fresh policy instance: a
-# policy may carry state across requests (GrowPage-Random's generator), and a run must not
-# depend on what ran before it.
+# One loaded engine is kept between runs whose engine settings match and whose policies read the
+# same signals (the engine sizes its query pools and per-slot scores from them): the tasks of one
+# policy, the budgets of a sweep, the GrowPage family, SnapKV and ChunkKV. The weights then load
+# once. Each run still gets a fresh policy instance, bound to the engine as LLM does it: a policy
+# may carry state across requests (GrowPage-Random's generator), and a run must not depend on
+# what ran before it.
 _ENGINES: dict[str, Any] = {}
 
 
 def _engine(model: str, engine_kwargs: dict, hooks: EvalHooks):
     import json
 
+    from engine.block_manager import BlockManager
     from engine.llm import LLM
     from engine.policies.base import EngineSpec, build_policy
 
-    key = json.dumps({"model": model, **engine_kwargs}, sort_keys=True, default=repr)
+    policy = build_policy(engine_kwargs["policy"], engine_kwargs["policy_args"])
+    rest = {k: v for k, v in engine_kwargs.items() if k not in ("policy", "policy_args")}
+    key = json.dumps({"model": model, "signals": repr(policy.signals()), **rest}, sort_keys=True,
+                     default=repr)
     llm = _ENGINES.get(key)
     if llm is None:
         _ENGINES.clear()
         hooks.on_message(f"loading {model} with policy {engine_kwargs['policy']}")
         llm = _ENGINES[key] = LLM(model, **engine_kwargs)
         return llm
-    policy = build_policy(engine_kwargs["policy"], engine_kwargs["policy_args"])
     r = llm.runner
     policy.bind(EngineSpec(r.block_size, r.num_layers, r.num_q_heads, r.num_kv_heads, r.head_dim,
                            r.num_pages, r.max_model_len))
     llm.policy = policy
+    # A cold prefix cache, as a fresh engine has: otherwise a run would reuse the prompt pages of
+    # the run before it (often the same prompts) and look faster than it is.
+    llm.block_manager = BlockManager(r.num_pages, r.block_size, llm.config.enable_prefix_caching)
     return llm
 
 

@@ -162,6 +162,22 @@ def test_budget_comes_from_the_task_unless_given():
     assert resolve_policy_args("kara", {}, 512, 32) == {}
 
 
+def test_engine_reuse_across_policies_changes_nothing(model_dir, tmp_path):
+    from evals import runner
+
+    kw = dict(limit=2, samples=2, temperature=0.7, kv_budget=ZIPAGE_BUDGET,
+              policy_args={"protected_recent": 2})  # GrowPage protects fewer slots than a page
+    hooks = StopAfter(10**9)
+    run_eval(settings(model_dir, tmp_path / "shared", policy="growpage", **kw), hooks)
+    shared = run_eval(settings(model_dir, tmp_path / "shared", policy="growpage-random", **kw), hooks)
+    assert sum(m.startswith("loading") for m in hooks.messages) == 1  # same signals: one load
+    runner._ENGINES.clear()
+    fresh = run_eval(settings(model_dir, tmp_path / "fresh", policy="growpage-random", **kw))
+    assert [r["output"] for r in lines(shared.path)] == [r["output"] for r in lines(fresh.path)]
+    assert shared.metrics["events"] == fresh.metrics["events"]
+    assert shared.metrics["events"]["compress"] > 0 and shared.metrics["events"]["grow"] > 0
+
+
 # ------------------------------------------------------------------------------ end to end
 
 
