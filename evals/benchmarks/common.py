@@ -11,6 +11,7 @@ noise-prone and are shown for context only.
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import math
 import os
@@ -202,15 +203,23 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def _git(*args: str) -> str:
+    return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
+                          check=True).stdout
+
+
 def _git_commit() -> str:
+    """HEAD, plus a fingerprint of uncommitted changes to engine/ (several people edit the tree
+    at once; the fingerprint tells which engine a result was measured on)."""
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True, timeout=5, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=5).stdout.strip()
-        return head + (" (tracked files modified)" if dirty else "")
+        head = _git("rev-parse", "--short", "HEAD").strip()
+        engine_diff = _git("diff", "HEAD", "--", "engine")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+    if not engine_diff:
+        return f"{head} (engine/ as committed)"
+    digest = hashlib.sha256(engine_diff.encode()).hexdigest()[:12]
+    return f"{head} + uncommitted engine/ changes (diff sha256 {digest})"
 
 
 def machine_facts(threads: int) -> dict:
@@ -273,9 +282,9 @@ def run_bench_command(core: Callable[..., BenchResult], *, threads: int, out_dir
         raise ValueError(f"--threads must be >= 1, got {threads}")
     torch.set_num_threads(threads)
     console = Console(width=None if sys.stdout.isatty() else 220)
+    facts = machine_facts(threads)  # before the run: the code state the run imports
     load_start, started = load_average(), time.perf_counter()
     result = core(quick=quick, log=lambda msg: console.print(f"[dim]{msg}[/]"), **kwargs)
-    facts = machine_facts(threads)
     facts["load_average_start"] = load_start
     facts["load_average_end"] = load_average()
     facts["benchmark_seconds"] = round(time.perf_counter() - started, 1)
