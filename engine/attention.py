@@ -19,8 +19,12 @@ from engine.kernels.store_kv import store_kv
 
 @dataclass
 class KVCache:
-    """k, v: [layers, num_pages, block_size, kv_heads, head_dim]; scores (optional, Zipage's decayed
-    global score): [layers, num_pages, block_size, kv_heads] fp32."""
+    """k, v: [layers, kv_heads, num_pages, block_size, head_dim]; scores (optional, Zipage's decayed
+    global score): [layers, kv_heads, num_pages, block_size] fp32.
+
+    Head-major: a flat slot ``page * block_size + offset`` indexes the merged (page, offset) axes of
+    every (layer, kv head), so one page gather per layer yields each head's keys contiguous in slot
+    order, the operand the CPU attention wants (engine/kernels/paged_attention.py has the figures)."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -28,7 +32,7 @@ class KVCache:
 
     @property
     def block_size(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
 
 @dataclass

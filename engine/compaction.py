@@ -80,7 +80,7 @@ def execute(job: CompactionJob, policy: KVPolicy, view: PolicyView, kv: KVCache)
     """Select and move the kept slots. Reads the old block table, writes the new one."""
     seq, target = job.seq, job.decision.target_len
     keep = policy.select(view, target, job.timer)
-    L, H = kv.k.shape[0], kv.k.shape[3]
+    L, H = kv.k.shape[0], kv.k.shape[1]
     if tuple(keep.shape) != (L, H, target):
         raise PolicyError(
             f"{policy.name}.select returned shape {tuple(keep.shape)}, expected {(L, H, target)}"

@@ -71,15 +71,15 @@ class SeqView:
         return self._runner.gather_slots(scores, self.seq)
 
     def set_slot_scores(self, scores: torch.Tensor) -> None:
-        """scores: [layers, kv_heads, physical_len]."""
+        """scores: [layers, kv_heads, physical_len] (cache: [layers, kv_heads, pages, block_size])."""
         cache = self._runner.kv.scores
         bs = self.block_size
         n = self.seq.physical_len
         table = torch.tensor(self.seq.block_table, dtype=torch.long, device=cache.device)
         pos = torch.arange(n, device=cache.device)
         slots = table[pos // bs] * bs + pos % bs
-        flat = cache.view(cache.shape[0], -1, cache.shape[3])
-        flat[:, slots] = scores.movedim(1, 2).to(cache.dtype)
+        flat = cache.view(cache.shape[0], cache.shape[1], -1)
+        flat[:, :, slots] = scores.to(cache.dtype)
 
     # -- queries --------------------------------------------------------------------------------
     def recent_queries(self, rope: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

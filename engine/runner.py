@@ -86,7 +86,8 @@ class ModelRunner:
         return pages
 
     def _allocate_kv(self, with_scores: bool) -> KVCache:
-        shape = (self.num_layers, self._num_pages(), self.block_size, self.num_kv_heads, self.head_dim)
+        # Head-major layout (KVCache docstring); scores drop only the trailing head_dim.
+        shape = (self.num_layers, self.num_kv_heads, self._num_pages(), self.block_size, self.head_dim)
         k = torch.zeros(shape, device=self.device, dtype=self.dtype)
         v = torch.zeros(shape, device=self.device, dtype=self.dtype)
         scores = torch.zeros(shape[:-1], device=self.device, dtype=torch.float32) if with_scores else None
@@ -94,7 +95,7 @@ class ModelRunner:
 
     @property
     def num_pages(self) -> int:
-        return self.kv.k.shape[1]
+        return self.kv.k.shape[2]
 
     # -- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -169,7 +170,7 @@ class ModelRunner:
     # -- policy signals -----------------------------------------------------------------------
     def gather_slots(self, cache: torch.Tensor, seq: Sequence, layers: slice | None = None,
                      start: int = 0, end: int | None = None) -> torch.Tensor:
-        """cache [layers, pages, bs, kv_heads, *rest] -> [layers, kv_heads, end - start, *rest] for
+        """cache [layers, kv_heads, pages, bs, *rest] -> [layers, kv_heads, end - start, *rest] for
         the sequence's physical slots [start, end) (end defaults to physical_len); only the pages
         covering the range are read."""
         end = seq.physical_len if end is None else end
@@ -179,8 +180,8 @@ class ModelRunner:
         first, last = start // bs, -(-end // bs)
         table = torch.tensor(seq.block_table[first:last], dtype=torch.long, device=self.device)
         c = cache if layers is None else cache[layers]
-        dense = c[:, table].flatten(1, 2)[:, start - first * bs: end - first * bs]
-        return dense.movedim(2, 1)
+        dense = torch.index_select(c, 2, table).flatten(2, 3)
+        return dense[:, :, start - first * bs: end - first * bs]
 
     @torch.inference_mode()
     def recompute_queries(self, seq: Sequence, start: int, end: int) -> torch.Tensor:

@@ -3,6 +3,8 @@
 The Triton kernels run under TRITON_INTERPRET=1 on CPU tensors, which is slow, so every shape
 here is tiny. Paged caches are built with shuffled block tables, -1 padding and spare pages of
 random garbage, so a kernel that reads the wrong page or past a length gets a wrong answer.
+Caches are head-major ([layers,] kv_heads, num_blocks, block_size, ...); the loop references
+index them as cache[kv_head, page, offset], which pins the layout.
 """
 
 import os
@@ -80,30 +82,30 @@ def naive_attention(q_vec, keys, values, scale):
 
 def naive_decode(q, k_cache, v_cache, tables, lens, scale):
     batch, q_heads, head_dim = q.shape
-    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    kv_heads, block_size = k_cache.shape[0], k_cache.shape[2]
     out = torch.zeros(batch, q_heads, head_dim, dtype=torch.float64)
     for b in range(batch):
         slots = slots_of(tables[b], int(lens[b]), block_size)
         for h in range(q_heads):
             kvh = h // (q_heads // kv_heads)
             if slots:
-                keys = torch.stack([k_cache[p, o, kvh] for p, o in slots])
-                values = torch.stack([v_cache[p, o, kvh] for p, o in slots])
+                keys = torch.stack([k_cache[kvh, p, o] for p, o in slots])
+                values = torch.stack([v_cache[kvh, p, o] for p, o in slots])
                 out[b, h] = naive_attention(q[b, h], keys, values, scale)
     return out
 
 
 def naive_prefill(q, k_cache, v_cache, tables, base_lens, q_lens, scale):
     batch, lq_max, q_heads, head_dim = q.shape
-    block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    kv_heads, block_size = k_cache.shape[0], k_cache.shape[2]
     out = torch.zeros(batch, lq_max, q_heads, head_dim, dtype=torch.float64)
     for b in range(batch):
         for i in range(int(q_lens[b])):
             slots = slots_of(tables[b], int(base_lens[b]) + i + 1, block_size)
             for h in range(q_heads):
                 kvh = h // (q_heads // kv_heads)
-                keys = torch.stack([k_cache[p, o, kvh] for p, o in slots])
-                values = torch.stack([v_cache[p, o, kvh] for p, o in slots])
+                keys = torch.stack([k_cache[kvh, p, o] for p, o in slots])
+                values = torch.stack([v_cache[kvh, p, o] for p, o in slots])
                 out[b, i, h] = naive_attention(q[b, i, h], keys, values, scale)
     return out
 
@@ -120,19 +122,19 @@ def _store_case(dtype, seed=0):
     # key/value as strided slices of a fused qkv projection, as the model produces them.
     qkv = _randn(gen, tokens, 3, kv_heads, head_dim, dtype=dtype)
     key, value = qkv[:, 1], qkv[:, 2]
-    k_cache = _randn(gen, blocks, block_size, kv_heads, head_dim, dtype=dtype)
-    v_cache = _randn(gen, blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    k_cache = _randn(gen, kv_heads, blocks, block_size, head_dim, dtype=dtype)
+    v_cache = _randn(gen, kv_heads, blocks, block_size, head_dim, dtype=dtype)
     slots = torch.tensor([17, -1, 3, 31, -1, 8], dtype=torch.int64)
     return key, value, k_cache, v_cache, slots
 
 
 def naive_store(key, value, k_cache, v_cache, slots):
     k_cache, v_cache = k_cache.clone(), v_cache.clone()
-    block_size = k_cache.shape[1]
+    block_size = k_cache.shape[2]
     for t, slot in enumerate(slots.tolist()):
         if slot >= 0:
-            k_cache[slot // block_size, slot % block_size] = key[t]
-            v_cache[slot // block_size, slot % block_size] = value[t]
+            k_cache[:, slot // block_size, slot % block_size] = key[t]
+            v_cache[:, slot // block_size, slot % block_size] = value[t]
     return k_cache, v_cache
 
 
@@ -147,12 +149,12 @@ def test_store_kv_matches_loop_and_skips_minus_one(impl, dtype):
 
 def test_store_kv_writes_through_a_layer_view_of_the_full_cache():
     key, value, _, _, slots = _store_case(torch.float32)
-    k_all = torch.zeros(3, 4, 8, 2, 16)
-    v_all = torch.zeros(3, 4, 8, 2, 16)
+    k_all = torch.zeros(3, 2, 4, 8, 16)  # [layers, kv_heads, blocks, block_size, head_dim]
+    v_all = torch.zeros(3, 2, 4, 8, 16)
     store_kv_torch(key, value, k_all[1], v_all[1], slots)
     assert k_all[0].abs().sum() == 0 and k_all[2].abs().sum() == 0
-    assert torch.equal(k_all[1].view(-1, 2, 16)[17], key[0])
-    assert torch.equal(v_all[1].view(-1, 2, 16)[8], value[5])
+    assert torch.equal(k_all[1].view(2, -1, 16)[:, 17], key[0])
+    assert torch.equal(v_all[1].view(2, -1, 16)[:, 8], value[5])
 
 
 def test_store_kv_rejects_bad_input():
@@ -171,8 +173,8 @@ def _decode_case(dtype, heads, seed, block_size=8, head_dim=16, lens=(37, 0, 9, 
     gen = _gen(seed)
     q_heads, kv_heads = heads
     tables, num_blocks = make_tables(lens, block_size, gen)
-    k_cache = _randn(gen, num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
-    v_cache = _randn(gen, num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    k_cache = _randn(gen, kv_heads, num_blocks, block_size, head_dim, dtype=dtype)
+    v_cache = _randn(gen, kv_heads, num_blocks, block_size, head_dim, dtype=dtype)
     q = _randn(gen, len(lens), q_heads, head_dim, dtype=dtype)
     return q, k_cache, v_cache, tables, torch.tensor(lens), head_dim**-0.5
 
@@ -231,8 +233,8 @@ def _prefill_case(dtype, heads, seed, base=(20, 0, 3, 5), qlens=(5, 7, 0, 1), lq
     block_size, head_dim = 8, 16
     totals = [b + n for b, n in zip(base, qlens)]
     tables, num_blocks = make_tables([max(t, 1) for t in totals], block_size, gen, dtype=torch.int64)
-    k_cache = _randn(gen, num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
-    v_cache = _randn(gen, num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    k_cache = _randn(gen, kv_heads, num_blocks, block_size, head_dim, dtype=dtype)
+    v_cache = _randn(gen, kv_heads, num_blocks, block_size, head_dim, dtype=dtype)
     q = _randn(gen, len(base), lq_max, q_heads, head_dim, dtype=dtype)
     return q, k_cache, v_cache, tables, torch.tensor(base), torch.tensor(qlens), head_dim**-0.5
 
@@ -284,7 +286,7 @@ def _probs_case(dtype, heads, seed, length=37, n=5, limits=(37, 30, 0, 1, 50)):
     q_heads, kv_heads = heads
     layers, block_size, head_dim = 2, 8, 16
     tables, num_blocks = make_tables([length], block_size, gen)
-    k_cache = _randn(gen, layers, num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
+    k_cache = _randn(gen, layers, kv_heads, num_blocks, block_size, head_dim, dtype=dtype)
     queries = _randn(gen, layers, n, q_heads, head_dim, dtype=dtype)
     key_limit = None if limits is None else torch.tensor(limits)
     return queries, k_cache, tables[0], length, key_limit, head_dim**-0.5
@@ -292,13 +294,13 @@ def _probs_case(dtype, heads, seed, length=37, n=5, limits=(37, 30, 0, 1, 50)):
 
 def naive_probs(queries, k_cache, block_table, length, key_limit, scale):
     layers, n, q_heads, _ = queries.shape
-    block_size, kv_heads = k_cache.shape[2], k_cache.shape[3]
+    kv_heads, block_size = k_cache.shape[1], k_cache.shape[3]
     slots = slots_of(block_table, length, block_size)
     probs = torch.zeros(layers, q_heads, n, length, dtype=torch.float64)
     for layer in range(layers):
         for h in range(q_heads):
             kvh = h // (q_heads // kv_heads)
-            keys = torch.stack([k_cache[layer, p, o, kvh] for p, o in slots]).double()
+            keys = torch.stack([k_cache[layer, kvh, p, o] for p, o in slots]).double()
             for i in range(n):
                 limit = length if key_limit is None else min(int(key_limit[i]), length)
                 if limit > 0:
@@ -344,7 +346,7 @@ def _compact_case(dtype, seed, rest=(16,), fresh=False):
     own = _cdiv(length, block_size)
     pages = torch.randperm(own + 3, generator=gen)
     own_pages, fresh_pages = pages[:own], pages[own:]
-    cache = _randn(gen, layers, own + 3, block_size, kv_heads, *rest, dtype=dtype)
+    cache = _randn(gen, layers, kv_heads, own + 3, block_size, *rest, dtype=dtype)
 
     def slot(page_list, pos):
         return page_list[pos // block_size] * block_size + pos % block_size
@@ -361,12 +363,12 @@ def _compact_case(dtype, seed, rest=(16,), fresh=False):
 
 def naive_compact(cache, src, dst):
     old, new = cache.clone(), cache.clone()
-    layers, _, block_size, kv_heads = cache.shape[:4]
+    layers, kv_heads, _, block_size = cache.shape[:4]
     for layer in range(layers):
         for h in range(kv_heads):
             for i, d in enumerate(dst.tolist()):
                 s = int(src[layer, h, i])
-                new[layer, d // block_size, d % block_size, h] = old[layer, s // block_size, s % block_size, h]
+                new[layer, h, d // block_size, d % block_size] = old[layer, h, s // block_size, s % block_size]
     return new
 
 
@@ -420,7 +422,7 @@ def test_order_hazard_detection():
     src_bad = torch.tensor([[[2, 5, 9]]])
     dst_bad = torch.tensor([5, 6, 7])
     assert has_order_hazard(src_bad, dst_bad)
-    cache = torch.arange(1 * 3 * 4 * 1, dtype=torch.float32).view(1, 3, 4, 1)
+    cache = torch.arange(1 * 1 * 3 * 4, dtype=torch.float32).view(1, 1, 3, 4)
     want = naive_compact(cache, src_bad, dst_bad)
     compact_slots(cache, src_bad, dst_bad)  # CPU dispatch: the always-safe twin
     assert torch.equal(cache, want)

@@ -64,13 +64,13 @@ def dot_tile(n: int, cap: int) -> int:
 
 
 def flat_slots(cache_l: torch.Tensor, name: str) -> torch.Tensor:
-    """View a per-layer cache ``[num_blocks, block_size, kv_heads, head_dim]`` as
-    ``[num_blocks * block_size, kv_heads, head_dim]`` (flat slot index first).
+    """View a per-layer head-major cache ``[kv_heads, num_blocks, block_size, head_dim]`` as
+    ``[kv_heads, num_blocks * block_size, head_dim]`` (flat slot index second).
 
     Must be a view (never a copy), since the kernels write through it.
     """
     try:
-        return cache_l.view(-1, *cache_l.shape[2:])
+        return cache_l.view(cache_l.shape[0], -1, *cache_l.shape[3:])
     except RuntimeError as err:
         raise ValueError(
             f"{name} must allow merging its block and offset dims into a flat slot dim "

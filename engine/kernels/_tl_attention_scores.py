@@ -12,7 +12,7 @@ from engine.kernels._common import dot_tile, next_pow2
 def _logits_kernel(
     q_ptr, k_ptr, table_ptr, limit_ptr, out_ptr, scale,
     s_ql, s_qm, s_qh, s_qd,
-    s_kl, s_kb, s_ko, s_kh, s_kd,
+    s_kl, s_kh, s_kb, s_ko, s_kd,
     s_tn,
     s_ol, s_oh, s_om, s_on,
     N_QUERIES, LENGTH,
@@ -33,8 +33,9 @@ def _logits_kernel(
                 mask=m_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
     page = tl.load(table_ptr + (offs_n // BLOCK_SIZE) * s_tn, mask=n_mask, other=0).to(tl.int64)
     row = (offs_n % BLOCK_SIZE).to(tl.int64)
-    k_ptrs = (k_ptr + layer.to(tl.int64) * s_kl + page[:, None] * s_kb + row[:, None] * s_ko
-              + kv_head * s_kh + offs_d[None, :] * s_kd)
+    # Head-major cache [layers, kv_heads, num_blocks, block_size, head_dim].
+    k_ptrs = (k_ptr + layer.to(tl.int64) * s_kl + kv_head.to(tl.int64) * s_kh + page[:, None] * s_kb
+              + row[:, None] * s_ko + offs_d[None, :] * s_kd)
     k = tl.load(k_ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
     s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
     limit = tl.load(limit_ptr + offs_m, mask=m_mask, other=0)
@@ -46,10 +47,10 @@ def _logits_kernel(
 
 def launch_logits(queries, k_cache, block_table, length, limits, scale,
                   block_m: int = 32, block_n: int = 64):
-    """queries [L, n, q_heads, d], k_cache [L, NB, bs, kv_heads, d], limits [n] int64 clamped
+    """queries [L, n, q_heads, d], k_cache [L, kv_heads, NB, bs, d], limits [n] int64 clamped
     to [0, length] -> logits [L, q_heads, n, length] fp32, -inf where key j >= limits[i]."""
     layers, n, q_heads, head_dim = queries.shape
-    block_size, kv_heads = k_cache.shape[2], k_cache.shape[3]
+    kv_heads, block_size = k_cache.shape[1], k_cache.shape[3]
     out = torch.empty((layers, q_heads, n, length), dtype=torch.float32, device=queries.device)
     if out.numel() == 0:
         return out

@@ -9,13 +9,13 @@ from engine.kernels._common import next_pow2
 @triton.jit
 def _compact_kernel(
     rows_ptr, src_ptr, dst_ptr, K,
-    s_rl, s_rs, s_rh, s_rr,
+    s_rl, s_rh, s_rs, s_rr,
     s_sl, s_sh, s_sk, s_dk,
     ROW: tl.constexpr, ROW_PAD: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     layer = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    base = rows_ptr + layer * s_rl + head * s_rh
+    base = rows_ptr + layer * s_rl + head.to(tl.int64) * s_rh
     offs_r = tl.arange(0, ROW_PAD)
     r_mask = offs_r < ROW
     for start in range(0, K, BLOCK_K):
@@ -33,9 +33,9 @@ def _compact_kernel(
 
 
 def launch(rows, src_slots, dst_slots, block_k: int = 64) -> None:
-    """rows: cache viewed as [layers, num_blocks * block_size, kv_heads, R] (a flat slot is then
+    """rows: cache viewed as [layers, kv_heads, num_blocks * block_size, R] (a flat slot is then
     one stride); src_slots [L, H, K]; dst_slots [K]."""
-    layers, _, heads, row = rows.shape
+    layers, heads, _, row = rows.shape
     k = dst_slots.shape[0]
     if k == 0 or layers == 0 or heads == 0:
         return

@@ -4,7 +4,9 @@ Imported lazily (importing this module defines the kernels, which needs triton).
 upcast to fp32 before any arithmetic: the interpreter gets bf16 arithmetic wrong, and the
 softmax must be fp32 anyway. Keys are fetched row by row through the block table (page =
 table[slot // block_size], row = slot % block_size), so the token tile size is independent of
-block_size, which need not be a power of two.
+block_size, which need not be a power of two. Caches are head-major,
+[kv_heads, num_blocks, block_size, head_dim] per layer; the kernels take all strides, so the
+addressing is cache + head * s_h + page * s_b + row * s_o + d * s_d.
 """
 
 import torch
@@ -16,11 +18,13 @@ from engine.kernels._common import dot_tile, next_pow2
 
 @triton.jit
 def _paged_rows(cache_ptr, table_row_ptr, s_tn, offs_n, n_mask, head, offs_d, d_mask,
-                s_cb, s_co, s_ch, s_cd, BLOCK_SIZE: tl.constexpr):
+                s_ch, s_cb, s_co, s_cd, BLOCK_SIZE: tl.constexpr):
     """Load cache rows [BLOCK_N, D_PAD] (fp32) for logical slots offs_n of one kv head."""
     page = tl.load(table_row_ptr + (offs_n // BLOCK_SIZE) * s_tn, mask=n_mask, other=0).to(tl.int64)
     row = (offs_n % BLOCK_SIZE).to(tl.int64)
-    ptrs = cache_ptr + page[:, None] * s_cb + row[:, None] * s_co + head * s_ch + offs_d[None, :] * s_cd
+    # int64: head * s_ch spans the whole per-layer cache, which can pass 2**31 elements.
+    ptrs = (cache_ptr + head.to(tl.int64) * s_ch + page[:, None] * s_cb + row[:, None] * s_co
+            + offs_d[None, :] * s_cd)
     return tl.load(ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
 
 
@@ -28,8 +32,8 @@ def _paged_rows(cache_ptr, table_row_ptr, s_tn, offs_n, n_mask, head, offs_d, d_
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, scale,
     s_qb, s_qh, s_qd,
-    s_kb, s_ko, s_kh, s_kd,
-    s_vb, s_vo, s_vh, s_vd,
+    s_kh, s_kb, s_ko, s_kd,
+    s_vh, s_vb, s_vo, s_vd,
     s_tb, s_tn,
     s_ob, s_oh, s_od,
     MAX_SLOTS,
@@ -55,7 +59,7 @@ def _decode_kernel(
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < length
         k = _paged_rows(k_ptr, table_row, s_tn, offs_n, n_mask, kv_head, offs_d, d_mask,
-                        s_kb, s_ko, s_kh, s_kd, BLOCK_SIZE)
+                        s_kh, s_kb, s_ko, s_kd, BLOCK_SIZE)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
         # Every tile holds at least one valid slot (start < length), so m_new is finite.
@@ -64,7 +68,7 @@ def _decode_kernel(
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _paged_rows(v_ptr, table_row, s_tn, offs_n, n_mask, kv_head, offs_d, d_mask,
-                        s_vb, s_vo, s_vh, s_vd, BLOCK_SIZE)
+                        s_vh, s_vb, s_vo, s_vd, BLOCK_SIZE)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         m_i = m_new
     # length 0 (batch padding): l_i stays 0 and acc 0, so the row comes out as zeros.
@@ -77,8 +81,8 @@ def _decode_kernel(
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, base_ptr, qlen_ptr, out_ptr, scale,
     s_qb, s_qm, s_qh, s_qd,
-    s_kb, s_ko, s_kh, s_kd,
-    s_vb, s_vo, s_vh, s_vd,
+    s_kh, s_kb, s_ko, s_kd,
+    s_vh, s_vb, s_vo, s_vd,
     s_tb, s_tn,
     s_ob, s_om, s_oh, s_od,
     LQ_MAX, MAX_SLOTS,
@@ -110,7 +114,7 @@ def _prefill_kernel(
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_end
         k = _paged_rows(k_ptr, table_row, s_tn, offs_n, n_mask, kv_head, offs_d, d_mask,
-                        s_kb, s_ko, s_kh, s_kd, BLOCK_SIZE)
+                        s_kh, s_kb, s_ko, s_kd, BLOCK_SIZE)
         s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
         visible = (offs_n[None, :] < base + offs_m[:, None] + 1) & n_mask[None, :]
         s = tl.where(visible, s, float("-inf"))
@@ -121,7 +125,7 @@ def _prefill_kernel(
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _paged_rows(v_ptr, table_row, s_tn, offs_n, n_mask, kv_head, offs_d, d_mask,
-                        s_vb, s_vo, s_vh, s_vd, BLOCK_SIZE)
+                        s_vh, s_vb, s_vo, s_vd, BLOCK_SIZE)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -130,9 +134,9 @@ def _prefill_kernel(
 
 
 def launch_decode(q, k_cache_l, v_cache_l, block_tables, context_lens, scale):
-    """q: [B, q_heads, d]; caches [num_blocks, block_size, kv_heads, d] -> [B, q_heads, d]."""
+    """q: [B, q_heads, d]; caches [kv_heads, num_blocks, block_size, d] -> [B, q_heads, d]."""
     batch, q_heads, head_dim = q.shape
-    block_size, kv_heads = k_cache_l.shape[1], k_cache_l.shape[2]
+    kv_heads, block_size = k_cache_l.shape[0], k_cache_l.shape[2]
     group = q_heads // kv_heads
     out = torch.empty_like(q)
     if batch == 0:
@@ -152,7 +156,7 @@ def launch_prefill(q, k_cache_l, v_cache_l, block_tables, base_lens, q_lens, sca
                    block_m: int = 32):
     """q: [B, Lq_max, q_heads, d] -> [B, Lq_max, q_heads, d] (zeros in padded rows)."""
     batch, lq_max, q_heads, head_dim = q.shape
-    block_size, kv_heads = k_cache_l.shape[1], k_cache_l.shape[2]
+    kv_heads, block_size = k_cache_l.shape[0], k_cache_l.shape[2]
     out = torch.zeros_like(q)
     if batch == 0 or lq_max == 0:
         return out

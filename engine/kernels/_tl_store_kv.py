@@ -11,8 +11,8 @@ def _store_kv_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     s_kt, s_kh, s_kd,
     s_vt, s_vh, s_vd,
-    s_cb, s_co, s_ch, s_cd,
-    s_ub, s_uo, s_uh, s_ud,
+    s_ch, s_cb, s_co, s_cd,
+    s_uh, s_ub, s_uo, s_ud,
     BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
 ):
     t = tl.program_id(0)
@@ -26,19 +26,22 @@ def _store_kv_kernel(
     offset = slot % BLOCK_SIZE
     k = tl.load(key_ptr + t * s_kt + h * s_kh + offs_d * s_kd, mask=mask)
     v = tl.load(value_ptr + t * s_vt + h * s_vh + offs_d * s_vd, mask=mask)
-    k_dst = k_cache_ptr + block * s_cb + offset * s_co + h * s_ch + offs_d * s_cd
-    v_dst = v_cache_ptr + block * s_ub + offset * s_uo + h * s_uh + offs_d * s_ud
+    # Head-major cache [kv_heads, num_blocks, block_size, head_dim]; int64 head offset because
+    # it spans the whole per-layer cache.
+    head = h.to(tl.int64)
+    k_dst = k_cache_ptr + head * s_ch + block * s_cb + offset * s_co + offs_d * s_cd
+    v_dst = v_cache_ptr + head * s_uh + block * s_ub + offset * s_uo + offs_d * s_ud
     tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def launch(key, value, k_cache_l, v_cache_l, slot_mapping) -> None:
-    """key/value: [T, kv_heads, head_dim]; caches: [num_blocks, block_size, kv_heads, head_dim]."""
+    """key/value: [T, kv_heads, head_dim]; caches: [kv_heads, num_blocks, block_size, head_dim]."""
     tokens, kv_heads, head_dim = key.shape
     if tokens == 0:
         return
     _store_kv_kernel[(tokens, kv_heads)](
         key, value, k_cache_l, v_cache_l, slot_mapping,
         *key.stride(), *value.stride(), *k_cache_l.stride(), *v_cache_l.stride(),
-        BLOCK_SIZE=k_cache_l.shape[1], HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim),
+        BLOCK_SIZE=k_cache_l.shape[2], HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim),
     )

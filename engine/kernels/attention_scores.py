@@ -6,7 +6,7 @@ queries) at compression time. Triton version for CUDA tensors, torch twin otherw
 ``paged_query_probs(queries, k_cache, block_table, length, key_limit, scale) -> probs``
 
     queries:     [layers, n, q_heads, head_dim]   post-RoPE queries of one sequence
-    k_cache:     [layers, num_blocks, block_size, kv_heads, head_dim]   (the whole cache)
+    k_cache:     [layers, kv_heads, num_blocks, block_size, head_dim]   (the whole cache)
     block_table: [nb] int   the sequence's pages, in order
     length:      int        physical keys 0..length-1 (through block_table) are scored
     key_limit:   [n] int or None   query i sees keys j < key_limit[i] (None: all `length`);
@@ -30,12 +30,12 @@ from engine.kernels._common import check, check_dim, check_integer, check_ndim, 
 def _validate(queries, k_cache, block_table, length, key_limit) -> int:
     """Check the inputs; return ``length`` as a Python int."""
     check_ndim("queries", queries, 4, "[layers, n, q_heads, head_dim]")
-    check_ndim("k_cache", k_cache, 5, "[layers, num_blocks, block_size, kv_heads, head_dim]")
+    check_ndim("k_cache", k_cache, 5, "[layers, kv_heads, num_blocks, block_size, head_dim]")
     check_ndim("block_table", block_table, 1, "[nb]")
     check_integer("block_table", block_table)
     check_dim("queries", queries.shape[0], k_cache.shape[0], "layer count (dim 0)")
     check_dim("queries", queries.shape[3], k_cache.shape[4], "head_dim (last dim)")
-    kv_heads = k_cache.shape[3]
+    kv_heads = k_cache.shape[1]
     check(
         queries.shape[2] % kv_heads == 0,
         f"queries' q_heads ({queries.shape[2]}) must be a multiple of k_cache's kv_heads ({kv_heads})",
@@ -45,9 +45,9 @@ def _validate(queries, k_cache, block_table, length, key_limit) -> int:
     except TypeError:
         raise ValueError(f"length must be an int, got {type(length).__name__}") from None
     check(
-        0 <= length <= block_table.shape[0] * k_cache.shape[2],
+        0 <= length <= block_table.shape[0] * k_cache.shape[3],
         f"length must be an int in [0, len(block_table) * block_size = "
-        f"{block_table.shape[0] * k_cache.shape[2]}], got {length!r}",
+        f"{block_table.shape[0] * k_cache.shape[3]}], got {length!r}",
     )
     check_same_device("queries", queries, k_cache=k_cache, block_table=block_table)
     if key_limit is not None:
@@ -79,13 +79,14 @@ def paged_query_probs_torch(queries, k_cache, block_table, length, key_limit, sc
     """
     length = _validate(queries, k_cache, block_table, length, key_limit)
     layers, n, q_heads, head_dim = queries.shape
-    block_size, kv_heads = k_cache.shape[2], k_cache.shape[3]
+    kv_heads, block_size = k_cache.shape[1], k_cache.shape[3]
     group = q_heads // kv_heads
     limits = _limits(key_limit, n, length, queries.device)
-    pages = block_table[: -(-length // block_size)].long()
-    keys = k_cache[:, pages].flatten(1, 2)[:, :length].float()  # [layers, length, kv_heads, d]
+    pages = block_table[: -(-length // block_size)]
+    # [layers, kv_heads, length, head_dim]: one index_select over the page axis.
+    keys = torch.index_select(k_cache, 2, pages).flatten(2, 3)[:, :, :length].float()
     q = queries.float().view(layers, n, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-    logits = torch.matmul(q, keys.permute(0, 2, 3, 1).unsqueeze(2))  # [L, kvh, g, n, length]
+    logits = torch.matmul(q, keys.transpose(2, 3).unsqueeze(2))  # [L, kvh, g, n, length]
     logits = logits.reshape(layers, q_heads, n, length).mul_(float(scale))
     hidden = torch.arange(length, device=queries.device)[None, :] >= limits[:, None]  # [n, length]
     logits.masked_fill_(hidden[None, None], float("-inf"))

@@ -6,13 +6,13 @@ length serve all heads (compressed PagedAttention, DESIGN.md "The engine's core 
 
 ``compact_slots(cache, src_slots, dst_slots, *, ordered=False)``, in place:
 
-    cache:     [layers, num_blocks, block_size, kv_heads, *rest]; rest is (head_dim,) for K/V or
-               () for a per-slot score cache
+    cache:     [layers, kv_heads, num_blocks, block_size, *rest] (head-major); rest is (head_dim,)
+               for K/V or () for a per-slot score cache
     src_slots: [layers, kv_heads, K] int64 flat slots (block_id * block_size + offset); row
                (l, h) lists the slots head h of layer l keeps, in the sequence's slot order
     dst_slots: [K] int64 flat target slots, the same for every (layer, head); no repeats
 
-    cache[l, dst[i], h] <- old cache[l, src[l, h, i], h]   (flat-slot notation)
+    cache[l, h, dst[i]] <- old cache[l, h, src[l, h, i]]   (flat-slot notation)
 
 The torch twin gathers every source row before scattering, so it is correct for any overlap
 between sources and targets. The Triton kernel (one program per (layer, head), copying tiles of
@@ -41,7 +41,7 @@ from engine.kernels._common import check, check_dim, check_integer, check_ndim, 
 def _validate(cache, src_slots, dst_slots) -> None:
     check(
         isinstance(cache, torch.Tensor) and cache.dim() >= 4,
-        "cache must be a tensor [layers, num_blocks, block_size, kv_heads, *rest], got shape "
+        "cache must be a tensor [layers, kv_heads, num_blocks, block_size, *rest], got shape "
         f"{tuple(cache.shape) if isinstance(cache, torch.Tensor) else type(cache).__name__}",
     )
     check_ndim("src_slots", src_slots, 3, "[layers, kv_heads, K]")
@@ -49,20 +49,20 @@ def _validate(cache, src_slots, dst_slots) -> None:
     check_integer("src_slots", src_slots)
     check_integer("dst_slots", dst_slots)
     check_dim("src_slots", src_slots.shape[0], cache.shape[0], "layer count (dim 0)")
-    check_dim("src_slots", src_slots.shape[1], cache.shape[3], "kv_heads (dim 1)")
+    check_dim("src_slots", src_slots.shape[1], cache.shape[1], "kv_heads (dim 1)")
     check_dim("dst_slots", dst_slots.shape[0], src_slots.shape[2], "length (K of src_slots)")
     check_same_device("cache", cache, src_slots=src_slots, dst_slots=dst_slots)
 
 
 def _rows_view(cache: torch.Tensor) -> torch.Tensor:
-    """View cache as [layers, num_blocks * block_size, kv_heads, R] (R = prod(rest), 1 if none)."""
-    layers, blocks, block_size, heads = cache.shape[:4]
+    """View cache as [layers, kv_heads, num_blocks * block_size, R] (R = prod(rest), 1 if none)."""
+    layers, heads, blocks, block_size = cache.shape[:4]
     try:
-        return cache.view(layers, blocks * block_size, heads, -1)
+        return cache.view(layers, heads, blocks * block_size, -1)
     except RuntimeError as err:
         raise ValueError(
             f"cache (shape {tuple(cache.shape)}, strides {cache.stride()}) must be viewable as "
-            "[layers, num_blocks * block_size, kv_heads, -1]; pass a contiguous cache"
+            "[layers, kv_heads, num_blocks * block_size, -1]; pass a contiguous cache"
         ) from err
 
 
@@ -77,13 +77,14 @@ def compact_slots_torch(cache, src_slots, dst_slots) -> None:
     """Torch twin of :func:`compact_slots` (module docstring); safe for any overlap."""
     _validate(cache, src_slots, dst_slots)
     rows = _rows_view(cache)
-    _check_slot_range("src_slots", src_slots, rows.shape[1])
-    _check_slot_range("dst_slots", dst_slots, rows.shape[1])
-    layers, heads = rows.shape[0], rows.shape[2]
-    layer_idx = torch.arange(layers, device=cache.device)[:, None, None]
-    head_idx = torch.arange(heads, device=cache.device)[None, :, None]
-    kept = rows[layer_idx, src_slots.long(), head_idx]  # [layers, heads, K, R], a copy
-    rows[layer_idx, dst_slots.long()[None, None, :], head_idx] = kept
+    _check_slot_range("src_slots", src_slots, rows.shape[2])
+    _check_slot_range("dst_slots", dst_slots, rows.shape[2])
+    layers, heads, _, width = rows.shape
+    k = dst_slots.shape[0]
+    src = src_slots.long()[..., None].expand(layers, heads, k, width)
+    kept = rows.gather(2, src)  # [layers, heads, K, R], a copy
+    dst = dst_slots.long()[None, None, :, None].expand(layers, heads, k, width)
+    rows.scatter_(2, dst, kept)
 
 
 def compact_slots_triton(cache, src_slots, dst_slots) -> None:
@@ -138,7 +139,7 @@ def compact_slots(cache, src_slots, dst_slots, *, ordered: bool = False) -> None
 
 
 def compact_kv(k_cache, v_cache, src_slots, dst_slots, *, ordered: bool = False) -> None:
-    """:func:`compact_slots` on both caches [layers, num_blocks, block_size, kv_heads, head_dim]
+    """:func:`compact_slots` on both caches [layers, kv_heads, num_blocks, block_size, head_dim]
     with the same sources/targets; the implementation (and hazard check) is chosen once."""
     check(
         isinstance(v_cache, torch.Tensor) and k_cache.shape == v_cache.shape,

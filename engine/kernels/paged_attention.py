@@ -7,7 +7,7 @@ same signature (used on CPU and as the test oracle):
     One query token per sequence.
 
     q:            [B, q_heads, head_dim]
-    k/v_cache_l:  [num_blocks, block_size, kv_heads, head_dim]   (one layer's view)
+    k/v_cache_l:  [kv_heads, num_blocks, block_size, head_dim]   (one layer's view)
     block_tables: [B, max_blocks] int32/int64, padded with -1
     context_lens: [B] int   physical slots 0..len-1 (through the block table) are attended;
                   a sequence with length 0 (batch padding) gets a zero output row
@@ -27,18 +27,25 @@ same signature (used on CPU and as the test oracle):
 GQA/MQA: q_heads must be a multiple of kv_heads; query head h reads kv head
 h // (q_heads // kv_heads). Logits and softmax are computed in fp32 whatever the input dtype.
 
-Choice (measured with ``python -m engine.kernels.bench_attention``; 32 sequences x ~512
-slots, 9 q / 3 kv heads, head_dim 64, block 32, fp32): the torch twins gather the used pages
-into ``[B, pages*block_size, kv_heads, head_dim]`` and call ``scaled_dot_product_attention``
-(CPU flash kernel) with a boolean mask and ``enable_gqa=True``. Decode, median per call:
-2 threads on an idle machine 5.3 ms, against 5.4-5.8 ms folding the query group into SDPA's
-query axis, 7.4 ms grouped matmul + explicit fp32 softmax, 7.6 ms einsum and 23-36 ms
-expanding the KV heads (repeat_interleave copies the gathered keys again); the page gather
-alone is 2.7 ms. 1 thread: 23.5 / 25.2 / 39.2 / 33.0 / 147 ms. For a 4 x 128-query prefill
-chunk enable_gqa and expand tie (31 vs 30 ms, 1 thread) and enable_gqa needs no extra copy.
-The CPU SDPA kernel accumulates fp16/bf16 inputs in fp32, so the twins keep the input dtype
-without an upcast copy. Only the pages up to the longest sequence in the batch are gathered,
-so wide (max-model-length) block tables cost nothing extra.
+Cache layout is head-major, ``[kv_heads, num_blocks, block_size, head_dim]`` per layer, so
+that gathering a batch's pages is one ``index_select`` over the page axis that yields, per kv
+head, every sequence's keys contiguous in slot order: exactly the ``[B, kv_heads, S, head_dim]``
+operand SDPA wants (after a free transpose of the first two axes). The earlier layout
+``[num_blocks, block_size, kv_heads, head_dim]`` needed an advanced-indexing gather and handed
+SDPA a transposed view with kv_heads interleaved inside each slot.
+
+Measured with ``python -m engine.kernels.bench_attention`` (1 thread, process CPU time, min per
+call; 9 q / 3 kv heads, head_dim 64, block 32, fp32): decode, 32 sequences x ~384 slots, 4.5 ms
+head-major against 7.1 ms for the old layout's twin (5.3 ms with index_select on the old
+layout); 64 x ~256: 6.7 vs 9.6 ms. A 4 x 128-query prefill chunk is unchanged (8.0 vs 8.1 ms).
+The twins call ``scaled_dot_product_attention`` (CPU flash kernel) with a boolean mask and
+``enable_gqa=True``. Earlier comparisons put it ahead of grouped matmul + explicit fp32 softmax,
+einsum and expanding the KV heads (repeat_interleave copies the gathered keys again; 4-6x
+slower); folding the query group into SDPA's query axis is within noise of it (the bench keeps
+these rows). The CPU SDPA kernel accumulates fp16/bf16 inputs in fp32, so the twins keep the
+input dtype without an upcast copy. Only the pages up to the longest sequence in the batch are
+gathered (-1 padding is clamped to page 0 and masked), so wide (max-model-length) block tables
+cost nothing extra.
 """
 
 from __future__ import annotations
@@ -55,7 +62,7 @@ from engine.kernels._common import (
     use_triton,
 )
 
-_CACHE_LAYOUT = "[num_blocks, block_size, kv_heads, head_dim]"
+_CACHE_LAYOUT = "[kv_heads, num_blocks, block_size, head_dim]"
 
 
 # ----------------------------------------------------------------------------- validation
@@ -67,7 +74,7 @@ def _validate_cache(q_heads: int, head_dim: int, k_cache_l, v_cache_l) -> None:
         k_cache_l.shape == v_cache_l.shape,
         f"k_cache_l {tuple(k_cache_l.shape)} and v_cache_l {tuple(v_cache_l.shape)} differ",
     )
-    kv_heads = k_cache_l.shape[2]
+    kv_heads = k_cache_l.shape[0]
     check(
         kv_heads > 0 and q_heads % kv_heads == 0,
         f"q_heads ({q_heads}) must be a positive multiple of the cache's kv_heads ({kv_heads})",
@@ -123,12 +130,19 @@ def _check_q_lens(q_lens, lq_max: int) -> None:
 def gather_pages(cache_l: torch.Tensor, block_tables: torch.Tensor, num_pages: int) -> torch.Tensor:
     """Copy the first ``num_pages`` pages of every block table into a dense tensor.
 
-    cache_l: [num_blocks, block_size, kv_heads, head_dim]; block_tables: [B, max_blocks]
+    cache_l: [kv_heads, num_blocks, block_size, head_dim]; block_tables: [B, max_blocks]
     (-1 padding reads page 0, which the callers mask out).
-    Returns [B, num_pages * block_size, kv_heads, head_dim].
+    Returns [B, kv_heads, num_pages * block_size, head_dim]: a transposed view of one
+    contiguous [kv_heads, B, num_pages * block_size, head_dim] copy (SDPA takes it as is).
     """
-    pages = block_tables[:, :num_pages].clamp(min=0).long()
-    return cache_l[pages].flatten(1, 2)
+    kv_heads, _, block_size, head_dim = cache_l.shape
+    batch = block_tables.shape[0]
+    pages = block_tables[:, :num_pages].clamp(min=0).reshape(-1)
+    # index_select copies whole pages as contiguous rows; advanced indexing (cache_l[:, pages])
+    # goes through the generic index kernel: 0.4 vs 1.4 ms for one 32 x 384-slot cache gather
+    # (1 thread).
+    dense = torch.index_select(cache_l, 1, pages)  # [kv_heads, B * num_pages, block_size, d]
+    return dense.view(kv_heads, batch, num_pages * block_size, head_dim).transpose(0, 1)
 
 
 def _pages_for(slots: int, block_size: int, max_blocks: int) -> int:
@@ -139,19 +153,19 @@ def _pages_for(slots: int, block_size: int, max_blocks: int) -> int:
 def paged_decode_attention_torch(q, k_cache_l, v_cache_l, block_tables, context_lens, scale):
     """Torch twin of :func:`paged_decode_attention` (module docstring has the shapes)."""
     _validate_decode(q, k_cache_l, v_cache_l, block_tables, context_lens)
-    block_size = k_cache_l.shape[1]
+    block_size = k_cache_l.shape[2]
     longest = _check_capacity(context_lens, block_tables, block_size, "context_lens")
     num_pages = _pages_for(longest, block_size, block_tables.shape[1])
     keys = gather_pages(k_cache_l, block_tables, num_pages).to(q.dtype)
     values = gather_pages(v_cache_l, block_tables, num_pages).to(q.dtype)
-    slots = torch.arange(keys.shape[1], device=q.device)
+    slots = torch.arange(keys.shape[2], device=q.device)
     lens = context_lens.long()
     empty = lens <= 0
     # An empty sequence attends slot 0 instead of nothing (a fully masked softmax row is NaN
     # in some SDPA backends); its output row is zeroed below.
     visible = (slots[None, :] < lens[:, None]) | ((slots[None, :] == 0) & empty[:, None])
     out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
+        q.unsqueeze(2), keys, values,
         attn_mask=visible[:, None, None, :], scale=float(scale), enable_gqa=True,
     ).squeeze(2)
     return out.masked_fill(empty[:, None, None], 0)
@@ -162,20 +176,20 @@ def paged_prefill_attention_torch(q, k_cache_l, v_cache_l, block_tables, base_le
     _validate_prefill(q, k_cache_l, v_cache_l, block_tables, base_lens, q_lens)
     lq_max = q.shape[1]
     _check_q_lens(q_lens, lq_max)
-    block_size = k_cache_l.shape[1]
+    block_size = k_cache_l.shape[2]
     base, qlen = base_lens.long(), q_lens.long()
     longest = _check_capacity(base + qlen, block_tables, block_size, "base_lens + q_lens")
     num_pages = _pages_for(longest, block_size, block_tables.shape[1])
     keys = gather_pages(k_cache_l, block_tables, num_pages).to(q.dtype)
     values = gather_pages(v_cache_l, block_tables, num_pages).to(q.dtype)
     rows = torch.arange(lq_max, device=q.device)
-    slots = torch.arange(keys.shape[1], device=q.device)
+    slots = torch.arange(keys.shape[2], device=q.device)
     padded = rows[None, :] >= qlen[:, None]  # [B, Lq]
     causal = slots[None, None, :] < (base[:, None, None] + rows[None, :, None] + 1)
     # Padded rows attend slot 0 only (never a fully masked row) and are zeroed afterwards.
     visible = torch.where(padded[:, :, None], slots[None, None, :] == 0, causal)  # [B, Lq, S]
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+        q.transpose(1, 2), keys, values,
         attn_mask=visible[:, None], scale=float(scale), enable_gqa=True,
     ).transpose(1, 2)
     return out.masked_fill(padded[:, :, None, None], 0)

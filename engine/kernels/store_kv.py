@@ -4,8 +4,9 @@
 both have the same signature and semantics:
 
     key, value:           [T, kv_heads, head_dim]   (any strides)
-    k_cache_l, v_cache_l: [num_blocks, block_size, kv_heads, head_dim]   (one layer's view)
-    slot_mapping:         [T] int   flat slot ``block_id * block_size + offset``; -1 = skip
+    k_cache_l, v_cache_l: [kv_heads, num_blocks, block_size, head_dim]   (one layer's view)
+    slot_mapping:         [T] int   flat slot ``block_id * block_size + offset`` (the same slot in
+                          every kv head's [num_blocks * block_size] row axis); -1 = skip
 
 Row t goes to slot ``slot_mapping[t]``; rows with slot -1 (batch padding) are not written.
 The caches are modified in place; nothing is returned. Values are cast to the cache dtype.
@@ -29,8 +30,8 @@ from engine.kernels._common import (
 def _validate(key, value, k_cache_l, v_cache_l, slot_mapping) -> None:
     check_ndim("key", key, 3, "[T, kv_heads, head_dim]")
     check_ndim("value", value, 3, "[T, kv_heads, head_dim]")
-    check_ndim("k_cache_l", k_cache_l, 4, "[num_blocks, block_size, kv_heads, head_dim]")
-    check_ndim("v_cache_l", v_cache_l, 4, "[num_blocks, block_size, kv_heads, head_dim]")
+    check_ndim("k_cache_l", k_cache_l, 4, "[kv_heads, num_blocks, block_size, head_dim]")
+    check_ndim("v_cache_l", v_cache_l, 4, "[kv_heads, num_blocks, block_size, head_dim]")
     check_ndim("slot_mapping", slot_mapping, 1, "[T]")
     check_integer("slot_mapping", slot_mapping)
     check(key.shape == value.shape, f"key {tuple(key.shape)} and value {tuple(value.shape)} differ")
@@ -39,30 +40,31 @@ def _validate(key, value, k_cache_l, v_cache_l, slot_mapping) -> None:
         f"k_cache_l {tuple(k_cache_l.shape)} and v_cache_l {tuple(v_cache_l.shape)} differ",
     )
     check_dim("slot_mapping", slot_mapping.shape[0], key.shape[0], "length (tokens)")
+    cache_rows = (k_cache_l.shape[0], k_cache_l.shape[3])
     check(
-        key.shape[1:] == k_cache_l.shape[2:],
-        f"key rows {tuple(key.shape[1:])} must match the cache's [kv_heads, head_dim] "
-        f"{tuple(k_cache_l.shape[2:])}",
+        tuple(key.shape[1:]) == cache_rows,
+        f"key rows {tuple(key.shape[1:])} must match the cache's [kv_heads, head_dim] {cache_rows}",
     )
     check_same_device("key", key, value=value, k_cache_l=k_cache_l, v_cache_l=v_cache_l,
                       slot_mapping=slot_mapping)
 
 
 def store_kv_torch(key, value, k_cache_l, v_cache_l, slot_mapping) -> None:
-    """Torch twin of :func:`store_kv` (same signature); one masked ``index_copy_`` per cache."""
+    """Torch twin of :func:`store_kv` (same signature); one masked ``index_copy_`` per cache
+    along the flat slot axis of the [kv_heads, num_blocks * block_size, head_dim] view."""
     _validate(key, value, k_cache_l, v_cache_l, slot_mapping)
     k_flat = flat_slots(k_cache_l, "k_cache_l")
     v_flat = flat_slots(v_cache_l, "v_cache_l")
     slots = slot_mapping.long()
     check(
-        slots.numel() == 0 or int(slots.max()) < k_flat.shape[0],
-        f"slot_mapping holds a slot >= num_blocks * block_size = {k_flat.shape[0]}",
+        slots.numel() == 0 or int(slots.max()) < k_flat.shape[1],
+        f"slot_mapping holds a slot >= num_blocks * block_size = {k_flat.shape[1]}",
     )
     keep = slots >= 0
     if not bool(keep.all()):
         slots, key, value = slots[keep], key[keep], value[keep]
-    k_flat.index_copy_(0, slots, key.to(k_flat.dtype))
-    v_flat.index_copy_(0, slots, value.to(v_flat.dtype))
+    k_flat.index_copy_(1, slots, key.to(k_flat.dtype).transpose(0, 1))
+    v_flat.index_copy_(1, slots, value.to(v_flat.dtype).transpose(0, 1))
 
 
 def store_kv_triton(key, value, k_cache_l, v_cache_l, slot_mapping) -> None:
