@@ -1,5 +1,194 @@
-"""`kvarena analyze ...`: the papers' studies (commands are registered by the analysis modules)."""
+"""`kvarena analyze ...`: the papers' studies.
+
+    kvarena analyze replay    counterfactual compress-vs-grow NLL replay (GrowPage Sec. 5.3, Fig. 7)
+    kvarena analyze demand    Spearman study of GrowPage's demand signal (Sec. 5.3, Fig. 6)
+    kvarena analyze sparsity  attention concentration over decoding (Sec. 2, Fig. 3)
+
+The study modules (analysis.replay, analysis.demand_study, analysis.sparsity) are imported inside
+the commands, so `kvarena --help` does not pay for torch and the engine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
 
 import typer
+from rich.console import Console
 
 analyze_app = typer.Typer(no_args_is_help=True, help="Reproduce the papers' analysis studies.")
+console = Console(stderr=True)
+
+RESULTS_ROOT = Path("results/analysis")
+
+ModelOpt = typer.Option("default", "--model", "-m",
+                        help="HF directory, .gguf file, or the embedded default's name.")
+PromptsOpt = typer.Option(None, "--prompts-file",
+                          help="Text file, one prompt per line (default: the built-in math set).")
+NumPromptsOpt = typer.Option(None, "--num-prompts", help="Use only the first N prompts.")
+BlockOpt = typer.Option(16, "--block-size", help="Tokens per KV page (CPU-scale default 16).")
+OutOpt = typer.Option(None, "--out", help="Output directory (default: results/analysis/<study>-"
+                                          "<model>-b<block>-t<tokens>-n<prompts>).")
+ThreadsOpt = typer.Option(2, "--threads", help="torch CPU threads.")
+TemperatureOpt = typer.Option(0.0, "--temperature", help="Reference decoding: 0 = greedy.")
+SeedOpt = typer.Option(0, "--seed", help="Base seed (request i uses seed + i when sampling).")
+ChatOpt = typer.Option(True, "--chat/--no-chat", help="Wrap prompts in the chat template.")
+TopPOpt = typer.Option(0.99, "--top-p", help="Coverage p of the working sets (GrowPage: 0.99).")
+
+
+def _fail(message: str) -> None:
+    console.print(f"[bold red]error:[/] {message}")
+    raise typer.Exit(2)
+
+
+def _model_tag(model: str) -> str:
+    from engine.models.loader import EMBEDDED_MODEL_NAMES
+
+    if model.lower() in {n.lower() for n in EMBEDDED_MODEL_NAMES}:
+        return "smollm2-135m"
+    path = Path(model)
+    return (path.stem if path.suffix else path.name).lower() or "model"
+
+
+def _prepare(study: str, model: str, prompts_file, num_prompts, max_tokens: int, block_size: int,
+             temperature: float, seed: int, chat: bool, out: Optional[Path], threads: int):
+    """Validate the shared options, load prompts and tokenise them with the model's tokenizer."""
+    import torch
+
+    from analysis.common import RunSettings, encode_prompts, load_prompts
+    from engine.models.loader import load_tokenizer, resolve_model
+
+    if threads < 1:
+        _fail(f"--threads must be >= 1, got {threads}")
+    if max_tokens < 1:
+        _fail(f"--max-tokens must be >= 1, got {max_tokens}")
+    if block_size < 2:
+        _fail(f"--block-size must be >= 2, got {block_size}")
+    torch.set_num_threads(threads)
+    prompts = load_prompts(prompts_file, num_prompts)
+    prompt_ids = encode_prompts(load_tokenizer(resolve_model(model)), prompts, chat)
+    settings = RunSettings(model=model, block_size=block_size, max_tokens=max_tokens,
+                           num_prompts=len(prompts), temperature=temperature, seed=seed, chat=chat)
+    if out is None:
+        out = RESULTS_ROOT / (f"{study}-{_model_tag(model)}-b{block_size}-t{max_tokens}"
+                              f"-n{len(prompts)}")
+    console.print(f"[bold]{study}[/]: {len(prompts)} prompts "
+                  f"({min(map(len, prompt_ids))}-{max(map(len, prompt_ids))} tokens), "
+                  f"{max_tokens} output tokens, block {block_size} -> {out}")
+    return prompt_ids, settings, out
+
+
+def _run(study):
+    """Run a study, turning bad input into a clear error instead of a traceback."""
+    from engine.config import ConfigError
+    from engine.models.loader import ModelLoadError
+
+    try:
+        return study()
+    except (ConfigError, ModelLoadError, ValueError, RuntimeError) as exc:
+        _fail(str(exc))
+
+
+@analyze_app.command()
+def replay(
+    model: str = ModelOpt,
+    prompts_file: Optional[Path] = PromptsOpt,
+    num_prompts: Optional[int] = NumPromptsOpt,
+    max_tokens: int = typer.Option(320, "--max-tokens", help="Reference output tokens per prompt."),
+    block_size: int = BlockOpt,
+    window: Optional[int] = typer.Option(None, "--window",
+                                         help="Tokens scored after each decision (default: one page)."),
+    max_boundaries: Optional[int] = typer.Option(
+        None, "--max-boundaries", help="Demand boundaries per request to branch at (evenly spaced)."),
+    policy_arg: list[str] = typer.Option(
+        [], "--policy-arg", "-a",
+        help="GrowPage knob key=value (repeatable); defaults: initial_capacity=128 protected_recent=8."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Reference runs to --max-tokens."),
+    temperature: float = TemperatureOpt,
+    seed: int = SeedOpt,
+    chat: bool = ChatOpt,
+    out: Optional[Path] = OutOpt,
+    threads: int = ThreadsOpt,
+):
+    """Counterfactual Compress & Hold vs Grow by One Page: NLL of the next reference tokens."""
+
+    def study():
+        from analysis.replay import REPLAY_GROWPAGE_DEFAULTS, ReplayConfig, replay_study
+        from engine.policies.base import build_policy, parse_policy_args
+
+        args = {**REPLAY_GROWPAGE_DEFAULTS, **parse_policy_args(policy_arg)}
+        typed = build_policy("growpage", args)  # validates names and coerces CLI strings
+        growpage = {k: getattr(typed, k) for k in args}
+        prompt_ids, settings, path = _prepare("replay", model, prompts_file, num_prompts,
+                                              max_tokens, block_size, temperature, seed, chat,
+                                              out, threads)
+        config = ReplayConfig(window=window, max_boundaries=max_boundaries, growpage=growpage,
+                              ignore_eos=ignore_eos)
+        return replay_study(model, prompt_ids, settings, path, config), path
+
+    summary, path = _run(study)
+    gt = next(v for k, v in summary.items() if k.startswith("benefit_delta_gt"))
+    le = next(v for k, v in summary.items() if k.startswith("benefit_delta_le"))
+    console.print(f"[green]{summary['clean']} boundaries: mean A = {summary['benefit']}; "
+                  f"delta > tau: {gt}; delta <= tau: {le}; "
+                  f"Spearman(delta, A) = {summary['spearman_delta_benefit']}[/]  ({path})")
+
+
+@analyze_app.command()
+def demand(
+    model: str = ModelOpt,
+    prompts_file: Optional[Path] = PromptsOpt,
+    num_prompts: Optional[int] = NumPromptsOpt,
+    max_tokens: int = typer.Option(384, "--max-tokens", help="Output tokens per prompt."),
+    block_size: int = BlockOpt,
+    top_p: float = TopPOpt,
+    temperature: float = TemperatureOpt,
+    seed: int = SeedOpt,
+    chat: bool = ChatOpt,
+    out: Optional[Path] = OutOpt,
+    threads: int = ThreadsOpt,
+):
+    """Spearman correlation of GrowPage's delta_t with the future attention-demand change."""
+
+    def study():
+        from analysis.demand_study import DemandConfig, demand_study
+
+        prompt_ids, settings, path = _prepare("demand", model, prompts_file, num_prompts,
+                                              max_tokens, block_size, temperature, seed, chat,
+                                              out, threads)
+        return demand_study(model, prompt_ids, settings, path, DemandConfig(top_p=top_p)), path
+
+    summary, path = _run(study)
+    main = summary["pooled"]["delta"]
+    console.print(f"[green]{summary['complete']} of {summary['boundaries']} boundaries: "
+                  f"Spearman(delta, change) = {main['spearman']}, sign agreement = "
+                  f"{main['sign_agreement']}[/]  ({path})")
+
+
+@analyze_app.command()
+def sparsity(
+    model: str = ModelOpt,
+    prompts_file: Optional[Path] = PromptsOpt,
+    num_prompts: Optional[int] = NumPromptsOpt,
+    max_tokens: int = typer.Option(384, "--max-tokens", help="Output tokens per prompt."),
+    block_size: int = BlockOpt,
+    top_p: float = TopPOpt,
+    temperature: float = TemperatureOpt,
+    seed: int = SeedOpt,
+    chat: bool = ChatOpt,
+    out: Optional[Path] = OutOpt,
+    threads: int = ThreadsOpt,
+):
+    """p-coverage attention demand D_p of real decode queries over a FullKV generation."""
+
+    def study():
+        from analysis.sparsity import SparsityConfig, sparsity_study
+
+        prompt_ids, settings, path = _prepare("sparsity", model, prompts_file, num_prompts,
+                                              max_tokens, block_size, temperature, seed, chat,
+                                              out, threads)
+        return sparsity_study(model, prompt_ids, settings, path, SparsityConfig(top_p=top_p)), path
+
+    summary, path = _run(study)
+    ratios = [v["dp_ratio_mean"] for v in summary["per_request"].values()]
+    console.print(f"[green]mean D_p / N_t per request: {[round(r, 3) for r in ratios]}[/]  ({path})")

@@ -1,0 +1,232 @@
+"""Shared pieces of the analysis studies: prompts, rank statistics, engine sizing, outputs.
+
+Statistics are implemented here (numpy) because scipy is not a dependency: pandas'
+`Series.corr(method="spearman")` imports scipy, so Spearman's rho is computed as the Pearson
+correlation of average ranks (ties share the mean of the ranks they span), the textbook definition
+that scipy.stats.spearmanr also follows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
+
+# A small built-in workload: GSM8K/MATH-style word problems that make SmolLM2-135M-Instruct write
+# a few hundred tokens of step-by-step reasoning (the studies need long decodes, not right answers).
+DEFAULT_PROMPTS: tuple[str, ...] = (
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in "
+    "May. How many clips did Natalia sell altogether in April and May? Think step by step and "
+    "explain every step in detail.",
+    "A rectangle has a perimeter of 30 cm and its length is twice its width. What is its area? "
+    "Explain your reasoning step by step.",
+    "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. "
+    "How much did she earn? Show all your work step by step.",
+    "Find all real numbers x such that x^2 - 5x + 6 = 0, and then compute the sum of their "
+    "squares. Explain each step carefully.",
+    "A train travels 180 km in 3 hours and then 120 km in 2 hours. What is its average speed for "
+    "the whole trip? Explain your reasoning in detail.",
+    "James writes a 3-page letter to 2 different friends twice a week. How many pages does he "
+    "write a year? Think step by step.",
+    "The sum of three consecutive even integers is 78. What are the integers? Solve it step by "
+    "step and check your answer.",
+    "A store sells pencils at 3 for $1. How much do 2 dozen pencils cost? Explain every step of "
+    "your reasoning.",
+)
+
+
+def load_prompts(prompts_file: str | Path | None, limit: int | None = None) -> list[str]:
+    """Prompts from a text file (one per line, blank lines skipped), or the built-in set.
+
+    limit: keep the first `limit` prompts (None: all). Raises ValueError naming the file when it
+    is missing or holds no prompt.
+    """
+    if limit is not None and limit < 1:
+        raise ValueError(f"--num-prompts must be >= 1, got {limit}")
+    if prompts_file is None:
+        prompts = list(DEFAULT_PROMPTS)
+    else:
+        path = Path(prompts_file)
+        if not path.is_file():
+            raise ValueError(f"prompts file {str(path)!r} does not exist (give a text file with "
+                             "one prompt per line)")
+        prompts = [line.strip() for line in path.read_text().splitlines() if line.strip()]
+        if not prompts:
+            raise ValueError(f"prompts file {str(path)!r} holds no prompt (one per line)")
+    return prompts[:limit] if limit is not None else prompts
+
+
+def encode_prompts(tokenizer, prompts: Sequence[str], chat: bool) -> list[list[int]]:
+    """Token ids of each prompt, wrapped in the model's chat template when `chat`, tokenised as the
+    engine does (LLM.apply_chat_template + encode without added special tokens)."""
+    texts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                           add_generation_prompt=True) if chat else p
+             for p in prompts]
+    return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+
+
+# -- rank statistics --------------------------------------------------------------------------
+
+
+def average_ranks(values: Sequence[float]) -> np.ndarray:
+    """1-based ranks; tied values share the mean of the ranks they span. values: [n] finite."""
+    x = np.asarray(values, dtype=np.float64)
+    if x.ndim != 1:
+        raise ValueError(f"average_ranks needs a 1-D sequence, got shape {x.shape}")
+    _, inverse, counts = np.unique(x, return_inverse=True, return_counts=True)
+    last = np.cumsum(counts)  # rank of the last member of each tie group
+    return (last - (counts - 1) / 2.0)[inverse]
+
+
+def _finite_pairs(x: Sequence[float], y: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+    a = np.asarray(x, dtype=np.float64)
+    b = np.asarray(y, dtype=np.float64)
+    if a.shape != b.shape or a.ndim != 1:
+        raise ValueError(f"need two 1-D sequences of equal length, got {a.shape} and {b.shape}")
+    keep = np.isfinite(a) & np.isfinite(b)
+    return a[keep], b[keep]
+
+
+def pearson(x: Sequence[float], y: Sequence[float]) -> float:
+    """Pearson's r over the finite pairs; NaN if fewer than 2 pairs or a constant side."""
+    a, b = _finite_pairs(x, y)
+    if a.size < 2:
+        return math.nan
+    a = a - a.mean()
+    b = b - b.mean()
+    denom = math.sqrt(float((a * a).sum()) * float((b * b).sum()))
+    return float((a * b).sum()) / denom if denom > 0 else math.nan
+
+
+def spearman(x: Sequence[float], y: Sequence[float]) -> float:
+    """Spearman's rho with average ranks for ties, over the pairs where both values are finite."""
+    a, b = _finite_pairs(x, y)
+    if a.size < 2:
+        return math.nan
+    return pearson(average_ranks(a), average_ranks(b))
+
+
+def spearman_pvalue(x: Sequence[float], y: Sequence[float], permutations: int = 10000,
+                    seed: int = 0) -> float:
+    """Two-sided permutation p-value of Spearman's rho: the fraction of random pairings (y
+    shuffled) whose |rho| reaches the observed |rho|, with the observed pairing counted once (so
+    the value is never 0). NaN when rho is undefined. Deterministic for a given seed."""
+    a, b = _finite_pairs(x, y)
+    observed = spearman(a, b)
+    if not math.isfinite(observed):
+        return math.nan
+    ra, rb = average_ranks(a), average_ranks(b)
+    ra = (ra - ra.mean()) / np.linalg.norm(ra - ra.mean())
+    rb = (rb - rb.mean()) / np.linalg.norm(rb - rb.mean())
+    gen = np.random.default_rng(seed)
+    hits = 0
+    for start in range(0, permutations, 1000):  # chunks bound the [chunk, n] matrix
+        count = min(1000, permutations - start)
+        shuffled = np.stack([gen.permutation(rb) for _ in range(count)])
+        hits += int((np.abs(shuffled @ ra) >= abs(observed) - 1e-12).sum())
+    return (hits + 1) / (permutations + 1)
+
+
+def sign_agreement(x: Sequence[float], y: Sequence[float]) -> float:
+    """Fraction of finite pairs whose signs agree, over pairs where neither value is zero (a zero
+    carries no direction); NaN when no pair qualifies."""
+    a, b = _finite_pairs(x, y)
+    keep = (a != 0) & (b != 0)
+    if not keep.any():
+        return math.nan
+    return float((np.sign(a[keep]) == np.sign(b[keep])).mean())
+
+
+def quantile_bins(x: Sequence[float], y: Sequence[float], bins: int = 4) -> list[dict]:
+    """Group finite (x, y) pairs into `bins` equal-count bins of x (ascending) and report
+    x range, count, mean and standard error of y per bin (the paper's Figure 7 layout)."""
+    a, b = _finite_pairs(x, y)
+    order = np.argsort(a, kind="stable")
+    out = []
+    for chunk in np.array_split(order, min(bins, max(a.size, 1))):
+        if chunk.size == 0:
+            continue
+        ys = b[chunk]
+        sem = float(ys.std(ddof=1) / math.sqrt(ys.size)) if ys.size > 1 else math.nan
+        out.append({"x_min": float(a[chunk].min()), "x_max": float(a[chunk].max()),
+                    "n": int(ys.size), "mean": float(ys.mean()), "sem": sem})
+    return out
+
+
+# -- engine sizing and progress -----------------------------------------------------------------
+
+
+def pool_tokens(num_seqs: int, longest: int, block_size: int, spare_pages: int = 8) -> int:
+    """KV pool (token slots) that holds `num_seqs` requests of up to `longest` tokens each, one
+    page of growth headroom per request, and spare pages for copy-on-compress of shared prompt
+    pages and the admission watermark -- so a study never preempts or falls back (either would
+    change the very KV states it measures)."""
+    pages = math.ceil((longest + 1) / block_size) + 1
+    total = num_seqs * pages + spare_pages
+    total += math.ceil(total / 99) + 1  # the scheduler's 1% free-page watermark
+    return total * block_size
+
+
+@contextmanager
+def progress(description: str, total: int, enabled: bool = True) -> Iterator[Callable[[int, int], None]]:
+    """A rich progress bar on stderr; yields an `on_step(tokens, finished)` callback for
+    LLM.generate. With enabled=False (tests) the callback does nothing."""
+    if not enabled:
+        yield lambda tokens, done: None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    with Progress(TextColumn(f"[bold]{description}"), BarColumn(), TextColumn("{task.description}"),
+                  TimeElapsedColumn(), console=Console(stderr=True), transient=False) as bar:
+        task = bar.add_task("", total=max(total, 1))
+
+        def on_step(tokens: int, done: int) -> None:
+            bar.update(task, completed=tokens, description=f"{tokens}/{total} tok, {done} done")
+
+        yield on_step
+
+
+# -- outputs ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What every study records about its run (written to config.json)."""
+
+    model: str
+    block_size: int
+    max_tokens: int
+    num_prompts: int
+    temperature: float
+    seed: int
+    chat: bool
+
+
+def write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2, default=_json_default) + "\n")
+
+
+def _json_default(value):
+    if isinstance(value, (np.floating, np.integer)):
+        return value.item()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def finite_or_none(value: float) -> float | None:
+    """JSON has no NaN: undefined statistics are written as null."""
+    return None if value is None or not math.isfinite(value) else float(value)
+
+
+def use_agg_backend() -> None:
+    """Plots are written to files; never open a window (and work without a display)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)

@@ -1,0 +1,380 @@
+"""Analysis studies: rank statistics, D_p, the FullKV probes, the counterfactual replay, outputs."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from analysis.common import (
+    RunSettings,
+    average_ranks,
+    load_prompts,
+    pool_tokens,
+    quantile_bins,
+    sign_agreement,
+    spearman,
+    spearman_pvalue,
+)
+from analysis.demand_study import DemandRecorder, demand_study, run_demand
+from analysis.replay import (
+    ForcedGrowPage,
+    ForcePlan,
+    ReplayConfig,
+    pick_evenly,
+    replay_study,
+    run_replay,
+    window_nll,
+)
+from analysis.sparsity import SparsityTap, coverage_demand, run_sparsity, sparsity_study
+from engine.llm import LLM
+from engine.policies.base import Action
+from engine.policies.growpage import GrowPage
+from engine.sampling import SamplingParams
+from tiny_models import make_tiny_llama_dir
+
+BLOCK = 4
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14]]
+# Tiny-scale GrowPage for the replay: control starts at 2 pages, 2 protected slots, and p = 0.5 so
+# that delta is not stuck at 0 on tiny candidate sets.
+TINY_GROWPAGE = {"initial_capacity": 2 * BLOCK, "protected_recent": 2, "top_p": 0.5}
+# 9 tokens = 2 pages + 1: with a prefix-cache hit its last token would be prefilled alone, as a
+# one-token step that updates GrowPage's summaries; the replay must not depend on that.
+REPLAY_PROMPTS = [list(range(5, 14)), [12, 13, 14]]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return make_tiny_llama_dir(tmp_path_factory.mktemp("analysis-llama"))  # 4 q / 2 kv heads
+
+
+# -- rank statistics --------------------------------------------------------------------------
+
+
+def test_average_ranks_share_the_mean_rank_of_ties():
+    assert average_ranks([3.0, 1.0, 3.0, 3.0]).tolist() == [3.0, 1.0, 3.0, 3.0]
+    assert average_ranks([10.0, -1.0, 5.0, 5.0]).tolist() == [4.0, 1.0, 2.5, 2.5]
+
+
+def test_spearman_matches_a_hand_computed_case_with_ties():
+    # ranks x: [1, 2.5, 2.5, 4, 5]; ranks y: [2, 1, 3.5, 3.5, 5]; both have mean 3.
+    # deviations dx = [-2, -.5, -.5, 1, 2], dy = [-1, -2, .5, .5, 2]
+    # sum dx*dy = 2 + 1 - .25 + .5 + 4 = 7.25; sum dx^2 = sum dy^2 = 9.5  ->  rho = 29 / 38
+    x = [1.0, 2.0, 2.0, 3.0, 5.0]
+    y = [2.0, 1.0, 4.0, 4.0, 6.0]
+    assert spearman(x, y) == pytest.approx(29 / 38, abs=1e-12)
+    assert spearman(y, x) == pytest.approx(29 / 38, abs=1e-12)
+
+
+def test_spearman_agrees_with_pandas_rank_correlation_and_drops_nan_pairs():
+    gen = np.random.default_rng(0)
+    x = gen.integers(0, 6, size=40).astype(float)  # many ties
+    y = x * 0.5 + gen.integers(0, 4, size=40)
+    expected = pd.DataFrame({"x": x, "y": y}).corr(method="spearman").loc["x", "y"]
+    assert spearman(x, y) == pytest.approx(expected, abs=1e-12)
+    assert spearman(list(x) + [math.nan], list(y) + [3.0]) == pytest.approx(expected, abs=1e-12)
+    assert spearman([1.0, 2.0, 3.0], [3.0, 2.0, 1.0]) == pytest.approx(-1.0)
+    assert math.isnan(spearman([1.0, 1.0, 1.0], [1.0, 2.0, 3.0]))  # constant side
+    assert math.isnan(spearman([1.0], [2.0]))
+
+
+def test_spearman_permutation_pvalue():
+    monotone = list(range(8))
+    assert spearman_pvalue(monotone, monotone) < 0.005  # 2 of 8! pairings reach |rho| = 1
+    gen = np.random.default_rng(1)
+    x, y = gen.normal(size=30), gen.normal(size=30)
+    p = spearman_pvalue(x, y)
+    assert p == spearman_pvalue(x, y)  # seeded
+    # the t approximation of the null gives a close value for n = 30
+    rho = spearman(x, y)
+    t = abs(rho) * math.sqrt(28 / (1 - rho * rho))
+    approx = math.erfc(t / math.sqrt(2))  # normal tail, two-sided
+    assert abs(p - approx) < 0.06
+    assert math.isnan(spearman_pvalue([1.0, 1.0, 1.0], [1.0, 2.0, 3.0]))
+
+
+def test_sign_agreement_ignores_zero_pairs():
+    assert sign_agreement([1.0, -1.0, 0.0, 2.0], [3.0, 1.0, 5.0, 0.0]) == pytest.approx(0.5)
+    assert math.isnan(sign_agreement([0.0], [1.0]))
+
+
+def test_quantile_bins_split_by_x_and_average_y():
+    bins = quantile_bins([4.0, 1.0, 3.0, 2.0], [40.0, 10.0, 30.0, 20.0], bins=2)
+    assert [(b["x_min"], b["x_max"], b["n"], b["mean"]) for b in bins] == [
+        (1.0, 2.0, 2, 15.0), (3.0, 4.0, 2, 35.0)]
+
+
+def test_pick_evenly_keeps_ends():
+    assert pick_evenly(list(range(10)), 3) == [0, 4, 9]  # linspace 0, 4.5, 9 rounded half-even
+    assert pick_evenly([1, 2], 5) == [1, 2]
+
+
+def test_bad_prompt_inputs_are_named(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_prompts(tmp_path / "missing.txt")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    with pytest.raises(ValueError, match="holds no prompt"):
+        load_prompts(empty)
+    with pytest.raises(ValueError, match="--num-prompts"):
+        load_prompts(None, 0)
+    good = tmp_path / "p.txt"
+    good.write_text("a\n\nb\nc\n")
+    assert load_prompts(good, 2) == ["a", "b"]
+    with pytest.raises(ValueError, match="--window"):
+        ReplayConfig(window=0)
+
+
+# -- D_p -------------------------------------------------------------------------------------
+
+
+def naive_coverage(weights: list[float], p: float) -> int:
+    total = sum(weights)
+    acc = 0.0
+    for k, w in enumerate(sorted(weights, reverse=True), start=1):
+        acc += w
+        if acc >= p * total - 1e-12:
+            return k
+    return len(weights)
+
+
+def test_coverage_demand_matches_a_naive_count():
+    gen = torch.Generator().manual_seed(3)
+    probs = torch.softmax(torch.randn(3, 5, 17, generator=gen) * 3, dim=-1)
+    for p in (0.5, 0.9, 0.99):
+        got = coverage_demand(probs, p)
+        for idx in np.ndindex(3, 5):
+            assert int(got[idx]) == naive_coverage(probs[idx].tolist(), p)
+    assert coverage_demand(torch.tensor([[1.0, 0.0, 0.0]]), 0.99).tolist() == [1]
+    with pytest.raises(ValueError, match="coverage p"):
+        coverage_demand(probs, 0.0)
+
+
+def test_sparsity_probe_records_dp_of_the_models_real_attention(tiny_dir):
+    from transformers import AutoModelForCausalLM
+
+    p = 0.9
+    frame, outs = run_sparsity(str(tiny_dir), PROMPTS[:1], 12, BLOCK, show_progress=False,
+                               llm=LLM(str(tiny_dir), block_size=BLOCK, kv_cache_tokens=256,
+                                       policy=SparsityTap(top_p=p)))
+    prompt = PROMPTS[0]
+    tokens = prompt + outs[0].token_ids
+    # One row per observed query: the last prompt row, then every decode step but the last.
+    # (the final step's query, at position len - 2, is never observed: the request ends there)
+    assert frame["position"].tolist() == list(range(len(prompt) - 1, len(tokens) - 2))
+    assert frame["step"].tolist() == [pos + 1 - len(prompt) for pos in frame["position"]]
+    assert (frame["num_keys"] == frame["position"] + 1).all()
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_dir, attn_implementation="eager").eval()
+    with torch.no_grad():
+        attn = hf(torch.tensor([tokens]), output_attentions=True).attentions  # L x [1, Hq, T, T]
+    for _, row in frame.iterrows():
+        t = int(row["position"])
+        for layer, a in enumerate(attn):
+            naive = [naive_coverage(a[0, h, t, : t + 1].tolist(), p) for h in range(a.shape[1])]
+            assert row[f"dp_layer{layer}"] == pytest.approx(float(np.mean(naive)))
+        assert row["dp_ratio_mean"] == pytest.approx(row["dp_mean"] / row["num_keys"])
+
+
+def test_sparsity_study_writes_csv_png_and_summary(tiny_dir, tmp_path):
+    settings = RunSettings(str(tiny_dir), BLOCK, 10, 2, 0.0, 0, False)
+    summary = sparsity_study(str(tiny_dir), PROMPTS, settings, tmp_path, show_progress=False)
+    frame = pd.read_csv(tmp_path / "sparsity.csv")
+    assert list(frame.columns[:6]) == ["request", "step", "position", "num_keys", "dp_mean",
+                                       "dp_ratio_mean"]
+    assert [c for c in frame.columns if c.startswith("dp_layer")] == ["dp_layer0", "dp_layer1"]
+    assert set(frame["request"]) == {0, 1}
+    assert (tmp_path / "sparsity.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert set(summary["per_request"]) == {0, 1}
+    assert json.loads((tmp_path / "config.json").read_text())["block_size"] == BLOCK
+
+
+# -- demand study ----------------------------------------------------------------------------
+
+
+def expected_boundaries(prompt_len: int, output_tokens: int, block: int) -> list[int]:
+    """Positions m processed by decode steps (prompt_len .. prompt_len + out - 2) that find the
+    FullKV pages full (m a multiple of the block)."""
+    return [m for m in range(prompt_len, prompt_len + output_tokens - 1) if m % block == 0]
+
+
+def test_demand_study_records_one_row_per_boundary(tiny_dir):
+    llm = LLM(str(tiny_dir), block_size=BLOCK, kv_cache_tokens=512, policy=DemandRecorder())
+    frame, outs = run_demand(str(tiny_dir), PROMPTS, 30, BLOCK, show_progress=False, llm=llm)
+    for r, (prompt, out) in enumerate(zip(PROMPTS, outs)):
+        rows = frame[frame["request"] == r]
+        grows = [e for e in out.events if e["action"] == "grow"]
+        assert len(rows) == len(grows) > 3
+        assert rows["position"].tolist() == [e["logical_len"] for e in grows]
+        assert rows["position"].tolist() == expected_boundaries(len(prompt), out.num_output_tokens,
+                                                                BLOCK)
+        assert rows["boundary"].tolist() == list(range(len(rows)))
+        assert (rows["candidates"] == rows["position"] - BLOCK).all()
+        # the last boundary's next page never completed; earlier complete rows have both windows
+        assert rows["future_queries"].iloc[-1] == 0 and not rows["complete"].iloc[-1]
+        done = rows[rows["complete"]]
+        assert len(done) > 0
+        assert np.allclose(done["future_change"], done["r_future"] - done["r_current"])
+        assert np.allclose(done["future_change_last"], done["r_future"] - done["r_current_last"])
+        assert ((done["r_current"] > 0) & (done["r_current"] <= 1)).all()
+    # FullKV throughout: nothing was compressed
+    assert all(e["action"] == "grow" for out in outs for e in out.events)
+
+
+def test_demand_signal_is_growpages_own_delta(tiny_dir):
+    """GrowPage with tau = -1 always grows (a FullKV cache) and logs delta at every boundary past
+    its initial capacity: the probe's delta must be the same number at the same positions."""
+    prompt = PROMPTS[0]
+    probe = LLM(str(tiny_dir), block_size=BLOCK, kv_cache_tokens=512, policy=DemandRecorder())
+    frame, _ = run_demand(str(tiny_dir), [prompt], 30, BLOCK, show_progress=False, llm=probe)
+    growpage = GrowPage(tau=-1.0, initial_capacity=2 * BLOCK, protected_recent=2)
+    out = LLM(str(tiny_dir), block_size=BLOCK, kv_cache_tokens=512, policy=growpage).generate(
+        [prompt], SamplingParams(temperature=0.0, max_tokens=30))[0]
+    logged = {e["logical_len"]: e["info"] for e in out.events if "delta" in e["info"]}
+    assert len(logged) > 3
+    by_position = frame.set_index("position")
+    for position, info in logged.items():
+        assert by_position.loc[position, "delta"] == pytest.approx(info["delta"], abs=1e-12)
+        assert by_position.loc[position, "r_S"] == pytest.approx(info["r_S"], abs=1e-12)
+
+
+def test_demand_study_writes_csv_png_and_summary(tiny_dir, tmp_path):
+    settings = RunSettings(str(tiny_dir), BLOCK, 30, 2, 0.0, 0, False)
+    summary = demand_study(str(tiny_dir), PROMPTS, settings, tmp_path, show_progress=False)
+    frame = pd.read_csv(tmp_path / "demand.csv")
+    for col in ("request", "boundary", "position", "candidates", "delta", "r_S", "r_L",
+                "delta_bS0", "delta_bL099", "delta_entropy", "r_current", "r_future",
+                "future_change", "complete"):
+        assert col in frame.columns
+    assert (tmp_path / "demand.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert summary["complete"] == int(frame["complete"].sum())
+    assert set(summary["pooled"]) >= {"delta", "delta_bS0", "r_S", "r_current"}
+
+
+# -- counterfactual replay -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tau, force", [(1.0, Action.GROW), (-1.0, Action.COMPRESS)])
+def test_forced_decision_overrides_growpage_and_shows_in_the_events(tiny_dir, tau, force):
+    # tau = 1 never grows by itself, tau = -1 always does: the forced action is the opposite.
+    policy = ForcedGrowPage(tau=tau, **TINY_GROWPAGE)
+    llm = LLM(str(tiny_dir), block_size=BLOCK, kv_cache_tokens=512, policy=policy)
+    natural = Action.COMPRESS if force is Action.GROW else Action.GROW
+    policy.queue_plans([ForcePlan((natural,), force), None])
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    forced_out, free_out = llm.generate([PROMPTS[0], PROMPTS[0]], params)
+    assert not policy.plans
+    demand = {e["info"]["demand_index"]: e for e in forced_out.events if "demand_index" in e["info"]}
+    assert demand[0]["action"] == natural.value and demand[0]["info"]["control"] == "replayed"
+    assert demand[1]["action"] == force.value and demand[1]["info"]["control"] == "forced"
+    assert demand[1]["info"]["natural"] == natural.value
+    assert "delta" in demand[1]["info"]
+    if force is Action.GROW:
+        assert demand[1]["pages_after"] == demand[1]["pages_before"] + 1
+    else:
+        assert demand[1]["pages_after"] == demand[1]["pages_before"]
+        assert demand[1]["physical_after"] == (demand[1]["pages_before"] - 1) * BLOCK
+    free = [e for e in free_out.events if "demand_index" in e["info"]]
+    assert free and all(e["action"] == natural.value and e["info"]["control"] == "natural"
+                        for e in free)
+
+
+def test_replay_nll_full_is_fullkv_teacher_forcing_and_branches_are_clean(tiny_dir):
+    config = ReplayConfig(growpage=dict(TINY_GROWPAGE), max_num_seqs=8)
+    result = run_replay(str(tiny_dir), REPLAY_PROMPTS, 30, BLOCK, config=config,
+                        show_progress=False)
+    rows = result.rows
+    assert len(rows) >= 6 and rows["clean"].all()
+    # every usable demand boundary was branched at (no --max-boundaries)
+    assert len(rows) == sum(b.output_index + BLOCK <= len(result.references[b.request].token_ids)
+                            for b in result.boundaries)
+    full = LLM(str(tiny_dir), block_size=BLOCK, kv_cache_tokens=512)
+    for r, ref in enumerate(result.references):
+        forced = full.generate([REPLAY_PROMPTS[r]], SamplingParams(
+            temperature=0.0, forced_tokens=tuple(ref.token_ids), max_tokens=len(ref.token_ids),
+            logprobs=True))[0]
+        assert forced.token_ids == ref.token_ids
+        for _, row in rows[rows["request"] == r].iterrows():
+            o = int(row["output_index"])
+            assert row["nll_full"] == pytest.approx(window_nll(forced.token_logprobs, o, BLOCK),
+                                                    abs=1e-5)
+    assert np.allclose(rows["benefit"], rows["nll_compress"] - rows["nll_grow"])
+    # the branch taking GrowPage's own action reproduces the natural run's window
+    own = np.where(rows["natural_action"] == "grow", rows["nll_grow"], rows["nll_compress"])
+    assert np.allclose(own, rows["nll_natural"], atol=1e-5)
+    assert np.allclose(rows["delta_branch"], rows["delta"], atol=1e-9)
+    assert (rows["delta"] != 0).any()  # the check above is not vacuous
+    # growing at the first demand boundary, before any compression, is exactly FullKV
+    first = rows[rows["boundary"] == 0]
+    assert np.allclose(first["nll_grow"], first["nll_full"], atol=1e-4)
+    assert (rows["output_index"] == rows["position"] + 1
+            - rows["request"].map({i: len(p) for i, p in enumerate(REPLAY_PROMPTS)})).all()
+
+
+def test_replay_study_writes_csv_png_and_summary(tiny_dir, tmp_path):
+    settings = RunSettings(str(tiny_dir), BLOCK, 24, 2, 0.0, 0, False)
+    config = ReplayConfig(growpage=dict(TINY_GROWPAGE), max_boundaries=2, max_num_seqs=8)
+    summary = replay_study(str(tiny_dir), PROMPTS, settings, tmp_path, config, show_progress=False)
+    frame = pd.read_csv(tmp_path / "replay.csv")
+    assert list(frame.columns) == ["request", "boundary", "position", "output_index", "pages",
+                                   "delta", "r_S", "r_L", "natural_action", "nll_full",
+                                   "nll_grow", "nll_compress", "benefit", "nll_natural",
+                                   "delta_branch", "window", "clean"]
+    assert frame.groupby("request").size().max() <= 2
+    assert (tmp_path / "replay.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "boundaries.csv").exists()
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["rows"] == len(frame) == summary["rows"]
+    assert saved["benefit"] == pytest.approx(frame.loc[frame["clean"], "benefit"].mean())
+
+
+def test_pool_tokens_leaves_room_for_every_request():
+    tokens = pool_tokens(3, 30, 4)
+    assert tokens % 4 == 0
+    assert tokens // 4 >= 3 * (math.ceil(31 / 4) + 1) + 8
+
+
+# -- command line ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("command, extra, files", [
+    ("sparsity", ["--max-tokens", "10"], ["sparsity.csv", "sparsity.png", "summary.json"]),
+    ("demand", ["--max-tokens", "24"], ["demand.csv", "demand.png", "summary.json"]),
+    ("replay", ["--max-tokens", "24", "--max-boundaries", "2", "-a", "initial_capacity=8",
+                "-a", "protected_recent=2"], ["replay.csv", "replay.png", "summary.json"]),
+])
+def test_analyze_commands_write_their_outputs(tiny_dir, tmp_path, command, extra, files):
+    from typer.testing import CliRunner
+
+    from analysis.cli import analyze_app
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("add two numbers\nexplain paged attention\n")
+    out = tmp_path / "out"
+    result = CliRunner().invoke(analyze_app, [
+        command, "--model", str(tiny_dir), "--prompts-file", str(prompts), "--block-size",
+        str(BLOCK), "--out", str(out), "--threads", "1", *extra])
+    assert result.exit_code == 0, result.output
+    for name in files:
+        assert (out / name).stat().st_size > 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_prompts"] == 2 and config["block_size"] == BLOCK
+
+
+def test_analyze_rejects_bad_input_with_a_clear_message(tiny_dir, tmp_path):
+    from typer.testing import CliRunner
+
+    from analysis.cli import analyze_app
+
+    runner = CliRunner()
+    missing = runner.invoke(analyze_app, ["sparsity", "--model", str(tiny_dir), "--prompts-file",
+                                          str(tmp_path / "nope.txt"), "--threads", "1"])
+    # rich wraps long lines: compare with whitespace collapsed
+    assert missing.exit_code == 2 and "does not exist" in " ".join(missing.output.split())
+    bad_knob = runner.invoke(analyze_app, ["replay", "--model", str(tiny_dir), "-a", "bogus=1",
+                                           "--threads", "1"])
+    assert bad_knob.exit_code == 2 and "unknown argument" in " ".join(bad_knob.output.split())
