@@ -136,7 +136,7 @@ class ModelRunner:
             if item.samples:
                 sample_rows.append(row + n - 1)
             if seq.query_slot is not None:
-                capture.append((row, n, start, seq.query_slot, n == 1 and not seq.is_prefilling))
+                capture.append((row, n, start, seq.query_slot, not item.prefill))
         dev = self.device
         ctx = self._context(items, torch.tensor(slots, dtype=torch.long, device=dev))
         if self.queries.active and capture:

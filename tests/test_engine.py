@@ -203,3 +203,20 @@ def test_forced_tokens_score_a_continuation(llama_dir):
     # the first position sees the same context, so its log-probabilities are comparable
     assert out.token_logprobs[0] <= free.token_logprobs[0] + 1e-6
     assert sum(out.token_logprobs) < sum(free.token_logprobs)
+
+
+def test_prefix_cache_hit_does_not_feed_decode_signals(llama_dir):
+    """A cached prompt leaves its last token to a one-token prefill step; that step must not be
+    mistaken for a decode (it would update GrowPage's decode-query summaries)."""
+    prompt = list(range(5, 14))  # 9 tokens: two full pages of 4, then the last token
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    # A 9-token step budget admits the second copy one step later, while the first copy's prompt
+    # pages are cached and not yet compacted.
+    llm = LLM(str(llama_dir), block_size=4, kv_cache_tokens=256, max_num_batched_tokens=9,
+              policy="growpage",
+              policy_args={"initial_capacity": 16, "protected_recent": 2, "top_p": 0.5})
+    first, second = llm.generate([prompt, prompt], params)
+    assert llm.last_scheduler.counters["prefix_hit_tokens"] == 8
+    deltas = [[e["info"].get("delta") for e in out.events] for out in (first, second)]
+    assert any(d is not None for d in deltas[0])
+    assert deltas[1] == deltas[0] and second.token_ids == first.token_ids
