@@ -22,8 +22,8 @@ PolicyOpt = typer.Option(["full"], "--policy", "-p", help="KV policy (repeatable
                          "another into sibling directories).")
 PolicyArgOpt = typer.Option([], "--policy-arg", "-a", help="key=value for every listed policy that "
                             "has the field, or policy:key=value for one (repeatable).")
-TaskArgOpt = typer.Option([], "--task-arg", help="Task option key=value, e.g. lengths=256,512 for niah "
-                          "(repeatable).")
+TaskArgOpt = typer.Option([], "--task-arg", help="Task option key=value, e.g. lengths=256,512 for niah; "
+                          "a comma makes a list (lengths=512, is a one-element list) (repeatable).")
 ModelOpt = typer.Option("smollm2-135m-instruct", "--model", "-m",
                         help="HF directory, .gguf file, or the embedded default's name.")
 DataOpt = typer.Option(None, "--data", help="Local data file or directory (e.g. /work/shared/data), "

@@ -74,8 +74,10 @@ def pareto_plot(points: Sequence[Mapping[str, Any]], path: str | Path, title: st
         front = pareto_front(xy)
         ax.plot([xy[i][0] for i in front], [xy[i][1] for i in front], "--", alpha=0.6,
                 color=line.get_facecolor()[0], zorder=2)
-        for p, (x, y) in zip(pts, xy):
-            ax.annotate(str(p["label"]), (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+        # Neighbours along x get labels above and below in turn, so close points stay readable.
+        for rank, i in enumerate(sorted(range(len(xy)), key=lambda i: xy[i])):
+            ax.annotate(str(pts[i]["label"]), xy[i], textcoords="offset points",
+                        xytext=(3, 5 if rank % 2 == 0 else -11), fontsize=7)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.set_title(title)

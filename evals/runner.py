@@ -199,17 +199,27 @@ def small_meta(meta: Mapping[str, Any]) -> dict:
 
 def event_counts(events: Sequence[Mapping[str, Any]]) -> tuple[dict, dict, dict]:
     """(counts by kind, boundary decisions by action, stage seconds) of one request's events.
-    A fallback compression counts as ``fallback``; boundary decisions are the grow / compress /
-    shrink answers at capacity boundaries (the denominator of the grow ratio)."""
+
+    Kinds (``results.EVENT_KINDS``): ``grow``, ``compress``, ``shrink`` at capacity boundaries;
+    ``fallback`` (a compression because GROW found no free page); ``prefill_compress`` and
+    ``periodic_compress`` (compactions decided after a prefill -- prompt compression or
+    re-admission -- and by a periodic schedule); ``preempt``. Boundary decisions are the grow /
+    compress / shrink answers at capacity boundaries (the denominator of the grow ratio)."""
     kinds: dict[str, int] = {}
     decisions: dict[str, int] = {}
     stages: dict[str, float] = {}
     for e in events:
-        kind = "fallback" if e.get("fallback") else str(e.get("action"))
+        action = str(e.get("action"))
+        trigger = (e.get("info") or {}).get("trigger", "boundary")
+        if e.get("fallback"):
+            kind = "fallback"
+        elif action in ("compress", "shrink") and trigger in ("prefill", "periodic"):
+            kind = f"{trigger}_compress"
+        else:
+            kind = action
         kinds[kind] = kinds.get(kind, 0) + 1
-        info = e.get("info") or {}
-        if info.get("trigger", "boundary") == "boundary" and e.get("action") in ("grow", "compress", "shrink"):
-            decisions[e["action"]] = decisions.get(e["action"], 0) + 1
+        if trigger == "boundary" and action in ("grow", "compress", "shrink"):
+            decisions[action] = decisions.get(action, 0) + 1
         for k, v in (e.get("stages") or {}).items():
             stages[k] = stages.get(k, 0.0) + float(v)
     return kinds, decisions, stages

@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 
 from evals import results as R
 from evals.leaderboard import build_leaderboard
-from evals.runner import EvalError, EvalHooks, EvalSettings, resolve_policy_args, run_eval
+from evals.runner import (EvalError, EvalHooks, EvalSettings, event_counts, resolve_policy_args,
+                          run_eval)
 from evals.sweep import analyze_sweep, min_sufficient_budget, run_sweep
 from tiny_models import make_tiny_llama_dir
 
@@ -152,6 +153,19 @@ def test_prompt_too_long_is_a_failed_sample(model_dir, tmp_path):
     assert outcome.metrics["failed"] == 2 and outcome.metrics["samples_done"] == 4
 
 
+def test_event_kinds_by_trigger():
+    events = [{"action": "grow", "info": {"trigger": "boundary"}},
+              {"action": "compress", "info": {"trigger": "prefill"}},
+              {"action": "compress", "fallback": True, "info": {"trigger": "fallback"}},
+              {"action": "compress", "info": {}, "stages": {"topk": 0.5}},
+              {"action": "shrink", "info": {"trigger": "periodic"}},
+              {"action": "preempt", "info": {}}]
+    kinds, decisions, stages = event_counts(events)
+    assert kinds == {"grow": 1, "prefill_compress": 1, "fallback": 1, "compress": 1,
+                     "periodic_compress": 1, "preempt": 1}
+    assert decisions == {"grow": 1, "compress": 1} and stages == {"topk": 0.5}
+
+
 def test_budget_comes_from_the_task_unless_given():
     assert resolve_policy_args("zipage", {}, 512, 32) == {"budget": 512}
     assert resolve_policy_args("zipage", {}, 500, 32) == {"budget": 480}  # whole pages
@@ -195,7 +209,8 @@ def test_every_task_format_two_policies_and_the_leaderboard(model_dir, tmp_path)
             if policy == "zipage":
                 assert json.loads((outcome.path / R.CONFIG_FILE).read_text())["policy_args"] == {
                     "budget": ZIPAGE_BUDGET}
-                assert m["events"]["compress"] > 0 and max(r["peak_kv_capacity"] for r in recs) <= ZIPAGE_BUDGET + 4
+                assert m["events"]["compress"] > 0 and m["events"]["prefill_compress"] > 0
+                assert max(r["peak_kv_capacity"] for r in recs) <= ZIPAGE_BUDGET + 4
     assert (out / "tiny-llama" / "niah" / "zipage" / R.NIAH_HEATMAP_FILE).exists()
 
     board = build_leaderboard([out], tmp_path / "board")
