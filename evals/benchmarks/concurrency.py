@@ -18,11 +18,13 @@ that. The notes check both that reading (SnapKV / FullKV falling with concurrenc
 the simpler one (FullKV's own TPS falling at high concurrency under memory pressure while the
 compressed policies keep scaling).
 
-Scale (paper -> default here): MATH-500 (~3000-token outputs), max concurrency 16-256 -> 16
-requests x 128 tokens, max_num_seqs 4, 8, 16, a pool of 4 full-length requests; SnapKV budget
+Scale (paper -> default here): MATH-500 (~3000-token outputs), max concurrency 16-256 -> 12
+requests x 256 tokens, max_num_seqs 3, 6, 12, a pool of 3 full-length requests; SnapKV budget
 64 (threshold 96); Kara |W| 64, |U| 8, alpha 8, T = |W| (half the engine's CPU preset of
-128 / 16 / 16, same |U| / |W| = 1/8, so that windows complete within 128-token outputs; the
-paper's is 512 / 64 / 32). (b) uses 4 requests. About 10-15 minutes on 2 CPU cores (15 runs).
+128 / 16 / 16, same |U| / |W| = 1/8, so that a 256-token output sees three periodic firings; the
+paper's is 512 / 64 / 32). (b) uses 3 requests x 256 tokens. Kara's periodic firings come every
+T global steps and need a complete window in the tail, so outputs much shorter than 2T are never
+compressed before they finish. About 15 minutes on 2 busy CPU cores (15 runs).
 """
 
 from __future__ import annotations
@@ -53,16 +55,16 @@ NOISE = 0.03
 
 @dataclass(frozen=True)
 class ConcurrencyScale:
-    levels: tuple[int, ...] = (4, 8, 16)
-    requests: int = 16
-    max_tokens: int = 128
-    fullkv_resident: int = 4
+    levels: tuple[int, ...] = (3, 6, 12)
+    requests: int = 12
+    max_tokens: int = 256
+    fullkv_resident: int = 3
     snapkv_budget: int = 64
     kara_window: int | None = 64
     kara_buffer: int | None = 8
     kara_alpha: int | None = 8
     ratios: tuple[float, ...] = (0.2, 0.3, 0.4, 0.5, 0.6)
-    fidelity_requests: int = 4
+    fidelity_requests: int = 3
     prompt_extra: tuple[int, int] = (0, 16)
     block_size: int = 32
     seed: int = 0
@@ -238,8 +240,8 @@ def concurrency_command(
     model: str = typer.Option("default", "--model", "-m", help="Embedded name, HF dir or GGUF."),
     quick: bool = typer.Option(False, help="Tiny sizes (smoke test)."),
     threads: int = typer.Option(2, help="torch CPU threads."),
-    levels: str = typer.Option("", help="max_num_seqs levels [default: 4,8,16]."),
-    requests: int = typer.Option(None, help="Requests in (a) [default: 16]."),
+    levels: str = typer.Option("", help="max_num_seqs levels [default: 3,6,12]."),
+    requests: int = typer.Option(None, help="Requests in (a) [default: 12]."),
     max_tokens: int = typer.Option(None, help="Output tokens per request (EOS ignored)."),
     ratios: str = typer.Option("", help="Kara retention ratios for (b) [default 0.2,...,0.6]."),
     kara_window: int = typer.Option(None, help="Kara |W| [default: 64]."),
