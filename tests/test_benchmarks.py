@@ -72,6 +72,17 @@ def test_throughput_quick(tiny_model):
     assert [t.threshold for t in result.targets] == [1.0, 1.5]
 
 
+def test_throughput_repeats_keep_each_sides_fastest(tiny_model):
+    from dataclasses import replace
+
+    scale = replace(throughput.QUICK, repeats=2, mixed_requests=2)
+    result = throughput.run_throughput(tiny_model, scale=scale, **quiet)
+    for r in result.table("ratios").rows:
+        assert r["agreement"] == 1.0 and r["ratio"] == pytest.approx(r["engine_tps"] / r["hf_tps"])
+    with pytest.raises(ValueError, match="repeats"):
+        replace(throughput.QUICK, repeats=0)
+
+
 def test_memory_quick(tiny_model):
     result = memory.run_memory(tiny_model, **quiet)
     table = result.table("policies")

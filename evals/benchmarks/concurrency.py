@@ -106,13 +106,17 @@ def run_concurrency(model: str = "default", *, quick: bool = False,
                 ("kara", "kara", kara_args(scale)))
 
     sweep = []
-    for label, policy, args in policies:
-        for level in scale.levels:
+    # Level-major order: the policies compared at one level run back to back, so a drift in the
+    # machine's load over the run does not line up with one policy.
+    for level in scale.levels:
+        for label, policy, args in policies:
             log(f"(a) {label}, max_num_seqs {level}: {len(prompts)} requests, pool {pool} tokens")
             run = run_engine(model_dir, prompts, params, label=label, policy=policy,
                              policy_args=args, kv_cache_tokens=pool, block_size=scale.block_size,
                              max_num_seqs=level)
             sweep.append({"policy": label, "max_num_seqs": level, **policy_metrics(run)})
+    order = [label for label, _, _ in policies]
+    sweep.sort(key=lambda r: (order.index(r["policy"]), r["max_num_seqs"]))
     for row in sweep:
         first = next(r for r in sweep if r["policy"] == row["policy"])
         row["tps_vs_lowest"] = ratio(row["tps"], first["tps"])

@@ -1,7 +1,7 @@
 """`kvarena bench throughput`: the engine against transformers' generate on the same weights.
 
 Two workloads, each run through both in one process (engine, then transformers; with --repeats
-the two alternate and each side's fastest repeat is kept):
+the order alternates and each side's fastest repeat is kept):
 
 (a) uniform: N prompts of the same length, `ignore_eos`, the same number of new tokens; both sides
     run it as one batch (the engine admits every request at once: its pool holds them all).
@@ -105,15 +105,24 @@ def run_throughput(model: str = "default", *, quick: bool = False,
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
                   for n in max_tokens]
         eng = hf = None
-        for rep in range(scale.repeats):
-            # Alternate the sides and keep each side's fastest repeat (best of n): load from
-            # other processes only ever slows a run down.
-            log(f"{name}: engine, {len(prompts)} requests (repeat {rep + 1}/{scale.repeats})")
-            e = run_engine(model_dir, prompts, params, label="engine", block_size=block_size,
-                           kv_cache_tokens=pool_tokens(prompts, max_tokens, block_size),
-                           max_num_seqs=max(64, len(prompts)))
+        def engine_side():
+            log(f"{name}: engine, {len(prompts)} requests")
+            return run_engine(model_dir, prompts, params, label="engine", block_size=block_size,
+                              kv_cache_tokens=pool_tokens(prompts, max_tokens, block_size),
+                              max_num_seqs=max(64, len(prompts)))
+
+        def hf_side():
             log(f"{name}: transformers, static batches of {hf_batch}")
-            h = run_static_batches(hf_model, prompts, max_tokens, hf_batch, pad)
+            return run_static_batches(hf_model, prompts, max_tokens, hf_batch, pad)
+
+        for rep in range(scale.repeats):
+            # Repeats alternate which side goes first (engine, HF, HF, engine, ...) and each
+            # side keeps its fastest repeat (best of n): load from other processes only ever
+            # slows a run down, and a load trend then favours neither side.
+            if rep % 2 == 0:
+                e, h = engine_side(), hf_side()
+            else:
+                h, e = hf_side(), engine_side()
             eng = e if eng is None or e.wall < eng.wall else eng
             hf = h if hf is None or h.wall < hf.wall else hf
         eng_useful = eng.stats.output_tokens
@@ -186,8 +195,8 @@ def throughput_command(
     uniform_requests: int = typer.Option(None, help="Requests in workload (a)."),
     uniform_tokens: int = typer.Option(None, help="New tokens per request in workload (a)."),
     mixed_requests: int = typer.Option(None, help="Requests in workload (b)."),
-    repeats: int = typer.Option(None, help="Alternating repeats per side; the fastest of each "
-                                           "side is reported [default: 1]."),
+    repeats: int = typer.Option(None, help="Repeats per side, alternating which side goes first; "
+                                           "the fastest of each side is reported [default: 1]."),
     out_dir: Path = typer.Option(RESULTS_DIR, help="Where the .json/.md copies go."),
 ):
     """Engine vs transformers generate: (a) uniform batch, (b) heterogeneous workload."""
