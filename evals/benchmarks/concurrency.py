@@ -167,7 +167,7 @@ def inversion_notes(sweep: list[dict], levels: tuple[int, ...]) -> list[str]:
         verdict = "appears" if falls and scaling else "does not appear"
         versus = ", ".join(f"{p} / full {curves[p][top] / full[top]:.2f}" for p in others)
         notes.append(
-            f"Inversion effect by {what} {verdict}: FullKV {'falls' if falls else 'does not fall'}"
+            f"Memory-bound scaling by {what} {verdict}: FullKV {'falls' if falls else 'does not fall'}"
             f" below its best at max_num_seqs {top}; the compressed policies "
             f"{'keep' if scaling else 'do not all keep'} scaling (within {NOISE:.0%}); at {top}: "
             f"{versus}.")
@@ -178,7 +178,7 @@ def inversion_notes(sweep: list[dict], levels: tuple[int, ...]) -> list[str]:
         trend = "; ".join(f"{p} / full " + ", ".join(f"{r[n]:.2f}" for n in levels)
                           for p, r in rel.items())
         notes.append(
-            f"Kara Fig. 1 reading by {what} ({'appears' if paper else 'does not appear'}): "
+            f"Kara Fig. 1 inversion by {what} ({'appears' if paper else 'does not appear'}): "
             f"threshold-triggered SnapKV {'falls' if paper else 'does not fall'} below FullKV as "
             f"max_num_seqs grows {low} -> {top} (relative TPS per level {trend}).")
     return notes
