@@ -173,7 +173,7 @@ def test_concurrency_quick(tiny_model):
     for r in fidelity.rows:
         assert r["physical_vs_full"] == pytest.approx(r["mean_physical"] / full["mean_physical"])
         assert r["physical_vs_full"] <= 1.0 + 1e-9
-    assert sum(note.startswith("Inversion effect") for note in result.notes) == 2
+    assert sum(note.startswith("Memory-bound scaling") for note in result.notes) == 2
     assert sum(note.startswith("Kara Fig. 1 reading") for note in result.notes) == 2
 
 
