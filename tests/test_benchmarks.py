@@ -174,7 +174,7 @@ def test_concurrency_quick(tiny_model):
         assert r["physical_vs_full"] == pytest.approx(r["mean_physical"] / full["mean_physical"])
         assert r["physical_vs_full"] <= 1.0 + 1e-9
     assert sum(note.startswith("Memory-bound scaling") for note in result.notes) == 2
-    assert sum(note.startswith("Kara Fig. 1 reading") for note in result.notes) == 2
+    assert sum(note.startswith("Kara Fig. 1 inversion") for note in result.notes) == 2
 
 
 def test_cli_writes_json_and_markdown(tiny_model, tmp_path):
