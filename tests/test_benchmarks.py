@@ -112,8 +112,8 @@ def test_mixed_quick(tiny_model):
     table = result.table("policies")
     b = mixed.QUICK.budget
     labels = [r["policy"] for r in table.rows]
-    assert labels[:3] == ["full", f"zipage-{b}", f"zipage-{2 * b}"]
-    assert labels[3:] == ["growpage (tau=0)", "growpage-fixed", "growpage-random",
+    assert labels[:4] == ["full", f"zipage-{b}", f"zipage-{2 * b}", f"zipage-{2 * b} +fallback"]
+    assert labels[4:] == ["growpage (tau=0)", "growpage-fixed", "growpage-random",
                           "growpage-inverse (tau=0)", "growpage-shrink (tau=0)"]
     for r in table.rows:  # FullKV has no boundary decision: grow ratio None (printed "-")
         assert all(math.isfinite(v) for v in numbers(r, "grow_ratio"))
@@ -125,6 +125,8 @@ def test_mixed_quick(tiny_model):
     assert rows["full"]["agreement"] == 1.0 and rows["full"]["compress_events"] == 0
     # Zipage-B never holds more than B + one write page.
     assert rows[f"zipage-{b}"]["avg_kv_budget"] <= b + mixed.QUICK.block_size
+    # Zipage as published preempts instead of compressing early; the +fallback row compresses.
+    assert rows[f"zipage-{b}"]["fallback"] == rows[f"zipage-{2 * b}"]["fallback"] == 0
     # growpage-fixed never grows past its initial capacity (B), so it never grows at a boundary.
     assert rows["growpage-fixed"]["grow_ratio"] in (None, 0.0)
     for d in result.table("deltas").rows:

@@ -346,10 +346,13 @@ def test_zipage_decisions():
     assert (d.action, d.target_len, d.keep_pages) == (Action.COMPRESS, 128, None)
     over = FakeView(torch.zeros(L, HKV, 224, D), torch.zeros(L, 0, HQ, D))
     assert pol.on_boundary(over).keep_pages == 5
-    # Fallback: capacity minus one page, or None when that cannot hold the window.
-    d = pol.fallback(FakeView(torch.zeros(L, HKV, 96, D), torch.zeros(L, 0, HQ, D)))
+    # No free page: by default the scheduler preempts (Zipage never compresses early) ...
+    assert pol.fallback(FakeView(torch.zeros(L, HKV, 96, D), torch.zeros(L, 0, HQ, D))) is None
+    # ... with fallback_compress: capacity minus one page, or None when that cannot hold the window.
+    eager = bound(Zipage, budget=128, fallback_compress=True)
+    d = eager.fallback(FakeView(torch.zeros(L, HKV, 96, D), torch.zeros(L, 0, HQ, D)))
     assert (d.action, d.target_len, d.keep_pages) == (Action.COMPRESS, 64, None)
-    assert pol.fallback(FakeView(torch.zeros(L, HKV, 32, D), torch.zeros(L, 0, HQ, D))) is None
+    assert eager.fallback(FakeView(torch.zeros(L, HKV, 32, D), torch.zeros(L, 0, HQ, D))) is None
     # After prefill: only the final chunk, only above the budget; pages beyond budget/b are freed.
     long = FakeView(torch.zeros(L, HKV, 300, D), torch.zeros(L, 0, HQ, D))
     assert pol.after_prefill(long, final=False) is None
@@ -413,8 +416,10 @@ def test_snapkv_decisions_threshold_and_prefill():
     d = pol.after_prefill(FakeView(torch.zeros(L, HKV, 101, D), none), final=True)
     assert (d.action, d.target_len, d.keep_pages) == (Action.COMPRESS, 100, 4)
     assert pol.after_prefill(FakeView(torch.zeros(L, HKV, 100, D), none), final=True) is None
-    assert pol.fallback(FakeView(torch.zeros(L, HKV, 64, D), none)).target_len == 32
-    assert pol.fallback(FakeView(torch.zeros(L, HKV, 32, D), none)) is None
+    assert pol.fallback(FakeView(torch.zeros(L, HKV, 64, D), none)) is None
+    eager = bound(SnapKV, budget=100, fallback_compress=True)
+    assert eager.fallback(FakeView(torch.zeros(L, HKV, 64, D), none)).target_len == 32
+    assert eager.fallback(FakeView(torch.zeros(L, HKV, 32, D), none)) is None
 
 
 # -- ChunkKV ------------------------------------------------------------------------------------
@@ -581,12 +586,40 @@ def test_engine_preempted_compressed_request_is_recompressed_and_completes(tiny_
     kinds = [(e["action"], e["info"].get("trigger")) for e in outs[1].events]
     first_preempt = kinds.index(("preempt", None))
     assert ("compress", "boundary") in kinds[:first_preempt]
-    assert kinds[first_preempt + 1] == ("compress", "prefill")
-    readmit = outs[1].events[first_preempt + 1]
+    # The short request may preempt it again while it re-prefills (recompute, as in nano-vLLM);
+    # the first event after those preemptions is the compression back to the budget.
+    readmit_at = next(i for i in range(first_preempt, len(kinds)) if kinds[i][0] != "preempt")
+    assert kinds[readmit_at] == ("compress", "prefill")
+    readmit = outs[1].events[readmit_at]
     assert readmit["physical_before"] > 32 and readmit["physical_after"] == 32
     assert readmit["pages_after"] == 4
     assert llm.last_scheduler.counters["preemption"] >= 1
     assert llm.last_scheduler.bm.num_free == llm.last_scheduler.bm.num_pages
+
+
+@pytest.mark.parametrize("name", sorted(FIXED))
+def test_engine_pool_exhaustion_preempts_unless_fallback_compress(tiny_model, name):
+    """Three requests growing toward a 5-page cap in a 10-page pool run out of pages below the cap:
+    by default the scheduler preempts (Zipage's behaviour, no early compression); with
+    fallback_compress the requests compress in place instead and every fallback keeps its pages."""
+    from engine.sampling import SamplingParams
+
+    prompts = random_prompts([12, 9, 14], seed=3)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    counts = {}
+    for eager in (False, True):
+        llm, outs = run_engine(tiny_model, name, prompts, params, pages=10,
+                               policy_args=dict(FIXED[name], fallback_compress=eager),
+                               enable_prefix_caching=False)
+        assert all(o.finish_reason == "length" and o.num_output_tokens == 40 for o in outs)
+        counts[eager] = llm.last_scheduler.counters
+        fallbacks = [e for o in outs for e in o.events if e.get("fallback")]
+        assert len(fallbacks) == counts[eager]["fallback"]
+        assert all(e["pages_after"] == e["pages_before"] for e in fallbacks)
+        assert llm.last_scheduler.bm.num_free == llm.last_scheduler.bm.num_pages
+    assert counts[False]["fallback"] == 0 and counts[False]["preemption"] > 0
+    assert counts[True]["fallback"] > 0
+    assert counts[True]["preemption"] < counts[False]["preemption"]
 
 
 def test_engine_zipage_slot_scores_persist_through_compaction(tiny_model):

@@ -3,9 +3,14 @@
 A request grows page by page until it holds ceil(budget / b) + 1 pages (the budget plus one write
 page); at that boundary it compacts back to `budget` slots and keeps its pages, so one page of slots
 is free for the next tokens. A prompt longer than the budget (or a re-admitted, re-prefilled request)
-is compacted to the budget after its last prefill chunk and gives back the pages beyond it. When a
-GROW finds no free page, the fallback compacts to one page less than the request holds, if that
-still leaves room for the protected tokens.
+is compacted to the budget after its last prefill chunk and gives back the pages beyond it.
+
+A GROW that finds no free page (a request still below its cap) does not compress early by default:
+the scheduler preempts another request, as Zipage's and nano-vLLM's schedulers do (Zipage suspends
+or preempts, it never shrinks a request below its budget on memory pressure). Compressing instead
+is GrowPage's scheduler-aware fallback (GrowPage Sec. 4.2); `fallback_compress=True` gives the
+fixed-budget policies that fallback too (compact to one page less than the request holds, if that
+still leaves room for the protected tokens), so the two runtimes can be compared policy by policy.
 
 Subclasses give `budget` (tokens, None = DEFAULT_BUDGET_PAGES pages of the engine's block), the
 number of always-kept tokens (`num_protected`, named by `protected_label` in errors) and the
@@ -28,6 +33,7 @@ DEFAULT_BUDGET_PAGES = 8  # 2048 tokens at the papers' block 256 (Zipage's max_c
 @dataclass
 class FixedBudgetPolicy(KVPolicy):
     budget: int | None = None
+    fallback_compress: bool = False
 
     boundary_reason: ClassVar[str] = "budget"
     protected_label: ClassVar[str] = "protected tokens"
@@ -72,6 +78,8 @@ class FixedBudgetPolicy(KVPolicy):
                                  budget=self.budget)
 
     def fallback(self, view: PolicyView) -> Decision | None:
+        if not self.fallback_compress:
+            return None  # the scheduler preempts another request instead
         target = fallback_target(view.num_pages, view.block_size, self.num_protected)
         if target is None or target >= view.physical_len:
             return None

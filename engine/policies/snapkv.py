@@ -15,8 +15,9 @@ When it runs:
   boundary reaches `budget + block_size` slots, then the request compresses back to `budget` inside
   the pages it holds; the cache saw-tooths between `budget` and `budget + block_size`. With a budget
   that is not a page multiple the first boundary at or above `budget + block_size` triggers it.
-- fallback (GROW found no free page): compress to the current capacity minus one page if that still
-  holds the window, else let the scheduler preempt.
+- GROW found no free page: the scheduler preempts another request, as nano-vLLM does under Kara's
+  SnapKV baseline; with `fallback_compress=True` the request compresses to its current capacity
+  minus one page instead, if that still holds the window (fixed_budget.py).
 
 Defaults (paper/code -> here):
 
@@ -82,6 +83,7 @@ class SnapKV(FixedBudgetPolicy):
     """Prompt + threshold-triggered decode compression with SnapKV scores (module docstring).
 
     budget: physical length after a compression (tokens). None: 8 pages of the engine's block.
+    fallback_compress: compress instead of preempting when a GROW finds no free page.
     window: observation window (recent queries scored with, recent slots always kept).
     pooling / pooling_kernel: "max" or "avg" 1-D pooling, odd kernel (1 disables it).
     layer_stride: layers scored at once (bounds the temporary attention probabilities).

@@ -34,8 +34,9 @@ Departures from Zipage, chosen for the engine's contract: a prompt (or a re-admi
 re-prefilled with its output after a preemption) longer than `budget` is compressed to `budget`
 right after its last prefill chunk and keeps `budget / block_size` pages, instead of holding all
 its prompt pages until the last one fills (Zipage's limitation B.13.6). When GROW finds no free
-page, the fallback compresses to the current capacity minus one page (if that still holds the
-protected slots); Zipage instead suspends the request.
+page the scheduler preempts another request (recompute), where Zipage suspends the request or
+preempts an uncompressed one; `fallback_compress=True` compresses to the current capacity minus
+one page instead (GrowPage's fallback, fixed_budget.py).
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ class Zipage(FixedBudgetPolicy):
     """Fixed per-request budget with Compress & Hold at the page cap (see the module docstring).
 
     budget: retained tokens after a compaction; a multiple of the block size. None: 8 pages.
+    fallback_compress: compress instead of preempting when a GROW finds no free page.
     window: recent queries cached and recent slots protected (Zipage's query_cache_len).
     use_global_score / decay: persistent per-slot score max(new, decay * old).
     pooling / pooling_kernel / continue_pooling: max-pool smoothing of the scores (odd kernel).
