@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from statistics import median
 from types import SimpleNamespace
 
 import pytest
@@ -135,7 +136,13 @@ def test_mixed_quick(tiny_model):
         assert quantiles == sorted(quantiles)
     gp, big = rows["growpage (tau=0)"], rows[f"zipage-{2 * b}"]
     assert result.targets[0].value == pytest.approx(gp["avg_kv_budget"] / big["avg_kv_budget"])
-    assert result.targets[1].value == pytest.approx(gp["tps"] / big["tps"])
+    reps = result.table("repeats").rows
+    assert [r["repeat"] for r in reps] == [1, 2] == list(range(1, mixed.QUICK.repeats + 1))
+    assert reps[0]["tps_ratio"] == pytest.approx(gp["tps"] / big["tps"])
+    assert reps[1]["first"] == "growpage (tau=0)" and reps[0]["first"] == f"zipage-{2 * b}"
+    for r in reps:
+        assert r["tps_ratio"] == pytest.approx(r["gp_tps"] / r["big_tps"]) and r["cpu_ratio"] > 0
+    assert result.targets[1].value == pytest.approx(median(r["tps_ratio"] for r in reps))
     assert result.targets[2].value == gp["overhead"]
 
 
@@ -230,3 +237,17 @@ def test_targets_and_markdown(tmp_path):
     json_path, md_path = write_result(result, tmp_path, "demo", "cmd", {"cpu": "test"})
     assert json.loads(json_path.read_text())["tables"][0]["rows"][0]["b"] == 1.234
     assert md_path.read_text() == render_markdown(result, "cmd", {"cpu": "test"})
+
+
+def test_list_options_parse_and_name_the_option_on_bad_input():
+    import typer
+
+    from evals.benchmarks.options import parse_floats, parse_ints
+
+    assert parse_floats("0.2, 0.4,", "--ratios") == (0.2, 0.4)
+    assert parse_floats("", "--ratios") == () and parse_floats(None, "--ratios") == ()
+    with pytest.raises(typer.BadParameter, match="--tau-sweep"):
+        parse_floats("0.1,abc", "--tau-sweep")
+    assert parse_ints("8, 8,6", "--counts") == (8, 8, 6)
+    with pytest.raises(typer.BadParameter, match="--counts"):
+        parse_ints("4.5,4,3", "--counts")

@@ -37,7 +37,6 @@ import typer
 
 from evals.benchmarks import bench_app
 from evals.benchmarks.common import (
-    RESULTS_DIR,
     BenchResult,
     Column,
     Table,
@@ -47,6 +46,14 @@ from evals.benchmarks.common import (
     run_engine,
 )
 from evals.benchmarks.memory import class_prompts, pool_for
+from evals.benchmarks.options import (
+    ModelOpt,
+    OutDirOpt,
+    QuickOpt,
+    ThreadsOpt,
+    parse_floats,
+    parse_ints,
+)
 from evals.benchmarks.workloads import PromptBuilder
 
 # Relative TPS change treated as noise when deciding whether a curve rises or falls.
@@ -231,19 +238,12 @@ def _fidelity_table(rows: list[dict]) -> Table:
         "enough for every request (no preemption).")
 
 
-def _floats(text: str | None, name: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(x) for x in (text or "").split(",") if x.strip())
-    except ValueError:
-        raise typer.BadParameter(f"{name} must be comma-separated numbers, got {text!r}")
-
-
 @bench_app.command("concurrency")
 def concurrency_command(
     ctx: typer.Context,
-    model: str = typer.Option("default", "--model", "-m", help="Embedded name, HF dir or GGUF."),
-    quick: bool = typer.Option(False, help="Tiny sizes (smoke test)."),
-    threads: int = typer.Option(2, help="torch CPU threads."),
+    model: str = ModelOpt,
+    quick: bool = QuickOpt,
+    threads: int = ThreadsOpt,
     levels: str = typer.Option("", help="max_num_seqs levels [default: 3,6,12]."),
     requests: int = typer.Option(None, help="Requests in (a) [default: 12]."),
     max_tokens: int = typer.Option(None, help="Output tokens per request (EOS ignored)."),
@@ -251,14 +251,14 @@ def concurrency_command(
     kara_window: int = typer.Option(None, help="Kara |W| [default: 64]."),
     kara_buffer: int = typer.Option(None, help="Kara |U| [default: 8]."),
     kara_alpha: int = typer.Option(None, help="Kara alpha [default: 8]."),
-    out_dir: Path = typer.Option(RESULTS_DIR, help="Where the .json/.md copies go."),
+    out_dir: Path = OutDirOpt,
 ):
     """TPS vs max_num_seqs for FullKV, SnapKV and Kara; Kara fidelity at ratios 0.2-0.6."""
     base = QUICK if quick else ConcurrencyScale()
     overrides = {k: v for k, v in dict(
         requests=requests, max_tokens=max_tokens, kara_window=kara_window,
         kara_buffer=kara_buffer, kara_alpha=kara_alpha,
-        levels=tuple(int(x) for x in _floats(levels, "--levels")) or None,
-        ratios=_floats(ratios, "--ratios") or None).items() if v is not None}
+        levels=parse_ints(levels, "--levels") or None,
+        ratios=parse_floats(ratios, "--ratios") or None).items() if v is not None}
     run_bench_command(run_concurrency, ctx=ctx, threads=threads, out_dir=out_dir, quick=quick,
                       model=model, scale=replace(base, **overrides))

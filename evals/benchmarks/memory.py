@@ -23,7 +23,6 @@ import typer
 
 from evals.benchmarks import bench_app
 from evals.benchmarks.common import (
-    RESULTS_DIR,
     BenchResult,
     Column,
     Table,
@@ -33,6 +32,7 @@ from evals.benchmarks.common import (
     run_bench_command,
     run_engine,
 )
+from evals.benchmarks.options import ModelOpt, OutDirOpt, QuickOpt, ThreadsOpt
 from evals.benchmarks.workloads import PROBLEMS, PromptBuilder, rng
 
 
@@ -150,14 +150,14 @@ def run_memory(model: str = "default", *, quick: bool = False, scale: MemoryScal
 @bench_app.command("memory")
 def memory_command(
     ctx: typer.Context,
-    model: str = typer.Option("default", "--model", "-m", help="Embedded name, HF dir or GGUF."),
-    quick: bool = typer.Option(False, help="Tiny sizes (smoke test)."),
-    threads: int = typer.Option(2, help="torch CPU threads."),
+    model: str = ModelOpt,
+    quick: bool = QuickOpt,
+    threads: int = ThreadsOpt,
     requests: int = typer.Option(None, help="Requests [default: 16; 4 with --quick]."),
     max_tokens: int = typer.Option(None, help="Output tokens per request (EOS ignored)."),
     budget: int = typer.Option(None, help="Retained tokens of zipage/snapkv/chunkkv."),
     fullkv_resident: int = typer.Option(None, help="Pool size, in full-length requests."),
-    out_dir: Path = typer.Option(RESULTS_DIR, help="Where the .json/.md copies go."),
+    out_dir: Path = OutDirOpt,
 ):
     """Zipage, SnapKV, ChunkKV vs FullKV under a small KV pool (TPS, C, compression share)."""
     base = QUICK if quick else MemoryScale()

@@ -26,7 +26,6 @@ import typer
 
 from evals.benchmarks import bench_app
 from evals.benchmarks.common import (
-    RESULTS_DIR,
     BenchResult,
     Column,
     Table,
@@ -36,6 +35,7 @@ from evals.benchmarks.common import (
     run_bench_command,
     run_engine,
 )
+from evals.benchmarks.options import ModelOpt, OutDirOpt, QuickOpt, ThreadsOpt
 from evals.benchmarks.workloads import PromptBuilder, rng
 
 
@@ -187,9 +187,9 @@ def run_throughput(model: str = "default", *, quick: bool = False,
 @bench_app.command("throughput")
 def throughput_command(
     ctx: typer.Context,
-    model: str = typer.Option("default", "--model", "-m", help="Embedded name, HF dir or GGUF."),
-    quick: bool = typer.Option(False, help="Tiny sizes (smoke test)."),
-    threads: int = typer.Option(2, help="torch CPU threads."),
+    model: str = ModelOpt,
+    quick: bool = QuickOpt,
+    threads: int = ThreadsOpt,
     hf_batch_size: int = typer.Option(None, help="transformers static batch size for workload (b) "
                                       "[default: 16; 4 with --quick]."),
     uniform_requests: int = typer.Option(None, help="Requests in workload (a)."),
@@ -197,7 +197,7 @@ def throughput_command(
     mixed_requests: int = typer.Option(None, help="Requests in workload (b)."),
     repeats: int = typer.Option(None, help="Repeats per side, alternating which side goes first; "
                                            "the fastest of each side is reported [default: 1]."),
-    out_dir: Path = typer.Option(RESULTS_DIR, help="Where the .json/.md copies go."),
+    out_dir: Path = OutDirOpt,
 ):
     """Engine vs transformers generate: (a) uniform batch, (b) heterogeneous workload."""
     base = QUICK if quick else ThroughputScale()

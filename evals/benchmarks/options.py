@@ -1,0 +1,29 @@
+"""Command-line options every `kvarena bench` command shares, and list-valued option parsing."""
+
+from __future__ import annotations
+
+import typer
+
+from evals.benchmarks.common import RESULTS_DIR
+
+ModelOpt = typer.Option("default", "--model", "-m", help="Embedded name, HF dir or GGUF.")
+QuickOpt = typer.Option(False, help="Tiny sizes (smoke test).")
+ThreadsOpt = typer.Option(2, help="torch CPU threads.")
+OutDirOpt = typer.Option(RESULTS_DIR, help="Where the .json/.md copies go.")
+
+
+def parse_floats(text: str | None, name: str) -> tuple[float, ...]:
+    """'0.2, 0.4' -> (0.2, 0.4); empty -> (); anything else is a usage error naming `name`."""
+    try:
+        return tuple(float(x) for x in (text or "").split(",") if x.strip())
+    except ValueError:
+        raise typer.BadParameter(f"{name} must be comma-separated numbers, got {text!r}")
+
+
+
+def parse_ints(text: str | None, name: str) -> tuple[int, ...]:
+    """'8,8,6' -> (8, 8, 6); empty -> (); a non-integer is a usage error naming `name`."""
+    try:
+        return tuple(int(x) for x in (text or "").split(",") if x.strip())
+    except ValueError:
+        raise typer.BadParameter(f"{name} must be comma-separated integers, got {text!r}")
