@@ -22,7 +22,7 @@ Scale (paper -> default here): MATH-500 (~3000-token outputs), max concurrency 1
 requests x 256 tokens, max_num_seqs 3, 6, 12, a pool of 3 full-length requests; SnapKV budget
 64 (threshold 96); Kara |W| 64, |U| 8, alpha 8, T = |W| (half the engine's CPU preset of
 128 / 16 / 16, same |U| / |W| = 1/8, so that a 256-token output sees three periodic firings; the
-paper's is 512 / 64 / 32). (b) uses 3 requests x 256 tokens. Kara's periodic firings come every
+paper's is 512 / 64 / 32). (b) uses 6 requests x 256 tokens. Kara's periodic firings come every
 T global steps and need a complete window in the tail, so outputs much shorter than 2T are never
 compressed before they finish. About 15 minutes on 2 busy CPU cores (15 runs).
 """
@@ -71,7 +71,7 @@ class ConcurrencyScale:
     kara_buffer: int | None = 8
     kara_alpha: int | None = 8
     ratios: tuple[float, ...] = (0.2, 0.3, 0.4, 0.5, 0.6)
-    fidelity_requests: int = 3
+    fidelity_requests: int = 6
     prompt_extra: tuple[int, int] = (0, 16)
     block_size: int = 32
     seed: int = 0
@@ -251,13 +251,14 @@ def concurrency_command(
     kara_window: int = typer.Option(None, help="Kara |W| [default: 64]."),
     kara_buffer: int = typer.Option(None, help="Kara |U| [default: 8]."),
     kara_alpha: int = typer.Option(None, help="Kara alpha [default: 8]."),
+    fidelity_requests: int = typer.Option(None, help="Requests in (b) [default: 6]."),
     out_dir: Path = OutDirOpt,
 ):
     """TPS vs max_num_seqs for FullKV, SnapKV and Kara; Kara fidelity at ratios 0.2-0.6."""
     base = QUICK if quick else ConcurrencyScale()
     overrides = {k: v for k, v in dict(
         requests=requests, max_tokens=max_tokens, kara_window=kara_window,
-        kara_buffer=kara_buffer, kara_alpha=kara_alpha,
+        kara_buffer=kara_buffer, kara_alpha=kara_alpha, fidelity_requests=fidelity_requests,
         levels=parse_ints(levels, "--levels") or None,
         ratios=parse_floats(ratios, "--ratios") or None).items() if v is not None}
     run_bench_command(run_concurrency, ctx=ctx, threads=threads, out_dir=out_dir, quick=quick,
