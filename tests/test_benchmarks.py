@@ -251,3 +251,15 @@ def test_list_options_parse_and_name_the_option_on_bad_input():
     assert parse_ints("8, 8,6", "--counts") == (8, 8, 6)
     with pytest.raises(typer.BadParameter, match="--counts"):
         parse_ints("4.5,4,3", "--counts")
+
+
+@pytest.mark.parametrize("args, message", [(["--counts", "1,2"], "one value per kind"),
+                                           (["--repeats", "0"], "repeats must be >= 1"),
+                                           (["--counts", "1,x,2"], "--counts")])
+def test_mixed_cli_rejects_bad_scale_before_loading_a_model(args, message):
+    from typer.testing import CliRunner
+
+    from cli import app
+
+    out = CliRunner().invoke(app, ["bench", "mixed", *args], env={"COLUMNS": "200"})
+    assert out.exit_code == 2 and message in " ".join(out.output.split())

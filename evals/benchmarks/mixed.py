@@ -294,7 +294,10 @@ def mixed_command(
     per_kind = parse_ints(counts, "--counts") or None
     overrides = {k: v for k, v in dict(budget=budget, pool_fraction=pool_fraction,
                                        counts=per_kind, repeats=repeats).items() if v is not None}
+    try:
+        scale = replace(base, tau=tau, tau_sweep=parse_floats(tau_sweep, "--tau-sweep"),
+                        **overrides)
+    except ValueError as err:  # counts of the wrong length, repeats < 1, pool_fraction out of range
+        raise typer.BadParameter(str(err))
     run_bench_command(run_mixed, ctx=ctx, threads=threads, out_dir=out_dir, quick=quick,
-                      model=model,
-                      scale=replace(base, tau=tau,
-                                    tau_sweep=parse_floats(tau_sweep, "--tau-sweep"), **overrides))
+                      model=model, scale=scale)
