@@ -11,7 +11,7 @@ the commands, so `kvarena --help` does not pay for torch and the engine.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import typer
 from rich.console import Console
@@ -134,61 +134,62 @@ def replay(
                   f"Spearman(delta, A) = {summary['spearman_delta_benefit']}[/]  ({path})")
 
 
-@analyze_app.command()
-def demand(
-    model: str = ModelOpt,
-    prompts_file: Optional[Path] = PromptsOpt,
-    num_prompts: Optional[int] = NumPromptsOpt,
-    max_tokens: int = typer.Option(384, "--max-tokens", help="Output tokens per prompt."),
-    block_size: int = BlockOpt,
-    top_p: float = TopPOpt,
-    temperature: float = TemperatureOpt,
-    seed: int = SeedOpt,
-    chat: bool = ChatOpt,
-    out: Optional[Path] = OutOpt,
-    threads: int = ThreadsOpt,
-):
-    """Spearman correlation of GrowPage's delta_t with the future attention-demand change."""
+def _top_p_study(name: str, doc: str, run: Callable[..., dict],
+                 report: Callable[[dict], str]) -> None:
+    """Register `kvarena analyze <name>`: a study of a FullKV generation parameterised by the
+    working-set coverage p. run(model, prompt_ids, settings, out_dir, top_p) -> summary;
+    report(summary) -> the one-line result printed at the end."""
 
-    def study():
-        from analysis.demand_study import DemandConfig, demand_study
+    def command(
+        model: str = ModelOpt,
+        prompts_file: Optional[Path] = PromptsOpt,
+        num_prompts: Optional[int] = NumPromptsOpt,
+        max_tokens: int = typer.Option(384, "--max-tokens", help="Output tokens per prompt."),
+        block_size: int = BlockOpt,
+        top_p: float = TopPOpt,
+        temperature: float = TemperatureOpt,
+        seed: int = SeedOpt,
+        chat: bool = ChatOpt,
+        out: Optional[Path] = OutOpt,
+        threads: int = ThreadsOpt,
+    ):
+        def study():
+            prompt_ids, settings, path = _prepare(name, model, prompts_file, num_prompts,
+                                                  max_tokens, block_size, temperature, seed,
+                                                  chat, out, threads)
+            return run(model, prompt_ids, settings, path, top_p), path
 
-        prompt_ids, settings, path = _prepare("demand", model, prompts_file, num_prompts,
-                                              max_tokens, block_size, temperature, seed, chat,
-                                              out, threads)
-        return demand_study(model, prompt_ids, settings, path, DemandConfig(top_p=top_p)), path
+        summary, path = _run(study)
+        console.print(f"[green]{report(summary)}[/]  ({path})")
 
-    summary, path = _run(study)
+    command.__doc__ = doc
+    analyze_app.command(name)(command)
+
+
+def _demand(model, prompt_ids, settings, path, top_p) -> dict:
+    from analysis.demand_study import DemandConfig, demand_study
+
+    return demand_study(model, prompt_ids, settings, path, DemandConfig(top_p=top_p))
+
+
+def _demand_report(summary: dict) -> str:
     main = summary["pooled"]["delta"]
-    console.print(f"[green]{summary['complete']} of {summary['boundaries']} boundaries: "
-                  f"Spearman(delta, change) = {main['spearman']}, sign agreement = "
-                  f"{main['sign_agreement']}[/]  ({path})")
+    return (f"{summary['complete']} of {summary['boundaries']} boundaries: Spearman(delta, "
+            f"change) = {main['spearman']}, sign agreement = {main['sign_agreement']}")
 
 
-@analyze_app.command()
-def sparsity(
-    model: str = ModelOpt,
-    prompts_file: Optional[Path] = PromptsOpt,
-    num_prompts: Optional[int] = NumPromptsOpt,
-    max_tokens: int = typer.Option(384, "--max-tokens", help="Output tokens per prompt."),
-    block_size: int = BlockOpt,
-    top_p: float = TopPOpt,
-    temperature: float = TemperatureOpt,
-    seed: int = SeedOpt,
-    chat: bool = ChatOpt,
-    out: Optional[Path] = OutOpt,
-    threads: int = ThreadsOpt,
-):
-    """p-coverage attention demand D_p of real decode queries over a FullKV generation."""
+def _sparsity(model, prompt_ids, settings, path, top_p) -> dict:
+    from analysis.sparsity import SparsityConfig, sparsity_study
 
-    def study():
-        from analysis.sparsity import SparsityConfig, sparsity_study
+    return sparsity_study(model, prompt_ids, settings, path, SparsityConfig(top_p=top_p))
 
-        prompt_ids, settings, path = _prepare("sparsity", model, prompts_file, num_prompts,
-                                              max_tokens, block_size, temperature, seed, chat,
-                                              out, threads)
-        return sparsity_study(model, prompt_ids, settings, path, SparsityConfig(top_p=top_p)), path
 
-    summary, path = _run(study)
-    ratios = [v["dp_ratio_mean"] for v in summary["per_request"].values()]
-    console.print(f"[green]mean D_p / N_t per request: {[round(r, 3) for r in ratios]}[/]  ({path})")
+def _sparsity_report(summary: dict) -> str:
+    ratios = [round(v["dp_ratio_mean"], 3) for v in summary["per_request"].values()]
+    return f"mean D_p / N_t per request: {ratios}"
+
+
+_top_p_study("demand", "Spearman correlation of GrowPage's delta_t with the future "
+             "attention-demand change.", _demand, _demand_report)
+_top_p_study("sparsity", "p-coverage attention demand D_p of real decode queries over a FullKV "
+             "generation.", _sparsity, _sparsity_report)
