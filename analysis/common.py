@@ -13,7 +13,7 @@ import math
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -190,6 +190,33 @@ def progress(description: str, total: int, enabled: bool = True) -> Iterator[Cal
             bar.update(task, completed=tokens, description=f"{tokens}/{total} tok, {done} done")
 
         yield on_step
+
+
+def generate_with_probe(label: str, probe_type: type, make_probe: Callable[[], Any], model: str,
+                        prompt_ids: list[list[int]], max_tokens: int, block_size: int,
+                        max_num_seqs: int, temperature: float, seed: int, show_progress: bool,
+                        llm=None) -> tuple[Any, list]:
+    """FullKV generation of every prompt under a recording policy (a probe); returns (the probe,
+    outputs). llm: an existing LLM whose policy is a `probe_type` (tests); else one is built for
+    `model` with make_probe(), no prefix caching and a pool sized by `pool_tokens`."""
+    from engine.llm import LLM
+    from engine.sampling import SamplingParams
+
+    if llm is None:
+        longest = max(len(p) for p in prompt_ids) + max_tokens
+        llm = LLM(model, block_size=block_size, policy=make_probe(), max_num_seqs=max_num_seqs,
+                  enable_prefix_caching=False,
+                  kv_cache_tokens=pool_tokens(min(len(prompt_ids), max_num_seqs), longest,
+                                              block_size))
+    probe = llm.policy
+    if not isinstance(probe, probe_type):
+        raise TypeError(f"the {label} study needs an LLM whose policy is a "
+                        f"{probe_type.__name__}, got {probe.name!r}")
+    probe.reset()
+    params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens)
+    with progress(label, max_tokens * len(prompt_ids), show_progress) as on_step:
+        outputs = llm.generate(prompt_ids, params, on_step=on_step)
+    return probe, outputs
 
 
 # -- outputs ------------------------------------------------------------------------------------

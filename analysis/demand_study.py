@@ -53,8 +53,7 @@ import torch
 from analysis.common import (
     RunSettings,
     finite_or_none,
-    pool_tokens,
-    progress,
+    generate_with_probe,
     sign_agreement,
     spearman,
     spearman_pvalue,
@@ -242,23 +241,10 @@ def run_demand(model: str, prompt_ids: list[list[int]], max_tokens: int, block_s
                show_progress: bool = True, llm=None) -> tuple[pd.DataFrame, list]:
     """FullKV generation of every prompt with the probe; returns (per-boundary frame, outputs).
     llm: an existing LLM built with a `DemandRecorder` policy (tests)."""
-    from engine.llm import LLM
-    from engine.sampling import SamplingParams
-
-    if llm is None:
-        longest = max(len(p) for p in prompt_ids) + max_tokens
-        llm = LLM(model, block_size=block_size, policy=DemandRecorder(top_p=config.top_p),
-                  max_num_seqs=config.max_num_seqs, enable_prefix_caching=False,
-                  kv_cache_tokens=pool_tokens(min(len(prompt_ids), config.max_num_seqs), longest,
-                                              block_size))
-    probe = llm.policy
-    if not isinstance(probe, DemandRecorder):
-        raise TypeError(f"run_demand needs an LLM whose policy is a DemandRecorder, got {probe.name!r}")
-    probe.reset()
-    params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens)
-    with progress("demand", max_tokens * len(prompt_ids), show_progress) as on_step:
-        outputs = llm.generate(prompt_ids, params, on_step=on_step)
-    return demand_frame(probe.states, llm.runner.block_size), outputs
+    probe, outputs = generate_with_probe(
+        "demand", DemandRecorder, lambda: DemandRecorder(top_p=config.top_p), model, prompt_ids,
+        max_tokens, block_size, config.max_num_seqs, temperature, seed, show_progress, llm)
+    return demand_frame(probe.states, probe.block_size), outputs
 
 
 def predictor_columns(frame: pd.DataFrame) -> list[str]:

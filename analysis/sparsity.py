@@ -27,10 +27,10 @@ import numpy as np
 import pandas as pd
 import torch
 
-from analysis.common import RunSettings, progress, pool_tokens, use_agg_backend, write_json
-from analysis.tap import DecodeTap, TapState, decode_attention
+from analysis.common import RunSettings, generate_with_probe, use_agg_backend, write_json
+from analysis.tap import DecodeTap, TapState
 from engine.policies.base import PolicyView
-from engine.policies.demand import top_p_working_set
+from engine.policies.demand import head_attention_probs, top_p_working_set
 
 
 def coverage_demand(probs: torch.Tensor, p: float) -> torch.Tensor:
@@ -68,7 +68,7 @@ class SparsityTap(DecodeTap):
                 position: int) -> None:
         keys = view.keys()  # [layers, kv_heads, position + 1, d]
         scale = self.engine.head_dim ** -0.5
-        probs = decode_attention(query.unsqueeze(1), keys, scale)[:, 0]  # [layers, q_heads, n]
+        probs = head_attention_probs(query.unsqueeze(1), keys, scale)[:, 0]  # [layers, q_heads, n]
         state.positions.append(position)
         state.num_keys.append(keys.shape[2])
         state.demand.append(coverage_demand(probs, self.top_p))
@@ -104,22 +104,9 @@ def run_sparsity(model: str, prompt_ids: list[list[int]], max_tokens: int, block
 
     llm: an existing LLM built with a `SparsityTap` policy (tests); else one is built for `model`.
     """
-    from engine.llm import LLM
-    from engine.sampling import SamplingParams
-
-    if llm is None:
-        longest = max(len(p) for p in prompt_ids) + max_tokens
-        llm = LLM(model, block_size=block_size, policy=SparsityTap(top_p=config.top_p),
-                  max_num_seqs=config.max_num_seqs, enable_prefix_caching=False,
-                  kv_cache_tokens=pool_tokens(min(len(prompt_ids), config.max_num_seqs), longest,
-                                              block_size))
-    tap = llm.policy
-    if not isinstance(tap, SparsityTap):
-        raise TypeError(f"run_sparsity needs an LLM whose policy is a SparsityTap, got {tap.name!r}")
-    tap.reset()
-    params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens)
-    with progress("sparsity", max_tokens * len(prompt_ids), show_progress) as on_step:
-        outputs = llm.generate(prompt_ids, params, on_step=on_step)
+    tap, outputs = generate_with_probe(
+        "sparsity", SparsityTap, lambda: SparsityTap(top_p=config.top_p), model, prompt_ids,
+        max_tokens, block_size, config.max_num_seqs, temperature, seed, show_progress, llm)
     frame = sparsity_frame(tap.states, [len(p) for p in prompt_ids])
     return frame, outputs
 

@@ -36,24 +36,6 @@ class TapState:
     last_position: int = -1
 
 
-def decode_attention(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
-    """Per-query-head attention distributions of decode queries over cached keys.
-
-    queries: [layers, m, q_heads, head_dim] post-RoPE (m queries).
-    keys: [layers, kv_heads, n, head_dim] post-RoPE, as cached.
-    Returns [layers, m, q_heads, n] float32, rows summing to 1. Query head h reads KV head
-    h // (q_heads // kv_heads) (GQA), as the model's attention does.
-    """
-    layers, m, q_heads, dim = queries.shape
-    kv_heads = keys.shape[1]
-    if q_heads % kv_heads:
-        raise ValueError(f"q_heads {q_heads} is not a multiple of kv_heads {kv_heads}")
-    group = q_heads // kv_heads
-    q = queries.float().reshape(layers, m, kv_heads, group, dim)
-    logits = torch.einsum("lmkgd,lknd->lmkgn", q, keys.float()) * scale
-    return logits.softmax(dim=-1).reshape(layers, m, q_heads, -1)
-
-
 @dataclass
 class DecodeTap(KVPolicy):
     """FullKV behaviour plus a per-step callback with each request's newest real query."""

@@ -80,6 +80,24 @@ def calibrate_rms(summaries: torch.Tensor, q: torch.Tensor, eps: float = 1e-6) -
     return s * (rms_q / rms_s.clamp_min(eps))
 
 
+def head_attention_probs(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """Per-query-head attention distributions over cached keys, computed in float32.
+
+    queries: [layers, m, q_heads, head_dim] post-RoPE (m queries).
+    keys: [layers, kv_heads, n, head_dim] post-RoPE, as cached.
+    Returns [layers, m, q_heads, n], rows summing to 1. Query head h reads KV head
+    h // (q_heads // kv_heads) (GQA), as the model's attention does.
+    """
+    layers, m, q_heads, dim = queries.shape
+    kv_heads = keys.shape[1]
+    if q_heads % kv_heads:
+        raise ValueError(f"q_heads {q_heads} is not a multiple of kv_heads {kv_heads}")
+    group = q_heads // kv_heads
+    q = queries.float().reshape(layers, m, kv_heads, group, dim)
+    logits = torch.einsum("lmkgd,lknd->lmkgn", q, keys.float()) * scale
+    return logits.softmax(dim=-1).reshape(layers, m, q_heads, -1)
+
+
 def group_attention_probs(
     queries: torch.Tensor, keys: torch.Tensor, scale: float
 ) -> torch.Tensor:
@@ -95,14 +113,10 @@ def group_attention_probs(
     is the attention mass each cached key receives from the group as a whole, and it weighs every
     query head equally rather than letting one sharp head decide (as a max would).
     """
-    layers, views, q_heads, dim = queries.shape
+    layers, views, q_heads, _ = queries.shape
     kv_heads = keys.shape[1]
-    if q_heads % kv_heads:
-        raise ValueError(f"q_heads {q_heads} is not a multiple of kv_heads {kv_heads}")
-    group = q_heads // kv_heads
-    q = queries.float().reshape(layers, views, kv_heads, group, dim)
-    logits = torch.einsum("lvkgd,lknd->lvkgn", q, keys.float()) * scale
-    return logits.softmax(dim=-1).mean(dim=3)
+    probs = head_attention_probs(queries, keys, scale)
+    return probs.reshape(layers, views, kv_heads, q_heads // kv_heads, -1).mean(dim=3)
 
 
 def top_p_working_set(probs: torch.Tensor, p: float) -> torch.Tensor:

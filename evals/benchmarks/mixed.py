@@ -170,8 +170,10 @@ def run_mixed(model: str = "default", *, quick: bool = False, scale: MixedScale 
                           policy_args=args, kv_cache_tokens=pool_pages * bs, block_size=bs,
                           max_num_seqs=scale.max_num_seqs)
 
+    table_configs = configs(scale)
+    by_label = {config[0]: config for config in table_configs}
     rows, delta_rows, reference = [], [], None
-    for label, policy, args in configs(scale):
+    for label, policy, args in table_configs:
         run = run_config(label, policy, args)
         reference = reference or run
         rows.append({"policy": label, **policy_metrics(run, reference)})
@@ -218,8 +220,7 @@ def run_mixed(model: str = "default", *, quick: bool = False, scale: MixedScale 
         "quantile makes default GrowPage compress that share of its decisions.")]
     by = {r["policy"]: r for r in rows}
     pair = target_pair(scale)
-    repeats = repeat_pair(pair, by, scale.repeats,
-                          lambda label: run_config(*next(c for c in configs(scale) if c[0] == label)))
+    repeats = repeat_pair(pair, by, scale.repeats, lambda label: run_config(*by_label[label]))
     tables.append(Table(
         "repeats", f"Target pair, repeated: {pair[1]} vs {pair[0]}",
         [Column("repeat", "repeat", "d"), Column("first", "ran first"),
