@@ -26,7 +26,7 @@ TaskArgOpt = typer.Option([], "--task-arg", help="Task option key=value, e.g. le
                           "a comma makes a list (lengths=512, is a one-element list) (repeatable).")
 ModelOpt = typer.Option("smollm2-135m-instruct", "--model", "-m",
                         help="HF directory, .gguf file, or the embedded default's name.")
-DataOpt = typer.Option(None, "--data", help="Local data file or directory (e.g. /work/shared/data), "
+DataOpt = typer.Option(None, "--data", help="Local data file or directory (a data root such as /path/to/data), "
                        "or a hub id; default: the task's hub dataset.")
 LimitOpt = typer.Option(None, "--limit", help="First N problems.")
 SamplesOpt = typer.Option(None, "--samples", help="Samples per problem (default: the task preset's).")

@@ -2,7 +2,7 @@
 # Reference evaluation: every registered policy on the six tasks, at the CPU scale described in
 # results/README.md. Run from the repository root:  DATA=/path/to/data bash results/run_reference.sh
 # Re-running resumes (finished samples are skipped, a finished run only has its metrics rewritten).
-DATA=${DATA:-/work/shared/data}
+DATA=${DATA:?set DATA to the benchmark data root (gsm8k/, math500/, ... niah/ inside)}
 OUT=${OUT:-results/reference}
 KV=${KV:-.venv/bin/kvarena}
 POLICIES="--policy full --policy zipage --policy snapkv --policy chunkkv --policy growpage

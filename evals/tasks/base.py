@@ -1,7 +1,7 @@
 """Task interface, per-task run defaults, data loading (hub or local files), the task registry.
 
 A task knows where its data lives (a hub dataset id, or a local file/directory in the
-formats of ``/work/shared/data``), how to turn a data row into a :class:`Problem`, which
+formats the README describes: ``<root>/gsm8k/test.jsonl`` and so on), how to turn a data row into a :class:`Problem`, which
 chat messages to send for a problem, and which grader judges it.  It knows nothing of the
 engine.  A runner does::
 
@@ -265,7 +265,7 @@ class Task(ABC):
         return (
             f"Pass local data with --data PATH: a {files} file (JSON lines with {self.local.fields}), "
             f"or a directory holding it directly or as {self.local.folder}/{self.local.files[0]} "
-            f"(e.g. the offline copies in /work/shared/data)."
+            f"(e.g. --data /path/to/data with {self.local.folder}/ inside)."
         )
 
     def resolve_local(self, path: Path) -> Path:

@@ -23,8 +23,8 @@ class Mixed(Task):
 
     Each problem keeps its source task and grader and carries its multiplicity in
     ``Problem.samples`` (a runner should prefer it over a task-wide sample count).  Data:
-    ``--data`` must be a data root holding ``amc23/``, ``aime24/`` and ``gsm8k/`` (as
-    ``/work/shared/data`` does), or omitted for the hub datasets.  ``limit`` applies per
+    ``--data`` must be a data root holding ``amc23/``, ``aime24/`` and ``gsm8k/`` (the data
+    root layout of the README), or omitted for the hub datasets.  ``limit`` applies per
     source task, so every source stays in the mix.
 
     Paper defaults: 32768 output tokens for every request and no single KV budget (the
@@ -50,7 +50,7 @@ class Mixed(Task):
         if data is not None and Path(data).is_file():
             raise DataUnavailableError(
                 f"task 'mixed': --data {str(data)!r} is a file; the mixed workload needs a data root "
-                "directory with amc23/, aime24/ and gsm8k/ folders (e.g. /work/shared/data), or no --data for the hub."
+                "directory with amc23/, aime24/ and gsm8k/ folders (e.g. /path/to/data), or no --data for the hub."
             )
         problems, skipped, sources = [], [], []
         for name, _ in self.components:

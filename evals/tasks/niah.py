@@ -164,5 +164,5 @@ class NIAH(Task):
         return "\n\n".join(texts) + "\n", str(path), skipped
 
     def how_to_pass_data(self) -> str:
-        return ("Pass a directory of .txt essays with --data DIR (e.g. /work/shared/data/niah/PaulGrahamEssays), "
+        return ("Pass a directory of .txt essays with --data DIR (e.g. /path/to/data/niah/PaulGrahamEssays), "
                 "or no --data for the built-in generated haystack.")
