@@ -3,6 +3,7 @@
     kvarena analyze replay    counterfactual compress-vs-grow NLL replay (GrowPage Sec. 5.3, Fig. 7)
     kvarena analyze demand    Spearman study of GrowPage's demand signal (Sec. 5.3, Fig. 6)
     kvarena analyze sparsity  attention concentration over decoding (Sec. 2, Fig. 3)
+    kvarena analyze capacity  GrowPage capacity by minimum-sufficient-budget class (App. I, Fig. 11)
 
 The study modules (analysis.replay, analysis.demand_study, analysis.sparsity) are imported inside
 the commands, so `kvarena --help` does not pay for torch and the engine.
@@ -193,3 +194,40 @@ _top_p_study("demand", "Spearman correlation of GrowPage's delta_t with the futu
              "attention-demand change.", _demand, _demand_report)
 _top_p_study("sparsity", "p-coverage attention demand D_p of real decode queries over a FullKV "
              "generation.", _sparsity, _sparsity_report)
+
+
+@analyze_app.command()
+def capacity(
+    sweep: Path = typer.Option(..., "--sweep", help="A `kvarena sweep` output directory "
+                               "(<out>/<model>/<task>/sweep_<label>/) or its sweep.csv."),
+    eval_dir: Path = typer.Option(..., "--eval", help="The `kvarena eval` result directory of "
+                                  "GrowPage on the same problems (<out>/<model>/<task>/<label>/)."),
+    capacity_field: Optional[str] = typer.Option(
+        None, "--capacity-field", help="Per-sample field of samples.jsonl to use as capacity "
+        "(default: the time-averaged allocated KV the runner records)."),
+    seed: int = typer.Option(0, "--seed", help="Bootstrap seed."),
+    out: Optional[Path] = typer.Option(None, "--out", help="Output directory (default: "
+                                       "results/analysis/capacity-<task>-<eval label>)."),
+):
+    """Capacity alignment: GrowPage's per-problem capacity by the sweep's B* class (App. I)."""
+
+    def study():
+        from analysis.capacity import capacity_study, read_sweep, table_markdown
+
+        path = out
+        if path is None:
+            task = read_sweep(sweep).task or "task"
+            path = RESULTS_ROOT / f"capacity-{task}-{eval_dir.name}"
+        summary = capacity_study(sweep, eval_dir, path, capacity_field, seed)
+        return summary, path, table_markdown(summary, summary["capacity_field"])
+
+    summary, path, table = _run(study)
+    if summary["only_in_sweep"] or summary["only_in_eval"]:
+        console.print(f"[yellow]left out: {summary['only_in_sweep']} problems only in the sweep, "
+                      f"{summary['only_in_eval']} only in the eval[/]")
+    if summary["seeds"]["same"] is False:
+        console.print(f"[yellow]the sweep used seed {summary['seeds']['sweep']}, the eval "
+                      f"{summary['seeds']['eval']} (App. I reruns with the same seed)[/]")
+    typer.echo(table)
+    console.print(f"[green]{summary['problems']} problems ({summary['unsolved']} Unsolved)[/]  "
+                  f"({path})")

@@ -378,3 +378,143 @@ def test_analyze_rejects_bad_input_with_a_clear_message(tiny_dir, tmp_path):
     bad_knob = runner.invoke(analyze_app, ["replay", "--model", str(tiny_dir), "-a", "bogus=1",
                                            "--threads", "1"])
     assert bad_knob.exit_code == 2 and "unknown argument" in " ".join(bad_knob.output.split())
+
+
+# -- capacity alignment (App. I) -------------------------------------------------------------
+
+
+def _write_run(root, label: str, task: str, records: list[dict], seed: int = 0, policy="zipage"):
+    from evals import results as R
+
+    path = root / "smollm2-135m-instruct" / task / label
+    R.write_json(path / R.CONFIG_FILE, {"label": label, "model": "smollm2-135m-instruct",
+                                        "task": task, "policy": policy, "seed": seed})
+    with R.SampleWriter(path / R.SAMPLES_FILE) as writer:
+        for rec in records:
+            writer.write({"task": task, "status": "ok", **rec})
+    R.write_json(path / R.METRICS_FILE, {"complete": True})
+    return path
+
+
+def _sweep_tree(root, correct: dict[str, dict[int, list[bool]]], budgets=(64, 128, 256),
+                task="amc23"):
+    """A real sweep output (evals.sweep.analyze_sweep) over synthetic budget runs.
+    correct: uid -> budget -> per-sample correctness."""
+    from evals.runner import EvalOutcome, EvalSettings
+    from evals.sweep import analyze_sweep
+
+    outcomes = []
+    for b in budgets:
+        records = [{"uid": uid, "sample": j, "correct": ok}
+                   for uid, per in correct.items() for j, ok in enumerate(per[b])]
+        path = _write_run(root, f"zipage+budget={b}", task, records)
+        outcomes.append(EvalOutcome(path, path.name, task, {"complete": True}))
+    base = EvalSettings(task=task, policy="zipage", out=str(root), samples=3)
+    return analyze_sweep(base, list(budgets), "majority", outcomes).path
+
+
+def _growpage_tree(root, capacity: dict[str, list[float]], task="amc23", seed=0, field="avg_kv_budget"):
+    records = [{"uid": uid, "sample": j, field: c, "correct": False}
+               for uid, caps in capacity.items() for j, c in enumerate(caps)]
+    return _write_run(root / "eval", "growpage", task, records, seed=seed, policy="growpage")
+
+
+# B* by construction (majority of 3 samples, Eq. 1): p0, p1 -> 64; p2, p3 -> 128;
+# p4, p5 -> 256; p6 solved at 64 only (not at larger budgets) -> Unsolved; p7 never -> Unsolved.
+YES, NO = [True, True, False], [False, False, True]
+SWEEP_CORRECT = {
+    "amc23/0": {64: YES, 128: YES, 256: YES}, "amc23/1": {64: YES, 128: YES, 256: YES},
+    "amc23/2": {64: NO, 128: YES, 256: YES}, "amc23/3": {64: NO, 128: YES, 256: YES},
+    "amc23/4": {64: NO, 128: NO, 256: YES}, "amc23/5": {64: NO, 128: NO, 256: YES},
+    "amc23/6": {64: YES, 128: NO, 256: NO}, "amc23/7": {64: NO, 128: NO, 256: NO},
+}
+
+
+def test_capacity_study_joins_sweep_classes_with_growpage_capacity(tmp_path):
+    from analysis.capacity import UNSOLVED, capacity_study
+    from evals.sweep import UNSOLVED as SWEEP_UNSOLVED
+
+    assert UNSOLVED == SWEEP_UNSOLVED
+    sweep = _sweep_tree(tmp_path, SWEEP_CORRECT)
+    caps = {"amc23/0": [100, 110], "amc23/1": [90, 100], "amc23/2": [150, 170],
+            "amc23/3": [160, 160], "amc23/4": [300, 260], "amc23/5": [250, 250],
+            "amc23/6": [400, 400], "amc23/7": [380, 420], "amc23/9": [10, 10]}
+    evaluation = _growpage_tree(tmp_path, caps)
+    out = tmp_path / "capacity"
+    summary = capacity_study(sweep, evaluation, out)
+    frame = pd.read_csv(out / "capacity.csv", dtype={"b_star": str})
+    assert dict(zip(frame["uid"], frame["b_star"])) == {
+        "amc23/0": "64", "amc23/1": "64", "amc23/2": "128", "amc23/3": "128",
+        "amc23/4": "256", "amc23/5": "256", "amc23/6": UNSOLVED, "amc23/7": UNSOLVED}
+    assert frame.set_index("uid").loc["amc23/4", "capacity"] == pytest.approx(280.0)
+    assert summary["only_in_eval"] == 1 and summary["only_in_sweep"] == 0
+    assert summary["capacity_field"] == "avg_kv_budget"
+    assert list(summary["classes"]) == ["64", "128", "256", UNSOLVED]
+    assert [c["n"] for c in summary["classes"].values()] == [2, 2, 2, 2]
+    assert summary["classes"]["256"]["mean"]["estimate"] == pytest.approx(265.0)
+    assert summary["classes"][UNSOLVED]["median"]["estimate"] == pytest.approx(400.0)
+    # capacity rises with B* over the solved problems: rho of 6 points in 3 tied classes
+    rho = summary["spearman_bstar_capacity"]
+    expected = spearman([64, 64, 128, 128, 256, 256], [105, 95, 160, 160, 280, 250])
+    assert rho["estimate"] == pytest.approx(expected) and expected > 0.8
+    assert rho["clusters"] == 6 and rho["low"] <= rho["estimate"] <= rho["high"]
+    assert (out / "capacity.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = (out / "table.md").read_text()
+    assert "| Unsolved | 2 |" in table and "Spearman rho(B*, capacity)" in table
+
+
+def test_capacity_bootstrap_interval_shrinks_with_more_problems(tmp_path):
+    from analysis.capacity import summarize_capacity
+
+    gen = np.random.default_rng(0)
+
+    def width(n: int) -> float:
+        b = gen.choice([64, 128, 256], size=n)
+        frame = pd.DataFrame({"uid": [f"p{i}" for i in range(n)], "b_star": b.astype(str),
+                              "b_star_tokens": b.astype(float),
+                              "capacity": b + gen.normal(0, 80, size=n), "samples": 1})
+        rho = summarize_capacity(frame, [64, 128, 256])["spearman_bstar_capacity"]
+        return rho["high"] - rho["low"]
+
+    assert width(200) < width(12)
+
+
+def test_capacity_study_rejects_inputs_that_cannot_be_joined(tmp_path):
+    from analysis.capacity import capacity_study
+
+    sweep = _sweep_tree(tmp_path, SWEEP_CORRECT)
+    other = _growpage_tree(tmp_path / "a", {"amc23/50": [100.0], "amc23/51": [120.0]})
+    with pytest.raises(ValueError, match="share no problem"):
+        capacity_study(sweep, other, tmp_path / "o1")
+    unsolved_only = _growpage_tree(tmp_path / "b", {"amc23/6": [100.0], "amc23/7": [120.0]})
+    with pytest.raises(ValueError, match="every one of the 2 common problems is Unsolved"):
+        capacity_study(sweep, unsolved_only, tmp_path / "o2")
+    wrong_task = _growpage_tree(tmp_path / "c", {"amc23/0": [100.0]}, task="aime24")
+    with pytest.raises(ValueError, match="task 'amc23' but the eval of task 'aime24'"):
+        capacity_study(sweep, wrong_task, tmp_path / "o3")
+    with pytest.raises(ValueError, match="no sweep.csv"):
+        capacity_study(tmp_path / "nowhere", other, tmp_path / "o4")
+    with pytest.raises(ValueError, match="is not a result directory"):
+        capacity_study(sweep, tmp_path / "nowhere", tmp_path / "o5")
+    no_field = _growpage_tree(tmp_path / "d", {"amc23/0": [100.0]}, field="something_else")
+    with pytest.raises(ValueError, match="no sample has a capacity field"):
+        capacity_study(sweep, no_field, tmp_path / "o6")
+
+
+def test_analyze_capacity_command_prints_the_table_and_names_bad_input(tmp_path):
+    from typer.testing import CliRunner
+
+    from analysis.cli import analyze_app
+
+    sweep = _sweep_tree(tmp_path, SWEEP_CORRECT)
+    evaluation = _growpage_tree(tmp_path, {"amc23/0": [100.0], "amc23/2": [150.0],
+                                           "amc23/4": [300.0], "amc23/7": [310.0]})
+    out = tmp_path / "out"
+    runner = CliRunner()
+    result = runner.invoke(analyze_app, ["capacity", "--sweep", str(sweep / "sweep.csv"),
+                                         "--eval", str(evaluation), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "| 128 | 1 |" in result.output and (out / "summary.json").exists()
+    bad = runner.invoke(analyze_app, ["capacity", "--sweep", str(tmp_path / "nope"),
+                                      "--eval", str(evaluation), "--out", str(out)])
+    assert bad.exit_code == 2 and "no sweep.csv" in " ".join(bad.output.split())
