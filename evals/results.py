@@ -38,9 +38,10 @@ import threading
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from evals.grading.metrics import summarize
+from evals.grading.metrics import FLEXIBLE_CORRECT, FLEXIBLE_EXTRACTED, summarize
+from evals.intervals import DEFAULT_SPEC, BootstrapSpec, mean_and_interval
 from evals.problem import GradeResult
 
 CONFIG_FILE = "config.json"
@@ -274,6 +275,12 @@ def compute_metrics(records: Sequence[Mapping[str, Any]], segments: Sequence[Map
     requests per decode step) is the step-weighted mean over the segments that completed.
     Events are summed from the per-sample records (FullKV records no grow events: it never
     decides). ``grow_ratio`` = boundary grows / boundary decisions (grow + compress + shrink).
+
+    Uncertainty: every per-sample mean (PER_SAMPLE_METRICS, and the fid_* / avg_kv_budget* fields
+    found in the records) gets ``"<name>_ci": [low, high]``, a 95% nested bootstrap interval over
+    problems and their samples (evals.intervals); ``"intervals"`` says how they were computed and
+    which figures are run-level (RUN_LEVEL_METRICS: no interval). GSM8K adds its flexible reading
+    (``pass@1_flexible``); ``pass@1`` is the strict one.
     """
     ok = [r for r in records if r.get("status") == "ok"]
     failed = [r for r in records if r.get("status") != "ok"]
@@ -302,8 +309,10 @@ def compute_metrics(records: Sequence[Mapping[str, Any]], segments: Sequence[Map
         for task in sorted({str(r.get("task")) for r in records}):
             part = [r for r in records if str(r.get("task")) == task]
             s = summarize(((r["uid"], grade_of(r)) for r in part), ks=(1,))
-            by_source[task] = {"pass@1": s["pass@1"], "samples": s["samples"]}
-    return {
+            by_source[task] = {"pass@1": s["pass@1"], "samples": s["samples"],
+                               **per_sample_intervals(part, [], names=("pass@1",)),
+                               **flexible_extraction(part)}
+    metrics = {
         "samples_planned": planned,
         "samples_done": len(records),
         "complete": len(records) >= planned,
@@ -330,6 +339,81 @@ def compute_metrics(records: Sequence[Mapping[str, Any]], segments: Sequence[Map
         "interrupted_segments": sum(1 for s in segments if s.get("status") != "complete"),
         "by_source_task": by_source,
     }
+    for name, value in flexible_extraction(records).items():
+        metrics.setdefault(name, value)
+    for name, value in per_sample_intervals(records, ok).items():
+        metrics.setdefault(name, value)
+    metrics["intervals"] = {**DEFAULT_SPEC.describe(), "run_level": list(RUN_LEVEL_METRICS)}
+    return metrics
+
+
+# Per-sample metrics with a 95% interval (evals.intervals): name -> (value of one sample, which
+# samples count, weight). "all": every sample asked for (a failed one counts as incorrect, as in
+# pass@1); "ok": finished samples. "problem" weight: mean over problems of the per-problem mean
+# (pass@1); "sample": mean over samples. Each point value stays where it was in metrics.json and
+# its interval goes next to it as "<name>_ci": [low, high] (None with fewer than two problems).
+PER_SAMPLE_METRICS: dict[str, tuple[Callable[[Mapping[str, Any]], Any], str, str]] = {
+    "pass@1": (lambda r: bool(r.get("correct")), "all", "problem"),
+    "accuracy": (lambda r: bool(r.get("correct")), "all", "sample"),
+    "extraction_rate": (lambda r: r.get("extracted") is not None, "all", "sample"),
+    "mean_score": (lambda r: float(r.get("score") or 0.0), "all", "sample"),
+    "mean_output_tokens": (lambda r: int(r.get("output_tokens") or 0), "ok", "sample"),
+    "tpot_ms": (lambda r: None if r.get("tpot_s") is None else 1000.0 * float(r["tpot_s"]), "ok", "sample"),
+    "avg_kv_budget": (lambda r: r.get("avg_kv_budget"), "ok", "sample"),
+}
+# Numeric per-sample fields with these prefixes get "<field>" (their mean over the finished
+# samples where the field applies, i.e. is not None) and "<field>_ci" automatically: fidelity to
+# FullKV (fid_*) and every definition of the average KV budget.
+AUTO_MEAN_PREFIXES = ("fid_", "avg_kv_budget")
+# Figures of the whole run, not means over samples: no bootstrap interval. TPS and total time
+# depend on the machine's load during the run; compare them only between runs measured side by
+# side (the benchmarks).
+RUN_LEVEL_METRICS = ("tps", "total_time_s", "mean_resident", "grow_ratio", "output_tokens")
+
+
+def per_sample_intervals(records: Sequence[Mapping[str, Any]], ok: Sequence[Mapping[str, Any]],
+                         names: Sequence[str] | None = None,
+                         spec: BootstrapSpec = DEFAULT_SPEC) -> dict:
+    """``"<name>_ci"`` for the PER_SAMPLE_METRICS (or ``names`` of them), plus ``"<field>"`` and
+    ``"<field>_ci"`` for every numeric field with an AUTO_MEAN_PREFIXES prefix (not for ``names``).
+    The pass@1 interval of GSM8K's flexible extraction is in :func:`flexible_extraction`."""
+    out: dict[str, Any] = {}
+    for name in names or PER_SAMPLE_METRICS:
+        value, which, weight = PER_SAMPLE_METRICS[name]
+        rows = records if which == "all" else ok
+        _, ci = mean_and_interval(((r["uid"], value(r)) for r in rows), weight, spec)
+        out[f"{name}_ci"] = None if ci is None else list(ci)
+    if names is not None:
+        return out
+    auto = sorted({k for r in ok for k, v in r.items() if k.startswith(AUTO_MEAN_PREFIXES)
+                   and k not in PER_SAMPLE_METRICS and _numeric(v)})
+    for field_name in auto:
+        point, ci = mean_and_interval(((r["uid"], r.get(field_name)) for r in ok
+                                       if _numeric(r.get(field_name))), "sample", spec)
+        out[field_name] = point
+        out[f"{field_name}_ci"] = None if ci is None else list(ci)
+    return out
+
+
+def flexible_extraction(records: Sequence[Mapping[str, Any]], spec: BootstrapSpec = DEFAULT_SPEC) -> dict:
+    """GSM8K's second reading (lm-eval's "flexible-extract": the last number of the output), next
+    to ``pass@1``, which is the strict reading: ``pass@1_flexible``, its interval and
+    ``extraction_rate_flexible``, over the tasks whose grader records it (empty otherwise; a
+    failed sample of such a task counts as incorrect)."""
+    tasks = {r.get("task") for r in records if FLEXIBLE_CORRECT in (r.get("details") or {})}
+    rows = [r for r in records if r.get("task") in tasks]
+    if not rows or len(tasks) != len({r.get("task") for r in records}):
+        return {}
+    point, ci = mean_and_interval(
+        ((r["uid"], bool((r.get("details") or {}).get(FLEXIBLE_CORRECT))) for r in rows), "problem", spec)
+    answered = [(r.get("details") or {}).get(FLEXIBLE_EXTRACTED) is not None for r in rows]
+    return {"pass@1_flexible": point, "pass@1_flexible_ci": None if ci is None else list(ci),
+            "extraction_rate_flexible": sum(answered) / len(answered)}
+
+
+def _numeric(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not (
+        isinstance(value, float) and math.isnan(value))
 
 
 # ------------------------------------------------------------------------------ reading runs

@@ -8,6 +8,7 @@ import pytest
 
 from evals.grading import (
     GRADERS,
+    answer_is,
     GradingPool,
     get_grader,
     grade_many,
@@ -111,19 +112,42 @@ def test_math_grader_no_answer():
 
 
 @pytest.mark.parametrize(
-    "output, correct, extractor",
+    "output, strict, extractor, flexible",
     [
-        (r"So she makes \boxed{18} dollars.", True, "boxed"),
-        (r"\boxed{\$18.00}", True, "boxed"),
-        ("She makes 9 * 2 = 18 dollars.\n#### 18", True, "hash"),
-        ("The total is 18 dollars.", True, "last_number"),
-        ("The total is 1,018 dollars.", False, "last_number"),
-        (r"\boxed{17}", False, "boxed"),
+        (r"So she makes \boxed{18} dollars.", True, "boxed", True),
+        (r"\boxed{\$18.00}", True, "boxed", True),
+        ("She makes 9 * 2 = 18 dollars.\n#### 18", True, "hash", True),
+        ("9 * 2 = 18. The answer is 18.", True, "answer_is", True),
+        ("So the final answer is: $18", True, "answer_is", True),
+        # No explicit final answer: only the flexible (last-number) reading counts it.
+        ("The total is 18 dollars.", False, None, True),
+        ("The total is 1,018 dollars.", False, None, False),
+        # The strict answer is wrong; a later number happens to equal the gold.
+        (r"\boxed{17} (checked over 18 days)", False, "boxed", True),
+        # The strict answer is right; the flexible reading takes the trailing number.
+        (r"\boxed{18}, i.e. 2 weeks", True, "boxed", False),
+        (r"\boxed{17}", False, "boxed", False),
     ],
 )
-def test_gsm8k_grader(output, correct, extractor):
+def test_gsm8k_strict_and_flexible_extraction(output, strict, extractor, flexible):
     r = grade("gsm8k", "18", output)
-    assert r.correct is correct and r.details["extractor"] == extractor
+    assert r.correct is strict and r.details["extractor"] == extractor
+    assert r.details["flexible_correct"] is flexible
+
+
+def test_gsm8k_number_quoted_from_the_question_is_not_a_strict_answer():
+    # A model that restates the question's numbers and stops: flexible extraction "solves" a
+    # problem whose gold is one of those numbers; strict extraction does not.
+    r = grade("gsm8k", "40", "Natalia sold clips to 48 friends in April, and 40")
+    assert (r.correct, r.reason, r.extracted) == (False, "no_answer", None)
+    assert r.details["flexible_extracted"] == "40" and r.details["flexible_correct"] is True
+
+
+def test_answer_is_extraction():
+    assert answer_is("So the answer is $1,234.") == "1,234"
+    assert answer_is("The answer is 3. Wait: the final answer is -7.5") == "-7.5"
+    assert answer_is(r"the answer is \boxed{5}") is None
+    assert answer_is("my answer: 5") is None
 
 
 def test_gsm8k_large_numbers_are_exact():

@@ -1,4 +1,5 @@
-"""Answer extraction from model outputs: boxed answers, GSM8K ``#### N``, numbers, code blocks.
+"""Answer extraction from model outputs: boxed answers, GSM8K ``#### N`` and "The answer is N",
+numbers, code blocks.
 
 All functions are pure and cheap (no sympy), so the parent process can extract answers
 (e.g. to count the extraction rate) even when the judging itself runs elsewhere.
@@ -73,6 +74,21 @@ def hash_answer(text: str) -> str | None:
     m = re.match(r"[-+$\\\d.,]+", value)
     value = m.group(0) if m else value
     return value.strip() or None
+
+
+_ANSWER_IS_RE = re.compile(
+    r"\bthe\s+(?:final\s+)?answer\s+is\s*:?\s*(?:\\?\$\s*)*(-?[\d,]*\.?\d+)", re.IGNORECASE)
+
+
+def answer_is(text: str) -> str | None:
+    """The number right after the last "The answer is" / "The final answer is" (the strict
+    forms of lm-eval's ``gsm8k_cot`` and ``gsm8k_cot_llama``), e.g. ``"So the answer is $1,234."``
+    gives ``"1,234"``. The phrase followed by something else (``"the answer is \\boxed{5}"``)
+    gives ``None`` here: the box is its own extractor."""
+    matches = _ANSWER_IS_RE.findall(text)
+    if not matches:
+        return None
+    return matches[-1].rstrip(",") or None
 
 
 _NUMBER_RE = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")

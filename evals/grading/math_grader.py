@@ -2,9 +2,11 @@
 
 Pipeline per output:
 
-1. **Extract** the answer: the last brace-matched ``\\boxed{...}``; GSM8K then falls back to
-   the last ``#### N`` and then to the last number in the text (the other tasks ask for a
-   box in the system prompt, so a missing box counts as no answer).
+1. **Extract** the answer: the last brace-matched ``\\boxed{...}`` (every task's prompt asks for
+   a box, so a missing box counts as no answer). GSM8K reads each output twice, as lm-eval
+   reports it: *strict* (an explicit final-answer form: the box, else ``#### N``, else "The
+   (final) answer is N") decides ``correct``; *flexible* (the last number anywhere in the
+   output, lm-eval's "flexible-extract") goes into ``details`` beside it.
 2. **Judge** it against the gold answer:
    * ``integer`` (AIME): both sides read as exact numbers and compared as integers
      (``"025" == 25``; ``25.5`` is wrong).
@@ -31,7 +33,8 @@ from fractions import Fraction
 from typing import ClassVar
 
 from evals.grading.base import Grader, register_grader
-from evals.grading.extract import hash_answer, last_boxed, last_number, parse_number
+from evals.grading.extract import answer_is, hash_answer, last_boxed, last_number, parse_number
+from evals.grading.metrics import FLEXIBLE_CORRECT, FLEXIBLE_EXTRACTED
 from evals.problem import GradeResult, Problem
 
 # We disable math-verify's signal timeouts on purpose (bounded by the pool instead); its
@@ -41,6 +44,7 @@ logging.getLogger("math_verify").setLevel(logging.ERROR)
 _EXTRACTORS = {
     "boxed": last_boxed,
     "hash": hash_answer,
+    "answer_is": answer_is,
     "last_number": last_number,
 }
 
@@ -137,10 +141,22 @@ class MathGrader(AnswerGrader):
 @register_grader("gsm8k")
 @dataclass
 class GSM8KGrader(AnswerGrader):
-    """GSM8K: boxed, else ``#### N``, else the last number; compared as numbers."""
+    """GSM8K, compared as numbers. Strict reading (``correct``, Table 1): boxed, else ``#### N``,
+    else "The (final) answer is N", the last of each form; lm-eval takes the first ``#### N``
+    because its few-shot answers hold one, while a chat model may restate its answer and the
+    box rule everywhere here takes the last. Flexible reading (``details``): the last number of
+    the output, which also counts a number merely quoted from the question when the model never
+    answers; it is reported beside strict, never instead of it."""
 
-    extractors: ClassVar[tuple[str, ...]] = ("boxed", "hash", "last_number")
+    extractors: ClassVar[tuple[str, ...]] = ("boxed", "hash", "answer_is")
     answer_kind: ClassVar[str] = "number"
+
+    def grade(self, output: str, problem: Problem) -> GradeResult:
+        strict = super().grade(output, problem)
+        flexible = last_number(output)
+        flexible_ok = flexible is not None and self.judge(flexible, problem.gold)[0]
+        details = {**strict.details, FLEXIBLE_EXTRACTED: flexible, FLEXIBLE_CORRECT: flexible_ok}
+        return GradeResult(strict.correct, strict.score, strict.extracted, strict.reason, details)
 
 
 @register_grader("aime")

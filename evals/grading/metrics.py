@@ -8,6 +8,12 @@ from typing import Iterable, Sequence
 
 from evals.problem import GradeResult
 
+# Keys of GradeResult.details where a grader with two readings of an output (GSM8K: strict and
+# flexible extraction, as lm-eval reports them) records the second one; ``correct`` and
+# ``extracted`` hold the strict reading, the one Table 1 reports.
+FLEXIBLE_EXTRACTED = "flexible_extracted"
+FLEXIBLE_CORRECT = "flexible_correct"
+
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k for one problem: ``1 - C(n-c, k) / C(n, k)``.

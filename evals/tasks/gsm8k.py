@@ -1,4 +1,12 @@
-"""GSM8K: grade-school word problems; the gold is the number after ``####``."""
+"""GSM8K: grade-school word problems; the gold is the number after ``####``.
+
+Graded twice, as lm-eval reports GSM8K (``evals.grading.math_grader.GSM8KGrader``): strict
+extraction (an explicit final answer: ``\\boxed{N}``, ``#### N`` or "The answer is N") gives
+``pass@1``, the Table 1 column; flexible extraction (the last number in the output) gives
+``pass@1_flexible`` beside it. A model that never states an answer can still score under the
+flexible reading when the question's own numbers end its output; that is why it is not the
+headline.
+"""
 
 from __future__ import annotations
 

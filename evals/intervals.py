@@ -1,0 +1,202 @@
+"""95% intervals for per-sample metrics: a nested bootstrap over problems, then samples.
+
+An eval run draws problems from a benchmark and several samples per problem. Samples of one
+problem are not independent (they share the question), so a resample that treats every sample
+as its own draw understates the uncertainty. The bootstrap here follows the two-stage design:
+
+1. draw ``P`` problems with replacement from the ``P`` problems of the run;
+2. within each drawn problem ``i``, draw its ``n_i`` samples with replacement;
+3. recompute the statistic; repeat ``replicates`` times and take the percentile interval.
+
+Two statistics, matching the point values of ``metrics.json``:
+
+- ``weight="problem"``: the mean over problems of each problem's sample mean (pass@1 as
+  GrowPage reports it: the share of correct samples per problem, averaged over problems);
+- ``weight="sample"``: the mean over all samples (TPOT, the average KV budget, fidelity).
+
+With the same number of samples per problem the two coincide.
+
+All problem draws of all replicates are made before any within-problem draw, so two data sets
+whose problem means agree and whose within-problem values are constant (e.g. four identical
+samples per problem vs one) give exactly the same interval for the same seed.
+
+Degenerate cases, chosen so a small run does not print a falsely certain ``± 0``:
+
+- fewer than two problems: no interval (``None``); one problem says nothing about the next one;
+- every value equal and every value 0 or 1 (e.g. 0 of 30 problems solved), where any bootstrap
+  collapses to a single point: the Wilson score interval for a proportion with ``n = P`` problems
+  (for 0/30 it is [0, 0.114]), the usual rule for an all-or-nothing count.
+  Other constant values keep the zero-width bootstrap interval (nothing varied).
+
+Pure numpy; deterministic for a given ``seed``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Hashable, Iterable, Sequence
+
+import numpy as np
+
+WEIGHTS = ("problem", "sample")
+
+# Elements (replicates x problems x max samples) drawn at once; bounds the memory of one chunk.
+_CHUNK_ELEMENTS = 2_000_000
+
+
+@dataclass(frozen=True)
+class BootstrapSpec:
+    """How intervals are computed: ``level`` (two-sided coverage), ``replicates``, ``seed``."""
+
+    level: float = 0.95
+    replicates: int = 2000
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.level < 1.0:
+            raise ValueError(f"level must be in (0, 1), got {self.level!r}")
+        if not isinstance(self.replicates, int) or self.replicates < 100:
+            raise ValueError(f"replicates must be an integer >= 100, got {self.replicates!r}")
+        if not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative integer, got {self.seed!r}")
+
+    def describe(self) -> dict:
+        """What metrics.json records next to the intervals, so a reader can reproduce them."""
+        return {"method": "percentile bootstrap over problems, samples resampled within each drawn "
+                          "problem; Wilson score interval over problems when every value is the "
+                          "same 0 or 1; none with fewer than 2 problems",
+                "level": self.level, "replicates": self.replicates, "seed": self.seed}
+
+
+DEFAULT_SPEC = BootstrapSpec()
+
+
+def group_by_problem(pairs: Iterable[tuple[Hashable, Any]]) -> list[list[float]]:
+    """``(problem id, value)`` pairs -> one list of values per problem, in first-seen order.
+
+    ``None`` and NaN values are dropped (a field that does not apply to a sample); booleans
+    count as 0/1; a problem left without values is dropped.
+    """
+    groups: dict[Hashable, list[float]] = defaultdict(list)
+    for key, value in pairs:
+        if value is None or isinstance(value, str):
+            continue
+        v = float(value)
+        if math.isnan(v):
+            continue
+        groups[key].append(v)
+    return [g for g in groups.values() if g]
+
+
+def point_estimate(groups: Sequence[Sequence[float]], weight: str = "sample") -> float | None:
+    """The statistic on the data itself (see module docstring for ``weight``)."""
+    _check_weight(weight)
+    groups = [g for g in groups if len(g)]
+    if not groups:
+        return None
+    if weight == "problem":
+        return float(np.mean([np.mean(g) for g in groups]))
+    return float(np.mean(np.concatenate([np.asarray(g, dtype=float) for g in groups])))
+
+
+def nested_bootstrap(groups: Sequence[Sequence[float]], weight: str = "sample",
+                     spec: BootstrapSpec = DEFAULT_SPEC) -> tuple[float, float] | None:
+    """The ``spec.level`` interval of the statistic, or ``None`` with fewer than 2 problems.
+
+    groups: one sequence of per-sample values per problem (``group_by_problem``).
+    """
+    _check_weight(weight)
+    vals = [np.asarray(g, dtype=float) for g in groups if len(g)]
+    if len(vals) < 2:
+        return None
+    flat = np.concatenate(vals)
+    if np.all(flat == flat[0]):
+        if flat[0] in (0.0, 1.0):
+            return wilson_interval(int(flat[0]) * len(vals), len(vals), spec.level)
+        return float(flat[0]), float(flat[0])
+    stats = _replicates(vals, weight, spec)
+    alpha = (1.0 - spec.level) / 2.0
+    lo, hi = np.quantile(stats, [alpha, 1.0 - alpha])
+    return float(lo), float(hi)
+
+
+def _replicates(vals: list[np.ndarray], weight: str, spec: BootstrapSpec) -> np.ndarray:
+    """``spec.replicates`` bootstrap values of the statistic (shape ``(replicates,)``)."""
+    n_problems = len(vals)
+    sizes = np.array([len(v) for v in vals])
+    max_n = int(sizes.max())
+    padded = np.zeros((n_problems, max_n))
+    for i, v in enumerate(vals):
+        padded[i, : len(v)] = v
+    rng = np.random.default_rng(spec.seed)
+    picks = rng.integers(0, n_problems, size=(spec.replicates, n_problems))  # stage 1, all first
+    out = np.empty(spec.replicates)
+    chunk = max(1, _CHUNK_ELEMENTS // (n_problems * max_n))
+    slots = np.arange(max_n)
+    for start in range(0, spec.replicates, chunk):
+        p = picks[start : start + chunk]                       # (b, P) drawn problems
+        n = sizes[p]                                           # (b, P) their sample counts
+        # stage 2: n_i draws from problem i's samples; slots past n_i are masked out
+        idx = np.floor(rng.random(p.shape + (max_n,)) * n[..., None]).astype(np.int64)
+        drawn = padded[p[..., None], idx] * (slots < n[..., None])
+        sums = drawn.sum(axis=-1)                              # (b, P)
+        if weight == "problem":
+            out[start : start + len(p)] = (sums / n).mean(axis=-1)
+        else:
+            out[start : start + len(p)] = sums.sum(axis=-1) / n.sum(axis=-1)
+    return out
+
+
+def wilson_interval(successes: int, n: int, level: float = 0.95) -> tuple[float, float]:
+    """Wilson score interval for ``successes`` out of ``n`` at two-sided coverage ``level``."""
+    if n < 1 or not 0 <= successes <= n:
+        raise ValueError(f"need n >= 1 and 0 <= successes <= n, got {successes}/{n}")
+    z = _normal_quantile(1.0 - (1.0 - level) / 2.0)
+    p = successes / n
+    denom = 1.0 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def _normal_quantile(q: float) -> float:
+    """Inverse standard normal CDF by bisection on ``math.erf`` (exact enough for intervals)."""
+    lo, hi = -10.0, 10.0
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        if 0.5 * (1 + math.erf(mid / math.sqrt(2))) < q:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def mean_and_interval(pairs: Iterable[tuple[Hashable, Any]], weight: str = "sample",
+                      spec: BootstrapSpec = DEFAULT_SPEC
+                      ) -> tuple[float | None, tuple[float, float] | None]:
+    """(point value, interval) of a per-sample field given as ``(problem id, value)`` pairs."""
+    groups = group_by_problem(pairs)
+    return point_estimate(groups, weight), nested_bootstrap(groups, weight, spec)
+
+
+def half_width(interval: Sequence[float] | None) -> float | None:
+    """Half the interval's length (what ``value ± half-width`` prints)."""
+    if interval is None or len(interval) != 2 or any(v is None for v in interval):
+        return None
+    return (float(interval[1]) - float(interval[0])) / 2.0
+
+
+def mean_half_width(half_widths: Sequence[float | None]) -> float | None:
+    """Half-width of the mean of independent estimates (e.g. an average over tasks, whose
+    problem sets are disjoint): ``sqrt(sum h_i^2) / k``, the normal approximation. ``None``
+    when any estimate lacks one."""
+    if not half_widths or any(h is None for h in half_widths):
+        return None
+    return math.sqrt(sum(h * h for h in half_widths)) / len(half_widths)
+
+
+def _check_weight(weight: str) -> None:
+    if weight not in WEIGHTS:
+        raise ValueError(f"weight must be one of {WEIGHTS}, got {weight!r}")
