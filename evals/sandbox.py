@@ -12,20 +12,36 @@ once and reported by :func:`capabilities`:
    is killed with one ``kill(-1, SIGKILL)`` issued as that uid, which also catches children
    that left the process group with ``setsid``.
 2. **Namespaces** (root): a new network namespace (no interfaces up, not even loopback); a
-   new mount namespace in which ``/tmp``, ``/var/tmp``, ``/dev/shm`` and the working
-   directory are fresh size-limited tmpfs mounts that vanish with the program; and a new
-   pid namespace whose init (a small loop of the harness) waits for the program and then
-   exits, upon which the kernel kills and reaps everything the program left behind (no
-   orphans, no zombies holding the uid's process count).  ``/proc`` is remounted there, so
-   the program sees only its own processes.
+   new mount namespace in which *every* mount is remounted read-only (the whole tree, one
+   mount at a time, as listed in ``/proc/self/mountinfo``) and then ``/tmp``, ``/var/tmp``,
+   ``/dev/shm`` and the working directory are fresh size-limited tmpfs mounts that vanish
+   with the program -- the only writable places, so no path on the host (``/run/lock``, a
+   world-writable directory nobody thought of, the project tree) can be written, and the
+   program's total disk use is at most ``4 * tmpfs_mb`` of memory plus its two capture
+   files (``max_file_mb`` each, RLIMIT_FSIZE), all freed after the run.  The harness checks
+   the result before the program starts and refuses to run it if any other mount is still
+   writable.  A new pid namespace whose init (a small loop of the harness) waits for the
+   program and then exits, upon which the kernel kills and reaps everything the program
+   left behind (no orphans, no zombies holding the uid's process count).  ``/proc`` is
+   remounted there (read-only), so the program sees only its own processes.
 3. **Resource limits** in the child: CPU time, address space, processes, file size, open
    files, no core dumps; a wall-clock timeout in the parent kills the whole process group.
 4. **Scrubbed environment**: only PATH, HOME, TMPDIR, locale and thread-count variables.
-5. **Fallbacks** without root: same user, own process group, limits as above
-   (``RLIMIT_NPROC`` then counts all of the user's processes), and if no network namespace
-   can be made, a guard that replaces ``socket.socket``/``create_connection`` with functions
-   that raise.  The guard is best effort (``_socket`` stays reachable); the namespace is the
-   real barrier.
+5. **Fallbacks**: without a mount namespace (not root, or ``unshare`` refused, or
+   ``namespaces=False``) the host filesystem would be writable wherever the program's user
+   may write, so by default the sandbox *refuses to run programs at all*
+   (``require_fs_isolation=True``: :func:`capabilities` raises a RuntimeError naming the
+   option).  Only with ``require_fs_isolation=False`` does it run them anyway -- same user
+   (without root), own process group, limits as above (``RLIMIT_NPROC`` then counts all of
+   the user's processes) -- and the reason is recorded in ``Capabilities.notes``.  Without
+   a network namespace a guard replaces ``socket.socket``/``create_connection`` with
+   functions that raise; it is best effort (``_socket`` stays reachable), the namespace is
+   the real barrier.
+6. **Recursion cap**: ``sys.setrecursionlimit`` is clamped to ``max_recursion`` so that a
+   runaway recursion dies as a RecursionError within about a second instead of filling the
+   address space (unwinding costs about 2 us per frame in CPython 3.11, so 3e5 frames die in
+   under a second, while a limit of 1e7 took 20 s of CPU); C-level recursion overflows the
+   8 MB stack and is reported as ``runtime_error`` (SIGSEGV) at once.
 
 Statuses (``ExecResult.status``): ``ok``, ``runtime_error``, ``compile_error``, ``timeout``
 (wall clock or CPU time), ``memory`` (MemoryError under the address-space limit),
@@ -75,6 +91,11 @@ _MS_NOEXEC = 8
 _MS_NOSUID = 2
 _MS_NODEV = 4
 _MS_REC = 16384
+_MS_RDONLY = 1
+_MS_REMOUNT = 32
+_MS_BIND = 4096
+# Per-mount flags (statvfs f_flag, same bit values as MS_*) kept when remounting read-only.
+_KEPT_MOUNT_FLAGS = 2 | 4 | 8 | 1024 | 2048 | 4096  # nosuid nodev noexec noatime nodiratime relatime
 _MS_PRIVATE = 1 << 18
 _PR_SET_NO_NEW_PRIVS = 38
 _PRIVATE_TMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
@@ -113,6 +134,13 @@ class SandboxConfig:
             the system ``python3`` that works as the sandbox user (root's pyenv is often not
             readable by other users).
         max_capture_bytes: stdout/stderr kept in the result (the rest is cut off).
+        require_fs_isolation: refuse to run programs (RuntimeError from
+            :func:`capabilities`) when no mount namespace with a read-only host tree can be
+            made; ``False`` runs them with the host filesystem writable wherever the
+            program's user may write (only for trusted code or throwaway machines).
+        max_recursion: highest ``sys.setrecursionlimit`` a program gets (larger requests are
+            clamped).  3e5 covers a depth-first search over 2e5 nodes (LiveCodeBench's usual
+            bound) and still unwinds in well under a second.
     """
 
     wall_s: float = 6.0
@@ -128,6 +156,8 @@ class SandboxConfig:
     uid_base: int = 200_000
     python: str | None = None
     max_capture_bytes: int = 1 << 20
+    require_fs_isolation: bool = True
+    max_recursion: int = 300_000
 
     def __post_init__(self) -> None:
         positive = {
@@ -137,6 +167,7 @@ class SandboxConfig:
             "max_file_mb": self.max_file_mb,
             "tmpfs_mb": self.tmpfs_mb,
             "max_capture_bytes": self.max_capture_bytes,
+            "max_recursion": self.max_recursion,
         }
         if self.cpu_s is not None:
             positive["cpu_s"] = self.cpu_s
@@ -460,6 +491,8 @@ class Sandbox:
                     "memory_mb": cfg.memory_mb,
                     "max_processes": cfg.max_processes,
                     "max_file_mb": cfg.max_file_mb,
+                    "require_fs_isolation": cfg.require_fs_isolation,
+                    "max_recursion": cfg.max_recursion,
                 }
                 with open(paths["config"], "w", encoding="utf-8") as f:
                     json.dump(child_cfg, f)
@@ -512,7 +545,8 @@ class Sandbox:
 def capabilities(config: SandboxConfig | None = None) -> Capabilities:
     """Probe (once per relevant setting) which isolation layers work on this machine."""
     config = config or SandboxConfig()
-    key = (config.isolate_user, config.namespaces, config.python, config.uid_base)
+    key = (config.isolate_user, config.namespaces, config.python, config.uid_base,
+           config.require_fs_isolation)
     with _probe_lock:
         if key not in _probe_cache:
             _probe_cache[key] = _probe(config)
@@ -532,7 +566,10 @@ def _probe(config: SandboxConfig) -> Capabilities:
             candidates.append(p)
     if config.python:
         candidates = [config.python]
-    probe_cfg = SandboxConfig(wall_s=20.0, memory_mb=max(config.memory_mb, 256), uid_base=config.uid_base)
+    probe_cfg = SandboxConfig(
+        wall_s=20.0, memory_mb=max(config.memory_mb, 256), uid_base=config.uid_base,
+        require_fs_isolation=config.require_fs_isolation,
+    )
     want_uid = config.isolate_user and os.geteuid() == 0
     if config.isolate_user and not want_uid:
         notes.append("not root: programs run as the current user (RLIMIT_NPROC counts all its processes)")
@@ -546,8 +583,9 @@ def _probe(config: SandboxConfig) -> Capabilities:
             report = _parse_probe_report(result.stdout)
             if config.namespaces and not report.get("netns"):
                 notes.append("no network namespace: socket guard only")
-            if config.namespaces and not report.get("mountns"):
-                notes.append("no mount namespace: /tmp is shared")
+            if not report.get("mountns"):
+                notes.append("no mount namespace: the host filesystem is writable wherever the "
+                             "program's user may write (require_fs_isolation=False)")
             if config.namespaces and not report.get("pidns"):
                 notes.append("no pid namespace: leftovers are killed by uid or process group")
             return Capabilities(
@@ -558,7 +596,7 @@ def _probe(config: SandboxConfig) -> Capabilities:
                 pid_namespace=bool(report.get("pidns")),
                 notes=tuple(notes),
             )
-        notes.append(f"probe with python={python} failed: {result.status} {result.detail[:200]}")
+        notes.append(f"probe with python={python} failed: {result.status} {result.detail[-400:]}")
     if want_uid:
         notes.append("refusing to run untrusted programs as root; pass isolate_user=False to run them "
                      "as the current user anyway")
@@ -616,9 +654,91 @@ def _enter_namespaces(cfg: dict, libc) -> tuple[bool, bool, bool]:
     return netns, mountns, pidns
 
 
+def _mount_points() -> list[str]:
+    """Mount points of this mount namespace, parents before children (mountinfo order)."""
+    points = []
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+        for line in f:
+            fields_ = line.split()
+            if len(fields_) > 4:  # field 5 is the mount point, with octal escapes (\040 = space)
+                path = fields_[4]
+                for code in ("\\040", "\\011", "\\012", "\\134"):
+                    path = path.replace(code, chr(int(code[1:], 8)))
+                points.append(path)
+    return points
+
+
+def _make_tree_readonly(libc) -> None:
+    """Bind-remount every mount of this (private) mount namespace read-only.
+
+    ``MS_REMOUNT | MS_BIND | MS_RDONLY`` changes one mount's own flags and ignores
+    ``MS_REC``, so the mounts are walked one by one; each keeps its nosuid/nodev/noexec and
+    atime flags.  Mounts hidden under another mount cannot be reached by path and need none.
+    A failure here is not fatal by itself: :func:`_check_readonly` decides.
+    """
+    for point in _mount_points():
+        try:
+            flag = os.statvfs(point).f_flag
+        except OSError:
+            continue
+        if flag & os.ST_RDONLY:
+            continue
+        keep = flag & _KEPT_MOUNT_FLAGS
+        libc.mount(None, point.encode(), None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | keep, None)
+
+
+def _check_readonly(writable: set[str]) -> None:
+    """Raise unless every reachable mount point outside ``writable`` is read-only."""
+    still = []
+    for point in _mount_points():
+        if point in writable:
+            continue
+        try:
+            flag = os.statvfs(point).f_flag
+        except OSError:  # not reachable by path (hidden or gone): not writable through it
+            continue
+        if not flag & os.ST_RDONLY:
+            still.append(point)
+    if still:
+        raise RuntimeError(f"refusing to run the program: mounts still writable: {sorted(set(still))}")
+
+
+def _isolate_filesystem(cfg: dict, libc, uid: int | None) -> None:
+    """Read-only host tree, then the private tmpfs mounts: the only writable places."""
+    _make_tree_readonly(libc)
+    writable = set()
+    for d in _PRIVATE_TMP_DIRS:
+        if os.path.isdir(d) and not os.path.islink(d):
+            _mount_tmpfs(libc, d, cfg["tmpfs_mb"], uid)
+            writable.add(d)
+    workdir = cfg["workdir"]
+    os.makedirs(workdir, exist_ok=True)  # inside the fresh /tmp when the host's TMPDIR is /tmp
+    _mount_tmpfs(libc, workdir, cfg["tmpfs_mb"], uid)
+    writable.add(workdir)
+    _check_readonly(writable)
+
+
+def _drop_capabilities(libc) -> None:
+    """Clear every capability of this process (root that keeps uid 0, ``isolate_user=False``):
+    without CAP_SYS_ADMIN it cannot remount the tree writable again."""
+    import ctypes
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_uint32) for n in ("effective", "permitted", "inheritable")]
+
+    header = Header(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3: two Data words
+    data = (Data * 2)()
+    if libc.capset(ctypes.byref(header), data) != 0:
+        raise OSError(f"capset failed (errno {ctypes.get_errno()})")
+
+
 def _mount_tmpfs(libc, target: str, size_mb: int, uid: int | None) -> None:
     owner = f",uid={uid},gid={uid}" if uid is not None else ""
-    opts = f"size={size_mb}m,mode=0700{owner}".encode()
+    # nr_inodes bounds a flood of empty files, which size= alone does not.
+    opts = f"size={size_mb}m,nr_inodes=16384,mode=0700{owner}".encode()
     if libc.mount(b"tmpfs", target.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, opts) != 0:
         raise OSError(f"mount tmpfs on {target} failed (errno {__import__('ctypes').get_errno()})")
 
@@ -690,13 +810,16 @@ def _child_main(config_path: str, status_fd: int) -> None:
     netns = mountns = pidns = False
     if os.geteuid() == 0:
         netns, mountns, pidns = _enter_namespaces(cfg, libc)
+    if cfg["require_fs_isolation"] and not mountns:
+        why = "the harness is not root" if os.geteuid() != 0 else (
+            "namespaces=False" if not cfg["namespaces"] else "unshare(CLONE_NEWNS) was refused")
+        raise RuntimeError(
+            f"refusing to run an untrusted program: no private mount namespace ({why}), so the "
+            "host filesystem would be writable; pass require_fs_isolation=False to run it anyway"
+        )
     workdir = cfg["workdir"]
     if mountns:
-        for d in _PRIVATE_TMP_DIRS:
-            if os.path.isdir(d) and not os.path.islink(d):
-                _mount_tmpfs(libc, d, cfg["tmpfs_mb"], uid)
-        os.makedirs(workdir, exist_ok=True)
-        _mount_tmpfs(libc, workdir, cfg["tmpfs_mb"], uid)
+        _isolate_filesystem(cfg, libc, uid)
     os.chdir(workdir)
     main_path = os.path.join(workdir, "main.py")
     with open(main_path, "w", encoding="utf-8") as f:
@@ -709,7 +832,7 @@ def _child_main(config_path: str, status_fd: int) -> None:
             _, status = os.waitpid(init, 0)
             os._exit(0 if os.waitstatus_to_exitcode(status) == 0 else 1)
         if mountns:  # a /proc of this namespace: the program sees only its own processes
-            libc.mount(b"proc", b"/proc", b"proc", _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None)
+            libc.mount(b"proc", b"/proc", b"proc", _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None)
         program = os.fork()
         if program:
             _init_loop(program, report)
@@ -742,6 +865,9 @@ def _run_program(cfg: dict, main_path: str, isolation: dict, libc, report) -> No
     libc.prctl(_PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0)
     if uid is not None:
         _drop_privileges(uid, libc)
+    elif os.geteuid() == 0 and isolation["mountns"]:
+        _drop_capabilities(libc)
+    _cap_recursion(cfg["max_recursion"])
     if not isolation["netns"]:
         _install_socket_guard()
     builtins._sandbox_isolation = isolation
@@ -784,12 +910,41 @@ def _run_program(cfg: dict, main_path: str, isolation: dict, libc, report) -> No
     except OSError as e:
         # Python ignores SIGXFSZ, so the file-size limit shows up as EFBIG on write.
         report("output_limit" if e.errno == errno.EFBIG else "exception", type=type(e).__name__)
-        traceback.print_exc()
+        _print_short_traceback(e)
         sys.exit(1)
     except BaseException as e:  # the program's own failure: report it and exit non-zero
         report("exception", type=type(e).__name__)
-        traceback.print_exc()
+        _print_short_traceback(e)
         sys.exit(1)
+
+
+def _print_short_traceback(exc: BaseException, keep: int = 20) -> None:
+    """Print ``exc`` with at most ``2 * keep`` frames: formatting all 3e5 frames of a deep
+    recursion takes CPython 3.11 over 3 s, cutting the middle out of the chain first takes
+    milliseconds."""
+    import traceback
+
+    frames = []
+    tb = exc.__traceback__
+    while tb is not None:
+        frames.append(tb)
+        tb = tb.tb_next
+    if len(frames) > 2 * keep:
+        frames[keep - 1].tb_next = frames[-keep]  # tb_next is writable since Python 3.7
+        sys.stderr.write(f"[traceback: {len(frames) - 2 * keep} frames in the middle omitted]\n")
+    traceback.print_exception(type(exc), exc, exc.__traceback__)
+
+
+def _cap_recursion(cap: int) -> None:
+    """Clamp ``sys.setrecursionlimit`` to ``cap``: programs often ask for 10**7 "to be safe",
+    and a runaway recursion at that depth takes 20 s to unwind instead of well under one."""
+    real = sys.setrecursionlimit
+
+    def setrecursionlimit(limit: int) -> None:
+        real(min(int(limit), cap))
+
+    setrecursionlimit.__doc__ = real.__doc__
+    sys.setrecursionlimit = setrecursionlimit
 
 
 def _call_entry(namespace: dict, name: str, args: list):

@@ -16,9 +16,17 @@ WALL = 1.0
 BOUND = WALL + SandboxConfig().startup_s + 1.5
 
 
+ROOT = os.geteuid() == 0
+# Without root there is no mount namespace, and the sandbox refuses to run programs unless told
+# to accept a writable host filesystem; the fallback tests below need that permission.
+FALLBACK_OK = {} if ROOT else {"require_fs_isolation": False}
+needs_root = pytest.mark.skipif(not ROOT, reason="filesystem isolation needs root (mount namespace)")
+
+
 @pytest.fixture(scope="module")
 def sandbox():
-    return Sandbox(SandboxConfig(wall_s=WALL, memory_mb=256, max_processes=16, max_file_mb=1, workers=2))
+    return Sandbox(SandboxConfig(wall_s=WALL, memory_mb=256, max_processes=16, max_file_mb=1, workers=2,
+                                 **FALLBACK_OK))
 
 
 def _run(sandbox, job):
@@ -30,7 +38,7 @@ def _run(sandbox, job):
 
 
 def test_capabilities_are_probed():
-    caps = capabilities(SandboxConfig(wall_s=WALL))
+    caps = capabilities(SandboxConfig(wall_s=WALL, **FALLBACK_OK))
     assert os.path.exists(caps.python)
     if os.geteuid() == 0:
         # As root every layer should be available on this machine (namespaces + own uid).
@@ -100,7 +108,8 @@ def test_writing_outside_its_directory_fails(sandbox, tmp_path, where):
     target = base / f"escaped-{os.getpid()}.txt"
     src = f"open({str(target)!r}, 'w').write('x')\nprint('wrote')\n"
     r = _run(sandbox, Job(source=src))
-    assert r.status == "runtime_error" and ("PermissionError" in r.stderr or "FileNotFoundError" in r.stderr)
+    assert r.status == "runtime_error"
+    assert any(e in r.stderr for e in ("PermissionError", "FileNotFoundError", "Read-only file system"))
     assert not target.exists()
     # Writing inside its own directory works.
     r = _run(sandbox, Job(source="open('inside.txt', 'w').write('fine')\nprint(open('inside.txt').read())\n"))
@@ -113,6 +122,102 @@ def test_private_tmp(sandbox):
     if capabilities(sandbox.config).private_tmp:
         assert r.status == "ok"
     assert not os.path.exists(f"/tmp/{name}")
+
+
+# Walks the whole tree (but /proc and /sys, where no file can be created anyway) and tries
+# to create a file in every directory; prints every directory it visited and where it wrote.
+_WALKER = r"""
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+print("remount-rw", libc.mount(None, b"/", None, 32 | 4096, None))  # MS_REMOUNT | MS_BIND
+for top in ("/proc", "/sys"):
+    try:
+        open(os.path.join(top, MARK), "w").close()
+        print("wrote", top)
+    except OSError:
+        pass
+for root, dirs, files in os.walk("/"):
+    if root == "/":
+        dirs[:] = [d for d in dirs if d not in ("proc", "sys")]
+    print("visited", root)
+    try:
+        with open(os.path.join(root, MARK), "w") as f:
+            f.write("x")
+        print("wrote", root)
+    except OSError:
+        pass
+"""
+
+
+@needs_root
+@pytest.mark.parametrize("as_root", [False, True], ids=["sandbox-uid", "root-without-capabilities"])
+def test_no_host_directory_is_writable(tmp_path, as_root):
+    # As root (isolate_user=False, capabilities dropped) file permissions would allow writes
+    # nearly everywhere, so only the read-only mount tree stands in the way.
+    sb = Sandbox(SandboxConfig(wall_s=30, max_file_mb=16, max_capture_bytes=16 << 20, isolate_user=not as_root))
+    mark = f"kvarena-escape-{os.getpid()}-{int(as_root)}"
+    r = sb.run(Job(source=f"MARK = {mark!r}\n" + _WALKER))
+    assert r.status == "ok", (r.status, r.detail, r.stderr[-2000:])
+    lines = r.stdout.splitlines()
+    assert lines[0] == "remount-rw -1", lines[0]
+    visited = [line[len("visited "):] for line in lines if line.startswith("visited ")]
+    wrote = {line[len("wrote "):] for line in lines if line.startswith("wrote ")}
+    assert len(visited) > 1000 and "/usr/lib" in visited and "/run/lock" in visited
+    workdir = next(line for line in visited if line.endswith("/work") and line.startswith("/tmp/kvarena-sbx-"))
+    private = ("/tmp", "/var/tmp", "/dev/shm", workdir)  # the sandbox's own tmpfs mounts
+    assert all(d in private or d.startswith(tuple(p + "/" for p in private)) for d in wrote), sorted(wrote)
+    left = [d for d in visited + ["/proc", "/sys"] if os.path.lexists(os.path.join(d, mark))]
+    assert left == [], f"files left on the host: {left[:10]}"
+
+
+@needs_root
+def test_reported_escape_through_run_lock_is_closed():
+    target = f"/run/lock/kvarena-{os.getpid()}"
+    r = Sandbox(SandboxConfig()).run(Job(source=f"open({target!r}, 'w').write('e'); print(42)"))
+    assert r.status == "runtime_error" and "Read-only file system" in r.stderr
+    assert not os.path.exists(target)
+
+
+@needs_root
+def test_disk_use_is_bounded_and_freed():
+    sb = Sandbox(SandboxConfig(wall_s=10, tmpfs_mb=8, max_file_mb=4))
+    src = (
+        "import os\n"
+        "total = 0\n"
+        "for d in ('/tmp', '/var/tmp', '/dev/shm', '.'):\n"
+        "    for i in range(100):\n"
+        "        try:\n"
+        "            with open(os.path.join(d, f'fill{i}'), 'wb') as f:\n"
+        "                for _ in range(8):\n"
+        "                    f.write(b'x' * (1 << 20)); f.flush(); total += 1 << 20\n"
+        "        except OSError:\n"
+        "            break\n"
+        "print(total)\n"
+    )
+    before = os.statvfs("/").f_bavail
+    r = sb.run(Job(source=src))
+    assert r.status == "ok", (r.status, r.stderr[-500:])
+    assert int(r.stdout) <= 4 * 8 << 20  # four private tmpfs mounts of 8 MB each
+    assert not os.path.exists("/tmp/fill0") and not os.path.exists("/var/tmp/fill0")
+    assert abs(os.statvfs("/").f_bavail - before) * os.statvfs("/").f_frsize < 16 << 20
+
+
+def test_without_mount_namespace_it_refuses_to_run():
+    cfg = SandboxConfig(wall_s=WALL, namespaces=False)
+    with pytest.raises(RuntimeError, match="require_fs_isolation=False"):
+        capabilities(cfg)
+
+
+def test_deep_recursion_is_a_quick_runtime_error():
+    sb = Sandbox(SandboxConfig(wall_s=6, **FALLBACK_OK))
+    src = "import sys\nsys.setrecursionlimit(10**7)\ndef f(n):\n    return 1 + f(n + 1)\nprint(f(0))\n"
+    r = sb.run(Job(source=src))
+    assert r.status == "runtime_error" and "RecursionError" in r.detail, (r.status, r.detail)
+    assert "frames in the middle omitted" in r.stderr and len(r.stderr) < 20_000
+    # A legitimately deep recursion within the cap still works.
+    src = "import sys\nsys.setrecursionlimit(10**6)\ndef f(n):\n    return 0 if n == 0 else 1 + f(n - 1)\nprint(f(200000))\n"
+    r = sb.run(Job(source=src))
+    assert r.status == "ok" and r.stdout.strip() == "200000"
 
 
 def test_huge_output_hits_file_size_limit(sandbox):
@@ -197,7 +302,7 @@ def test_config_validation():
 
 
 def test_socket_guard_without_network_namespace():
-    sb = Sandbox(SandboxConfig(wall_s=WALL, memory_mb=256, namespaces=False))
+    sb = Sandbox(SandboxConfig(wall_s=WALL, memory_mb=256, namespaces=False, require_fs_isolation=False))
     assert not capabilities(sb.config).net_namespace
     r = _run(sb, Job(source="import socket\nsocket.socket()\n"))
     assert r.status == "runtime_error" and "network access is disabled" in r.stderr
@@ -206,7 +311,7 @@ def test_socket_guard_without_network_namespace():
 
 
 def test_without_user_isolation_runs_as_current_user():
-    sb = Sandbox(SandboxConfig(wall_s=WALL, memory_mb=256, isolate_user=False))
+    sb = Sandbox(SandboxConfig(wall_s=WALL, memory_mb=256, isolate_user=False, **FALLBACK_OK))
     assert not capabilities(sb.config).user_isolation
     r = _run(sb, Job(source="import os\nprint(os.getuid())\n"))
     assert r.status == "ok" and r.uid is None and r.stdout.strip() == str(os.getuid())
