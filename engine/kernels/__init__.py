@@ -10,6 +10,7 @@ from engine.kernels.attention_scores import (
 )
 from engine.kernels.compact import (
     compact_kv,
+    compact_kv_triton,
     compact_slots,
     compact_slots_torch,
     compact_slots_triton,
@@ -27,6 +28,7 @@ from engine.kernels.store_kv import store_kv, store_kv_torch, store_kv_triton
 
 __all__ = [
     "compact_kv",
+    "compact_kv_triton",
     "compact_slots",
     "compact_slots_torch",
     "compact_slots_triton",

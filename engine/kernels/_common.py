@@ -77,3 +77,22 @@ def flat_slots(cache_l: torch.Tensor, name: str) -> torch.Tensor:
             f"(shape {tuple(cache_l.shape)}, strides {cache_l.stride()}); pass a per-layer "
             "view of a contiguous cache"
         ) from err
+
+
+class Launch:
+    """One kernel launch, described before it runs: ``kernel[grid](*args, **constexprs)``.
+
+    The ``launch_*`` functions of the ``_tl_*`` modules build these and run them; the
+    ahead-of-time benchmark (``kvarena bench kernels --aot``) builds the same launches from
+    meta tensors and compiles them for a CUDA target instead, so it measures exactly the
+    specialisation a real run would compile.
+    """
+
+    __slots__ = ("name", "kernel", "grid", "args", "constexprs")
+
+    def __init__(self, name: str, kernel, grid: tuple, args: tuple, constexprs: dict):
+        self.name, self.kernel, self.grid = name, kernel, tuple(int(g) for g in grid)
+        self.args, self.constexprs = args, constexprs
+
+    def __call__(self) -> None:
+        self.kernel[self.grid](*self.args, **self.constexprs)

@@ -1,85 +1,176 @@
 """Triton kernels behind ``paged_decode_attention_triton`` and ``paged_prefill_attention_triton``.
 
-Imported lazily (importing this module defines the kernels, which needs triton). Loads are
-upcast to fp32 before any arithmetic: the interpreter gets bf16 arithmetic wrong, and the
-softmax must be fp32 anyway. Keys are fetched row by row through the block table (page =
-table[slot // block_size], row = slot % block_size), so the token tile size is independent of
-block_size, which need not be a power of two. Caches are head-major,
-[kv_heads, num_blocks, block_size, head_dim] per layer; the kernels take all strides, so the
-addressing is cache + head * s_h + page * s_b + row * s_o + d * s_d.
+Imported lazily (importing this module defines the kernels, which needs triton). Caches are
+head-major, ``[kv_heads, num_blocks, block_size, head_dim]`` per layer; the kernels take all
+strides, so a row lives at cache + head * s_h + page * s_b + row * s_o + d * s_d, with the
+page looked up in the sequence's block-table row (page = table[slot // block_size]).
+
+Precision. Both matmuls of a tile (q @ k^T and p @ v) take their operands in q's dtype and
+accumulate in fp32 (``tl.dot`` with an fp32 accumulator): for bf16/fp16 that is the tensor-core
+MMA (HMMA on sm_80, HMMA/HGMMA on sm_90). The softmax statistics and the output accumulator are
+fp32. Keys/values are cast to q's dtype first, which is what the torch twins do
+(``gather_pages(...).to(q.dtype)``); only an fp32 q (an fp32 cache) computes in ieee fp32. The
+softmax runs in base 2 (``exp2`` of logits pre-multiplied by scale * log2(e)): one multiply per
+logit instead of a multiply inside ``exp``; the result is the same softmax.
+
+Tiles. When BLOCK_N divides block_size (the engine's 256 and every power of two >= 16), a key
+tile lies inside one page: one table lookup per tile and contiguous rows, which lets Triton
+vectorise the loads. Otherwise (odd block sizes) the page is looked up per row.
+
+Decode (flash-decoding). Grid (batch, kv_heads, partitions): each program serves the whole
+query group of one kv head (GROUP query rows padded to the 16-row MMA minimum) over one
+contiguous partition of PART_LEN slots. With one partition the program writes the output
+directly; with several, each writes its partial (max, sum, normalised output) in fp32 and a
+small reduction kernel rescales and sums them per (sequence, query head).
+
+Prefill. Grid (batch, kv_heads, query tiles): one program takes BLOCK_M query positions of
+every head of a GQA group (BLOCK_M * G_PAD rows, position-major, so a row's heads are adjacent
+in q's memory), so each key/value tile is read once per group rather than once per query head.
+
+Recompiles. Integers that change from step to step (LQ_MAX, the block-table width and row
+stride, MAX_SLOTS, PART_LEN, q's batch stride) are ``do_not_specialize``: Triton would
+otherwise compile a new variant whenever one of them becomes 1 or changes divisibility by 16.
+The remaining constexprs depend only on the model and the cache (block size, group, head dim,
+dtype), plus the one-or-several-partitions flag, so a run compiles each kernel a bounded number
+of times (tests/test_kernels.py counts them).
+
+int64. Page and head offsets are int64 (a per-layer pool can exceed 2**31 elements); so are the
+sequence offsets of q, out and the partial buffers.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from engine.kernels._common import dot_tile, next_pow2
+from engine.kernels._common import Launch, next_pow2
+
+LOG2E = 1.4426950408889634
+
+# Flash-decoding partitioning (host-side, from the block-table width: no device sync). A
+# partition holds at least MIN_PART_SLOTS slots (8 tiles of 64) so the reduction's extra
+# traffic (P partial rows of head_dim fp32 per query head) stays small next to the K/V reads;
+# partitions are added until the grid has about TARGET_PROGRAMS programs, ~4 per SM on a
+# 132-SM H100/H200 (108 on A100), enough to keep every SM's memory pipes busy.
+MIN_PART_SLOTS = 512
+TARGET_PROGRAMS = 512
+BLOCK_N = 64
+# Prefill rows per program (query positions x group heads): 64 rows x head_dim 128 keeps the
+# fp32 accumulator at 64 registers per thread with 4 warps, which leaves room for the tiles
+# without spilling (bench kernels --aot).
+PREFILL_ROWS = 64
 
 
 @triton.jit
-def _paged_rows(cache_ptr, table_row_ptr, s_tn, offs_n, n_mask, head, offs_d, d_mask,
-                s_ch, s_cb, s_co, s_cd, BLOCK_SIZE: tl.constexpr):
-    """Load cache rows [BLOCK_N, D_PAD] (fp32) for logical slots offs_n of one kv head."""
-    page = tl.load(table_row_ptr + (offs_n // BLOCK_SIZE) * s_tn, mask=n_mask, other=0).to(tl.int64)
-    row = (offs_n % BLOCK_SIZE).to(tl.int64)
-    # int64: head * s_ch spans the whole per-layer cache, which can pass 2**31 elements.
-    ptrs = (cache_ptr + head.to(tl.int64) * s_ch + page[:, None] * s_cb + row[:, None] * s_co
-            + offs_d[None, :] * s_cd)
-    return tl.load(ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+def _tile_rows(cache_ptr, table_row_ptr, s_tn, start, offs_n, n_mask, head_off, offs_d, d_mask,
+               s_cb, s_co, s_cd, BLOCK_SIZE: tl.constexpr, IN_PAGE: tl.constexpr):
+    """Cache rows [BLOCK_N, D_PAD] (cache dtype) of logical slots offs_n = start + arange."""
+    if IN_PAGE:
+        # The whole tile is in one page: one lookup, contiguous rows.
+        page = tl.load(table_row_ptr + (start // BLOCK_SIZE) * s_tn).to(tl.int64)
+        row = (offs_n % BLOCK_SIZE).to(tl.int64)
+        ptrs = (cache_ptr + head_off + page * s_cb + row[:, None] * s_co
+                + offs_d[None, :] * s_cd)
+    else:
+        page = tl.load(table_row_ptr + (offs_n // BLOCK_SIZE) * s_tn, mask=n_mask,
+                       other=0).to(tl.int64)
+        row = (offs_n % BLOCK_SIZE).to(tl.int64)
+        ptrs = (cache_ptr + head_off + page[:, None] * s_cb + row[:, None] * s_co
+                + offs_d[None, :] * s_cd)
+    return tl.load(ptrs, mask=n_mask[:, None] & d_mask[None, :], other=0.0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["s_tb", "MAX_SLOTS", "PART_LEN"])
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, scale,
+    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, out_ptr, part_ptr, stat_ptr, qk_scale,
     s_qb, s_qh, s_qd,
     s_kh, s_kb, s_ko, s_kd,
     s_vh, s_vb, s_vo, s_vd,
     s_tb, s_tn,
     s_ob, s_oh, s_od,
-    MAX_SLOTS,
+    MAX_SLOTS, PART_LEN,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+    G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, IN_PAGE: tl.constexpr,
+    SPLIT: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    b = tl.program_id(0)
+    b = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1)
+    part = tl.program_id(2)
+    num_parts = tl.num_programs(2)
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D_PAD)
     g_mask = offs_g < GROUP
     d_mask = offs_d < HEAD_DIM
     heads = kv_head * GROUP + offs_g
     q = tl.load(q_ptr + b * s_qb + heads[:, None] * s_qh + offs_d[None, :] * s_qd,
-                mask=g_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
+                mask=g_mask[:, None] & d_mask[None, :], other=0.0)
     length = tl.minimum(tl.load(lens_ptr + b).to(tl.int32), MAX_SLOTS)
+    lo = part * PART_LEN
+    hi = tl.minimum(lo + PART_LEN, length)
     table_row = table_ptr + b * s_tb
+    k_head = kv_head.to(tl.int64) * s_kh
+    v_head = kv_head.to(tl.int64) * s_vh
 
     m_i = tl.full([G_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D_PAD], tl.float32)
-    for start in range(0, length, BLOCK_N):
+    for start in range(lo, hi, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        n_mask = offs_n < length
-        k = _paged_rows(k_ptr, table_row, s_tn, offs_n, n_mask, kv_head, offs_d, d_mask,
-                        s_kh, s_kb, s_ko, s_kd, BLOCK_SIZE)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+        n_mask = offs_n < hi
+        k = _tile_rows(k_ptr, table_row, s_tn, start, offs_n, n_mask, k_head, offs_d, d_mask,
+                       s_kb, s_ko, s_kd, BLOCK_SIZE, IN_PAGE)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
         s = tl.where(n_mask[None, :], s, float("-inf"))
-        # Every tile holds at least one valid slot (start < length), so m_new is finite.
+        # Every tile holds at least one valid slot (start < hi), so m_new is finite.
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _paged_rows(v_ptr, table_row, s_tn, offs_n, n_mask, kv_head, offs_d, d_mask,
-                        s_vh, s_vb, s_vo, s_vd, BLOCK_SIZE)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        v = _tile_rows(v_ptr, table_row, s_tn, start, offs_n, n_mask, v_head, offs_d, d_mask,
+                       s_vb, s_vo, s_vd, BLOCK_SIZE, IN_PAGE)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
+                                            input_precision=PRECISION)
         m_i = m_new
-    # length 0 (batch padding): l_i stays 0 and acc 0, so the row comes out as zeros.
+    # An empty range (length 0, or a partition past the end) leaves l_i = 0 and acc = 0.
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + b * s_ob + heads[:, None] * s_oh + offs_d[None, :] * s_od,
-             out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
+    if SPLIT:
+        # Partials [B, q_heads, P, D_PAD] and stats [B, q_heads, P, 2] (max, sum), fp32.
+        row = (b * (tl.num_programs(1) * GROUP) + heads) * num_parts + part
+        tl.store(part_ptr + row[:, None] * D_PAD + offs_d[None, :], out, mask=g_mask[:, None])
+        tl.store(stat_ptr + row * 2, m_i, mask=g_mask)
+        tl.store(stat_ptr + row * 2 + 1, l_i, mask=g_mask)
+    else:
+        tl.store(out_ptr + b * s_ob + heads[:, None] * s_oh + offs_d[None, :] * s_od,
+                 out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
 
 
 @triton.jit
+def _decode_reduce_kernel(
+    part_ptr, stat_ptr, out_ptr, s_ob, s_oh, s_od, NUM_PARTS,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, P_PAD: tl.constexpr,
+):
+    """out[b, h] = sum_p w_p * o_p / sum_p w_p with w_p = l_p * 2**(m_p - max m)."""
+    b = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    row0 = (b * tl.num_programs(1) + head) * NUM_PARTS
+    offs_p = tl.arange(0, P_PAD)
+    offs_d = tl.arange(0, D_PAD)
+    p_mask = offs_p < NUM_PARTS
+    m = tl.load(stat_ptr + (row0 + offs_p) * 2, mask=p_mask, other=float("-inf"))
+    l = tl.load(stat_ptr + (row0 + offs_p) * 2 + 1, mask=p_mask, other=0.0)
+    m_max = tl.max(m, 0)
+    # Empty partitions (l = 0, m = -inf) weigh 0; a fully empty sequence gets a zero row.
+    w = tl.where(l > 0, l * tl.exp2(m - tl.where(m_max > float("-inf"), m_max, 0.0)), 0.0)
+    o = tl.load(part_ptr + (row0 + offs_p)[:, None] * D_PAD + offs_d[None, :],
+                mask=p_mask[:, None], other=0.0)
+    total = tl.sum(w, 0)
+    out = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out_ptr + b * s_ob + head * s_oh + offs_d * s_od, out.to(out_ptr.dtype.element_ty),
+             mask=offs_d < HEAD_DIM)
+
+
+@triton.jit(do_not_specialize=["s_qb", "s_ob", "s_tb", "LQ_MAX", "MAX_SLOTS"])
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, base_ptr, qlen_ptr, out_ptr, scale,
+    q_ptr, k_ptr, v_ptr, table_ptr, base_ptr, qlen_ptr, out_ptr, qk_scale,
     s_qb, s_qm, s_qh, s_qd,
     s_kh, s_kb, s_ko, s_kd,
     s_vh, s_vb, s_vo, s_vd,
@@ -87,86 +178,159 @@ def _prefill_kernel(
     s_ob, s_om, s_oh, s_od,
     LQ_MAX, MAX_SLOTS,
     BLOCK_SIZE: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
-    D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    G_PAD: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IN_PAGE: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    b = tl.program_id(0)
-    head = tl.program_id(1)
+    b = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
     m0 = tl.program_id(2) * BLOCK_M
-    kv_head = head // GROUP
     q_len = tl.minimum(tl.load(qlen_ptr + b).to(tl.int32), LQ_MAX)
     base = tl.load(base_ptr + b).to(tl.int32)
-    offs_m = m0 + tl.arange(0, BLOCK_M)
+    # Row r of the tile is query position m0 + r // G_PAD of head kv_head * GROUP + r % G_PAD.
+    offs_r = tl.arange(0, BLOCK_M * G_PAD)
+    pos = m0 + offs_r // G_PAD
+    g = offs_r % G_PAD
+    heads = kv_head * GROUP + g
     offs_d = tl.arange(0, D_PAD)
-    m_mask = offs_m < q_len
+    r_mask = (pos < q_len) & (g < GROUP)
     d_mask = offs_d < HEAD_DIM
-    q = tl.load(q_ptr + b * s_qb + offs_m[:, None] * s_qm + head * s_qh + offs_d[None, :] * s_qd,
-                mask=m_mask[:, None] & d_mask[None, :], other=0.0).to(tl.float32)
-    # The last valid row of this tile sees slots < base + min(q_len, m0 + BLOCK_M); a tile of
-    # padded rows gets an empty loop and stores nothing.
+    q = tl.load(q_ptr + b * s_qb + pos[:, None] * s_qm + heads[:, None] * s_qh
+                + offs_d[None, :] * s_qd, mask=r_mask[:, None] & d_mask[None, :], other=0.0)
+    # The last valid position of this tile sees slots < base + min(q_len, m0 + BLOCK_M); a tile
+    # of padded positions gets an empty loop and stores nothing.
     kv_end = tl.minimum(base + tl.minimum(q_len, m0 + BLOCK_M), MAX_SLOTS)
     kv_end = tl.where(m0 < q_len, kv_end, 0)
     table_row = table_ptr + b * s_tb
+    k_head = kv_head.to(tl.int64) * s_kh
+    v_head = kv_head.to(tl.int64) * s_vh
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    m_i = tl.full([BLOCK_M * G_PAD], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M * G_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_M * G_PAD, D_PAD], tl.float32)
     for start in range(0, kv_end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
         n_mask = offs_n < kv_end
-        k = _paged_rows(k_ptr, table_row, s_tn, offs_n, n_mask, kv_head, offs_d, d_mask,
-                        s_kh, s_kb, s_ko, s_kd, BLOCK_SIZE)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        visible = (offs_n[None, :] < base + offs_m[:, None] + 1) & n_mask[None, :]
+        k = _tile_rows(k_ptr, table_row, s_tn, start, offs_n, n_mask, k_head, offs_d, d_mask,
+                       s_kb, s_ko, s_kd, BLOCK_SIZE, IN_PAGE)
+        s = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
+        visible = (offs_n[None, :] < base + pos[:, None] + 1) & n_mask[None, :]
         s = tl.where(visible, s, float("-inf"))
         # Valid rows see slot 0 in the first tile, so their running max is finite from then on;
-        # rows past q_len may produce NaN here but are never stored.
+        # padded rows may produce NaN here but are never stored.
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _paged_rows(v_ptr, table_row, s_tn, offs_n, n_mask, kv_head, offs_d, d_mask,
-                        s_vh, s_vb, s_vo, s_vd, BLOCK_SIZE)
-        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        v = _tile_rows(v_ptr, table_row, s_tn, start, offs_n, n_mask, v_head, offs_d, d_mask,
+                       s_vb, s_vo, s_vd, BLOCK_SIZE, IN_PAGE)
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype),
+                                            input_precision=PRECISION)
         m_i = m_new
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + b * s_ob + offs_m[:, None] * s_om + head * s_oh + offs_d[None, :] * s_od,
-             out.to(out_ptr.dtype.element_ty), mask=m_mask[:, None] & d_mask[None, :])
+    tl.store(out_ptr + b * s_ob + pos[:, None] * s_om + heads[:, None] * s_oh
+             + offs_d[None, :] * s_od,
+             out.to(out_ptr.dtype.element_ty), mask=r_mask[:, None] & d_mask[None, :])
 
 
-def launch_decode(q, k_cache_l, v_cache_l, block_tables, context_lens, scale):
+# ----------------------------------------------------------------------------------------------
+# launches
+
+
+def _precision(q: torch.Tensor) -> str:
+    """ieee for fp32 operands (an fp32 cache); 16-bit operands always run on the MMA units."""
+    return "ieee" if q.dtype == torch.float32 else "tf32"
+
+
+def _tile_constexprs(block_size: int, head_dim: int) -> dict:
+    block_n = BLOCK_N if block_size % BLOCK_N == 0 else min(BLOCK_N, next_pow2(block_size, 16))
+    return dict(BLOCK_SIZE=block_size, HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim, 16),
+                BLOCK_N=block_n, IN_PAGE=block_size % block_n == 0)
+
+
+def decode_partitions(batch: int, kv_heads: int, capacity: int,
+                      partitions: int | None = None) -> tuple[int, int]:
+    """(partitions, slots per partition) for a decode launch; capacity = block-table width *
+    block_size bounds every context (known on the host, unlike the lengths).
+
+    batch 1, 8 kv heads, 32k slots: 8 programs -> 64 partitions of 512 slots (512 programs);
+    batch 256: 2048 programs already, one partition (no reduction pass). ``partitions``
+    overrides the choice (tests); slots per partition are a multiple of the 64-slot tile.
+    """
+    programs = max(1, batch * kv_heads)
+    if partitions is None:
+        partitions = min(triton.cdiv(capacity, MIN_PART_SLOTS), triton.cdiv(TARGET_PROGRAMS, programs))
+    partitions = max(1, min(int(partitions), triton.cdiv(max(capacity, 1), BLOCK_N)))
+    part_len = triton.cdiv(triton.cdiv(max(capacity, 1), partitions), BLOCK_N) * BLOCK_N
+    return triton.cdiv(max(capacity, 1), part_len), part_len
+
+
+def launch_decode(q, k_cache_l, v_cache_l, block_tables, context_lens, scale,
+                  partitions: int | None = None):
     """q: [B, q_heads, d]; caches [kv_heads, num_blocks, block_size, d] -> [B, q_heads, d]."""
+    out = torch.empty_like(q)
+    if q.shape[0] == 0:
+        return out
+    for launch in decode_launches(q, k_cache_l, v_cache_l, block_tables, context_lens, scale,
+                                  out, partitions):
+        launch()
+    return out
+
+
+def decode_launches(q, k_cache_l, v_cache_l, block_tables, context_lens, scale, out,
+                    partitions: int | None = None) -> list[Launch]:
+    """The decode kernel (and, with several partitions, the reduction) writing ``out``."""
     batch, q_heads, head_dim = q.shape
     kv_heads, block_size = k_cache_l.shape[0], k_cache_l.shape[2]
     group = q_heads // kv_heads
-    out = torch.empty_like(q)
-    if batch == 0:
-        return out
-    _decode_kernel[(batch, kv_heads)](
-        q, k_cache_l, v_cache_l, block_tables, context_lens, out, scale,
+    capacity = block_tables.shape[1] * block_size
+    num_parts, part_len = decode_partitions(batch, kv_heads, capacity, partitions)
+    tiles = _tile_constexprs(block_size, head_dim)
+    split = num_parts > 1
+    d_pad = tiles["D_PAD"]
+    if split:
+        part = torch.empty((batch, q_heads, num_parts, d_pad), dtype=torch.float32, device=q.device)
+        stat = torch.empty((batch, q_heads, num_parts, 2), dtype=torch.float32, device=q.device)
+    else:
+        part = stat = out  # unused
+    launches = [Launch("decode" + ("_split" if split else ""), _decode_kernel,
+                       (batch, kv_heads, num_parts), (
+        q, k_cache_l, v_cache_l, block_tables, context_lens, out, part, stat, scale * LOG2E,
         *q.stride(), *k_cache_l.stride(), *v_cache_l.stride(), *block_tables.stride(),
-        *out.stride(), block_tables.shape[1] * block_size,
-        BLOCK_SIZE=block_size, GROUP=group, HEAD_DIM=head_dim,
-        G_PAD=dot_tile(group, 16), D_PAD=next_pow2(head_dim, 16),
-        BLOCK_N=dot_tile(block_size, 64),
-    )
+        *out.stride(), capacity, part_len,
+    ), dict(GROUP=group, G_PAD=next_pow2(group, 16), SPLIT=split, PRECISION=_precision(q),
+            num_warps=4, num_stages=2, **tiles))]
+    if split:
+        launches.append(Launch("decode_reduce", _decode_reduce_kernel, (batch, q_heads), (
+            part, stat, out, *out.stride(), num_parts,
+        ), dict(HEAD_DIM=head_dim, D_PAD=d_pad, P_PAD=next_pow2(num_parts), num_warps=4)))
+    return launches
+
+
+def launch_prefill(q, k_cache_l, v_cache_l, block_tables, base_lens, q_lens, scale):
+    """q: [B, Lq_max, q_heads, d] -> [B, Lq_max, q_heads, d] (zeros in padded rows)."""
+    out = torch.zeros_like(q)
+    if q.shape[0] == 0 or q.shape[1] == 0:
+        return out
+    for launch in prefill_launches(q, k_cache_l, v_cache_l, block_tables, base_lens, q_lens,
+                                   scale, out):
+        launch()
     return out
 
 
-def launch_prefill(q, k_cache_l, v_cache_l, block_tables, base_lens, q_lens, scale,
-                   block_m: int = 32):
-    """q: [B, Lq_max, q_heads, d] -> [B, Lq_max, q_heads, d] (zeros in padded rows)."""
+def prefill_launches(q, k_cache_l, v_cache_l, block_tables, base_lens, q_lens, scale,
+                     out) -> list[Launch]:
     batch, lq_max, q_heads, head_dim = q.shape
     kv_heads, block_size = k_cache_l.shape[0], k_cache_l.shape[2]
-    out = torch.zeros_like(q)
-    if batch == 0 or lq_max == 0:
-        return out
-    block_m = dot_tile(min(lq_max, block_m), block_m)
-    grid = (batch, q_heads, triton.cdiv(lq_max, block_m))
-    _prefill_kernel[grid](
-        q, k_cache_l, v_cache_l, block_tables, base_lens, q_lens, out, scale,
+    group = q_heads // kv_heads
+    g_pad = next_pow2(group)
+    # BLOCK_M query positions x G_PAD heads = PREFILL_ROWS rows (at least the 16-row MMA).
+    block_m = max(1, PREFILL_ROWS // g_pad)
+    while block_m * g_pad < 16:
+        block_m *= 2
+    grid = (batch, kv_heads, triton.cdiv(lq_max, block_m))
+    return [Launch("prefill", _prefill_kernel, grid, (
+        q, k_cache_l, v_cache_l, block_tables, base_lens, q_lens, out, scale * LOG2E,
         *q.stride(), *k_cache_l.stride(), *v_cache_l.stride(), *block_tables.stride(),
         *out.stride(), lq_max, block_tables.shape[1] * block_size,
-        BLOCK_SIZE=block_size, GROUP=q_heads // kv_heads, HEAD_DIM=head_dim,
-        D_PAD=next_pow2(head_dim, 16), BLOCK_M=block_m, BLOCK_N=dot_tile(block_size, 64),
-    )
-    return out
+    ), dict(GROUP=group, G_PAD=g_pad, BLOCK_M=block_m, PRECISION=_precision(q),
+            num_warps=4, num_stages=2, **_tile_constexprs(block_size, head_dim)))]

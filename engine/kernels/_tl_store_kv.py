@@ -3,7 +3,7 @@
 import triton
 import triton.language as tl
 
-from engine.kernels._common import next_pow2
+from engine.kernels._common import Launch, next_pow2
 
 
 @triton.jit
@@ -40,8 +40,13 @@ def launch(key, value, k_cache_l, v_cache_l, slot_mapping) -> None:
     tokens, kv_heads, head_dim = key.shape
     if tokens == 0:
         return
-    _store_kv_kernel[(tokens, kv_heads)](
+    for launch in store_kv_launches(key, value, k_cache_l, v_cache_l, slot_mapping):
+        launch()
+
+
+def store_kv_launches(key, value, k_cache_l, v_cache_l, slot_mapping):
+    tokens, kv_heads, head_dim = key.shape
+    return [Launch("store_kv", _store_kv_kernel, (tokens, kv_heads), (
         key, value, k_cache_l, v_cache_l, slot_mapping,
         *key.stride(), *value.stride(), *k_cache_l.stride(), *v_cache_l.stride(),
-        BLOCK_SIZE=k_cache_l.shape[2], HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim),
-    )
+    ), dict(BLOCK_SIZE=k_cache_l.shape[2], HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim)))]

@@ -29,6 +29,11 @@ a later element j > i. Two engine cases satisfy it by construction:
 CUDA only when the caller asserts ``ordered=True`` or :func:`has_order_hazard` (one vectorized
 sort + search on the device, one host sync) finds no violation; otherwise it uses the torch
 twin, which is always safe. On CPU the torch twin always runs.
+
+The engine's compaction (engine/compaction.py) passes ``ordered=True``: policies return each
+row's kept slots sorted ascending (``topk_keep``), and targets are either fresh pages or the
+sequence's own pages from the front, the second case above; so an event costs no host sync.
+``compact_kv`` moves keys and values in one launch on CUDA.
 """
 
 from __future__ import annotations
@@ -138,14 +143,28 @@ def compact_slots(cache, src_slots, dst_slots, *, ordered: bool = False) -> None
     _pick_impl(cache, src_slots, dst_slots, ordered)(cache, src_slots, dst_slots)
 
 
+def compact_kv_triton(k_cache, v_cache, src_slots, dst_slots) -> None:
+    """Triton :func:`compact_kv`: one launch moves the rows of both caches (same precondition
+    and trust as :func:`compact_slots_triton`)."""
+    _validate(k_cache, src_slots, dst_slots)
+    _validate(v_cache, src_slots, dst_slots)
+    from engine.kernels import _tl_compact
+
+    _tl_compact.launch(_rows_view(k_cache), src_slots, dst_slots, other=_rows_view(v_cache))
+
+
 def compact_kv(k_cache, v_cache, src_slots, dst_slots, *, ordered: bool = False) -> None:
     """:func:`compact_slots` on both caches [layers, kv_heads, num_blocks, block_size, head_dim]
-    with the same sources/targets; the implementation (and hazard check) is chosen once."""
+    with the same sources/targets; the implementation (and hazard check) is chosen once, and
+    on CUDA one kernel launch moves both caches."""
     check(
         isinstance(v_cache, torch.Tensor) and k_cache.shape == v_cache.shape,
         f"k_cache {tuple(k_cache.shape)} and v_cache "
         f"{tuple(v_cache.shape) if isinstance(v_cache, torch.Tensor) else v_cache!r} differ",
     )
     impl = _pick_impl(k_cache, src_slots, dst_slots, ordered)
+    if impl is compact_slots_triton:
+        compact_kv_triton(k_cache, v_cache, src_slots, dst_slots)
+        return
     impl(k_cache, src_slots, dst_slots)
     impl(v_cache, src_slots, dst_slots)

@@ -30,3 +30,4 @@ from evals.benchmarks import throughput  # noqa: E402,F401
 from evals.benchmarks import memory  # noqa: E402,F401
 from evals.benchmarks import mixed  # noqa: E402,F401
 from evals.benchmarks import concurrency  # noqa: E402,F401
+from evals.benchmarks import kernels  # noqa: E402,F401
