@@ -325,7 +325,7 @@ def reference_window_keep(policy, view_queries, keys, scoring="bidirectional"):
 
 @pytest.mark.parametrize("scoring", ["bidirectional", "buffer"])
 def test_select_one_window_matches_reference(scoring):
-    policy = make_policy(schedule="threshold", scoring=scoring)
+    policy = make_policy(schedule="window_fill", scoring=scoring)
     view = FakeView(policy, num_prompt_tokens=5)
     view.state = policy.new_state()
     view.append(15)                                   # tail 15 < |W| = 16: nothing yet
@@ -336,7 +336,7 @@ def test_select_one_window_matches_reference(scoring):
     kept = policy.kept_per_window                     # ceil(0.25 * 12) + 3 = 6
     assert kept == 6 and decision.target_len == view.physical_len - (12 - kept)
     assert decision.keep_pages == -(-decision.target_len // SPEC.block_size)
-    assert decision.info["windows"] == 1 and decision.info["cause"] == "threshold"
+    assert decision.info["windows"] == 1 and decision.info["cause"] == "window_fill"
     queries = view.logical_queries[:, 5:21].clone()
     keys = view.k[:, :, 5:21].clone()
     slots, timer = view.run(decision)
@@ -353,7 +353,7 @@ def test_select_one_window_matches_reference(scoring):
 def test_multi_window_call_equals_window_by_window():
     # Queries here do not depend on the cache, so one call over 3 windows must equal 3 calls.
     def build():
-        policy = make_policy(schedule="threshold", compress_prompt=True)
+        policy = make_policy(schedule="window_fill", compress_prompt=True)
         view = FakeView(policy, num_prompt_tokens=0, gen=torch.Generator().manual_seed(7))
         view.state = policy.new_state()
         return policy, view
@@ -375,7 +375,7 @@ def test_multi_window_call_equals_window_by_window():
 
 
 def test_decode_run_never_recompresses_and_always_keeps_buffer():
-    policy = make_policy(schedule="threshold")
+    policy = make_policy(schedule="window_fill")
     view = FakeView(policy, num_prompt_tokens=7)
     view.state = policy.new_state()
     compressed_in = torch.zeros(500, dtype=torch.int64)   # times each token was in W \ U
@@ -394,16 +394,15 @@ def test_decode_run_never_recompresses_and_always_keeps_buffer():
             buffer = tail_tokens[windows * policy.stride:]            # last window's U and after
             assert len(buffer) >= policy.buffer_tokens
             assert torch.equal(view.token[..., -len(buffer):], buffer.expand(2, 2, -1))
-        # the threshold schedule never lets the tail reach a full window unprocessed
+        # the window-fill schedule never lets the tail reach a full window unprocessed
         assert policy.tail_len(view) < policy.window_tokens
     assert compressed_in.max() == 1
     assert bool((compressed_in[:7] == 0).all())                        # prompt frozen
     assert view.state.windows_compressed == int(compressed_in.sum()) // policy.stride
 
 
-def test_periodic_schedule_fires_on_period_for_full_windows_only():
-    policy = make_policy(period=10, max_seqs_per_period=2)
-    assert policy.schedule == "periodic"
+def test_tiled_periodic_schedule_fires_on_period_for_full_windows_only():
+    policy = make_policy(schedule="tiled_periodic", period=10, max_seqs_per_period=2)
     views = []
     for i, extra in enumerate([15, 16, 40, 28, 3]):      # tails; |W| = 16, m = 12, |U| = 4
         v = FakeView(policy, num_prompt_tokens=4, seq_id=i)
@@ -425,15 +424,161 @@ def test_periodic_schedule_fires_on_period_for_full_windows_only():
     assert [(v.seq_id, d.info["windows"]) for v, d in fired] == [(1, 1)]
 
 
-def test_default_period_is_window_and_threshold_fires_every_step():
+def test_default_periods_and_window_fill_fires_every_step():
+    # kvllm: the smallest whole-block period longer than |W| = 16 at b = 8 is 3 blocks
     policy = make_policy()
-    assert policy.period == policy.window_tokens
-    threshold = make_policy(schedule="threshold")
-    view = FakeView(threshold, num_prompt_tokens=4)
-    view.state = threshold.new_state()
+    assert policy.schedule == "kvllm" and policy.period == 24 > policy.window_tokens
+    assert make_policy(window_tokens=12, buffer_tokens=4).period == 16    # 1.5 blocks -> 2
+    assert make_policy(schedule="tiled_periodic").period == 16
+    fill = make_policy(schedule="window_fill")
+    view = FakeView(fill, num_prompt_tokens=4)
+    view.state = fill.new_state()
     view.append(16)
-    assert [v for v, _ in threshold.periodic(7, [view])] == [view]
+    assert [v for v, _ in fill.periodic(7, [view])] == [view]
 
+
+# -- KvLLM schedule (Sec. 3.3): trailing window, T > |W|, subset, frozen buffers -------------------
+
+
+def kvllm_view(policy, prompt, extra, seq_id=0, seed=0):
+    view = FakeView(policy, num_prompt_tokens=prompt, seq_id=seq_id,
+                    gen=torch.Generator().manual_seed(seed))
+    view.state = policy.new_state()
+    view.append(extra)
+    return view
+
+
+def test_kvllm_compresses_only_the_trailing_window():
+    policy = make_policy()                             # kvllm, |W| = 16, m = 12, T = 24
+    view = kvllm_view(policy, prompt=5, extra=40)      # tail 40: 2 tiled windows would fit
+    assert policy.periodic(23, [view]) == []           # not a multiple of T
+    [(_, decision)] = policy.periodic(24, [view])
+    assert decision.info["windows"] == 1 and decision.info["window_starts"] == [45 - 16]
+    assert decision.info["cause"] == "kvllm"
+    queries = view.logical_queries[:, 29:45].clone()
+    keys = view.k[:, :, 29:45].clone()
+    slots, _ = view.run(decision)
+    kept = policy.kept_per_window
+    assert view.recompute_calls == [(29, 45)]          # the trailing |W| slots only
+    assert torch.equal(slots[..., :29], torch.arange(29).expand(2, 2, 29))   # prompt and gap
+    assert torch.equal(slots[..., 29:29 + kept], reference_window_keep(policy, queries, keys) + 29)
+    assert torch.equal(slots[..., 29 + kept:], torch.arange(41, 45).expand(2, 2, 4))   # U
+    # the boundary moves past the buffer: nothing of this window is ever touched again
+    assert view.state.compressed_upto == view.physical_len == 45 - (12 - kept)
+    assert view.state.window_starts == [29]
+
+
+def test_kvllm_period_must_exceed_the_window():
+    with pytest.raises(ConfigError, match="longer than window_tokens"):
+        make_policy(period=16)                         # T = |W|
+    assert make_policy(period=17).period == 17
+    assert make_policy(schedule="tiled_periodic", period=16).period == 16    # not kvllm
+
+
+def test_kvllm_long_run_never_retouches_a_window_or_its_buffer():
+    """Decode one token a step for 480 steps: every firing's window consists of tokens that were
+    never in a window before (buffers included), and every request picked at a firing had T new
+    tokens, so it is picked at every firing after its first full window."""
+    policy = make_policy()
+    view = kvllm_view(policy, prompt=7, extra=0, seed=5)
+    in_window = torch.zeros(1000, dtype=torch.int64)   # times each token was inside a window
+    firings = []
+    for step in range(1, 480):
+        view.append(1)
+        for _, decision in policy.periodic(step, [view]):
+            start = decision.info["window_starts"][0]
+            assert start == view.physical_len - policy.window_tokens
+            tokens = view.token[0, 0, start:].clone()   # uncompressed: same in every row
+            assert len(tokens) == policy.window_tokens
+            in_window[tokens] += 1
+            before = view.token[..., :start].clone()
+            view.run(decision)
+            assert torch.equal(view.token[..., :start], before)
+            assert torch.equal(view.token[0, 0, -policy.buffer_tokens:],
+                               tokens[-policy.buffer_tokens:])
+            firings.append(step)
+    assert in_window.max() == 1 and bool((in_window[:7] == 0).all())
+    assert firings == list(range(policy.period, 480, policy.period))
+    # T - |W| tokens per period stay uncompressed between windows
+    gaps = (in_window[7:7 + 24 * len(firings)] == 0).sum()
+    assert int(gaps) >= len(firings) * (policy.period - policy.window_tokens)
+
+
+def test_kvllm_subset_is_the_eligible_requests_and_the_cap_rule_is_configurable():
+    def views(policy):
+        out = [kvllm_view(policy, prompt=4, extra=extra, seq_id=i, seed=i)
+               for i, extra in enumerate([15, 16, 40, 28, 3])]   # tails; |W| = 16
+        busy = kvllm_view(policy, prompt=4, extra=50, seq_id=9)
+        busy.is_prefilling = True
+        return out + [busy]
+
+    policy = make_policy()
+    fired = policy.periodic(24, views(policy))
+    # eligible: tail >= |W| and decoding; the default subset takes them all, one window each
+    assert sorted(v.seq_id for v, _ in fired) == [1, 2, 3]
+    assert all(d.info["windows"] == 1 for _, d in fired)
+
+    capped = make_policy(max_seqs_per_period=2)
+    assert [v.seq_id for v, _ in capped.periodic(24, views(capped))] == [2, 3]   # longest tails
+
+    rr = make_policy(max_seqs_per_period=1, subset="least_recent")
+    vs = views(rr)
+    picked = []
+    for step in (24, 48, 72, 96):
+        for v in vs:
+            v.append(24)                               # one period of decoding
+        [(v, d)] = rr.periodic(step, vs)
+        v.run(d)
+        picked.append(v.seq_id)
+    assert picked[:4] == [0, 1, 2, 3]                  # round robin over the eligible requests
+
+
+def test_kvllm_readmission_recompresses_the_recorded_windows():
+    policy = make_policy(compress_prompt=True)
+    view = kvllm_view(policy, prompt=20, extra=0, seed=3)
+    view.run(policy.after_prefill(view, final=True))  # prompt: one partition window
+    for step in range(1, 100):
+        view.append(1)
+        for _, d in policy.periodic(step, [view]):
+            view.run(d)
+    assert len(view.state.window_starts) == 1 + 99 // 24
+    again = kvllm_view(policy, prompt=20, extra=99, seed=3)
+    again.state = view.state
+    policy.on_preempt(again.state)
+    decision = policy.after_prefill(again, final=True)
+    assert decision.info["window_starts"] == view.state.window_starts
+    again.run(decision)
+    assert again.physical_len == view.physical_len
+    assert again.state.compressed_upto == view.state.compressed_upto
+    assert torch.equal(again.token[0, 0, again.state.compressed_upto:],
+                       view.token[0, 0, view.state.compressed_upto:])
+
+
+def test_ablation_variants_differ_from_kara_as_table_1_specifies():
+    # m = 28: 7 candidates, alpha = 8 and gamma = 4 allow two chunks
+    small = dict(window_tokens=32, buffer_tokens=4, chunk_budget=8, max_chunk_gap=4, ratio=0.25)
+    base = build_policy("kara", small)
+    wo_bi = build_policy("kara-wo-biattn", small)
+    wo_t2c = build_policy("kara-wo-t2c", small)
+    assert (wo_bi.scoring, wo_bi.use_token2chunk) == ("buffer", True)
+    assert (wo_t2c.scoring, wo_t2c.use_token2chunk) == ("bidirectional", False)
+    kept = {}
+    for policy in (base, wo_bi, wo_t2c):
+        policy.bind(SPEC)
+        view = kvllm_view(policy, prompt=4, extra=32, seed=11)
+        [(_, d)] = policy.periodic(policy.period, [view])
+        slots, _ = view.run(d)
+        kept[policy.name] = (slots, view.recompute_calls, view.state)
+    assert kept["kara"][1] == [(4, 36)]                 # Eq. 4: all of W
+    assert kept["kara-wo-biattn"][1] == [(32, 36)]      # U only
+    assert all(k[0].shape == kept["kara"][0].shape for k in kept.values())   # same count
+    assert not torch.equal(kept["kara"][0], kept["kara-wo-biattn"][0])
+    assert not torch.equal(kept["kara"][0], kept["kara-wo-t2c"][0])
+    assert kept["kara-wo-t2c"][2].chunk_tokens == 0 < kept["kara"][2].chunk_tokens
+    with pytest.raises(ConfigError, match="fixed"):
+        build_policy("kara-wo-biattn", {"scoring": "bidirectional"})
+    with pytest.raises(ConfigError, match="fixed"):
+        build_policy("kara-wo-t2c", {"use_token2chunk": "true"})
 
 def test_on_boundary_grows_and_fallback_compresses_only_when_it_frees_a_slot():
     policy = make_policy()
@@ -455,7 +600,7 @@ def test_on_boundary_grows_and_fallback_compresses_only_when_it_frees_a_slot():
 
 
 def test_prefill_compression_and_readmission_return_to_same_physical_length():
-    policy = make_policy(schedule="threshold")
+    policy = make_policy(schedule="window_fill")
     view = FakeView(policy, num_prompt_tokens=9, gen=torch.Generator().manual_seed(3))
     view.state = policy.new_state()
     assert policy.after_prefill(view, final=True) is None        # prompt frozen by default
@@ -481,17 +626,19 @@ def test_prefill_compression_and_readmission_return_to_same_physical_length():
     assert again.state.compressions == compressions + 1
     assert torch.equal(again.token[..., :9], view.token[..., :9])
 
-    with_prompt = make_policy(compress_prompt=True)
-    long_prompt = FakeView(with_prompt, num_prompt_tokens=30)
-    long_prompt.state = with_prompt.new_state()
-    decision = with_prompt.after_prefill(long_prompt, final=True)
-    assert decision.info["windows"] == 2                # (30 - 4) // 12
-    long_prompt.run(decision)
-    assert long_prompt.physical_len == 30 - 2 * (12 - 6)
+    # prompt windows: the sliding schedules tile with stride m, kvllm partitions with stride |W|
+    for schedule, windows in (("tiled_periodic", 2), ("kvllm", 1)):   # (30-4)//12, 30//16
+        with_prompt = make_policy(compress_prompt=True, schedule=schedule)
+        long_prompt = FakeView(with_prompt, num_prompt_tokens=30)
+        long_prompt.state = with_prompt.new_state()
+        decision = with_prompt.after_prefill(long_prompt, final=True)
+        assert decision.info["windows"] == windows
+        long_prompt.run(decision)
+        assert long_prompt.physical_len == 30 - windows * (12 - 6)
 
 
 def test_r1_keeps_every_slot():
-    policy = make_policy(ratio=1.0, chunk_budget=0, schedule="threshold")
+    policy = make_policy(ratio=1.0, chunk_budget=0, schedule="window_fill")
     view = FakeView(policy, num_prompt_tokens=3)
     view.state = policy.new_state()
     view.append(40)
@@ -502,7 +649,7 @@ def test_r1_keeps_every_slot():
 
 
 def test_select_rejects_a_target_that_does_not_match_the_plan():
-    policy = make_policy(schedule="threshold")
+    policy = make_policy(schedule="window_fill")
     view = FakeView(policy, num_prompt_tokens=3)
     view.state = policy.new_state()
     view.append(16)
@@ -522,14 +669,19 @@ def test_presets_resolve_by_block_size_and_explicit_values_win():
     cpu = Kara()
     cpu.bind(EngineSpec(32, 30, 9, 3, 64, 512, 8192))
     resolved = (cpu.window_tokens, cpu.buffer_tokens, cpu.chunk_budget, cpu.period)
-    assert resolved == (128, 16, 16, 128)
+    assert resolved == (128, 16, 16, 160)
     assert cpu.kept_per_window == 45 + 16
     paper = Kara(buffer_tokens=32)
     paper.bind(EngineSpec(256, 32, 32, 8, 128, 512, 32768))
     assert (paper.window_tokens, paper.buffer_tokens, paper.chunk_budget, paper.period) == (
-        512, 32, 32, 512)
+        512, 32, 32, 768)
     assert Kara(preset="cpu").window_tokens == 128
-    assert build_policy("kara", {"ratio": "0.3", "schedule": "threshold"}).ratio == 0.3
+    assert build_policy("kara", {"ratio": "0.3", "schedule": "window_fill"}).ratio == 0.3
+    assert cpu.window_kept_share == pytest.approx(61 / 112)                  # r = 0.4, alpha adds
+    assert cpu.steady_kept_share == pytest.approx((160 - 112 + 61) / 160)    # kvllm, T = 160
+    paper_sliding = Kara(schedule="window_fill")
+    paper_sliding.bind(EngineSpec(256, 32, 32, 8, 128, 512, 32768))
+    assert paper_sliding.steady_kept_share == pytest.approx(212 / 448)
 
 
 @pytest.mark.parametrize("args,match", [
@@ -538,6 +690,9 @@ def test_presets_resolve_by_block_size_and_explicit_values_win():
     ({"max_chunk_gap": 0}, "max_chunk_gap"), ({"chunk_budget": -1}, "chunk_budget"),
     ({"window_tokens": 16, "buffer_tokens": 16, "preset": "cpu"}, "smaller"),
     ({"windw_tokens": 4}, "unknown"), ({"period": 0}, "period"),
+    ({"schedule": "threshold"}, "schedule"), ({"subset": "random"}, "subset"),
+    ({"schedule": "kvllm", "period": 128, "preset": "cpu"}, "longer than window_tokens"),
+    ({"max_seqs_per_period": 0}, "max_seqs_per_period"),
 ])
 def test_bad_configuration_names_the_input(args, match):
     with pytest.raises(ConfigError, match=match):
@@ -625,7 +780,7 @@ class CapturingKara(Kara):
 
 
 def test_recomputed_window_queries_equal_decode_queries(llama_dir):
-    policy = CapturingKara(schedule="threshold", **SMALL)
+    policy = CapturingKara(schedule="window_fill", **SMALL)
     llm, outs = generate(llama_dir, policy)
     sched = llm.last_scheduler
     assert sched.counters["compress"] > 0                    # comparisons after compactions too
@@ -637,8 +792,9 @@ def test_recomputed_window_queries_equal_decode_queries(llama_dir):
 
 
 @pytest.mark.parametrize("extra", [
-    {"schedule": "threshold"},
-    {"schedule": "periodic", "period": 5, "compress_prompt": True},
+    {"schedule": "window_fill"},
+    {"schedule": "tiled_periodic", "period": 5, "compress_prompt": True},
+    {"schedule": "kvllm", "period": 20, "compress_prompt": True},
 ])
 def test_keep_everything_matches_full_kv(llama_dir, extra):
     _, full = generate(llama_dir, "full")
@@ -652,13 +808,14 @@ def test_keep_everything_matches_full_kv(llama_dir, extra):
 
 def test_compression_through_engine_follows_the_window_arithmetic(llama_dir):
     # period 30 > |W|: a firing finds up to 3 complete windows in a tail (stride-m tiling)
-    llm, outs = generate(llama_dir, "kara", policy_args=dict(SMALL, schedule="periodic", period=30))
+    llm, outs = generate(llama_dir, "kara",
+                         policy_args=dict(SMALL, schedule="tiled_periodic", period=30))
     policy, sched = llm.policy, llm.last_scheduler
     m, kept = policy.stride, policy.kept_per_window                    # 12, 5 + 2
     events = [e for e in sched.events if e.action == "compress"]
     assert events
     for e in events:
-        assert e.info["trigger"] == "periodic"
+        assert e.info["trigger"] == "periodic" and e.info["cause"] == "tiled_periodic"
         assert e.physical_after == e.physical_before - e.info["windows"] * (m - kept)
         assert e.pages_after == -(-e.physical_after // 4)
         assert set(e.stages) >= {"score", "topk", "window_mask", "compaction"}
@@ -668,13 +825,13 @@ def test_compression_through_engine_follows_the_window_arithmetic(llama_dir):
 
 
 def test_readmitted_request_is_compressed_back(llama_dir):
-    """Under the threshold schedule every complete window is compressed as soon as it exists, so
+    """Under the window-fill schedule every complete window is compressed as soon as it exists, so
     after any compression a request holds N - K (m - kept) slots, N its computed tokens and
     K = (N - prompt - |U|) // m. A re-prefilled (preempted) request must land on the same
     length, i.e. exactly where it would be had it never been preempted."""
     prompts = ENGINE_PROMPTS * 2
     llm, outs = generate(llama_dir, "kara", max_tokens=64, prompts=prompts, kv_cache_tokens=160,
-                         policy_args=dict(SMALL, schedule="threshold"))
+                         policy_args=dict(SMALL, schedule="window_fill"))
     sched, policy = llm.last_scheduler, llm.policy
     assert sched.counters["preemption"] > 0
     assert all(o.num_output_tokens == 64 for o in outs)
@@ -689,3 +846,24 @@ def test_readmitted_request_is_compressed_back(llama_dir):
             assert e["physical_after"] == computed - windows * (m - kept)
             readmitted += e["info"]["trigger"] == "prefill"
     assert readmitted > 0
+
+
+def test_kvllm_through_engine_compresses_trailing_windows_once_per_period(llama_dir):
+    llm, outs = generate(llama_dir, "kara", max_tokens=64, policy_args=dict(SMALL))
+    policy, sched = llm.policy, llm.last_scheduler
+    assert policy.schedule == "kvllm" and policy.period == 20            # (16 // 4 + 1) * 4
+    m, kept, window = policy.stride, policy.kept_per_window, policy.window_tokens
+    events = [e for e in sched.events if e.action == "compress"]
+    assert events
+    by_seq = {}
+    for e in events:
+        assert e.info["trigger"] == "periodic" and e.info["cause"] == "kvllm"
+        assert e.info["windows"] == 1
+        assert e.info["window_starts"] == [e.physical_before - window]
+        assert e.physical_after == e.physical_before - (m - kept)
+        by_seq.setdefault(e.seq_id, []).append(e)
+    for seq_events in by_seq.values():
+        for a, b in zip(seq_events, seq_events[1:]):
+            # the next window starts past the previous one's buffer
+            assert b.info["window_starts"][0] >= a.physical_after
+    assert all(o.num_output_tokens == 64 for o in outs)

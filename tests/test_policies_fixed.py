@@ -89,15 +89,27 @@ def naive_zipage(q, k, limit, old=None, scored_len=0, decay=0.8):
     return out
 
 
-def naive_snapkv_raw(q, k, limit):
+def naive_snapkv_per_head(q, k, limit):
+    """raw[l][h][t]: attention to key t summed over the window queries, per query head h."""
     p = naive_probs(q, k, limit)
     n, length = q.shape[1], k.shape[2]
+    return [[[sum(p[l][h][i][t] for i in range(n)) for t in range(length)] for h in range(HQ)]
+            for l in range(L)]
+
+
+def naive_snapkv(q, k, limit, window, kernel, mode):
+    """SnapKV/kvpress order: pool each query head's scores (keys before the window), then
+    average over the GQA group."""
+    raw = naive_snapkv_per_head(q, k, limit)
+    length = k.shape[2]
+    region = length - window
     out = torch.zeros(L, HKV, length, dtype=torch.float64)
     for l in range(L):
         for j in range(HKV):
+            heads = [naive_pool(raw[l][h][:region], kernel, mode) + raw[l][h][region:]
+                     for h in range(j * G, (j + 1) * G)]
             for t in range(length):
-                out[l, j, t] = sum(sum(p[l][j * G + gg][i][t] for i in range(n))
-                                   for gg in range(G)) / G
+                out[l, j, t] = sum(row[t] for row in heads) / G
     return out
 
 
@@ -117,7 +129,8 @@ def naive_topk(row: list[float], k: int, protected: list[bool]) -> list[int]:
 
 def naive_chunks(row: list[float], chunk: int, k: int) -> list[int]:
     chunks = [list(range(s, min(s + chunk, len(row)))) for s in range(0, len(row), chunk)]
-    ranked = sorted(range(len(chunks)), key=lambda c: (-sum(row[t] for t in chunks[c]), c))
+    mean = [sum(row[t] for t in c) / len(c) for c in chunks]      # kvpress: mean over the chunk
+    ranked = sorted(range(len(chunks)), key=lambda c: (-mean[c], c))
     kept: list[int] = []
     for c in ranked:
         if len(kept) + len(chunks[c]) <= k:
@@ -198,9 +211,10 @@ def test_topk_keep_is_sorted_protects_and_breaks_ties_to_earlier_slots():
 def test_chunk_scores_and_selection_match_chunk_loop():
     g = torch.Generator().manual_seed(2)
     rows = torch.rand(4, 47, generator=g)
-    sums = chunk_scores(rows, 10)
-    assert sums.shape == (4, 5)
-    torch.testing.assert_close(sums[:, 4], rows[:, 40:].sum(-1))
+    means = chunk_scores(rows, 10)
+    assert means.shape == (4, 5)
+    torch.testing.assert_close(means[:, 0], rows[:, :10].mean(-1))
+    torch.testing.assert_close(means[:, 4], rows[:, 40:].mean(-1))     # partial chunk: 7 tokens
     for k in (0, 7, 20, 33, 47):
         keep = select_chunks(rows, 10, k)
         assert keep.shape == (4, k)
@@ -384,12 +398,27 @@ def test_snapkv_scores_match_naive(mode):
     q, k = rand_qk(8, 40, seed=8)
     limit = causal_key_limits(8, 40)
     got = snapkv_scores(q, k, limit, window=8, pool_kernel=7, pool_mode=mode)
-    raw = naive_snapkv_raw(q, k, limit.tolist())
-    for l in range(L):
-        for j in range(HKV):
-            ref = naive_pool(raw[l, j, :32].tolist(), 7, mode) + raw[l, j, 32:].tolist()
-            torch.testing.assert_close(got[l, j], torch.tensor(ref, dtype=torch.float32),
-                                       rtol=1e-5, atol=1e-7)
+    ref = naive_snapkv(q, k, limit.tolist(), window=8, kernel=7, mode=mode)
+    torch.testing.assert_close(got, ref.float(), rtol=1e-5, atol=1e-7)
+
+
+def test_snapkv_pools_each_query_head_before_the_group_mean():
+    """Hand-computed GQA example: one KV head read by two query heads, max-pool kernel 3.
+    Query head 0 puts its mass on key 0, head 1 on key 2 (scores before the window):
+        head 0: [1, 0, 0, 0]  -> max-pooled [1, 1, 0, 0]
+        head 1: [0, 0, 1, 0]  -> max-pooled [0, 1, 1, 1]
+        pool, then mean: [0.5, 1, 0.5, 0.5]
+    whereas the old order (mean [0.5, 0, 0.5, 0], then pool) gives [0.5, 0.5, 0.5, 0.5]."""
+    big = 60.0
+    keys = torch.zeros(1, 1, 5, 2)                    # 4 keys before a 1-slot window
+    keys[0, 0, 0] = torch.tensor([1.0, 0.0])
+    keys[0, 0, 2] = torch.tensor([0.0, 1.0])
+    q = torch.zeros(1, 1, 2, 2)                       # [layers, n=1, q_heads=2, d]
+    q[0, 0, 0] = torch.tensor([big, 0.0])
+    q[0, 0, 1] = torch.tensor([0.0, big])
+    got = snapkv_scores(q, keys, None, window=1, pool_kernel=3, pool_mode="max")
+    torch.testing.assert_close(got[0, 0, :4], torch.tensor([0.5, 1.0, 0.5, 0.5]), atol=1e-6,
+                               rtol=0)
 
 
 def test_snapkv_select_is_topk_plus_window():
@@ -435,6 +464,15 @@ def test_chunkkv_keep_matches_chunk_loop_and_is_shared_by_heads():
         ref = naive_chunks(row, 10, 32) + list(range(79, 87))
         for j in range(HKV):
             assert keep[l, j].tolist() == ref
+
+
+def test_chunkkv_trailing_partial_chunk_competes_by_its_mean():
+    # chunks of 4: [1,1,1,1] (sum 4, mean 1), [2,2,2,2] (sum 8, mean 2) and the trailing pair
+    # [3,3] (sum 6, mean 3). By sum the pair would rank second; by mean (kvpress) it ranks first.
+    row = torch.tensor([[1.0, 1, 1, 1, 2, 2, 2, 2, 3, 3]])
+    torch.testing.assert_close(chunk_scores(row, 4), torch.tensor([[1.0, 2.0, 3.0]]))
+    assert select_chunks(row, 4, 2).tolist() == [[8, 9]]          # the partial chunk first
+    assert select_chunks(row, 4, 6).tolist() == [[4, 5, 6, 7, 8, 9]]
 
 
 def test_chunkkv_select_through_view():

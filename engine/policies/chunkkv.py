@@ -1,16 +1,18 @@
 """ChunkKV (fixed budget): SnapKV's observation-window scores, kept in whole fixed-size chunks.
 
 The slots before the observation window are cut into fixed chunks of `chunk_size` slots starting at
-slot 0 (the last chunk may be shorter). A chunk's score is the sum of its tokens' SnapKV scores
-over the chunk and over every KV head of the layer, so all heads of a layer keep the same slots
-(ChunkKV's semantic chunks; it is also what makes its layer-wise index reuse possible). The best
-chunks are kept whole until `target_len - window` slots are taken; the window is always kept.
+slot 0 (the last chunk may be shorter). A chunk's score is the mean over its tokens of their
+SnapKV scores summed over every KV head of the layer (kvpress's ChunkKVPress: sum over heads, mean
+over the chunk), so all heads of a layer keep the same slots (ChunkKV's semantic chunks; it is
+also what makes its layer-wise index reuse possible). The mean ranks whole chunks as the sum
+does; it differs only for the trailing partial chunk, which competes by its tokens' average
+instead of losing by its length. The best chunks are kept whole until `target_len - window`
+slots are taken; the window is always kept.
 
 Exact budget: whole chunks rarely add up to `target_len - window`, and Compressed PagedAttention
 needs every row to keep exactly `target_len`. The first chunk in rank order that would overshoot
 is trimmed to the slots still missing, keeping its best slots by head-summed token score (so the
-trim is also shared by the layer's heads); lower-ranked chunks are not used. A trailing partial
-chunk competes with its (smaller) sum, a mild bias against it that we accept rather than pad it.
+trim is also shared by the layer's heads); lower-ranked chunks are not used.
 
 After decode-time compactions the slots of a layer are its retained tokens in order, so a chunk is
 then `chunk_size` consecutive *retained* tokens rather than a contiguous span of the original text.

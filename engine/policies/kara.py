@@ -1,55 +1,90 @@
 """Kara: sliding-window KV compression with bidirectional scoring and Token2Chunk, scheduled the
 KvLLM way (Kara paper, Sec. 3; the selection core is in engine.policies.token2chunk).
 
-Window geometry (per request, in physical slots). The policy state keeps `compressed_upto`: slots
-before it were compressed once (or are a prompt left uncompressed) and are never touched again;
-slots from it to physical_len are the uncompressed tail, which holds logical positions
-num_computed - physical_len + s (the engine's recompute contract). A window is |W| consecutive
-tail slots; its last |U| slots are the buffer. Compressing a window keeps, in every (layer, KV
-head), kept_per_window = min(m, ceil(r m) + alpha) slots of its compressible region (m = |W| - |U|)
-and leaves the buffer uncompressed. The paper then "moves the window forward by |W| - |U| steps once
-there are |W| - |U| new uncompressed tokens beyond the current window" (Sec. 3.1): the buffer is not
-frozen, it opens the next window, and `compressed_upto` advances to the buffer's first slot. So the
-compressible regions tile the sequence with stride m, and each is scored with the queries of itself
-plus the |U| tokens that follow it. Every token is compressed exactly once.
+Window geometry (per request, in physical slots). A window is |W| consecutive uncompressed slots;
+its first m = |W| - |U| slots are the compressible region W \\ U, its last |U| the buffer U.
+Compressing a window keeps, in every (layer, KV head), kept_per_window = min(m, ceil(r m) + alpha)
+slots of W \\ U and leaves U whole (Eq. 4-9). The policy state keeps a boundary,
+`compressed_upto`: slots before it are never touched again (a frozen prompt, compressed windows,
+and whatever the schedule left between them); slots from it to physical_len are uncompressed and
+hold logical positions num_computed - physical_len + s (the engine's recompute contract).
 
-Several windows at once. When the tail holds more than one window, which happens with the periodic
-schedule (a request not picked at a firing keeps growing), after a prefill with
-`compress_prompt`, and when a preempted request is re-prefilled, we compress every complete window
-of the tail in one call, using the same stride-m tiling: n = (tail - |U|) // m windows, window k
-covering tail slots [k m, k m + |W|). This is the paper's window-wise prompt compression ("windows
-of |W| processed in parallel", Sec. 3.1) read together with the stride above; it keeps the window
-length, and so the scoring context and the retention per window, independent of how late a
-compression runs, and a re-prefilled request gets the same window boundaries it had before it was
-preempted (so it returns to the same physical length). Compressing only the oldest |W| would leave
-more behind for later; compressing the whole tail as one window would change |W|.
+Two readings of "which windows", one per part of the paper:
+- Sliding window (Sec. 3.1): "the window moves forward by |W| - |U| steps once there are
+  |W| - |U| new uncompressed tokens beyond the current window". The buffer is not frozen, it opens
+  the next window: compressible regions tile the sequence with stride m, every token is compressed
+  exactly once, and the boundary moves to the last window's buffer.
+- KvLLM (Sec. 3.3): at a firing KvLLM "selects a subset of running sequences and treats the
+  trailing PagedAttention blocks of each selected sequence as a compression window"; the period is
+  "longer than the window span, so that each invocation operates on newly generated, previously
+  uncompressed tokens". So a firing compresses only the trailing |W| slots of a selected request,
+  and only if all of them lie past the boundary; afterwards the boundary moves past the window's
+  buffer (the buffer is never re-touched), and the slots between two windows (T - |W| tokens per
+  period, the price of T > |W|) stay uncompressed. We take the window as the last |W| slots, i.e.
+  |W| / b blocks' worth: after a first compaction slots are no longer page-aligned, so "trailing
+  blocks" cannot mean whole physical pages.
 
-Schedules (a registry, `SCHEDULES`; one registered policy name, "kara", with a `schedule` field):
-- "periodic" (KvLLM, Sec. 3.3, the default, since this engine is a serving engine): a global step
-  counter (the engine's `periodic(step, ...)` argument); every `period` steps the requests whose
-  tail holds at least one complete window are compressed, most complete windows first (ties: longer
-  tail, then lower seq_id), at most `max_seqs_per_period` of them (None: all). The paper only says
-  T is "longer than the window span" so each firing sees new, uncompressed tokens; the default
-  T = |W| exceeds the |W| - |U| new tokens a window needs.
-- "threshold": every step, every request whose tail fills a window is compressed at once (the
-  schedule the paper uses for its accuracy results, Fig. 5 and Table 1).
-Between compressions Kara grows like FullKV (on_boundary answers GROW). When GROW finds no free
-page, `fallback` compresses the tail's complete windows if that frees a slot for the next token,
-and answers None (preempt) otherwise. Decisions taken by `periodic` and `after_prefill` keep
-ceil(target_len / block_size) pages, so freed pages return to the pool; `fallback` keeps
-ceil((target_len + 1) / block_size), room for the token being decoded.
+Schedules (registry `SCHEDULES`, field `schedule`):
+- "kvllm" (default; Sec. 3.3, "we only activate it in throughput experiments"): every T steps of
+  the engine's global step counter, the trailing window of each selected request (above).
+- "window_fill": every step, every request whose uncompressed tail fills a window is compressed
+  at once, sliding-window geometry (the paper's accuracy setting, Fig. 5 and Table 1, "without the
+  periodic compression policy"). It is a window-fill trigger, not the threshold-triggered
+  whole-cache paradigm of Eqs. 2-3 that the paper argues against (hence the name; it was called
+  "threshold" before).
+- "tiled_periodic": every T steps (default T = |W|), every complete window of the stride-m tiling
+  of a request's tail, sliding-window geometry. This was the default before the KvLLM reading; it
+  compresses every token once, like window_fill, but batched into periodic firings.
 
-Prompts: with `compress_prompt=False` (default; the paper's reasoning setting compresses the
-generated context only) the prompt is frozen and windows start at the first generated token; with
-True the prompt's complete windows are compressed in `after_prefill(final=True)`. A preempted
-request loses its KV; `on_preempt` forgets its slot boundary (counters survive), and when it is
-re-prefilled `after_prefill` compresses all complete windows of the re-prefilled tokens with the
-same geometry, whatever the schedule. Under the threshold schedule it thus lands on exactly the
-physical length it would have had without preemption; under the periodic one it catches up.
+The period T (KvLLM). The paper gives only T > |W|. Its windows are whole PagedAttention blocks
+(|W| = 512 = 2 blocks of b = 256), so we take the smallest whole-block period longer than the
+window span: T = (floor(|W| / b) + 1) b, i.e. 768 steps at the paper preset and 160 at the CPU one
+(|W| = 128, b = 32). The extra block is also slack: a request that sits out a few steps (its own
+async compaction, a prefill chunk) still has |W| new tokens at the next firing. What this costs in
+retention, per period of T generated tokens of a request picked at every firing:
+  kept share = (T - m + kept) / T
+  paper preset: m = 448, kept = ceil(0.4 * 448) + 32 = 212: (768 - 448 + 212) / 768 = 0.69
+  cpu preset:   m = 112, kept = ceil(0.4 * 112) + 16 = 61:  (160 - 112 + 61) / 160  = 0.68
+against kept / m = 0.47 (paper) and 0.54 (cpu) for the sliding window. T must exceed |W| under
+"kvllm" (a ConfigError otherwise).
 
-Ablations (Table 1): scoring="buffer" scores with the queries of U only ("w/o Bi-Attention"; they
-follow W \\ U, so this is causal attention); use_token2chunk=False keeps the best
-ceil(r m) + alpha single tokens ("w/o Token2Chunk"). Both keep the same count as Kara.
+The subset (KvLLM). The paper names no criterion other than the one its period is chosen for:
+the trailing window must be new, uncompressed tokens. So a request is eligible when its last |W|
+slots lie past its boundary and it is decoding (not prefilling, not being compacted); with T > |W|
+every request that decoded through the whole last period is eligible, and the ones left out are
+those admitted, re-admitted or compressed by a fallback within the last |W| steps. Default subset
+rule "all_eligible": every eligible request (the paper states no cap, and a cap leaves an eligible
+request growing uncompressed for another whole period). Configurable: `max_seqs_per_period` caps
+the count and `subset` orders the eligible requests for the cap ("all_eligible": longest
+uncompressed tail first; "least_recent": least recently compressed first, a round robin).
+
+Prompts. With `compress_prompt=False` (default; the reasoning setting compresses generated
+context) the prompt is frozen. With True, `after_prefill(final=True)` compresses the prompt's
+complete windows in one call ("partition the prompt into multiple windows of length |W| ... in
+parallel", Sec. 3.1): under "kvllm" the windows partition the prompt (stride |W|, every buffer
+frozen); under the sliding schedules they tile it with stride m. NIAH (Fig. 6) runs Kara under
+compression, so the NIAH task turns this on for Kara (evals.tasks.niah).
+
+Preemption. A preempted request loses its KV; `on_preempt` resets the boundary and keeps the
+logical starts of the windows compressed so far. When it is re-prefilled, `after_prefill`
+compresses the same windows again ("kvllm": the recorded ones; sliding schedules: every complete
+window of the tiling, which contains the recorded ones), so it returns to the physical length it
+had. When GROW finds no free page, `fallback` compresses what the schedule would compress next
+(the trailing window, or the tail's complete windows) if that frees a slot for the next token, and
+answers None (preempt) otherwise. Decisions of `periodic` and `after_prefill` keep
+ceil(target_len / block_size) pages; `fallback` keeps ceil((target_len + 1) / block_size).
+
+Retention, two numbers. r is Eq. 5's candidate ratio: ceil(r m) candidates per window. Token2Chunk
+(or its fill rule) adds alpha more, so the share of W \\ U actually kept is
+`window_kept_share` = kept / m (0.54 for r = 0.4 at the CPU preset), and the share of a
+request's generated slots kept in steady state is `steady_kept_share` (above). Benchmarks label
+Kara rows with the kept share, not r.
+
+Ablations (Table 1; registered variants, same count kept as Kara):
+- "kara-wo-biattn" (scoring="buffer"): scores W \\ U with the queries of U only ("w/o
+  Bi-Attention"; U follows W \\ U, so this is causal attention from the buffer).
+- "kara-wo-t2c" (use_token2chunk=False): keeps the best ceil(r m) + alpha single tokens ("w/o
+  Token2Chunk", "a target number of discrete KV pairs under the same retention ratio").
 
 Defaults (PRESETS; `preset="auto"` picks "paper" for block_size >= 256, else "cpu"):
 
@@ -59,19 +94,19 @@ Defaults (PRESETS; `preset="auto"` picks "paper" for block_size >= 256, else "cp
     chunk_budget alpha       32 (4 chunks)        16 (2 chunks)
     ratio r                  0.4                  0.4
     max_chunk_gap gamma      8                    8
-    period T                 |W| = 512 steps      |W| = 128 steps
+    period T (kvllm)         768 (3 pages)        160 (5 pages)
 
 The CPU preset keeps |U| / |W| = 1/8 and gamma (a phrase length, not a sequence scale); alpha 16 is
 the paper's smaller setting, so Token2Chunk still picks two chunks. Paper sweeps: |W| in
 {256, 384, 512}, |U| in {32, 64}, alpha in {16, 32}, r in {0.2, ..., 0.6}. |W| need not be a
-whole number of pages (the paper sweeps 384 at block 256); the defaults are.
+whole number of pages (the paper sweeps 384 at block 256; T is then 512).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar
+from typing import Callable, ClassVar, NamedTuple
 
 import torch
 
@@ -99,33 +134,87 @@ _SCORE_CHUNK_ELEMS = 1 << 26
 
 @dataclass(frozen=True)
 class Schedule:
-    """When `periodic()` compresses, and how many requests it may pick per firing."""
+    """One schedule's rules (see the module docstring).
+
+    due(policy, step): whether periodic() fires at this global step.
+    trailing_only: decode-time compressions take only the trailing |W| slots (KvLLM) rather than
+        every complete window of the tail's stride-m tiling (sliding window).
+    frozen_buffer: a compressed window's buffer is never re-touched: the boundary moves past it,
+        and prompt windows partition the prompt (stride |W|) instead of tiling it (stride m).
+    default_period(policy): T when `period` is None (None: the schedule has no period).
+    kept_share(policy): share of a request's generated slots kept in steady state.
+    """
 
     due: Callable[["Kara", int], bool]
-    limit: Callable[["Kara"], int | None]
+    trailing_only: bool
+    frozen_buffer: bool
+    default_period: Callable[["Kara"], int | None]
+    kept_share: Callable[["Kara"], float]
+
+
+def _every_period(policy: "Kara", step: int) -> bool:
+    return step > 0 and step % policy.period == 0
+
+
+def _kvllm_period(policy: "Kara") -> int:
+    """Smallest whole-block period longer than the window span: (floor(|W| / b) + 1) b."""
+    return (policy.window_tokens // policy.block_size + 1) * policy.block_size
+
+
+def _kvllm_share(policy: "Kara") -> float:
+    return (policy.period - policy.stride + policy.kept_per_window) / policy.period
+
+
+def _sliding_share(policy: "Kara") -> float:
+    return policy.window_kept_share
 
 
 SCHEDULES: dict[str, Schedule] = {
-    "periodic": Schedule(lambda p, step: step > 0 and step % p.period == 0,
-                         lambda p: p.max_seqs_per_period),
-    "threshold": Schedule(lambda p, step: True, lambda p: None),
+    "kvllm": Schedule(_every_period, trailing_only=True, frozen_buffer=True,
+                      default_period=_kvllm_period, kept_share=_kvllm_share),
+    "window_fill": Schedule(lambda p, step: True, trailing_only=False, frozen_buffer=False,
+                            default_period=lambda p: None, kept_share=_sliding_share),
+    "tiled_periodic": Schedule(_every_period, trailing_only=False, frozen_buffer=False,
+                               default_period=lambda p: p.window_tokens,
+                               kept_share=_sliding_share),
 }
 
 
-def _all_window_queries(view: PolicyView, start: int, windows: int, window: int,
-                        buffer: int) -> torch.Tensor:
-    """Queries of every token of each window: [layers, n, |W|, q_heads, d] (Eq. 4)."""
-    stride = window - buffer
-    q = view.recompute_queries(start, start + windows * stride + buffer)
-    return q.unfold(1, window, stride).permute(0, 1, 4, 2, 3)
+class Candidate(NamedTuple):
+    """An eligible request at a firing: its view, window starts and ordering facts."""
+
+    view: PolicyView
+    starts: list[int]
+    tail: int
+    last_step: int
 
 
-def _buffer_queries(view: PolicyView, start: int, windows: int, window: int,
-                    buffer: int) -> torch.Tensor:
-    """Queries of each window's buffer only ("w/o Bi-Attention"): [layers, n, |U|, q_heads, d]."""
-    stride = window - buffer
-    q = view.recompute_queries(start + stride, start + windows * stride + buffer)
-    return q.unfold(1, buffer, stride).permute(0, 1, 4, 2, 3)
+SUBSETS: dict[str, Callable[[Candidate], tuple]] = {
+    # sort keys over eligible requests; `max_seqs_per_period` keeps the first ones
+    "all_eligible": lambda c: (-c.tail, c.view.seq_id),
+    "least_recent": lambda c: (c.last_step, c.view.seq_id),
+}
+
+
+def _window_queries(view: PolicyView, starts: torch.Tensor, offset: int,
+                    length: int) -> torch.Tensor:
+    """Queries of slots [s + offset, s + offset + length) for each window start s:
+    [layers, n, length, q_heads, d], from one recomputation over the span they cover."""
+    lo = int(starts[0]) + offset
+    hi = int(starts[-1]) + offset + length
+    q = view.recompute_queries(lo, hi)                                   # [L, hi - lo, Hq, d]
+    idx = (starts - starts[0])[:, None] + torch.arange(length, device=starts.device)
+    return q[:, idx.to(q.device)]
+
+
+def _all_window_queries(policy: "Kara", view: PolicyView, starts: torch.Tensor) -> torch.Tensor:
+    """Every query of each window (Eq. 4): [layers, n, |W|, q_heads, d]."""
+    return _window_queries(view, starts, 0, policy.window_tokens)
+
+
+def _buffer_queries(policy: "Kara", view: PolicyView, starts: torch.Tensor) -> torch.Tensor:
+    """The queries of each window's buffer only ("w/o Bi-Attention"): [layers, n, |U|, q_heads, d]."""
+    return _window_queries(view, starts, policy.stride, policy.buffer_tokens)
 
 
 SCORINGS: dict[str, Callable[..., torch.Tensor]] = {
@@ -134,18 +223,32 @@ SCORINGS: dict[str, Callable[..., torch.Tensor]] = {
 }
 
 
+class Plan(NamedTuple):
+    """A decision's windows, checked again by select(). starts: physical window starts
+    (ascending); physical_len: the length they were planned on; record: remember their logical
+    starts (False when re-compressing recorded windows after a preemption)."""
+
+    starts: tuple[int, ...]
+    physical_len: int
+    record: bool
+
+
 @dataclass
 class KaraState:
     """Per-request state (created at admission; `Kara.on_preempt` resets its slot boundary).
 
     compressed_upto: physical slot where the uncompressed tail starts (None until first use).
-    pending: (windows, physical_len) planned by the last decision, consumed by select().
+    pending: the Plan of the last decision, consumed by select().
+    window_starts: logical position of the first slot of every window compressed so far.
+    last_step: global step of the last periodic firing that picked the request (-1: never).
     compressions / windows_compressed: counters; chunk_tokens / fill_tokens: mean tokens per
     (layer, KV head) added by Token2Chunk chunks / by the fill rule, summed over windows.
     """
 
     compressed_upto: int | None = None
-    pending: tuple[int, int] | None = None
+    pending: Plan | None = None
+    window_starts: list[int] = field(default_factory=list)
+    last_step: int = -1
     compressions: int = 0
     windows_compressed: int = 0
     chunk_tokens: float = 0.0
@@ -160,18 +263,21 @@ class Kara(KVPolicy):
     preset: "auto" | "paper" | "cpu"; fills window_tokens, buffer_tokens and chunk_budget left None.
     window_tokens: |W|, the window length in tokens.
     buffer_tokens: |U|, the protected tail of each window (1 <= |U| < |W|).
-    ratio: r in (0, 1], the candidate ratio of Eq. 5.
+    ratio: r in (0, 1], the candidate ratio of Eq. 5 (the kept share is larger: alpha adds to it).
     max_chunk_gap: gamma >= 1, the largest candidate gap I[k+1] - I[k] a chunk may span (Eq. 7).
     chunk_budget: alpha >= 0, extra tokens per window from Token2Chunk plus the fill rule.
-    schedule: "periodic" (KvLLM) or "threshold".
-    period: T, steps between periodic firings (None: |W|).
-    max_seqs_per_period: most requests compressed per periodic firing (None: all eligible).
+    schedule: "kvllm" (default), "window_fill" or "tiled_periodic" (SCHEDULES).
+    period: T, steps between periodic firings (None: the schedule's default; > |W| under kvllm).
+    subset: how eligible requests are ordered for `max_seqs_per_period` (SUBSETS).
+    max_seqs_per_period: most requests compressed per firing (None: every eligible one).
     compress_prompt: compress the prompt window-wise after prefill.
     scoring: "bidirectional" (Eq. 4) or "buffer" (the "w/o Bi-Attention" ablation).
     use_token2chunk: False is the "w/o Token2Chunk" ablation.
     """
 
     name: ClassVar[str] = "kara"
+    # fields a registered variant fixes (an ablation row is its name, not a free combination)
+    pinned: ClassVar[dict[str, object]] = {}
 
     preset: str = "auto"
     window_tokens: int | None = None
@@ -179,18 +285,20 @@ class Kara(KVPolicy):
     ratio: float = 0.4
     max_chunk_gap: int = 8
     chunk_budget: int | None = None
-    schedule: str = "periodic"
+    schedule: str = "kvllm"
     period: int | None = None
+    subset: str = "all_eligible"
     max_seqs_per_period: int | None = None
     compress_prompt: bool = False
     scoring: str = "bidirectional"
     use_token2chunk: bool = True
     _from_preset: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
-    _period_from_window: bool = field(default=False, init=False, repr=False, compare=False)
+    _period_from_schedule: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _choice("preset", self.preset, ["auto", *PRESETS])
         _choice("schedule", self.schedule, list(SCHEDULES))
+        _choice("subset", self.subset, list(SUBSETS))
         _choice("scoring", self.scoring, list(SCORINGS))
         _int_at_least("window_tokens", self.window_tokens, 2, optional=True)
         _int_at_least("buffer_tokens", self.buffer_tokens, 1, optional=True)
@@ -205,8 +313,12 @@ class Kara(KVPolicy):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(
                     f"kara: {name} must be True or False, got {getattr(self, name)!r}")
+        for name, value in self.pinned.items():
+            if getattr(self, name) != value:
+                raise ConfigError(f"{self.name}: {name} is fixed to {value!r} by this variant, "
+                                  f"got {getattr(self, name)!r}; use policy 'kara' to vary it")
         self._from_preset = tuple(k for k in PRESETS["paper"] if getattr(self, k) is None)
-        self._period_from_window = self.period is None
+        self._period_from_schedule = self.period is None
         if self.preset != "auto":
             self._resolve(self.preset)
 
@@ -217,21 +329,32 @@ class Kara(KVPolicy):
         if preset == "auto":
             preset = "paper" if engine.block_size >= AUTO_PAPER_MIN_BLOCK else "cpu"
         self._resolve(preset)
+        if self._period_from_schedule:
+            self.period = SCHEDULES[self.schedule].default_period(self)
+        self._check_period()
 
     def _resolve(self, preset: str) -> None:
         for key in self._from_preset:
             setattr(self, key, PRESETS[preset][key])
-        if self._period_from_window:
-            self.period = self.window_tokens
         if self.buffer_tokens >= self.window_tokens:
             raise ConfigError(
                 f"kara: buffer_tokens ({self.buffer_tokens}) must be smaller than window_tokens "
                 f"({self.window_tokens})"
             )
+        self._check_period()
+
+    def _check_period(self) -> None:
+        if self.schedule == "kvllm" and self.period is not None \
+                and self.window_tokens is not None and self.period <= self.window_tokens:
+            raise ConfigError(
+                f"kara: period ({self.period}) must be longer than window_tokens "
+                f"({self.window_tokens}) under schedule 'kvllm', so that each firing compresses "
+                "newly generated, previously uncompressed tokens (Kara Sec. 3.3)"
+            )
 
     @property
     def stride(self) -> int:
-        """m = |W| - |U|: the compressible length of a window and the window's stride."""
+        """m = |W| - |U|: the compressible length of a window (the sliding window's stride)."""
         return self.window_tokens - self.buffer_tokens
 
     @property
@@ -239,11 +362,22 @@ class Kara(KVPolicy):
         """Slots of W \\ U each (layer, KV head) keeps: min(m, ceil(r m) + alpha)."""
         return t2c.kept_per_window(self.stride, self.ratio, self.chunk_budget)
 
+    @property
+    def window_kept_share(self) -> float:
+        """Share of W \\ U kept by one compression: (ceil(r m) + alpha) / m >= r."""
+        return self.kept_per_window / self.stride
+
+    @property
+    def steady_kept_share(self) -> float:
+        """Share of a request's generated slots kept in steady state under the schedule."""
+        return SCHEDULES[self.schedule].kept_share(self)
+
     def new_state(self) -> KaraState:
         return KaraState()
 
     def on_preempt(self, state: KaraState) -> None:
-        """All KV is gone; the re-prefilled request is uncompressed again (counters survive)."""
+        """All KV is gone; the re-prefilled request is uncompressed again (the recorded window
+        starts and the counters survive)."""
         state.compressed_upto = None
         state.pending = None
 
@@ -259,28 +393,55 @@ class Kara(KVPolicy):
     def tail_len(self, view: PolicyView) -> int:
         return max(0, view.physical_len - self.state_of(view).compressed_upto)
 
-    def complete_windows(self, tail: int) -> int:
-        """Windows of the stride-m tiling that fit in an uncompressed tail of `tail` slots."""
-        if tail < self.window_tokens:
-            return 0
-        return (tail - self.buffer_tokens) // self.stride
+    def tiling(self, start: int, end: int, stride: int) -> list[int]:
+        """Starts of the complete |W| windows of slots [start, end) spaced `stride` apart."""
+        if end - start < self.window_tokens:
+            return []
+        count = (end - start - self.window_tokens) // stride + 1
+        return [start + k * stride for k in range(count)]
 
-    def _decision(self, view: PolicyView, cause: str, room_for_next: bool) -> Decision | None:
-        tail = self.tail_len(view)
-        windows = self.complete_windows(tail)
-        if windows == 0:
+    def ready_windows(self, view: PolicyView) -> list[int]:
+        """Physical starts of the windows the schedule compresses now (decode time, fallback)."""
+        start = self.state_of(view).compressed_upto
+        if SCHEDULES[self.schedule].trailing_only:
+            trailing = view.physical_len - self.window_tokens
+            return [trailing] if trailing >= start else []
+        return self.tiling(start, view.physical_len, self.stride)
+
+    def _prefill_windows(self, view: PolicyView) -> tuple[list[int], bool]:
+        """(window starts, record them?) after a final prefill: a re-admitted request's windows
+        again, or the prompt's windows under compress_prompt."""
+        state = self.state_of(view)
+        schedule = SCHEDULES[self.schedule]
+        if state.window_starts and schedule.trailing_only:
+            offset = view.num_computed - view.physical_len          # 0 after a re-prefill
+            return [s - offset for s in state.window_starts], False
+        if state.window_starts:
+            starts = self.tiling(state.compressed_upto, view.physical_len, self.stride)
+            return starts, False
+        if not self.compress_prompt:
+            return [], True
+        stride = self.window_tokens if schedule.frozen_buffer else self.stride
+        return self.tiling(state.compressed_upto, view.physical_len, stride), True
+
+    def _decision(self, view: PolicyView, starts: list[int], cause: str, room_for_next: bool,
+                  record: bool = True) -> Decision | None:
+        if not starts:
             return None
+        windows = len(starts)
         target = view.physical_len - windows * (self.stride - self.kept_per_window)
         keep_pages = pages_for(target + int(room_for_next), self.block_size)
         if room_for_next and keep_pages > view.num_pages:
             return None
-        self.state_of(view).pending = (windows, view.physical_len)
+        self.state_of(view).pending = Plan(tuple(starts), view.physical_len, record)
         # "trigger" is the engine's own info key; ours, "cause", is the schedule name, "prefill" or
         # "fallback".
         return Decision.compress(
-            target, keep_pages=keep_pages, cause=cause, windows=windows, tail=tail,
+            target, keep_pages=keep_pages, cause=cause, windows=windows,
+            window_starts=list(starts), tail=self.tail_len(view),
             kept_per_window=self.kept_per_window, window=self.window_tokens,
-            buffer=self.buffer_tokens,
+            buffer=self.buffer_tokens, candidate_ratio=self.ratio,
+            kept_share=round(self.window_kept_share, 4),
         )
 
     # -- scheduler hooks ----------------------------------------------------------------------
@@ -288,65 +449,72 @@ class Kara(KVPolicy):
         return Decision.grow()
 
     def fallback(self, view: PolicyView) -> Decision | None:
-        return self._decision(view, "fallback", room_for_next=True)
+        return self._decision(view, self.ready_windows(view), "fallback", room_for_next=True)
 
     def after_prefill(self, view: PolicyView, final: bool) -> Decision | None:
         if not final:
             return None
-        return self._decision(view, "prefill", room_for_next=False)
+        starts, record = self._prefill_windows(view)
+        return self._decision(view, starts, "prefill", room_for_next=False, record=record)
 
     def periodic(self, step: int, views: list[PolicyView]) -> list[tuple[PolicyView, Decision]]:
-        schedule = SCHEDULES[self.schedule]
-        if not schedule.due(self, step):
+        if not SCHEDULES[self.schedule].due(self, step):
             return []
-        ready = []
+        eligible = []
         for view in views:
             if view.is_prefilling:
                 continue
-            tail = self.tail_len(view)
-            windows = self.complete_windows(tail)
-            if windows:
-                ready.append((-windows, -tail, view.seq_id, view))
-        ready.sort(key=lambda item: item[:3])
-        limit = schedule.limit(self)
-        picked = ready if limit is None else ready[:limit]
+            starts = self.ready_windows(view)
+            if starts:
+                state = self.state_of(view)
+                eligible.append(Candidate(view, starts, self.tail_len(view), state.last_step))
+        eligible.sort(key=SUBSETS[self.subset])
+        if self.max_seqs_per_period is not None:
+            eligible = eligible[:self.max_seqs_per_period]
         out = []
-        for *_, view in picked:
-            decision = self._decision(view, self.schedule, room_for_next=False)
-            out.append((view, decision))
+        for cand in eligible:
+            self.state_of(cand.view).last_step = step
+            out.append((cand.view, self._decision(cand.view, cand.starts, self.schedule,
+                                                  room_for_next=False)))
         return out
 
     # -- selection ----------------------------------------------------------------------------
     def select(self, view: PolicyView, target_len: int, timer: StageTimer) -> torch.Tensor:
-        """Kept physical slots [layers, kv_heads, target_len] int64: every slot before the tail
-        (identity), the kept slots of each complete window (Eq. 4-8), then the rest of the tail
-        (identity; it starts with the last window's buffer U, Eq. 9). Advances compressed_upto."""
+        """Kept physical slots [layers, kv_heads, target_len] int64: the kept slots of each
+        planned window's W \\ U (Eq. 4-8) and every other slot (identity; each window's buffer U
+        among them, Eq. 9). Moves the boundary past the last window (its buffer too under
+        "kvllm", to its buffer's start under the sliding schedules)."""
         state = self.state_of(view)
-        windows, planned_len = state.pending or (self.complete_windows(self.tail_len(view)),
-                                                 view.physical_len)
+        plan = state.pending or Plan(tuple(self.ready_windows(view)), view.physical_len, True)
         state.pending = None
-        if planned_len != view.physical_len:
+        if plan.physical_len != view.physical_len:
             raise RuntimeError(
-                f"kara: seq {view.seq_id} was planned at physical_len {planned_len} but select() "
-                f"sees {view.physical_len}; select must run before new KV is written"
+                f"kara: seq {view.seq_id} was planned at physical_len {plan.physical_len} but "
+                f"select() sees {view.physical_len}; select must run before new KV is written"
             )
-        expected = view.physical_len - windows * (self.stride - self.kept_per_window)
-        if windows == 0 or target_len != expected:
+        windows = len(plan.starts)
+        shrink = windows * (self.stride - self.kept_per_window)
+        if windows == 0 or target_len != view.physical_len - shrink:
             raise ValueError(
                 f"kara: target_len {target_len} does not match the plan for seq {view.seq_id} "
-                f"({windows} window(s) of the tail give {expected})"
+                f"({windows} window(s) give {view.physical_len - shrink})"
             )
-        start = state.compressed_upto
+        starts = torch.tensor(plan.starts, dtype=torch.long)
         with timer.stage("score"):
-            scores = self._window_scores(view, start, windows)
+            scores = self._window_scores(view, starts)
         with timer.stage("topk"):
             layers, _, kv_heads, m = scores.shape
             sel = t2c.select_window(scores.reshape(-1, m), self.ratio, self.max_chunk_gap,
                                     self.chunk_budget, self.use_token2chunk)
         with timer.stage("window_mask"):
             keep = sel.keep.view(layers, windows, kv_heads, -1)
-            slots = self._assemble(view, start, windows, keep)
-        state.compressed_upto = start + windows * self.kept_per_window
+            slots = self._assemble(view, starts.to(keep.device), keep, target_len)
+        if plan.record:
+            offset = view.num_computed - view.physical_len
+            state.window_starts.extend(s + offset for s in plan.starts)
+        last_end = plan.starts[-1] + (self.window_tokens if SCHEDULES[self.schedule].frozen_buffer
+                                      else self.stride)
+        state.compressed_upto = last_end - shrink
         state.compressions += 1
         state.windows_compressed += windows
         rows_per_window = layers * kv_heads
@@ -354,36 +522,60 @@ class Kara(KVPolicy):
         state.fill_tokens += float(sel.fill_tokens.sum()) / rows_per_window
         return slots
 
-    def _window_scores(self, view: PolicyView, start: int, windows: int) -> torch.Tensor:
+    def _window_scores(self, view: PolicyView, starts: torch.Tensor) -> torch.Tensor:
         """A of Eq. 4 for each window: [layers, n, kv_heads, m]."""
         m = self.stride
-        queries = SCORINGS[self.scoring](view, start, windows, self.window_tokens,
-                                         self.buffer_tokens)                 # [L, n, nq, Hq, d]
-        layers, _, n_q, q_heads, head_dim = queries.shape
+        queries = SCORINGS[self.scoring](self, view, starts)                 # [L, n, nq, Hq, d]
+        layers, windows, n_q, q_heads, head_dim = queries.shape
         per_layer = windows * q_heads * n_q * m
         step = max(1, _SCORE_CHUNK_ELEMS // max(1, per_layer))
         scale = 1.0 / math.sqrt(head_dim)
+        regions = starts[:, None] + torch.arange(m)                          # [n, m]
         out = []
         for lo in range(0, layers, step):
             hi = min(layers, lo + step)
-            keys = view.keys(slice(lo, hi))[:, :, start:start + windows * m]  # [l, Hkv, n*m, d]
+            keys = view.keys(slice(lo, hi))                                  # [l, Hkv, P, d]
+            keys = keys[:, :, regions.flatten().to(keys.device)]
             keys = keys.unflatten(2, (windows, m)).transpose(1, 2)            # [l, n, Hkv, m, d]
             out.append(t2c.window_scores(queries[lo:hi], keys, scale))
         return torch.cat(out, dim=0)
 
-    def _assemble(self, view: PolicyView, start: int, windows: int,
-                  keep: torch.Tensor) -> torch.Tensor:
-        """keep: [layers, n, kv_heads, kept] window-relative -> physical slots [L, Hkv, target]."""
-        layers, _, kv_heads, kept = keep.shape
+    def _assemble(self, view: PolicyView, starts: torch.Tensor, keep: torch.Tensor,
+                  target_len: int) -> torch.Tensor:
+        """keep: [layers, n, kv_heads, kept] window-relative -> physical slots [L, Hkv, target]:
+        every slot outside the windows' W \\ U regions plus the kept ones, ascending."""
+        layers, windows, kv_heads, kept = keep.shape
         device = keep.device
-        m = self.stride
-        offsets = start + m * torch.arange(windows, device=device)
-        kept_slots = keep.transpose(1, 2) + offsets[:, None]              # [L, Hkv, n, kept]
-        kept_slots = kept_slots.reshape(layers, kv_heads, windows * kept)
-        before = torch.arange(start, device=device).expand(layers, kv_heads, start)
-        after = torch.arange(start + windows * m, view.physical_len, device=device)
-        after = after.expand(layers, kv_heads, after.numel())
-        return torch.cat([before, kept_slots, after], dim=-1)
+        length = view.physical_len
+        mask = torch.ones(layers, kv_heads, length, dtype=torch.bool, device=device)
+        regions = starts[:, None] + torch.arange(self.stride, device=device)
+        mask[..., regions.flatten()] = False
+        kept_slots = (keep + starts[None, :, None, None]).transpose(1, 2)    # [L, Hkv, n, kept]
+        mask.scatter_(2, kept_slots.reshape(layers, kv_heads, windows * kept), True)
+        positions = torch.arange(length, device=device).expand(layers, kv_heads, length)
+        return positions[mask].view(layers, kv_heads, target_len)
+
+
+@register_policy
+@dataclass
+class KaraWithoutBiAttention(Kara):
+    """Table 1 "w/o Bi-Attention": W \\ U scored by the queries of U only (same count kept)."""
+
+    name: ClassVar[str] = "kara-wo-biattn"
+    pinned: ClassVar[dict[str, object]] = {"scoring": "buffer"}
+
+    scoring: str = "buffer"
+
+
+@register_policy
+@dataclass
+class KaraWithoutToken2Chunk(Kara):
+    """Table 1 "w/o Token2Chunk": the best ceil(r m) + alpha single tokens (same count kept)."""
+
+    name: ClassVar[str] = "kara-wo-t2c"
+    pinned: ClassVar[dict[str, object]] = {"use_token2chunk": False}
+
+    use_token2chunk: bool = False
 
 
 def _choice(name: str, value: object, valid: list[str]) -> None:

@@ -51,7 +51,14 @@ def group_mean(x: torch.Tensor, group_size: int, dim: int = 1) -> torch.Tensor:
     return grouped.mean(dim=gdim)
 
 
-GROUP_REDUCTIONS = {"max": group_max, "sum": group_sum, "mean": group_mean}
+def group_none(x: torch.Tensor, group_size: int, dim: int = 1) -> torch.Tensor:
+    """No reduction: keep every query head (a caller reduces the group later, e.g. SnapKV pools
+    each query head's scores before averaging its group)."""
+    _split_groups(x, group_size, dim)  # validates the head count
+    return x
+
+
+GROUP_REDUCTIONS = {"max": group_max, "sum": group_sum, "mean": group_mean, "none": group_none}
 
 
 # -- observation-window attention -------------------------------------------------------------
@@ -108,7 +115,8 @@ def observation_scores(queries: torch.Tensor, keys: torch.Tensor,
     queries: `[layers, n, q_heads, head_dim]`; keys: `[layers, kv_heads, length, head_dim]`;
     key_limit: `[n]` or None. layer_stride bounds the temporary probabilities to
     `[layer_stride, q_heads, n, length]` (None: all layers at once).
-    Returns float32 `[layers, kv_heads, length]`.
+    Returns float32 `[layers, kv_heads, length]` (`[layers, q_heads, length]` for
+    group_reduce="none").
     """
     if group_reduce not in GROUP_REDUCTIONS:
         raise ValueError(f"group_reduce must be one of {sorted(GROUP_REDUCTIONS)}, got {group_reduce!r}")
@@ -219,20 +227,26 @@ def chunk_ids(length: int, chunk_size: int, device: torch.device | str = "cpu") 
 
 
 def chunk_scores(token_scores: torch.Tensor, chunk_size: int) -> torch.Tensor:
-    """Sum of token scores over fixed chunks: `[..., length] -> [..., ceil(length / chunk_size)]`.
+    """Mean token score of fixed chunks: `[..., length] -> [..., ceil(length / chunk_size)]`.
 
-    A trailing partial chunk sums over the tokens it has (it is not padded or dropped).
+    The mean (kvpress's ChunkKVPress) rather than the sum: a trailing partial chunk is averaged
+    over the tokens it has, so it competes on equal terms instead of losing by its length; for
+    whole chunks mean and sum rank identically.
     """
     length = token_scores.shape[-1]
     num_chunks = math.ceil(length / chunk_size)
     padded = F.pad(token_scores.float(), (0, num_chunks * chunk_size - length))
-    return padded.reshape(*token_scores.shape[:-1], num_chunks, chunk_size).sum(dim=-1)
+    sums = padded.reshape(*token_scores.shape[:-1], num_chunks, chunk_size).sum(dim=-1)
+    sizes = torch.full((num_chunks,), float(chunk_size), device=token_scores.device)
+    if num_chunks:
+        sizes[-1] = length - (num_chunks - 1) * chunk_size
+    return sums / sizes
 
 
 def select_chunks(token_scores: torch.Tensor, chunk_size: int, k: int) -> torch.Tensor:
     """ChunkKV selection: exactly k slots per row made of the best whole chunks.
 
-    Chunks are ranked by their summed score (ties toward the earlier chunk) and taken whole while
+    Chunks are ranked by their mean score (ties toward the earlier chunk) and taken whole while
     they fit. The first chunk that would overshoot k is trimmed: it keeps its best `k - taken`
     slots by token score (ties toward the earlier slot), so every row keeps exactly k slots and the
     trimmed chunk is still the next-best chunk's most important part. Chunks after it are skipped

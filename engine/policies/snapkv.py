@@ -2,10 +2,12 @@
 
 Scoring (SnapKV, FasterDecoding/SnapKV `snapkv_utils.py`): the last `window` queries attend over
 the sequence (softmax over every key they may see, the window's own keys included under the causal
-mask); their probabilities are summed over the window queries for each key before the window,
-averaged over each GQA group (kvpress's convention; SnapKV's own code scores per head), and
-smoothed by 1-D pooling over the keys before the window. The top `target_len - window` of those
-keys are kept, plus the whole window.
+mask); their probabilities are summed over the window queries for each key before the window and
+smoothed by 1-D pooling over the keys before the window, per query head, and only then averaged
+over each GQA group. That is the order of SnapKV's code (it pools each head's scores; its models
+repeat the KV heads) and of kvpress (pool per query head, then mean over the group). With max
+pooling the order matters: the mean of per-head maxima is not the max of the group mean. The top
+`target_len - window` keys are kept, plus the whole window.
 
 When it runs:
 - prefill: after the last prefill chunk, a prompt longer than `budget` is compressed to `budget` and
@@ -29,7 +31,8 @@ Defaults (paper/code -> here):
 | pooling | max-pool 7 in its LongBench run               | max, 7                           |
 |         | (`ablation_c4096_w32_k7_maxpool`); avg-pool 5 |                                  |
 |         | when no config is given                       |                                  |
-| GQA     | per head (its models score every head)        | mean over the group (kvpress)    |
+| GQA     | per head (its models score every head)        | pool per query head, then mean   |
+|         |                                               | over the group (kvpress)         |
 | trigger | prompt only                                   | prompt + decode threshold        |
 |         |                                               | (budget + one page)              |
 """
@@ -49,6 +52,7 @@ from engine.policies.base import (
 )
 from engine.policies.fixed_budget import FixedBudgetPolicy
 from engine.policies.scoring import (
+    group_mean,
     observation_queries,
     observation_scores,
     pool1d,
@@ -68,13 +72,15 @@ def snapkv_scores(queries: torch.Tensor, keys: torch.Tensor, key_limit: torch.Te
     key_limit: `[n]`; window: the protected recent slots (pooling covers only the slots before
     them, so the window's large self-attention does not bleed into its neighbours).
     Returns float32 `[layers, kv_heads, length]`; the last `window` entries are unpooled (callers
-    protect them anyway).
+    protect them anyway). Order: sum over queries and pool per query head, then mean over the
+    GQA group.
     """
-    score = observation_scores(queries, keys, key_limit, group_reduce="mean", query_reduce="sum",
-                               layer_stride=layer_stride)
-    region = max(0, score.shape[-1] - window)
-    pooled = pool1d(score[..., :region], pool_kernel, pool_mode)
-    return torch.cat([pooled, score[..., region:]], dim=-1)
+    per_head = observation_scores(queries, keys, key_limit, group_reduce="none",
+                                  query_reduce="sum", layer_stride=layer_stride)  # [L, Hq, T]
+    region = max(0, per_head.shape[-1] - window)
+    pooled = pool1d(per_head[..., :region], pool_kernel, pool_mode)
+    per_head = torch.cat([pooled, per_head[..., region:]], dim=-1)
+    return group_mean(per_head, queries.shape[2] // keys.shape[1], dim=1)
 
 
 @register_policy

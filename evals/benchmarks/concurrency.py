@@ -89,7 +89,7 @@ QUICK = ConcurrencyScale(levels=(1, 3), requests=3, max_tokens=40, fullkv_reside
 
 
 def kara_args(scale: ConcurrencyScale, ratio_: float | None = None) -> dict:
-    args = {"schedule": "periodic"}
+    args = {"schedule": "kvllm"}
     for key, value in (("window_tokens", scale.kara_window), ("buffer_tokens", scale.kara_buffer),
                        ("chunk_budget", scale.kara_alpha), ("ratio", ratio_)):
         if value is not None:
