@@ -161,14 +161,15 @@ def budget_field(policy: str) -> str | None:
 
 
 def resolve_policy_args(policy: str, user_args: Mapping[str, Any], budget: int | None,
-                        block_size: int) -> dict:
-    """The policy arguments a run uses: the user's, plus the fixed budget (whole pages) where the
-    policy takes one and the user did not set it. Values come back typed (validated by building
-    the policy once)."""
+                        block_size: int, task_args: Mapping[str, Any] | None = None) -> dict:
+    """The policy arguments a run uses: the task's defaults for this policy (``task_args``,
+    ``Task.policy_args_for``) overridden by the user's, plus the fixed budget (whole pages) where
+    the policy takes one and neither set it. Values come back typed (validated by building the
+    policy once)."""
     from engine.config import ConfigError
     from engine.policies.base import build_policy
 
-    args = dict(user_args)
+    args = {**(task_args or {}), **user_args}
     name = budget_field(policy)
     if name and name not in args and budget is not None:
         args[name] = max(block_size, budget // block_size * block_size)
@@ -398,7 +399,8 @@ def run_eval(settings: EvalSettings, hooks: EvalHooks | None = None) -> EvalOutc
     defaults = task.defaults(preset)
     block_size = settings.block_size or defaults.block_size
     budget = settings.kv_budget or defaults.kv_budget
-    policy_args = resolve_policy_args(settings.policy, settings.policy_args, budget, block_size)
+    policy_args = resolve_policy_args(settings.policy, settings.policy_args, budget, block_size,
+                                      task.policy_args_for(settings.policy))
     label = R.run_label(settings.policy, settings.policy_args)
     try:
         model_dir = resolve_model(settings.model)

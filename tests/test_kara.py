@@ -867,3 +867,37 @@ def test_kvllm_through_engine_compresses_trailing_windows_once_per_period(llama_
             # the next window starts past the previous one's buffer
             assert b.info["window_starts"][0] >= a.physical_after
     assert all(o.num_output_tokens == 64 for o in outs)
+
+
+# -- Kara's own setup in evals ------------------------------------------------------------------
+
+
+def test_niah_task_runs_kara_with_prompt_compression():
+    from evals.runner import resolve_policy_args
+    from evals.tasks import get_task
+
+    niah, gsm8k = get_task("niah"), get_task("gsm8k")
+    for name in ("kara", "kara-wo-biattn", "kara-wo-t2c"):      # variants inherit the entry
+        assert niah.policy_args_for(name) == {"compress_prompt": True}
+    assert niah.policy_args_for("snapkv") == {} and gsm8k.policy_args_for("kara") == {}
+    task_args = niah.policy_args_for("kara")
+    assert resolve_policy_args("kara", {}, None, 32, task_args) == {"compress_prompt": True}
+    assert resolve_policy_args("kara", {"compress_prompt": "false"}, None, 32, task_args) == {
+        "compress_prompt": False}                              # the user's argument wins
+
+
+def test_niah_eval_compresses_kara_prompts(llama_dir, tmp_path):
+    import json
+    from pathlib import Path
+
+    from evals.runner import EvalSettings, run_eval
+
+    data = Path(__file__).parent / "fixtures" / "data" / "niah"
+    outcome = run_eval(EvalSettings(
+        task="niah", policy="kara", policy_args=dict(SMALL), model=str(llama_dir),
+        data=str(data), out=str(tmp_path), task_options={"lengths": (256,), "depths": (50.0,)},
+        block_size=4, kv_cache_tokens=1024, max_tokens=4))
+    config = json.loads((outcome.path / "config.json").read_text())
+    assert config["policy_args"]["compress_prompt"] is True
+    assert "compress_prompt" not in config["user_policy_args"]
+    assert outcome.metrics["events"]["prefill_compress"] > 0

@@ -159,8 +159,24 @@ class Task(ABC):
     local: ClassVar[LocalLayout]
     paper_defaults: ClassVar[TaskDefaults]
     cpu_defaults: ClassVar[TaskDefaults | None] = None
+    # Policy arguments the task's published setup uses, by registered policy name (e.g. NIAH runs
+    # Kara with prompt compression); the user's own arguments win. See ``policy_args_for``.
+    policy_defaults: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
 
     # -------------------------------------------------------------- defaults
+
+    def policy_args_for(self, policy: str) -> dict:
+        """This task's default arguments for ``policy``. A registered variant (a subclass, e.g.
+        Kara's ablations) inherits its base policy's entry unless it has its own."""
+        import engine.policies  # noqa: F401  (registers the built-in policies)
+        from engine.policies.base import POLICIES
+
+        cls = POLICIES.get(policy)
+        for klass in cls.__mro__ if cls is not None else ():
+            name = getattr(klass, "name", None)
+            if name in self.policy_defaults:
+                return dict(self.policy_defaults[name])
+        return {}
 
     def defaults(self, scale: str = "cpu") -> TaskDefaults:
         """Run defaults at ``scale``: ``"paper"`` (GrowPage Table 5) or ``"cpu"`` (small preset)."""

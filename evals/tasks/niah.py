@@ -49,6 +49,9 @@ class NIAH(Task):
     local = LocalLayout("niah", ("*.txt", "*/*.txt", "niah/*/*.txt"), "plain-text essays (.txt files)")
     paper_defaults = TaskDefaults(samples=1, max_tokens=128, kv_budget=None, block_size=256, temperature=0.0)
     cpu_defaults = TaskDefaults(samples=1, max_tokens=64, kv_budget=None, block_size=32, temperature=0.0)
+    # Kara's NIAH comparison (Fig. 6, "under KV cache compression") compresses the context: with
+    # its reasoning default (prompt frozen) and a short answer Kara would never compress here.
+    policy_defaults = {"kara": {"compress_prompt": True}}
 
     lengths: tuple[int, ...] = CPU_LENGTHS
     depths: tuple[float, ...] = DEFAULT_DEPTHS
