@@ -12,6 +12,14 @@ the target pages, in order.
 
 finalize (scheduler thread): swap the block table, set the physical length, release pages, and record
 the event with its stage timings.
+
+No host syncs on CUDA: policies return each row's kept slots ascending (topk_keep, select_chunks)
+and the targets are fresh pages or the sequence's own pages from the front, which is the Triton
+compaction kernel's ordering precondition by construction (engine/kernels/compact.py), so the
+hazard check (a device-to-host sync per call) is skipped; K and V move in one launch. On CPU the
+order is checked (free there) so a policy that breaks it fails loudly in CPU runs and tests.
+With async compaction on CUDA the worker runs on its own stream: the copy overlaps the other
+requests' decode steps instead of queueing behind them on the default stream.
 """
 
 from __future__ import annotations
@@ -25,7 +33,7 @@ import torch
 
 from engine.attention import KVCache
 from engine.block_manager import BlockManager
-from engine.kernels.compact import compact_slots
+from engine.kernels.compact import compact_kv, compact_slots
 from engine.policies.base import Action, Decision, KVPolicy, PolicyView, StageTimer
 from engine.sequence import CapacityEvent, Sequence
 
@@ -85,6 +93,8 @@ def execute(job: CompactionJob, policy: KVPolicy, view: PolicyView, kv: KVCache)
         raise PolicyError(
             f"{policy.name}.select returned shape {tuple(keep.shape)}, expected {(L, H, target)}"
         )
+    if not keep.is_cuda and target > 1 and not bool((keep[..., 1:] > keep[..., :-1]).all()):
+        raise PolicyError(f"{policy.name}.select must return each row's slots strictly ascending")
     with job.timer.stage("compaction"):
         bs = kv.block_size
         old = torch.tensor(seq.block_table, dtype=torch.long, device=kv.k.device)
@@ -93,10 +103,9 @@ def execute(job: CompactionJob, policy: KVPolicy, view: PolicyView, kv: KVCache)
         new = torch.tensor(job.new_table, dtype=torch.long, device=kv.k.device)
         pos = torch.arange(target, device=kv.k.device)
         dst = new[pos // bs] * bs + pos % bs
-        compact_slots(kv.k, src, dst)
-        compact_slots(kv.v, src, dst)
+        compact_kv(kv.k, kv.v, src, dst, ordered=True)
         if kv.scores is not None:
-            compact_slots(kv.scores, src, dst)
+            compact_slots(kv.scores, src, dst, ordered=True)
 
 
 def finalize(job: CompactionJob, bm: BlockManager) -> CapacityEvent:
@@ -118,15 +127,36 @@ def finalize(job: CompactionJob, bm: BlockManager) -> CapacityEvent:
 
 class CompactionWorker:
     """Runs `execute` for one job at a time on a background thread (Zipage's async pipeline: the
-    compacting request skips decode steps while the others keep decoding)."""
+    compacting request skips decode steps while the others keep decoding).
+
+    On CUDA the thread issues its kernels on a stream of its own. Ordering: the job's stream
+    first waits for everything the submitting stream had queued (the request's last K/V
+    writes); the job counts as done only once its stream has drained (the worker thread
+    synchronises its own stream, never the scheduler's), so finalize, and every later step that
+    reads the compacted pages, runs after the copy. Meanwhile the request's pages are touched by
+    nobody else: it skips decode (``compacting``) and shared pages were replaced at plan time.
+    """
 
     def __init__(self) -> None:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-compaction")
         self._jobs: list[tuple[CompactionJob, Future]] = []
+        self._stream = None
+
+    def _stream_for(self, device: torch.device):
+        if device.type != "cuda":
+            return None
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=device)
+        return self._stream
 
     def submit(self, job: CompactionJob, policy: KVPolicy, view: PolicyView, kv: KVCache) -> None:
         job.seq.compacting = True
-        self._jobs.append((job, self._pool.submit(execute, job, policy, view, kv)))
+        stream = self._stream_for(kv.k.device)
+        ready = None
+        if stream is not None:
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(kv.k.device))
+        self._jobs.append((job, self._pool.submit(_execute_on, stream, ready, job, policy, view, kv)))
 
     def done(self, wait: bool = False) -> list[CompactionJob]:
         """Jobs that finished (all of them when wait=True); re-raises a job's exception."""
@@ -147,3 +177,15 @@ class CompactionWorker:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
+
+
+def _execute_on(stream, ready, job: CompactionJob, policy: KVPolicy, view: PolicyView,
+                kv: KVCache) -> None:
+    """`execute` on ``stream`` (None: the current stream, e.g. CPU) after event ``ready``."""
+    if stream is None:
+        execute(job, policy, view, kv)
+        return
+    stream.wait_event(ready)
+    with torch.cuda.stream(stream):
+        execute(job, policy, view, kv)
+    stream.synchronize()

@@ -22,7 +22,7 @@ from engine.policies.demand import ema_update
 
 @dataclass
 class CapturePlan:
-    """Row indices for one step. recent_*: [R]; ema_*: [E]."""
+    """Row indices for one step, on the pool's device. recent_*: [R]; ema_*: [E]."""
 
     recent_rows: torch.Tensor
     recent_slots: torch.Tensor
@@ -37,6 +37,7 @@ class QueryStatePool:
                  head_dim: int, device, dtype):
         self.n = spec.recent_queries
         self.num_slots = num_slots
+        self.device = torch.device(device)
         self.recent = (torch.zeros(num_layers, num_slots, self.n, q_heads, head_dim,
                                    device=device, dtype=dtype) if self.n else None)
         self.recent_pos = torch.full((num_slots, max(self.n, 1)), -1, dtype=torch.long)
@@ -85,8 +86,17 @@ class QueryStatePool:
                 es.append(slot)
                 ei.append(not bool(self.ema_ready[slot]))
                 self.ema_ready[slot] = True
-        t = lambda xs, dt=torch.long: torch.tensor(xs, dtype=dt)  # noqa: E731
-        self.plan = CapturePlan(t(rr), t(rs), t(ring), t(er), t(es), t(ei, torch.bool))
+        self.plan = self._device_plan(rr, rs, ring, er, es, ei)
+
+    def _device_plan(self, *columns: list) -> CapturePlan:
+        """One host-to-device copy per step for all six index lists. Built on the host, they
+        would be copied again by every layer's `record` (an implicit transfer per index per
+        layer); here `record` indexes with tensors already on the device."""
+        sizes = [len(c) for c in columns]
+        packed = torch.tensor([int(x) for c in columns for x in c], dtype=torch.long)
+        parts = list(packed.to(self.device).split(sizes))
+        parts[5] = parts[5].bool()
+        return CapturePlan(*parts)
 
     def record(self, layer: int, q_pre: torch.Tensor) -> None:
         """q_pre: [T, q_heads, d] pre-RoPE queries of this layer for the step's rows."""

@@ -54,10 +54,13 @@ LOG2E = 1.4426950408889634
 MIN_PART_SLOTS = 512
 TARGET_PROGRAMS = 512
 BLOCK_N = 64
-# Prefill rows per program (query positions x group heads): 64 rows x head_dim 128 keeps the
-# fp32 accumulator at 64 registers per thread with 4 warps, which leaves room for the tiles
-# without spilling (bench kernels --aot).
-PREFILL_ROWS = 64
+# Prefill rows per program (query positions x group heads) and key tile, for 16-bit and for fp32
+# operands: 64 rows x head_dim 128 keeps the fp32 accumulator at 64 registers per thread with 4
+# warps, which leaves room for the bf16 tiles without spilling (181 registers on sm_90, none
+# spilled; 128-slot key tiles spill). ieee fp32 tiles are twice as wide in registers: 64 x 64
+# spilled 68 KB per thread, 32 rows x 32 slots none (bench kernels --aot).
+PREFILL_ROWS = {True: 64, False: 32}
+PREFILL_BLOCK_N = {True: 64, False: 32}
 
 
 @triton.jit
@@ -241,8 +244,8 @@ def _precision(q: torch.Tensor) -> str:
     return "ieee" if q.dtype == torch.float32 else "tf32"
 
 
-def _tile_constexprs(block_size: int, head_dim: int) -> dict:
-    block_n = BLOCK_N if block_size % BLOCK_N == 0 else min(BLOCK_N, next_pow2(block_size, 16))
+def _tile_constexprs(block_size: int, head_dim: int, block_n: int = BLOCK_N) -> dict:
+    block_n = block_n if block_size % block_n == 0 else min(block_n, next_pow2(block_size, 16))
     return dict(BLOCK_SIZE=block_size, HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim, 16),
                 BLOCK_N=block_n, IN_PAGE=block_size % block_n == 0)
 
@@ -323,8 +326,9 @@ def prefill_launches(q, k_cache_l, v_cache_l, block_tables, base_lens, q_lens, s
     kv_heads, block_size = k_cache_l.shape[0], k_cache_l.shape[2]
     group = q_heads // kv_heads
     g_pad = next_pow2(group)
+    half = q.dtype != torch.float32
     # BLOCK_M query positions x G_PAD heads = PREFILL_ROWS rows (at least the 16-row MMA).
-    block_m = max(1, PREFILL_ROWS // g_pad)
+    block_m = max(1, PREFILL_ROWS[half] // g_pad)
     while block_m * g_pad < 16:
         block_m *= 2
     grid = (batch, kv_heads, triton.cdiv(lq_max, block_m))
@@ -333,4 +337,5 @@ def prefill_launches(q, k_cache_l, v_cache_l, block_tables, base_lens, q_lens, s
         *q.stride(), *k_cache_l.stride(), *v_cache_l.stride(), *block_tables.stride(),
         *out.stride(), lq_max, block_tables.shape[1] * block_size,
     ), dict(GROUP=group, G_PAD=g_pad, BLOCK_M=block_m, PRECISION=_precision(q),
-            num_warps=4, num_stages=2, **_tile_constexprs(block_size, head_dim)))]
+            num_warps=4, num_stages=2,
+            **_tile_constexprs(block_size, head_dim, PREFILL_BLOCK_N[half])))]
