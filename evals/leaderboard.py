@@ -1,38 +1,70 @@
 """Leaderboard: result directories -> GrowPage-style tables (CSV + markdown) and figures.
 
 - Table 1 shape: per model, one row per policy label; pass@1 (%) per task and its average, then
-  decoding throughput (TPS, tokens/s) per task and its average.
+  decoding throughput (TPS, tokens/s) per task and its average. GSM8K's pass@1 is its strict
+  reading (an explicit final answer); the flexible one (last number) is in ``runs.csv``.
 - Table 7 shape: total inference time (seconds here; the paper reports hours) and TPOT (ms/token)
   per task and averages.
-- ``runs.csv``: every run's metrics in long form (one row per model x task x label).
-- ``pareto.png``: average pass@1 against average TPS, one point per label (Fig. 5); with a
-  ``mixed`` run, ``pareto_mixed.png`` on that workload as in the paper.
+- Memory and fidelity: the average KV budget per task, and, where the runs measured it, drift
+  from FullKV (mean delta-NLL per token, token agreement; evals.fidelity).
+- ``runs.csv``: every run's metrics in long form (one row per model x task x label), with the
+  interval bounds, the provenance and the run's path relative to the results root it was found
+  under.
+- ``quality_memory.png``: pass@1 (%) against the average KV budget, one panel per task, one
+  point per policy and budget, 95% intervals as error bars; ``fidelity_memory.png`` the same
+  with delta-NLL when the runs have it.
 - ``niah_<model>_<label>.png``: a depth x length heatmap per NIAH run.
+
+Uncertainty: a per-sample mean is printed ``value ± h``, ``h`` half the width of its 95% nested
+bootstrap interval (evals.intervals), as metrics.json records it; runs written before metrics
+carried intervals get them from their samples.jsonl here. "Avg" combines the tasks' half-widths
+as independent estimates (sqrt of the summed squares / number of tasks). TPS and total time are
+run-level figures without an interval: every run is timed alone, at whatever load the machine
+had, so they compare only loosely across rows; the benchmarks (results/benchmarks) time
+configurations side by side and are where speed is compared.
 
 Averages ("Avg") run over the five reasoning tasks of Table 1 (gsm8k, math500, amc23, aime24,
 livecodebench) that a row has; a row missing one of the tasks another row has is marked with
 ``†`` in the markdown. Other tasks (niah, mixed) get their own columns and stay out of averages.
 A value from a run that has not finished all its samples is marked ``*``.
+
+Provenance: every run's config.json records the commit, uncommitted-change fingerprint and
+machine it ran on (evals.provenance). Distinct combinations get letters (A: the most common);
+each row's ``prov`` cell lists the letters of its runs, and the legend under the tables says
+what each letter is. Rows with different letters were produced by different code or machines.
 """
 
 from __future__ import annotations
 
 import csv
 import math
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from evals.results import RunResult, find_runs, slug
+from evals.intervals import half_width, mean_half_width
+from evals.provenance import describe_key, provenance_key
+from evals.results import (SAMPLES_FILE, RunResult, find_runs, flexible_extraction,
+                           per_sample_intervals, run_label, slug)
 
 TABLE1_TASKS = ("gsm8k", "math500", "amc23", "aime24", "livecodebench")
 TASK_TITLES = {"gsm8k": "GSM8K", "math500": "MATH500", "amc23": "AMC23", "aime24": "AIME24",
                "livecodebench": "LiveCode", "niah": "NIAH", "mixed": "Mixed"}
 
-# (column title, metric key, scale, decimals) of the two tables' halves.
+# The x axis of the quality-vs-memory figure and the memory table.
+KV_BUDGET_KEY = "avg_kv_budget"
+# Policy arguments that set a fixed KV budget (evals.runner.BUDGET_FIELDS): runs differing only
+# in them are one policy at several budgets, one series in the figures.
+BUDGET_ARGS = ("budget", "initial_capacity")
+
+# (column title, metric key, scale, decimals) of each table's halves.
 TABLES = {
     "table1": (("pass@1 (%)", "pass@1", 100.0, 1), ("TPS (tok/s)", "tps", 1.0, 1)),
     "table7": (("total time (s)", "total_time_s", 1.0, 1), ("TPOT (ms/token)", "tpot_ms", 1.0, 1)),
+    "memory": (("avg KV budget (tokens)", KV_BUDGET_KEY, 1.0, 0),
+               ("delta-NLL (nats/token)", "fid_delta_nll", 1.0, 3),
+               ("token agreement (%)", "fid_agreement", 100.0, 1)),
 }
 
 
@@ -65,86 +97,149 @@ def _value(run: RunResult | None, key: str, scale: float) -> float | None:
     return None if v is None else float(v) * scale
 
 
+def _half_width(run: RunResult | None, key: str, scale: float) -> float | None:
+    if run is None:
+        return None
+    h = half_width(run.metrics.get(f"{key}_ci"))
+    return None if h is None else h * scale
+
+
 def _mean(values: Sequence[float | None]) -> float | None:
     vals = [v for v in values if v is not None]
     return sum(vals) / len(vals) if vals else None
 
 
 def half_table(runs: Sequence[RunResult], key: str, scale: float) -> dict[tuple[str, str], dict]:
-    """{(model, label): {task: value, "Avg": mean over Table-1 tasks present, "_partial": {...}}}"""
+    """{(model, label): {task: value, "Avg": mean over Table-1 tasks present, "_hw": {task or
+    "Avg": half-width of the 95% interval}, "_partial": {...}, "_missing": {...}}}"""
     by = {(r.model, r.label, r.task): r for r in runs}
     tasks = order_tasks({r.task for r in runs})
     out = {}
     for model, label in _row_order(runs):
-        row: dict[str, Any] = {}
+        row: dict[str, Any] = {"_hw": {}}
         partial = set()
         for t in tasks:
             run = by.get((model, label, t))
             row[t] = _value(run, key, scale)
+            row["_hw"][t] = _half_width(run, key, scale)
             if run is not None and not run.metrics.get("complete", True):
                 partial.add(t)
-        row["Avg"] = _mean([row[t] for t in tasks if t in TABLE1_TASKS])
+        present = [t for t in tasks if t in TABLE1_TASKS and row[t] is not None]
+        row["Avg"] = _mean([row[t] for t in present])
+        row["_hw"]["Avg"] = mean_half_width([row["_hw"][t] for t in present])
         row["_partial"] = partial
         row["_missing"] = {t for t in tasks if t in TABLE1_TASKS and row[t] is None}
         out[(model, label)] = row
     return out
 
 
-def _fmt(v: float | None, decimals: int) -> str:
+def _fmt(v: float | None, decimals: int, hw: float | None = None) -> str:
     if v is None or (isinstance(v, float) and math.isnan(v)):
         return "-"
-    return f"{v:.{decimals}f}"
+    text = f"{v:.{decimals}f}"
+    return text if hw is None else f"{text} ± {hw:.{decimals}f}"
 
 
-def table_markdown(runs: Sequence[RunResult], name: str) -> str:
+def _halves(runs: Sequence[RunResult], name: str) -> list[tuple[str, str, float, int]]:
+    """The table's halves that some run has a value for (the fidelity columns are optional)."""
     halves = TABLES[name]
+    if name != "memory":
+        return list(halves)
+    return [h for h in halves if any(r.metrics.get(h[1]) is not None for r in runs)]
+
+
+def table_markdown(runs: Sequence[RunResult], name: str,
+                   prov: dict[tuple[str, str], str] | None = None) -> str:
+    halves = _halves(runs, name)
     tasks = order_tasks({r.task for r in runs})
     columns = [(title, t) for title, *_ in halves for t in tasks + ["Avg"]]
-    header = "| model | method | " + " | ".join(f"{TASK_TITLES.get(t, t)} {title}" for title, t in columns) + " |"
-    lines = [header, "|" + "---|" * (2 + len(columns))]
+    header = ("| model | method | " + " | ".join(f"{TASK_TITLES.get(t, t)} {title}" for title, t in columns)
+              + (" | prov |" if prov else " |"))
+    lines = [header, "|" + "---|" * (2 + len(columns) + bool(prov))]
     tables = [half_table(runs, key, scale) for _, key, scale, _ in halves]
     for model, label in _row_order(runs):
         cells = []
         for (_, key, scale, dec), table in zip(halves, tables):
             row = table[(model, label)]
             for t in tasks + ["Avg"]:
-                text = _fmt(row[t], dec)
+                text = _fmt(row[t], dec, row["_hw"][t])
                 if t in row["_partial"]:
                     text += "*"
                 if t == "Avg" and row["_missing"] and row["Avg"] is not None:
                     text += "†"
                 cells.append(text)
+        if prov:
+            cells.append(prov[(model, label)])
         lines.append(f"| {model} | {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def write_table_csv(runs: Sequence[RunResult], name: str, path: Path) -> Path:
-    halves = TABLES[name]
+    """The table as CSV: each value, then ``... ±`` (its interval's half-width) where it has one."""
+    halves = _halves(runs, name)
     tasks = order_tasks({r.task for r in runs})
     tables = [half_table(runs, key, scale) for _, key, scale, _ in halves]
-    header = ["model", "method"] + [f"{title} {TASK_TITLES.get(t, t)}" for title, *_ in halves
-                                    for t in tasks + ["Avg"]]
+    with_hw = [any(tables[i][k]["_hw"].get(t) is not None for k in tables[i] for t in tasks + ["Avg"])
+               for i in range(len(halves))]
+    header = ["model", "method"]
+    for (title, *_), hw in zip(halves, with_hw):
+        for t in tasks + ["Avg"]:
+            header += [f"{title} {TASK_TITLES.get(t, t)}"] + ([f"{title} {TASK_TITLES.get(t, t)} ±"] if hw else [])
     with open(path, "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
         w.writerow(header)
         for model, label in _row_order(runs):
             cells = []
-            for (_, _, _, dec), table in zip(halves, tables):
+            for (_, _, _, dec), table, hw in zip(halves, tables, with_hw):
                 row = table[(model, label)]
-                cells += ["" if row[t] is None else round(row[t], dec + 2) for t in tasks + ["Avg"]]
+                for t in tasks + ["Avg"]:
+                    cells.append(_round(row[t], dec + 2))
+                    if hw:
+                        cells.append(_round(row["_hw"][t], dec + 2))
             w.writerow([model, label] + cells)
     return path
 
 
+def _round(v: float | None, digits: int) -> Any:
+    return "" if v is None else round(v, digits)
+
+
+# ------------------------------------------------------------------------------ runs.csv
+
+
+CI_COLUMNS = ("pass@1", "pass@1_flexible", "tpot_ms", "avg_kv_budget", "fid_delta_nll",
+              "fid_worst_window", "fid_agreement", "fid_first_divergence")
+
 RUN_COLUMNS = ("model", "task", "method", "policy", "policy_args", "samples_done", "samples_planned",
-               "complete", "problems", "failed", "pass@1", "extraction_rate", "mean_score",
-               "mean_output_tokens", "tps", "total_time_s", "tpot_ms", "avg_kv_budget",
-               "mean_resident", "grow_ratio", "grow", "compress", "shrink", "fallback", "preempt",
-               "prefill_compress", "periodic_compress", "max_tokens", "temperature", "preset",
-               "block_size", "kv_budget", "path")
+               "complete", "problems", "failed", "pass@1", "pass@1_lo", "pass@1_hi",
+               "pass@1_flexible", "pass@1_flexible_lo", "pass@1_flexible_hi", "extraction_rate",
+               "extraction_rate_flexible", "mean_score", "mean_output_tokens", "tps",
+               "total_time_s", "tpot_ms", "tpot_ms_lo", "tpot_ms_hi", "avg_kv_budget",
+               "avg_kv_budget_lo", "avg_kv_budget_hi", "avg_kv_allocated", "fid_delta_nll", "fid_delta_nll_lo",
+               "fid_delta_nll_hi", "fid_worst_window", "fid_worst_window_lo", "fid_worst_window_hi",
+               "fid_agreement", "fid_agreement_lo", "fid_agreement_hi", "fid_first_divergence",
+               "fid_first_divergence_lo", "fid_first_divergence_hi", "mean_resident", "grow_ratio",
+               "grow", "compress", "shrink", "fallback", "preempt", "prefill_compress",
+               "periodic_compress", "allocate", "max_tokens", "temperature", "preset", "block_size",
+               "kv_budget", "prov", "git_commit", "git_dirty", "machine", "path")
 
 
-def write_runs_csv(runs: Sequence[RunResult], path: Path) -> Path:
+def relative_path(run: RunResult, roots: Sequence[str | Path]) -> str:
+    """The run's directory relative to the first of ``roots`` that holds it (POSIX form); the
+    path as found when none does."""
+    where = run.path.resolve()
+    for root in roots:
+        try:
+            rel = where.relative_to(Path(root).resolve())
+        except ValueError:
+            continue
+        return rel.as_posix() or "."
+    return run.path.as_posix()
+
+
+def write_runs_csv(runs: Sequence[RunResult], path: Path, roots: Sequence[str | Path] = (),
+                   prov_ids: dict[tuple, str] | None = None) -> Path:
+    prov_ids = prov_ids or provenance_ids(runs)
     with open(path, "w", newline="", encoding="utf-8") as f:
         w = csv.DictWriter(f, fieldnames=list(RUN_COLUMNS))
         w.writeheader()
@@ -152,57 +247,153 @@ def write_runs_csv(runs: Sequence[RunResult], path: Path) -> Path:
         for r in sorted(runs, key=lambda r: (r.model, tasks.index(r.task), r.label != "full", r.label)):
             m, c = r.metrics, r.config
             row = {k: m.get(k) for k in RUN_COLUMNS if k in m}
+            for key in CI_COLUMNS:
+                ci = m.get(f"{key}_ci")
+                if ci:
+                    row[f"{key}_lo"], row[f"{key}_hi"] = ci
             row.update({k: c.get(k) for k in ("policy", "max_tokens", "temperature", "preset",
                                               "block_size", "kv_budget")})
             row.update(m.get("events") or {})
-            row.update(model=r.model, task=r.task, method=r.label, path=str(r.path),
+            prov = c.get("provenance") or {}
+            git, mach = prov.get("git") or {}, prov.get("machine") or {}
+            row.update(model=r.model, task=r.task, method=r.label, path=relative_path(r, roots),
+                       prov="+".join(run_prov_ids(r, prov_ids)), git_commit=git.get("commit"),
+                       git_dirty=git.get("dirty"),
+                       machine=f"{mach.get('cpu_count')} x {mach.get('cpu')}; {mach.get('device')}" if mach else None,
                        policy_args=" ".join(f"{k}={v}" for k, v in sorted((c.get("policy_args") or {}).items())))
             w.writerow(row)
     return path
 
 
-def pareto_points(runs: Sequence[RunResult], task: str | None = None) -> list[dict]:
-    """One point per (model, label): average pass@1 (%) and TPS over the Table-1 tasks, or on
-    ``task`` alone."""
-    acc = half_table(runs, "pass@1", 100.0)
-    tps = half_table(runs, "tps", 1.0)
-    points = []
-    for key in _row_order(runs):
-        x = tps[key].get(task) if task else tps[key]["Avg"]
-        y = acc[key].get(task) if task else acc[key]["Avg"]
-        if x is not None and y is not None:
-            points.append({"group": key[0], "label": key[1], "x": x, "y": y})
-    return points
+# ------------------------------------------------------------------------------ provenance
+
+
+def _run_keys(run: RunResult) -> list[tuple]:
+    """Provenance keys of every invocation that wrote samples of ``run`` (latest first)."""
+    prov = run.config.get("provenance")
+    earlier = (prov or {}).get("earlier") or []
+    return [provenance_key(prov)] + [provenance_key(p) for p in earlier]
+
+
+def provenance_ids(runs: Sequence[RunResult]) -> dict[tuple, str]:
+    """A letter per distinct provenance key: ``A`` for the one most runs share, then by count."""
+    counts = Counter(k for r in runs for k in _run_keys(r))
+    ordered = sorted(counts, key=lambda k: (-counts[k], k == ("unknown",), str(k)))
+    return {k: _letters(i) for i, k in enumerate(ordered)}
+
+
+def _letters(i: int) -> str:
+    out = ""
+    i += 1
+    while i:
+        i, rem = divmod(i - 1, 26)
+        out = chr(ord("A") + rem) + out
+    return out
+
+
+def run_prov_ids(run: RunResult, ids: dict[tuple, str]) -> list[str]:
+    return sorted({ids[k] for k in _run_keys(run)}, key=lambda s: (len(s), s))
+
+
+def row_provenance(runs: Sequence[RunResult], ids: dict[tuple, str]) -> dict[tuple[str, str], str]:
+    """{(model, label): the letters of its runs, joined with ``+``}."""
+    out: dict[tuple[str, str], set[str]] = {}
+    for r in runs:
+        out.setdefault((r.model, r.label), set()).update(run_prov_ids(r, ids))
+    return {k: "+".join(sorted(v, key=lambda s: (len(s), s))) for k, v in out.items()}
+
+
+def provenance_legend(runs: Sequence[RunResult], ids: dict[tuple, str]) -> str:
+    counts = Counter(k for r in runs for k in set(_run_keys(r)))
+    lines = [f"- {ids[k]}: {describe_key(k)} ({counts[k]} run{'s' if counts[k] != 1 else ''})"
+             for k in sorted(ids, key=lambda k: (len(ids[k]), ids[k]))]
+    if len(ids) > 1:
+        lines.append("- Rows whose `prov` letters differ were produced by different code or "
+                     "machines (a `+` inside one row: its runs, or one resumed run, mix them); a "
+                     "difference between such rows is not the policies' alone.")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------ figures
+
+
+def series_name(run: RunResult) -> str:
+    """The run's label without its budget arguments: one policy at several budgets is one series."""
+    args = {k: v for k, v in (run.config.get("user_policy_args") or {}).items() if k not in BUDGET_ARGS}
+    policy = run.config.get("policy")
+    return run_label(str(policy), args) if policy else run.label
+
+
+def memory_points(runs: Sequence[RunResult], key: str = "pass@1", scale: float = 100.0
+                  ) -> dict[str, list[dict]]:
+    """{task title: points} for :func:`evals.plots.quality_memory_plot`: per run, ``y`` = the
+    metric ``key`` (times ``scale``), ``x`` = its average KV budget, both with their intervals."""
+    panels: dict[str, list[dict]] = {}
+    several_models = len({r.model for r in runs}) > 1
+    for task in order_tasks({r.task for r in runs}):
+        pts = []
+        for r in sorted((r for r in runs if r.task == task), key=lambda r: (r.model, r.label)):
+            y, x = r.metrics.get(key), r.metrics.get(KV_BUDGET_KEY)
+            if y is None or x is None:
+                continue
+            y_ci, x_ci = r.metrics.get(f"{key}_ci"), r.metrics.get(f"{KV_BUDGET_KEY}_ci")
+            name = series_name(r)
+            pts.append({"series": f"{r.model}: {name}" if several_models else name,
+                        "x": float(x), "y": float(y) * scale,
+                        "x_ci": list(x_ci) if x_ci else None,
+                        "y_ci": [v * scale for v in y_ci] if y_ci else None})
+        if pts:
+            panels[TASK_TITLES.get(task, task)] = pts
+    return panels
+
+
+# ------------------------------------------------------------------------------ build
+
+
+def complete_intervals(run: RunResult) -> None:
+    """Give a run written before metrics carried intervals its ``*_ci`` entries, computed from
+    its samples.jsonl (the values themselves stay those of its metrics.json)."""
+    if "pass@1_ci" in run.metrics or not (run.path / SAMPLES_FILE).exists():
+        return
+    records = run.samples()
+    ok = [r for r in records if r.get("status") == "ok"]
+    for k, v in {**per_sample_intervals(records, ok), **flexible_extraction(records)}.items():
+        run.metrics.setdefault(k, v)
 
 
 def build_leaderboard(dirs: Sequence[str | Path], out: str | Path) -> Leaderboard:
     """Collect every run under ``dirs`` and write the tables and figures into ``out``."""
-    from evals.plots import niah_heatmap, pareto_plot
+    from evals.plots import niah_heatmap, quality_memory_plot
     from evals.runner import niah_records
 
     runs = find_runs(dirs)
     if not runs:
         raise FileNotFoundError(f"no result directories (config.json + metrics.json) under "
                                 f"{[str(d) for d in dirs]}; run `kvarena eval` first")
+    for r in runs:
+        complete_intervals(r)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    ids = provenance_ids(runs)
     files: dict[str, Path] = {
         "table1.csv": write_table_csv(runs, "table1", out / "table1.csv"),
         "table7.csv": write_table_csv(runs, "table7", out / "table7.csv"),
-        "runs.csv": write_runs_csv(runs, out / "runs.csv"),
+        "memory.csv": write_table_csv(runs, "memory", out / "memory.csv"),
+        "runs.csv": write_runs_csv(runs, out / "runs.csv", dirs, ids),
     }
-    md = render_markdown(runs)
+    md = render_markdown(runs, ids)
     (out / "leaderboard.md").write_text(md + "\n", encoding="utf-8")
     files["leaderboard.md"] = out / "leaderboard.md"
-    points = pareto_points(runs)
-    if points:
-        files["pareto.png"] = pareto_plot(points, out / "pareto.png",
-                                          title="Accuracy vs throughput (Table-1 task averages)")
-    if any(r.task == "mixed" for r in runs):
-        mixed = pareto_points(runs, "mixed")
-        if mixed:
-            files["pareto_mixed.png"] = pareto_plot(mixed, out / "pareto_mixed.png",
-                                                    title="Accuracy vs throughput, mixed workload")
+    panels = memory_points(runs)
+    if panels:
+        files["quality_memory.png"] = quality_memory_plot(
+            panels, out / "quality_memory.png",
+            title="pass@1 vs average KV budget (95% intervals; one point per policy and budget)")
+    fidelity = memory_points(runs, "fid_delta_nll", 1.0)
+    if fidelity:
+        files["fidelity_memory.png"] = quality_memory_plot(
+            fidelity, out / "fidelity_memory.png", ylabel="delta-NLL vs FullKV (nats/token)",
+            title="Drift from FullKV vs average KV budget (95% intervals; 0 = FullKV)")
     for r in runs:
         grid = niah_records(r.samples()) if r.task == "niah" else []
         if grid:
@@ -212,11 +403,21 @@ def build_leaderboard(dirs: Sequence[str | Path], out: str | Path) -> Leaderboar
     return Leaderboard(runs, tasks, _row_order(runs), files, md)
 
 
-def render_markdown(runs: Sequence[RunResult]) -> str:
-    notes = ("Avg: mean over the Table-1 reasoning tasks a row has (gsm8k, math500, amc23, aime24, "
-             "livecodebench); † = the row lacks one of them; * = run not finished (partial samples).")
-    return "\n\n".join([
-        "## Accuracy and throughput (GrowPage Table 1 shape)", table_markdown(runs, "table1"),
-        "## Total time and TPOT (GrowPage Table 7 shape)", table_markdown(runs, "table7"),
-        notes,
-    ])
+def render_markdown(runs: Sequence[RunResult], ids: dict[tuple, str] | None = None) -> str:
+    ids = ids or provenance_ids(runs)
+    prov = row_provenance(runs, ids)
+    notes = ("Values: `value ± h`, h = half-width of the 95% interval (bootstrap over problems, "
+             "samples nested in problems); Avg: mean over the Table-1 reasoning tasks a row has "
+             "(gsm8k, math500, amc23, aime24, livecodebench), its ± combining the tasks' as "
+             "independent; † = the row lacks one of them; * = run not finished (partial samples). "
+             "GSM8K pass@1 is strict extraction (boxed / `#### N` / \"The answer is N\"); the "
+             "flexible (last-number) reading is `pass@1_flexible` in runs.csv. TPS and total time "
+             "are run-level (no interval): each run was timed alone under whatever load the "
+             "machine had; compare speed in the benchmarks, which time configurations side by "
+             "side.")
+    parts = ["## Accuracy and throughput (GrowPage Table 1 shape)", table_markdown(runs, "table1", prov),
+             "## Total time and TPOT (GrowPage Table 7 shape)", table_markdown(runs, "table7", prov)]
+    if _halves(runs, "memory"):
+        parts += ["## Memory and fidelity to FullKV", table_markdown(runs, "memory", prov)]
+    parts += [notes, "Provenance (`prov`):\n\n" + provenance_legend(runs, ids)]
+    return "\n\n".join(parts)

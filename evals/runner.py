@@ -469,6 +469,7 @@ def _generate(settings: EvalSettings, config: dict, plan: Plan, todo: list[R.Sam
                         "max_model_len": llm.runner.max_model_len}
     segment = len(R.read_segments(path / R.SEGMENTS_FILE))
     config["last_invocation"] = _now()
+    config["provenance"] = invocation_provenance(path)
     R.write_json(path / R.CONFIG_FILE, config)
 
     task_for = {}  # the mixed workload's problems are prompted by their source task
@@ -649,6 +650,25 @@ def _jsonable(value: Any) -> Any:
 def _latest(config: dict) -> dict:
     keep = ("samples", "limit", "problems", "samples_planned", "kv_cache_tokens", "max_num_seqs")
     return {k: config[k] for k in keep}
+
+
+def invocation_provenance(path: Path) -> dict:
+    """This invocation's git commit (and uncommitted-change fingerprint), library versions,
+    machine and command line (evals.provenance). A resumed run whose earlier invocations ran on
+    other code or another machine lists those under ``"earlier"``, so its samples are known to
+    be mixed."""
+    from evals.provenance import provenance_key, run_provenance
+
+    current = run_provenance()
+    config_path = path / R.CONFIG_FILE
+    old = R.read_json(config_path).get("provenance") if config_path.exists() else None
+    history = [{k: v for k, v in old.items() if k != "earlier"}, *(old.get("earlier") or [])] if old else []
+    earlier, seen = [], {provenance_key(current)}
+    for prev in history:
+        if provenance_key(prev) not in seen:
+            seen.add(provenance_key(prev))
+            earlier.append(prev)
+    return {**current, "earlier": earlier} if earlier else current
 
 
 def _now() -> str:

@@ -223,11 +223,35 @@ def test_every_task_format_two_policies_and_the_leaderboard(model_dir, tmp_path)
     with open(board.files["table7.csv"]) as f:
         assert len(list(csv.DictReader(f))) == 2
     with open(board.files["runs.csv"]) as f:
-        assert len(list(csv.DictReader(f))) == 12
+        runs = list(csv.DictReader(f))
+    assert len(runs) == 12 and {r["path"] for r in runs} >= {"tiny-llama/gsm8k/full", "tiny-llama/niah/zipage"}
     md = board.files["leaderboard.md"].read_text()
     assert "| tiny-llama | full |" in md and "| tiny-llama | zipage |" in md and "TPOT" in md
-    for name in ("pareto.png", "niah_tiny-llama_full.png", "niah_tiny-llama_zipage.png"):
+    assert " ± " in md.split("| tiny-llama | full |")[1].splitlines()[0]
+    for name in ("quality_memory.png", "niah_tiny-llama_full.png", "niah_tiny-llama_zipage.png"):
         assert board.files[name].read_bytes()[:4] == b"\x89PNG"
+
+
+def test_config_records_provenance(model_dir, tmp_path):
+    import subprocess
+
+    outcome = run_eval(settings(model_dir, tmp_path, limit=1, max_tokens=4))
+    prov = json.loads((outcome.path / R.CONFIG_FILE).read_text())["provenance"]
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[1]).stdout.strip()
+    assert prov["git"]["commit"] == head and isinstance(prov["git"]["dirty"], bool)
+    assert (prov["git"]["diff_sha256"] is None) == (not prov["git"]["dirty"])
+    assert prov["versions"]["torch"] and prov["versions"]["transformers"] and prov["versions"]["kvarena"]
+    assert prov["machine"]["cpu_count"] >= 1 and prov["machine"]["device"] and prov["machine"]["platform"]
+    assert prov["command"] and prov["date_utc"] and "earlier" not in prov
+    # A resumed run from other code keeps the earlier invocation's provenance.
+    config = json.loads((outcome.path / R.CONFIG_FILE).read_text())
+    config["provenance"]["git"]["commit"] = "0" * 40
+    R.write_json(outcome.path / R.CONFIG_FILE, config)
+    (outcome.path / R.SAMPLES_FILE).write_text("")
+    again = run_eval(settings(model_dir, tmp_path, limit=1, max_tokens=4))
+    prov = json.loads((again.path / R.CONFIG_FILE).read_text())["provenance"]
+    assert prov["git"]["commit"] == head and [p["git"]["commit"] for p in prov["earlier"]] == ["0" * 40]
 
 
 # ------------------------------------------------------------------------------ sweep

@@ -11,18 +11,16 @@ noise-prone and are shown for context only.
 from __future__ import annotations
 
 import gc
-import hashlib
 import json
 import math
 import os
-import platform
-import shlex
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
+
+from evals import provenance
 
 RESULTS_DIR = Path("results/benchmarks")
 
@@ -193,50 +191,25 @@ def load_average() -> str:
         return "n/a"
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def _git(*args: str) -> str:
-    return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10,
-                          check=True).stdout
-
-
 def _git_commit() -> str:
     """HEAD, plus a fingerprint of uncommitted changes to engine/ (several people edit the tree
     at once; the fingerprint tells which engine a result was measured on)."""
-    try:
-        head = _git("rev-parse", "--short", "HEAD").strip()
-        engine_diff = _git("diff", "HEAD", "--", "engine")
-    except (OSError, subprocess.SubprocessError):
+    state = provenance.git_state(("engine",))
+    if state["commit"] is None:
         return "unknown"
-    if not engine_diff:
+    head = state["commit"][:7]
+    if not state["dirty"]:
         return f"{head} (engine/ as committed)"
-    digest = hashlib.sha256(engine_diff.encode()).hexdigest()[:12]
-    return f"{head} + uncommitted engine/ changes (diff sha256 {digest})"
+    return f"{head} + uncommitted engine/ changes (diff sha256 {state['diff_sha256']})"
 
 
 def machine_facts(threads: int) -> dict:
-    import torch
-    import transformers
-
-    mem = "unknown"
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal"):
-                mem = f"{int(line.split()[1]) / 2**20:.1f} GiB"
-    except OSError:
-        pass
+    """The machine and code state of a benchmark (evals.provenance), plus its thread settings."""
+    mach, vers = provenance.machine(), provenance.versions()
     return {
-        "cpu": _cpu_model(), "cpu_count": os.cpu_count(), "memory": mem,
-        "platform": platform.platform(), "python": platform.python_version(),
-        "torch": torch.__version__, "transformers": transformers.__version__,
+        "cpu": mach["cpu"], "cpu_count": mach["cpu_count"], "memory": mach["memory"],
+        "platform": mach["platform"], "device": mach["device"], "python": vers["python"],
+        "torch": vers["torch"], "transformers": vers["transformers"], "kvarena": vers["kvarena"],
         "torch_threads": threads, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
         "omp_policy_applied_before_torch": OMP_POLICY_APPLIED,
         "git_commit": _git_commit(),
@@ -248,26 +221,7 @@ def machine_facts(threads: int) -> dict:
 # (libgomp reads it once, when torch loads it).
 OMP_POLICY_APPLIED: bool | None = None
 
-
-def command_line(ctx=None) -> str:
-    """The invoking command: `kvarena <group> <command>` plus every option given on the command
-    line, rebuilt from the command's typer context (so it reads the same under the entry point,
-    `python cli.py` or a test runner); sys.argv without a context."""
-    if ctx is None:
-        argv = list(sys.argv)
-        argv[0] = Path(argv[0]).name if argv else "kvarena"
-        return shlex.join(argv)
-    parts = ["kvarena", *ctx.command_path.split()[1:]]
-    for param in ctx.command.params:
-        source = ctx.get_parameter_source(param.name)
-        if getattr(source, "name", None) != "COMMANDLINE":
-            continue
-        value = ctx.params[param.name]
-        if getattr(param, "is_flag", False):
-            parts.append(param.opts[0] if value else param.secondary_opts[0])
-        else:
-            parts += [param.opts[0], str(value)]
-    return shlex.join(parts)
+command_line = provenance.command_line
 
 
 def run_bench_command(core: Callable[..., BenchResult], *, threads: int, out_dir: Path,

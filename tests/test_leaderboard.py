@@ -1,0 +1,131 @@
+"""Leaderboard on hand-written result directories: intervals (± in the markdown), provenance
+marks, run paths relative to the results root, the quality-vs-memory figure."""
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+
+from evals import results as R
+from evals.leaderboard import build_leaderboard, memory_points, series_name
+from evals.plots import quality_memory_plot
+
+PROV_A = {"git": {"commit": "a" * 40, "dirty": False, "diff_sha256": None},
+          "machine": {"cpu": "CPU X", "cpu_count": 2, "device": "cpu"}}
+PROV_B = {"git": {"commit": "b" * 40, "dirty": True, "diff_sha256": "123456789abc"},
+          "machine": {"cpu": "CPU X", "cpu_count": 2, "device": "cpu"}}
+
+
+def _samples(task, n_problems, solved, budget):
+    """2 samples per problem; the first ``solved`` problems correct in both."""
+    return [{"uid": f"{task}/{p}", "sample": j, "task": task, "status": "ok", "correct": p < solved,
+             "score": float(p < solved), "extracted": "1", "output_tokens": 20, "tpot_s": 0.01,
+             "avg_kv_budget": budget + p, "reason": "correct" if p < solved else "wrong_answer"}
+            for p in range(n_problems) for j in range(2)]
+
+
+def write_run(root: Path, task: str, policy: str, args: dict, solved: int, budget: float,
+              provenance: dict | None, with_intervals: bool = True) -> Path:
+    label = R.run_label(policy, args)
+    path = R.run_dir(root, "tiny", task, label)
+    records = _samples(task, 20, solved, budget)
+    segments = [{"wall_time": 4.0, "output_tokens": 800, "status": "complete"}]
+    metrics = R.compute_metrics(records, segments, len(records))
+    if not with_intervals:  # a run written before metrics carried intervals
+        metrics = {k: v for k, v in metrics.items() if not k.endswith("_ci") and k != "intervals"}
+    config = {"label": label, "model": "tiny", "task": task, "policy": policy,
+              "policy_args": args, "user_policy_args": args}
+    if provenance is not None:
+        config["provenance"] = provenance
+    R.write_json(path / R.CONFIG_FILE, config)
+    R.write_json(path / R.METRICS_FILE, metrics)
+    (path / R.SAMPLES_FILE).write_text("".join(R.dumps_line(r) for r in records))
+    return path
+
+
+@pytest.fixture
+def results_root(tmp_path):
+    root = tmp_path / "results"
+    write_run(root, "gsm8k", "full", {}, 10, 300, PROV_A)
+    write_run(root, "gsm8k", "zipage", {"budget": 64}, 2, 64, PROV_A)
+    write_run(root, "gsm8k", "zipage", {"budget": 128}, 6, 128, PROV_A)
+    write_run(root, "math500", "full", {}, 4, 320, PROV_A)
+    write_run(root, "math500", "zipage", {"budget": 64}, 1, 64, PROV_B)
+    write_run(root, "math500", "zipage", {"budget": 128}, 3, 128, None, with_intervals=False)
+    return root
+
+
+def test_markdown_shows_value_plus_minus_half_width(results_root, tmp_path):
+    board = build_leaderboard([results_root], tmp_path / "board")
+    md = board.markdown
+    full = next(line for line in md.splitlines() if line.startswith("| tiny | full |"))
+    run = R.find_runs([results_root / "tiny" / "gsm8k" / "full"])[0]
+    lo, hi = run.metrics["pass@1_ci"]
+    assert f"| 50.0 ± {(hi - lo) / 2 * 100:.1f} |" in full
+    # Table 7: total time is run-level (no ±), TPOT a per-sample mean (±).
+    t7 = next(line for line in md.split("## Total time")[1].splitlines() if line.startswith("| tiny | full |"))
+    cells = [c.strip() for c in t7.split("|")[3:-2]]
+    assert cells[:3] == ["4.0", "4.0", "4.0"] and all("±" in c for c in cells[3:])
+    # Run-level TPS: a plain number, said to be run-level.
+    assert "| 200.0 |" in full and "run-level" in md
+    # The run written without intervals got them from its samples.
+    old = next(line for line in md.splitlines() if line.startswith("| tiny | zipage+budget=128 |"))
+    assert "15.0 ± " in old
+
+
+def test_rows_of_other_commits_or_machines_are_marked(results_root, tmp_path):
+    md = build_leaderboard([results_root], tmp_path / "board").markdown
+    rows = {line.split("|")[2].strip(): line.split("|")[-2].strip()
+            for line in md.split("## Total time")[0].splitlines() if line.startswith("| tiny |")}
+    assert rows == {"full": "A", "zipage+budget=64": "A+B", "zipage+budget=128": "A+C"}
+    assert "- A: commit aaaaaaaaaa; 2 x CPU X; device cpu (4 runs)" in md
+    assert "- B: commit bbbbbbbbbb + uncommitted changes (diff 123456789abc)" in md
+    assert "- C: not recorded" in md and "different code or machines" in md
+
+
+def test_runs_csv_paths_are_relative_to_the_results_root(results_root, tmp_path):
+    board = build_leaderboard([results_root], tmp_path / "board")
+    with open(board.files["runs.csv"]) as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 6
+    assert {r["path"] for r in rows} >= {"tiny/gsm8k/full", "tiny/math500/zipage+budget=64"}
+    assert not any(str(tmp_path) in r["path"] or r["path"].startswith("/") for r in rows)
+    full = next(r for r in rows if r["path"] == "tiny/gsm8k/full")
+    assert float(full["pass@1_lo"]) < float(full["pass@1"]) == 0.5 < float(full["pass@1_hi"])
+    assert full["prov"] == "A" and full["git_commit"] == "a" * 40
+
+
+def test_quality_memory_points_and_figure(results_root, tmp_path):
+    runs = R.find_runs([results_root])
+    assert series_name(next(r for r in runs if r.label == "zipage+budget=64")) == "zipage"
+    panels = memory_points(runs)
+    assert list(panels) == ["GSM8K", "MATH500"]
+    gsm = {(p["series"], round(p["x"])): p for p in panels["GSM8K"]}
+    assert set(gsm) == {("full", 310), ("zipage", 74), ("zipage", 138)}
+    p = gsm[("zipage", 138)]
+    assert p["y"] == pytest.approx(30.0) and p["y_ci"][0] < 30.0 < p["y_ci"][1]
+    board = build_leaderboard([results_root], tmp_path / "board")
+    png = board.files["quality_memory.png"]
+    assert png.read_bytes()[:4] == b"\x89PNG" and "pareto.png" not in board.files
+    assert "fidelity_memory.png" not in board.files  # no run measured fidelity
+
+
+def test_quality_memory_plot_without_intervals(tmp_path):
+    path = quality_memory_plot({"T": [{"series": "a", "x": 1.0, "y": 2.0}]}, tmp_path / "q.png")
+    assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_fidelity_columns_and_figure_appear_when_measured(tmp_path):
+    root = tmp_path / "results"
+    for policy, drift in (("full", 0.0), ("zipage", 0.4)):
+        path = write_run(root, "niah", policy, {}, 5, 100, PROV_A)
+        recs = [json.loads(x) for x in (path / R.SAMPLES_FILE).read_text().splitlines()]
+        for i, r in enumerate(recs):
+            r.update(fid_delta_nll=drift * (1 + i % 3), fid_agreement=1.0 - drift * (i % 2))
+        (path / R.SAMPLES_FILE).write_text("".join(R.dumps_line(r) for r in recs))
+        R.write_json(path / R.METRICS_FILE, R.compute_metrics(recs, [], len(recs)))
+    board = build_leaderboard([root], tmp_path / "board")
+    assert "delta-NLL (nats/token)" in board.markdown and "fidelity_memory.png" in board.files
+    line = next(x for x in board.markdown.split("## Memory")[1].splitlines() if x.startswith("| tiny | zipage |"))
+    assert "0.790 ± " in line  # 0.4 x mean(1 + i % 3) over 40 samples = 0.4 x 79/40
