@@ -105,6 +105,19 @@ def generate(
     console.print(f"[green]{stats.summary()}[/]")
 
 
+@app.command("lm-eval", add_help_option=False,
+             context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def lm_eval_command(ctx: typer.Context) -> None:
+    """lm-evaluation-harness on the engine: -m MODEL, -p POLICY, -a key=value (repeatable), and
+    every argument of `lm-eval run` passed through unchanged (--help lists both)."""
+    from evals.lm_eval_adapter import AdapterError, main
+
+    try:
+        main(list(ctx.args))
+    except AdapterError as e:
+        fail(str(e))
+
+
 def _register_subcommands() -> None:
     from analysis.cli import analyze_app
     from evals.benchmarks import bench_app

@@ -26,7 +26,8 @@ class SamplingParams:
     stop: strings that end generation (the stop string is cut from the text).
     ignore_eos: keep generating past EOS (benchmarks).
     forced_tokens: teacher forcing: output token i is forced_tokens[i] while i < len (the model
-        still runs and scores it); generation stops after them unless max_tokens is larger.
+        still runs and scores it); generation stops after them unless max_tokens is larger. A
+        forced token never stops the request, even when it is EOS or completes a stop string.
     logprobs: record the log-probability of every output token (sampled or forced).
     """
 

@@ -307,9 +307,12 @@ class Scheduler:
     def _stop_reason(self, seq: Sequence) -> str | None:
         p = seq.params
         last = seq.token_ids[-1]
-        if not p.ignore_eos and last in self.eos_ids:
+        # A forced token never stops the request: a scored continuation may contain EOS or a stop
+        # string and is still scored to its end.
+        forcing = seq.num_output_tokens <= len(p.forced_tokens)
+        if not forcing and not p.ignore_eos and last in self.eos_ids:
             return "stop"
-        if p.stop:
+        if p.stop and not forcing:
             text = self.detokenize(seq.output_token_ids)
             hits = [text.find(s) for s in p.stop if s in text]
             if hits:
