@@ -269,7 +269,9 @@ def leaderboard_command(
                                             "(default: <first DIR>/leaderboard)."),
 ):
     """Tables shaped like GrowPage's Table 1 (pass@1, TPS) and Table 7 (total time, TPOT) as CSV and
-    markdown, a Pareto plot (accuracy vs TPS) and NIAH heatmaps."""
+    markdown, each mean with its 95% interval (value ± half-width) and each row's provenance; a
+    quality-vs-memory figure (pass@1, and drift from FullKV where measured, against the average KV
+    budget) and NIAH heatmaps."""
     from evals.leaderboard import build_leaderboard
 
     try:
