@@ -211,6 +211,10 @@ def eval_command(
     grading_workers: int = GradeWorkersOpt,
     show_leaderboard: bool = typer.Option(True, "--leaderboard/--no-leaderboard",
                                           help="Print a leaderboard of these runs at the end."),
+    fidelity: bool = typer.Option(True, "--fidelity/--no-fidelity",
+                                  help="Also measure drift from FullKV per sample (a cached FullKV "
+                                       "reference + one teacher-forced pass of the policy); "
+                                       "--no-fidelity for accuracy only."),
 ):
     """Evaluate policies on tasks: results/<model>/<task>/<policy>/ with config, per-sample JSONL
     (written as samples finish; re-running resumes) and metrics."""
@@ -228,7 +232,7 @@ def eval_command(
                          grading_workers)
         per_policy = split_policy_args(policy_arg, policy)
         # Policies outer, tasks inner: the engine loads once per policy.
-        plan = [_settings(t, p, per_policy[p], **common) for p in policy for t in task]
+        plan = [_settings(t, p, per_policy[p], fidelity=fidelity, **common) for p in policy for t in task]
         with _progress() as bar:
             hooks = RichHooks(bar)
             for settings in plan:
@@ -257,9 +261,12 @@ def _print_summary(outcome) -> None:
     tps = "-" if m.get("tps") is None else f"{m['tps']:.1f}"
     extra = f", {m['failed']} failed" if m.get("failed") else ""
     skipped = f", {len(outcome.skipped_rows)} malformed rows skipped" if outcome.skipped_rows else ""
+    fid = ""
+    if m.get("fid_delta_nll") is not None and m.get("fid_agreement") is not None:
+        fid = f", vs FullKV: dNLL {m['fid_delta_nll']:.3f} nats/token, agreement {100 * m['fid_agreement']:.1f}%"
     console.print(f"[green]{outcome.task}/{outcome.label}[/]: pass@1 {pass1} over "
                   f"{m.get('samples_done')} samples ({outcome.ran} run now, {outcome.resumed} resumed"
-                  f"{extra}{skipped}), TPS {tps} -> {outcome.path}")
+                  f"{extra}{skipped}), TPS {tps}{fid} -> {outcome.path}")
 
 
 def leaderboard_command(

@@ -73,6 +73,8 @@ class EvalSettings:
     kv_budget: fixed KV budget overriding the task default (see module docstring).
     kv_cache_tokens, block_size, max_num_seqs: engine knobs (block_size None: the preset's).
     out: results root. grading_workers / grading_timeout_s: math grading processes and bound.
+    fidelity: also measure drift from FullKV per sample (evals.fidelity): a cached FullKV
+        reference and the policy's teacher-forced pass over it; False for accuracy only.
     """
 
     task: str
@@ -95,6 +97,7 @@ class EvalSettings:
     out: str = "results"
     grading_workers: int = 1
     grading_timeout_s: float = 10.0
+    fidelity: bool = True
 
     def __post_init__(self) -> None:
         for name in ("limit", "samples", "max_tokens", "kv_budget", "kv_cache_tokens", "block_size"):
@@ -260,8 +263,14 @@ def failed_record(problem: Problem, sample: int, seed: int, segment: int, prompt
         **base_record(problem, sample, seed, segment),
         "status": "failed", "error": reason, "output": "", "prompt_tokens": prompt_tokens,
         "output_tokens": 0, "finish_reason": "failed", "extracted": None, "correct": False,
-        "score": 0.0, "reason": "failed", "details": {},
+        "score": 0.0, "reason": "failed", "details": {}, **fidelity_none(),
     }
+
+
+def fidelity_none() -> dict:
+    from evals.fidelity import empty_fields
+
+    return empty_fields()
 
 
 # ------------------------------------------------------------------------------ grading thread
@@ -425,7 +434,7 @@ def run_eval(settings: EvalSettings, hooks: EvalHooks | None = None) -> EvalOutc
         "samples": n_samples, "limit": settings.limit, "problems": len(problems),
         "samples_planned": len(plan.keys), "kv_budget": budget,
         "kv_cache_tokens": settings.kv_cache_tokens, "max_num_seqs": settings.max_num_seqs,
-        "task_defaults": dataclasses.asdict(defaults),
+        "fidelity": settings.fidelity, "task_defaults": dataclasses.asdict(defaults),
         "skipped_rows": [dataclasses.asdict(s) for s in problems.skipped],
     }
     if (path / R.CONFIG_FILE).exists():
@@ -461,6 +470,11 @@ def _generate(settings: EvalSettings, config: dict, plan: Plan, todo: list[R.Sam
                          max_num_seqs=settings.max_num_seqs, seed=settings.seed)
     if settings.kv_cache_tokens is not None:
         engine_kwargs["kv_cache_tokens"] = settings.kv_cache_tokens
+    fid = None
+    if settings.fidelity:  # the FullKV reference first: on a GPU it must load before the policy
+        from evals import fidelity
+
+        fid = fidelity.start(settings, config, plan, todo, engine_kwargs, temperature, max_tokens, hooks)
     llm = _engine(settings.model, engine_kwargs, hooks)
     policy = llm.policy
     if hasattr(policy, "effective_params"):
@@ -497,8 +511,14 @@ def _generate(settings: EvalSettings, config: dict, plan: Plan, todo: list[R.Sam
             prompts.append(ids)
             params.append(SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed))
             keys.append((problem, j, seed))
+        if prompts and fid is not None:
+            params = fid.run_params(params)
+            fid.requests = fidelity.requests_for(keys, prompts, params)
+            fid.forced_pass(llm, fid.requests)
         if prompts:
-            _stream(llm, prompts, params, keys, writer, segment, path, settings, hooks, outcome)
+            _stream(llm, prompts, params, keys, writer, segment, path, settings, hooks, outcome, fid)
+        if fid is not None:
+            fid.write_timing(path, segment)
     except BaseException:
         _ENGINES.clear()  # an engine stopped mid-run may hold pages of unfinished requests
         raise
@@ -544,7 +564,7 @@ def _engine(model: str, engine_kwargs: dict, hooks: EvalHooks):
     return llm
 
 
-def _stream(llm, prompts, params, keys, writer, segment, path, settings, hooks, outcome) -> None:
+def _stream(llm, prompts, params, keys, writer, segment, path, settings, hooks, outcome, fid=None) -> None:
     """Generate, hand finished requests to the grader, record the segment (also when stopped)."""
     grader = BackgroundGrader(writer, hooks.on_sample, workers=settings.grading_workers,
                               timeout_s=settings.grading_timeout_s)
@@ -554,7 +574,9 @@ def _stream(llm, prompts, params, keys, writer, segment, path, settings, hooks, 
     try:
         for out in llm.stream(prompts, params, on_step=hooks.on_step):
             problem, j, seed = keys[out.index]
-            grader.submit(problem, output_record(problem, j, seed, segment, out))
+            record = output_record(problem, j, seed, segment, out)
+            record.update(fid.fields(fid.requests[out.index], out) if fid else fidelity_none())
+            grader.submit(problem, record)
             finished_tokens += out.num_output_tokens
             outcome.ran += 1
     except KeyboardInterrupt:

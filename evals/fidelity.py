@@ -1,0 +1,434 @@
+"""Fidelity to FullKV: how far a policy's decoding drifts from the uncompressed model's, per sample.
+
+Accuracy on a small model is often 0% for every policy, so it cannot rank them; drift from FullKV
+can. For each (problem, sample) of an eval run:
+
+1. **Reference.** FullKV's free generation for the same prompt, seed and max_tokens (greedy or
+   sampled: sample ``j`` uses seed ``seed + j`` as in the run), with the log-probability of every
+   token. It is generated once per model, task and generation settings, cached in the results
+   tree and reused by every policy (see *Cache* below). A FullKV run writes the entries it
+   generates itself, so FullKV never costs a second pass.
+2. **Forced pass.** The policy decodes the reference teacher-forced (``SamplingParams.
+   forced_tokens``, ``ignore_eos`` so a reference ending with EOS is scored to its end) and makes
+   its own compression decisions on the way: prompt compression, boundaries, periodic firings.
+   Per token ``t``: ``d_t = -log p_policy(ref_t) - (-log p_full(ref_t))`` (raw logits, i.e. the
+   model's distribution at temperature 1, for greedy and sampled runs alike).
+3. **Free generation.** The run's own output is compared with the reference position by position.
+
+Per-sample fields written into every line of ``samples.jsonl`` (None where not applicable: a
+failed sample, a run with ``--no-fidelity``):
+
+- ``fid_delta_nll``: mean of ``d_t`` over the reference (nats/token; 0 = FullKV's likelihood);
+- ``fid_worst_window``: the largest mean of ``d_t`` over a window of ``WINDOW`` = 32 consecutive
+  tokens (the whole reference when shorter): drift concentrated after one bad eviction shows
+  here even when the mean is small;
+- ``fid_first_divergence``: the first output position (from 0) where the free generation differs
+  from the reference, or where one of them ended; None when they are identical;
+- ``fid_agreement``: share of the reference's positions where the free generation has the same
+  token (a shorter generation disagrees on the positions it lacks);
+- ``fid_ref_tokens``: the reference's length.
+
+FullKV's own rows are exact by construction: its forced log-likelihood of its own reference *is*
+the reference's (no forced pass is run, ``fid_delta_nll`` = 0.0 exactly), and where the run
+generated the reference entry itself, that entry is its own output (agreement 1, no divergence).
+When the reference came from an earlier pass, FullKV's free generation is still compared token
+by token, so a non-deterministic backend would show.
+
+Cost: the reference costs one FullKV generation per sample, once per model, task and settings;
+the forced pass costs one prefill plus one decode step per reference token for every policy but
+FullKV (about one extra pass per sample). Each invocation's wall times go to
+``fidelity_passes.jsonl`` in the run directory.
+
+Cache::
+
+    <out>/<model>/<task>/_reference/<key>/
+        key.json          the settings the key is a hash of
+        reference.jsonl   one entry per (uid, sample, prompt hash), appended as they finish
+
+``<key>`` = ``mt<max_tokens>-T<temperature>-s<seed>-<hash>``, the hash covering the model, the
+task and its options, the data source, max_tokens, temperature, seed and the thinking switch.
+Each entry also carries a hash of the rendered prompt's token ids, so a changed chat template or
+tokenizer misses the cache instead of reusing a wrong reference. Resume: entries already there
+are kept; only missing ones are generated.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from evals import results as R
+
+WINDOW = 32
+REFERENCE_DIR = "_reference"
+REFERENCE_FILE = "reference.jsonl"
+KEY_FILE = "key.json"
+PASSES_FILE = "fidelity_passes.jsonl"
+FULL_POLICY = "full"
+
+# The per-sample fields. evals.results puts the mean of each (over the samples where it is not
+# None) and its 95% interval into metrics.json; fid_first_divergence's mean is thus over the
+# samples that diverged.
+FIELDS = ("fid_delta_nll", "fid_worst_window", "fid_first_divergence", "fid_agreement",
+          "fid_ref_tokens")
+
+
+def empty_fields() -> dict:
+    """The fidelity fields of a sample that has none (failed sample, fidelity off)."""
+    return {k: None for k in FIELDS}
+
+
+# ------------------------------------------------------------------------------ statistics
+
+
+def delta_nll(policy_logprobs: Sequence[float], full_logprobs: Sequence[float]) -> list[float]:
+    """Per-token ``-log p_policy + log p_full`` over the positions both scored.
+    policy_logprobs: [n_policy], full_logprobs: [n_ref] -> [min(n_policy, n_ref)]."""
+    n = min(len(policy_logprobs), len(full_logprobs))
+    return [float(full_logprobs[i]) - float(policy_logprobs[i]) for i in range(n)]
+
+
+def worst_window(deltas: Sequence[float], window: int = WINDOW) -> float | None:
+    """Max over every run of ``window`` consecutive values (stride 1) of its mean; the mean of all
+    values when there are fewer. deltas: [n] -> scalar (None when n = 0)."""
+    n = len(deltas)
+    if n == 0:
+        return None
+    if n <= window:
+        return float(np.mean(deltas))
+    c = np.concatenate([[0.0], np.cumsum(np.asarray(deltas, dtype=np.float64))])
+    return float(((c[window:] - c[:-window]) / window).max())
+
+
+def first_divergence(tokens: Sequence[int], reference: Sequence[int]) -> int | None:
+    """First position where ``tokens`` differs from ``reference`` or one of them has ended; None
+    when they are identical."""
+    n = min(len(tokens), len(reference))
+    for i in range(n):
+        if tokens[i] != reference[i]:
+            return i
+    return None if len(tokens) == len(reference) else n
+
+
+def agreement(tokens: Sequence[int], reference: Sequence[int]) -> float:
+    """Share of the reference's positions where ``tokens`` has the same token."""
+    if not reference:
+        raise ValueError("agreement needs a non-empty reference")
+    same = sum(1 for a, b in zip(tokens, reference) if a == b)
+    return same / len(reference)
+
+
+def sample_fields(ref: Mapping[str, Any], tokens: Sequence[int],
+                  forced_logprobs: Sequence[float] | None) -> dict:
+    """The per-sample fields from a reference entry, the free generation's tokens and the forced
+    pass's log-probabilities (None for FullKV, whose forced likelihood is the reference's)."""
+    ref_tokens, ref_lp = ref["tokens"], ref["logprobs"]
+    if forced_logprobs is None:
+        deltas = [0.0] * len(ref_tokens)
+    else:
+        deltas = delta_nll(forced_logprobs, ref_lp)
+    return {
+        "fid_delta_nll": float(np.mean(deltas)) if deltas else None,
+        "fid_worst_window": worst_window(deltas),
+        "fid_first_divergence": first_divergence(list(tokens), ref_tokens),
+        "fid_agreement": agreement(list(tokens), ref_tokens),
+        "fid_ref_tokens": len(ref_tokens),
+    }
+
+
+# ------------------------------------------------------------------------------ reference cache
+
+
+def prompt_hash(ids: Sequence[int]) -> str:
+    return hashlib.sha1(json.dumps(list(ids)).encode()).hexdigest()[:16]
+
+
+def reference_key(config: Mapping[str, Any]) -> tuple[str, dict]:
+    """(directory name, the settings it stands for) of a run's reference; ``config`` is the run's
+    config.json content."""
+    settings = {k: config.get(k) for k in ("model", "model_spec", "task", "task_options",
+                                           "data_source", "max_tokens", "temperature", "seed",
+                                           "thinking")}
+    digest = hashlib.sha1(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:10]
+    name = R.slug(f"mt{settings['max_tokens']}-T{float(settings['temperature']):g}-"
+                  f"s{settings['seed']}-{digest}")
+    return name, settings
+
+
+@dataclass
+class Reference:
+    """One reference directory: its entries by (uid, sample, prompt hash)."""
+
+    path: Path
+    entries: dict
+
+    @classmethod
+    def open(cls, out: str | Path, config: Mapping[str, Any]) -> "Reference":
+        name, settings = reference_key(config)
+        path = Path(out) / R.model_slug(config["model_spec"]) / R.slug(config["task"]) / REFERENCE_DIR / name
+        path.mkdir(parents=True, exist_ok=True)
+        if not (path / KEY_FILE).exists():
+            R.write_json(path / KEY_FILE, settings)
+        entries = {}
+        file = path / REFERENCE_FILE
+        if file.exists():
+            for line in file.read_text(encoding="utf-8").splitlines():
+                try:
+                    e = json.loads(line)
+                    entries.setdefault((e["uid"], int(e["sample"]), e["prompt_sha"]), e)
+                except (ValueError, KeyError, TypeError):
+                    continue  # a line cut short by a crash: that entry is generated again
+        return cls(path, entries)
+
+    def get(self, uid: str, sample: int, sha: str) -> dict | None:
+        return self.entries.get((uid, sample, sha))
+
+    def add(self, uid: str, sample: int, sha: str, seed: int, out: Any) -> dict:
+        """Store a FullKV output (token ids and log-probabilities) as the entry of a sample."""
+        if len(out.token_logprobs) != len(out.token_ids):
+            raise ValueError(f"reference for {uid} sample {sample}: {len(out.token_logprobs)} "
+                             f"log-probs for {len(out.token_ids)} tokens (generate with logprobs=True)")
+        entry = {"uid": uid, "sample": sample, "prompt_sha": sha, "seed": seed,
+                 "tokens": list(out.token_ids), "logprobs": [float(x) for x in out.token_logprobs],
+                 "finish_reason": out.finish_reason}
+        key = (uid, sample, sha)
+        if key not in self.entries:
+            self.entries[key] = entry
+            with open(self.path / REFERENCE_FILE, "a", encoding="utf-8") as f:
+                f.write(json.dumps(entry) + "\n")
+                f.flush()
+        return self.entries[key]
+
+
+# ------------------------------------------------------------------------------ the passes
+
+
+@dataclass
+class Request:
+    """One sample the run generates: its key, prompt ids and sampling parameters."""
+
+    uid: str
+    sample: int
+    seed: int
+    prompt: list
+    params: Any  # engine.sampling.SamplingParams
+
+    @property
+    def sha(self) -> str:
+        return prompt_hash(self.prompt)
+
+
+class _Prefixed:
+    """Forwards the runner's hooks' messages with a prefix (engine loads for the reference)."""
+
+    def __init__(self, hooks, prefix: str):
+        self.hooks, self.prefix = hooks, prefix
+
+    def on_message(self, text: str) -> None:
+        self.hooks.on_message(f"{self.prefix}{text}")
+
+
+class Fidelity:
+    """The fidelity measurement of one invocation of an eval run (see the module docstring).
+
+    Use, around the run's timed generation::
+
+        fid = Fidelity(out, config, policy, policy_args)
+        fid.ensure_reference(requests, model, engine_kwargs, hooks)   # before the policy engine loads
+        params = fid.run_params(params)                               # FullKV: with log-probs
+        fid.forced_pass(llm, requests)                                # the policy's, before timing
+        record.update(fid.fields(request, output))                    # per finished request
+    """
+
+    def __init__(self, out: str | Path, config: Mapping[str, Any], policy: str, policy_args: Mapping[str, Any]):
+        self.reference = Reference.open(out, config)
+        self.policy, self.policy_args = policy, dict(policy_args)
+        self.is_full = policy == FULL_POLICY
+        self.forced: dict[tuple[str, int, str], list[float]] = {}
+        self.requests: list[Request] = []  # the invocation's requests, in the run's order
+        self.timing = {"reference_requests": 0, "reference_tokens": 0, "reference_s": 0.0,
+                       "forced_requests": 0, "forced_tokens": 0, "forced_s": 0.0}
+
+    def missing(self, requests: Sequence[Request]) -> list[Request]:
+        return [q for q in requests if self.reference.get(q.uid, q.sample, q.sha) is None]
+
+    # -- reference -------------------------------------------------------------------------------
+    def ensure_reference(self, requests: Sequence[Request], model: str, engine_kwargs: Mapping[str, Any],
+                         hooks: Any) -> None:
+        """Generate the missing reference entries with a FullKV engine. A FullKV run skips this:
+        its own outputs become the entries (``fields``)."""
+        todo = self.missing(requests)
+        if self.is_full or not todo:
+            return
+        from evals import runner
+
+        kwargs = {**engine_kwargs, "policy": FULL_POLICY, "policy_args": {}}
+        hooks.on_message(f"FullKV reference: {len(todo)} sample(s) missing in {self.reference.path}")
+        llm = runner._engine(model, kwargs, _Prefixed(hooks, "FullKV reference: "))
+        self.generate_reference(llm, todo)
+        _release_accelerator_memory(runner)
+
+    def generate_reference(self, llm, requests: Sequence[Request]) -> None:
+        """FullKV free generation (with log-probs) of the missing entries; ``llm`` runs FullKV."""
+        if llm.policy.name != FULL_POLICY:
+            raise ValueError(f"the reference must be generated by FullKV, not {llm.policy.name!r}")
+        from evals.runner import _unfit
+
+        r = llm.runner
+        # Prompts the engine cannot take are left out (the run records them as failed samples).
+        todo = [q for q in self.missing(requests)
+                if not _unfit(len(q.prompt), r.max_model_len, r.num_pages, r.block_size)]
+        if not todo:
+            return
+        start = time.perf_counter()
+        params = [_with_logprobs(q.params) for q in todo]
+        for out in llm.stream([q.prompt for q in todo], params):
+            q = todo[out.index]
+            self.reference.add(q.uid, q.sample, q.sha, q.seed, out)
+            self.timing["reference_tokens"] += out.num_output_tokens
+        self.timing["reference_requests"] += len(todo)
+        self.timing["reference_s"] += time.perf_counter() - start
+
+    def run_params(self, params: Sequence[Any]) -> list:
+        """The run's sampling parameters: a FullKV run records log-probs (its outputs may become
+        reference entries); other runs are left as they are, so fidelity never slows the timed
+        generation of a policy."""
+        return [_with_logprobs(p) for p in params] if self.is_full else list(params)
+
+    # -- forced pass -----------------------------------------------------------------------------
+    def forced_pass(self, llm, requests: Sequence[Request]) -> None:
+        """The policy's teacher-forced decode of each request's reference, on ``llm`` (the run's
+        engine) with a fresh policy instance and a fresh prefix cache, both replaced again
+        afterwards so the timed run starts as it would without this pass. FullKV needs none."""
+        todo = [q for q in requests if self.reference.get(q.uid, q.sample, q.sha) is not None]
+        if self.is_full or not todo:
+            return
+        from engine.block_manager import BlockManager
+        from engine.sampling import SamplingParams
+
+        params = []
+        for q in todo:
+            ref = self.reference.get(q.uid, q.sample, q.sha)["tokens"]
+            p = q.params
+            # ignore_eos: a reference that ends with EOS is scored up to and including it.
+            params.append(SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                                         seed=p.seed, max_tokens=len(ref), forced_tokens=tuple(ref),
+                                         logprobs=True, ignore_eos=True))
+        run_policy = llm.policy
+        llm.policy = _fresh_policy(llm, self.policy, self.policy_args)
+        llm.block_manager = _fresh_block_manager(llm, BlockManager)
+        start = time.perf_counter()
+        try:
+            for out in llm.stream([q.prompt for q in todo], params):
+                q = todo[out.index]
+                self.forced[(q.uid, q.sample, q.sha)] = list(out.token_logprobs)
+                self.timing["forced_tokens"] += out.num_output_tokens
+        finally:
+            llm.policy = run_policy
+            llm.block_manager = _fresh_block_manager(llm, BlockManager)
+        self.timing["forced_requests"] += len(todo)
+        self.timing["forced_s"] += time.perf_counter() - start
+
+    # -- per sample ------------------------------------------------------------------------------
+    def fields(self, q: Request, out: Any) -> dict:
+        """The per-sample fields of a finished request of the run. A FullKV run stores its own
+        output as the reference entry where there is none yet."""
+        ref = self.reference.get(q.uid, q.sample, q.sha)
+        if ref is None and self.is_full:
+            ref = self.reference.add(q.uid, q.sample, q.sha, q.seed, out)
+        if ref is None or not ref["tokens"]:
+            return empty_fields()
+        if self.is_full:
+            return sample_fields(ref, out.token_ids, None)
+        forced = self.forced.get((q.uid, q.sample, q.sha))
+        if forced is None:  # the forced pass was not run for it: only the token comparison
+            return {**sample_fields(ref, out.token_ids, []), "fid_delta_nll": None,
+                    "fid_worst_window": None}
+        return sample_fields(ref, out.token_ids, forced)
+
+    def write_timing(self, run_path: Path, segment: int) -> dict:
+        """Append this invocation's pass times to the run's ``fidelity_passes.jsonl``."""
+        line = {"segment": segment, "reference": str(self.reference.path), **self.timing}
+        with open(Path(run_path) / PASSES_FILE, "a", encoding="utf-8") as f:
+            f.write(json.dumps(line) + "\n")
+        return line
+
+
+def _with_logprobs(params):
+    import dataclasses
+
+    return params if params.logprobs else dataclasses.replace(params, logprobs=True)
+
+
+def _fresh_policy(llm, name: str, args: Mapping[str, Any]):
+    """A new instance of the run's policy bound to ``llm``'s engine (as evals.runner binds one)."""
+    from engine.policies.base import EngineSpec, build_policy
+
+    policy = build_policy(name, dict(args))
+    r = llm.runner
+    policy.bind(EngineSpec(r.block_size, r.num_layers, r.num_q_heads, r.num_kv_heads, r.head_dim,
+                           r.num_pages, r.max_model_len))
+    return policy
+
+
+def _fresh_block_manager(llm, cls):
+    r = llm.runner
+    return cls(r.num_pages, r.block_size, llm.config.enable_prefix_caching)
+
+
+def _release_accelerator_memory(runner) -> None:
+    """On a GPU the engine sizes its KV pool from free memory: drop the FullKV engine before the
+    policy's loads. On CPU it stays cached (a FullKV run after this one reuses it)."""
+    import torch
+
+    if torch.cuda.is_available():
+        import gc
+
+        runner._ENGINES.clear()
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def requests_for(keys: Sequence[tuple], prompts: Sequence[list], params: Sequence[Any]) -> list[Request]:
+    """The runner's (problem, sample, seed) keys, prompt ids and sampling parameters as Requests."""
+    return [Request(problem.uid, j, seed, list(ids), p)
+            for (problem, j, seed), ids, p in zip(keys, prompts, params)]
+
+
+def start(settings, config: Mapping[str, Any], plan, todo, engine_kwargs: Mapping[str, Any],
+          temperature: float, max_tokens: int, hooks: Any) -> Fidelity:
+    """The fidelity measurement of a run invocation, with its reference complete for ``todo``
+    (generated here, before the policy's engine loads, unless the run is FullKV's own)."""
+    fid = Fidelity(settings.out, config, settings.policy, engine_kwargs["policy_args"])
+    if not fid.is_full:
+        requests = _rendered_requests(settings, plan, todo, temperature, max_tokens)
+        fid.ensure_reference(requests, settings.model, engine_kwargs, hooks)
+    return fid
+
+
+def _rendered_requests(settings, plan, todo, temperature: float, max_tokens: int) -> list[Request]:
+    """The run's requests for ``todo``, rendered exactly as evals.runner renders them."""
+    from engine.models.loader import load_tokenizer, resolve_model
+    from engine.sampling import SamplingParams
+    from evals.runner import _task_for
+    from evals.tasks import render_prompt
+
+    tokenizer = load_tokenizer(resolve_model(settings.model))
+    tasks: dict[str, Any] = {}
+    requests = []
+    for uid, j in todo:
+        problem = plan.problems[uid]
+        if problem.task not in tasks:
+            tasks[problem.task] = _task_for(problem, settings)
+        text = render_prompt(tokenizer, tasks[problem.task].messages(problem), thinking=settings.thinking)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        seed = settings.seed + j
+        requests.append(Request(uid, j, seed, ids, SamplingParams(temperature=temperature,
+                                                                  max_tokens=max_tokens, seed=seed)))
+    return requests
