@@ -111,48 +111,68 @@ def test_memory_quick(tiny_model):
 def test_mixed_quick(tiny_model):
     result = mixed.run_mixed(tiny_model, **quiet)
     table = result.table("policies")
-    b = mixed.QUICK.budget
+    b = mixed.QUICK.b
+    assert b == 16 * mixed.QUICK.block_size  # the paper's 16 pages
     labels = [r["policy"] for r in table.rows]
-    assert labels[:4] == ["full", f"zipage-{b}", f"zipage-{2 * b}", f"zipage-{2 * b} +fallback"]
-    assert labels[4:] == ["growpage (tau=0)", "growpage-fixed", "growpage-random",
-                          "growpage-inverse (tau=0)", "growpage-shrink (tau=0)"]
+    assert labels == ["full", f"zipage-{b}", f"zipage-{2 * b}", "growpage (tau=0)",
+                      "growpage-fixed", "growpage-random", "growpage-inverse (tau=0)",
+                      "growpage-shrink (tau=0)"]
+    assert [r["policy"] for r in result.table("events").rows] == labels
     for r in table.rows:  # FullKV has no boundary decision: grow ratio None (printed "-")
-        assert all(math.isfinite(v) for v in numbers(r, "grow_ratio"))
+        assert all(math.isfinite(v) for v in numbers(r, "grow_ratio", "tpot_ms"))
         assert r["tps_vs_full"] == pytest.approx(r["tps"] / table.rows[0]["tps"])
         assert r["overhead"] >= 0.0
         assert r["grow_ratio"] is None or 0.0 <= r["grow_ratio"] <= 1.0
-        assert r["avg_kv_budget"] >= mixed.QUICK.block_size
+        assert r["avg_kv_allocated"] >= mixed.QUICK.block_size
+        assert r["grow_decisions"] == r["grow"] + r["fallback"]
     rows = dict(zip(labels, table.rows))
     assert rows["full"]["agreement"] == 1.0 and rows["full"]["compress_events"] == 0
-    # Zipage-B never holds more than B + one write page.
-    assert rows[f"zipage-{b}"]["avg_kv_budget"] <= b + mixed.QUICK.block_size
-    # Zipage as published preempts instead of compressing early; the +fallback row compresses.
-    assert rows[f"zipage-{b}"]["fallback"] == rows[f"zipage-{2 * b}"]["fallback"] == 0
-    # growpage-fixed never grows past its initial capacity (B), so it never grows at a boundary.
-    assert rows["growpage-fixed"]["grow_ratio"] in (None, 0.0)
+    assert rows["full"]["avg_kv_budget"] == rows["full"]["avg_kv_allocated"]
+    # Table 8: the fixed budgets read their nominal budget; Table 9: they never grow.
+    assert rows[f"zipage-{b}"]["avg_kv_budget"] == b
+    assert rows["growpage-fixed"]["avg_kv_budget"] == b
+    for label in (f"zipage-{b}", "growpage-fixed"):
+        assert rows[label]["grow_decisions"] == 0 and rows[label]["grow_ratio"] in (None, 0.0)
+        assert rows[label]["allocate"] > 0
+    # GrowPage starts at its own 9 pages, not at B
+    start = 9 * mixed.QUICK.block_size
+    assert rows["growpage (tau=0)"]["avg_kv_budget"] >= start
     for d in result.table("deltas").rows:
         assert d["policy"] in labels and d["decisions"] > 0 and 0.0 <= d["above_tau"] <= 1.0
         quantiles = [d[k] for k in mixed.QUANTILE_KEYS]
         assert quantiles == sorted(quantiles)
-    gp, big = rows["growpage (tau=0)"], rows[f"zipage-{2 * b}"]
-    assert result.targets[0].value == pytest.approx(gp["avg_kv_budget"] / big["avg_kv_budget"])
+    gp, fixed, zipage = rows["growpage (tau=0)"], rows["growpage-fixed"], rows[f"zipage-{b}"]
+    assert result.targets[0].value == pytest.approx(gp["avg_kv_budget"] / fixed["avg_kv_budget"])
     reps = result.table("repeats").rows
     assert [r["repeat"] for r in reps] == [1, 2] == list(range(1, mixed.QUICK.repeats + 1))
-    assert reps[0]["tps_ratio"] == pytest.approx(gp["tps"] / big["tps"])
-    assert reps[1]["first"] == "growpage (tau=0)" and reps[0]["first"] == f"zipage-{2 * b}"
+    assert reps[0]["vs_fixed"] == pytest.approx(gp["tps"] / fixed["tps"])
+    assert reps[0]["vs_zipage"] == pytest.approx(gp["tps"] / zipage["tps"])
+    assert reps[0]["order"].startswith(f"zipage-{b}") and reps[1]["order"].startswith("growpage-fixed")
     for r in reps:
-        assert r["tps_ratio"] == pytest.approx(r["gp_tps"] / r["big_tps"]) and r["cpu_ratio"] > 0
-    assert result.targets[1].value == pytest.approx(median(r["tps_ratio"] for r in reps))
-    assert result.targets[2].value == gp["overhead"]
+        assert r["vs_fixed"] == pytest.approx(r["gp_tps"] / r["fixed_tps"]) and r["cpu_vs_fixed"] > 0
+    assert result.targets[1].value == pytest.approx(median(r["vs_fixed"] for r in reps))
+    assert result.targets[2].value == pytest.approx(median(r["vs_zipage"] for r in reps))
+    assert result.targets[3].value == pytest.approx(gp["agreement"] - fixed["agreement"])
+    assert result.targets[-1].value == gp["overhead"]
+    # Random's compress probability is 1 - GrowPage's measured grow ratio
+    note = next(n for n in result.notes if n.startswith("growpage-random ran"))
+    expected = 1.0 - gp["grow_ratio"] if gp["grow_ratio"] is not None else 0.7
+    assert f"{expected:.4f}" in note
 
 
-def test_mixed_tau_sweep_rows():
+def test_mixed_tau_sweep_rows_and_no_tie_to_b():
     scale = mixed.MixedScale(tau=0.001, tau_sweep=(-0.01,))
     labels = [label for label, _, _ in mixed.configs(scale)]
     assert "growpage (tau=0.001)" in labels and labels[-1] == "growpage (tau=-0.01)"
-    shrink = dict((label, args) for label, _, args in mixed.configs(
-        mixed.MixedScale(tau=-0.01)))["growpage-shrink (tau=-0.01)"]
-    assert shrink == {"initial_capacity": 256, "tau": -0.01, "shrink_threshold": -0.01}
+    args = dict((label, a) for label, _, a in mixed.configs(mixed.MixedScale(tau=-0.01)))
+    assert args["growpage-shrink (tau=-0.01)"] == {"protected_recent": 8, "tau": -0.01,
+                                                   "shrink_threshold": -0.01}
+    assert args["growpage-fixed"] == {"protected_recent": 8, "budget": 256}
+    start = dict((label, a) for label, _, a in mixed.configs(mixed.MixedScale(start_pages=5)))
+    assert start["growpage (tau=0)"]["initial_capacity"] == 5 * 16
+    assert "initial_capacity" not in start["growpage-fixed"]
+    with pytest.raises(ValueError, match="protected_recent"):
+        mixed.MixedScale(protected_recent=16)
 
 
 def test_delta_quantiles():
@@ -263,3 +283,36 @@ def test_mixed_cli_rejects_bad_scale_before_loading_a_model(args, message):
 
     out = CliRunner().invoke(app, ["bench", "mixed", *args], env={"COLUMNS": "200"})
     assert out.exit_code == 2 and message in " ".join(out.output.split())
+
+
+def test_kernels_aot_quick_compiles_decode_for_sm80(tmp_path):
+    """`kvarena bench kernels --aot --quick --arch 80`: the split-K decode and its reduction
+    compiled for sm_80 without a GPU, in a clean process (the kernel tests set
+    TRITON_INTERPRET, under which nothing compiles)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from evals.benchmarks.kernels import cuda_compile_available
+
+    reason = cuda_compile_available()
+    if reason:
+        pytest.skip(reason)
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    code = ("import sys; from cli import app; sys.argv = ['kvarena', 'bench', 'kernels', '--aot', "
+            f"'--quick', '--arch', '80', '--threads', '1', '--out-dir', {str(tmp_path)!r}]; app()")
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
+                            text=True, env={**env, "PYTHONPATH": str(root)}, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    payload = json.loads((tmp_path / "kernels-quick.json").read_text())
+    rows = payload["tables"][0]["rows"]
+    assert {r["kernel"] for r in rows} == {"decode_split", "decode_reduce"}
+    assert all(r["arch"] == "sm_80" and r["registers"] > 0 for r in rows)
+    split = next(r for r in rows if r["kernel"] == "decode_split")
+    assert split["tensor_core"] > 0 and split["spill_bytes"] == 0 and split["programs"] > 8
+    variants = {r["kernel"]: r["variants"] for r in payload["tables"][1]["rows"]}
+    assert variants["_prefill_kernel"] == 1 and variants["_compact_kernel"] == 1
+    assert variants["_decode_kernel"] == 2  # one partition, or several plus the reduction
+    assert all(t["met"] for t in payload["targets"])

@@ -225,6 +225,40 @@ def test_decode_rejects_bad_input():
         paged_decode_attention(q, k_cache, v_cache, tables.float(), lens, scale)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("partitions", [1, 2, 3, 5])
+@pytest.mark.parametrize("block_size", [16, 64], ids=["row_pages", "tile_in_page"])
+def test_decode_split_k_matches_twin(dtype, partitions, block_size):
+    """Flash-decoding: partitions of 64-slot multiples; lengths are not multiples of a
+    partition, one sequence is empty and one ends inside the first partition."""
+    from engine.kernels import _tl_paged_attention
+
+    case = _decode_case(dtype, (8, 2), seed=20 + partitions, block_size=block_size,
+                        lens=(500, 0, 65, 130, 1))
+    q, k_cache, _, tables, lens, scale = case
+    launches = _tl_paged_attention.decode_launches(q, k_cache, k_cache, tables, lens, scale,
+                                                   torch.empty_like(q), partitions)
+    assert launches[0].grid == (5, 2, partitions)
+    assert [x.name for x in launches] == (["decode"] if partitions == 1 else
+                                          ["decode_split", "decode_reduce"])
+    out = _tl_paged_attention.launch_decode(*case, partitions=partitions)
+    assert_close(out, paged_decode_attention_torch(*case), dtype)
+    assert out[1].abs().max() == 0
+
+
+def test_decode_partition_choice():
+    """Split by batch and capacity: batch 1 at 32k slots fills ~512 programs; batch 256 or a
+    short context stays one partition."""
+    from engine.kernels._tl_paged_attention import decode_partitions
+
+    assert decode_partitions(1, 8, 32768) == (64, 512)
+    assert decode_partitions(256, 8, 32768) == (1, 32768)
+    assert decode_partitions(1, 8, 300)[0] == 1
+    parts, part_len = decode_partitions(32, 8, 8192)
+    assert parts == 2 and part_len % 64 == 0 and parts * part_len >= 8192
+    assert decode_partitions(1, 8, 1000, partitions=3) == (3, 384)
+
+
 # ----------------------------------------------------------------------------- prefill
 
 def _prefill_case(dtype, heads, seed, base=(20, 0, 3, 5), qlens=(5, 7, 0, 1), lq_max=7):
@@ -271,6 +305,29 @@ def test_prefill_last_row_equals_decode():
     decode = paged_decode_attention(last_q, k_cache, v_cache, tables, base + qlens, scale)
     has_rows = qlens > 0
     torch.testing.assert_close(out[torch.arange(q.shape[0]), rows][has_rows], decode[has_rows])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(8, 2), (6, 2), (3, 3)], ids=["group4", "group3", "mha"])
+@pytest.mark.parametrize("block_size", [8, 64], ids=["row_pages", "tile_in_page"])
+def test_prefill_gqa_grouped_programs_match_twin(dtype, heads, block_size):
+    """One program per (sequence, kv head, query tile) covers every head of the group; group 3
+    pads to 4 rows per position. 70 rows span several query tiles; bases put chunks mid-page."""
+    from engine.kernels import _tl_paged_attention
+
+    gen = _gen(30 + heads[0])
+    q_heads, kv_heads = heads
+    head_dim, base, qlens, lq_max = 16, [70, 0, 5], [70, 33, 0], 70
+    tables, num_blocks = make_tables([b + n for b, n in zip(base, qlens)], block_size, gen)
+    k_cache = _randn(gen, kv_heads, num_blocks, block_size, head_dim, dtype=dtype)
+    v_cache = _randn(gen, kv_heads, num_blocks, block_size, head_dim, dtype=dtype)
+    q = _randn(gen, 3, lq_max, q_heads, head_dim, dtype=dtype)
+    case = (q, k_cache, v_cache, tables, torch.tensor(base), torch.tensor(qlens), head_dim**-0.5)
+    (launch,) = _tl_paged_attention.prefill_launches(*case, torch.zeros_like(q))
+    assert launch.grid[:2] == (3, kv_heads) and launch.grid[2] > 1
+    out = paged_prefill_attention_triton(*case)
+    assert_close(out, paged_prefill_attention_torch(*case), dtype)
+    assert out[2].abs().max() == 0 and out[1, 33:].abs().max() == 0
 
 
 def test_prefill_rejects_q_lens_beyond_rows():

@@ -68,4 +68,4 @@ def compact_launches(rows, src_slots, dst_slots, block_k: int = 64, other=None) 
     return [Launch("compact" + ("_kv" if pair else ""), _compact_kernel, (layers, heads), (
         rows, second, src_slots, dst_slots, k,
         *rows.stride(), *second.stride(), *src_slots.stride(), dst_slots.stride(0),
-    ), dict(ROW=row, ROW_PAD=next_pow2(row), BLOCK_K=min(block_k, next_pow2(k)), PAIR=pair))]
+    ), dict(ROW=row, ROW_PAD=next_pow2(row), BLOCK_K=block_k, PAIR=pair))]

@@ -146,7 +146,7 @@ def _decode_kernel(
                  out.to(out_ptr.dtype.element_ty), mask=g_mask[:, None] & d_mask[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NUM_PARTS"])
 def _decode_reduce_kernel(
     part_ptr, stat_ptr, out_ptr, s_ob, s_oh, s_od, NUM_PARTS,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, P_PAD: tl.constexpr,

@@ -135,6 +135,63 @@ def family_launches(scale: AotScale, head_dim: int, dtype) -> list[tuple[str, st
     return [item for item in out if item[0] in wanted]
 
 
+def step_launches(scale: AotScale, head_dim: int, dtype) -> list:
+    """Launches of every kernel at per-step shapes that vary in a run (batch, context and block-
+    table width, chunk length and base, kept count K, window and sequence length)."""
+    import torch
+
+    from engine.kernels import _tl_attention_scores, _tl_compact, _tl_paged_attention, _tl_store_kv
+
+    h, kvh, bs, d = scale.q_heads, scale.kv_heads, scale.block_size, head_dim
+    k_l = _pool(kvh, 4096, bs, d, dtype)
+    out = []
+    for tokens in (1, 7, 256, 2048):
+        kv_new = _meta(tokens, kvh, d, dtype=dtype)
+        out += _tl_store_kv.store_kv_launches(kv_new, kv_new, k_l, k_l,
+                                              _meta(tokens, dtype=torch.int64))
+    for batch in (1, 3, 64, 256):
+        for context in (1, 100, 4096, 32768):
+            q = _meta(batch, h, d, dtype=dtype)
+            out += _tl_paged_attention.decode_launches(
+                q, k_l, k_l, _tables(batch, context, bs), _meta(batch, dtype=torch.int32), 0.1,
+                torch.empty_like(q))
+    for batch, lq_max, base in ((1, 1, 0), (2, 7, 300), (1, 2048, 0), (1, 2048, 30720),
+                                (3, 513, 1000)):
+        q = _meta(batch, lq_max, h, d, dtype=dtype)
+        ints = _meta(batch, dtype=torch.int32)
+        out += _tl_paged_attention.prefill_launches(
+            q, k_l, k_l, _tables(batch, base + lq_max, bs), ints, ints, 0.1, torch.empty_like(q))
+    for n, length in ((8, 100), (32, 1000), (32, 32768), (64, 5000)):
+        k_all = _meta(2, kvh, -(-length // bs), bs, d, dtype=dtype)
+        out += _tl_attention_scores.logits_launches(
+            _meta(2, n, h, d, dtype=dtype), k_all, _tables(1, length, bs)[0], length,
+            _meta(n, dtype=torch.int64), 0.1, _meta(2, h, n, length, dtype=torch.float32))
+    for k in (1, 100, 4096, 32768):
+        rows = _meta(2, kvh, 32768, d, dtype=dtype)
+        out += _tl_compact.compact_launches(rows, _meta(2, kvh, k, dtype=torch.int64),
+                                            _meta(k, dtype=torch.int64), other=rows)
+    return out
+
+
+def compiled_variants(launches, arch: int = 90) -> dict[str, tuple[int, int]]:
+    """kernel name -> (launches, distinct compilations) under Triton's own specialisation key
+    (argument types, ==1 and divisibility-by-16 integers, constexprs, options)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    backend = make_backend(GPUTarget("cuda", arch, 32))
+    seen: dict[str, tuple[int, set]] = {}
+    for launch in launches:
+        fn = launch.kernel
+        binder = create_function_from_signature(fn.signature, fn.params, backend)
+        _, spec, options = binder(*launch.args, **launch.constexprs)
+        count, keys = seen.get(fn.__name__, (0, set()))
+        keys.add(str(spec) + str(options))
+        seen[fn.__name__] = (count + 1, keys)
+    return {name: (count, len(keys)) for name, (count, keys) in seen.items()}
+
+
 # ----------------------------------------------------------------------------------------------
 # compiling one launch and reading its machine code
 
@@ -225,6 +282,8 @@ def run_kernels(*, quick: bool = False, scale: AotScale | None = None,
     reason = cuda_compile_available()
     if reason:
         raise RuntimeError(reason)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("TRITON_INTERPRET is set: the interpreter compiles nothing; unset it")
     scale = scale or (QUICK if quick else AotScale())
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton's default, stated
     rows = []
@@ -257,6 +316,18 @@ def run_kernels(*, quick: bool = False, scale: AotScale | None = None,
         Column("tensor_core", "MMA"), Column("ffma", "FFMA"), Column("compile_s", "compile s", ".1f"),
     ], rows, caption="spill B: ptxas spill stores + loads; MMA: HMMA/HGMMA instructions; "
                      "FFMA: fp32 fused multiply-adds (static counts in the SASS).")
+    variants = []
+    for head_dim, dtype in cases:
+        for name, (count, distinct) in compiled_variants(step_launches(scale, head_dim, dtype),
+                                                          archs[0]).items():
+            variants.append({"dtype": str(dtype).removeprefix("torch."), "head_dim": head_dim,
+                             "kernel": name, "launches": count, "variants": distinct})
+    variant_table = Table("variants", "Compilations per kernel over a run's step shapes", [
+        Column("dtype", "dtype"), Column("head_dim", "d"), Column("kernel", "kernel"),
+        Column("launches", "step shapes"), Column("variants", "compiled variants"),
+    ], variants, caption="Distinct Triton specialisation keys over launches at varied batch, "
+                         "context, block-table width, chunk length/base, window, length and K "
+                         "(meta tensors: every pointer counts as 16-byte aligned).")
     attention = [r for r in rows if r["family"] in ("decode", "prefill") and r["dtype"] == "bfloat16"]
     targets = [
         Target.check("bf16 decode/prefill launches that spill", float(
@@ -270,7 +341,7 @@ def run_kernels(*, quick: bool = False, scale: AotScale | None = None,
     scale_dict = {**scale.__dict__, "archs": ",".join(f"sm_{a}" for a in archs),
                   "triton": triton.__version__, "torch": torch.__version__}
     return BenchResult("kernels", "Triton kernels compiled for CUDA targets (no GPU)",
-                       scale_dict, [table], targets)
+                       scale_dict, [table, variant_table], targets)
 
 
 @bench_app.command("kernels")
