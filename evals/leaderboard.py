@@ -5,8 +5,9 @@
   reading (an explicit final answer); the flexible one (last number) is in ``runs.csv``.
 - Table 7 shape: total inference time (seconds here; the paper reports hours) and TPOT (ms/token)
   per task and averages.
-- Memory and fidelity: the average KV budget per task, and, where the runs measured it, drift
-  from FullKV (mean delta-NLL per token, token agreement; evals.fidelity).
+- Memory and fidelity: the average KV budget per task (nominal, and allocated where recorded), and,
+  where the runs measured it, drift from FullKV (mean delta-NLL per token, token agreement;
+  evals.fidelity).
 - ``runs.csv``: every run's metrics in long form (one row per model x task x label), with the
   interval bounds, the provenance and the run's path relative to the results root it was found
   under.
@@ -52,7 +53,9 @@ TABLE1_TASKS = ("gsm8k", "math500", "amc23", "aime24", "livecodebench")
 TASK_TITLES = {"gsm8k": "GSM8K", "math500": "MATH500", "amc23": "AMC23", "aime24": "AIME24",
                "livecodebench": "LiveCode", "niah": "NIAH", "mixed": "Mixed"}
 
-# The x axis of the quality-vs-memory figure and the memory table.
+# The x axis of the quality-vs-memory figure: the policy's average KV budget per decode step
+# (GrowPage Table 8's "Avg. KV Budget": a fixed budget's nominal value, GrowPage's capacity;
+# engine/stats.py). The memory table also shows the slots actually held (avg_kv_allocated).
 KV_BUDGET_KEY = "avg_kv_budget"
 # Policy arguments that set a fixed KV budget (evals.runner.BUDGET_FIELDS): runs differing only
 # in them are one policy at several budgets, one series in the figures.
@@ -63,6 +66,7 @@ TABLES = {
     "table1": (("pass@1 (%)", "pass@1", 100.0, 1), ("TPS (tok/s)", "tps", 1.0, 1)),
     "table7": (("total time (s)", "total_time_s", 1.0, 1), ("TPOT (ms/token)", "tpot_ms", 1.0, 1)),
     "memory": (("avg KV budget (tokens)", KV_BUDGET_KEY, 1.0, 0),
+               ("avg KV allocated (tokens)", "avg_kv_allocated", 1.0, 0),
                ("delta-NLL (nats/token)", "fid_delta_nll", 1.0, 3),
                ("token agreement (%)", "fid_agreement", 100.0, 1)),
 }
@@ -207,7 +211,7 @@ def _round(v: float | None, digits: int) -> Any:
 # ------------------------------------------------------------------------------ runs.csv
 
 
-CI_COLUMNS = ("pass@1", "pass@1_flexible", "tpot_ms", "avg_kv_budget", "fid_delta_nll",
+CI_COLUMNS = ("pass@1", "pass@1_flexible", "tpot_ms", "avg_kv_budget", "avg_kv_allocated", "fid_delta_nll",
               "fid_worst_window", "fid_agreement", "fid_first_divergence")
 
 RUN_COLUMNS = ("model", "task", "method", "policy", "policy_args", "samples_done", "samples_planned",
@@ -215,7 +219,8 @@ RUN_COLUMNS = ("model", "task", "method", "policy", "policy_args", "samples_done
                "pass@1_flexible", "pass@1_flexible_lo", "pass@1_flexible_hi", "extraction_rate",
                "extraction_rate_flexible", "mean_score", "mean_output_tokens", "tps",
                "total_time_s", "tpot_ms", "tpot_ms_lo", "tpot_ms_hi", "avg_kv_budget",
-               "avg_kv_budget_lo", "avg_kv_budget_hi", "avg_kv_allocated", "fid_delta_nll", "fid_delta_nll_lo",
+               "avg_kv_budget_lo", "avg_kv_budget_hi", "avg_kv_allocated", "avg_kv_allocated_lo",
+               "avg_kv_allocated_hi", "fid_delta_nll", "fid_delta_nll_lo",
                "fid_delta_nll_hi", "fid_worst_window", "fid_worst_window_lo", "fid_worst_window_hi",
                "fid_agreement", "fid_agreement_lo", "fid_agreement_hi", "fid_first_divergence",
                "fid_first_divergence_lo", "fid_first_divergence_hi", "mean_resident", "grow_ratio",

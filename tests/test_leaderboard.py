@@ -116,16 +116,18 @@ def test_quality_memory_plot_without_intervals(tmp_path):
     assert path.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_fidelity_columns_and_figure_appear_when_measured(tmp_path):
+def test_fidelity_and_allocated_columns_appear_when_measured(tmp_path):
     root = tmp_path / "results"
     for policy, drift in (("full", 0.0), ("zipage", 0.4)):
         path = write_run(root, "niah", policy, {}, 5, 100, PROV_A)
         recs = [json.loads(x) for x in (path / R.SAMPLES_FILE).read_text().splitlines()]
         for i, r in enumerate(recs):
-            r.update(fid_delta_nll=drift * (1 + i % 3), fid_agreement=1.0 - drift * (i % 2))
+            r.update(fid_delta_nll=drift * (1 + i % 3), fid_agreement=1.0 - drift * (i % 2),
+                     avg_kv_allocated=50.0 + i % 5)
         (path / R.SAMPLES_FILE).write_text("".join(R.dumps_line(r) for r in recs))
         R.write_json(path / R.METRICS_FILE, R.compute_metrics(recs, [], len(recs)))
     board = build_leaderboard([root], tmp_path / "board")
     assert "delta-NLL (nats/token)" in board.markdown and "fidelity_memory.png" in board.files
+    assert "NIAH avg KV allocated (tokens)" in board.markdown
     line = next(x for x in board.markdown.split("## Memory")[1].splitlines() if x.startswith("| tiny | zipage |"))
     assert "0.790 ± " in line  # 0.4 x mean(1 + i % 3) over 40 samples = 0.4 x 79/40
