@@ -120,3 +120,12 @@ def bootstrap_mean(values: Sequence[float], resamples: int = RESAMPLES, level: f
 def interval_table(intervals: Mapping[Hashable, Interval]) -> dict:
     """JSON form: name -> Interval.to_dict()."""
     return {str(k): v.to_dict() for k, v in intervals.items()}
+
+
+def fmt_interval(entry: Mapping | None, digits: int = 3) -> str:
+    """`est [low, high]` of an `Interval.to_dict()` (as read back from summary.json), or n/a."""
+    if not entry or entry.get("estimate") is None:
+        return "n/a"
+    if entry.get("low") is None or entry.get("high") is None:
+        return f"{entry['estimate']:.{digits}f} [n/a]"
+    return f"{entry['estimate']:.{digits}f} [{entry['low']:.{digits}f}, {entry['high']:.{digits}f}]"

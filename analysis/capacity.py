@@ -13,10 +13,12 @@ Inputs and definitions:
   correlation.
 - Capacity of problem i: the mean over its successful samples of a per-sample capacity field of
   samples.jsonl. The paper records "its average allocated KV capacity over the decoding
-  trajectory" per request; the default field is the one the runner writes for that
-  (`DEFAULT_CAPACITY_FIELDS`, first present wins), and `--capacity-field` picks another. With
-  several samples per problem the problem's capacity is their mean, because B* is a property of
-  the problem (the sweep's rule aggregates its samples).
+  trajectory" per request; read literally that is the slots the request held (`avg_kv_allocated`),
+  the default (`DEFAULT_CAPACITY_FIELDS`, first present wins); `--capacity-field` picks another.
+  The other capacity fields present are correlated with B* too (`spearman_other_fields`), because
+  GrowPage's budget reading (`avg_kv_budget`) floors every short request at its initial capacity
+  and so can rank problems differently. With several samples per problem the problem's capacity is
+  their mean, because B* is a property of the problem (the sweep's rule aggregates its samples).
 - Table: per class, n, the mean (the paper's marker) and the median of the problems' capacities,
   each with a 95% bootstrap interval over the class's problems; and Spearman's rho between B* and
   capacity over the solved problems with a 95% bootstrap interval over problems (analysis/
@@ -37,12 +39,16 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analysis.bootstrap import Interval, bootstrap_mean, cluster_bootstrap
+from analysis.bootstrap import bootstrap_mean, cluster_bootstrap, fmt_interval
 from analysis.common import spearman, use_agg_backend, write_json
 
 UNSOLVED = "Unsolved"  # evals.sweep.UNSOLVED (kept in sync by a test)
-# The runner's per-sample record of the time-averaged allocated capacity, newest name first.
-DEFAULT_CAPACITY_FIELDS = ("avg_allocated_kv", "avg_kv_budget")
+# Per-sample capacity fields of samples.jsonl, in order of preference: the slots a request held,
+# averaged over its decode steps (App. I: "its average allocated KV capacity over the decoding
+# trajectory"), then the policy's KV budget averaged the same way (for GrowPage: its initial
+# capacity until its first decision, then the pages its decisions granted). Runs written before the
+# two were split have only `avg_kv_budget`, which then held the allocated slots.
+DEFAULT_CAPACITY_FIELDS = ("avg_kv_allocated", "avg_kv_budget")
 
 
 @dataclass(frozen=True)
@@ -133,10 +139,13 @@ def read_eval(path: str | Path, field: str | None = None) -> EvalInput:
         if field is None:
             raise ValueError(f"eval {str(path)!r}: no sample has a capacity field "
                              f"{list(DEFAULT_CAPACITY_FIELDS)}; pass --capacity-field")
-    rows = [{"uid": str(r["uid"]), "sample": int(r["sample"]), "capacity": r.get(field)}
+    others = [f for f in DEFAULT_CAPACITY_FIELDS if f != field and any(f in r for r in records)]
+    rows = [{"uid": str(r["uid"]), "sample": int(r["sample"]), "capacity": r.get(field),
+             **{f: r.get(f) for f in others}}
             for r in records if r.get("status", "ok") == "ok"]
-    frame = pd.DataFrame(rows, columns=["uid", "sample", "capacity"])
-    frame["capacity"] = pd.to_numeric(frame["capacity"], errors="coerce")
+    frame = pd.DataFrame(rows, columns=["uid", "sample", "capacity", *others])
+    for col in ["capacity", *others]:
+        frame[col] = pd.to_numeric(frame[col], errors="coerce")
     usable = frame[np.isfinite(frame["capacity"].to_numpy(dtype=float))]
     if usable.empty:
         present = sorted({k for r in records for k, v in r.items()
@@ -157,8 +166,10 @@ def join_capacity(sweep: SweepInput, evaluation: EvalInput) -> tuple[pd.DataFram
     if sweep.model and evaluation.model and sweep.model != evaluation.model:
         raise ValueError(f"the sweep ran model {sweep.model!r} but the eval ran "
                          f"{evaluation.model!r}; B* is a property of one model")
+    others = [c for c in evaluation.samples.columns if c not in ("uid", "sample", "capacity")]
     per_problem = evaluation.samples.groupby("uid").agg(
-        capacity=("capacity", "mean"), samples=("capacity", "size")).reset_index()
+        capacity=("capacity", "mean"), samples=("capacity", "size"),
+        **{c: (c, "mean") for c in others}).reset_index()
     sweep_ids, eval_ids = set(sweep.classes["uid"]), set(per_problem["uid"])
     common = sweep_ids & eval_ids
     if not common:
@@ -197,11 +208,14 @@ def summarize_capacity(frame: pd.DataFrame, budgets: list[int], seed: int = 0) -
                                 seed=seed)["median"]
         classes[name] = {"n": int(values.size), "mean": bootstrap_mean(values, seed=seed).to_dict(),
                          "median": med.to_dict()}
-    rho = cluster_bootstrap(solved, "uid", {
-        "spearman": lambda f: spearman(f["b_star_tokens"], f["capacity"])}, seed=seed)["spearman"]
+    others = [c for c in frame.columns if c in DEFAULT_CAPACITY_FIELDS]
+    rhos = cluster_bootstrap(solved, "uid", {
+        col: lambda f, c=col: spearman(f["b_star_tokens"], f[c]) for col in ["capacity", *others]},
+        seed=seed)
     return {"problems": int(len(frame)), "solved": int(len(solved)),
             "unsolved": int(len(frame) - len(solved)), "classes": classes,
-            "spearman_bstar_capacity": rho.to_dict()}
+            "spearman_bstar_capacity": rhos["capacity"].to_dict(),
+            "spearman_other_fields": {c: rhos[c].to_dict() for c in others}}
 
 
 def table_markdown(summary: dict, field: str) -> str:
@@ -209,17 +223,14 @@ def table_markdown(summary: dict, field: str) -> str:
     lines = [f"| B* class | n | mean {field} [95% CI] | median {field} [95% CI] |",
              "|---|---|---|---|"]
     for name, entry in summary["classes"].items():
-        lines.append(f"| {name} | {entry['n']} | {_interval(entry['mean'], 1)} | "
-                     f"{_interval(entry['median'], 1)} |")
+        lines.append(f"| {name} | {entry['n']} | {fmt_interval(entry['mean'], 1)} | "
+                     f"{fmt_interval(entry['median'], 1)} |")
     lines.append("")
     lines.append(f"Spearman rho(B*, capacity) over {summary['solved']} solved problems: "
-                 f"{_interval(summary['spearman_bstar_capacity'], 3)} (95% bootstrap over problems)")
+                 f"{fmt_interval(summary['spearman_bstar_capacity'], 3)} (95% bootstrap over problems)")
+    for other, rho in summary.get("spearman_other_fields", {}).items():
+        lines.append(f"with {other} as the capacity: {fmt_interval(rho, 3)}")
     return "\n".join(lines) + "\n"
-
-
-def _interval(entry: dict, digits: int) -> str:
-    return Interval(entry["estimate"], entry["low"], entry["high"], entry["clusters"],
-                    entry["resamples"], entry["valid"], entry["level"]).fmt(digits)
 
 
 def plot_capacity(frame: pd.DataFrame, summary: dict, path: Path, title: str, field: str,
@@ -254,7 +265,7 @@ def plot_capacity(frame: pd.DataFrame, summary: dict, path: Path, title: str, fi
     ax.set_xlabel("minimum sufficient fixed budget B* (tokens)")
     ax.set_ylabel(f"GrowPage capacity per problem ({field})")
     rho = summary["spearman_bstar_capacity"]
-    ax.set_title(f"{title}\nSpearman rho(B*, capacity) = {_interval(rho, 2)}; "
+    ax.set_title(f"{title}\nSpearman rho(B*, capacity) = {fmt_interval(rho, 2)}; "
                  "red: class mean, 95% CI", fontsize=9)
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -277,7 +288,8 @@ def capacity_study(sweep_path: str | Path, eval_path: str | Path, out: Path,
                   else sweep.seed == evaluation.seed},
         **left_out})
     out.mkdir(parents=True, exist_ok=True)
-    frame[["uid", "b_star", "b_star_tokens", "capacity", "samples"]].to_csv(
+    frame[["uid", "b_star", "b_star_tokens", "capacity", "samples",
+           *summary["spearman_other_fields"]]].to_csv(
         out / "capacity.csv", index=False, float_format="%.6g")
     title = (f"{summary['task']}: {evaluation.policy} capacity by B* class "
              f"({sweep.policy}, {sweep.rule} of samples)")
