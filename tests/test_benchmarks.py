@@ -196,14 +196,45 @@ def test_concurrency_quick(tiny_model):
         lowest = next(s for s in sweep.rows if s["policy"] == r["policy"])
         assert r["tps_vs_lowest"] == pytest.approx(r["tps"] / lowest["tps"])
         assert r["mean_resident"] <= r["max_num_seqs"]
-    assert [r["policy"] for r in fidelity.rows] == ["full", "kara r=0.2", "kara r=0.6"]
-    full = fidelity.rows[0]
+    assert [r["policy"] for r in fidelity.rows] == ["full", "kara r=0.4", "snapkv ~ kara r=0.4"]
+    full, kara, snap = fidelity.rows
     assert full["agreement"] == 1.0 and full["physical_vs_full"] == 1.0
+    assert full["delta_nll"] == 0.0 and math.isfinite(kara["delta_nll"] + snap["delta_nll"])
     for r in fidelity.rows:
         assert r["physical_vs_full"] == pytest.approx(r["mean_physical"] / full["mean_physical"])
         assert r["physical_vs_full"] <= 1.0 + 1e-9
+    assert kara["compress_events"] > 0 and kara["window_keep"] > kara["ratio"]
+    # SnapKV's budget is the one whose exact mean KV is closest to Kara's realised mean, and the
+    # engine realises that mean (no preemption in (b))
+    budget = result.scale["snapkv_budget"]
+    assert snap["setting"].startswith(f"budget {budget} ")
+    predicted = float(snap["setting"].split("predicted mean KV ")[1].rstrip(")"))
+    assert snap["mean_physical"] == pytest.approx(predicted, abs=0.05)
+    assert abs(snap["mean_physical"] - kara["mean_physical"]) <= 1.0
+    [paired] = result.table("paired").rows
+    for key in ("agreement", "delta_nll"):
+        assert paired[f"{key}_lo"] <= paired[key] <= paired[f"{key}_hi"]
+    assert paired["delta_nll"] == pytest.approx(kara["delta_nll"] - snap["delta_nll"])
+    assert result.notes[0].startswith("SnapKV's budget in (a) is matched to Kara r=0.4")
     assert sum(note.startswith("Memory-bound scaling") for note in result.notes) == 2
     assert sum(note.startswith("Kara Fig. 1 inversion") for note in result.notes) == 2
+
+
+def test_snapkv_mean_kv_by_hand_and_budget_matching():
+    # prompt 10, 8 outputs, budget 12, block 4: cap = 3 + 1 pages = 16 slots. Slots held before
+    # the 7 written decode steps: 10, 11, 12, 13, 14, 15, then 16 is a full page at the cap ->
+    # compressed back to 12. Mean (10 + 11 + 12 + 13 + 14 + 15 + 12) / 7 = 87 / 7.
+    assert concurrency.snapkv_mean_kv(10, 8, 12, 4) == pytest.approx(87 / 7)
+    # a prompt above the budget starts compressed at the budget
+    assert concurrency.snapkv_mean_kv(20, 3, 12, 4) == pytest.approx((12 + 13) / 2)
+    assert concurrency.snapkv_mean_kv(20, 1, 12, 4) is None
+    lengths = [(10, 8), (20, 3)]
+    budget, mean = concurrency.match_budget(lengths, 12.9, 4, minimum=5)
+    assert mean == pytest.approx(sum(concurrency.snapkv_mean_kv(p, o, budget, 4)
+                                     for p, o in lengths) / 2)
+    for other in range(5, 29):
+        alt = sum(concurrency.snapkv_mean_kv(p, o, other, 4) for p, o in lengths) / 2
+        assert abs(mean - 12.9) <= abs(alt - 12.9)
 
 
 def test_cli_writes_json_and_markdown(tiny_model, tmp_path):
