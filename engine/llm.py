@@ -76,10 +76,14 @@ class LLM:
     def stream(self, prompts: Seq[Prompt],
                params: SamplingParams | Seq[SamplingParams] | None = None,
                on_step: Callable[[int, int], None] | None = None) -> Iterator[RequestOutput]:
-        """Yield each request's output as soon as it finishes; `last_stats` is set at the end."""
+        """Yield each request's output as soon as it finishes. `last_scheduler` is this run's
+        scheduler from the start (its counters are live); `last_stats` is set when the run ends,
+        also when it is stopped early (an exception such as Ctrl-C, or closing the generator)."""
         seqs = self._make_sequences(prompts, params)
         scheduler = Scheduler(self.config, self.runner, self.policy, self.block_manager,
                               self.eos_ids, self._decode)
+        self.last_scheduler = scheduler
+        self.last_stats = None
         index = {seq.seq_id: i for i, seq in enumerate(seqs)}
         for seq in seqs:
             scheduler.add(seq)
@@ -107,9 +111,8 @@ class LLM:
                     on_step(sum(s.num_output_tokens for s in seqs), len(outputs))
         finally:
             scheduler.shutdown()
-        self.last_stats = run_stats(outputs, steps, scheduler.events, scheduler.counters,
-                                    time.perf_counter() - t0, forward, scheduler.compaction_seconds)
-        self.last_scheduler = scheduler
+            self.last_stats = run_stats(outputs, steps, scheduler.events, scheduler.counters,
+                                        time.perf_counter() - t0, forward, scheduler.compaction_seconds)
 
     # -- helpers --------------------------------------------------------------------------------
     def _make_sequences(self, prompts, params) -> list[Sequence]:

@@ -215,6 +215,11 @@ def eval_command(
                                   help="Also measure drift from FullKV per sample (a cached FullKV "
                                        "reference + one teacher-forced pass of the policy); "
                                        "--no-fidelity for accuracy only."),
+    retry_failed: bool = typer.Option(False, "--retry-failed",
+                                      help="Rerun samples recorded as failed for an engine reason "
+                                           "(prompt longer than the context or the KV pool); they "
+                                           "are retried anyway when --kv-cache-tokens or "
+                                           "--max-num-seqs changed."),
 ):
     """Evaluate policies on tasks: results/<model>/<task>/<policy>/ with config, per-sample JSONL
     (written as samples finish; re-running resumes) and metrics."""
@@ -232,7 +237,8 @@ def eval_command(
                          grading_workers)
         per_policy = split_policy_args(policy_arg, policy)
         # Policies outer, tasks inner: the engine loads once per policy.
-        plan = [_settings(t, p, per_policy[p], fidelity=fidelity, **common) for p in policy for t in task]
+        plan = [_settings(t, p, per_policy[p], fidelity=fidelity, retry_failed=retry_failed, **common)
+                for p in policy for t in task]
         with _progress() as bar:
             hooks = RichHooks(bar)
             for settings in plan:

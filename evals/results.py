@@ -6,7 +6,12 @@ Layout of one run (one model x task x policy configuration)::
         config.json     every setting of the run (written before the first sample)
         samples.jsonl   one JSON object per finished sample, appended and flushed as it finishes
         segments.jsonl  one line per invocation (a resumed run has several): engine wall time,
-                        tokens, run statistics (None for an interrupted segment)
+                        tokens, run statistics (so far, for an interrupted segment) and the
+                        engine settings it ran with (``settings``)
+        progress.json   the running segment's line as of its last finished request (rewritten
+                        after each); a run killed outright (kill -9) leaves it, and the next
+                        invocation appends it to segments.jsonl as a ``killed`` segment, so the
+                        totals in metrics.json still cover every sample it wrote
         metrics.json    the aggregate, rewritten at the end of every invocation
         niah_heatmap.png (task niah only)
 
@@ -23,7 +28,15 @@ experiments in one file. ``--limit`` and ``--samples`` may change between invoca
 are computed over the samples the current invocation asks for.
 
 A line cut short by a crash (no trailing newline, or not JSON) is dropped and reported; a sample
-recorded twice keeps its first line.
+recorded twice keeps its first line, unless that line is a failed sample (``status: "failed"``, an
+engine reason such as a prompt longer than the pool): a failed sample is retried by a resumed run
+whose engine settings differ from those of the segment that failed it (or with ``retry_failed``),
+and the retry's line replaces it.
+
+Engine settings (KV pool size, concurrency, pages) may differ between invocations; each segment
+records its own, and config.json's ``kv_cache_tokens`` / ``max_num_seqs`` / ``engine`` describe
+the samples held only when they all came from one setting -- otherwise they read ``"mixed"`` and
+``engine_settings`` lists each setting with its segments and sample counts.
 """
 
 from __future__ import annotations
@@ -48,6 +61,10 @@ CONFIG_FILE = "config.json"
 SAMPLES_FILE = "samples.jsonl"
 SEGMENTS_FILE = "segments.jsonl"
 METRICS_FILE = "metrics.json"
+PROGRESS_FILE = "progress.json"
+# Segment fields that are engine settings (not identity: they may change between invocations).
+ENGINE_SETTING_KEYS = ("kv_cache_tokens", "max_num_seqs", "num_pages", "max_model_len", "device")
+MIXED = "mixed"
 NIAH_HEATMAP_FILE = "niah_heatmap.png"
 
 # Settings that change what a sample produces; a resumed run must match them exactly.
@@ -172,10 +189,10 @@ def load_samples(path: Path, repair: bool = True) -> LoadedSamples:
         except (ValueError, KeyError, TypeError) as e:
             loaded.dropped_lines.append(f"line {n}: {type(e).__name__}: {e}")
             continue
-        if key in loaded.records:
+        if key in loaded.records and loaded.records[key].get("status") != "failed":
             loaded.duplicates += 1
             continue
-        loaded.records[key] = rec
+        loaded.records[key] = rec  # a retried failed sample: the later line wins
     return loaded
 
 
@@ -223,6 +240,86 @@ def append_segment(path: Path, segment: Mapping[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a", encoding="utf-8") as f:
         f.write(dumps_line(segment))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_progress(run: Path, segment: Mapping[str, Any]) -> None:
+    """The running segment's line so far (atomic rewrite of ``progress.json``)."""
+    write_json(run / PROGRESS_FILE, dict(segment))
+
+
+def end_progress(run: Path) -> None:
+    """The segment's final line is in segments.jsonl: its progress file is obsolete."""
+    try:
+        os.unlink(run / PROGRESS_FILE)
+    except FileNotFoundError:
+        pass
+
+
+def seal_progress(run: Path) -> dict | None:
+    """A progress file left by a killed invocation becomes its segment line (status
+    ``killed``) unless that segment already has one; returns the line appended, if any."""
+    path = run / PROGRESS_FILE
+    if not path.exists():
+        return None
+    try:
+        line = dict(read_json(path))
+    except ValueError:  # cannot happen with atomic writes; a broken file holds nothing usable
+        end_progress(run)
+        return None
+    known = {s.get("segment") for s in read_segments(run / SEGMENTS_FILE)}
+    appended = None
+    if line.get("segment") not in known:
+        appended = {**line, "status": "killed"}
+        append_segment(run / SEGMENTS_FILE, appended)
+    end_progress(run)
+    return appended
+
+
+def check_writable(run: Path) -> None:
+    """Raise OSError (naming the path) unless ``run`` can be created and written: its nearest
+    existing ancestor must be a writable directory, and existing result files writable."""
+    existing = run
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise NotADirectoryError(f"{existing} is not a directory")
+    if existing == run:
+        try:  # a real write: access() does not see every reason (read-only mounts, quotas)
+            fd, tmp = tempfile.mkstemp(dir=run, prefix=".write-check.")
+        except OSError as e:
+            raise OSError(e.errno, f"cannot create files in {run}: {e.strerror}") from None
+        os.close(fd)
+        os.unlink(tmp)
+        for name in (CONFIG_FILE, SAMPLES_FILE, SEGMENTS_FILE, METRICS_FILE):
+            if (run / name).exists() and not os.access(run / name, os.W_OK):
+                raise PermissionError(f"{run / name} is not writable")
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        raise PermissionError(f"cannot create directories in {existing}")
+
+
+def engine_settings_summary(records: Sequence[Mapping[str, Any]],
+                            segments: Sequence[Mapping[str, Any]]) -> dict:
+    """The engine settings the held ``records`` came from, by their segments.
+
+    Returns ``{"mixed": bool, "settings": [{**setting, "segments": [...], "samples": n}]}``;
+    a segment that recorded no settings (older runs) counts as its own ``{"unknown": True}``.
+    """
+    by_segment = {s.get("segment"): s.get("settings") for s in segments}
+    groups: dict[str, dict] = {}
+    for r in records:
+        seg = r.get("segment")
+        setting = by_segment.get(seg) or {"unknown": True}
+        key = json.dumps(setting, sort_keys=True, default=_json_default)
+        group = groups.setdefault(key, {**setting, "segments": [], "samples": 0})
+        group["samples"] += 1
+        if seg not in group["segments"]:
+            group["segments"].append(seg)
+    settings = sorted(groups.values(), key=lambda g: min(g["segments"], key=lambda x: (x is None, x)))
+    for g in settings:
+        g["segments"].sort(key=lambda x: (x is None, x))
+    return {"mixed": len(settings) > 1, "settings": settings}
 
 
 # ------------------------------------------------------------------------------ identity
@@ -272,9 +369,15 @@ def compute_metrics(records: Sequence[Mapping[str, Any]], segments: Sequence[Map
     Throughput over a resumed run (several segments): TPS = output tokens of the samples finished
     in each segment / summed engine wall time of the segments, so the time an interruption
     wasted is counted. TPOT and the average KV budget are means over samples; C (mean resident
-    requests per decode step) is the step-weighted mean over the segments that completed.
+    requests per decode step) is the step-weighted mean over the segments with statistics.
+    Engine counters are summed over every segment's statistics: complete, interrupted (as of the
+    stop) and killed (as of its last finished request, from progress.json).
     Events are summed from the per-sample records (FullKV records no grow events: it never
-    decides). ``grow_ratio`` = boundary grows / boundary decisions (grow + compress + shrink).
+    decides). ``grow_ratio`` = grow decisions / primary decisions before fallback handling
+    (GrowPage Table 9, engine/stats.py): a fallback counts as the grow it replaced, page
+    allocation (``allocate``) is no decision. ``avg_kv_budget`` is the policy's budget per decode
+    step (Table 8's reading: a fixed budget's nominal value, GrowPage's capacity),
+    ``avg_kv_allocated`` the slots actually held (engine/stats.py).
 
     Uncertainty: every per-sample mean (PER_SAMPLE_METRICS, and the fid_* / avg_kv_budget* fields
     found in the records) gets ``"<name>_ci": [low, high]``, a 95% nested bootstrap interval over
@@ -297,7 +400,7 @@ def compute_metrics(records: Sequence[Mapping[str, Any]], segments: Sequence[Map
         stages.update(r.get("stage_seconds") or {})
     complete_segs = [s for s in segments if s.get("stats")]
     steps = sum(s["stats"].get("num_steps") or 0 for s in complete_segs)
-    resident = (sum(s["stats"]["mean_resident"] * (s["stats"].get("num_steps") or 0)
+    resident = (sum((s["stats"].get("mean_resident") or 0.0) * (s["stats"].get("num_steps") or 0)
                     for s in complete_segs) / steps) if steps else None
     counters: Counter[str] = Counter()
     for s in complete_segs:

@@ -11,13 +11,18 @@ How a run proceeds:
    so a resumed run draws exactly what the uninterrupted one would have.
 2. Samples already in ``samples.jsonl`` are skipped (resume). A prompt longer than the model's
    context, or needing more pages than the whole KV pool, is recorded at once as a failed sample
-   with its reason; the rest run.
+   with its reason; the rest run. A failed sample is retried when the run is resumed with other
+   engine settings (``kv_cache_tokens``, ``max_num_seqs``) than the segment that failed it, or
+   with ``retry_failed``.
 3. All remaining prompts go to ``LLM.stream`` together (the engine batches up to max_num_seqs).
    Each finished request is handed to a grading thread (math answers in time-bounded worker
    processes, code in the sandbox, NIAH inline) that appends its line to ``samples.jsonl`` --
    grading never pauses the engine, whose wall time defines TPS.
 4. On Ctrl-C (KeyboardInterrupt) the engine stops; samples that had finished are graded and
-   written, a segment line and metrics.json are written, and the outcome says ``interrupted``.
+   written, a segment line (with the engine's statistics so far) and metrics.json are written,
+   and the outcome says ``interrupted``. Killed outright, the run leaves ``progress.json`` (the
+   segment's totals as of its last finished request, written before that request's sample line),
+   which the next invocation turns into the segment's line (evals.results).
 
 Fixed KV budget: a policy with a ``budget`` field (Zipage, SnapKV, ChunkKV) or an
 ``initial_capacity`` field (the GrowPage family: GrowPage-Fixed's cap, GrowPage's start of
@@ -75,6 +80,9 @@ class EvalSettings:
     out: results root. grading_workers / grading_timeout_s: math grading processes and bound.
     fidelity: also measure drift from FullKV per sample (evals.fidelity): a cached FullKV
         reference and the policy's teacher-forced pass over it; False for accuracy only.
+    retry_failed: rerun samples recorded as failed for an engine reason (prompt longer than the
+        context or the pool) even when the engine settings are those that failed them (they are
+        retried anyway when ``kv_cache_tokens`` or ``max_num_seqs`` changed).
     """
 
     task: str
@@ -98,6 +106,7 @@ class EvalSettings:
     grading_workers: int = 1
     grading_timeout_s: float = 10.0
     fidelity: bool = True
+    retry_failed: bool = False
 
     def __post_init__(self) -> None:
         for name in ("limit", "samples", "max_tokens", "kv_budget", "kv_cache_tokens", "block_size"):
@@ -411,6 +420,12 @@ def run_eval(settings: EvalSettings, hooks: EvalHooks | None = None) -> EvalOutc
     policy_args = resolve_policy_args(settings.policy, settings.policy_args, budget, block_size,
                                       task.policy_args_for(settings.policy))
     label = R.run_label(settings.policy, settings.policy_args)
+    path = R.run_dir(settings.out, settings.model, settings.task, label)
+    try:  # before anything heavy loads: a run that cannot write its results must not start
+        R.check_writable(path)
+    except OSError as e:
+        raise EvalError(f"results directory {path} cannot be written ({e}); pass a writable "
+                        f"--out") from None
     try:
         model_dir = resolve_model(settings.model)
         tokenizer = load_tokenizer(model_dir)
@@ -422,7 +437,6 @@ def run_eval(settings: EvalSettings, hooks: EvalHooks | None = None) -> EvalOutc
     max_tokens = settings.max_tokens or defaults.max_tokens
     temperature = defaults.temperature if settings.temperature is None else settings.temperature
 
-    path = R.run_dir(settings.out, settings.model, settings.task, label)
     config = {
         "label": label, "model": R.model_slug(settings.model), "model_spec": settings.model,
         "task": settings.task, "task_options": _jsonable(settings.task_options),
@@ -439,10 +453,17 @@ def run_eval(settings: EvalSettings, hooks: EvalHooks | None = None) -> EvalOutc
     }
     if (path / R.CONFIG_FILE).exists():
         R.check_identity(R.read_json(path / R.CONFIG_FILE), config, path)
+    killed = R.seal_progress(path)
+    if killed:
+        hooks.on_message(f"segment {killed.get('segment')} was killed; its progress is kept as a "
+                         f"segment line")
     loaded = R.load_samples(path / R.SAMPLES_FILE)
     for problem in loaded.dropped_lines:
         hooks.on_message(f"{path / R.SAMPLES_FILE}: dropped an unreadable line ({problem})")
-    done = set(loaded.records)
+    retry = failed_to_retry(loaded.records, R.read_segments(path / R.SEGMENTS_FILE), settings)
+    if retry:
+        hooks.on_message(f"retrying {len(retry)} sample(s) that failed for an engine reason")
+    done = set(loaded.records) - retry
     todo = [k for k in plan.keys if k not in done]
     outcome = EvalOutcome(path, label, settings.task, {}, resumed=len(plan.keys) - len(todo),
                           skipped_rows=config["skipped_rows"])
@@ -458,6 +479,27 @@ def run_eval(settings: EvalSettings, hooks: EvalHooks | None = None) -> EvalOutc
                      if (path / R.CONFIG_FILE).exists() else config)
     outcome.metrics = finalize(path, plan)
     return outcome
+
+
+def failed_to_retry(records: Mapping[R.SampleKey, dict], segments: Sequence[Mapping[str, Any]],
+                    settings: EvalSettings) -> set[R.SampleKey]:
+    """Failed samples (an engine reason) worth running again: all with ``retry_failed``, else
+    those whose segment ran with other engine settings than asked now (or recorded none)."""
+    failed = {k for k, r in records.items() if r.get("status") == "failed"}
+    if settings.retry_failed or not failed:
+        return failed
+    wanted = {"kv_cache_tokens": settings.kv_cache_tokens, "max_num_seqs": settings.max_num_seqs}
+    by_segment = {s.get("segment"): s.get("settings") or {} for s in segments}
+    return {k for k in failed
+            if any(by_segment.get(records[k].get("segment"), {}).get(name, "?") != value
+                   for name, value in wanted.items())}
+
+
+def _segment_settings(settings: EvalSettings, llm) -> dict:
+    """The engine settings of one segment (R.ENGINE_SETTING_KEYS)."""
+    return {"kv_cache_tokens": settings.kv_cache_tokens, "max_num_seqs": settings.max_num_seqs,
+            "num_pages": llm.runner.num_pages, "max_model_len": llm.runner.max_model_len,
+            "device": llm.config.device}
 
 
 def _generate(settings: EvalSettings, config: dict, plan: Plan, todo: list[R.SampleKey], path: Path,
@@ -481,10 +523,15 @@ def _generate(settings: EvalSettings, config: dict, plan: Plan, todo: list[R.Sam
         config["policy_params"] = _jsonable(policy.effective_params())
     config["engine"] = {"device": llm.config.device, "num_pages": llm.runner.num_pages,
                         "max_model_len": llm.runner.max_model_len}
-    segment = len(R.read_segments(path / R.SEGMENTS_FILE))
+    segment = 1 + max((int(s.get("segment", -1)) for s in R.read_segments(path / R.SEGMENTS_FILE)),
+                      default=-1)
     config["last_invocation"] = _now()
     config["provenance"] = invocation_provenance(path)
     R.write_json(path / R.CONFIG_FILE, config)
+    # The segment exists (with its engine settings) before its first sample line, failed ones too.
+    R.write_progress(path, {"segment": segment, "status": "running", "started": _now(),
+                            "wall_time": 0.0, "samples": 0, "output_tokens": 0, "stats": None,
+                            "failed": 0, "settings": _segment_settings(settings, llm)})
 
     task_for = {}  # the mixed workload's problems are prompted by their source task
     prompts, params, keys = [], [], []
@@ -517,6 +564,12 @@ def _generate(settings: EvalSettings, config: dict, plan: Plan, todo: list[R.Sam
             fid.forced_pass(llm, fid.requests)
         if prompts:
             _stream(llm, prompts, params, keys, writer, segment, path, settings, hooks, outcome, fid)
+        else:  # only failed samples: still a segment, so they keep the settings that failed them
+            R.append_segment(path / R.SEGMENTS_FILE, {
+                "segment": segment, "status": "complete", "started": _now(), "wall_time": 0.0,
+                "samples": 0, "output_tokens": 0, "stats": None, "failed": outcome.failed,
+                "settings": _segment_settings(settings, llm)})
+            R.end_progress(path)
         if fid is not None:
             fid.write_timing(path, segment)
     except BaseException:
@@ -570,15 +623,25 @@ def _stream(llm, prompts, params, keys, writer, segment, path, settings, hooks, 
                               timeout_s=settings.grading_timeout_s)
     finished_tokens = 0
     status = "complete"
+    started = _now()
+    line = {"segment": segment, "status": "running", "started": started,
+            "settings": _segment_settings(settings, llm), "failed": outcome.failed}
     start = time.perf_counter()
+    stream = llm.stream(prompts, params, on_step=hooks.on_step)
     try:
-        for out in llm.stream(prompts, params, on_step=hooks.on_step):
+        for out in stream:
             problem, j, seed = keys[out.index]
             record = output_record(problem, j, seed, segment, out)
             record.update(fid.fields(fid.requests[out.index], out) if fid else fidelity_none())
-            grader.submit(problem, record)
             finished_tokens += out.num_output_tokens
             outcome.ran += 1
+            # The segment's totals so far, on disk before this sample's line can be: after a
+            # kill -9 they still cover every sample written (R.seal_progress).
+            counts = {k: int(v) for k, v in llm.last_scheduler.counters.items()}
+            R.write_progress(path, {**line, "wall_time": time.perf_counter() - start,
+                                    "samples": outcome.ran, "output_tokens": finished_tokens,
+                                    "stats": {"counts": counts}})
+            grader.submit(problem, record)
     except KeyboardInterrupt:
         status = "interrupted"
         outcome.interrupted = True
@@ -586,17 +649,19 @@ def _stream(llm, prompts, params, keys, writer, segment, path, settings, hooks, 
         status = "error"
         raise
     finally:
+        stream.close()  # a stopped run's statistics (engine counters so far) are set on close
         wall = time.perf_counter() - start
-        stats = llm.last_stats.to_dict() if status == "complete" and llm.last_stats else None
+        stats = llm.last_stats.to_dict() if llm.last_stats else None
         if status == "complete" and stats:
             wall = stats["wall_time"]
         if status != "complete" and grader.pending:
             hooks.on_message(f"grading the {grader.pending} finished sample(s) before stopping")
         grader.close()
         R.append_segment(path / R.SEGMENTS_FILE, {
-            "segment": segment, "status": status, "started": _now(), "wall_time": wall,
-            "samples": outcome.ran, "output_tokens": finished_tokens, "stats": stats,
+            **line, "status": status, "wall_time": wall, "samples": outcome.ran,
+            "output_tokens": finished_tokens, "stats": stats,
         })
+        R.end_progress(path)
 
 
 def _task_for(problem: Problem, settings: EvalSettings):
@@ -625,6 +690,7 @@ def finalize(path: Path, plan: Plan) -> dict:
     records = [records_by_key[k] for k in plan.keys if k in records_by_key]
     segments = R.read_segments(path / R.SEGMENTS_FILE)
     metrics = R.compute_metrics(records, segments, len(plan.keys))
+    describe_engine_settings(path, records, segments)
     grid = niah_records(records)
     if grid:
         from evals.plots import niah_heatmap
@@ -634,6 +700,25 @@ def finalize(path: Path, plan: Plan) -> dict:
         niah_heatmap(grid, path / R.NIAH_HEATMAP_FILE, title=config.get("label", path.name))
     R.write_json(path / R.METRICS_FILE, metrics)
     return metrics
+
+
+def describe_engine_settings(path: Path, records: Sequence[Mapping[str, Any]],
+                             segments: Sequence[Mapping[str, Any]]) -> None:
+    """config.json's engine fields describe the samples held (R.engine_settings_summary): the one
+    setting they all came from, or ``"mixed"`` with ``engine_settings`` listing each."""
+    if not (path / R.CONFIG_FILE).exists() or not records:
+        return
+    config = R.read_json(path / R.CONFIG_FILE)
+    summary = R.engine_settings_summary(records, segments)
+    config["engine_settings"] = summary
+    if summary["mixed"]:
+        for name in ("kv_cache_tokens", "max_num_seqs", "engine"):
+            config[name] = R.MIXED
+    elif not summary["settings"][0].get("unknown"):
+        one = summary["settings"][0]
+        config["kv_cache_tokens"], config["max_num_seqs"] = one["kv_cache_tokens"], one["max_num_seqs"]
+        config["engine"] = {k: one[k] for k in ("device", "num_pages", "max_model_len")}
+    R.write_json(path / R.CONFIG_FILE, config)
 
 
 def niah_records(records: Sequence[Mapping[str, Any]]) -> list[dict]:

@@ -312,3 +312,121 @@ def test_cli_eval_two_policies_then_leaderboard(model_dir, tmp_path):
     assert result.exit_code == 2 and "known tasks" in result.output
     result = runner.invoke(app, args[:-2] + ["--policy-arg", "nope=1", "--out", str(tmp_path)])
     assert result.exit_code == 2 and "none of the policies" in result.output
+
+
+# ------------------------------------------------------------------------------ hostile runs
+
+# These tests are about result files, not fidelity to FullKV: skip its reference pass where the
+# runner has one.
+NO_FIDELITY = {"fidelity": False} if "fidelity" in EvalSettings.__dataclass_fields__ else {}
+
+
+def test_unwritable_results_dir_fails_before_the_model_loads(model_dir, tmp_path, monkeypatch):
+    import engine.models.loader as loader
+
+    def no_loading(*a, **k):
+        raise AssertionError("the model was loaded before the results directory was checked")
+
+    monkeypatch.setattr(loader, "resolve_model", no_loading)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(EvalError, match="cannot be written.*writable --out"):
+        run_eval(settings(model_dir, blocker / "results", **NO_FIDELITY))
+
+
+def _pool_rows(path: Path) -> Path:
+    rows = [{"question": "What is 2 + 3?", "answer": "#### 5"},
+            {"question": "Count the apples. " * 60, "answer": "#### 1"},  # > the 512-token context
+            {"question": "Count the pears. " * 20, "answer": "#### 2"}]  # > a 256-token pool
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_failed_samples_are_retried_and_config_stays_honest(model_dir, tmp_path):
+    data = str(_pool_rows(tmp_path / "gsm8k.jsonl"))
+    kw = dict(data=data, **NO_FIDELITY)
+    first = run_eval(settings(model_dir, tmp_path / "out", kv_cache_tokens=256, **kw))
+    assert first.failed == 2 and first.metrics["failed"] == 2
+    config = json.loads((first.path / R.CONFIG_FILE).read_text())
+    assert config["kv_cache_tokens"] == 256 and not config["engine_settings"]["mixed"]
+
+    same = run_eval(settings(model_dir, tmp_path / "out", kv_cache_tokens=256, **kw))
+    assert same.ran == same.failed == 0  # the settings that failed them: nothing to retry
+
+    bigger = run_eval(settings(model_dir, tmp_path / "out", kv_cache_tokens=512, **kw))
+    assert bigger.ran == 1 and bigger.failed == 1  # the pool one runs; the context one fails again
+    recs = R.load_samples(bigger.path / R.SAMPLES_FILE).records
+    assert recs[("gsm8k/2", 0)]["status"] == "ok" and recs[("gsm8k/1", 0)]["status"] == "failed"
+    assert bigger.metrics["failed"] == 1 and bigger.metrics["samples_done"] == 3
+    config = json.loads((bigger.path / R.CONFIG_FILE).read_text())
+    # gsm8k/0 came from the 256-token pool, the others from 512: config.json says so.
+    assert config["kv_cache_tokens"] == config["engine"] == R.MIXED
+    by_pool = {s["kv_cache_tokens"]: s["samples"] for s in config["engine_settings"]["settings"]}
+    assert by_pool == {256: 1, 512: 2}
+
+    forced = run_eval(settings(model_dir, tmp_path / "out", kv_cache_tokens=512, retry_failed=True, **kw))
+    assert forced.ran == 0 and forced.failed == 1 and forced.metrics["samples_done"] == 3
+
+
+def _finished_by_engine(metrics: dict) -> int:
+    return sum(v for k, v in metrics["engine_counters"].items() if k.startswith("finish_"))
+
+
+def test_ctrl_c_segment_keeps_its_engine_counters(model_dir, tmp_path):
+    kw = dict(samples=2, temperature=0.8, max_num_seqs=3, **NO_FIDELITY)
+    first = run_eval(settings(model_dir, tmp_path, **kw), StopAfter(3))
+    assert first.interrupted
+    (segment,) = R.read_segments(first.path / R.SEGMENTS_FILE)
+    assert segment["status"] == "interrupted" and segment["stats"]["counts"]
+    assert _finished_by_engine(first.metrics) == len(lines(first.path)) == first.metrics["samples_done"]
+    assert first.metrics["tps"] and first.metrics["total_time_s"] > 0
+    second = run_eval(settings(model_dir, tmp_path, **kw))
+    assert _finished_by_engine(second.metrics) == second.metrics["samples_done"] == len(lines(second.path))
+
+
+_KILLER = """
+import json, os, signal, sys
+import torch
+torch.set_num_threads(1)
+from evals.runner import EvalHooks, EvalSettings, run_eval
+
+class KillAfter(EvalHooks):
+    seen = 0
+    def on_sample(self, record):
+        KillAfter.seen += 1
+        if KillAfter.seen == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+run_eval(EvalSettings(**json.loads(sys.argv[1])), KillAfter())
+"""
+
+
+def test_kill_9_totals_cover_every_written_sample(model_dir, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    kw = dict(samples=2, temperature=0.8, max_num_seqs=3, **NO_FIDELITY)
+    args = {**dict(task="gsm8k", model=str(model_dir), data=str(TASK_DATA["gsm8k"]), out=str(tmp_path)),
+            **ENGINE, **kw}
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{root / 'tests'}"}
+    proc = subprocess.run([sys.executable, "-c", _KILLER, json.dumps(args)], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    run = next(tmp_path.rglob(R.SAMPLES_FILE)).parent
+    written = len(lines(run))
+    assert written >= 3 and (run / R.PROGRESS_FILE).exists()
+    assert not R.read_segments(run / R.SEGMENTS_FILE)  # the killed segment never wrote its line
+
+    resumed = run_eval(settings(model_dir, tmp_path, **kw))
+    segments = R.read_segments(resumed.path / R.SEGMENTS_FILE)
+    assert [s["status"] for s in segments] == ["killed", "complete"]
+    killed = segments[0]
+    assert killed["samples"] >= written and killed["wall_time"] > 0 and killed["stats"]["counts"]
+    assert not (resumed.path / R.PROGRESS_FILE).exists()
+    m = resumed.metrics
+    assert m["samples_done"] == len(lines(resumed.path)) and m["complete"]
+    assert _finished_by_engine(m) >= m["samples_done"]  # engine counters cover every sample
+    assert m["total_time_s"] == pytest.approx(sum(s["wall_time"] for s in segments))
+    assert m["interrupted_segments"] == 1
