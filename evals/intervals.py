@@ -23,10 +23,11 @@ samples per problem vs one) give exactly the same interval for the same seed.
 Degenerate cases, chosen so a small run does not print a falsely certain ``± 0``:
 
 - fewer than two problems: no interval (``None``); one problem says nothing about the next one;
-- every value equal and every value 0 or 1 (e.g. 0 of 30 problems solved), where any bootstrap
-  collapses to a single point: the Wilson score interval for a proportion with ``n = P`` problems
-  (for 0/30 it is [0, 0.114]), the usual rule for an all-or-nothing count.
-  Other constant values keep the zero-width bootstrap interval (nothing varied).
+- a proportion (per-sample values given as booleans: correct, answered) with every value equal
+  (e.g. 0 of 30 problems solved), where any bootstrap collapses to a single point: the Wilson
+  score interval with ``n = P`` problems (for 0/30 it is [0, 0.114]), the usual rule for an
+  all-or-nothing count. A constant measurement (FullKV's delta-NLL of exactly 0 against itself)
+  keeps its zero-width interval: nothing varied, and nothing could.
 
 Pure numpy; deterministic for a given ``seed``.
 """
@@ -102,10 +103,12 @@ def point_estimate(groups: Sequence[Sequence[float]], weight: str = "sample") ->
 
 
 def nested_bootstrap(groups: Sequence[Sequence[float]], weight: str = "sample",
-                     spec: BootstrapSpec = DEFAULT_SPEC) -> tuple[float, float] | None:
+                     spec: BootstrapSpec = DEFAULT_SPEC, proportion: bool = False
+                     ) -> tuple[float, float] | None:
     """The ``spec.level`` interval of the statistic, or ``None`` with fewer than 2 problems.
 
     groups: one sequence of per-sample values per problem (``group_by_problem``).
+    proportion: the values are 0/1 outcomes (a constant one gets the Wilson interval).
     """
     _check_weight(weight)
     vals = [np.asarray(g, dtype=float) for g in groups if len(g)]
@@ -113,7 +116,7 @@ def nested_bootstrap(groups: Sequence[Sequence[float]], weight: str = "sample",
         return None
     flat = np.concatenate(vals)
     if np.all(flat == flat[0]):
-        if flat[0] in (0.0, 1.0):
+        if proportion and flat[0] in (0.0, 1.0):
             return wilson_interval(int(flat[0]) * len(vals), len(vals), spec.level)
         return float(flat[0]), float(flat[0])
     stats = _replicates(vals, weight, spec)
@@ -176,9 +179,13 @@ def _normal_quantile(q: float) -> float:
 def mean_and_interval(pairs: Iterable[tuple[Hashable, Any]], weight: str = "sample",
                       spec: BootstrapSpec = DEFAULT_SPEC
                       ) -> tuple[float | None, tuple[float, float] | None]:
-    """(point value, interval) of a per-sample field given as ``(problem id, value)`` pairs."""
+    """(point value, interval) of a per-sample field given as ``(problem id, value)`` pairs.
+    Values that are all booleans make a proportion (see ``nested_bootstrap``)."""
+    pairs = list(pairs)
+    present = [v for _, v in pairs if v is not None]
+    proportion = bool(present) and all(isinstance(v, bool) for v in present)
     groups = group_by_problem(pairs)
-    return point_estimate(groups, weight), nested_bootstrap(groups, weight, spec)
+    return point_estimate(groups, weight), nested_bootstrap(groups, weight, spec, proportion)
 
 
 def half_width(interval: Sequence[float] | None) -> float | None:

@@ -7,8 +7,9 @@ that produced it, and the leaderboard can mark rows that do not share them
 
 The git state is read from the repository this file belongs to (not the working directory). Its
 ``dirty`` flag covers tracked files only; ``diff_sha256`` fingerprints the uncommitted changes,
-so two runs on the same commit with different edits are told apart. Outside a git checkout
-(an installed package) the commit is ``None``.
+and ``code_diff_sha256`` those to the code that produces results (CODE_PATHS), so two runs on the
+same commit with different edits to the engine or the evals are told apart while an edited README
+or test does not split them. Outside a git checkout (an installed package) the commit is ``None``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from pathlib import Path
 from typing import Any, Sequence
 
 PROJECT = "kvarena"
+# The code whose uncommitted changes can change a result (the leaderboard compares runs by it).
+CODE_PATHS = ("engine", "evals", "cli.py")
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -119,19 +122,21 @@ def command_line(ctx=None) -> str:
 
 def run_provenance(ctx=None) -> dict:
     """What an eval run's config.json records under ``"provenance"``."""
-    return {"git": git_state(), "versions": versions(), "machine": machine(),
+    git = {**git_state(), "code_diff_sha256": git_state(CODE_PATHS)["diff_sha256"]}
+    return {"git": git, "versions": versions(), "machine": machine(),
             "command": command_line(ctx),
             "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
 
 
 def provenance_key(prov: dict | None) -> tuple[Any, ...]:
     """What two runs must share to count as produced by the same code on the same machine:
-    commit, uncommitted-change fingerprint, CPU model and count, device. ``("unknown",)`` for a
-    run recorded before provenance existed."""
+    commit, fingerprint of uncommitted changes to the code (CODE_PATHS), CPU model and count,
+    device. ``("unknown",)`` for a run recorded before provenance existed."""
     if not prov:
         return ("unknown",)
     git, mach = prov.get("git") or {}, prov.get("machine") or {}
-    return (git.get("commit"), git.get("diff_sha256"), mach.get("cpu"), mach.get("cpu_count"),
+    digest = git["code_diff_sha256"] if "code_diff_sha256" in git else git.get("diff_sha256")
+    return (git.get("commit"), digest, mach.get("cpu"), mach.get("cpu_count"),
             mach.get("device"))
 
 
@@ -143,5 +148,5 @@ def describe_key(key: tuple[Any, ...]) -> str:
     commit, digest, cpu, count, device = key
     code = f"commit {commit[:10]}" if commit else "no git checkout"
     if digest:
-        code += f" + uncommitted changes (diff {digest})"
+        code += f" + uncommitted code changes (diff {digest})"
     return f"{code}; {count} x {cpu}; device {device}"

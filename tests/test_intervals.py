@@ -68,8 +68,12 @@ def test_problem_and_sample_weights_differ_with_unequal_sample_counts():
 def test_degenerate_cases():
     assert nested_bootstrap([[1.0, 0.0, 1.0]], "problem", SPEC) is None  # one problem
     # 0 of 30 problems solved: not a certain 0, the Wilson interval over the 30 problems.
-    lo, hi = nested_bootstrap([[0.0, 0.0]] * 30, "problem", SPEC)
+    lo, hi = nested_bootstrap([[0.0, 0.0]] * 30, "problem", SPEC, proportion=True)
     assert (lo, hi) == wilson_interval(0, 30) and lo == 0.0 and 0.10 < hi < 0.12
+    assert mean_and_interval([(p, False) for p in range(30)], "problem", SPEC) == (0.0, (lo, hi))
+    # A constant measurement (FullKV's delta-NLL against itself) is exactly what it is.
+    assert nested_bootstrap([[0.0, 0.0]] * 30, "sample", SPEC) == (0.0, 0.0)
+    assert mean_and_interval([(p, 0.0) for p in range(30)]) == (0.0, (0.0, 0.0))
     assert nested_bootstrap([[7.0]] * 5, "sample", SPEC) == (7.0, 7.0)
     lo, hi = wilson_interval(15, 30)
     assert lo == pytest.approx(0.3315, abs=1e-3) and hi == pytest.approx(0.6685, abs=1e-3)

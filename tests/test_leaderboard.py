@@ -80,7 +80,7 @@ def test_rows_of_other_commits_or_machines_are_marked(results_root, tmp_path):
             for line in md.split("## Total time")[0].splitlines() if line.startswith("| tiny |")}
     assert rows == {"full": "A", "zipage+budget=64": "A+B", "zipage+budget=128": "A+C"}
     assert "- A: commit aaaaaaaaaa; 2 x CPU X; device cpu (4 runs)" in md
-    assert "- B: commit bbbbbbbbbb + uncommitted changes (diff 123456789abc)" in md
+    assert "- B: commit bbbbbbbbbb + uncommitted code changes (diff 123456789abc)" in md
     assert "- C: not recorded" in md and "different code or machines" in md
 
 
