@@ -241,6 +241,7 @@ def test_config_records_provenance(model_dir, tmp_path):
                           cwd=Path(__file__).resolve().parents[1]).stdout.strip()
     assert prov["git"]["commit"] == head and isinstance(prov["git"]["dirty"], bool)
     assert (prov["git"]["diff_sha256"] is None) == (not prov["git"]["dirty"])
+    assert prov["git"]["code_diff_sha256"] is None or prov["git"]["dirty"]
     assert prov["versions"]["torch"] and prov["versions"]["transformers"] and prov["versions"]["kvarena"]
     assert prov["machine"]["cpu_count"] >= 1 and prov["machine"]["device"] and prov["machine"]["platform"]
     assert prov["command"] and prov["date_utc"] and "earlier" not in prov
