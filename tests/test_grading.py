@@ -335,3 +335,34 @@ def test_summarize():
     assert s["pass@2"] == pytest.approx((1 + 0) / 2) and s["pass@2_problems"] == 2
     by_task = summarize_by_task(records)
     assert by_task["aime24"]["accuracy"] == 1.0 and by_task["gsm8k"]["samples"] == 4
+
+
+_NO_GUARD = """
+from evals.grading import grade_many
+from evals.problem import Problem
+p = Problem(uid="m/0", task="math500", question="1 + 1?", gold="2", grader="math")
+print("graded", [g.correct for g in grade_many([(p, "\\\\boxed{2}"), (p, "\\\\boxed{3}")], workers=1)])
+"""
+
+
+@pytest.mark.parametrize("guarded", [False, True], ids=["no-main-guard", "main-guard"])
+def test_grade_many_from_a_script_without_main_guard_says_so(tmp_path, guarded):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    body = _NO_GUARD
+    if guarded:
+        lines = body.strip().splitlines()
+        body = "\n".join(lines[:3] + ['if __name__ == "__main__":', "    " + lines[3]]) + "\n"
+    script = tmp_path / "grade_script.py"
+    script.write_text(body)
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True,
+                          text=True, timeout=120)
+    if guarded:
+        assert proc.returncode == 0 and "graded [True, False]" in proc.stdout, proc.stderr[-2000:]
+    else:  # a clear error, not every answer graded wrong
+        assert proc.returncode != 0 and "graded" not in proc.stdout
+        assert "WorkerStartError" in proc.stderr and '__name__ == "__main__"' in proc.stderr

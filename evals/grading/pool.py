@@ -7,6 +7,9 @@ process holds torch threads (and maybe CUDA), which plain ``fork`` copies unsafe
 server starts clean, preloads the grading modules once, and makes respawning after a
 timeout cheap.  As with any non-``fork`` multiprocessing, a script that uses the pool must
 keep its top-level work under ``if __name__ == "__main__":`` (workers import the main module).
+Without the guard every worker dies while importing it; each worker says ``ready`` before its
+first call, so a worker that dies before that makes :meth:`GradingPool.map` raise
+:class:`WorkerStartError` saying so, instead of answering every call with an error result.
 """
 
 from __future__ import annotations
@@ -20,10 +23,27 @@ from multiprocessing.connection import wait
 from typing import Any, Callable, Sequence
 
 DEFAULT_PRELOAD = ("evals.grading.math_grader", "math_verify")
+_READY = "ready"
+
+
+class WorkerStartError(RuntimeError):
+    """A grading worker died before it could take a call (no result would be meaningful)."""
+
+
+def _start_error(w: "_Worker") -> WorkerStartError:
+    w.process.join(5)
+    return WorkerStartError(
+        f"a grading worker process died while starting (exit code {w.process.exitcode}), before "
+        f"grading anything. Most often the calling script has no main guard: worker processes "
+        f"import the main module, so a script that calls grade_many or GradingPool must keep its "
+        f"top-level code under `if __name__ == \"__main__\":`. The worker's own error is printed "
+        f"above (stderr)."
+    )
 
 
 def _worker_main(conn) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    conn.send((_READY, None))  # it got this far: the main module (if any) imported cleanly
     while True:
         try:
             msg = conn.recv()
@@ -48,6 +68,7 @@ class _Worker:
         self.process = ctx.Process(target=_worker_main, args=(child,), daemon=True)
         self.process.start()
         child.close()
+        self.ready = False  # set by its first message
 
     def kill(self) -> None:
         if self.process.is_alive():
@@ -155,13 +176,21 @@ class GradingPool:
             by_conn = {w.conn: w for w in busy}
             for conn in ready:
                 w = by_conn[conn]
-                i, _ = busy.pop(w)
                 try:
                     kind, value = conn.recv()
                 except (EOFError, OSError):
+                    if not w.ready:
+                        error = _start_error(w)
+                        self.close()
+                        raise error from None
+                    i, _ = busy.pop(w)
                     results[i] = on_error(items[i], "grading worker died")
                     self._replace(w)
                     continue
+                if kind == _READY:
+                    w.ready = True  # its call is still running: keep it busy
+                    continue
+                i, _ = busy.pop(w)
                 results[i] = value if kind == "ok" else on_error(items[i], value)
             now = time.monotonic()
             for w, (i, deadline) in list(busy.items()):
