@@ -98,15 +98,33 @@ def machine() -> dict:
             "platform": platform.platform(), "device": device_name()}
 
 
+def portable_arg(arg: str) -> str:
+    """A command-line word without the machine's directory layout: an absolute path inside the
+    repository becomes relative to it; one outside (a data root, a temporary directory) keeps
+    only its last component, as ``.../name``. ``--opt=/abs/path`` is treated the same way."""
+    if "=" in arg and not arg.startswith("/"):
+        key, value = arg.split("=", 1)
+        return f"{key}={portable_arg(value)}" if value.startswith("/") else arg
+    if not arg.startswith("/"):
+        return arg
+    path = Path(arg)
+    try:
+        return path.resolve().relative_to(REPO_ROOT).as_posix() or "."
+    except ValueError:
+        return f".../{path.name}" if path.name else "/"
+
+
 def command_line(ctx=None) -> str:
     """The invoking command: `kvarena <group> <command>` plus every option given on the command
     line, rebuilt from the command's typer context (so it reads the same under the entry point,
-    `python cli.py` or a test runner); sys.argv (program name without its directory) without one."""
+    `python cli.py` or a test runner); sys.argv (program name without its directory) without one.
+    Absolute paths are made portable (:func:`portable_arg`): results are shared, machine
+    layouts are not."""
     if ctx is None:
         argv = list(sys.argv)
         if argv:
             argv[0] = Path(argv[0]).name
-        return shlex.join(argv) if argv else PROJECT
+        return shlex.join(portable_arg(a) for a in argv) if argv else PROJECT
     parts = [PROJECT, *ctx.command_path.split()[1:]]
     for param in ctx.command.params:
         source = ctx.get_parameter_source(param.name)
@@ -116,7 +134,7 @@ def command_line(ctx=None) -> str:
         if getattr(param, "is_flag", False):
             parts.append(param.opts[0] if value else param.secondary_opts[0])
         else:
-            parts += [param.opts[0], str(value)]
+            parts += [param.opts[0], portable_arg(str(value))]
     return shlex.join(parts)
 
 
