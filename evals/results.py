@@ -509,9 +509,12 @@ def flexible_extraction(records: Sequence[Mapping[str, Any]], spec: BootstrapSpe
         return {}
     point, ci = mean_and_interval(
         ((r["uid"], bool((r.get("details") or {}).get(FLEXIBLE_CORRECT))) for r in rows), "problem", spec)
-    answered = [(r.get("details") or {}).get(FLEXIBLE_EXTRACTED) is not None for r in rows]
+    answered, answered_ci = mean_and_interval(
+        ((r["uid"], (r.get("details") or {}).get(FLEXIBLE_EXTRACTED) is not None) for r in rows),
+        "sample", spec)
     return {"pass@1_flexible": point, "pass@1_flexible_ci": None if ci is None else list(ci),
-            "extraction_rate_flexible": sum(answered) / len(answered)}
+            "extraction_rate_flexible": answered,
+            "extraction_rate_flexible_ci": None if answered_ci is None else list(answered_ci)}
 
 
 def _numeric(value: Any) -> bool:

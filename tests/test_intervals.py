@@ -113,13 +113,14 @@ def _record(uid, sample, correct, **extra):
 def test_metrics_carry_an_interval_next_to_every_per_sample_mean():
     records = [_record(f"gsm8k/{p}", j, (p + j) % 3 == 0, fid_delta_nll=0.1 * p + 0.01 * j,
                        fid_first_divergence=None if j == 0 else 5 * p,
-                       details={"flexible_correct": (p + j) % 2 == 0, "flexible_extracted": "1"})
+                       details={"flexible_correct": (p + j) % 2 == 0,
+                                "flexible_extracted": "1" if (p + j) % 4 else None})
                for p in range(12) for j in range(3)]
     segments = [{"wall_time": 2.0, "output_tokens": 400, "status": "complete"}]
     m = R.compute_metrics(records, segments, len(records))
     for name in ("pass@1", "accuracy", "extraction_rate", "mean_score", "mean_output_tokens",
                  "tpot_ms", "avg_kv_budget", "fid_delta_nll", "fid_first_divergence",
-                 "pass@1_flexible"):
+                 "pass@1_flexible", "extraction_rate_flexible"):
         lo, hi = m[f"{name}_ci"]
         assert lo <= m[name] <= hi and lo < hi, name
     assert m["pass@1"] == pytest.approx(12 / 36)
