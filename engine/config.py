@@ -44,6 +44,10 @@ class EngineConfig:
     policy: name of the KV policy (see engine.policies.registry), or a policy instance.
     policy_args: keyword arguments for the policy's dataclass.
     async_compaction: run KV compaction on a background worker while other requests decode.
+    grow_watermark: share of the KV pool's pages that a capacity decision to grow (GrowPage's Grow
+        by One Page) must leave free; below it the grow "cannot be safely satisfied" and falls
+        back to the policy's compression (GrowPage Sec. 4.2). int(watermark x pages) pages, as
+        vLLM's block manager computes its 1% watermark; page allocation ignores it.
     seed: base seed; a request without its own seed gets seed + its request index.
     """
 
@@ -61,6 +65,7 @@ class EngineConfig:
     policy: Any = "full"
     policy_args: dict = field(default_factory=dict)
     async_compaction: bool = False
+    grow_watermark: float = 0.01
     seed: int = 0
 
     @classmethod
@@ -89,6 +94,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None:
                 _require_positive(name, value)
+        if isinstance(self.grow_watermark, bool) or not isinstance(self.grow_watermark, (int, float)) \
+                or not 0.0 <= self.grow_watermark < 1.0:
+            raise ConfigError(f"grow_watermark must be a share of the pool in [0, 1), "
+                              f"got {self.grow_watermark!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"

@@ -31,6 +31,7 @@ class LLM:
         self.model_dir = resolve_model(self.config.model)
         self.tokenizer = load_tokenizer(self.model_dir)
         self.policy = self._policy()
+        self.policy.prepare(self.config.block_size)  # before signals(): they may depend on it
         self.runner = ModelRunner(self.config, self.model_dir, self.policy.signals())
         r = self.runner
         self.policy.bind(EngineSpec(r.block_size, r.num_layers, r.num_q_heads, r.num_kv_heads,

@@ -2,10 +2,18 @@
 
 Each step packs single-token decodes first, then prefill chunks, under `max_num_batched_tokens`
 and `max_num_seqs`. Before a decode, a sequence whose pages are full is at a *capacity boundary*:
-its policy answers GROW / COMPRESS / SHRINK. A GROW that finds no free page asks the policy for a
+its policy answers GROW / COMPRESS / SHRINK. A GROW that cannot be granted asks the policy for a
 fallback compression; failing that, the scheduler preempts the most recently admitted request
 (recompute: it frees its pages, goes back to the front of the queue, and is re-prefilled later, where
 the policy may compress it back to its capacity).
+
+Two kinds of GROW (`grow_kind`). A *capacity decision* (the policy labels it info["action"] =
+"grow", or it carries a demand estimate "delta") is GrowPage's "Grow by One Page": it is granted
+only while the pool keeps a free-page watermark after it, `config.grow_watermark` of the pool
+(vLLM's scheduler keeps 1% of the blocks free the same way), else it "cannot be safely satisfied"
+(GrowPage Sec. 4.2) and falls back. Any other GROW is *page allocation* (FullKV, a fixed budget or
+GrowPage below its cap or start): it takes any free page. Counters and events name them "grow" and
+"allocate"; only "grow" enters the grow ratio (engine/stats.py).
 
 A request that can never fit (prompt longer than the model context, or more pages than the pool)
 is rejected when added; a lone request that outgrows the whole pool with no way to compress finishes
@@ -46,6 +54,8 @@ class Scheduler:
         self.step_index = 0
         self.finished: list[Sequence] = []
         self._scheduled: set[int] = set()
+        # Free pages a capacity-decision GROW must leave (vLLM: int(watermark x blocks)).
+        self.grow_reserve = int(config.grow_watermark * block_manager.num_pages)
 
     # -- requests -------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -165,13 +175,19 @@ class Scheduler:
                trigger: str) -> bool:
         if decision.action is not Action.GROW:
             return self._compact(seq, view, decision, trigger, timer=timer)
-        if self.bm.num_free:
+        kind = grow_kind(decision)
+        reserve = self.grow_reserve if kind == "grow" else 0
+        if self.bm.num_free > reserve:
             self._grow(seq, decision, timer)
             return True
         fallback = self.policy.fallback(view)
         if fallback is not None and fallback.action is not Action.GROW:
             self.counters["fallback"] += 1
+            fallback.info.setdefault("primary", kind)  # the GROW it replaces (grow ratio)
             return self._compact(seq, view, fallback, "fallback", timer=timer, is_fallback=True)
+        if self.bm.num_free:  # no fallback: the watermark yields to a free page
+            self._grow(seq, decision, timer)
+            return True
         if not self._free_a_page(seq):
             return False
         self._grow(seq, decision, timer)
@@ -180,10 +196,11 @@ class Scheduler:
     def _grow(self, seq: Sequence, decision: Decision, timer: StageTimer) -> None:
         pages_before = seq.num_pages
         self.bm.grow(seq, 1)
-        self.counters["grow"] += 1
+        kind = grow_kind(decision)
+        self.counters[kind] += 1
         if decision.info or self.policy.name != "full":
             self._record(CapacityEvent(
-                time.perf_counter(), seq.seq_id, "grow", seq.num_computed, seq.physical_len,
+                time.perf_counter(), seq.seq_id, kind, seq.num_computed, seq.physical_len,
                 seq.physical_len, pages_before, seq.num_pages, info=dict(decision.info),
                 stages=dict(timer.stages)), seq)
 
@@ -249,7 +266,7 @@ class Scheduler:
 
     def _finish_job(self, job) -> None:
         event = finalize(job, self.bm)
-        self.counters[event.action] += 1
+        self.counters[compaction_counter(event)] += 1
         self.compaction_seconds += sum(v for k, v in event.stages.items() if k != "demand")
         self.events.append(event)
 
@@ -278,7 +295,10 @@ class Scheduler:
             if item.prefill:
                 self.bm.register_prompt_pages(seq)
             else:
-                seq.capacity_trace.append(seq.num_pages * self.bm.block_size)
+                allocated = seq.num_pages * self.bm.block_size
+                budget = self.policy.kv_budget(seq.policy_state, seq.num_pages)
+                seq.capacity_trace.append(allocated)
+                seq.budget_trace.append(allocated if budget is None else budget)
             if samples:
                 seq.token_ids.append(next(sampled))
                 if seq.first_token_time is None:
@@ -349,3 +369,25 @@ class Scheduler:
         if self.worker is not None:
             self.collect_compactions(wait=True)
             self.worker.shutdown()
+
+
+def grow_kind(decision: Decision) -> str:
+    """"grow" for a capacity decision (labelled so, or carrying a demand estimate), "allocate"
+    for page allocation (module docstring)."""
+    label = decision.info.get("action")
+    if label in ("grow", "allocate"):
+        return label
+    return "grow" if "delta" in decision.info else "allocate"
+
+
+def compaction_counter(event: CapacityEvent) -> str:
+    """The counter a finished compaction adds to: its action ("compress" / "shrink") for a capacity
+    decision (a boundary, or a periodic schedule's firing); "fallback_compaction" for a fallback
+    (the fallback itself was counted when it replaced the GROW); "prefill_compress" after a prefill
+    (prompt compression, re-admission). So counts["compress"] holds decisions only (Table 9)."""
+    trigger = event.info.get("trigger", "boundary")
+    if event.fallback:
+        return "fallback_compaction"
+    if trigger == "prefill":
+        return f"prefill_{event.action}"
+    return event.action

@@ -74,7 +74,8 @@ class Sequence:
         self.compacting = False
         self.num_preemptions = 0
         self.events: list[CapacityEvent] = []
-        self.capacity_trace: list[int] = []
+        self.capacity_trace: list[int] = []  # allocated slots at each decode step
+        self.budget_trace: list[int] = []    # the policy's KV budget at each decode step
         self.token_logprobs: list[float] = []
         self.arrival = time.perf_counter() if arrival is None else arrival
         self.first_token_time: float | None = None

@@ -24,10 +24,11 @@ How a run proceeds:
    segment's totals as of its last finished request, written before that request's sample line),
    which the next invocation turns into the segment's line (evals.results).
 
-Fixed KV budget: a policy with a ``budget`` field (Zipage, SnapKV, ChunkKV) or an
-``initial_capacity`` field (the GrowPage family: GrowPage-Fixed's cap, GrowPage's start of
-capacity control) gets the task default's ``kv_budget`` (or ``--kv-budget``) unless a policy
-argument sets it; the value is rounded down to a whole number of pages.
+Fixed KV budget: a policy with a ``budget`` field (Zipage, SnapKV, ChunkKV, GrowPage-Fixed) gets
+the task default's ``kv_budget`` (or ``--kv-budget``) unless a policy argument sets it; the value
+is rounded down to a whole number of pages. GrowPage's initial capacity is not a budget ("GrowPage
+does not use these predefined budgets", its App. F.1): GrowPage, -Random, -Inverse and -Shrink
+start at their own default unless ``initial_capacity`` is given.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from evals.problem import DataUnavailableError, Problem, ProblemSet
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 # Policy fields that take the task's fixed KV budget, in order of preference (see docstring).
-BUDGET_FIELDS = ("budget", "initial_capacity")
+BUDGET_FIELDS = ("budget",)
 
 # Meta values larger than this (JSON characters) stay out of sample lines (contexts, tests).
 _META_MAX_CHARS = 200
@@ -214,10 +215,12 @@ def event_counts(events: Sequence[Mapping[str, Any]]) -> tuple[dict, dict, dict]
     """(counts by kind, boundary decisions by action, stage seconds) of one request's events.
 
     Kinds (``results.EVENT_KINDS``): ``grow``, ``compress``, ``shrink`` at capacity boundaries;
+    ``allocate`` (a page received without a capacity decision, engine/scheduler.py);
     ``fallback`` (a compression because GROW found no free page); ``prefill_compress`` and
     ``periodic_compress`` (compactions decided after a prefill -- prompt compression or
     re-admission -- and by a periodic schedule); ``preempt``. Boundary decisions are the grow /
-    compress / shrink answers at capacity boundaries (the denominator of the grow ratio)."""
+    compress / shrink answers at capacity boundaries, a fallback counted as the grow decision it
+    replaced (Table 9's primary decisions, engine/stats.py; the denominator of the grow ratio)."""
     kinds: dict[str, int] = {}
     decisions: dict[str, int] = {}
     stages: dict[str, float] = {}
@@ -233,6 +236,8 @@ def event_counts(events: Sequence[Mapping[str, Any]]) -> tuple[dict, dict, dict]
         kinds[kind] = kinds.get(kind, 0) + 1
         if trigger == "boundary" and action in ("grow", "compress", "shrink"):
             decisions[action] = decisions.get(action, 0) + 1
+        elif e.get("fallback") and (e.get("info") or {}).get("primary") == "grow":
+            decisions["grow"] = decisions.get("grow", 0) + 1  # the grow decision it replaced
         for k, v in (e.get("stages") or {}).items():
             stages[k] = stages.get(k, 0.0) + float(v)
     return kinds, decisions, stages
@@ -258,6 +263,7 @@ def output_record(problem: Problem, sample: int, seed: int, segment: int, out: A
         "finish_s": out.finish_time,
         "tpot_s": out.tpot,
         "avg_kv_budget": out.avg_kv_budget,
+        "avg_kv_allocated": out.avg_kv_allocated,
         "peak_kv_capacity": max(trace) if trace else None,
         "preemptions": out.num_preemptions,
         "events": kinds,
@@ -599,6 +605,7 @@ def _engine(model: str, engine_kwargs: dict, hooks: EvalHooks):
 
     policy = build_policy(engine_kwargs["policy"], engine_kwargs["policy_args"])
     rest = {k: v for k, v in engine_kwargs.items() if k not in ("policy", "policy_args")}
+    policy.prepare(engine_kwargs["block_size"])  # signals() may depend on the block size
     key = json.dumps({"model": model, "signals": repr(policy.signals()), **rest}, sort_keys=True,
                      default=repr)
     llm = _ENGINES.get(key)

@@ -29,9 +29,11 @@ from typing import Callable, Mapping, Sequence
 from evals import results as R
 from evals.runner import EvalError, EvalHooks, EvalOutcome, EvalSettings, run_eval
 
-# Policies whose per-request capacity is one fixed number, and the field that holds it.
+# Policies whose per-request capacity is one fixed number, and the field that holds it. GrowPage
+# (and its Random / Inverse / Shrink variants) has no fixed capacity: its initial capacity is
+# where capacity control starts, not a budget, so it is never swept here.
 FIXED_BUDGET_POLICIES = {"zipage": "budget", "snapkv": "budget", "chunkkv": "budget",
-                         "growpage-fixed": "initial_capacity"}
+                         "growpage-fixed": "budget"}
 
 SUFFICIENCY_RULES: dict[str, Callable[[int, int], bool]] = {
     "majority": lambda correct, n: 2 * correct > n,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import statistics
 import random
 
 import pytest
@@ -325,6 +326,7 @@ def test_boundary_grows_below_initial_then_follows_delta_with_info():
     view = boundary_view(3)
     d = policy.on_boundary(view)
     assert d.action is Action.GROW and d.info["reason"] == "below_initial"
+    assert d.info["action"] == "allocate"  # page allocation, not a capacity decision (Table 9)
     assert not view.state.active and view.state.capacity_pages == 4
 
     with_delta(policy, 0.01)
@@ -466,12 +468,14 @@ def test_variant_rules_on_crafted_deltas():
 
 
 def test_fixed_never_grows_past_initial_and_skips_the_demand_estimate():
-    policy = bound(GrowPageFixed(protected_recent=2, initial_capacity=12))
+    policy = bound(GrowPageFixed(protected_recent=2, budget=12))
     policy.demand = lambda view: pytest.fail("Fixed does not estimate demand")
-    assert policy.on_boundary(boundary_view(2)).action is Action.GROW
+    d = policy.on_boundary(boundary_view(2))
+    assert d.action is Action.GROW and d.info["action"] == "allocate"
     for pages in (3, 3, 3):
         d = policy.on_boundary(boundary_view(pages))
         assert d.action is Action.COMPRESS and d.target_len == (pages - 1) * 4
+        assert d.info["reason"] == "fixed"  # no demand estimate, so not labelled "demand"
 
 
 def test_random_is_seeded_and_frequency_matched():
@@ -526,7 +530,7 @@ def test_capacity_invariants_over_random_delta_streams():
     trace = simulate(bound(GrowPage(protected_recent=2, initial_capacity=8)), deltas)
     assert all(b >= a for a, b in zip(trace, trace[1:]))  # default never shrinks
     assert trace[-1] > 2
-    trace = simulate(bound(GrowPageFixed(protected_recent=2, initial_capacity=12)), deltas)
+    trace = simulate(bound(GrowPageFixed(protected_recent=2, budget=12)), deltas)
     assert max(trace) == 3
     trace = simulate(bound(GrowPageShrink(protected_recent=2, initial_capacity=20, min_capacity=12)), deltas)
     assert min(trace[5:]) >= 3 and any(b < a for a, b in zip(trace, trace[1:]))
@@ -555,18 +559,21 @@ def test_block_size_scaled_defaults():
     paper = GrowPage()
     paper.bind(EngineSpec(256, 2, 4, 2, 16, 100, 40000))
     assert paper.effective_params()["k_loc"] == 64
-    assert paper.effective_params()["initial_capacity"] == 4096
+    assert paper.effective_params()["initial_capacity"] == 2304  # 9 pages (Table 9)
+    assert paper.signals().ema_betas == (0.9, 0.999) and paper.signals().recent_queries == 1
     cpu = GrowPageShrink()
     cpu.bind(EngineSpec(32, 2, 4, 2, 16, 100, 4000))
     params = cpu.effective_params()
-    assert (params["k_loc"], params["initial_capacity"], params["min_capacity"]) == (8, 512, 128)
-    assert GrowPage().signals().ema_betas == (0.9, 0.999)
-    assert GrowPage().signals().recent_queries == 1
+    assert (params["k_loc"], params["initial_capacity"], params["min_capacity"]) == (8, 288, 128)
+    fixed = GrowPageFixed()
+    fixed.bind(EngineSpec(32, 2, 4, 2, 16, 100, 4000))
+    assert fixed.effective_params()["budget"] == 512  # 16 pages, the paper's 4096 at b = 256
 
 
 @pytest.mark.parametrize("kwargs,match", [
     ({"beta_short": 0.999, "beta_long": 0.9}, "beta_short < beta_long"),
-    ({"beta_long": 1.0}, "beta_short < beta_long"),
+    ({"beta_long": 1.0}, "beta_long"),
+    ({"preset": "gpu"}, "unknown preset"),
     ({"top_p": 0.0}, "top_p"),
     ({"metric": "variance"}, "unknown metric"),
     ({"k_loc": -1}, "k_loc"),
@@ -693,7 +700,7 @@ def test_engine_ema_follows_update_rule_and_reused_slot_starts_from_new_query(ti
         ref = ema.clone()
         for (_, p_prev, _, _, _), (_, p, q, ema, _) in zip(decoded, decoded[1:]):
             assert p == p_prev + 1
-            ema_update(ref, q, (0.9, 0.999), False)
+            ema_update(ref, q, policy.betas, False)
             torch.testing.assert_close(ema, ref, rtol=1e-5, atol=1e-6)
     assert not torch.allclose(second[1][3][:, 0], stale[:, 0])  # not the previous owner's state
 
@@ -732,7 +739,8 @@ def test_engine_preempted_request_is_compressed_back_to_its_capacity(tiny_dir):
 @pytest.mark.parametrize("name", ["growpage-fixed", "growpage-random", "growpage-inverse",
                                   "growpage-shrink"])
 def test_engine_runs_every_variant_by_name(tiny_dir, name):
-    args = {"initial_capacity": 3 * BLOCK, "protected_recent": 4}
+    args = {"budget" if name == "growpage-fixed" else "initial_capacity": 3 * BLOCK,
+            "protected_recent": 4}
     if name == "growpage-shrink":
         args["min_capacity"] = 2 * BLOCK
     llm = LLM(str(tiny_dir), block_size=BLOCK, kv_cache_tokens=40 * BLOCK, policy=name,
@@ -745,3 +753,181 @@ def test_engine_runs_every_variant_by_name(tiny_dir, name):
         if name == "growpage-shrink":
             assert min(out.capacity_trace[30:]) >= 2 * BLOCK
     assert_no_page_leak(llm)
+
+
+# -- issue 10: start capacity, accounting, budget readings, preset betas, watermark ------------
+
+from engine.policies.growpage import (  # noqa: E402
+    PAPER_BETA_LONG,
+    PAPER_INITIAL_PAGES,
+    preset_betas,
+)
+from engine.stats import primary_decisions  # noqa: E402
+
+
+def test_default_start_is_the_whole_page_bound_table9_gives():
+    # Table 9: Fixed 0 + 22,285 decisions from 16 pages, GrowPage 9,500 + 21,203 from P0.
+    requests, fixed, growpage = 1280, 0 + 22285, 9500 + 21203
+    bound_pages = 16 - (growpage - fixed) / requests  # P0 <= 9.42 (growpage.py docstring)
+    assert bound_pages == pytest.approx(9.42, abs=0.005)
+    assert PAPER_INITIAL_PAGES == math.floor(bound_pages)
+    for b in (4, 32, 256):  # the same page count at every block size
+        policy = bound(GrowPage(protected_recent=2), block_size=b)
+        assert policy.initial_pages == PAPER_INITIAL_PAGES
+    assert 9500 / growpage == pytest.approx(0.309, abs=5e-4)  # the printed grow ratio
+
+
+def test_fixed_cap_is_its_budget_not_growpages_start():
+    fixed = bound(GrowPageFixed(protected_recent=2))
+    assert fixed.initial_pages == fixed.growth_cap_pages == 16  # 4096 at b = 256
+    assert bound(GrowPage(protected_recent=2)).initial_pages == 9 < 16
+    for name in ("growpage-random", "growpage-inverse", "growpage-shrink"):
+        assert bound(build_policy(name, {"protected_recent": 2})).initial_pages == 9
+    for key in ("initial_capacity", "max_capacity"):
+        with pytest.raises(ConfigError, match="budget"):
+            GrowPageFixed(**{key: 64})
+
+
+def test_preset_betas_keep_the_paper_time_constants_in_pages():
+    assert preset_betas("auto", 256) == (0.9, 0.999)
+    assert preset_betas("paper", 32) == (0.9, 0.999)
+    short, long = preset_betas("auto", 32)
+    assert (short, long) == (0.9, pytest.approx(0.992))
+    for b in (8, 16, 32, 64, 256):  # the long time constant is 1000 / 256 pages everywhere
+        _, long = preset_betas("auto", b)
+        assert 1 / (1 - long) / b == pytest.approx(1 / (1 - PAPER_BETA_LONG) / 256)
+    assert preset_betas("pages", 32) == (pytest.approx(0.2), pytest.approx(0.992))
+    assert preset_betas("pages", 16)[0] == 0.0  # a 0.6-token time constant: the current query
+    explicit = GrowPage(beta_long=0.995)
+    explicit.prepare(32)
+    assert explicit.betas == (0.9, 0.995)
+    with pytest.raises(ConfigError, match="beta_short < beta_long"):
+        GrowPage(beta_short=0.995).prepare(32)  # above the preset's beta_L at b = 32
+    with pytest.raises(RuntimeError, match="prepare"):
+        GrowPage().signals()
+    with pytest.raises(ConfigError, match="block_size"):
+        prepared = GrowPage(protected_recent=2)
+        prepared.prepare(32)
+        bound(prepared, block_size=4)
+
+
+def test_engine_ema_pool_uses_the_preset_betas(tiny_dir):
+    llm = LLM(str(tiny_dir), block_size=BLOCK, kv_cache_tokens=16 * BLOCK,
+              policy="growpage", policy_args={"protected_recent": 4})
+    expected = preset_betas("auto", BLOCK)
+    assert llm.runner.queries.betas.tolist() == pytest.approx(list(expected))
+    assert expected[1] == pytest.approx(1 - 256 / (1000 * BLOCK))
+
+
+def test_kv_budget_readings_per_policy():
+    policy = bound(GrowPage(protected_recent=2, initial_capacity=12))  # 3 pages of 4
+    assert policy.kv_budget(GrowPageState(), 1) == 12  # entitled to its start before deciding
+    assert policy.kv_budget(GrowPageState(), 5) == 20  # a prompt longer than the start
+    assert policy.kv_budget(GrowPageState(active=True), 6) == 24
+    fixed = bound(GrowPageFixed(protected_recent=2, budget=16))
+    assert fixed.kv_budget(GrowPageState(), 1) == fixed.kv_budget(GrowPageState(active=True), 4) == 16
+    zipage = build_policy("zipage", {"budget": 64})
+    zipage.bind(EngineSpec(32, 2, 4, 2, 16, 100, 4000))
+    assert zipage.kv_budget(None, 1) == 64  # nominal, not the pages it holds
+    assert build_policy("full").kv_budget(None, 3) is None  # allocated slots
+
+
+def test_primary_decisions_count_fallbacks_as_the_grows_they_replaced():
+    # Table 9's GrowPage row: 9,500 grow decisions of which 597 fell back, 21,203 Compress & Hold.
+    events = ([("grow", "boundary", None)] * (9500 - 597)
+              + [("compress", "fallback", "grow")] * 597
+              + [("compress", "boundary", None)] * 21203
+              + [("allocate", "boundary", None)] * 5000     # below the start: no decision
+              + [("compress", "prefill", None)] * 7         # re-admission: no decision
+              + [("compress", "fallback", "allocate")] * 3)  # a fixed budget's opt-in fallback
+    d = primary_decisions(events)
+    assert (d["grow"], d["compress"], d["shrink"]) == (9500, 21203, 0)
+    assert d["grow"] / sum(d.values()) == pytest.approx(0.309, abs=5e-4)
+
+
+def test_engine_fixed_shows_no_grow_and_table8_budget(tiny_dir):
+    budget = 3 * BLOCK
+    llm, outs = run(tiny_dir, GrowPageFixed(budget=budget, protected_recent=4),
+                    kv_cache_tokens=40 * BLOCK)
+    stats = llm.last_stats
+    assert stats.counts.get("grow", 0) == 0 and stats.grow_ratio == 0.0  # Table 9: 0, 0.0
+    assert stats.counts["allocate"] > 0 and stats.counts["compress"] > 0
+    events = llm.last_scheduler.events
+    assert not [e for e in events if e.action == "grow"]
+    assert all(e.info["reason"] == "fixed" and "delta" not in e.info
+               for e in events if e.action == "compress")
+    for out in outs:  # Table 8: Fixed reads its nominal budget; what it held is apart
+        assert out.avg_kv_budget == budget
+        assert out.avg_kv_allocated == pytest.approx(statistics.fmean(out.capacity_trace))
+        assert out.avg_kv_allocated < budget
+    assert stats.avg_kv_budget == budget and stats.avg_kv_allocated < budget
+    assert_no_page_leak(llm)
+
+
+def test_engine_growpage_below_start_is_allocation_not_decisions(tiny_dir):
+    start = 3 * BLOCK
+    llm, outs = run(tiny_dir, GrowPage(initial_capacity=start, protected_recent=4),
+                    prompts=PROMPTS[:2], max_tokens=120, kv_cache_tokens=64 * BLOCK)
+    events = llm.last_scheduler.events
+    allocations = [e for e in events if e.action == "allocate"]
+    decisions = [e for e in events if e.action in ("grow", "compress")]
+    assert allocations and decisions
+    assert all(e.pages_after <= start // BLOCK and "delta" not in e.info for e in allocations)
+    assert all(e.pages_before >= start // BLOCK and e.info["reason"] == "demand"
+               and "delta" in e.info for e in decisions)
+    counts = llm.last_stats.counts
+    assert counts["allocate"] == len(allocations)
+    assert counts.get("grow", 0) + counts.get("compress", 0) == len(decisions)
+    grows = sum(e.action == "grow" for e in decisions)
+    assert llm.last_stats.grow_ratio == pytest.approx(grows / len(decisions))
+    for out in outs:  # capacity: the start until the first decision, never below it after
+        assert all(b >= start for b in [out.avg_kv_budget])
+        assert out.avg_kv_budget >= out.avg_kv_allocated
+
+
+@pytest.mark.parametrize("watermark", [0.0, 0.5])
+def test_engine_grow_decisions_keep_the_free_page_watermark(tiny_dir, watermark):
+    # tau = -1: every decision is a grow. 40 pages hold all three requests at full length, so
+    # without a watermark nothing falls back; keeping half the pool free makes the grows that
+    # would eat into it fall back to Compress & Hold (Sec. 4.2, "cannot be safely satisfied").
+    pool = 40
+    policy = GrowPage(tau=-1.0, initial_capacity=2 * BLOCK, protected_recent=4)
+    llm, outs = run(tiny_dir, policy, kv_cache_tokens=pool * BLOCK, grow_watermark=watermark)
+    assert all(o.num_output_tokens == 60 for o in outs)
+    stats = llm.last_stats
+    assert llm.last_scheduler.grow_reserve == int(watermark * pool)
+    assert stats.counts.get("preemption", 0) == 0
+    if watermark == 0.0:
+        assert stats.counts.get("fallback", 0) == 0 and stats.peak_pages > pool // 2
+    else:
+        assert stats.counts["fallback"] > 0
+        assert stats.peak_pages <= pool - int(watermark * pool)  # never granted into the reserve
+        fallbacks = [e for e in llm.last_scheduler.events if e.fallback]
+        assert all(e.info["primary"] == "grow" for e in fallbacks)
+    assert stats.grow_ratio == 1.0  # primary decisions before fallback handling: all grows
+    assert_no_page_leak(llm)
+
+
+def test_engine_config_rejects_a_bad_watermark():
+    from engine.config import EngineConfig
+
+    for bad in (-0.1, 1.0, "0.1", True):
+        with pytest.raises(ConfigError, match="grow_watermark"):
+            EngineConfig(device="cpu", grow_watermark=bad)
+
+
+def test_growpage_start_is_never_tied_to_a_baseline_budget():
+    from evals import sweep
+    from evals.benchmarks import mixed
+    from evals.runner import resolve_policy_args
+
+    for name in ("growpage", "growpage-random", "growpage-inverse", "growpage-shrink"):
+        assert resolve_policy_args(name, {}, 512, 32) == {}
+        assert name not in sweep.FIXED_BUDGET_POLICIES
+    assert resolve_policy_args("growpage-fixed", {}, 512, 32) == {"budget": 512}
+    assert sweep.FIXED_BUDGET_POLICIES["growpage-fixed"] == "budget"
+    small = {label: args for label, policy, args in mixed.configs(mixed.MixedScale(budget=128))
+             if policy != "zipage" and policy != "growpage-fixed"}
+    large = {label: args for label, policy, args in mixed.configs(mixed.MixedScale(budget=512))
+             if policy != "zipage" and policy != "growpage-fixed"}
+    assert small == large  # GrowPage and its variants do not move with Zipage's B

@@ -185,6 +185,10 @@ class KVPolicy:
     name: ClassVar[str] = ""
     engine: EngineSpec | None = field(default=None, init=False, repr=False, compare=False)
 
+    def prepare(self, block_size: int) -> None:
+        """Called by the engine with its block size before it reads `signals()` (GrowPage resolves
+        its block-size-dependent EMA betas here); `bind` follows."""
+
     def bind(self, engine: EngineSpec) -> None:
         """Called once by the engine; validate against block size and model shape here."""
         self.engine = engine
@@ -215,6 +219,13 @@ class KVPolicy:
 
     def select(self, view: PolicyView, target_len: int, timer: StageTimer) -> torch.Tensor:
         raise NotImplementedError(f"policy {self.name!r} never compresses")
+
+    def kv_budget(self, state: Any, num_pages: int) -> int | None:
+        """The request's KV budget in slots at a decode step where it holds `num_pages` pages:
+        a fixed-budget policy's nominal budget, GrowPage's per-request capacity. None (FullKV and
+        policies without one): the allocated slots, num_pages x block_size. Averaged per request
+        as the average KV budget (engine/stats.py)."""
+        return None
 
     def max_pages(self, view: PolicyView) -> int | None:
         """Most pages a request may hold (None: unbounded). Used for invariant checks."""

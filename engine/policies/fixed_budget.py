@@ -12,6 +12,9 @@ is GrowPage's scheduler-aware fallback (GrowPage Sec. 4.2); `fallback_compress=T
 fixed-budget policies that fallback too (compact to one page less than the request holds, if that
 still leaves room for the protected tokens), so the two runtimes can be compared policy by policy.
 
+Below the cap a boundary is page allocation, not a capacity decision: the scheduler labels these
+GROWs "allocate" (engine/scheduler.py), so a fixed budget's grow ratio is 0.
+
 Subclasses give `budget` (tokens, None = DEFAULT_BUDGET_PAGES pages of the engine's block), the
 number of always-kept tokens (`num_protected`, named by `protected_label` in errors) and the
 `boundary_reason` label of their boundary events.
@@ -67,6 +70,11 @@ class FixedBudgetPolicy(KVPolicy):
 
     def max_pages(self, view: PolicyView) -> int | None:
         return self.cap_pages
+
+    def kv_budget(self, state, num_pages: int) -> int:
+        """The nominal budget at every step (GrowPage's Table 8 reads Zipage-4096 as 4096), however
+        few pages the request holds yet and not counting the write page (engine/stats.py)."""
+        return self.budget
 
     def on_boundary(self, view: PolicyView) -> Decision:
         if view.num_pages < self.cap_pages:

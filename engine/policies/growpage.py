@@ -12,24 +12,66 @@ pages and compacts to (P - 1) x b occupied slots, so exactly one page of slots i
 Defaults: the paper's values are the field defaults; the fields that are token counts tied to the
 paper's block of 256 default to None and are scaled with the engine's block size at bind():
 
-| knob                  | paper (b = 256)            | CPU preset (b = 32)       | field              |
-|-----------------------|----------------------------|---------------------------|--------------------|
-| beta_S, beta_L        | 0.9, 0.999                 | same                      | beta_short/long    |
-| Top-p coverage p      | 0.99                       | same                      | top_p              |
-| demand threshold tau  | 0                          | same                      | tau                |
-| demand metric         | Top-p working set          | same                      | metric             |
-| protected recent      | 16 tokens                  | 16 tokens                 | protected_recent   |
-| local quota k_loc     | 64 (= b / 4)               | 8 (= b / 4)               | k_loc              |
-| initial capacity      | 4096 (16 pages, see below) | 512 (16 pages)            | initial_capacity   |
-| maximum capacity      | none                       | none                      | max_capacity       |
-| candidate set C       | all but the last 256 slots | all but the last 32 slots | (one page, fixed)  |
+| knob                  | paper (b = 256)             | CPU preset (b = 32)         | field              |
+|-----------------------|-----------------------------|-----------------------------|--------------------|
+| beta_S                | 0.9 (10 tokens)             | 0.9 (10 tokens)             | beta_short         |
+| beta_L                | 0.999 (1000 tok = 3.9 pages)| 0.992 (125 tok = 3.9 pages) | beta_long          |
+| Top-p coverage p      | 0.99                        | same                        | top_p              |
+| demand threshold tau  | 0                           | same                        | tau                |
+| demand metric         | Top-p working set           | same                        | metric             |
+| protected recent      | 16 tokens                   | 16 tokens                   | protected_recent   |
+| local quota k_loc     | 64 (= b / 4)                | 8 (= b / 4)                 | k_loc              |
+| initial capacity      | 9 pages = 2304 (see below)  | 9 pages = 288               | initial_capacity   |
+| maximum capacity      | none                        | none                        | max_capacity       |
+| candidate set C       | all but the last 256 slots  | all but the last 32 slots   | (one page, fixed)  |
+
+Initial capacity (derived from Table 9; the paper gives no number). GrowPage "invokes capacity
+control only when the current KV allocation is exhausted" and "does not use these predefined
+budgets" (Sec. 3.3, App. F.1): below its initial capacity a request simply receives pages (page
+allocation, not a capacity decision); from there on every boundary is a decision. Between two
+decisions a request decodes exactly one page (a grow adds an empty page, a Compress & Hold frees
+one page of slots), so a request of n pages (prompt + output) whose control starts at P0 pages
+meets max(0, n - P0) decisions. Table 9 (Qwen3-8B, AMC23, 1,280 requests):
+- GrowPage-Fixed starts (and stays) at its 4096-token cap, 16 pages: 0 grows + 22,285 Compress &
+  Hold = sum_i max(0, n_i - 16), i.e. 17.41 decisions per request;
+- GrowPage: 9,500 grows + 21,203 Compress & Hold = 30,703 = sum_i max(0, n_i - P0), 23.99 per
+  request (grow ratio 9,500 / 30,703 = 30.9%, as printed).
+Assumption: both runs write outputs of similar length (same model and prompts, Pass@1 within 1.5
+points). Then the difference 8,418 = sum_i min(max(0, n_i - P0), 16 - P0) <= 1,280 x (16 - P0),
+so P0 <= 16 - 6.58 = 9.42 pages, with equality when every request passes 16 pages. The default is
+the whole page count this gives, 9 pages (2,304 tokens at b = 256; 288 at b = 32), kept as a page
+count so every block size has the same number of pages. Cross-check with Table 8 (GrowPage's
+average budget 3,164 = 12.4 pages): a mean request of 16 + 17.41 = 33.4 pages starting at 9 pages
+with its 7.42 grows (9,500 / 1,280) spread evenly over its 24.4 decisions averages
+(9 x 9 + 24.4 x (9 + 7.42 / 2)) / 33.4 = 11.7 pages = 3,000 tokens of capacity (10 pages would give
+12.6 pages = 3,226). The start is a parameter of its own and is never a fixed baseline's budget
+(the evals give `budget` fields the task's budget, never `initial_capacity`).
+
+EMA betas (PRESETS, `preset="auto"` by default). beta_L = 0.999 averages over 1 / (1 - beta) = 1000
+tokens, 3.9 pages at b = 256; at b = 32 the same beta spans 31 pages, longer than the CPU-scale
+requests, so the long summary would barely leave its initial query. The "auto" preset keeps the
+long time constant in pages: beta_L = 1 - 1 / (3.90625 x b) (0.999 at b = 256, 0.992 at 32, 0.984
+at 16). beta_S keeps its 10-token time constant: scaled by pages it would be 1.25 tokens at b = 32
+(beta_S = 0.2) and below one token at b < 26 (no valid beta), i.e. the current query, the Table 2
+ablation (beta_S = 0) the paper finds less accurate; it smooths token-level query noise, which does
+not shrink with the page. "paper" uses (0.9, 0.999) at any block size; "pages" scales both
+(beta_S = max(0, 1 - 1 / (0.0390625 x b))), the literal reading. Explicit beta_short/beta_long win
+over the preset. The betas size the engine's EMA pool, so they are resolved in `prepare(block_size)`,
+which the engine calls before it reads `signals()`.
 
 Choices where the paper is silent (each also noted where it is implemented):
-- Initial capacity: below it every boundary grows; capacity control starts once the allocation
-  reaches it and stays on. The paper leaves this implicit; we use the fixed budget of its Zipage and
-  GrowPage-Fixed baselines (4096 tokens, Table 5 / App. H.1), kept as a page count (16) so the CPU
-  preset has the same number of pages. Capacities are counted in allocated slots (pages x b), the
-  quantity the paper's "Avg. KV Budget" reports.
+- Capacities are counted in allocated slots (pages x b). A request's capacity (the Table 8
+  "Avg. KV Budget" reading, `kv_budget`) is its initial capacity until its first decision and the
+  pages its decisions left it with afterwards.
+- Accounting (Table 9): a boundary below the initial capacity answers a GROW labelled
+  action="allocate" (no demand estimate, not a decision); decisions from the initial capacity on are
+  labelled "grow" / "compress" / "shrink" and alone enter the grow ratio. Their reason is "demand"
+  only when the rule computed delta (GrowPage-Fixed says "fixed", GrowPage-Random "random").
+- Fallback (Sec. 4.2, "cannot be safely satisfied"): the scheduler grants a Grow decision only while
+  the pool keeps its free-page watermark (EngineConfig.grow_watermark, vLLM's 1%); otherwise it asks
+  `fallback`, which answers Compress & Hold. Below-start allocation never falls back (the request
+  takes a free page, or the scheduler preempts), as Table 9 implies: GrowPage-Fixed allocates up to
+  16 pages under memory pressure (19 preemptions) yet records 0 fallbacks.
 - GQA: a KV head's distribution is the mean of its query heads' distributions (demand.py).
 - Compress & Hold scores every slot except the protected recent ones (the last
   `protected_recent`), normalising each view's attention over exactly those candidates, so
@@ -83,7 +125,30 @@ from engine.policies.demand import (
 
 PAPER_BLOCK_SIZE = 256
 PAPER_K_LOC = 64
-PAPER_INITIAL_PAGES = 16  # 4096 tokens at b = 256
+PAPER_INITIAL_PAGES = 9  # Table 9: P0 <= 9.42 pages (module docstring); 2304 tokens at b = 256
+PAPER_BETA_SHORT = 0.9   # 10-token time constant
+PAPER_BETA_LONG = 0.999  # 1000 tokens = 3.90625 pages of 256
+BETA_PRESETS = ("auto", "paper", "pages")
+
+
+def preset_betas(preset: str, block_size: int) -> tuple[float, float]:
+    """(beta_S, beta_L) of a preset at a block size (module docstring, "EMA betas").
+
+    "paper": (0.9, 0.999). "auto": beta_L keeps the paper's time constant in pages,
+    1 - 1 / (pages x b) with pages = 1000 / 256; beta_S stays 0.9. "pages": both time constants in
+    pages (beta_S clipped at 0, the current query, where its time constant is under one token).
+    """
+    if preset not in BETA_PRESETS:
+        raise ConfigError(f"growpage: unknown preset {preset!r}; valid: {list(BETA_PRESETS)}")
+    if preset == "paper" or block_size == PAPER_BLOCK_SIZE:
+        return PAPER_BETA_SHORT, PAPER_BETA_LONG
+
+    def in_pages(beta: float) -> float:
+        pages = 1.0 / (1.0 - beta) / PAPER_BLOCK_SIZE
+        return max(0.0, round(1.0 - 1.0 / (pages * block_size), 12))
+
+    short = in_pages(PAPER_BETA_SHORT) if preset == "pages" else PAPER_BETA_SHORT
+    return short, in_pages(PAPER_BETA_LONG)
 
 
 # -- Compress & Hold selection (pure) ---------------------------------------------------------
@@ -162,9 +227,14 @@ def compress_and_hold_select(
 
 
 class CapacityRule(Protocol):
-    """Maps the demand trend at a boundary to an action (before capacity limits are applied)."""
+    """Maps the demand trend at a boundary to an action (before capacity limits are applied).
+
+    needs_demand: the rule reads delta (the policy estimates it only then).
+    reason: the decision's label in its event record ("demand" only when delta was estimated).
+    """
 
     needs_demand: bool
+    reason: str
 
     def decide(self, delta: float | None) -> Action: ...
 
@@ -175,6 +245,7 @@ class TrendRule:
 
     tau: float
     needs_demand: ClassVar[bool] = True
+    reason: ClassVar[str] = "demand"
 
     def decide(self, delta: float | None) -> Action:
         return Action.GROW if delta > self.tau else Action.COMPRESS
@@ -187,7 +258,8 @@ class TrendRule:
 class GrowPageState:
     """Per-request capacity-control state.
 
-    active: capacity control has started (the allocation reached the initial capacity).
+    active: capacity control has started (the allocation reached the initial capacity); before
+        that, boundaries are page allocation, not decisions.
     capacity_pages: pages granted by the latest decision; what a re-admission is compressed back to.
     preempted: set by `on_preempt`, cleared when the re-admitted request is compressed back.
     last_demand: the latest demand numbers, attached to a fallback's event record.
@@ -205,21 +277,26 @@ class GrowPage(KVPolicy):
     """GrowPage with the paper's defaults (see the module docstring for the CPU preset).
 
     beta_short, beta_long: EMA decays of the short/long query summaries, 0 <= beta_S < beta_L < 1
-        (beta_S = 0 makes the short summary the current query, a Table 2 ablation).
+        (beta_S = 0 makes the short summary the current query, a Table 2 ablation); None = the
+        preset's value at the engine's block size.
+    preset: "auto" | "paper" | "pages" (module docstring, "EMA betas"); fills the betas left None.
     top_p: coverage p of the working set K (Eq. 7).
     tau: demand threshold; GROW iff delta > tau (App. D.1 sweeps -0.003..0.003).
     metric: "top_p" (K / |C|) or "entropy" (exp(H) / |C|, the Table 2 ablation).
     k_loc: block-local retention quota per page; None = b / 4 (64 at b = 256, App. D.2).
     protected_recent: most recent slots never evicted by a compaction.
-    initial_capacity: tokens (a multiple of b) below which boundaries always grow; None = 16 pages.
+    initial_capacity: tokens (a multiple of b) where capacity control starts; below it a boundary
+        allocates a page without a decision. None = 9 pages (Table 9, module docstring). Never a
+        fixed baseline's budget.
     max_capacity: tokens (a multiple of b) a request never grows past; None = unbounded.
     layer_chunk: layers scored per pass (bounds the temporary [layers, heads, n] score tensors).
     """
 
     name = "growpage"
 
-    beta_short: float = 0.9
-    beta_long: float = 0.999
+    beta_short: float | None = None
+    beta_long: float | None = None
+    preset: str = "auto"
     top_p: float = 0.99
     tau: float = 0.0
     metric: str = "top_p"
@@ -230,11 +307,16 @@ class GrowPage(KVPolicy):
     layer_chunk: int = 8
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.beta_short < self.beta_long < 1.0:
-            raise ConfigError(
-                f"{self.name}: need 0 <= beta_short < beta_long < 1, got "
-                f"beta_short={self.beta_short}, beta_long={self.beta_long}"
-            )
+        if self.preset not in BETA_PRESETS:
+            raise ConfigError(f"{self.name}: unknown preset {self.preset!r}; "
+                              f"valid: {list(BETA_PRESETS)}")
+        self._beta_block: int | None = None
+        for key in ("beta_short", "beta_long"):
+            value = getattr(self, key)
+            if value is not None and not 0.0 <= value < 1.0:
+                raise ConfigError(f"{self.name}: {key} must be in [0, 1), got {value}")
+        if self.beta_short is not None and self.beta_long is not None:
+            self._check_betas(self.beta_short, self.beta_long)
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"{self.name}: top_p must be in (0, 1], got {self.top_p}")
         if self.metric not in DEMAND_METRICS:
@@ -258,9 +340,28 @@ class GrowPage(KVPolicy):
 
     # -- binding and resolved knobs -----------------------------------------------------------
 
+    def _check_betas(self, short: float, long: float) -> None:
+        if not 0.0 <= short < long < 1.0:
+            raise ConfigError(
+                f"{self.name}: need 0 <= beta_short < beta_long < 1, got beta_short={short}, "
+                f"beta_long={long} (preset {self.preset!r} fills the ones left None)")
+
+    def prepare(self, block_size: int) -> None:
+        """Resolve the EMA betas for the engine's block size (they size the engine's EMA pool)."""
+        if self._beta_block is not None and self._beta_block != block_size:
+            raise ConfigError(f"{self.name}: betas were resolved for block_size "
+                              f"{self._beta_block}, the engine uses {block_size}")
+        short, long = preset_betas(self.preset, block_size)
+        short = short if self.beta_short is None else self.beta_short
+        long = long if self.beta_long is None else self.beta_long
+        self._check_betas(short, long)
+        self.betas = (short, long)
+        self._beta_block = block_size
+
     def bind(self, engine: EngineSpec) -> None:
         super().bind(engine)
         b = engine.block_size
+        self.prepare(b)
         if engine.num_q_heads % engine.num_kv_heads:
             raise ConfigError(f"{self.name}: q_heads {engine.num_q_heads} is not a multiple of "
                               f"kv_heads {engine.num_kv_heads}")
@@ -295,7 +396,8 @@ class GrowPage(KVPolicy):
         """The knobs after block-size scaling (for result directories and reports)."""
         b = self.block_size
         return {
-            "block_size": b, "beta_short": self.beta_short, "beta_long": self.beta_long,
+            "block_size": b, "preset": self.preset, "beta_short": self.betas[0],
+            "beta_long": self.betas[1],
             "top_p": self.top_p, "tau": self.tau, "metric": self.metric,
             "k_loc": self.k_loc_slots, "protected_recent": self.protected_recent,
             "initial_capacity": self.initial_pages * b,
@@ -303,7 +405,10 @@ class GrowPage(KVPolicy):
         }
 
     def signals(self) -> SignalSpec:
-        return SignalSpec(recent_queries=1, ema_betas=(self.beta_short, self.beta_long))
+        if self._beta_block is None:
+            raise RuntimeError(f"{self.name}: signals() needs the betas, resolved by "
+                               "prepare(block_size) (the engine calls it first)")
+        return SignalSpec(recent_queries=1, ema_betas=self.betas)
 
     def new_state(self) -> GrowPageState:
         return GrowPageState()
@@ -317,14 +422,21 @@ class GrowPage(KVPolicy):
 
     # -- decisions ----------------------------------------------------------------------------
 
+    def kv_budget(self, state: GrowPageState, num_pages: int) -> int:
+        """The request's capacity in slots at a decode step (Table 8's reading, stats.py): the
+        initial capacity until its first decision, then the pages its decisions left it with."""
+        pages = num_pages if state.active else max(self.initial_pages, num_pages)
+        return pages * self.block_size
+
     def on_boundary(self, view: PolicyView) -> Decision:
         state = _state(view)
         state.last_demand = {}
         pages = view.num_pages
         if not state.active and pages < self.initial_pages:
-            return self._grow(state, pages, {"reason": "below_initial"})
+            state.capacity_pages = pages + 1
+            return Decision.grow(action="allocate", reason="below_initial")
         state.active = True
-        info: dict = {"reason": "demand"}
+        info: dict = {"reason": self.rule.reason}
         delta = None
         if self.rule.needs_demand:
             demand = self.demand(view)
@@ -344,10 +456,12 @@ class GrowPage(KVPolicy):
         return self._hold(state, pages, info)
 
     def fallback(self, view: PolicyView) -> Decision | None:
-        """A GROW found no free page: Compress & Hold instead (Sec. 4.2). None (a single page, so
-        no history page to compact into) lets the scheduler preempt others and still grow."""
+        """A Grow decision could not be safely satisfied (the pool is at its free-page watermark):
+        Compress & Hold instead (Sec. 4.2). None for below-start allocation (not a decision: the
+        scheduler takes a free page or preempts) and for a single page (no history page to
+        compact into)."""
         state = _state(view)
-        if view.num_pages < 2:
+        if not state.active or view.num_pages < 2:
             return None
         return self._hold(state, view.num_pages, {**state.last_demand, "reason": "fallback"})
 
