@@ -73,7 +73,7 @@ IDENTITY = ("model", "task", "task_options", "data_source", "policy", "policy_ar
 
 # Event kinds counted per sample (CapacityEvent.action values, plus fallback compressions).
 EVENT_KINDS = ("grow", "compress", "shrink", "fallback", "preempt", "prefill_compress",
-               "periodic_compress")
+               "periodic_compress", "allocate")
 
 
 class ResultsMismatchError(ValueError):
@@ -467,7 +467,7 @@ PER_SAMPLE_METRICS: dict[str, tuple[Callable[[Mapping[str, Any]], Any], str, str
 # Numeric per-sample fields with these prefixes get "<field>" (their mean over the finished
 # samples where the field applies, i.e. is not None) and "<field>_ci" automatically: fidelity to
 # FullKV (fid_*) and every definition of the average KV budget.
-AUTO_MEAN_PREFIXES = ("fid_", "avg_kv_budget")
+AUTO_MEAN_PREFIXES = ("fid_", "avg_kv_budget", "avg_kv_allocated")
 # Figures of the whole run, not means over samples: no bootstrap interval. TPS and total time
 # depend on the machine's load during the run; compare them only between runs measured side by
 # side (the benchmarks).
