@@ -77,7 +77,22 @@ class Scheduler:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        """Requests still to run, or finished ones not yet drained (an abort between steps)."""
+        return bool(self.waiting or self.running or self.finished)
+
+    def abort(self, seq: Sequence) -> bool:
+        """End `seq` between steps with finish reason "aborted" (its client gave up); its pages
+        return to the pool. False if it had already finished. A request whose compaction runs in
+        the background is aborted once that compaction is collected (until then the job holds
+        its pages)."""
+        if seq.status is SeqStatus.FINISHED:
+            return False
+        if seq.compacting:
+            self.collect_compactions(wait=True)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        self._finish(seq, "aborted")
+        return True
 
     def view(self, seq: Sequence) -> SeqView:
         return SeqView(seq, self.runner)
