@@ -149,24 +149,35 @@ def _decode_kernel(
 @triton.jit(do_not_specialize=["NUM_PARTS"])
 def _decode_reduce_kernel(
     part_ptr, stat_ptr, out_ptr, s_ob, s_oh, s_od, NUM_PARTS,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, P_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, P_BLOCK: tl.constexpr,
 ):
-    """out[b, h] = sum_p w_p * o_p / sum_p w_p with w_p = l_p * 2**(m_p - max m)."""
+    """out[b, h] = sum_p w_p * o_p / sum_p w_p with w_p = l_p * 2**(m_p - max m), in chunks of
+    P_BLOCK partitions (any partition count, one compiled variant)."""
     b = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     row0 = (b * tl.num_programs(1) + head) * NUM_PARTS
-    offs_p = tl.arange(0, P_PAD)
+    offs_p = tl.arange(0, P_BLOCK)
     offs_d = tl.arange(0, D_PAD)
-    p_mask = offs_p < NUM_PARTS
-    m = tl.load(stat_ptr + (row0 + offs_p) * 2, mask=p_mask, other=float("-inf"))
-    l = tl.load(stat_ptr + (row0 + offs_p) * 2 + 1, mask=p_mask, other=0.0)
-    m_max = tl.max(m, 0)
+    m_max = tl.max(tl.full([P_BLOCK], float("-inf"), tl.float32), 0)
+    for p0 in range(0, NUM_PARTS, P_BLOCK):
+        m = tl.load(stat_ptr + (row0 + p0 + offs_p) * 2, mask=p0 + offs_p < NUM_PARTS,
+                    other=float("-inf"))
+        m_max = tl.maximum(m_max, tl.max(m, 0))
     # Empty partitions (l = 0, m = -inf) weigh 0; a fully empty sequence gets a zero row.
-    w = tl.where(l > 0, l * tl.exp2(m - tl.where(m_max > float("-inf"), m_max, 0.0)), 0.0)
-    o = tl.load(part_ptr + (row0 + offs_p)[:, None] * D_PAD + offs_d[None, :],
-                mask=p_mask[:, None], other=0.0)
-    total = tl.sum(w, 0)
-    out = tl.sum(o * w[:, None], 0) / tl.where(total > 0, total, 1.0)
+    m_ref = tl.where(m_max > float("-inf"), m_max, 0.0)
+    acc = tl.zeros([D_PAD], tl.float32)
+    total = tl.sum(tl.zeros([P_BLOCK], tl.float32), 0)
+    for p0 in range(0, NUM_PARTS, P_BLOCK):
+        p_mask = p0 + offs_p < NUM_PARTS
+        rows = row0 + p0 + offs_p
+        m = tl.load(stat_ptr + rows * 2, mask=p_mask, other=float("-inf"))
+        l = tl.load(stat_ptr + rows * 2 + 1, mask=p_mask, other=0.0)
+        w = tl.where(l > 0, l * tl.exp2(m - m_ref), 0.0)
+        o = tl.load(part_ptr + rows[:, None] * D_PAD + offs_d[None, :], mask=p_mask[:, None],
+                    other=0.0)
+        acc += tl.sum(o * w[:, None], 0)
+        total += tl.sum(w, 0)
+    out = acc / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + b * s_ob + head * s_oh + offs_d * s_od, out.to(out_ptr.dtype.element_ty),
              mask=offs_d < HEAD_DIM)
 
@@ -305,7 +316,7 @@ def decode_launches(q, k_cache_l, v_cache_l, block_tables, context_lens, scale, 
     if split:
         launches.append(Launch("decode_reduce", _decode_reduce_kernel, (batch, q_heads), (
             part, stat, out, *out.stride(), num_parts,
-        ), dict(HEAD_DIM=head_dim, D_PAD=d_pad, P_PAD=next_pow2(num_parts), num_warps=4)))
+        ), dict(HEAD_DIM=head_dim, D_PAD=d_pad, P_BLOCK=16, num_warps=4)))
     return launches
 
 
