@@ -26,7 +26,8 @@ ModelOpt = typer.Option("default", "--model", "-m",
                         help="HF directory, .gguf file, or the embedded default's name.")
 PromptsOpt = typer.Option(None, "--prompts-file",
                           help="Text file, one prompt per line (default: the built-in math set).")
-NumPromptsOpt = typer.Option(None, "--num-prompts", help="Use only the first N prompts.")
+NumPromptsOpt = typer.Option(None, "--num-prompts", help="Use only the first N prompts (default: "
+                             "all; the built-in set has 32, so intervals over requests are usable).")
 BlockOpt = typer.Option(16, "--block-size", help="Tokens per KV page (CPU-scale default 16).")
 OutOpt = typer.Option(None, "--out", help="Output directory (default: results/analysis/<study>-"
                                           "<model>-b<block>-t<tokens>-n<prompts>).")
@@ -103,7 +104,8 @@ def replay(
         None, "--max-boundaries", help="Demand boundaries per request to branch at (evenly spaced)."),
     policy_arg: list[str] = typer.Option(
         [], "--policy-arg", "-a",
-        help="GrowPage knob key=value (repeatable); defaults: initial_capacity=128 protected_recent=8."),
+        help="GrowPage knob key=value (repeatable); the replay sets protected_recent=8 (half a "
+             "16-token page), the rest are GrowPage's own defaults and preset."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Reference runs to --max-tokens."),
     temperature: float = TemperatureOpt,
     seed: int = SeedOpt,
@@ -128,11 +130,16 @@ def replay(
         return replay_study(model, prompt_ids, settings, path, config), path
 
     summary, path = _run(study)
+    from analysis.bootstrap import fmt_interval
+
     gt = next(v for k, v in summary.items() if k.startswith("benefit_delta_gt"))
     le = next(v for k, v in summary.items() if k.startswith("benefit_delta_le"))
-    console.print(f"[green]{summary['clean']} boundaries: mean A = {summary['benefit']}; "
-                  f"delta > tau: {gt}; delta <= tau: {le}; "
-                  f"Spearman(delta, A) = {summary['spearman_delta_benefit']}[/]  ({path})")
+    console.print(f"[green]{summary['clean']} boundaries of {summary['requests']} requests "
+                  f"(95% CI over requests): mean A = {fmt_interval(summary['benefit'], 4)}; "
+                  f"delta > tau (n={gt['n']}): {fmt_interval(gt, 4)}; delta <= tau (n={le['n']}): "
+                  f"{fmt_interval(le, 4)}; gap: {fmt_interval(summary['benefit_gap_gt_minus_le'], 4)}; "
+                  f"Spearman(delta, A) = {fmt_interval(summary['spearman_delta_benefit'])}[/]  "
+                  f"({path})")
 
 
 def _top_p_study(name: str, doc: str, run: Callable[..., dict],
@@ -174,9 +181,14 @@ def _demand(model, prompt_ids, settings, path, top_p) -> dict:
 
 
 def _demand_report(summary: dict) -> str:
+    from analysis.bootstrap import fmt_interval
+
     main = summary["pooled"]["delta"]
-    return (f"{summary['complete']} of {summary['boundaries']} boundaries: Spearman(delta, "
-            f"change) = {main['spearman']}, sign agreement = {main['sign_agreement']}")
+    return (f"{summary['complete']} of {summary['boundaries']} boundaries, {summary['requests']} "
+            f"requests (95% CI over requests): Spearman(delta, change) = "
+            f"{fmt_interval(main['spearman'])}, sign agreement = "
+            f"{fmt_interval(main['sign_agreement'])}, Spearman(delta, position) = "
+            f"{fmt_interval(summary['spearman_position']['delta'])}")
 
 
 def _sparsity(model, prompt_ids, settings, path, top_p) -> dict:
@@ -186,8 +198,13 @@ def _sparsity(model, prompt_ids, settings, path, top_p) -> dict:
 
 
 def _sparsity_report(summary: dict) -> str:
-    ratios = [round(v["dp_ratio_mean"], 3) for v in summary["per_request"].values()]
-    return f"mean D_p / N_t per request: {ratios}"
+    from analysis.bootstrap import fmt_interval
+
+    across = summary["across_requests"]
+    return (f"{summary['requests']} requests (95% CI over requests): mean D_p / N_t = "
+            f"{fmt_interval(across['dp_ratio_mean'])}, std of its {summary['smooth_steps']}-step "
+            f"rolling mean = {fmt_interval(across['smoothed_ratio_std'])}, Spearman(step, "
+            f"D_p / N_t) = {fmt_interval(summary['spearman_step_ratio'])}")
 
 
 _top_p_study("demand", "Spearman correlation of GrowPage's delta_t with the future "

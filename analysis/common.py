@@ -17,8 +17,10 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-# A small built-in workload: GSM8K/MATH-style word problems that make SmolLM2-135M-Instruct write
+# The built-in workload: 32 GSM8K/MATH-style word problems that make SmolLM2-135M-Instruct write
 # a few hundred tokens of step-by-step reasoning (the studies need long decodes, not right answers).
+# 32 requests by default, because the studies' intervals resample requests (analysis/bootstrap.py)
+# and a handful of requests gives intervals too wide to read.
 DEFAULT_PROMPTS: tuple[str, ...] = (
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in "
     "May. How many clips did Natalia sell altogether in April and May? Think step by step and "
@@ -37,6 +39,49 @@ DEFAULT_PROMPTS: tuple[str, ...] = (
     "step and check your answer.",
     "A store sells pencils at 3 for $1. How much do 2 dozen pencils cost? Explain every step of "
     "your reasoning.",
+    "A farmer has 17 cows and buys 3 times as many sheep as cows. He then sells 12 sheep. How many "
+    "animals does he have now? Work through it step by step.",
+    "A tank holds 240 liters and is filled at 8 liters per minute while it leaks 2 liters per "
+    "minute. How long does it take to fill the empty tank? Explain each step.",
+    "Maria reads 25 pages on Monday and each following day reads 5 pages more than the day "
+    "before. How many pages has she read after 6 days? Show your reasoning step by step.",
+    "What is the least common multiple of 12, 18 and 30? Explain the method and every step.",
+    "A shirt costs $40. It is discounted by 25% and then a 10% sales tax is added. What is the "
+    "final price? Explain each step in detail.",
+    "Two numbers add up to 50 and their difference is 14. Find both numbers, showing every step "
+    "of the algebra.",
+    "A cyclist rides uphill at 12 km/h and back down the same 18 km road at 36 km/h. What is the "
+    "average speed for the round trip? Think it through step by step.",
+    "How many positive divisors does 360 have? Explain the prime factorisation and the counting "
+    "step by step.",
+    "A class has 32 students. Three eighths of them walk to school, a quarter take the bus and "
+    "the rest are driven. How many are driven? Show all your work.",
+    "Solve the system 2x + 3y = 13 and x - y = -1. Explain every step and check the solution.",
+    "A recipe needs 3 eggs for every 250 g of flour. How many eggs are needed for 1.5 kg of "
+    "flour? Explain your reasoning carefully.",
+    "The angles of a triangle are in the ratio 2:3:4. What are the angles? Explain step by step.",
+    "A bank account pays 5% interest compounded yearly. Starting with $2000, how much is in the "
+    "account after 3 years? Show each year's calculation.",
+    "Tom is 4 times as old as his son. In 20 years he will be twice as old as his son. How old "
+    "are they now? Solve it step by step.",
+    "A bag holds 5 red, 3 blue and 2 green marbles. Two are drawn without replacement. What is "
+    "the probability that both are red? Explain each step.",
+    "A garden is 12 m long and 8 m wide, with a path 1 m wide all around it outside. What is the "
+    "area of the path? Explain your reasoning step by step.",
+    "Compute 1 + 2 + 3 + ... + 100 and explain why the method you use works, step by step.",
+    "A worker can paint a fence in 6 hours and another in 3 hours. How long do they take working "
+    "together? Explain every step.",
+    "A car uses 7 liters of fuel per 100 km. Fuel costs $1.60 per liter. How much does a 450 km "
+    "trip cost? Show your work step by step.",
+    "Find the remainder when 7^100 is divided by 5. Explain the pattern you use step by step.",
+    "A school orders 14 boxes of 24 markers and gives 9 markers to each of 35 classrooms. How "
+    "many markers are left? Think step by step.",
+    "A square and an equilateral triangle have the same perimeter of 36 cm. Which has the larger "
+    "area, and by how much? Explain each step.",
+    "Prices rose by 20% one year and fell by 20% the next. What is the overall percentage change? "
+    "Explain your reasoning in detail.",
+    "How many ways can 5 different books be arranged on a shelf if two particular books must stay "
+    "next to each other? Explain the counting step by step.",
 )
 
 
@@ -109,27 +154,6 @@ def spearman(x: Sequence[float], y: Sequence[float]) -> float:
     if a.size < 2:
         return math.nan
     return pearson(average_ranks(a), average_ranks(b))
-
-
-def spearman_pvalue(x: Sequence[float], y: Sequence[float], permutations: int = 10000,
-                    seed: int = 0) -> float:
-    """Two-sided permutation p-value of Spearman's rho: the fraction of random pairings (y
-    shuffled) whose |rho| reaches the observed |rho|, with the observed pairing counted once (so
-    the value is never 0). NaN when rho is undefined. Deterministic for a given seed."""
-    a, b = _finite_pairs(x, y)
-    observed = spearman(a, b)
-    if not math.isfinite(observed):
-        return math.nan
-    ra, rb = average_ranks(a), average_ranks(b)
-    ra = (ra - ra.mean()) / np.linalg.norm(ra - ra.mean())
-    rb = (rb - rb.mean()) / np.linalg.norm(rb - rb.mean())
-    gen = np.random.default_rng(seed)
-    hits = 0
-    for start in range(0, permutations, 1000):  # chunks bound the [chunk, n] matrix
-        count = min(1000, permutations - start)
-        shuffled = np.stack([gen.permutation(rb) for _ in range(count)])
-        hits += int((np.abs(shuffled @ ra) >= abs(observed) - 1e-12).sum())
-    return (hits + 1) / (permutations + 1)
 
 
 def sign_agreement(x: Sequence[float], y: Sequence[float]) -> float:

@@ -28,12 +28,19 @@ Choices where the paper is silent (and why):
   boundaries of a request (whose last page still holds prompt tokens, which have no decode query)
   and the last one (whose next page was never completed) are kept in the CSV with NaN targets.
 - Baselines (Table 2's ablations, as predictors of the same target): the short summary replaced by
-  the current query (beta_S = 0), a shorter long summary (beta_L = 0.99), the entropy metric, and
-  two level predictors: r_S alone and the current window's actual ratio r_current.
+  the current query (beta_S = 0), the entropy metric, the paper's betas unscaled (0.9, 0.999),
+  and two level predictors: r_S alone and the current window's actual ratio r_current.
 
 The probe is a `DecodeTap` (always GROW: FullKV behaviour) that also declares the EMA summaries
 GrowPage needs (`SignalSpec(ema_betas=..., recent_queries=1)`) and calls a bound `GrowPage`
-instance's `demand()` per signal variant in `on_boundary`. Its engine runs without prefix caching:
+instance's `demand()` per signal variant in `on_boundary`. The betas are GrowPage's own: each
+variant is a GrowPage instance whose preset resolves them at the engine's block size (at b = 16
+the default keeps beta_S = 0.9 and gives beta_L = 1 - 1 / (3.90625 x 16) = 0.984, the paper's
+1000-token time constant expressed in pages); config.json records the values used.
+
+Intervals: boundaries of one request share its trajectory, so every pooled statistic carries a 95%
+bootstrap interval over requests (analysis/bootstrap.py), not a p-value that counts boundaries as
+independent draws. Its engine runs without prefix caching:
 after a cache hit the engine prefills a prompt's last token as a one-token step, which enters the
 summaries, so requests would start from differently initialised summaries depending on the cache.
 """
@@ -50,13 +57,13 @@ import numpy as np
 import pandas as pd
 import torch
 
+from analysis.bootstrap import RESAMPLES, cluster_bootstrap, fmt_interval
 from analysis.common import (
     RunSettings,
     finite_or_none,
     generate_with_probe,
     sign_agreement,
     spearman,
-    spearman_pvalue,
     use_agg_backend,
     write_json,
 )
@@ -65,12 +72,17 @@ from engine.policies.base import Decision, EngineSpec, PolicyView, SignalSpec
 from engine.policies.demand import attention_scale, group_attention_probs, top_p_ratio
 from engine.policies.growpage import GrowPage
 
-# name -> GrowPage knobs of a demand signal; "delta" is GrowPage's default (beta_S, beta_L, metric).
+# name -> GrowPage knobs that differ from GrowPage's defaults. "delta" is GrowPage itself, with the
+# EMA betas its own preset resolves at the engine's block size (engine/policies/growpage.py: the
+# long summary keeps the paper's time constant in pages); the others are Table 2's ablations on
+# top of it, plus the paper's betas unscaled (the setting of the first CPU run).
+# Table 2's beta_L = 0.99 row is not here: scaled the same way (100 tokens = 0.39 pages) it is a
+# 6-token time constant at b = 16, shorter than beta_S's 10 tokens, which GrowPage rejects.
 DEFAULT_VARIANTS: dict[str, dict] = {
-    "delta": {"beta_short": 0.9, "beta_long": 0.999, "metric": "top_p"},
-    "delta_bS0": {"beta_short": 0.0, "beta_long": 0.999, "metric": "top_p"},
-    "delta_bL099": {"beta_short": 0.9, "beta_long": 0.99, "metric": "top_p"},
-    "delta_entropy": {"beta_short": 0.9, "beta_long": 0.999, "metric": "entropy"},
+    "delta": {},
+    "delta_bS0": {"beta_short": 0.0},
+    "delta_entropy": {"metric": "entropy"},
+    "delta_paper_betas": {"preset": "paper"},
 }
 MAIN_SIGNAL = "delta"
 LEVEL_PREDICTORS = ("r_S", "r_current")
@@ -120,7 +132,9 @@ class DemandRecorder(DecodeTap):
     """FullKV probe recording GrowPage's demand signals and the actual window working sets.
 
     top_p: coverage p of every working set (the signals' and the targets').
-    variants: signal name -> GrowPage knobs (beta_short, beta_long, metric); must contain "delta".
+    variants: signal name -> GrowPage knobs overriding its defaults ({} = GrowPage as registered);
+        must contain "delta". Each variant is a GrowPage instance; its betas are resolved by its
+        own preset at the engine's block size (`prepare`), never set here.
     """
 
     name: ClassVar[str] = "analysis-demand"
@@ -131,29 +145,41 @@ class DemandRecorder(DecodeTap):
         if MAIN_SIGNAL not in self.variants:
             raise ValueError(f"variants must include {MAIN_SIGNAL!r} (GrowPage's signal), "
                              f"got {sorted(self.variants)}")
+        # protected_recent only matters for compaction, which these never do.
+        self.estimators: dict[str, GrowPage] = {
+            name: GrowPage(top_p=self.top_p, protected_recent=0, **knobs)
+            for name, knobs in self.variants.items()}
+        self.pairs: dict[str, tuple[int, int]] = {}
+        self.betas: tuple[float, ...] = ()
+
+    def prepare(self, block_size: int) -> None:
+        """Resolve every variant's betas for the block size; the probe's EMA pool holds each
+        distinct beta once, and each variant reads its (short, long) pair from it."""
         betas: list[float] = []
-        for name, knobs in self.variants.items():
-            missing = {"beta_short", "beta_long"} - set(knobs)
-            if missing:
-                raise ValueError(f"signal variant {name!r} lacks {sorted(missing)}; give "
-                                 "beta_short, beta_long (and optionally metric)")
-            for key in ("beta_short", "beta_long"):
-                if knobs[key] not in betas:
-                    betas.append(knobs[key])
+        for name, estimator in self.estimators.items():
+            estimator.prepare(block_size)
+            pair = []
+            for beta in estimator.betas:
+                if beta not in betas:
+                    betas.append(beta)
+                pair.append(betas.index(beta))
+            self.pairs[name] = (pair[0], pair[1])
         self.betas = tuple(betas)
-        self.estimators: dict[str, tuple[GrowPage, tuple[int, int]]] = {}
 
     def signals(self) -> SignalSpec:
+        if not self.betas:
+            raise RuntimeError(f"{self.name}: signals() needs prepare(block_size) first (the "
+                               "engine calls it)")
         return SignalSpec(recent_queries=1, ema_betas=self.betas)
 
     def bind(self, engine: EngineSpec) -> None:
         super().bind(engine)
-        for name, knobs in self.variants.items():
-            # protected_recent only matters for compaction, which these never do.
-            estimator = GrowPage(top_p=self.top_p, protected_recent=0, **knobs)
+        for estimator in self.estimators.values():
             estimator.bind(engine)
-            pair = (self.betas.index(knobs["beta_short"]), self.betas.index(knobs["beta_long"]))
-            self.estimators[name] = (estimator, pair)
+
+    def variant_params(self) -> dict:
+        """Each variant's resolved knobs (for config.json)."""
+        return {name: est.effective_params() for name, est in self.estimators.items()}
 
     def make_state(self, index: int) -> DemandState:
         return DemandState(index, ring=deque(maxlen=self.block_size))
@@ -190,8 +216,8 @@ class DemandRecorder(DecodeTap):
 
     def _signals(self, view: PolicyView) -> dict:
         out = {}
-        for name, (estimator, pair) in self.estimators.items():
-            demand = estimator.demand(_EmaPairView(view, pair))
+        for name, estimator in self.estimators.items():
+            demand = estimator.demand(_EmaPairView(view, self.pairs[name]))
             out[name] = demand.delta
             if name == MAIN_SIGNAL:
                 out["r_S"], out["r_L"] = demand.r_short, demand.r_long
@@ -233,7 +259,7 @@ def demand_frame(states: list[DemandState], block_size: int) -> pd.DataFrame:
 @dataclass(frozen=True)
 class DemandConfig:
     top_p: float = 0.99
-    max_num_seqs: int = 16
+    max_num_seqs: int = 32
 
 
 def run_demand(model: str, prompt_ids: list[list[int]], max_tokens: int, block_size: int,
@@ -244,7 +270,9 @@ def run_demand(model: str, prompt_ids: list[list[int]], max_tokens: int, block_s
     probe, outputs = generate_with_probe(
         "demand", DemandRecorder, lambda: DemandRecorder(top_p=config.top_p), model, prompt_ids,
         max_tokens, block_size, config.max_num_seqs, temperature, seed, show_progress, llm)
-    return demand_frame(probe.states, probe.block_size), outputs
+    frame = demand_frame(probe.states, probe.block_size)
+    frame.attrs["variants"] = probe.variant_params()  # the betas each signal actually used
+    return frame, outputs
 
 
 def predictor_columns(frame: pd.DataFrame) -> list[str]:
@@ -252,22 +280,34 @@ def predictor_columns(frame: pd.DataFrame) -> list[str]:
     return signals + [c for c in LEVEL_PREDICTORS if c in frame.columns]
 
 
-def summarize_demand(frame: pd.DataFrame) -> dict:
-    """Pooled and per-request Spearman rho (and sign agreement for the trend signals) between each
-    predictor and the future demand change, over the complete rows."""
-    rows = frame[frame["complete"]] if len(frame) else frame
+def summarize_demand(frame: pd.DataFrame, resamples: int = RESAMPLES, seed: int = 0) -> dict:
+    """Pooled Spearman rho (and sign agreement for the trend signals) between each predictor and
+    the future demand change over the complete rows, each with a 95% cluster-bootstrap interval
+    over requests (analysis/bootstrap.py: boundaries of one request are not independent draws).
+
+    Also rho of delta and of the target with the position in the sequence: a signal that only
+    tracks how far decoding has progressed shows rho(delta, position) near 1 (the diagnosis of the
+    first CPU run, whose long summary had not left its initial value)."""
+    rows = (frame[frame["complete"]] if len(frame) else frame).reset_index(drop=True)
     target = "future_change"
-    pooled = {}
+    stats = {}
     for col in predictor_columns(frame):
-        entry = {"spearman": finite_or_none(spearman(rows[col], rows[target])),
-                 "spearman_pvalue": finite_or_none(spearman_pvalue(rows[col], rows[target])),
-                 "spearman_perquery_target": finite_or_none(spearman(rows[col],
-                                                                     rows["future_change_q"])),
-                 "spearman_last_query_target": finite_or_none(
-                     spearman(rows[col], rows["future_change_last"]))}
+        for name, tgt in (("spearman", target), ("spearman_perquery_target", "future_change_q"),
+                          ("spearman_last_query_target", "future_change_last")):
+            stats[f"{col}/{name}"] = lambda f, c=col, t=tgt: spearman(f[c], f[t])
         if col.startswith("delta"):
-            entry["sign_agreement"] = finite_or_none(sign_agreement(rows[col], rows[target]))
-        pooled[col] = entry
+            stats[f"{col}/sign_agreement"] = lambda f, c=col: sign_agreement(f[c], f[target])
+    stats["position/delta"] = lambda f: spearman(f[MAIN_SIGNAL], f["position"])
+    stats["position/future_change"] = lambda f: spearman(f[target], f["position"])
+    stats["delta_positive_fraction"] = lambda f: float((f[MAIN_SIGNAL] > 0).mean())
+    stats["change_positive_fraction"] = lambda f: float((f[target] > 0).mean())
+    intervals = cluster_bootstrap(rows, "request", stats, resamples=resamples, seed=seed) \
+        if len(rows) else {}
+    pooled: dict = {}
+    for key, interval in intervals.items():
+        group, name = key.split("/") if "/" in key else (None, key)
+        if group is not None and group != "position":
+            pooled.setdefault(group, {})[name] = interval.to_dict()
     per_request = {}
     for request, g in rows.groupby("request"):
         per_request[int(request)] = {
@@ -275,60 +315,63 @@ def summarize_demand(frame: pd.DataFrame) -> dict:
             "spearman_delta": finite_or_none(spearman(g[MAIN_SIGNAL], g[target])),
             "sign_agreement_delta": finite_or_none(sign_agreement(g[MAIN_SIGNAL], g[target])),
         }
+
+    def get(key: str) -> dict | None:
+        return intervals[key].to_dict() if key in intervals else None
+
     return {"boundaries": int(len(frame)), "complete": int(len(rows)),
+            "requests": int(rows["request"].nunique()) if len(rows) else 0,
             "target": "future_change = r_future - r_current (window working-set ratios on C_t)",
+            "intervals": "95% percentile bootstrap over requests (whole requests resampled)",
             "pooled": pooled, "per_request": per_request,
-            "delta_positive_fraction": finite_or_none(float((rows[MAIN_SIGNAL] > 0).mean()))
-            if len(rows) else None,
-            "change_positive_fraction": finite_or_none(float((rows[target] > 0).mean()))
-            if len(rows) else None}
+            "spearman_position": {"delta": get("position/delta"),
+                                  "future_change": get("position/future_change")},
+            "delta_positive_fraction": get("delta_positive_fraction"),
+            "change_positive_fraction": get("change_positive_fraction")}
 
 
 def plot_demand(frame: pd.DataFrame, summary: dict, path: Path) -> None:
     """Left: delta_t vs the future demand change (complete rows, one colour per request).
-    Right: pooled Spearman rho of every predictor, with per-request rho of delta as dots."""
+    Right: pooled Spearman rho of every predictor with its 95% bootstrap interval over requests,
+    and the per-request rho of delta as dots."""
     use_agg_backend()
     import matplotlib.pyplot as plt
 
     rows = frame[frame["complete"]]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5), constrained_layout=True)
     for request, g in rows.groupby("request"):
-        left.scatter(g[MAIN_SIGNAL], g["future_change"], s=14, alpha=0.75,
-                     color=f"C{int(request) % 10}", label=f"request {request}")
+        left.scatter(g[MAIN_SIGNAL], g["future_change"], s=10, alpha=0.6,
+                     color=f"C{int(request) % 10}")
     left.axhline(0, color="grey", linewidth=0.8)
     left.axvline(0, color="grey", linewidth=0.8)
     main = summary["pooled"].get(MAIN_SIGNAL, {})
-    rho, agree = main.get("spearman"), main.get("sign_agreement")
-    left.set_title(f"GrowPage delta_t vs future demand change (n = {len(rows)})\n"
-                   f"Spearman rho = {_fmt(rho)} (permutation p = {_fmt(main.get('spearman_pvalue'))}), "
-                   f"sign agreement = {_fmt(agree, pct=True)}")
+    left.set_title(f"GrowPage delta_t vs future demand change ({len(rows)} boundaries, "
+                   f"{summary['requests']} requests)\nSpearman rho = "
+                   f"{fmt_interval(main.get('spearman'))}, sign agreement = "
+                   f"{fmt_interval(main.get('sign_agreement'))}  (95% CI over requests)", fontsize=9)
     left.set_xlabel("delta_t = r_S - r_L at the page boundary")
     left.set_ylabel("r_future - r_current (next page vs current page)")
-    left.legend(fontsize=7)
     names = list(summary["pooled"])
-    values = [summary["pooled"][n]["spearman"] for n in names]
+    entries = [summary["pooled"][n]["spearman"] for n in names]
     ypos = np.arange(len(names))
-    right.barh(ypos, [v if v is not None else 0.0 for v in values],
+    values = [e["estimate"] if e["estimate"] is not None else 0.0 for e in entries]
+    errors = np.array([[v - (e["low"] if e["low"] is not None else v) for v, e in zip(values, entries)],
+                       [(e["high"] if e["high"] is not None else v) - v for v, e in zip(values, entries)]])
+    right.barh(ypos, values, xerr=errors, capsize=3,
                color=["C3" if n == MAIN_SIGNAL else "C0" for n in names])
     per_req = [v["spearman_delta"] for v in summary["per_request"].values()
                if v["spearman_delta"] is not None]
     idx = names.index(MAIN_SIGNAL) if MAIN_SIGNAL in names else 0
-    right.scatter(per_req, [idx] * len(per_req), color="k", s=12, zorder=3,
+    right.scatter(per_req, [idx] * len(per_req), color="k", s=8, alpha=0.6, zorder=3,
                   label="per request (delta)")
     right.set_yticks(ypos, names)
     right.axvline(0, color="grey", linewidth=0.8)
     right.set_xlim(-1, 1)
-    right.set_xlabel("Spearman rho with the future demand change (pooled)")
+    right.set_xlabel("Spearman rho with the future demand change (pooled, 95% CI over requests)")
     right.set_title("GrowPage's signal and baselines")
     right.legend(fontsize=7, loc="lower right")
     fig.savefig(path, dpi=100)
     plt.close(fig)
-
-
-def _fmt(value, pct: bool = False) -> str:
-    if value is None:
-        return "n/a"
-    return f"{100 * value:.1f}%" if pct else f"{value:.3f}"
 
 
 def demand_study(model: str, prompt_ids: list[list[int]], settings: RunSettings, out: Path,
@@ -345,5 +388,6 @@ def demand_study(model: str, prompt_ids: list[list[int]], settings: RunSettings,
     write_json(out / "summary.json", summary)
     write_json(out / "config.json", {**settings.__dict__, "top_p": config.top_p,
                                      "max_num_seqs": config.max_num_seqs,
-                                     "variants": DEFAULT_VARIANTS})
+                                     "variants": DEFAULT_VARIANTS,
+                                     "variant_params": frame.attrs.get("variants")})
     return summary

@@ -32,6 +32,10 @@ Choices where the paper is silent:
   near tau; `delta_branch` (the delta the grow branch computed at k) checks the replay.
 - Boundaries whose window runs past the reference's end are skipped; `--max-boundaries` keeps an
   evenly spaced subset per request to bound the cost (each branch decodes from the prompt).
+- Intervals: the boundaries of one request share its trajectory and its earlier decisions, so
+  every summary number (mean NLLs, A overall and on each side of tau, their gap, the per-bin means,
+  Spearman(delta, A)) carries a 95% bootstrap interval over requests (analysis/bootstrap.py), not a
+  p-value that counts boundaries as independent.
 - The KV pool is sized so that nothing is preempted and no GROW falls back. A row is `clean` when
   both forced decisions show in the events, neither branch was preempted or fell back, and the grow
   branch computed the natural run's delta at k (|delta_branch - delta| <= 1e-6: the branch really
@@ -49,6 +53,7 @@ from typing import ClassVar
 import numpy as np
 import pandas as pd
 
+from analysis.bootstrap import RESAMPLES, cluster_bootstrap, fmt_interval
 from analysis.common import (
     RunSettings,
     finite_or_none,
@@ -57,17 +62,18 @@ from analysis.common import (
     progress,
     quantile_bins,
     spearman,
-    spearman_pvalue,
     use_agg_backend,
     write_json,
 )
 from engine.policies.base import Action, Decision, PolicyView
 from engine.policies.growpage import GrowPage, GrowPageState
 
-# Knobs of the CPU-scale GrowPage for the replay (block 16): capacity control starts at 8 pages
-# (the paper's 16 pages of 256 would need outputs of thousands of tokens), and the protected recent
-# window is half a page as in the engine's b = 32 preset (16 of 32).
-REPLAY_GROWPAGE_DEFAULTS: dict = {"initial_capacity": 128, "protected_recent": 8}
+# The one knob the replay sets: the protected recent window is half a page, as in GrowPage's b = 32
+# preset (16 of 32), because GrowPage's 16 tokens would be the whole 16-token page. Everything else
+# is GrowPage's own default at the engine's block size (never overridden here): the initial
+# capacity in pages (9 pages = 144 tokens at b = 16) and the EMA betas of its preset (beta_L keeps
+# the paper's time constant in pages: 0.984 at b = 16). config.json records the resolved values.
+REPLAY_GROWPAGE_DEFAULTS: dict = {"protected_recent": 8}
 # A branch replays the natural run exactly when it recomputes the same delta (a mean of Top-p counts:
 # any changed count moves it by far more than this).
 DELTA_REPLAY_TOLERANCE = 1e-6
@@ -222,6 +228,7 @@ class ReplayResult:
     references: list          # RequestOutput of the FullKV reference per prompt
     natural: list             # RequestOutput of the natural GrowPage run per prompt
     boundaries: list          # every demand boundary of the natural run (Boundary)
+    policy_params: dict = field(default_factory=dict)  # GrowPage's resolved knobs
 
 
 def run_replay(model: str, prompt_ids: list[list[int]], max_tokens: int, block_size: int,
@@ -290,7 +297,7 @@ def run_replay(model: str, prompt_ids: list[list[int]], max_tokens: int, block_s
                "natural_action", "nll_full", "nll_grow", "nll_compress", "benefit",
                "nll_natural", "delta_branch", "window", "clean"]
     frame = pd.DataFrame(rows, columns=columns)
-    return ReplayResult(frame, references, natural, boundaries)
+    return ReplayResult(frame, references, natural, boundaries, policy.effective_params())
 
 
 def _teacher(tokens: list[int], count: int):
@@ -323,63 +330,102 @@ def _row(b: Boundary, references, natural, grow, compress, window: int) -> dict:
     }
 
 
-def summarize_replay(frame: pd.DataFrame, tau: float = 0.0, bins: int = 4) -> dict:
-    """Mean NLLs, the growth advantage split by delta > tau (GrowPage's own decision) and by
-    delta quantile bins, and its rank correlation with delta, over the clean rows."""
-    rows = frame[frame["clean"]]
-    pos, neg = rows[rows["delta"] > tau], rows[rows["delta"] <= tau]
+def delta_bin_labels(delta: pd.Series, bins: int) -> np.ndarray:
+    """Equal-count bins of delta (ascending), as quantile_bins forms them: label per row."""
+    order = np.argsort(delta.to_numpy(dtype=float), kind="stable")
+    labels = np.zeros(len(delta), dtype=int)
+    for k, chunk in enumerate(np.array_split(order, min(bins, max(len(delta), 1)))):
+        labels[chunk] = k
+    return labels
 
-    def mean(series) -> float | None:
-        return finite_or_none(float(series.mean())) if len(series) else None
 
-    return {
-        "rows": int(len(frame)), "clean": int(len(rows)),
-        "window": int(frame["window"].iloc[0]) if len(frame) else None,
-        "nll_full": mean(rows["nll_full"]), "nll_grow": mean(rows["nll_grow"]),
-        "nll_compress": mean(rows["nll_compress"]), "benefit": mean(rows["benefit"]),
-        "benefit_positive_fraction": mean(rows["benefit"] > 0),
-        f"benefit_delta_gt_{tau:g}": {"n": int(len(pos)), "mean": mean(pos["benefit"])},
-        f"benefit_delta_le_{tau:g}": {"n": int(len(neg)), "mean": mean(neg["benefit"])},
-        "spearman_delta_benefit": finite_or_none(spearman(rows["delta"], rows["benefit"])),
-        "spearman_pvalue": finite_or_none(spearman_pvalue(rows["delta"], rows["benefit"])),
-        "pearson_delta_benefit": finite_or_none(pearson(rows["delta"], rows["benefit"])),
-        "delta_bins": quantile_bins(rows["delta"], rows["benefit"], bins),
-        "natural_grow_fraction": mean(rows["natural_action"] == "grow"),
-        "max_abs_delta_branch_error": finite_or_none(
-            float((rows["delta_branch"] - rows["delta"]).abs().max())) if len(rows) else None,
+def summarize_replay(frame: pd.DataFrame, tau: float = 0.0, bins: int = 4,
+                     resamples: int = RESAMPLES, seed: int = 0) -> dict:
+    """Mean NLLs, the growth advantage A = NLL_compress - NLL_grow overall, split by delta > tau
+    (GrowPage's own decision) and by delta quantile bins, the difference between the two sides of
+    tau, and Spearman(delta, A), over the clean rows. Every number comes with a 95% cluster
+    bootstrap interval over requests (the boundaries of one request share its trajectory, so they
+    are not independent draws); the bins are formed once on the observed deltas and each resample
+    averages the rows of a bin it drew."""
+    rows = frame[frame["clean"]].reset_index(drop=True)
+    rows["bin"] = delta_bin_labels(rows["delta"], bins) if len(rows) else []
+    gt, le = f"benefit_delta_gt_{tau:g}", f"benefit_delta_le_{tau:g}"
+
+    def mean(series) -> float:
+        return float(series.mean()) if len(series) else math.nan
+
+    stats = {
+        "nll_full": lambda f: mean(f["nll_full"]), "nll_grow": lambda f: mean(f["nll_grow"]),
+        "nll_compress": lambda f: mean(f["nll_compress"]), "benefit": lambda f: mean(f["benefit"]),
+        "benefit_positive_fraction": lambda f: mean(f["benefit"] > 0),
+        gt: lambda f: mean(f.loc[f["delta"] > tau, "benefit"]),
+        le: lambda f: mean(f.loc[f["delta"] <= tau, "benefit"]),
+        "benefit_gap_gt_minus_le": lambda f: mean(f.loc[f["delta"] > tau, "benefit"])
+        - mean(f.loc[f["delta"] <= tau, "benefit"]),
+        "spearman_delta_benefit": lambda f: spearman(f["delta"], f["benefit"]),
+        "pearson_delta_benefit": lambda f: pearson(f["delta"], f["benefit"]),
+        "spearman_delta_position": lambda f: spearman(f["delta"], f["position"]),
+        "spearman_benefit_position": lambda f: spearman(f["benefit"], f["position"]),
+        "natural_grow_fraction": lambda f: mean(f["natural_action"] == "grow"),
     }
+    labels = sorted(set(rows["bin"])) if len(rows) else []
+    for k in labels:
+        stats[f"bin{k}"] = lambda f, k=k: mean(f.loc[f["bin"] == k, "benefit"])
+    intervals = cluster_bootstrap(rows, "request", stats, resamples=resamples, seed=seed) \
+        if len(rows) else {}
+
+    def get(key: str) -> dict | None:
+        return intervals[key].to_dict() if key in intervals else None
+
+    summary = {"rows": int(len(frame)), "clean": int(len(rows)),
+               "requests": int(rows["request"].nunique()) if len(rows) else 0,
+               "window": int(frame["window"].iloc[0]) if len(frame) else None,
+               "intervals": "95% percentile bootstrap over requests (whole requests resampled)"}
+    for key in stats:
+        if not key.startswith("bin"):
+            summary[key] = get(key)
+    for key in (gt, le):
+        part = rows[rows["delta"] > tau] if key == gt else rows[rows["delta"] <= tau]
+        summary[key] = {"n": int(len(part)), "requests": int(part["request"].nunique()),
+                        **(get(key) or {})}
+    described = quantile_bins(rows["delta"], rows["benefit"], bins) if len(rows) else []
+    summary["delta_bins"] = [{**b, "interval": get(f"bin{k}")} for k, b in zip(labels, described)]
+    summary["max_abs_delta_branch_error"] = finite_or_none(
+        float((rows["delta_branch"] - rows["delta"]).abs().max())) if len(rows) else None
+    return summary
 
 
 def plot_replay(frame: pd.DataFrame, summary: dict, path: Path, tau: float = 0.0) -> None:
-    """Left: growth advantage vs delta per boundary. Right: mean advantage (+- s.e.m.) per delta
-    quantile bin, the layout of the paper's Figure 7."""
+    """Left: growth advantage vs delta per boundary. Right: mean advantage per delta quantile bin
+    with its 95% bootstrap interval over requests, the layout of the paper's Figure 7."""
     use_agg_backend()
     import matplotlib.pyplot as plt
 
     rows = frame[frame["clean"]]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5), constrained_layout=True)
     for request, g in rows.groupby("request"):
-        left.scatter(g["delta"], g["benefit"], s=16, alpha=0.8, color=f"C{int(request) % 10}",
-                     label=f"request {request}")
+        left.scatter(g["delta"], g["benefit"], s=10, alpha=0.6, color=f"C{int(request) % 10}")
     left.axhline(0, color="grey", linewidth=0.8)
     left.axvline(tau, color="C3", linewidth=0.8, linestyle="--", label=f"tau = {tau:g}")
-    rho, pval = summary.get("spearman_delta_benefit"), summary.get("spearman_pvalue")
-    left.set_title(f"Growth advantage A = NLL_compress - NLL_grow (n = {len(rows)}, "
-                   f"window {summary.get('window')} tokens)\nSpearman(delta, A) = "
-                   f"{'n/a' if rho is None else f'{rho:.3f}'}"
-                   f"{'' if pval is None else f' (permutation p = {pval:.3f})'}")
+    left.set_title(f"Growth advantage A = NLL_compress - NLL_grow ({len(rows)} boundaries, "
+                   f"{summary.get('requests')} requests, window {summary.get('window')} tokens)\n"
+                   f"Spearman(delta, A) = {fmt_interval(summary.get('spearman_delta_benefit'))} "
+                   "(95% CI over requests)", fontsize=9)
     left.set_xlabel("GrowPage delta at the boundary")
     left.set_ylabel("A (nats/token)")
     left.legend(fontsize=7)
     bins = summary.get("delta_bins", [])
     labels = [f"[{b['x_min']:.3g}, {b['x_max']:.3g}]\nn={b['n']}" for b in bins]
-    right.bar(range(len(bins)), [b["mean"] for b in bins],
-              yerr=[0.0 if not np.isfinite(b["sem"]) else b["sem"] for b in bins],
-              color="C0", capsize=4)
+    means = [b["mean"] for b in bins]
+    lows = [m - (b["interval"]["low"] if b["interval"] and b["interval"]["low"] is not None else m)
+            for m, b in zip(means, bins)]
+    highs = [(b["interval"]["high"] if b["interval"] and b["interval"]["high"] is not None else m)
+             - m for m, b in zip(means, bins)]
+    right.bar(range(len(bins)), means, yerr=[lows, highs], color="C0", capsize=4)
     right.set_xticks(range(len(bins)), labels, fontsize=8)
     right.axhline(0, color="grey", linewidth=0.8)
     right.set_xlabel("delta quantile bin")
-    right.set_ylabel("mean A (nats/token) +- s.e.m.")
+    right.set_ylabel("mean A (nats/token), 95% CI over requests")
     right.set_title("Growth advantage by delta range")
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -404,6 +450,8 @@ def replay_study(model: str, prompt_ids: list[list[int]], settings: RunSettings,
     write_json(out / "summary.json", summary)
     write_json(out / "config.json", {**settings.__dict__, "window": config.window or settings.block_size,
                                      "max_boundaries": config.max_boundaries,
-                                     "growpage": config.growpage, "ignore_eos": config.ignore_eos,
+                                     "growpage": config.growpage,
+                                     "growpage_params": result.policy_params,
+                                     "ignore_eos": config.ignore_eos,
                                      "max_num_seqs": config.max_num_seqs})
     return summary

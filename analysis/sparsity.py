@@ -15,6 +15,11 @@ Choices where the paper is silent:
 - p defaults to 0.99, GrowPage's coverage for its demand estimate (Sec. 3.2).
 - "Decode step" s is the output index of the token the query predicts: s = 0 is the last prompt row
   (which yields the first output token), s = 1 the first generated token's query, and so on.
+
+What differs from the paper's figure: Figure 3 shows one representative request of an 8B model on
+LiveCodeBench; here every request of the workload is summarised (mean D_p / N_t, how far its
+16-step rolling mean moves, Spearman(step, D_p / N_t), per-layer means), each across requests with
+a 95% bootstrap interval over requests, and the plot shows four requests' traces over the rest.
 """
 
 from __future__ import annotations
@@ -27,7 +32,14 @@ import numpy as np
 import pandas as pd
 import torch
 
-from analysis.common import RunSettings, generate_with_probe, use_agg_backend, write_json
+from analysis.bootstrap import RESAMPLES, bootstrap_mean, cluster_bootstrap
+from analysis.common import (
+    RunSettings,
+    generate_with_probe,
+    spearman,
+    use_agg_backend,
+    write_json,
+)
 from analysis.tap import DecodeTap, TapState
 from engine.policies.base import PolicyView
 from engine.policies.demand import head_attention_probs, top_p_working_set
@@ -94,7 +106,7 @@ class SparsityConfig:
     """top_p: coverage p of D_p. max_num_seqs: requests decoded together."""
 
     top_p: float = 0.99
-    max_num_seqs: int = 16
+    max_num_seqs: int = 32
 
 
 def run_sparsity(model: str, prompt_ids: list[list[int]], max_tokens: int, block_size: int,
@@ -111,24 +123,36 @@ def run_sparsity(model: str, prompt_ids: list[list[int]], max_tokens: int, block
     return frame, outputs
 
 
-def plot_sparsity(frame: pd.DataFrame, path: Path, top_p: float, smooth: int = 16) -> None:
-    """Three panels: D_p (mean over layers and heads) and D_p / N_t vs decode step per request
-    (raw faint, rolling mean solid), and a layer x step heatmap of D_p / N_t for request 0."""
+def plot_sparsity(frame: pd.DataFrame, path: Path, top_p: float, smooth: int = 16,
+                  highlight: int = 4) -> None:
+    """Three panels: D_p (mean over layers and heads) and D_p / N_t vs decode step (the first
+    `highlight` requests in colour, raw faint and rolling mean solid; every other request's rolling
+    mean in grey; the per-step median over requests dashed), and a layer x step heatmap of
+    D_p / N_t for request 0."""
     use_agg_backend()
     import matplotlib.pyplot as plt
 
     layer_cols = [c for c in frame.columns if c.startswith("dp_layer")]
     fig, axes = plt.subplots(3, 1, figsize=(9, 10), constrained_layout=True)
+    shown = sorted(frame["request"].unique())[:highlight]
     for request, group in frame.groupby("request"):
-        color = f"C{int(request) % 10}"
+        color = f"C{int(request) % 10}" if request in shown else "0.75"
         for ax, col in ((axes[0], "dp_mean"), (axes[1], "dp_ratio_mean")):
-            ax.plot(group["step"], group[col], color=color, alpha=0.25, linewidth=0.8)
+            if request in shown:
+                ax.plot(group["step"], group[col], color=color, alpha=0.25, linewidth=0.8)
             ax.plot(group["step"], group[col].rolling(smooth, min_periods=1).mean(), color=color,
-                    linewidth=1.6, label=f"request {request}")
+                    linewidth=1.6 if request in shown else 0.7,
+                    label=f"request {request}" if request in shown else None,
+                    zorder=3 if request in shown else 1)
+    for ax, col in ((axes[0], "dp_mean"), (axes[1], "dp_ratio_mean")):
+        median = frame.groupby("step")[col].median()
+        ax.plot(median.index, median.to_numpy(), color="k", linewidth=1.2, linestyle="--",
+                label="median over requests", zorder=4)
     axes[0].set_ylabel(f"D_{top_p:g} (keys)")
-    axes[0].set_title(f"p-coverage attention demand D_p of real decode queries (p = {top_p:g})\n"
-                      f"mean over layers and query heads; faint: per step, solid: rolling mean "
-                      f"of {smooth} steps")
+    axes[0].set_title(f"p-coverage attention demand D_p of real decode queries (p = {top_p:g}), "
+                      f"{frame['request'].nunique()} requests\nmean over layers and query heads; "
+                      f"coloured: {len(shown)} requests (faint: per step, solid: rolling mean of "
+                      f"{smooth} steps); grey: the others' rolling means", fontsize=9)
     axes[1].set_ylabel(f"D_{top_p:g} / N_t")
     axes[1].set_title("fraction of the visible history needed to cover p of the attention mass")
     axes[1].set_xlabel("decode step")
@@ -148,12 +172,19 @@ def plot_sparsity(frame: pd.DataFrame, path: Path, top_p: float, smooth: int = 1
     plt.close(fig)
 
 
-def summarize_sparsity(frame: pd.DataFrame) -> dict:
-    """Per request: steps, mean/min/max of D_p / N_t and of the absolute D_p; and the spread of
-    per-layer mean ratios (how much layers differ)."""
+def summarize_sparsity(frame: pd.DataFrame, smooth: int = 16, resamples: int = RESAMPLES,
+                       seed: int = 0) -> dict:
+    """Per request: steps, mean/min/max of D_p / N_t and of the absolute D_p, and how much its
+    `smooth`-step rolling mean of D_p / N_t moves (standard deviation and range over steps).
+
+    Across requests, each with a 95% bootstrap interval over requests: the mean of the per-request
+    values above, the per-layer mean ratio, and Spearman(step, D_p / N_t) over the pooled steps
+    (the drift of concentration with progress). Figure 3 of the paper is one representative
+    request's trace; these numbers summarise every request instead."""
     layer_cols = [c for c in frame.columns if c.startswith("dp_layer")]
     per_request = {}
     for request, g in frame.groupby("request"):
+        smoothed = g["dp_ratio_mean"].rolling(smooth, min_periods=1).mean()
         per_request[int(request)] = {
             "steps": int(len(g)),
             "dp_ratio_mean": float(g["dp_ratio_mean"].mean()),
@@ -162,11 +193,27 @@ def summarize_sparsity(frame: pd.DataFrame) -> dict:
             "dp_mean": float(g["dp_mean"].mean()),
             "dp_min": float(g["dp_mean"].min()),
             "dp_max": float(g["dp_mean"].max()),
+            "smoothed_ratio_std": float(smoothed.std(ddof=0)),
+            "smoothed_ratio_range": float(smoothed.max() - smoothed.min()),
+            "layer_ratio": (g[layer_cols].to_numpy() / g["num_keys"].to_numpy()[:, None]).mean(0),
         }
-    layer_ratio = (frame[layer_cols].to_numpy() / frame["num_keys"].to_numpy()[:, None]).mean(0) \
-        if len(frame) else np.array([])
-    return {"per_request": per_request,
-            "layer_mean_ratio": [float(v) for v in layer_ratio]}
+    across = {key: bootstrap_mean([v[key] for v in per_request.values()], resamples,
+                                  seed=seed).to_dict()
+              for key in ("dp_ratio_mean", "dp_mean", "smoothed_ratio_std", "smoothed_ratio_range")}
+    layers = [bootstrap_mean([v["layer_ratio"][i] for v in per_request.values()], resamples,
+                             seed=seed).to_dict() for i in range(len(layer_cols))]
+    trend = cluster_bootstrap(frame.reset_index(drop=True), "request", {
+        "spearman": lambda f: spearman(f["step"], f["dp_ratio_mean"])},
+        resamples=resamples, seed=seed)["spearman"] if len(frame) else None
+    for v in per_request.values():
+        v.pop("layer_ratio")
+    return {"requests": len(per_request), "smooth_steps": smooth,
+            "intervals": "95% percentile bootstrap over requests",
+            "across_requests": across,
+            "spearman_step_ratio": trend.to_dict() if trend is not None else None,
+            "per_request": per_request,
+            "layer_mean_ratio": [entry["estimate"] for entry in layers],
+            "layer_mean_ratio_interval": layers}
 
 
 def sparsity_study(model: str, prompt_ids: list[list[int]], settings: RunSettings, out: Path,

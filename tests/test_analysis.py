@@ -18,7 +18,6 @@ from analysis.common import (
     quantile_bins,
     sign_agreement,
     spearman,
-    spearman_pvalue,
 )
 from analysis.demand_study import DemandRecorder, demand_study, run_demand
 from analysis.replay import (
@@ -82,21 +81,6 @@ def test_spearman_agrees_with_pandas_rank_correlation_and_drops_nan_pairs():
     assert math.isnan(spearman([1.0], [2.0]))
 
 
-def test_spearman_permutation_pvalue():
-    monotone = list(range(8))
-    assert spearman_pvalue(monotone, monotone) < 0.005  # 2 of 8! pairings reach |rho| = 1
-    gen = np.random.default_rng(1)
-    x, y = gen.normal(size=30), gen.normal(size=30)
-    p = spearman_pvalue(x, y)
-    assert p == spearman_pvalue(x, y)  # seeded
-    # the t approximation of the null gives a close value for n = 30
-    rho = spearman(x, y)
-    t = abs(rho) * math.sqrt(28 / (1 - rho * rho))
-    approx = math.erfc(t / math.sqrt(2))  # normal tail, two-sided
-    assert abs(p - approx) < 0.06
-    assert math.isnan(spearman_pvalue([1.0, 1.0, 1.0], [1.0, 2.0, 3.0]))
-
-
 def test_sign_agreement_ignores_zero_pairs():
     assert sign_agreement([1.0, -1.0, 0.0, 2.0], [3.0, 1.0, 5.0, 0.0]) == pytest.approx(0.5)
     assert math.isnan(sign_agreement([0.0], [1.0]))
@@ -127,6 +111,56 @@ def test_bad_prompt_inputs_are_named(tmp_path):
     assert load_prompts(good, 2) == ["a", "b"]
     with pytest.raises(ValueError, match="--window"):
         ReplayConfig(window=0)
+
+
+# -- cluster bootstrap -------------------------------------------------------------------------
+
+
+def test_cluster_bootstrap_resamples_whole_requests():
+    from analysis.bootstrap import bootstrap_mean, cluster_bootstrap
+
+    gen = np.random.default_rng(0)
+    means = gen.normal(size=10)
+    # 10 requests of 20 identical rows: the rows of a request carry one draw of information
+    frame = pd.DataFrame({"request": np.repeat(np.arange(10), 20), "v": np.repeat(means, 20)})
+    clustered = cluster_bootstrap(frame, "request", {"mean": lambda f: f["v"].mean()})["mean"]
+    per_request = bootstrap_mean(means)
+    assert (clustered.low, clustered.high) == pytest.approx((per_request.low, per_request.high))
+    assert clustered.clusters == 10 and clustered.estimate == pytest.approx(means.mean())
+    # treating the 200 rows as independent draws (the old p-values' mistake) is far narrower
+    rows = bootstrap_mean(frame["v"].to_numpy())
+    assert rows.high - rows.low < 0.5 * (clustered.high - clustered.low)
+    again = cluster_bootstrap(frame, "request", {"mean": lambda f: f["v"].mean()})["mean"]
+    assert again == clustered  # seeded
+
+
+def test_cluster_bootstrap_interval_shrinks_with_more_requests():
+    from analysis.bootstrap import cluster_bootstrap
+
+    gen = np.random.default_rng(1)
+
+    def width(requests: int) -> float:
+        x = gen.normal(size=requests * 8)
+        frame = pd.DataFrame({"request": np.repeat(np.arange(requests), 8), "x": x,
+                              "y": x + gen.normal(size=x.size)})
+        rho = cluster_bootstrap(frame, "request", {"rho": lambda f: spearman(f["x"], f["y"])})
+        return rho["rho"].high - rho["rho"].low
+
+    assert width(64) < 0.7 * width(8)
+
+
+def test_cluster_bootstrap_reports_undefined_intervals():
+    from analysis.bootstrap import cluster_bootstrap, fmt_interval
+
+    one = pd.DataFrame({"request": [0, 0, 0], "x": [1.0, 2.0, 3.0], "y": [1.0, 3.0, 2.0]})
+    rho = cluster_bootstrap(one, "request", {"rho": lambda f: spearman(f["x"], f["y"])})["rho"]
+    assert rho.estimate == pytest.approx(0.5) and rho.low is None and not rho.excludes(0.0)
+    assert fmt_interval(rho.to_dict()) == "0.500 [n/a]"
+    flat = pd.DataFrame({"request": [0, 1, 2], "x": [1.0, 1.0, 1.0], "y": [1.0, 2.0, 3.0]})
+    rho = cluster_bootstrap(flat, "request", {"rho": lambda f: spearman(f["x"], f["y"])})["rho"]
+    assert rho.estimate is None and fmt_interval(rho.to_dict()) == "n/a"
+    with pytest.raises(ValueError, match="cluster column 'req'"):
+        cluster_bootstrap(one, "req", {})
 
 
 # -- D_p -------------------------------------------------------------------------------------
@@ -190,6 +224,11 @@ def test_sparsity_study_writes_csv_png_and_summary(tiny_dir, tmp_path):
     assert set(frame["request"]) == {0, 1}
     assert (tmp_path / "sparsity.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert set(summary["per_request"]) == {0, 1}
+    across = summary["across_requests"]["dp_ratio_mean"]
+    assert across["estimate"] == pytest.approx(
+        frame.groupby("request")["dp_ratio_mean"].mean().mean())
+    assert across["clusters"] == 2 and summary["spearman_step_ratio"]["clusters"] == 2
+    assert len(summary["layer_mean_ratio_interval"]) == 2
     assert json.loads((tmp_path / "config.json").read_text())["block_size"] == BLOCK
 
 
@@ -242,17 +281,66 @@ def test_demand_signal_is_growpages_own_delta(tiny_dir):
         assert by_position.loc[position, "r_S"] == pytest.approx(info["r_S"], abs=1e-12)
 
 
+def test_demand_probe_uses_growpages_own_preset_betas():
+    probe = DemandRecorder()
+    probe.prepare(16)
+    policy = GrowPage()
+    policy.prepare(16)
+    main = probe.estimators["delta"]
+    assert main.betas == policy.betas  # GrowPage as registered, never overridden by the study
+    assert policy.betas[1] == pytest.approx(1 - 1 / (1000 / 256 * 16))  # 1000 tokens in pages
+    assert probe.estimators["delta_paper_betas"].betas == (0.9, 0.999)
+    assert probe.estimators["delta_bS0"].betas == (0.0, policy.betas[1])
+    ema = probe.signals().ema_betas
+    for name, (short, long) in probe.pairs.items():
+        assert (ema[short], ema[long]) == probe.estimators[name].betas
+    assert len(ema) == len(set(ema))
+
+
 def test_demand_study_writes_csv_png_and_summary(tiny_dir, tmp_path):
     settings = RunSettings(str(tiny_dir), BLOCK, 30, 2, 0.0, 0, False)
     summary = demand_study(str(tiny_dir), PROMPTS, settings, tmp_path, show_progress=False)
     frame = pd.read_csv(tmp_path / "demand.csv")
     for col in ("request", "boundary", "position", "candidates", "delta", "r_S", "r_L",
-                "delta_bS0", "delta_bL099", "delta_entropy", "r_current", "r_future",
+                "delta_bS0", "delta_paper_betas", "delta_entropy", "r_current", "r_future",
                 "future_change", "complete"):
         assert col in frame.columns
     assert (tmp_path / "demand.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert summary["complete"] == int(frame["complete"].sum())
     assert set(summary["pooled"]) >= {"delta", "delta_bS0", "r_S", "r_current"}
+    rho = summary["pooled"]["delta"]["spearman"]
+    assert rho["clusters"] == summary["requests"] == frame.loc[frame["complete"], "request"].nunique()
+
+
+
+def test_demand_summary_bootstraps_over_requests():
+    from analysis.demand_study import summarize_demand
+
+    gen = np.random.default_rng(2)
+    n = 6 * 10
+    delta = gen.normal(size=n)
+    frame = pd.DataFrame({
+        "request": np.repeat(np.arange(6), 10), "position": np.tile(np.arange(10) * 16, 6),
+        "delta": delta, "delta_bS0": gen.normal(size=n), "r_S": gen.random(n),
+        "r_current": gen.random(n), "future_change": delta + 0.5 * gen.normal(size=n),
+        "complete": True})
+    frame["future_change_q"] = frame["future_change"]
+    frame["future_change_last"] = -frame["future_change"]
+    frame.loc[frame.index[-1], "complete"] = False  # left out of every statistic
+    done = frame[frame["complete"]]
+    summary = summarize_demand(frame, resamples=300)
+    main = summary["pooled"]["delta"]
+    assert summary["requests"] == 6 and summary["complete"] == n - 1
+    assert main["spearman"]["estimate"] == pytest.approx(spearman(done["delta"],
+                                                                  done["future_change"]))
+    assert main["spearman"]["clusters"] == 6 and main["spearman"]["low"] > 0.3
+    assert main["spearman_last_query_target"]["estimate"] == pytest.approx(
+        -main["spearman"]["estimate"])
+    assert main["sign_agreement"]["estimate"] == pytest.approx(
+        sign_agreement(done["delta"], done["future_change"]))
+    assert "sign_agreement" not in summary["pooled"]["r_S"]
+    assert summary["spearman_position"]["delta"]["estimate"] == pytest.approx(
+        spearman(done["delta"], done["position"]))
 
 
 # -- counterfactual replay -------------------------------------------------------------------
@@ -329,7 +417,13 @@ def test_replay_study_writes_csv_png_and_summary(tiny_dir, tmp_path):
     assert (tmp_path / "boundaries.csv").exists()
     saved = json.loads((tmp_path / "summary.json").read_text())
     assert saved["rows"] == len(frame) == summary["rows"]
-    assert saved["benefit"] == pytest.approx(frame.loc[frame["clean"], "benefit"].mean())
+    clean = frame[frame["clean"]]
+    assert saved["benefit"]["estimate"] == pytest.approx(clean["benefit"].mean())
+    assert saved["benefit"]["clusters"] == clean["request"].nunique() == saved["requests"]
+    gt, le = saved["benefit_delta_gt_0"], saved["benefit_delta_le_0"]
+    if gt["n"] and le["n"]:
+        assert saved["benefit_gap_gt_minus_le"]["estimate"] == pytest.approx(
+            gt["estimate"] - le["estimate"])
 
 
 def test_pool_tokens_leaves_room_for_every_request():
@@ -413,8 +507,11 @@ def _sweep_tree(root, correct: dict[str, dict[int, list[bool]]], budgets=(64, 12
     return analyze_sweep(base, list(budgets), "majority", outcomes).path
 
 
-def _growpage_tree(root, capacity: dict[str, list[float]], task="amc23", seed=0, field="avg_kv_budget"):
-    records = [{"uid": uid, "sample": j, field: c, "correct": False}
+def _growpage_tree(root, capacity: dict[str, list[float]], task="amc23", seed=0,
+                   field="avg_kv_allocated", budget=None):
+    """A GrowPage run; `budget` (a constant) adds an avg_kv_budget field to every sample."""
+    extra = {} if budget is None else {"avg_kv_budget": budget}
+    records = [{"uid": uid, "sample": j, field: c, "correct": False, **extra}
                for uid, caps in capacity.items() for j, c in enumerate(caps)]
     return _write_run(root / "eval", "growpage", task, records, seed=seed, policy="growpage")
 
@@ -439,7 +536,7 @@ def test_capacity_study_joins_sweep_classes_with_growpage_capacity(tmp_path):
     caps = {"amc23/0": [100, 110], "amc23/1": [90, 100], "amc23/2": [150, 170],
             "amc23/3": [160, 160], "amc23/4": [300, 260], "amc23/5": [250, 250],
             "amc23/6": [400, 400], "amc23/7": [380, 420], "amc23/9": [10, 10]}
-    evaluation = _growpage_tree(tmp_path, caps)
+    evaluation = _growpage_tree(tmp_path, caps, budget=144.0)
     out = tmp_path / "capacity"
     summary = capacity_study(sweep, evaluation, out)
     frame = pd.read_csv(out / "capacity.csv", dtype={"b_star": str})
@@ -448,7 +545,10 @@ def test_capacity_study_joins_sweep_classes_with_growpage_capacity(tmp_path):
         "amc23/4": "256", "amc23/5": "256", "amc23/6": UNSOLVED, "amc23/7": UNSOLVED}
     assert frame.set_index("uid").loc["amc23/4", "capacity"] == pytest.approx(280.0)
     assert summary["only_in_eval"] == 1 and summary["only_in_sweep"] == 0
-    assert summary["capacity_field"] == "avg_kv_budget"
+    assert summary["capacity_field"] == "avg_kv_allocated"
+    # the other capacity field is correlated too: a constant one has no rank correlation
+    assert summary["spearman_other_fields"]["avg_kv_budget"]["estimate"] is None
+    assert "avg_kv_budget" in frame.columns
     assert list(summary["classes"]) == ["64", "128", "256", UNSOLVED]
     assert [c["n"] for c in summary["classes"].values()] == [2, 2, 2, 2]
     assert summary["classes"]["256"]["mean"]["estimate"] == pytest.approx(265.0)
@@ -461,6 +561,9 @@ def test_capacity_study_joins_sweep_classes_with_growpage_capacity(tmp_path):
     assert (out / "capacity.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = (out / "table.md").read_text()
     assert "| Unsolved | 2 |" in table and "Spearman rho(B*, capacity)" in table
+    chosen = capacity_study(sweep, evaluation, tmp_path / "budget", field="avg_kv_budget")
+    assert chosen["classes"]["64"]["mean"]["estimate"] == pytest.approx(144.0)
+    assert "avg_kv_allocated" in chosen["spearman_other_fields"]
 
 
 def test_capacity_bootstrap_interval_shrinks_with_more_problems(tmp_path):
