@@ -97,7 +97,9 @@ def paged_query_probs_triton(queries, k_cache, block_table, length, key_limit, s
     """Triton version of :func:`paged_query_probs` (same signature).
 
     A Triton kernel writes the masked fp32 logits tile by tile (program = (layer x q head,
-    query tile, key tile), keys read through the block table); the softmax runs in torch.
+    query tile, key tile), keys read through the block table; bf16/fp16 operands on the tensor
+    cores with fp32 accumulation when queries and cache share the dtype); the softmax runs in
+    torch.
     """
     length = _validate(queries, k_cache, block_table, length, key_limit)
     from engine.kernels import _tl_attention_scores

@@ -50,6 +50,8 @@ cost nothing extra.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -152,23 +154,70 @@ def _pages_for(slots: int, block_size: int, max_blocks: int) -> int:
 
 def paged_decode_attention_torch(q, k_cache_l, v_cache_l, block_tables, context_lens, scale):
     """Torch twin of :func:`paged_decode_attention` (module docstring has the shapes)."""
+    plan = plan_decode_torch(q, k_cache_l, v_cache_l, block_tables, context_lens)
+    return decode_attention_planned(q, k_cache_l, v_cache_l, plan, scale)
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """The index work of one decode step, shared by every layer (same tables, same lengths).
+
+    pages: [B * num_pages] page ids to gather (-1 padding clamped to page 0).
+    uniform: every sequence sees exactly this many slots (batch 1, or a batch in lockstep), so
+        attention runs over the gathered prefix without a mask; None otherwise, and then
+    visible: [B, 1, 1, S] boolean mask and empty: [B] (length-0 rows, zeroed afterwards).
+    """
+
+    batch: int
+    num_pages: int
+    pages: torch.Tensor
+    uniform: int | None
+    visible: torch.Tensor | None = None
+    empty: torch.Tensor | None = None
+
+
+def plan_decode_torch(q, k_cache_l, v_cache_l, block_tables, context_lens) -> DecodePlan:
+    """Validate the inputs and build the twin's page index and mask (one host sync for the
+    lengths' range); a forward pass calls this once per step (engine/attention.py)."""
     _validate_decode(q, k_cache_l, v_cache_l, block_tables, context_lens)
     block_size = k_cache_l.shape[2]
-    longest = _check_capacity(context_lens, block_tables, block_size, "context_lens")
-    num_pages = _pages_for(longest, block_size, block_tables.shape[1])
-    keys = gather_pages(k_cache_l, block_tables, num_pages).to(q.dtype)
-    values = gather_pages(v_cache_l, block_tables, num_pages).to(q.dtype)
-    slots = torch.arange(keys.shape[2], device=q.device)
     lens = context_lens.long()
+    longest = _check_capacity(lens, block_tables, block_size, "context_lens")
+    shortest = int(lens.min()) if lens.numel() else 0
+    num_pages = _pages_for(longest, block_size, block_tables.shape[1])
+    batch = block_tables.shape[0]
+    pages = block_tables[:, :num_pages].clamp(min=0).reshape(-1)
+    if shortest == longest > 0:
+        return DecodePlan(batch, num_pages, pages, longest)
+    slots = torch.arange(num_pages * block_size, device=q.device)
     empty = lens <= 0
     # An empty sequence attends slot 0 instead of nothing (a fully masked softmax row is NaN
-    # in some SDPA backends); its output row is zeroed below.
+    # in some SDPA backends); its output row is zeroed afterwards.
     visible = (slots[None, :] < lens[:, None]) | ((slots[None, :] == 0) & empty[:, None])
+    return DecodePlan(batch, num_pages, pages, None, visible[:, None, None, :], empty)
+
+
+def decode_attention_planned(q, k_cache_l, v_cache_l, plan: DecodePlan, scale):
+    """The twin's attention for inputs already checked by :func:`plan_decode_torch`."""
+    keys = _gather(k_cache_l, plan).to(q.dtype)
+    values = _gather(v_cache_l, plan).to(q.dtype)
+    if plan.uniform is not None:
+        # Exactly the visible slots, no mask: SDPA's unmasked path, and nothing to zero.
+        n = plan.uniform
+        return F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys[:, :, :n], values[:, :, :n], scale=float(scale), enable_gqa=True,
+        ).squeeze(2)
     out = F.scaled_dot_product_attention(
-        q.unsqueeze(2), keys, values,
-        attn_mask=visible[:, None, None, :], scale=float(scale), enable_gqa=True,
+        q.unsqueeze(2), keys, values, attn_mask=plan.visible, scale=float(scale), enable_gqa=True,
     ).squeeze(2)
-    return out.masked_fill(empty[:, None, None], 0)
+    return out.masked_fill(plan.empty[:, None, None], 0)
+
+
+def _gather(cache_l: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
+    """gather_pages with the plan's precomputed page index: [B, kv_heads, S, head_dim]."""
+    kv_heads, _, block_size, head_dim = cache_l.shape
+    dense = torch.index_select(cache_l, 1, plan.pages)
+    return dense.view(kv_heads, plan.batch, plan.num_pages * block_size, head_dim).transpose(0, 1)
 
 
 def paged_prefill_attention_torch(q, k_cache_l, v_cache_l, block_tables, base_lens, q_lens, scale):
@@ -200,9 +249,13 @@ def paged_prefill_attention_torch(q, k_cache_l, v_cache_l, block_tables, base_le
 def paged_decode_attention_triton(q, k_cache_l, v_cache_l, block_tables, context_lens, scale):
     """Triton version of :func:`paged_decode_attention` (same signature).
 
-    One program per (sequence, kv head) serves the whole query group of that kv head, so each
-    key/value row is read once per group; it walks the sequence's slots in tiles through the
-    block table with an online (running max / running sum) fp32 softmax.
+    One program per (sequence, kv head, partition) serves the whole query group of that kv
+    head, so each key/value row is read once per group; it walks its partition's slots in tiles
+    through the block table with an online fp32 softmax, both matmuls on the tensor cores for
+    bf16/fp16 (fp32 accumulation). Flash-decoding: when batch x kv_heads programs are too few to
+    fill the GPU (batch 1 at 32k slots: 8), the context is split into partitions chosen from the
+    block table's width (no host sync) and a small kernel merges their partial softmaxes
+    (engine/kernels/_tl_paged_attention.py has the rule).
 
     Lengths are not checked against the block table here (that would cost a host sync per
     layer and step); the kernel masks every read to the table's width instead, so a too-long
@@ -218,9 +271,10 @@ def paged_decode_attention_triton(q, k_cache_l, v_cache_l, block_tables, context
 def paged_prefill_attention_triton(q, k_cache_l, v_cache_l, block_tables, base_lens, q_lens, scale):
     """Triton version of :func:`paged_prefill_attention` (same signature).
 
-    One program per (sequence, query head, tile of query rows); causal online softmax over the
-    sequence's slots through the block table. Padded rows are never stored (output starts as
-    zeros). As in the decode kernel, lengths are masked to the tensors' extents instead of
+    One program per (sequence, kv head, tile of query positions) covers every query head of
+    the GQA group, so each key/value tile is read once per group; causal online softmax over
+    the sequence's slots through the block table, matmuls on the tensor cores for bf16/fp16.
+    Padded rows are never stored (output starts as zeros). As in the decode kernel, lengths are masked to the tensors' extents instead of
     being checked on the host.
     """
     _validate_prefill(q, k_cache_l, v_cache_l, block_tables, base_lens, q_lens)
