@@ -9,8 +9,8 @@ and either grows by one page (delta > tau: demand is widening) or *Compresses & 
 pages and compacts to (P - 1) x b occupied slots, so exactly one page of slots is free again
 (Eq. 9-10). Capacity only grows (the default policy never returns pages while a request runs).
 
-Defaults: the paper's values are the field defaults; the fields that are token counts tied to the
-paper's block of 256 default to None and are scaled with the engine's block size at bind():
+Defaults: the paper's values are the field defaults; the fields tied to the paper's block of 256
+(token counts, the EMA betas) default to None and are resolved from the engine's block size:
 
 | knob                  | paper (b = 256)             | CPU preset (b = 32)         | field              |
 |-----------------------|-----------------------------|-----------------------------|--------------------|
@@ -47,7 +47,7 @@ with its 7.42 grows (9,500 / 1,280) spread evenly over its 24.4 decisions averag
 12.6 pages = 3,226). The start is a parameter of its own and is never a fixed baseline's budget
 (the evals give `budget` fields the task's budget, never `initial_capacity`).
 
-EMA betas (PRESETS, `preset="auto"` by default). beta_L = 0.999 averages over 1 / (1 - beta) = 1000
+EMA betas (`preset_betas`, `preset="auto"` by default). beta_L = 0.999 averages over 1 / (1 - beta) = 1000
 tokens, 3.9 pages at b = 256; at b = 32 the same beta spans 31 pages, longer than the CPU-scale
 requests, so the long summary would barely leave its initial query. The "auto" preset keeps the
 long time constant in pages: beta_L = 1 - 1 / (3.90625 x b) (0.999 at b = 256, 0.992 at 32, 0.984

@@ -394,6 +394,8 @@ def mixed_command(
                                                "-Shrink in pages [default: the policy's, 9]."),
     pool_fraction: float = typer.Option(None, help="Pool size as a share of FullKV's full need."),
     counts: str = typer.Option("", help="Requests per kind gsm8k,amc23,aime24 [default: 8,8,6]."),
+    max_tokens: str = typer.Option("", help="Output tokens per kind gsm8k,amc23,aime24 "
+                                            "[default: 96,256,576]."),
     repeats: int = typer.Option(None, help="Runs of the target triple (Zipage-B, GrowPage-Fixed, "
                                            "GrowPage) [default: 3; 2 with --quick]."),
     out_dir: Path = OutDirOpt,
@@ -401,8 +403,9 @@ def mixed_command(
     """FullKV, Zipage at B and 2B, GrowPage and its four variants on a mixed workload."""
     base = QUICK if quick else MixedScale()
     per_kind = parse_ints(counts, "--counts") or None
+    lengths = parse_ints(max_tokens, "--max-tokens") or None
     overrides = {k: v for k, v in dict(budget=budget, pool_fraction=pool_fraction,
-                                       counts=per_kind, repeats=repeats,
+                                       counts=per_kind, max_tokens=lengths, repeats=repeats,
                                        start_pages=start_pages).items() if v is not None}
     try:
         scale = replace(base, tau=tau, tau_sweep=parse_floats(tau_sweep, "--tau-sweep"),
