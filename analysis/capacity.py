@@ -20,9 +20,11 @@ Inputs and definitions:
   and so can rank problems differently. With several samples per problem the problem's capacity is
   their mean, because B* is a property of the problem (the sweep's rule aggregates its samples).
 - Table: per class, n, the mean (the paper's marker) and the median of the problems' capacities,
-  each with a 95% bootstrap interval over the class's problems; and Spearman's rho between B* and
-  capacity over the solved problems with a 95% bootstrap interval over problems (analysis/
-  bootstrap.py). The paper's own 95% intervals are per class; it does not report a correlation.
+  each with a 95% bootstrap interval: the mean's is the evals' nested bootstrap over problems and
+  their samples (evals/intervals.py), the median's resamples the class's problems (analysis/
+  bootstrap.py); and Spearman's rho between B* and capacity over the solved problems with a 95%
+  bootstrap interval over problems. The paper's 95% intervals are per class; it reports no
+  correlation.
 
 Errors (ValueError, with the path and what would be valid): a sweep directory without sweep.csv,
 an eval directory without config.json / samples.jsonl, different tasks or models, no problem in
@@ -39,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analysis.bootstrap import bootstrap_mean, cluster_bootstrap, fmt_interval
+from analysis.bootstrap import cluster_bootstrap, fmt_interval
 from analysis.common import spearman, use_agg_backend, write_json
 
 UNSOLVED = "Unsolved"  # evals.sweep.UNSOLVED (kept in sync by a test)
@@ -192,9 +194,30 @@ def class_order(budgets: list[int]) -> list[str]:
     return [str(b) for b in sorted(budgets)] + [UNSOLVED]
 
 
-def summarize_capacity(frame: pd.DataFrame, budgets: list[int], seed: int = 0) -> dict:
+def class_mean(samples: pd.DataFrame, seed: int) -> dict:
+    """Mean capacity of a class over its problems (each problem's sample mean) with the evals'
+    95% interval: the nested bootstrap over problems, then samples within each drawn problem
+    (evals/intervals.py, the interval every eval metric carries)."""
+    from evals.intervals import BootstrapSpec, mean_and_interval
+
+    spec = BootstrapSpec(seed=seed)
+    point, interval = mean_and_interval(zip(samples["uid"], samples["capacity"]), "problem", spec)
+    low, high = interval if interval is not None else (None, None)
+    return {"estimate": point, "low": low, "high": high, "level": spec.level,
+            "clusters": int(samples["uid"].nunique()), "resamples": spec.replicates,
+            "valid": spec.replicates if interval is not None else 0,
+            "method": "nested bootstrap over problems, then samples (evals/intervals.py)"}
+
+
+def summarize_capacity(frame: pd.DataFrame, budgets: list[int], seed: int = 0,
+                       samples: pd.DataFrame | None = None) -> dict:
     """Per-class n, mean and median capacity with bootstrap intervals; Spearman(B*, capacity)
-    over the solved problems with a bootstrap interval over problems."""
+    over the solved problems with a bootstrap interval over problems.
+
+    frame: one row per problem (join_capacity); samples: the eval's per-sample capacities (uid,
+    capacity) for the class means' nested interval (None: one sample per problem)."""
+    if samples is None:
+        samples = frame[["uid", "capacity"]]
     solved = frame[frame["b_star"] != UNSOLVED].reset_index(drop=True)
     if solved.empty:
         raise ValueError(f"every one of the {len(frame)} common problems is {UNSOLVED} in the "
@@ -206,7 +229,8 @@ def summarize_capacity(frame: pd.DataFrame, budgets: list[int], seed: int = 0) -
         med = cluster_bootstrap(pd.DataFrame({"v": values, "c": np.arange(values.size)}), "c",
                                 {"median": lambda f: float(np.median(f["v"])) if len(f) else math.nan},
                                 seed=seed)["median"]
-        classes[name] = {"n": int(values.size), "mean": bootstrap_mean(values, seed=seed).to_dict(),
+        members = samples[samples["uid"].isin(frame.loc[frame["b_star"] == name, "uid"])]
+        classes[name] = {"n": int(values.size), "mean": class_mean(members, seed),
                          "median": med.to_dict()}
     others = [c for c in frame.columns if c in DEFAULT_CAPACITY_FIELDS]
     rhos = cluster_bootstrap(solved, "uid", {
@@ -277,7 +301,7 @@ def capacity_study(sweep_path: str | Path, eval_path: str | Path, out: Path,
     sweep = read_sweep(sweep_path)
     evaluation = read_eval(eval_path, field)
     frame, left_out = join_capacity(sweep, evaluation)
-    summary = summarize_capacity(frame, sweep.budgets, seed)
+    summary = summarize_capacity(frame, sweep.budgets, seed, evaluation.samples)
     summary.update({
         "task": sweep.task or evaluation.task, "sweep": str(sweep.path), "eval": str(evaluation.path),
         "sweep_policy": sweep.policy, "sweep_rule": sweep.rule, "budgets": sweep.budgets,
