@@ -347,3 +347,17 @@ def test_kernels_aot_quick_compiles_decode_for_sm80(tmp_path):
     assert variants["_prefill_kernel"] == 1 and variants["_compact_kernel"] == 1
     assert variants["_decode_kernel"] == 2  # one partition, or several plus the reduction
     assert all(t["met"] for t in payload["targets"])
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "--aot"),
+    (["--aot", "--arch", "75"], "--arch"),
+    (["--aot", "--head-dims", "96"], "--head-dims"),
+])
+def test_kernels_cli_rejects_bad_options_before_compiling(args, message):
+    from typer.testing import CliRunner
+
+    from cli import app
+
+    out = CliRunner().invoke(app, ["bench", "kernels", *args])
+    assert out.exit_code != 0 and message in out.output
