@@ -150,9 +150,9 @@ def plot_sparsity(frame: pd.DataFrame, path: Path, top_p: float, smooth: int = 1
                 label="median over requests", zorder=4)
     axes[0].set_ylabel(f"D_{top_p:g} (keys)")
     axes[0].set_title(f"p-coverage attention demand D_p of real decode queries (p = {top_p:g}), "
-                      f"{frame['request'].nunique()} requests\nmean over layers and query heads; "
-                      f"coloured: {len(shown)} requests (faint: per step, solid: rolling mean of "
-                      f"{smooth} steps); grey: the others' rolling means", fontsize=9)
+                      f"{frame['request'].nunique()} requests, mean over layers and query heads\n"
+                      f"coloured: {len(shown)} requests (faint: per step, solid: {smooth}-step "
+                      "rolling mean); grey: the others' rolling means", fontsize=9)
     axes[1].set_ylabel(f"D_{top_p:g} / N_t")
     axes[1].set_title("fraction of the visible history needed to cover p of the attention mass")
     axes[1].set_xlabel("decode step")
