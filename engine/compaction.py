@@ -33,6 +33,7 @@ import torch
 
 from engine.attention import KVCache
 from engine.block_manager import BlockManager
+from engine.kernels._common import upload
 from engine.kernels.compact import compact_kv, compact_slots
 from engine.policies.base import Action, Decision, KVPolicy, PolicyView, StageTimer
 from engine.sequence import CapacityEvent, Sequence
@@ -97,10 +98,10 @@ def execute(job: CompactionJob, policy: KVPolicy, view: PolicyView, kv: KVCache)
         raise PolicyError(f"{policy.name}.select must return each row's slots strictly ascending")
     with job.timer.stage("compaction"):
         bs = kv.block_size
-        old = torch.tensor(seq.block_table, dtype=torch.long, device=kv.k.device)
+        old = upload(seq.block_table, kv.k.device)
         keep = keep.to(device=kv.k.device, dtype=torch.long)
         src = old[keep // bs] * bs + keep % bs
-        new = torch.tensor(job.new_table, dtype=torch.long, device=kv.k.device)
+        new = upload(job.new_table, kv.k.device)
         pos = torch.arange(target, device=kv.k.device)
         dst = new[pos // bs] * bs + pos % bs
         compact_kv(kv.k, kv.v, src, dst, ordered=True)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.kernels._common import upload
 from engine.policies.base import SignalSpec
 from engine.policies.demand import ema_update
 
@@ -89,12 +90,11 @@ class QueryStatePool:
         self.plan = self._device_plan(rr, rs, ring, er, es, ei)
 
     def _device_plan(self, *columns: list) -> CapturePlan:
-        """One host-to-device copy per step for all six index lists. Built on the host, they
-        would be copied again by every layer's `record` (an implicit transfer per index per
-        layer); here `record` indexes with tensors already on the device."""
+        """One asynchronous host-to-device copy per step for all six index lists. Built on the
+        host, they would be copied again by every layer's `record` (an implicit, blocking
+        transfer per index per layer); here `record` indexes with tensors already on the device."""
         sizes = [len(c) for c in columns]
-        packed = torch.tensor([int(x) for c in columns for x in c], dtype=torch.long)
-        parts = list(packed.to(self.device).split(sizes))
+        parts = list(upload([int(x) for c in columns for x in c], self.device).split(sizes))
         parts[5] = parts[5].bool()
         return CapturePlan(*parts)
 

@@ -96,3 +96,18 @@ class Launch:
 
     def __call__(self) -> None:
         self.kernel[self.grid](*self.args, **self.constexprs)
+
+
+def upload(values: list[int], device) -> torch.Tensor:
+    """int64 tensor of ``values`` on ``device`` without a host sync.
+
+    ``torch.tensor(values, device="cuda")`` copies from pageable memory, which blocks the host
+    until the stream has drained up to the copy: a hidden sync per call. Staging the values in
+    pinned memory lets the copy be queued asynchronously (torch's pinned-memory allocator keeps
+    the staging buffer alive until the copy has run). On CPU this is just ``torch.tensor``.
+    """
+    host = torch.tensor(values, dtype=torch.long)
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
