@@ -46,6 +46,11 @@ SeqsOpt = typer.Option(64, "--max-num-seqs", help="Most requests resident at onc
 OutOpt = typer.Option("results", "--out", "-o", help="Results root directory.")
 ThreadsOpt = typer.Option(2, "--threads", help="torch CPU threads.")
 GradeWorkersOpt = typer.Option(1, "--grading-workers", help="Math grading processes / code threads.")
+WorkersOpt = typer.Option(None, "--workers", help="Run on N engine workers as Ray actors, sharded by "
+                          "(problem, sample) into the same results tree ('auto': one per GPU); "
+                          "needs pip install -e '.[ray]'.")
+RayAddressOpt = typer.Option(None, "--ray-address", help="Ray cluster to run the workers on "
+                             "(default: RAY_ADDRESS, else a local Ray instance).")
 
 
 def fail(message: str) -> None:
@@ -220,6 +225,8 @@ def eval_command(
                                            "(prompt longer than the context or the KV pool); they "
                                            "are retried anyway when --kv-cache-tokens or "
                                            "--max-num-seqs changed."),
+    workers: Optional[str] = WorkersOpt,
+    ray_address: Optional[str] = RayAddressOpt,
 ):
     """Evaluate policies on tasks: results/<model>/<task>/<policy>/ with config, per-sample JSONL
     (written as samples finish; re-running resumes) and metrics."""
@@ -241,12 +248,18 @@ def eval_command(
                 for p in policy for t in task]
         with _progress() as bar:
             hooks = RichHooks(bar)
-            for settings in plan:
-                outcome = run_eval(settings, hooks)
-                outcomes.append(outcome)
-                if outcome.interrupted:
-                    break
-                _print_summary(outcome)
+            if workers or ray_address:
+                outcomes = _distributed().run_distributed(plan, workers or "auto", ray_address,
+                                                          hooks, threads)
+                for outcome in outcomes:
+                    _print_summary(outcome)
+            else:
+                for settings in plan:
+                    outcome = run_eval(settings, hooks)
+                    outcomes.append(outcome)
+                    if outcome.interrupted:
+                        break
+                    _print_summary(outcome)
     except (EvalError, ConfigError, ResultsMismatchError) as e:
         fail(str(e))
     except KeyboardInterrupt:
@@ -320,6 +333,8 @@ def sweep_command(
     out: str = OutOpt,
     threads: int = ThreadsOpt,
     grading_workers: int = GradeWorkersOpt,
+    workers: Optional[str] = WorkersOpt,
+    ray_address: Optional[str] = RayAddressOpt,
 ):
     """Minimum sufficient KV budget per request (GrowPage Eq. 1, Fig. 2): a fixed-budget policy over
     a set of budgets; CSV and a histogram PNG per task."""
@@ -342,10 +357,16 @@ def sweep_command(
         args = split_policy_args(policy_arg, [policy])[policy]
         with _progress() as bar:
             hooks = RichHooks(bar)
-            for t in task:
-                results.append(run_sweep(_settings(t, policy, args, **common), values, rule, hooks))
-                if results[-1].interrupted:
-                    break
+            if workers or ray_address:
+                results = _distributed().run_sweeps_distributed(
+                    [_settings(t, policy, args, **common) for t in task], values, rule,
+                    workers or "auto", ray_address, hooks, threads)
+            else:
+                for t in task:
+                    results.append(run_sweep(_settings(t, policy, args, **common), values, rule,
+                                             hooks))
+                    if results[-1].interrupted:
+                        break
     except (EvalError, ConfigError, ResultsMismatchError) as e:
         fail(str(e))
     except KeyboardInterrupt:
@@ -358,6 +379,17 @@ def sweep_command(
             console.print(f"wrote {path}")
     if results and results[-1].interrupted:
         _interrupted(results[-1].outcomes[-1])
+
+
+def _distributed():
+    """evals.distributed, or a usage error when Ray is not installed."""
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        fail("--workers/--ray-address need Ray: pip install -e '.[ray]'")
+    from evals import distributed
+
+    return distributed
 
 
 def register(app: typer.Typer) -> None:

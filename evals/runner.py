@@ -108,6 +108,7 @@ class EvalSettings:
     grading_timeout_s: float = 10.0
     fidelity: bool = True
     retry_failed: bool = False
+    only_keys: frozenset | None = None  # run only these (uid, sample) keys (evals.distributed)
 
     def __post_init__(self) -> None:
         for name in ("limit", "samples", "max_tokens", "kv_budget", "kv_cache_tokens", "block_size"):
@@ -157,6 +158,8 @@ class EvalHooks:
     def on_sample(self, record: dict) -> None: ...
 
     def on_message(self, text: str) -> None: ...
+
+    def on_plan(self, path: Path, todo: list) -> None: ...  # the (uid, sample) keys left to run
 
 
 # ------------------------------------------------------------------------------ policy args
@@ -471,6 +474,10 @@ def run_eval(settings: EvalSettings, hooks: EvalHooks | None = None) -> EvalOutc
         hooks.on_message(f"retrying {len(retry)} sample(s) that failed for an engine reason")
     done = set(loaded.records) - retry
     todo = [k for k in plan.keys if k not in done]
+    if hasattr(hooks, "on_plan"):  # optional: hooks objects need not subclass EvalHooks
+        hooks.on_plan(path, list(todo))
+    if settings.only_keys is not None:
+        todo = [k for k in todo if k in settings.only_keys]
     outcome = EvalOutcome(path, label, settings.task, {}, resumed=len(plan.keys) - len(todo),
                           skipped_rows=config["skipped_rows"])
     hooks.on_start(label, settings.task, len(plan.keys), len(todo), path)
