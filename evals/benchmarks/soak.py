@@ -287,8 +287,10 @@ def fullkv_mismatches(model: str, policy: str, block_size: int, cfg: SoakConfig,
 
 
 QUICK = SoakConfig(requests=120, block_sizes=(8,), fidelity_requests=4)
-BENCH = SoakConfig(requests=1000, block_sizes=(8, 16), prompt_tokens=(1, 48), output_tokens=(1, 24),
-                   prefix_tokens=32, fidelity_requests=6)
+# The embedded model is ~100x the tiny one per step: shorter requests, wider batches, a pool of six
+# full-length requests for 32 resident ones (FullKV must preempt).
+BENCH = SoakConfig(requests=1000, block_sizes=(8, 16), prompt_tokens=(1, 24), output_tokens=(1, 12),
+                   prefix_tokens=16, max_num_seqs=32, pool_requests=6.0, fidelity_requests=4)
 
 
 def run_soak(model: str = "default", *, quick: bool = False, cfg: SoakConfig | None = None,
