@@ -13,8 +13,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.kernels.paged_attention import paged_decode_attention, paged_prefill_attention
-from engine.kernels.store_kv import store_kv
+from engine.kernels._common import use_triton
+from engine.kernels.paged_attention import (
+    DecodePlan,
+    decode_attention_planned,
+    paged_decode_attention,
+    paged_prefill_attention,
+    plan_decode_torch,
+)
+from engine.kernels.store_kv import StorePlan, plan_store_kv_torch, store_kv, store_kv_planned
 
 
 @dataclass
@@ -46,6 +53,9 @@ class ForwardContext:
         [T - num_decode] (row -> b * q_max + i in the padded layout), q_max.
     capture: a QueryCapture that records pre-RoPE queries per layer (signals for policies).
     collect: when a list, every layer's post-RoPE queries [T, q_heads, d] are appended to it.
+    store_plan, decode_plan: on CPU, the torch twins' checks and index tensors, built by the
+        first layer and reused by the others: every layer has the same shapes, slots, tables and
+        lengths, and at batch 1 this per-layer index work was a visible share of a decode step.
     """
 
     kv: KVCache
@@ -61,6 +71,8 @@ class ForwardContext:
     prefill_q_max: int = 0
     capture: object | None = None
     collect: list | None = field(default=None)
+    store_plan: StorePlan | None = None
+    decode_plan: DecodePlan | None = None
 
 
 def attend(layer: int, q_pre: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -72,15 +84,13 @@ def attend(layer: int, q_pre: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         ctx.collect.append(q)
     k_cache, v_cache = ctx.kv.k[layer], ctx.kv.v[layer]
     if ctx.slot_mapping is not None:
-        store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+        _store(k, v, k_cache, v_cache, ctx)
     nd = ctx.num_decode
     if nd == q.shape[0]:
-        return paged_decode_attention(q, k_cache, v_cache, ctx.decode_block_tables,
-                                      ctx.decode_context_lens, ctx.scale)
+        return _decode(q, k_cache, v_cache, ctx)
     out = torch.empty_like(q)
     if nd:
-        out[:nd] = paged_decode_attention(q[:nd], k_cache, v_cache, ctx.decode_block_tables,
-                                          ctx.decode_context_lens, ctx.scale)
+        out[:nd] = _decode(q[:nd], k_cache, v_cache, ctx)
     bp = ctx.prefill_block_tables.shape[0]
     padded = q.new_zeros(bp * ctx.prefill_q_max, q.shape[1], q.shape[2])
     padded[ctx.prefill_pad_index] = q[nd:]
@@ -89,3 +99,25 @@ def attend(layer: int, q_pre: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                                 ctx.prefill_base_lens, ctx.prefill_q_lens, ctx.scale)
     out[nd:] = o.reshape(bp * ctx.prefill_q_max, q.shape[1], q.shape[2])[ctx.prefill_pad_index]
     return out
+
+
+def _store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+           ctx: ForwardContext) -> None:
+    if use_triton(k_cache):
+        store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
+        return
+    if ctx.store_plan is None:
+        ctx.store_plan = plan_store_kv_torch(k, v, k_cache, v_cache, ctx.slot_mapping)
+    store_kv_planned(k, v, k_cache, v_cache, ctx.store_plan)
+
+
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            ctx: ForwardContext) -> torch.Tensor:
+    """q: [Bd, q_heads, d] -> [Bd, q_heads, d] over the decode items' pages."""
+    if use_triton(q):
+        return paged_decode_attention(q, k_cache, v_cache, ctx.decode_block_tables,
+                                      ctx.decode_context_lens, ctx.scale)
+    if ctx.decode_plan is None:
+        ctx.decode_plan = plan_decode_torch(q, k_cache, v_cache, ctx.decode_block_tables,
+                                            ctx.decode_context_lens)
+    return decode_attention_planned(q, k_cache, v_cache, ctx.decode_plan, ctx.scale)

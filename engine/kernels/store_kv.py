@@ -14,6 +14,8 @@ The caches are modified in place; nothing is returned. Values are cast to the ca
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from engine.kernels._common import (
@@ -52,19 +54,43 @@ def _validate(key, value, k_cache_l, v_cache_l, slot_mapping) -> None:
 def store_kv_torch(key, value, k_cache_l, v_cache_l, slot_mapping) -> None:
     """Torch twin of :func:`store_kv` (same signature); one masked ``index_copy_`` per cache
     along the flat slot axis of the [kv_heads, num_blocks * block_size, head_dim] view."""
+    store_kv_planned(key, value, k_cache_l, v_cache_l,
+                     plan_store_kv_torch(key, value, k_cache_l, v_cache_l, slot_mapping))
+
+
+@dataclass(frozen=True)
+class StorePlan:
+    """The checked slots of one step: slots [R] to write and keep [T] (None: every row)."""
+
+    slots: torch.Tensor
+    keep: torch.Tensor | None
+
+
+def plan_store_kv_torch(key, value, k_cache_l, v_cache_l, slot_mapping) -> StorePlan:
+    """Validate the inputs and filter the -1 slots: the twin's per-call checks, which a forward
+    pass does once and reuses for every layer (same shapes, same slots; engine/attention.py)."""
     _validate(key, value, k_cache_l, v_cache_l, slot_mapping)
-    k_flat = flat_slots(k_cache_l, "k_cache_l")
-    v_flat = flat_slots(v_cache_l, "v_cache_l")
+    num_slots = flat_slots(k_cache_l, "k_cache_l").shape[1]
+    flat_slots(v_cache_l, "v_cache_l")
     slots = slot_mapping.long()
     check(
-        slots.numel() == 0 or int(slots.max()) < k_flat.shape[1],
-        f"slot_mapping holds a slot >= num_blocks * block_size = {k_flat.shape[1]}",
+        slots.numel() == 0 or int(slots.max()) < num_slots,
+        f"slot_mapping holds a slot >= num_blocks * block_size = {num_slots}",
     )
     keep = slots >= 0
-    if not bool(keep.all()):
-        slots, key, value = slots[keep], key[keep], value[keep]
-    k_flat.index_copy_(1, slots, key.to(k_flat.dtype).transpose(0, 1))
-    v_flat.index_copy_(1, slots, value.to(v_flat.dtype).transpose(0, 1))
+    if bool(keep.all()):
+        return StorePlan(slots, None)
+    return StorePlan(slots[keep], keep)
+
+
+def store_kv_planned(key, value, k_cache_l, v_cache_l, plan: StorePlan) -> None:
+    """The twin's writes for inputs already checked by :func:`plan_store_kv_torch`."""
+    k_flat = k_cache_l.view(k_cache_l.shape[0], -1, k_cache_l.shape[3])
+    v_flat = v_cache_l.view(v_cache_l.shape[0], -1, v_cache_l.shape[3])
+    if plan.keep is not None:
+        key, value = key[plan.keep], value[plan.keep]
+    k_flat.index_copy_(1, plan.slots, key.to(k_flat.dtype).transpose(0, 1))
+    v_flat.index_copy_(1, plan.slots, value.to(v_flat.dtype).transpose(0, 1))
 
 
 def store_kv_triton(key, value, k_cache_l, v_cache_l, slot_mapping) -> None:

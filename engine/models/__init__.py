@@ -28,7 +28,8 @@ def build_model(config, max_len: int, device, dtype) -> CausalLM:
 
 
 def load_weights(model: CausalLM, tensors, device, dtype) -> None:
-    """Fill a meta-initialised model from (name, tensor) pairs; every parameter must be present."""
+    """Fill a meta-initialised model from (name, tensor) pairs; every parameter must be present.
+    Then fuses q/k/v and gate/up (engine/models/llama.py's docstring)."""
     params = dict(model.named_parameters())
     loaded = {}
     for name, tensor in tensors:
@@ -46,4 +47,5 @@ def load_weights(model: CausalLM, tensors, device, dtype) -> None:
     if missing:
         raise ConfigError(f"checkpoint is missing tensors: {missing[:5]}{'...' if len(missing) > 5 else ''}")
     model.load_state_dict(loaded, strict=True, assign=True)
+    model.fuse_projections()
     model.eval()

@@ -4,6 +4,14 @@ Parameter names follow Hugging Face exactly, so checkpoints load by name. Tokens
 flattened: hidden states are [T, hidden]; attention is delegated to engine.attention.attend with a
 ForwardContext describing pages and lengths. Architecture differences (Qwen3's q/k RMSNorm, Qwen2's
 qkv bias) are flags of `ArchFlags`, so one implementation serves the family (see qwen3.py).
+
+After loading, `CausalLM.fuse_projections` concatenates q/k/v into one weight and gate/up into
+another; the named parameters become views of the fused tensors, so state_dict names, shapes and
+values are unchanged and memory is not doubled. At batch 1 a decode step is ~90 small matvecs
+whose per-call overhead is a visible share of the step (issue: single stream vs transformers), so
+fewer, larger calls help; each output element is still the same dot product, so results match the
+unfused layers (tests/test_engine.py checks it). The rotary cos/sin rows are gathered once per
+forward pass instead of twice per layer.
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from engine.attention import ForwardContext, attend
-from engine.models.rope import Rope
+from engine.models.rope import Rope, RopeRows
 
 
 @dataclass(frozen=True)
@@ -31,12 +39,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # One fused op instead of six; in fp32 it equals the upcasting formula below bit for
+            # bit (no casts to round), which tests/test_engine.py checks.
+            return torch.rms_norm(x, self.weight.shape, self.weight, self.eps)
         var = x.float().pow(2).mean(-1, keepdim=True)
         return (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight
 
 
 class Attention(nn.Module):
-    def __init__(self, config, layer_idx: int, flags: ArchFlags, rope: Rope):
+    def __init__(self, config, layer_idx: int, flags: ArchFlags):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = config.num_attention_heads
@@ -52,20 +64,34 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.qk_norm = flags.qk_norm
-        self.rope = rope
+        self.qkv_weight: torch.Tensor | None = None  # set by fuse()
+        self.qkv_bias: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext):
-        """x: [T, hidden], positions: [T] -> [T, hidden]."""
+    def fuse(self) -> None:
+        """q/k/v weights (and biases) -> one [q + 2 kv, hidden] tensor; the projections' parameters
+        become views of it (module docstring)."""
+        self.qkv_weight = _fuse([self.q_proj, self.k_proj, self.v_proj], "weight")
+        self.qkv_bias = _fuse([self.q_proj, self.k_proj, self.v_proj], "bias")
+
+    def forward(self, x: torch.Tensor, rope: RopeRows, ctx: ForwardContext):
+        """x: [T, hidden], rope: the step's cos/sin rows -> [T, hidden]."""
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        H, KH, d = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = F.linear(x, _fused(self.qkv_weight), self.qkv_bias)
+        v = qkv[:, (H + KH) * d:].view(T, KH, d)
         if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q_pre = q  # "after query normalisation, before RoPE": what GrowPage summarises
-        q, k = self.rope.apply(q, positions), self.rope.apply(k, positions)
+            q = self.q_norm(qkv[:, :H * d].view(T, H, d))
+            k = self.k_norm(qkv[:, H * d:(H + KH) * d].view(T, KH, d))
+            q_pre = q  # "after query normalisation, before RoPE": what GrowPage summarises
+            q, k = rope.rotate(q), rope.rotate(k)
+        else:
+            # q and k rotated in one pass over their adjacent heads.
+            qk = qkv[:, :(H + KH) * d].view(T, H + KH, d)
+            q_pre = qk[:, :H]
+            qk = rope.rotate(qk)
+            q, k = qk[:, :H], qk[:, H:]
         out = attend(self.layer_idx, q_pre, q, k, v, ctx)
-        return self.o_proj(out.reshape(T, -1))
+        return F.linear(out.reshape(T, -1), self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -75,37 +101,45 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(h, i, bias=False)
         self.up_proj = nn.Linear(h, i, bias=False)
         self.down_proj = nn.Linear(i, h, bias=False)
+        self.gate_up_weight: torch.Tensor | None = None  # set by fuse()
+
+    def fuse(self) -> None:
+        """gate/up weights -> one [2 * intermediate, hidden] tensor (module docstring)."""
+        self.gate_up_weight = _fuse([self.gate_proj, self.up_proj], "weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, _fused(self.gate_up_weight)).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config, layer_idx: int, flags: ArchFlags, rope: Rope):
+    def __init__(self, config, layer_idx: int, flags: ArchFlags):
         super().__init__()
-        self.self_attn = Attention(config, layer_idx, flags, rope)
+        self.self_attn = Attention(config, layer_idx, flags)
         self.mlp = MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, positions, ctx):
-        x = x + self.self_attn(self.input_layernorm(x), positions, ctx)
+    def forward(self, x, rope: RopeRows, ctx):
+        x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class DecoderModel(nn.Module):
     def __init__(self, config, flags: ArchFlags, rope: Rope):
         super().__init__()
+        self.rope = rope
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, flags, rope) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, i, flags) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids, positions, ctx, num_layers: int | None = None):
         x = self.embed_tokens(input_ids)
+        rope = self.rope.rows(positions)  # gathered once, shared by every layer
         for layer in self.layers[:num_layers]:
-            x = layer(x, positions, ctx)
+            x = layer(x, rope, ctx)
         return x if num_layers is not None else self.norm(x)
 
 
@@ -132,6 +166,13 @@ class CausalLM(nn.Module):
     def forward(self, input_ids, positions, ctx, num_layers: int | None = None):
         return self.model(input_ids, positions, ctx, num_layers)
 
+    def fuse_projections(self) -> None:
+        """Fuse q/k/v and gate/up of every layer (module docstring); call after the weights are
+        loaded. Idempotent."""
+        for layer in self.model.layers:
+            layer.self_attn.fuse()
+            layer.mlp.fuse()
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
         return hidden @ weight.t()
@@ -139,6 +180,28 @@ class CausalLM(nn.Module):
 
 class LlamaForCausalLM(CausalLM):
     pass
+
+
+def _fuse(linears: list[nn.Linear], attr: str) -> torch.Tensor | None:
+    """Concatenate the linears' `attr` tensors along dim 0 and re-point each linear's parameter
+    at its slice of the result. None when they have no such tensor (no bias)."""
+    parts = [getattr(m, attr) for m in linears]
+    if parts[0] is None:
+        return None
+    fused = torch.cat([p.detach() for p in parts])
+    start = 0
+    for m, p in zip(linears, parts):
+        n = p.shape[0]
+        setattr(m, attr, nn.Parameter(fused[start:start + n], requires_grad=False))
+        start += n
+    return fused
+
+
+def _fused(weight: torch.Tensor | None) -> torch.Tensor:
+    if weight is None:
+        raise RuntimeError("projections are not fused: call CausalLM.fuse_projections() after "
+                           "loading the weights (engine.models.load_weights does)")
+    return weight
 
 
 def head_dim_of(config) -> int:

@@ -8,6 +8,7 @@ queries (GrowPage's summaries, Zipage's query cache) at a chosen position.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -44,6 +45,23 @@ _SCALINGS = {
 }
 
 
+@dataclass(frozen=True)
+class RopeRows:
+    """The cos and sin rows of one forward pass's positions, [T, 1, d] each; `sin` carries the
+    sign of the rotate-half pairing in its first half (-sin there), so a rotation is two
+    multiplies and one add. Gathered once per pass and shared by every layer."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., T, heads, d] -> rotated, same shape (HF's x * cos + rotate_half(x) * sin:
+        rotate_half(x) * sin == swap_halves(x) * signed_sin exactly, as negation is exact)."""
+        half = x.shape[-1] // 2
+        swapped = torch.cat([x[..., half:], x[..., :half]], dim=-1)
+        return x * self.cos.to(x.dtype) + swapped * self.sin.to(x.dtype)
+
+
 class Rope:
     """cos/sin tables for positions [0, max_len). apply(x [..., T, heads, d], positions [T])."""
 
@@ -62,11 +80,14 @@ class Rope:
         angles = torch.cat([angles, angles], dim=-1)
         self.cos = angles.cos().to(device=device, dtype=dtype)
         self.sin = angles.sin().to(device=device, dtype=dtype)
+        half = head_dim // 2
+        self._signed_sin = torch.cat([-self.sin[:, :half], self.sin[:, half:]], dim=-1)
         self.max_len = max_len
 
+    def rows(self, positions: torch.Tensor) -> RopeRows:
+        """positions [T] -> the cos/sin rows every layer of a pass uses."""
+        return RopeRows(self.cos[positions].unsqueeze(-2), self._signed_sin[positions].unsqueeze(-2))
+
     def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        cos = self.cos[positions].unsqueeze(-2).to(x.dtype)
-        sin = self.sin[positions].unsqueeze(-2).to(x.dtype)
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-        return x * cos + rotated * sin
+        """x: [..., T, heads, d] rotated at positions [T]."""
+        return self.rows(positions).rotate(x)
