@@ -49,14 +49,21 @@ def assert_finite_rows(table: Table) -> None:
 def test_throughput_quick(tiny_model):
     result = throughput.run_throughput(tiny_model, **quiet)
     sides, ratios = result.table("sides"), result.table("ratios")
-    assert [r["workload"] for r in ratios.rows] == ["uniform", "heterogeneous"]
+    assert [r["workload"] for r in ratios.rows] == ["batch 1", "uniform", "heterogeneous"]
     assert [(r["workload"], r["side"]) for r in sides.rows] == [
+        ("batch 1", "engine"), ("batch 1", "transformers"),
         ("uniform", "engine"), ("uniform", "transformers"),
         ("heterogeneous", "engine"), ("heterogeneous", "transformers")]
-    for table in (sides, ratios):
+    floor = result.table("floor")
+    for table in (sides, ratios, floor, result.table("repeats")):
         assert_finite_rows(table)
     scale = throughput.QUICK
-    expected_useful = {"uniform": scale.uniform_requests * scale.uniform_tokens}
+    expected_useful = {"batch 1": scale.single_tokens,
+                       "uniform": scale.uniform_requests * scale.uniform_tokens}
+    (f,) = floor.rows
+    one = [s for s in sides.rows if s["workload"] == "batch 1"]
+    assert f["engine_ms"] == pytest.approx(1e3 * one[0]["wall_s"] / scale.single_tokens)
+    assert f["engine_x_floor"] == pytest.approx(f["engine_ms"] / f["floor_ms"])
     for r in ratios.rows:
         eng, hf = [s for s in sides.rows if s["workload"] == r["workload"]]
         assert eng["useful_tokens"] == hf["useful_tokens"]
@@ -70,7 +77,7 @@ def test_throughput_quick(tiny_model):
         if r["workload"] in expected_useful:
             assert eng["useful_tokens"] == expected_useful[r["workload"]]
     assert [t.value for t in result.targets] == [r["ratio"] for r in ratios.rows]
-    assert [t.threshold for t in result.targets] == [1.0, 1.5]
+    assert [t.threshold for t in result.targets] == [1.0, 1.0, 1.5]
 
 
 def test_throughput_repeats_keep_each_sides_fastest(tiny_model):
@@ -80,6 +87,14 @@ def test_throughput_repeats_keep_each_sides_fastest(tiny_model):
     result = throughput.run_throughput(tiny_model, scale=scale, **quiet)
     for r in result.table("ratios").rows:
         assert r["agreement"] == 1.0 and r["ratio"] == pytest.approx(r["engine_tps"] / r["hf_tps"])
+    reps = result.table("repeats").rows
+    assert [(r["workload"], r["first"]) for r in reps] == [
+        (w, first) for w in ("batch 1", "uniform", "heterogeneous")
+        for first in ("engine", "transformers")]
+    sides = result.table("sides").rows
+    for r in reps:  # each side reports its fastest repeat
+        eng, hf = [s for s in sides if s["workload"] == r["workload"]]
+        assert eng["wall_s"] <= r["engine_wall_s"] and hf["wall_s"] <= r["hf_wall_s"]
     with pytest.raises(ValueError, match="repeats"):
         replace(throughput.QUICK, repeats=0)
 

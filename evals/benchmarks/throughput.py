@@ -1,8 +1,12 @@
 """`kvarena bench throughput`: the engine against transformers' generate on the same weights.
 
-Two workloads, each run through both in one process (engine, then transformers; with --repeats
+Three workloads, each run through both in one process (engine, then transformers; with --repeats
 the order alternates and each side's fastest repeat is kept):
 
+(0) batch 1: one request, 200 greedy tokens: a single stream's per-token latency (interactive
+    generate, NIAH's long single prompts). Its floor is streaming every fp32 weight once per token;
+    the bench measures that floor on the machine (a matvec over a tensor as large as the model's
+    weights, same threads) and prints the engine's and transformers' ms/token against it.
 (a) uniform: N prompts of the same length, `ignore_eos`, the same number of new tokens; both sides
     run it as one batch (the engine admits every request at once: its pool holds them all).
 (b) heterogeneous: requests with varied prompt and output lengths, submitted in order. The engine
@@ -41,6 +45,8 @@ from evals.benchmarks.workloads import PromptBuilder, rng
 
 @dataclass(frozen=True)
 class ThroughputScale:
+    single_prompt_len: int = 128
+    single_tokens: int = 200
     uniform_requests: int = 32
     uniform_prompt_len: int = 128
     uniform_tokens: int = 256
@@ -58,13 +64,14 @@ class ThroughputScale:
             raise ValueError(f"hf_batch_size must be >= 1, got {self.hf_batch_size}")
 
 
-QUICK = ThroughputScale(uniform_requests=4, uniform_prompt_len=48, uniform_tokens=8,
+QUICK = ThroughputScale(single_prompt_len=48, single_tokens=8, uniform_requests=4, uniform_prompt_len=48, uniform_tokens=8,
                         mixed_requests=8, mixed_prompt_len=(40, 80), mixed_tokens=(2, 12),
                         hf_batch_size=4)
 
 
 def workloads(builder: PromptBuilder, scale: ThroughputScale) -> dict[str, tuple[list, list]]:
-    """{name: (prompts, max_tokens)} for the uniform and the heterogeneous workload."""
+    """{name: (prompts, max_tokens)} for the batch-1, uniform and heterogeneous workloads."""
+    single = ([builder.prompt(scale.single_prompt_len, start=0)], [scale.single_tokens])
     uniform = ([builder.prompt(scale.uniform_prompt_len, start=i)
                 for i in range(scale.uniform_requests)],
                [scale.uniform_tokens] * scale.uniform_requests)
@@ -74,7 +81,32 @@ def workloads(builder: PromptBuilder, scale: ThroughputScale) -> dict[str, tuple
     mixed = ([builder.prompt(max(builder.min_length, r.randint(lo_p, hi_p)), start=i)
               for i in range(scale.mixed_requests)],
              [r.randint(lo_t, hi_t) for _ in range(scale.mixed_requests)])
-    return {"uniform": uniform, "heterogeneous": mixed}
+    return {"batch 1": single, "uniform": uniform, "heterogeneous": mixed}
+
+
+def weight_stream_floor(num_params: int, repeats: int = 5) -> dict:
+    """Seconds to stream `num_params` fp32 values once: F.linear of one row against a
+    [num_params / 576, 576] fp32 matrix (576: the embedded model's hidden size), fastest of
+    `repeats` after a warm-up, with the threads torch has. A batch-1 decode step reads every
+    weight once (the tied embedding as the LM head), so this is its memory-bandwidth floor."""
+    import time
+
+    import torch
+    import torch.nn.functional as F
+
+    cols = 576
+    weight = torch.randn(-(-num_params // cols), cols)
+    row = torch.randn(1, cols)
+    F.linear(row, weight)
+    best_wall = best_cpu = float("inf")
+    for _ in range(repeats):
+        t0, c0 = time.perf_counter(), time.process_time()
+        F.linear(row, weight)
+        best_wall = min(best_wall, time.perf_counter() - t0)
+        best_cpu = min(best_cpu, time.process_time() - c0)
+    gb = weight.numel() * 4 / 1e9
+    return {"params": num_params, "gb": gb, "floor_ms": 1e3 * best_wall,
+            "floor_cpu_ms": 1e3 * best_cpu, "gb_per_s": gb / best_wall}
 
 
 def pool_tokens(prompts: list[list[int]], max_tokens: list[int], block_size: int) -> int:
@@ -96,12 +128,15 @@ def run_throughput(model: str = "default", *, quick: bool = False,
     loads = workloads(PromptBuilder(tokenizer), scale)
     hf_model = load_hf_model(model_dir)
     pad = pad_token_id(hf_model, tokenizer)
+    floor = weight_stream_floor(sum(p.numel() for p in hf_model.parameters()))
+    log(f"weight-stream floor: {floor['floor_ms']:.1f} ms per token ({floor['gb']:.2f} GB, "
+        f"{floor['gb_per_s']:.1f} GB/s)")
     # Warm transformers up once (first-call allocations), outside the timed calls.
     run_static_batches(hf_model, [loads["uniform"][0][0][:8]], [2], 1, pad)
 
-    sides, ratios = [], []
+    sides, ratios, repeats = [], [], []
     for name, (prompts, max_tokens) in loads.items():
-        hf_batch = len(prompts) if name == "uniform" else scale.hf_batch_size
+        hf_batch = scale.hf_batch_size if name == "heterogeneous" else len(prompts)
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
                   for n in max_tokens]
         eng = hf = None
@@ -123,6 +158,14 @@ def run_throughput(model: str = "default", *, quick: bool = False,
                 e, h = engine_side(), hf_side()
             else:
                 h, e = hf_side(), engine_side()
+            log(f"{name} repeat {rep + 1}: engine {e.wall:.1f} s wall / {e.cpu:.1f} s CPU, "
+                f"transformers {h.wall:.1f} s / {h.cpu:.1f} s: engine / HF "
+                f"{ratio(h.wall, e.wall):.2f} wall, {ratio(h.cpu, e.cpu):.2f} CPU")
+            repeats.append({"workload": name, "repeat": rep + 1,
+                            "first": "engine" if rep % 2 == 0 else "transformers",
+                            "engine_wall_s": e.wall, "hf_wall_s": h.wall,
+                            "ratio": ratio(h.wall, e.wall), "engine_cpu_s": e.cpu,
+                            "hf_cpu_s": h.cpu, "ratio_cpu": ratio(h.cpu, e.cpu)})
             eng = e if eng is None or e.wall < eng.wall else eng
             hf = h if hf is None or h.wall < hf.wall else hf
         eng_useful = eng.stats.output_tokens
@@ -141,7 +184,14 @@ def run_throughput(model: str = "default", *, quick: bool = False,
                       "wall_s": hf.wall, "cpu_s": hf.cpu, "useful_tokens": hf.useful_tokens,
                       "computed_tokens": hf.computed_tokens, "tps": hf_tps, "tps_cpu": hf_cpu_tps,
                       "mean_resident": None, "steps": None})
-        target = 1.0 if name == "uniform" else 1.5
+        target = 1.5 if name == "heterogeneous" else 1.0
+        if name == "batch 1":
+            floor.update(engine_ms=1e3 * eng.wall / eng_useful,
+                         hf_ms=1e3 * hf.wall / hf.useful_tokens,
+                         engine_cpu_ms=1e3 * eng.cpu / eng_useful,
+                         hf_cpu_ms=1e3 * hf.cpu / hf.useful_tokens)
+            floor.update(engine_x_floor=floor["engine_ms"] / floor["floor_ms"],
+                         hf_x_floor=floor["hf_ms"] / floor["floor_ms"])
         ratios.append({"workload": name, "engine_tps": eng_tps, "hf_tps": hf_tps,
                        "ratio": ratio(eng_tps, hf_tps), "target": target,
                        "engine_tps_cpu": eng_cpu_tps, "hf_tps_cpu": hf_cpu_tps,
@@ -176,12 +226,37 @@ def run_throughput(model: str = "default", *, quick: bool = False,
         "outputs (both greedy, float32), averaged over requests: a correctness check, not a goal. "
         "The target applies to the wall-clock ratio; the CPU-time ratio is shown as the steadier "
         "reading on a shared machine.")
+    repeat_table = Table(
+        "repeats", "Every repeat (the order alternates; ratios > 1 favour the engine)",
+        [Column("workload", "workload"), Column("repeat", "repeat", "d"),
+         Column("first", "ran first"), Column("engine_wall_s", "engine wall s", ".1f"),
+         Column("hf_wall_s", "HF wall s", ".1f"), Column("ratio", "engine / HF", ".2f"),
+         Column("engine_cpu_s", "engine CPU s", ".1f"), Column("hf_cpu_s", "HF CPU s", ".1f"),
+         Column("ratio_cpu", "engine / HF (CPU)", ".2f")],
+        repeats,
+        "engine / HF = transformers time / engine time for the same tokens, i.e. the TPS ratio of "
+        "that repeat alone.")
+    floor_table = Table(
+        "floor", "Batch 1 against the memory-bandwidth floor",
+        [Column("params", "weights (params)", "d"), Column("gb", "GB (fp32)", ".2f"),
+         Column("floor_ms", "floor ms/token", ".1f"), Column("gb_per_s", "GB/s", ".1f"),
+         Column("engine_ms", "engine ms/token", ".1f"), Column("engine_x_floor", "engine / floor",
+                                                               ".2f"),
+         Column("hf_ms", "transformers ms/token", ".1f"), Column("hf_x_floor", "HF / floor", ".2f"),
+         Column("engine_cpu_ms", "engine CPU ms/token", ".1f"),
+         Column("hf_cpu_ms", "HF CPU ms/token", ".1f")],
+        [floor] if "engine_ms" in floor else [],
+        "floor: the fastest of 5 matvecs of one fp32 row against a matrix holding as many values "
+        "as the model has parameters (the tied embedding counted once: it is read as the LM head), "
+        "with the benchmark's threads: the time to stream the weights once, which a batch-1 step "
+        "cannot beat. ms/token: the batch-1 side's wall time / its output tokens (prefill "
+        "included); CPU ms/token counts both threads.")
     targets = [Target.check(f"{r['workload']}: engine TPS / transformers TPS", r["ratio"], ">=",
                             r["target"]) for r in ratios]
     scale_dict = {k: v for k, v in scale.__dict__.items()}
     scale_dict.update(model=str(model), block_size=block_size)
     return BenchResult("throughput", "Engine vs transformers generate: throughput",
-                       scale_dict, [side_table, ratio_table], targets)
+                       scale_dict, [side_table, ratio_table, repeat_table, floor_table], targets)
 
 
 @bench_app.command("throughput")
@@ -192,6 +267,7 @@ def throughput_command(
     threads: int = ThreadsOpt,
     hf_batch_size: int = typer.Option(None, help="transformers static batch size for workload (b) "
                                       "[default: 16; 4 with --quick]."),
+    single_tokens: int = typer.Option(None, help="New tokens of the batch-1 request [default: 200]."),
     uniform_requests: int = typer.Option(None, help="Requests in workload (a)."),
     uniform_tokens: int = typer.Option(None, help="New tokens per request in workload (a)."),
     mixed_requests: int = typer.Option(None, help="Requests in workload (b)."),
@@ -199,9 +275,11 @@ def throughput_command(
                                            "the fastest of each side is reported [default: 1]."),
     out_dir: Path = OutDirOpt,
 ):
-    """Engine vs transformers generate: (a) uniform batch, (b) heterogeneous workload."""
+    """Engine vs transformers generate: (0) one request, (a) uniform batch, (b) heterogeneous
+    workload."""
     base = QUICK if quick else ThroughputScale()
-    overrides = {k: v for k, v in dict(uniform_requests=uniform_requests,
+    overrides = {k: v for k, v in dict(single_tokens=single_tokens,
+                                       uniform_requests=uniform_requests,
                                        uniform_tokens=uniform_tokens, mixed_requests=mixed_requests,
                                        hf_batch_size=hf_batch_size, repeats=repeats).items()
                  if v is not None}
