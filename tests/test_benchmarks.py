@@ -262,7 +262,7 @@ def test_cli_writes_json_and_markdown(tiny_model, tmp_path):
     assert out.exit_code == 0, out.output
     payload = json.loads((tmp_path / "throughput-quick.json").read_text())
     assert payload["name"] == "throughput" and "load_average_start" in payload["machine"]
-    assert [t["name"] for t in payload["tables"]] == ["sides", "ratios"]
+    assert [t["name"] for t in payload["tables"]] == ["sides", "ratios", "repeats", "floor"]
     md = (tmp_path / "throughput-quick.md").read_text()
     assert "kvarena bench throughput --model" in md and "--quick --threads 1" in md
     assert "| workload | engine TPS |" in md
