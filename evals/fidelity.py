@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -200,9 +201,14 @@ class Reference:
         key = (uid, sample, sha)
         if key not in self.entries:
             self.entries[key] = entry
-            with open(self.path / REFERENCE_FILE, "a", encoding="utf-8") as f:
-                f.write(json.dumps(entry) + "\n")
-                f.flush()
+            # One write() on an O_APPEND descriptor: workers sharing the file never interleave lines.
+            fd = os.open(self.path / REFERENCE_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                data = (json.dumps(entry) + "\n").encode("utf-8")
+                while data:  # a regular file takes it whole; the loop only guards a short write
+                    data = data[os.write(fd, data):]
+            finally:
+                os.close(fd)
         return self.entries[key]
 
 
