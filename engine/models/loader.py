@@ -23,6 +23,21 @@ build the tokenizer from the GGUF metadata with transformers (the one step deleg
 transformers already knows every GGUF tokenizer flavour). Supported architectures are listed in
 ``GGUF_ARCHITECTURES`` (llama, qwen2, qwen3).
 
+Why not ``AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`` (checked with transformers
+5.24.0, gguf 0.19.0): on the embedded SmolLM2 Q4_1 it gives exactly our weights (max |diff| 0
+over all 272 tensors), but it fails the parity tests on two of the four tiny configurations of
+tests/test_loader.py, because its GGUF config mapping drops metadata that we read:
+  * qwen3 (tiny: hidden 64, 4 heads, head_dim 16): ``qwen3.attention.key_length`` is not read,
+    so Qwen3Config's default head_dim 128 applies and loading stops with "You set
+    `ignore_mismatched_sizes` to `False`" (q_proj checkpoint [64, 64] vs model [512, 64]; real
+    Qwen3 checkpoints load only because their head_dim happens to be that default);
+  * llama with linear RoPE scaling (``llama.rope.scaling.type`` / ``.factor``): the scaling is
+    dropped, the config comes back with ``rope_type: default`` instead of ``linear`` x2, so every
+    position but 0 is rotated differently;
+and rms_norm_eps comes back as the float32 value (9.99999997e-07, not 1e-06; ``_f32_decimal``).
+It also cannot write the cache: ``save_pretrained`` refuses with "The model is quantized with
+gguf and is not serializable". The tokenizer is the one step delegated (``_save_tokenizer``).
+
 Cache layout: ``$KVARENA_CACHE`` (default ``~/.cache/kvarena``) ``/gguf/<stem>-<key>/``, where the
 key hashes the file's name, size, mtime and first/last 64 KiB plus ``CONVERTER_VERSION``, so a
 changed file (or a changed converter) gets a fresh directory. A conversion is written to a hidden
