@@ -219,13 +219,17 @@ def _dispatch(runs: list[_Run], jobs: list[Job], count: int, gpus: bool, threads
             run = runs[job.run]
             try:
                 shard = ray.get(done[0])
-            except ray.exceptions.RayTaskError as e:
-                cause = e.cause if isinstance(e.cause, Exception) else e
+            except ray.exceptions.RayError as e:  # a job that raised, or a worker that died
+                cause = getattr(e, "cause", None)
                 if isinstance(cause, EvalError):
                     raise cause from None
+                shard_path = _shard_run_path(run.settings, _shard_root(run, job))
+                if (shard_path / R.CONFIG_FILE).exists():
+                    _merge(run, job, read_shard(shard_path), hooks)
                 raise EvalError(f"worker failed on {run.settings.task}/{run.settings.policy} "
-                                f"({job.name}): {cause}; finished samples are kept, run the same "
-                                f"command again to resume") from None
+                                f"({job.name}): {str(cause or e).splitlines()[0]}; finished "
+                                f"samples are kept, run the "
+                                f"same command again to resume") from None
             _merge(run, job, shard, hooks)
     except KeyboardInterrupt:
         for actor in actors:  # stop the engines, then keep what their shards had finished

@@ -12,6 +12,7 @@ its shard behind.
 from __future__ import annotations
 
 import dataclasses
+import os
 import json
 import shutil
 from pathlib import Path
@@ -177,3 +178,24 @@ def test_merging_is_idempotent_and_never_overwrites_a_finished_sample(model_dir,
     with pytest.raises(R.ResultsMismatchError):
         merge_shard(fresh, changed, source="job-2")
     assert json.loads((fresh / R.CONFIG_FILE).read_text())["policy"] == "full"
+
+
+def test_a_worker_that_dies_is_a_clear_error_and_keeps_its_samples(local_ray, model_dir, tmp_path,
+                                                                    monkeypatch):
+    import evals.distributed as D
+
+    class Dying(D.EvalWorker):
+        def run(self, settings, keys, shard_out):
+            only = frozenset((str(uid), int(j)) for uid, j in keys[:1])  # one sample, then die
+            run_eval(EvalSettings(**{**settings, "out": shard_out, "only_keys": only}))
+            os._exit(1)
+
+    monkeypatch.setattr(D, "_WORKER", ray.remote(Dying))
+    base = settings_for(model_dir, tmp_path / "out", fidelity=False)
+    with pytest.raises(D.EvalError, match="worker failed .*run the same command again"):
+        run_distributed([base], workers=1, threads=1)
+    path = R.run_dir(base.out, base.model, base.task, R.run_label(base.policy, base.policy_args))
+    assert len(R.load_samples(path / R.SAMPLES_FILE).records) >= 1  # the dead worker's sample
+    monkeypatch.setattr(D, "_WORKER", None)
+    outcome = run_distributed([base], workers=2, threads=1)[0]
+    assert outcome.metrics["samples_done"] == 8 and outcome.ran == 8 - outcome.resumed
