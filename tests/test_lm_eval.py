@@ -158,9 +158,12 @@ def test_multiple_choice_and_perplexity_tasks_equal_the_hf_backend(ours, hf, tas
     for a, b in zip(mine["samples"]["kvarena_mc"], theirs["samples"]["kvarena_mc"]):
         assert (a["acc"], a["acc_norm"]) == (b["acc"], b["acc_norm"])  # the same choice per doc
         diffs += [abs(x[0][0] - y[0][0]) for x, y in zip(a["resps"], b["resps"])]
-    print(f"kvarena_mc acc {mine['results']['kvarena_mc']['acc,none']} (hf "
-          f"{theirs['results']['kvarena_mc']['acc,none']}), max |ours - hf| {max(diffs):.2e} over "
-          f"{len(diffs)} choices")
+    print(f"kvarena_mc acc {mine['results']['kvarena_mc']['acc,none']} acc_norm "
+          f"{mine['results']['kvarena_mc']['acc_norm,none']} (hf "
+          f"{theirs['results']['kvarena_mc']['acc,none']}, "
+          f"{theirs['results']['kvarena_mc']['acc_norm,none']}), max |ours - hf| {max(diffs):.2e} "
+          f"over {len(diffs)} choices; bits_per_byte {mine['results']['kvarena_ppl']['bits_per_byte,none']:.6f} "
+          f"(hf {theirs['results']['kvarena_ppl']['bits_per_byte,none']:.6f})")
     assert max(diffs) < LL_ATOL
     for metric in ("word_perplexity,none", "bits_per_byte,none"):
         assert mine["results"]["kvarena_ppl"][metric] == pytest.approx(
