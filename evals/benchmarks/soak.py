@@ -287,10 +287,12 @@ def fullkv_mismatches(model: str, policy: str, block_size: int, cfg: SoakConfig,
 
 
 QUICK = SoakConfig(requests=120, block_sizes=(8,), fidelity_requests=4)
-# The embedded model is ~100x the tiny one per step: shorter requests, wider batches, a pool of six
-# full-length requests for 32 resident ones (FullKV must preempt).
+# The embedded model is ~100x the tiny one per step: shorter requests and wider batches, so fewer
+# steps -- hence a higher abort rate per step, and a pool of four full-length requests for 32
+# resident ones (FullKV must preempt).
 BENCH = SoakConfig(requests=1000, block_sizes=(8, 16), prompt_tokens=(1, 24), output_tokens=(1, 12),
-                   prefix_tokens=16, max_num_seqs=32, pool_requests=6.0, fidelity_requests=4)
+                   prefix_tokens=16, max_num_seqs=32, pool_requests=4.0, abort_rate=0.1,
+                   fidelity_requests=4)
 
 
 def run_soak(model: str = "default", *, quick: bool = False, cfg: SoakConfig | None = None,
