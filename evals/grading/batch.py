@@ -38,6 +38,11 @@ def grade_many(
         workers: parallelism for pool and thread graders (default: core count).
         timeout_s: time bound per pool-graded call.
         pool: a :class:`GradingPool` to reuse across calls (one is made and closed if not).
+
+    Raises:
+        WorkerStartError (evals.grading.pool): a math worker died before grading anything --
+            most often a calling script without ``if __name__ == "__main__":`` (workers import the
+            main module); no answer is returned as graded then.
     """
     options = {k: dict(v) for k, v in (grader_options or {}).items()}
     graders: dict[str, Grader] = {}
