@@ -11,13 +11,10 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from evals.cli_common import ModelOpt, PolicyArgOpt, ThreadsOpt, console, fail, names, policy_names
+
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="An arena for KV-cache budgeting policies on a paged engine.")
-console = Console(stderr=True)
-
-ModelOpt = typer.Option("smollm2-135m-instruct", "--model", "-m",
-                        help="HF directory, .gguf file, or the embedded default's name.")
-PolicyArgOpt = typer.Option([], "--policy-arg", "-a", help="Policy argument key=value (repeatable).")
 
 
 @app.callback()
@@ -38,11 +35,6 @@ def engine_kwargs(policy: str, policy_args: list[str], kv_cache_tokens: Optional
     return kwargs
 
 
-def fail(message: str) -> None:
-    console.print(f"[bold red]error:[/] {message}")
-    raise typer.Exit(2)
-
-
 @app.command()
 def generate(
     prompts: list[str] = typer.Argument(None, help="Prompts (read from stdin, one per line, if none)."),
@@ -53,12 +45,12 @@ def generate(
     top_k: int = typer.Option(0),
     seed: Optional[int] = typer.Option(None),
     chat: bool = typer.Option(True, help="Wrap each prompt in the model's chat template."),
-    policy: str = typer.Option("full", help="KV policy name."),
+    policy: str = typer.Option("full", help=f"KV policy: {names(policy_names())}."),
     policy_arg: list[str] = PolicyArgOpt,
     kv_cache_tokens: Optional[int] = typer.Option(None, help="KV pool size in tokens."),
     block_size: Optional[int] = typer.Option(None, help="Tokens per KV page."),
     max_num_seqs: int = typer.Option(64),
-    threads: int = typer.Option(2, help="torch CPU threads."),
+    threads: int = ThreadsOpt,
     json_out: bool = typer.Option(False, "--json", help="Print outputs and run stats as JSON."),
 ):
     """Generate text for prompts on the paged engine, with a live progress display."""
@@ -103,6 +95,44 @@ def generate(
         console.rule(prompt[:80])
         print(out.text)
     console.print(f"[green]{stats.summary()}[/]")
+
+
+@app.command("list")
+def list_command(
+    json_out: bool = typer.Option(False, "--json", help="Print the listing as JSON."),
+):
+    """Registered KV policies with their arguments and defaults, and tasks with their options and
+    their paper and cpu presets."""
+    from rich.table import Table
+
+    from evals.cli_common import describe_registries
+
+    listing = describe_registries()
+    if json_out:
+        print(json.dumps(listing, indent=2, default=str))
+        return
+    out = Console()
+    policies = Table("policy", "arguments (default)", "", title="KV policies: --policy NAME "
+                     "--policy-arg key=value", title_justify="left", show_lines=True)
+    for name, p in listing["policies"].items():
+        args = " ".join(f"{k}={_show(v)}" for k, v in p["arguments"].items()) or "-"
+        swept = f"sweep sets {p['fixed_budget']}" if p["fixed_budget"] else ""
+        policies.add_row(name, args, f"{p['summary']} {swept}".strip())
+    out.print(policies)
+    tasks = Table("task", "presets (--preset)", "options (--task-arg)", "", title="Tasks: --task "
+                  "NAME", title_justify="left", show_lines=True)
+    for name, t in listing["tasks"].items():
+        presets = "\n".join(f"{scale}: " + " ".join(f"{k}={_show(v)}" for k, v in d.items())
+                            for scale, d in t["presets"].items())
+        options = " ".join(f"{k}={_show(v)}" for k, v in t["options"].items()) or "-"
+        tasks.add_row(name, presets, options, t["summary"])
+    out.print(tasks)
+
+
+def _show(value) -> str:
+    if isinstance(value, (tuple, list)):
+        return ",".join(map(str, value))
+    return str(value)
 
 
 @app.command("lm-eval", add_help_option=False,

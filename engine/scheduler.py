@@ -213,7 +213,7 @@ class Scheduler:
         self.bm.grow(seq, 1)
         kind = grow_kind(decision)
         self.counters[kind] += 1
-        if decision.info or self.policy.name != "full":
+        if decision.info or self.policy.compresses:
             self._record(CapacityEvent(
                 time.perf_counter(), seq.seq_id, kind, seq.num_computed, seq.physical_len,
                 seq.physical_len, pages_before, seq.num_pages, info=dict(decision.info),

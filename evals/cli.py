@@ -9,23 +9,18 @@ from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-console = Console(stderr=True)
+from evals.cli_common import (ModelOpt, PolicyArgOpt, ThreadsOpt, console, fail,
+                              fixed_budget_policy_names, names, policy_names, task_names)
 
 # -- shared options ------------------------------------------------------------------------------
 
-TaskOpt = typer.Option(..., "--task", "-t", help="Task name (repeatable): gsm8k, math500, amc23, "
-                       "aime24, livecodebench, niah, mixed.")
+TaskOpt = typer.Option(..., "--task", "-t", help=f"Task name (repeatable): {names(task_names())}.")
 PolicyOpt = typer.Option(["full"], "--policy", "-p", help="KV policy (repeatable; runs one after "
-                         "another into sibling directories).")
-PolicyArgOpt = typer.Option([], "--policy-arg", "-a", help="key=value for every listed policy that "
-                            "has the field, or policy:key=value for one (repeatable).")
+                         f"another into sibling directories): {names(policy_names())}.")
 TaskArgOpt = typer.Option([], "--task-arg", help="Task option key=value, e.g. lengths=256,512 for niah; "
                           "a comma makes a list (lengths=512, is a one-element list) (repeatable).")
-ModelOpt = typer.Option("smollm2-135m-instruct", "--model", "-m",
-                        help="HF directory, .gguf file, or the embedded default's name.")
 DataOpt = typer.Option(None, "--data", help="Local data file or directory (a data root such as /path/to/data), "
                        "or a hub id; default: the task's hub dataset.")
 LimitOpt = typer.Option(None, "--limit", help="First N problems.")
@@ -44,18 +39,12 @@ KvCacheOpt = typer.Option(None, "--kv-cache-tokens", help="KV pool size in token
 BlockOpt = typer.Option(None, "--block-size", help="Tokens per KV page (default: the preset's).")
 SeqsOpt = typer.Option(64, "--max-num-seqs", help="Most requests resident at once.")
 OutOpt = typer.Option("results", "--out", "-o", help="Results root directory.")
-ThreadsOpt = typer.Option(2, "--threads", help="torch CPU threads.")
 GradeWorkersOpt = typer.Option(1, "--grading-workers", help="Math grading processes / code threads.")
 WorkersOpt = typer.Option(None, "--workers", help="Run on N engine workers as Ray actors, sharded by "
                           "(problem, sample) into the same results tree ('auto': one per GPU); "
                           "needs pip install -e '.[ray]'.")
 RayAddressOpt = typer.Option(None, "--ray-address", help="Ray cluster to run the workers on "
                              "(default: RAY_ADDRESS, else a local Ray instance).")
-
-
-def fail(message: str) -> None:
-    console.print(f"[bold red]error:[/] {message}")
-    raise typer.Exit(2)
 
 
 # -- argument parsing ----------------------------------------------------------------------------
@@ -172,19 +161,19 @@ def _progress() -> Progress:
 # -- commands ------------------------------------------------------------------------------------
 
 
-def _settings(task, policy, args, **common):
+def _base_settings(task_args: list[str], **fields):
+    """The command's options as one ``EvalSettings`` (keyword arguments named as its fields; the
+    ``--task-arg`` strings parsed into ``task_options``). Each run of the plan is a copy with its
+    own task, policy and policy arguments (``dataclasses.replace``)."""
     from evals.runner import EvalSettings
 
-    return EvalSettings(task=task, policy=policy, policy_args=args, **common)
+    return EvalSettings(task="", task_options=parse_task_args(task_args), **fields)
 
 
-def _common(model, data, task_args, limit, samples, max_tokens, seed, temperature, preset, thinking,
-            kv_budget, kv_cache_tokens, block_size, max_num_seqs, out, grading_workers) -> dict:
-    return dict(model=model, data=data, task_options=parse_task_args(task_args), limit=limit,
-                samples=samples, max_tokens=max_tokens, seed=seed, temperature=temperature,
-                preset=preset, thinking=thinking, kv_budget=kv_budget,
-                kv_cache_tokens=kv_cache_tokens, block_size=block_size, max_num_seqs=max_num_seqs,
-                out=out, grading_workers=grading_workers)
+def _for_run(base, task: str, policy: str, policy_args: dict):
+    import dataclasses
+
+    return dataclasses.replace(base, task=task, policy=policy, policy_args=policy_args)
 
 
 def _interrupted(outcome) -> None:
@@ -239,13 +228,15 @@ def eval_command(
     torch.set_num_threads(threads)
     outcomes = []
     try:
-        common = _common(model, data, task_arg, limit, samples, max_tokens, seed, temperature, preset,
-                         thinking, kv_budget, kv_cache_tokens, block_size, max_num_seqs, out,
-                         grading_workers)
+        base = _base_settings(task_arg, model=model, data=data, limit=limit, samples=samples,
+                              max_tokens=max_tokens, seed=seed, temperature=temperature,
+                              preset=preset, thinking=thinking, kv_budget=kv_budget,
+                              kv_cache_tokens=kv_cache_tokens, block_size=block_size,
+                              max_num_seqs=max_num_seqs, out=out, grading_workers=grading_workers,
+                              fidelity=fidelity, retry_failed=retry_failed)
         per_policy = split_policy_args(policy_arg, policy)
         # Policies outer, tasks inner: the engine loads once per policy.
-        plan = [_settings(t, p, per_policy[p], fidelity=fidelity, retry_failed=retry_failed, **common)
-                for p in policy for t in task]
+        plan = [_for_run(base, t, p, per_policy[p]) for p in policy for t in task]
         with _progress() as bar:
             hooks = RichHooks(bar)
             if workers or ray_address:
@@ -312,7 +303,7 @@ def leaderboard_command(
 def sweep_command(
     task: list[str] = TaskOpt,
     policy: str = typer.Option("zipage", "--policy", "-p",
-                               help="Fixed-budget policy: zipage, snapkv, chunkkv, growpage-fixed."),
+                               help=f"Fixed-budget policy: {names(fixed_budget_policy_names())}."),
     budgets: str = typer.Option(..., "--budgets", help="Comma-separated budgets in tokens, e.g. "
                                 "128,256,512,1024 (whole pages)."),
     rule: str = typer.Option("majority", "--rule", help="c_i(B) from the samples: majority, all, any."),
@@ -352,19 +343,21 @@ def sweep_command(
         fail(f"--budgets {budgets!r} must be comma-separated integers, e.g. 128,256,512")
     results = []
     try:
-        common = _common(model, data, task_arg, limit, samples, max_tokens, seed, temperature, preset,
-                         thinking, None, kv_cache_tokens, block_size, max_num_seqs, out, grading_workers)
+        base = _base_settings(task_arg, model=model, data=data, limit=limit, samples=samples,
+                              max_tokens=max_tokens, seed=seed, temperature=temperature,
+                              preset=preset, thinking=thinking, kv_cache_tokens=kv_cache_tokens,
+                              block_size=block_size, max_num_seqs=max_num_seqs, out=out,
+                              grading_workers=grading_workers)
         args = split_policy_args(policy_arg, [policy])[policy]
+        plan = [_for_run(base, t, policy, args) for t in task]
         with _progress() as bar:
             hooks = RichHooks(bar)
             if workers or ray_address:
                 results = _distributed().run_sweeps_distributed(
-                    [_settings(t, policy, args, **common) for t in task], values, rule,
-                    workers or "auto", ray_address, hooks, threads)
+                    plan, values, rule, workers or "auto", ray_address, hooks, threads)
             else:
-                for t in task:
-                    results.append(run_sweep(_settings(t, policy, args, **common), values, rule,
-                                             hooks))
+                for settings in plan:
+                    results.append(run_sweep(settings, values, rule, hooks))
                     if results[-1].interrupted:
                         break
     except (EvalError, ConfigError, ResultsMismatchError) as e:

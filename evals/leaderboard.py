@@ -25,7 +25,7 @@ had, so they compare only loosely across rows; the benchmarks (results/benchmark
 configurations side by side and are where speed is compared.
 
 Averages ("Avg") run over the five reasoning tasks of Table 1 (gsm8k, math500, amc23, aime24,
-livecodebench) that a row has; a row missing one of the tasks another row has is marked with
+livecodebench: the tasks with a ``Task.table1_column``, in that order) that a row has; a row missing one of the tasks another row has is marked with
 ``†`` in the markdown. Other tasks (niah, mixed) get their own columns and stay out of averages.
 A value from a run that has not finished all its samples is marked ``*``.
 
@@ -46,12 +46,10 @@ from typing import Any, Sequence
 
 from evals.intervals import half_width, mean_half_width
 from evals.provenance import describe_key, provenance_key
+from evals.tasks import table1_tasks, task_title
 from evals.results import (SAMPLES_FILE, RunResult, find_runs, flexible_extraction,
                            per_sample_intervals, run_label, slug)
 
-TABLE1_TASKS = ("gsm8k", "math500", "amc23", "aime24", "livecodebench")
-TASK_TITLES = {"gsm8k": "GSM8K", "math500": "MATH500", "amc23": "AMC23", "aime24": "AIME24",
-               "livecodebench": "LiveCode", "niah": "NIAH", "mixed": "Mixed"}
 
 # The x axis of the quality-vs-memory figure: the policy's average KV budget per decode step
 # (GrowPage Table 8's "Avg. KV Budget": a fixed budget's nominal value, GrowPage's capacity;
@@ -84,8 +82,9 @@ class Leaderboard:
 
 
 def order_tasks(tasks: Sequence[str]) -> list[str]:
-    known = [t for t in TABLE1_TASKS if t in tasks]
-    return known + sorted(t for t in set(tasks) if t not in TABLE1_TASKS)
+    table1 = table1_tasks()
+    known = [t for t in table1 if t in tasks]
+    return known + sorted(t for t in set(tasks) if t not in table1)
 
 
 def _row_order(runs: Sequence[RunResult]) -> list[tuple[str, str]]:
@@ -118,6 +117,7 @@ def half_table(runs: Sequence[RunResult], key: str, scale: float) -> dict[tuple[
     "Avg": half-width of the 95% interval}, "_partial": {...}, "_missing": {...}}}"""
     by = {(r.model, r.label, r.task): r for r in runs}
     tasks = order_tasks({r.task for r in runs})
+    averaged = set(table1_tasks())
     out = {}
     for model, label in _row_order(runs):
         row: dict[str, Any] = {"_hw": {}}
@@ -128,11 +128,11 @@ def half_table(runs: Sequence[RunResult], key: str, scale: float) -> dict[tuple[
             row["_hw"][t] = _half_width(run, key, scale)
             if run is not None and not run.metrics.get("complete", True):
                 partial.add(t)
-        present = [t for t in tasks if t in TABLE1_TASKS and row[t] is not None]
+        present = [t for t in tasks if t in averaged and row[t] is not None]
         row["Avg"] = _mean([row[t] for t in present])
         row["_hw"]["Avg"] = mean_half_width([row["_hw"][t] for t in present])
         row["_partial"] = partial
-        row["_missing"] = {t for t in tasks if t in TABLE1_TASKS and row[t] is None}
+        row["_missing"] = {t for t in tasks if t in averaged and row[t] is None}
         out[(model, label)] = row
     return out
 
@@ -157,7 +157,7 @@ def table_markdown(runs: Sequence[RunResult], name: str,
     halves = _halves(runs, name)
     tasks = order_tasks({r.task for r in runs})
     columns = [(title, t) for title, *_ in halves for t in tasks + ["Avg"]]
-    header = ("| model | method | " + " | ".join(f"{TASK_TITLES.get(t, t)} {title}" for title, t in columns)
+    header = ("| model | method | " + " | ".join(f"{task_title(t)} {title}" for title, t in columns)
               + (" | prov |" if prov else " |"))
     lines = [header, "|" + "---|" * (2 + len(columns) + bool(prov))]
     tables = [half_table(runs, key, scale) for _, key, scale, _ in halves]
@@ -188,7 +188,7 @@ def write_table_csv(runs: Sequence[RunResult], name: str, path: Path) -> Path:
     header = ["model", "method"]
     for (title, *_), hw in zip(halves, with_hw):
         for t in tasks + ["Avg"]:
-            header += [f"{title} {TASK_TITLES.get(t, t)}"] + ([f"{title} {TASK_TITLES.get(t, t)} ±"] if hw else [])
+            header += [f"{title} {task_title(t)}"] + ([f"{title} {task_title(t)} ±"] if hw else [])
     with open(path, "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
         w.writerow(header)
@@ -348,7 +348,7 @@ def memory_points(runs: Sequence[RunResult], key: str = "pass@1", scale: float =
                         "x_ci": list(x_ci) if x_ci else None,
                         "y_ci": [v * scale for v in y_ci] if y_ci else None})
         if pts:
-            panels[TASK_TITLES.get(task, task)] = pts
+            panels[task_title(task)] = pts
     return panels
 
 

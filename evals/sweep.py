@@ -27,13 +27,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from evals import results as R
-from evals.runner import EvalError, EvalHooks, EvalOutcome, EvalSettings, run_eval
-
-# Policies whose per-request capacity is one fixed number, and the field that holds it. GrowPage
-# (and its Random / Inverse / Shrink variants) has no fixed capacity: its initial capacity is
-# where capacity control starts, not a budget, so it is never swept here.
-FIXED_BUDGET_POLICIES = {"zipage": "budget", "snapkv": "budget", "chunkkv": "budget",
-                         "growpage-fixed": "budget"}
+from evals.runner import EvalError, EvalHooks, EvalOutcome, EvalSettings, budget_field, run_eval
 
 SUFFICIENCY_RULES: dict[str, Callable[[int, int], bool]] = {
     "majority": lambda correct, n: 2 * correct > n,
@@ -70,17 +64,30 @@ class SweepResult:
     interrupted: bool = False
 
 
+def fixed_budget_policies() -> dict[str, str]:
+    """Registered policies whose per-request capacity is one fixed number, and the field that
+    holds it (``evals.runner.budget_field``: a dataclass field named in ``BUDGET_FIELDS``).
+    GrowPage (and its Random / Inverse / Shrink variants) has no such field: its initial capacity
+    is where capacity control starts, not a budget, so it is never swept here."""
+    import engine.policies  # noqa: F401  (registers the built-in policies)
+    from engine.policies.base import POLICIES
+
+    fields = {name: budget_field(name) for name in POLICIES}
+    return {name: f for name, f in fields.items() if f is not None}
+
+
 def budget_settings(base: EvalSettings, budget: int) -> EvalSettings:
-    name = FIXED_BUDGET_POLICIES[base.policy]
+    name = fixed_budget_policies()[base.policy]
     return dataclasses.replace(base, policy_args={**base.policy_args, name: budget})
 
 
 def check_sweep(base: EvalSettings, budgets: Sequence[int], rule: str) -> list[int]:
-    if base.policy not in FIXED_BUDGET_POLICIES:
+    fixed = fixed_budget_policies()
+    if base.policy not in fixed:
         raise EvalError(f"sweep needs a fixed-budget policy, got {base.policy!r}; "
-                        f"valid: {sorted(FIXED_BUDGET_POLICIES)}")
-    if FIXED_BUDGET_POLICIES[base.policy] in base.policy_args:
-        raise EvalError(f"the sweep sets {FIXED_BUDGET_POLICIES[base.policy]!r} itself; "
+                        f"valid: {sorted(fixed)}")
+    if fixed[base.policy] in base.policy_args:
+        raise EvalError(f"the sweep sets {fixed[base.policy]!r} itself; "
                         f"do not pass it as a policy argument")
     if rule not in SUFFICIENCY_RULES:
         raise EvalError(f"unknown sufficiency rule {rule!r}; valid: {sorted(SUFFICIENCY_RULES)}")

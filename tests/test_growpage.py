@@ -923,9 +923,9 @@ def test_growpage_start_is_never_tied_to_a_baseline_budget():
 
     for name in ("growpage", "growpage-random", "growpage-inverse", "growpage-shrink"):
         assert resolve_policy_args(name, {}, 512, 32) == {}
-        assert name not in sweep.FIXED_BUDGET_POLICIES
+        assert name not in sweep.fixed_budget_policies()
     assert resolve_policy_args("growpage-fixed", {}, 512, 32) == {"budget": 512}
-    assert sweep.FIXED_BUDGET_POLICIES["growpage-fixed"] == "budget"
+    assert sweep.fixed_budget_policies()["growpage-fixed"] == "budget"
     small = {label: args for label, policy, args in mixed.configs(mixed.MixedScale(budget=128))
              if policy != "zipage" and policy != "growpage-fixed"}
     large = {label: args for label, policy, args in mixed.configs(mixed.MixedScale(budget=512))

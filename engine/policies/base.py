@@ -183,6 +183,9 @@ class KVPolicy:
     (paper defaults or the documented CPU-scale preset), validated in __post_init__ / bind()."""
 
     name: ClassVar[str] = ""
+    # False for a policy that never compacts (FullKV): its GROWs are plain page allocation, so
+    # the scheduler records no capacity event for them (engine/scheduler.py).
+    compresses: ClassVar[bool] = True
     engine: EngineSpec | None = field(default=None, init=False, repr=False, compare=False)
 
     def prepare(self, block_size: int) -> None:

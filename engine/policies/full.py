@@ -14,3 +14,4 @@ from engine.policies.base import KVPolicy, register_policy
 @dataclass
 class FullKV(KVPolicy):
     name = "full"
+    compresses = False

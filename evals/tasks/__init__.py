@@ -14,11 +14,13 @@ from evals.tasks.base import (
     cpu_preset,
     get_task,
     register_task,
+    table1_tasks,
+    task_title,
 )
 from evals.tasks import aime24, amc23, gsm8k, livecodebench, math500, mixed, niah  # noqa: F401  (registers)
 from evals.tasks.prompting import render_prompt, supports_thinking_switch
 
 __all__ = [
     "TASKS", "get_task", "register_task", "Task", "TaskDefaults", "HubSource", "LocalLayout",
-    "SCALES", "cpu_preset", "MATH_SYSTEM_PROMPT", "render_prompt", "supports_thinking_switch",
+    "SCALES", "cpu_preset", "table1_tasks", "task_title", "MATH_SYSTEM_PROMPT", "render_prompt", "supports_thinking_switch",
 ]

@@ -22,6 +22,8 @@ class AIME24(Task):
     grader = "aime"
     hub = HubSource("math-ai/aime24", split="test")
     local = LocalLayout("aime24", ("test.jsonl",), "'problem' and 'answer' (an integer, e.g. \"025\")")
+    title = "AIME24"
+    table1_column = 3
     paper_defaults = TaskDefaults(samples=32, max_tokens=32768, kv_budget=4096, block_size=256)
 
     def row_to_problem(self, row: Mapping[str, Any], index: int) -> Problem:

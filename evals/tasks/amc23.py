@@ -22,6 +22,8 @@ class AMC23(Task):
     grader = "amc"
     hub = HubSource("math-ai/amc23", split="test")
     local = LocalLayout("amc23", ("test.jsonl",), "'problem' (or 'question') and 'answer' (a number)")
+    title = "AMC23"
+    table1_column = 2
     paper_defaults = TaskDefaults(samples=32, max_tokens=16384, kv_budget=4096, block_size=256)
 
     def row_to_problem(self, row: Mapping[str, Any], index: int) -> Problem:

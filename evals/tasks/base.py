@@ -138,6 +138,18 @@ def register_task(name: str):
     return deco
 
 
+def task_title(name: str) -> str:
+    """The task's display name (``Task.title``), or ``name`` itself for an unregistered one."""
+    cls = TASKS.get(name)
+    return (cls.title if cls is not None else "") or name
+
+
+def table1_tasks() -> tuple[str, ...]:
+    """Registered tasks of GrowPage's Table 1, in its column order (``Task.table1_column``)."""
+    ranked = [(cls.table1_column, name) for name, cls in TASKS.items() if cls.table1_column is not None]
+    return tuple(name for _, name in sorted(ranked))
+
+
 def get_task(name: str, **options: Any) -> "Task":
     """The task registered as ``name``, configured by ``options`` (its dataclass fields)."""
     if name not in TASKS:
@@ -154,6 +166,11 @@ class Task(ABC):
     """
 
     name: ClassVar[str] = ""
+    # How tables and figures name the task (default: its registered name).
+    title: ClassVar[str] = ""
+    # Its column in GrowPage's Table 1 (0 = first), for the leaderboard's column order and "Avg";
+    # None for a task outside Table 1, which gets its own column and stays out of the average.
+    table1_column: ClassVar[int | None] = None
     grader: ClassVar[str] = ""
     hub: ClassVar[HubSource | None] = None
     local: ClassVar[LocalLayout]

@@ -31,6 +31,8 @@ class GSM8K(Task):
     grader = "gsm8k"
     hub = HubSource("openai/gsm8k", name="main", split="test")
     local = LocalLayout("gsm8k", ("test.jsonl",), "'question' and 'answer' (a solution ending '#### N')")
+    title = "GSM8K"
+    table1_column = 0
     paper_defaults = TaskDefaults(samples=4, max_tokens=16384, kv_budget=4096, block_size=256)
 
     def row_to_problem(self, row: Mapping[str, Any], index: int) -> Problem:

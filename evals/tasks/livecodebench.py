@@ -120,6 +120,8 @@ class LiveCodeBench(Task):
         ("lcb_release_v1_public.jsonl", "*.jsonl"),
         "'question_content', 'starter_code', 'public_test_cases' (JSON list of {input, output, testtype})",
     )
+    title = "LiveCode"
+    table1_column = 4
     paper_defaults = TaskDefaults(samples=8, max_tokens=16384, kv_budget=8192, block_size=256)
 
     version_tag: str = "release_v1"

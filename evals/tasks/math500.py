@@ -22,6 +22,8 @@ class MATH500(Task):
     grader = "math"
     hub = HubSource("HuggingFaceH4/MATH-500", split="test")
     local = LocalLayout("math500", ("test.jsonl",), "'problem' and 'answer' (optional: solution, subject, level, unique_id)")
+    title = "MATH500"
+    table1_column = 1
     paper_defaults = TaskDefaults(samples=8, max_tokens=16384, kv_budget=4096, block_size=256)
 
     def row_to_problem(self, row: Mapping[str, Any], index: int) -> Problem:

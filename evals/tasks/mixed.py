@@ -34,6 +34,7 @@ class Mixed(Task):
     components: ClassVar[tuple[tuple[str, int], ...]] = TABLE6
     local = LocalLayout("", ("amc23/test.jsonl", "aime24/test.jsonl", "gsm8k/test.jsonl"),
                         "the amc23, aime24 and gsm8k folders of a data root")
+    title = "Mixed"
     paper_defaults = TaskDefaults(samples=1, max_tokens=32768, kv_budget=None, block_size=256)
 
     factor: float = 1.0

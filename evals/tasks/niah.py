@@ -47,6 +47,7 @@ class NIAH(Task):
 
     grader = "niah"
     local = LocalLayout("niah", ("*.txt", "*/*.txt", "niah/*/*.txt"), "plain-text essays (.txt files)")
+    title = "NIAH"
     paper_defaults = TaskDefaults(samples=1, max_tokens=128, kv_budget=None, block_size=256, temperature=0.0)
     cpu_defaults = TaskDefaults(samples=1, max_tokens=64, kv_budget=None, block_size=32, temperature=0.0)
     # Kara's NIAH comparison (Fig. 6, "under KV cache compression") compresses the context: with

@@ -1,0 +1,114 @@
+"""What every `kvarena` command group shares: the error exit, the stderr console, the options that
+mean the same everywhere, and the registries' names for help texts.
+
+Help texts that list policies or tasks are generated from the registries
+(``engine.policies.base.POLICIES``, ``evals.tasks.TASKS``), so a newly registered policy or task
+shows up in `kvarena --help` and `kvarena list` without an edit here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import sys
+from typing import Any, NoReturn
+
+import typer
+from rich.console import Console
+
+console = Console(stderr=True)
+
+
+def fail(message: str) -> NoReturn:
+    """A usage error: print ``message`` to stderr and exit with status 2."""
+    console.print(f"[bold red]error:[/] {message}")
+    raise typer.Exit(2)
+
+
+# -- registries ----------------------------------------------------------------------------------
+
+
+def policy_names() -> list[str]:
+    """Every registered KV policy, in registration order."""
+    import engine.policies  # noqa: F401  (registers the built-in policies)
+    from engine.policies.base import POLICIES
+
+    return list(POLICIES)
+
+
+def fixed_budget_policy_names() -> list[str]:
+    """Registered policies with one fixed per-request budget (what `kvarena sweep` sweeps)."""
+    from evals.sweep import fixed_budget_policies
+
+    return list(fixed_budget_policies())
+
+
+def task_names() -> list[str]:
+    """Every registered task, in registration order."""
+    from evals.tasks import TASKS
+
+    return list(TASKS)
+
+
+def names(items: list[str]) -> str:
+    return ", ".join(items)
+
+
+def _field_defaults(cls: type) -> dict[str, Any]:
+    """{field: default} of a dataclass's init fields (a default factory is called; a required
+    field shows as ``"required"``)."""
+    out = {}
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+        else:
+            out[f.name] = "required"
+    return out
+
+
+def _summary(cls: type) -> str:
+    """The first paragraph of the class docstring, or of its module's when the class has none of
+    its own (a dataclass without one gets its signature as ``__doc__``)."""
+    doc = inspect.cleandoc(cls.__doc__ or "")
+    if not doc or doc.startswith(f"{cls.__name__}("):
+        doc = inspect.cleandoc(sys.modules[cls.__module__].__doc__ or "")
+    return " ".join(doc.split("\n\n")[0].split())
+
+
+def describe_registries() -> dict[str, dict]:
+    """What `kvarena list` shows, from the registries alone.
+
+    ``policies``: {name: {"summary", "arguments": {field: default}, "fixed_budget": the field a
+    sweep sets or None}}; ``tasks``: {name: {"title", "summary", "options": {field: default},
+    "presets": {"paper" | "cpu": TaskDefaults as a dict}}}.
+    """
+    import engine.policies  # noqa: F401  (registers the built-in policies)
+    from engine.policies.base import POLICIES
+    from evals.sweep import fixed_budget_policies
+    from evals.tasks import SCALES, TASKS, task_title
+
+    fixed = fixed_budget_policies()
+    policies = {name: {"summary": _summary(cls), "arguments": _field_defaults(cls),
+                       "fixed_budget": fixed.get(name)}
+                for name, cls in POLICIES.items()}
+    tasks = {name: {"title": task_title(name), "summary": _summary(cls),
+                    "options": _field_defaults(cls),
+                    "presets": {scale: dataclasses.asdict(cls().defaults(scale)) for scale in SCALES}}
+             for name, cls in TASKS.items()}
+    return {"policies": policies, "tasks": tasks}
+
+
+# -- options shared by the command groups --------------------------------------------------------
+
+ModelOpt = typer.Option("smollm2-135m-instruct", "--model", "-m",
+                        help="HF directory, .gguf file, hub id, or the embedded default's name "
+                             "(smollm2-135m-instruct, also 'default').")
+PolicyArgOpt = typer.Option([], "--policy-arg", "-a",
+                            help="Policy argument key=value (repeatable). With several --policy, "
+                                 "key=value goes to every listed policy that has the field and "
+                                 "policy:key=value to that one. Fields and defaults: kvarena list.")
+ThreadsOpt = typer.Option(2, "--threads", help="torch CPU threads.")

@@ -1,0 +1,100 @@
+"""`kvarena list` and the help texts come from the policy and task registries."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+import engine.policies  # noqa: F401  (registers the built-in policies)
+from cli import app
+from engine.policies.base import POLICIES, policy_fields
+from engine.policies.snapkv import SnapKV
+from evals.sweep import fixed_budget_policies
+from evals.tasks import TASKS, get_task
+
+# Wide, colourless output, so rich never wraps a name across lines.
+RUNNER = CliRunner(env={"COLUMNS": "400", "NO_COLOR": "1", "TERM": "dumb"})
+
+
+def invoke(*args: str) -> str:
+    result = RUNNER.invoke(app, list(args))
+    assert result.exit_code == 0, result.output
+    return result.output
+
+
+def listing() -> dict:
+    return json.loads(invoke("list", "--json"))
+
+
+def test_list_shows_every_policy_with_its_fields_and_defaults():
+    policies = listing()["policies"]
+    assert list(policies) == list(POLICIES)
+    for name, cls in POLICIES.items():
+        fields = policy_fields(cls)
+        assert list(policies[name]["arguments"]) == list(fields), name
+        built = cls()  # every field has a default: the listing shows what a bare build uses
+        for key, shown in policies[name]["arguments"].items():
+            value = getattr(built, key)
+            assert shown == (list(value) if isinstance(value, tuple) else value), (name, key)
+        assert policies[name]["summary"], name
+    assert policies["zipage"]["arguments"]["budget"] is None
+    assert policies["growpage-fixed"]["fixed_budget"] == "budget"
+    assert policies["growpage"]["fixed_budget"] is None and policies["full"]["arguments"] == {}
+
+
+def test_list_shows_every_task_with_its_presets_and_options():
+    tasks = listing()["tasks"]
+    assert list(tasks) == list(TASKS)
+    for name in TASKS:
+        for scale in ("paper", "cpu"):
+            assert tasks[name]["presets"][scale] == dataclasses.asdict(get_task(name).defaults(scale))
+    assert tasks["gsm8k"]["presets"]["paper"]["kv_budget"] == 4096
+    assert tasks["gsm8k"]["presets"]["cpu"]["kv_budget"] == 512
+    assert tasks["niah"]["options"]["lengths"] == [256, 512, 1024, 2048]
+    assert tasks["livecodebench"]["title"] == "LiveCode"
+
+
+def test_list_as_tables_names_everything():
+    text = invoke("list")
+    for name in [*POLICIES, *TASKS]:
+        assert name in text
+    assert "window=16" in text and "paper: samples=4 max_tokens=16384" in text
+
+
+def test_help_lists_come_from_the_registries():
+    for command in ("eval", "sweep"):
+        text = invoke(command, "--help")
+        assert all(name in text for name in TASKS), command
+    assert all(name in invoke("eval", "--help") for name in POLICIES)
+    sweep_help = invoke("sweep", "--help")
+    line = next(ln for ln in sweep_help.splitlines() if "Fixed-budget policy:" in ln)
+    assert all(name in line for name in fixed_budget_policies())
+    assert "growpage," not in line and "growpage-random" not in line
+
+
+def test_fixed_budget_policies_follow_the_budget_field(monkeypatch):
+    assert set(fixed_budget_policies()) == {"zipage", "snapkv", "chunkkv", "growpage-fixed"}
+
+    @dataclasses.dataclass
+    class Mine(SnapKV):
+        name = "mine-fixed"
+
+    monkeypatch.setitem(POLICIES, "mine-fixed", Mine)
+    assert fixed_budget_policies()["mine-fixed"] == "budget"
+    assert listing()["policies"]["mine-fixed"]["arguments"]["budget"] is None
+
+
+def test_only_fullkv_never_compresses():
+    assert [name for name, cls in POLICIES.items() if not cls.compresses] == ["full"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["sweep", "-t", "gsm8k", "-p", "growpage", "--budgets", "64"], "fixed-budget policy"),
+    (["eval", "-t", "gsm8k", "-p", "nope"], "unknown policy 'nope'"),
+])
+def test_usage_errors_exit_2_with_the_valid_choices(args, message, tmp_path):
+    result = RUNNER.invoke(app, [*args, "--out", str(tmp_path)])
+    assert result.exit_code == 2 and message in result.output
