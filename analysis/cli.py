@@ -15,15 +15,13 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import typer
-from rich.console import Console
+
+from evals.cli_common import ModelOpt, ThreadsOpt, console, fail
 
 analyze_app = typer.Typer(no_args_is_help=True, help="Reproduce the papers' analysis studies.")
-console = Console(stderr=True)
 
 RESULTS_ROOT = Path("results/analysis")
 
-ModelOpt = typer.Option("default", "--model", "-m",
-                        help="HF directory, .gguf file, or the embedded default's name.")
 PromptsOpt = typer.Option(None, "--prompts-file",
                           help="Text file, one prompt per line (default: the built-in math set).")
 NumPromptsOpt = typer.Option(None, "--num-prompts", help="Use only the first N prompts (default: "
@@ -31,16 +29,10 @@ NumPromptsOpt = typer.Option(None, "--num-prompts", help="Use only the first N p
 BlockOpt = typer.Option(16, "--block-size", help="Tokens per KV page (CPU-scale default 16).")
 OutOpt = typer.Option(None, "--out", help="Output directory (default: results/analysis/<study>-"
                                           "<model>-b<block>-t<tokens>-n<prompts>).")
-ThreadsOpt = typer.Option(2, "--threads", help="torch CPU threads.")
 TemperatureOpt = typer.Option(0.0, "--temperature", help="Reference decoding: 0 = greedy.")
 SeedOpt = typer.Option(0, "--seed", help="Base seed (request i uses seed + i when sampling).")
 ChatOpt = typer.Option(True, "--chat/--no-chat", help="Wrap prompts in the chat template.")
 TopPOpt = typer.Option(0.99, "--top-p", help="Coverage p of the working sets (GrowPage: 0.99).")
-
-
-def _fail(message: str) -> None:
-    console.print(f"[bold red]error:[/] {message}")
-    raise typer.Exit(2)
 
 
 def _model_tag(model: str) -> str:
@@ -61,11 +53,11 @@ def _prepare(study: str, model: str, prompts_file, num_prompts, max_tokens: int,
     from engine.models.loader import load_tokenizer, resolve_model
 
     if threads < 1:
-        _fail(f"--threads must be >= 1, got {threads}")
+        fail(f"--threads must be >= 1, got {threads}")
     if max_tokens < 1:
-        _fail(f"--max-tokens must be >= 1, got {max_tokens}")
+        fail(f"--max-tokens must be >= 1, got {max_tokens}")
     if block_size < 2:
-        _fail(f"--block-size must be >= 2, got {block_size}")
+        fail(f"--block-size must be >= 2, got {block_size}")
     torch.set_num_threads(threads)
     prompts = load_prompts(prompts_file, num_prompts)
     prompt_ids = encode_prompts(load_tokenizer(resolve_model(model)), prompts, chat)
@@ -88,7 +80,7 @@ def _run(study):
     try:
         return study()
     except (ConfigError, ModelLoadError, ValueError, RuntimeError) as exc:
-        _fail(str(exc))
+        fail(str(exc))
 
 
 @analyze_app.command()

@@ -5,10 +5,9 @@ from __future__ import annotations
 import typer
 
 from evals.benchmarks.common import RESULTS_DIR
+from evals.cli_common import ModelOpt, ThreadsOpt  # noqa: F401  (shared by every command group)
 
-ModelOpt = typer.Option("default", "--model", "-m", help="Embedded name, HF dir or GGUF.")
 QuickOpt = typer.Option(False, help="Tiny sizes (smoke test).")
-ThreadsOpt = typer.Option(2, help="torch CPU threads.")
 OutDirOpt = typer.Option(RESULTS_DIR, help="Where the .json/.md copies go.")
 
 
