@@ -8,7 +8,6 @@ that scipy.stats.spearmanr also follows.
 
 from __future__ import annotations
 
-import json
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -16,6 +15,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
+
+from evals.jsonio import write_json  # noqa: F401  (the studies write through the one JSON writer)
 
 # The built-in workload: 32 GSM8K/MATH-style word problems that make SmolLM2-135M-Instruct write
 # a few hundred tokens of step-by-step reasoning (the studies need long decodes, not right answers).
@@ -257,18 +258,6 @@ class RunSettings:
     temperature: float
     seed: int
     chat: bool
-
-
-def write_json(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(data, indent=2, default=_json_default) + "\n")
-
-
-def _json_default(value):
-    if isinstance(value, (np.floating, np.integer)):
-        return value.item()
-    if isinstance(value, Path):
-        return str(value)
-    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
 def finite_or_none(value: float) -> float | None:

@@ -204,7 +204,7 @@ class Reference:
             # One write() on an O_APPEND descriptor: workers sharing the file never interleave lines.
             fd = os.open(self.path / REFERENCE_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
-                data = (json.dumps(entry) + "\n").encode("utf-8")
+                data = R.dumps_line(entry).encode("utf-8")
                 while data:  # a regular file takes it whole; the loop only guards a short write
                     data = data[os.write(fd, data):]
             finally:
@@ -362,7 +362,7 @@ class Fidelity:
         """Append this invocation's pass times to the run's ``fidelity_passes.jsonl``."""
         line = {"segment": segment, "reference": str(self.reference.path), **self.timing}
         with open(Path(run_path) / PASSES_FILE, "a", encoding="utf-8") as f:
-            f.write(json.dumps(line) + "\n")
+            f.write(R.dumps_line(line))
         return line
 
 

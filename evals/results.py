@@ -55,6 +55,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from evals.grading.metrics import FLEXIBLE_CORRECT, FLEXIBLE_EXTRACTED, summarize
 from evals.intervals import DEFAULT_SPEC, BootstrapSpec, mean_and_interval
+from evals.jsonio import dumps_line, json_default, write_json  # noqa: F401  (re-exported)
 from evals.problem import GradeResult
 
 CONFIG_FILE = "config.json"
@@ -126,36 +127,9 @@ def run_dir(out: str | Path, model: str, task: str, label: str) -> Path:
 # ------------------------------------------------------------------------------ files
 
 
-def write_json(path: Path, obj: Any) -> None:
-    """Write atomically (temporary file + rename), so a crash never leaves half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=2, sort_keys=False, default=_json_default)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-
-
 def read_json(path: Path) -> Any:
     with open(path, encoding="utf-8") as f:
         return json.load(f)
-
-
-def _json_default(obj: Any) -> Any:
-    if isinstance(obj, (set, frozenset, tuple)):
-        return list(obj)
-    if isinstance(obj, Path):
-        return str(obj)
-    return repr(obj)
-
-
-def dumps_line(record: Mapping[str, Any]) -> str:
-    return json.dumps(record, ensure_ascii=False, default=_json_default) + "\n"
 
 
 @dataclass
@@ -311,7 +285,7 @@ def engine_settings_summary(records: Sequence[Mapping[str, Any]],
     for r in records:
         seg = r.get("segment")
         setting = by_segment.get(seg) or {"unknown": True}
-        key = json.dumps(setting, sort_keys=True, default=_json_default)
+        key = json.dumps(setting, sort_keys=True, default=json_default)
         group = groups.setdefault(key, {**setting, "segments": [], "samples": 0})
         group["samples"] += 1
         if seg not in group["segments"]:
@@ -341,7 +315,7 @@ def check_identity(existing: Mapping[str, Any], wanted: Mapping[str, Any], where
 
 
 def _canon(value: Any) -> Any:
-    return json.loads(json.dumps(value, sort_keys=True, default=_json_default))
+    return json.loads(json.dumps(value, sort_keys=True, default=json_default))
 
 
 # ------------------------------------------------------------------------------ metrics

@@ -763,9 +763,9 @@ def _source(source: str) -> str:
 
 
 def _jsonable(value: Any) -> Any:
-    import json
+    from evals.jsonio import to_jsonable
 
-    return json.loads(json.dumps(value, default=lambda o: list(o) if isinstance(o, (tuple, set)) else repr(o)))
+    return to_jsonable(value)
 
 
 def _latest(config: dict) -> dict:

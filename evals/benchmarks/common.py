@@ -11,7 +11,6 @@ noise-prone and are shown for context only.
 from __future__ import annotations
 
 import gc
-import json
 import math
 import os
 import sys
@@ -166,18 +165,13 @@ def render_markdown(result: BenchResult, command: str, facts: dict) -> str:
 def write_result(result: BenchResult, out_dir: Path, stem: str, command: str,
                  facts: dict) -> tuple[Path, Path]:
     """Write `<out_dir>/<stem>.json` (the result, command and facts) and `<stem>.md`."""
+    from evals.jsonio import write_json
+
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
-    payload = {"command": command, "machine": facts, **result.to_dict()}
-    json_path.write_text(json.dumps(payload, indent=2, default=_json_default) + "\n")
+    write_json(json_path, {"command": command, "machine": facts, **result.to_dict()})
     md_path.write_text(render_markdown(result, command, facts))
     return json_path, md_path
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, Path):
-        return str(value)
-    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
 
 
 # ----------------------------------------------------------------------------------------------
