@@ -110,10 +110,6 @@ class Sequence:
     def is_compressed(self) -> bool:
         return self.physical_len < self.num_computed
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status is SeqStatus.FINISHED
-
     def reset_for_recompute(self) -> None:
         """Preemption by recompute: forget all KV; the tokens stay and are prefilled again."""
         self.block_table = []

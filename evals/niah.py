@@ -170,16 +170,6 @@ class Haystack:
         return before + needle + after, actual
 
 
-def linear_grid(lo: float, hi: float, n: int, integer: bool = True) -> list:
-    """``n`` evenly spaced values from ``lo`` to ``hi`` inclusive (rounded if ``integer``)."""
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
-    if n == 1:
-        return [round(lo) if integer else lo]
-    values = [lo + (hi - lo) * i / (n - 1) for i in range(n)]
-    return [int(round(v)) for v in values] if integer else values
-
-
 # ------------------------------------------------------------------------------ scoring
 
 
