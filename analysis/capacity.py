@@ -244,11 +244,12 @@ def summarize_capacity(frame: pd.DataFrame, budgets: list[int], seed: int = 0,
 
 def table_markdown(summary: dict, field: str) -> str:
     """The small table: class | n | mean [95% CI] | median [95% CI], then the Spearman line."""
-    lines = [f"| B* class | n | mean {field} [95% CI] | median {field} [95% CI] |",
-             "|---|---|---|---|"]
-    for name, entry in summary["classes"].items():
-        lines.append(f"| {name} | {entry['n']} | {fmt_interval(entry['mean'], 1)} | "
-                     f"{fmt_interval(entry['median'], 1)} |")
+    from evals.tables import markdown_table
+
+    lines = [markdown_table(
+        ["B* class", "n", f"mean {field} [95% CI]", f"median {field} [95% CI]"],
+        [[name, entry["n"], fmt_interval(entry["mean"], 1), fmt_interval(entry["median"], 1)]
+         for name, entry in summary["classes"].items()])]
     lines.append("")
     lines.append(f"Spearman rho(B*, capacity) over {summary['solved']} solved problems: "
                  f"{fmt_interval(summary['spearman_bstar_capacity'], 3)} (95% bootstrap over problems)")

@@ -37,7 +37,6 @@ what each letter is. Rows with different letters were produced by different code
 
 from __future__ import annotations
 
-import csv
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -46,6 +45,7 @@ from typing import Any, Sequence
 
 from evals.intervals import half_width, mean_half_width
 from evals.provenance import describe_key, provenance_key
+from evals.tables import markdown_table, write_csv
 from evals.tasks import table1_tasks, task_title
 from evals.results import (SAMPLES_FILE, RunResult, find_runs, flexible_extraction,
                            per_sample_intervals, run_label, slug)
@@ -157,9 +157,8 @@ def table_markdown(runs: Sequence[RunResult], name: str,
     halves = _halves(runs, name)
     tasks = order_tasks({r.task for r in runs})
     columns = [(title, t) for title, *_ in halves for t in tasks + ["Avg"]]
-    header = ("| model | method | " + " | ".join(f"{task_title(t)} {title}" for title, t in columns)
-              + (" | prov |" if prov else " |"))
-    lines = [header, "|" + "---|" * (2 + len(columns) + bool(prov))]
+    header = ["model", "method"] + [f"{task_title(t)} {title}" for title, t in columns] + (["prov"] if prov else [])
+    rows = []
     tables = [half_table(runs, key, scale) for _, key, scale, _ in halves]
     for model, label in _row_order(runs):
         cells = []
@@ -174,8 +173,8 @@ def table_markdown(runs: Sequence[RunResult], name: str,
                 cells.append(text)
         if prov:
             cells.append(prov[(model, label)])
-        lines.append(f"| {model} | {label} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        rows.append([model, label, *cells])
+    return markdown_table(header, rows)
 
 
 def write_table_csv(runs: Sequence[RunResult], name: str, path: Path) -> Path:
@@ -189,19 +188,17 @@ def write_table_csv(runs: Sequence[RunResult], name: str, path: Path) -> Path:
     for (title, *_), hw in zip(halves, with_hw):
         for t in tasks + ["Avg"]:
             header += [f"{title} {task_title(t)}"] + ([f"{title} {task_title(t)} ±"] if hw else [])
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        w = csv.writer(f)
-        w.writerow(header)
-        for model, label in _row_order(runs):
-            cells = []
-            for (_, _, _, dec), table, hw in zip(halves, tables, with_hw):
-                row = table[(model, label)]
-                for t in tasks + ["Avg"]:
-                    cells.append(_round(row[t], dec + 2))
-                    if hw:
-                        cells.append(_round(row["_hw"][t], dec + 2))
-            w.writerow([model, label] + cells)
-    return path
+    rows = []
+    for model, label in _row_order(runs):
+        cells = []
+        for (_, _, _, dec), table, hw in zip(halves, tables, with_hw):
+            row = table[(model, label)]
+            for t in tasks + ["Avg"]:
+                cells.append(_round(row[t], dec + 2))
+                if hw:
+                    cells.append(_round(row["_hw"][t], dec + 2))
+        rows.append([model, label] + cells)
+    return write_csv(path, rows, header)
 
 
 def _round(v: float | None, digits: int) -> Any:
@@ -245,29 +242,27 @@ def relative_path(run: RunResult, roots: Sequence[str | Path]) -> str:
 def write_runs_csv(runs: Sequence[RunResult], path: Path, roots: Sequence[str | Path] = (),
                    prov_ids: dict[tuple, str] | None = None) -> Path:
     prov_ids = prov_ids or provenance_ids(runs)
-    with open(path, "w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, fieldnames=list(RUN_COLUMNS))
-        w.writeheader()
-        tasks = order_tasks({r.task for r in runs})
-        for r in sorted(runs, key=lambda r: (r.model, tasks.index(r.task), r.label != "full", r.label)):
-            m, c = r.metrics, r.config
-            row = {k: m.get(k) for k in RUN_COLUMNS if k in m}
-            for key in CI_COLUMNS:
-                ci = m.get(f"{key}_ci")
-                if ci:
-                    row[f"{key}_lo"], row[f"{key}_hi"] = ci
-            row.update({k: c.get(k) for k in ("policy", "max_tokens", "temperature", "preset",
-                                              "block_size", "kv_budget")})
-            row.update(m.get("events") or {})
-            prov = c.get("provenance") or {}
-            git, mach = prov.get("git") or {}, prov.get("machine") or {}
-            row.update(model=r.model, task=r.task, method=r.label, path=relative_path(r, roots),
-                       prov="+".join(run_prov_ids(r, prov_ids)), git_commit=git.get("commit"),
-                       git_dirty=git.get("dirty"),
-                       machine=f"{mach.get('cpu_count')} x {mach.get('cpu')}; {mach.get('device')}" if mach else None,
-                       policy_args=" ".join(f"{k}={v}" for k, v in sorted((c.get("policy_args") or {}).items())))
-            w.writerow(row)
-    return path
+    rows = []
+    tasks = order_tasks({r.task for r in runs})
+    for r in sorted(runs, key=lambda r: (r.model, tasks.index(r.task), r.label != "full", r.label)):
+        m, c = r.metrics, r.config
+        row = {k: m.get(k) for k in RUN_COLUMNS if k in m}
+        for key in CI_COLUMNS:
+            ci = m.get(f"{key}_ci")
+            if ci:
+                row[f"{key}_lo"], row[f"{key}_hi"] = ci
+        row.update({k: c.get(k) for k in ("policy", "max_tokens", "temperature", "preset",
+                                          "block_size", "kv_budget")})
+        row.update(m.get("events") or {})
+        prov = c.get("provenance") or {}
+        git, mach = prov.get("git") or {}, prov.get("machine") or {}
+        row.update(model=r.model, task=r.task, method=r.label, path=relative_path(r, roots),
+                   prov="+".join(run_prov_ids(r, prov_ids)), git_commit=git.get("commit"),
+                   git_dirty=git.get("dirty"),
+                   machine=f"{mach.get('cpu_count')} x {mach.get('cpu')}; {mach.get('device')}" if mach else None,
+                   policy_args=" ".join(f"{k}={v}" for k, v in sorted((c.get("policy_args") or {}).items())))
+        rows.append(row)
+    return write_csv(path, rows, RUN_COLUMNS)
 
 
 # ------------------------------------------------------------------------------ provenance

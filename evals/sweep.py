@@ -20,7 +20,6 @@ rule, the budgets) and ``budget_hist.png`` (requests per B* class, Fig. 2).
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,6 +27,7 @@ from typing import Callable, Mapping, Sequence
 
 from evals import results as R
 from evals.runner import EvalError, EvalHooks, EvalOutcome, EvalSettings, budget_field, run_eval
+from evals.tables import write_csv
 
 SUFFICIENCY_RULES: dict[str, Callable[[int, int], bool]] = {
     "majority": lambda correct, n: 2 * correct > n,
@@ -145,11 +145,8 @@ def analyze_sweep(base: EvalSettings, budgets: Sequence[int], rule: str,
     path = R.run_dir(base.out, base.model, base.task, f"sweep_{label}")
     path.mkdir(parents=True, exist_ok=True)
     result = SweepResult(base.task, list(budgets), rule, rows, classes, path, outcomes=list(outcomes))
-    with open(path / "sweep.csv", "w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, fieldnames=["uid"] + [f"{k}@{b}" for b in budgets for k in ("correct", "c")] + ["B*"])
-        w.writeheader()
-        w.writerows(rows)
-    result.files["sweep.csv"] = path / "sweep.csv"
+    columns = ["uid"] + [f"{k}@{b}" for b in budgets for k in ("correct", "c")] + ["B*"]
+    result.files["sweep.csv"] = write_csv(path / "sweep.csv", rows, columns)
     R.write_json(path / "summary.json", {
         "task": base.task, "policy": base.policy, "policy_args": base.policy_args,
         "budgets": list(budgets), "rule": rule, "samples": base.samples, "requests": len(rows),

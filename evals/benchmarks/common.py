@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
 from evals import provenance
+from evals.tables import markdown_table, md_cell
 
 RESULTS_DIR = Path("results/benchmarks")
 
@@ -132,22 +133,17 @@ def render_rich(result: BenchResult, console) -> None:
         console.print(f"note: {note}")
 
 
-def _md_escape(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
-
-
 def render_markdown(result: BenchResult, command: str, facts: dict) -> str:
     lines = [f"# {result.title}", "", "Command:", "", "```", command, "```", "",
              "Scale: " + ", ".join(f"`{k}={v}`" for k, v in result.scale.items()), ""]
     for t in result.tables:
         lines += [f"## {t.title}", ""]
-        lines.append("| " + " | ".join(_md_escape(c.header) for c in t.columns) + " |")
-        lines.append("|" + "|".join("---" if not c.fmt else "---:" for c in t.columns) + "|")
-        for row in t.rows:
-            lines.append("| " + " | ".join(_md_escape(format_value(row.get(c.key), c.fmt))
-                                           for c in t.columns) + " |")
+        lines.append(markdown_table([c.header for c in t.columns],
+                                    [[format_value(row.get(c.key), c.fmt) for c in t.columns]
+                                     for row in t.rows],
+                                    numeric=[bool(c.fmt) for c in t.columns]))
         if t.caption:
-            lines += ["", _md_escape(t.caption)]
+            lines += ["", md_cell(t.caption)]
         lines.append("")
     if result.targets:
         lines += ["## Targets", ""]
