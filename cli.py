@@ -45,7 +45,7 @@ def generate(
     top_k: int = typer.Option(0),
     seed: Optional[int] = typer.Option(None),
     chat: bool = typer.Option(True, help="Wrap each prompt in the model's chat template."),
-    policy: str = typer.Option("full", help=f"KV policy: {names(policy_names())}."),
+    policy: str = typer.Option("full", "--policy", "-p", help=f"KV policy: {names(policy_names())}."),
     policy_arg: list[str] = PolicyArgOpt,
     kv_cache_tokens: Optional[int] = typer.Option(None, help="KV pool size in tokens."),
     block_size: Optional[int] = typer.Option(None, help="Tokens per KV page."),
