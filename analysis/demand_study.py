@@ -285,9 +285,9 @@ def summarize_demand(frame: pd.DataFrame, resamples: int = RESAMPLES, seed: int 
     the future demand change over the complete rows, each with a 95% cluster-bootstrap interval
     over requests (analysis/bootstrap.py: boundaries of one request are not independent draws).
 
-    Also rho of delta and of the target with the position in the sequence: a signal that only
-    tracks how far decoding has progressed shows rho(delta, position) near 1 (the diagnosis of the
-    first CPU run, whose long summary had not left its initial value)."""
+    Also rho of every delta signal and of the target with the position in the sequence: a signal
+    that only tracks how far decoding has progressed shows rho(delta, position) near 1 (the
+    diagnosis of the first CPU run, whose long summary had not left its initial value)."""
     rows = (frame[frame["complete"]] if len(frame) else frame).reset_index(drop=True)
     target = "future_change"
     stats = {}
@@ -297,8 +297,8 @@ def summarize_demand(frame: pd.DataFrame, resamples: int = RESAMPLES, seed: int 
             stats[f"{col}/{name}"] = lambda f, c=col, t=tgt: spearman(f[c], f[t])
         if col.startswith("delta"):
             stats[f"{col}/sign_agreement"] = lambda f, c=col: sign_agreement(f[c], f[target])
-    stats["position/delta"] = lambda f: spearman(f[MAIN_SIGNAL], f["position"])
-    stats["position/future_change"] = lambda f: spearman(f[target], f["position"])
+    for col in [c for c in predictor_columns(frame) if c.startswith("delta")] + [target]:
+        stats[f"position/{col}"] = lambda f, c=col: spearman(f[c], f["position"])
     stats["delta_positive_fraction"] = lambda f: float((f[MAIN_SIGNAL] > 0).mean())
     stats["change_positive_fraction"] = lambda f: float((f[target] > 0).mean())
     intervals = cluster_bootstrap(rows, "request", stats, resamples=resamples, seed=seed) \
@@ -324,8 +324,9 @@ def summarize_demand(frame: pd.DataFrame, resamples: int = RESAMPLES, seed: int 
             "target": "future_change = r_future - r_current (window working-set ratios on C_t)",
             "intervals": "95% percentile bootstrap over requests (whole requests resampled)",
             "pooled": pooled, "per_request": per_request,
-            "spearman_position": {"delta": get("position/delta"),
-                                  "future_change": get("position/future_change")},
+            "spearman_position": {key.split("/", 1)[1]: value.to_dict()
+                                  for key, value in intervals.items()
+                                  if key.startswith("position/")},
             "delta_positive_fraction": get("delta_positive_fraction"),
             "change_positive_fraction": get("change_positive_fraction")}
 
@@ -347,7 +348,7 @@ def plot_demand(frame: pd.DataFrame, summary: dict, path: Path) -> None:
     main = summary["pooled"].get(MAIN_SIGNAL, {})
     left.set_title(f"GrowPage delta_t vs future demand change ({len(rows)} boundaries, "
                    f"{summary['requests']} requests)\nSpearman rho = "
-                   f"{fmt_interval(main.get('spearman'))}, sign agreement = "
+                   f"{fmt_interval(main.get('spearman'))}\nsign agreement = "
                    f"{fmt_interval(main.get('sign_agreement'))}  (95% CI over requests)", fontsize=9)
     left.set_xlabel("delta_t = r_S - r_L at the page boundary")
     left.set_ylabel("r_future - r_current (next page vs current page)")
@@ -367,7 +368,8 @@ def plot_demand(frame: pd.DataFrame, summary: dict, path: Path) -> None:
     right.set_yticks(ypos, names)
     right.axvline(0, color="grey", linewidth=0.8)
     right.set_xlim(-1, 1)
-    right.set_xlabel("Spearman rho with the future demand change (pooled, 95% CI over requests)")
+    right.set_xlabel("Spearman rho with the future demand change\n(pooled; bars: 95% CI over "
+                     "requests)")
     right.set_title("GrowPage's signal and baselines")
     right.legend(fontsize=7, loc="lower right")
     fig.savefig(path, dpi=100)
