@@ -365,30 +365,10 @@ def compute_metrics(records: Sequence[Mapping[str, Any]], segments: Sequence[Map
     output_tokens = sum(int(r.get("output_tokens") or 0) for r in ok)
     wall = sum(float(s.get("wall_time") or 0.0) for s in segments)
     seg_tokens = sum(int(s.get("output_tokens") or 0) for s in segments)
-    events: Counter[str] = Counter()
-    decisions = Counter()
-    stages: Counter[str] = Counter()
-    for r in ok:
-        events.update(r.get("events") or {})
-        decisions.update(r.get("decisions") or {})
-        stages.update(r.get("stage_seconds") or {})
-    complete_segs = [s for s in segments if s.get("stats")]
-    steps = sum(s["stats"].get("num_steps") or 0 for s in complete_segs)
-    resident = (sum((s["stats"].get("mean_resident") or 0.0) * (s["stats"].get("num_steps") or 0)
-                    for s in complete_segs) / steps) if steps else None
-    counters: Counter[str] = Counter()
-    for s in complete_segs:
-        counters.update(s["stats"].get("counts") or {})
+    events, decisions, stages = _sample_counters(ok)
+    resident, counters = _segment_stats(segments)
     n_decisions = sum(decisions.values())
     tpot = _mean(r.get("tpot_s") for r in ok)
-    by_source = {}
-    if len({r.get("task") for r in records}) > 1:  # the mixed workload: per source task too
-        for task in sorted({str(r.get("task")) for r in records}):
-            part = [r for r in records if str(r.get("task")) == task]
-            s = summarize(((r["uid"], grade_of(r)) for r in part), ks=(1,))
-            by_source[task] = {"pass@1": s["pass@1"], "samples": s["samples"],
-                               **per_sample_intervals(part, [], names=("pass@1",)),
-                               **flexible_extraction(part)}
     metrics = {
         "samples_planned": planned,
         "samples_done": len(records),
@@ -414,7 +394,7 @@ def compute_metrics(records: Sequence[Mapping[str, Any]], segments: Sequence[Map
         "engine_counters": dict(counters),
         "segments": len(segments),
         "interrupted_segments": sum(1 for s in segments if s.get("status") != "complete"),
-        "by_source_task": by_source,
+        "by_source_task": _by_source_task(records),
     }
     for name, value in flexible_extraction(records).items():
         metrics.setdefault(name, value)
@@ -422,6 +402,46 @@ def compute_metrics(records: Sequence[Mapping[str, Any]], segments: Sequence[Map
         metrics.setdefault(name, value)
     metrics["intervals"] = {**DEFAULT_SPEC.describe(), "run_level": list(RUN_LEVEL_METRICS)}
     return metrics
+
+
+def _sample_counters(ok: Sequence[Mapping[str, Any]]) -> tuple[Counter, Counter, Counter]:
+    """Capacity events, policy decisions and per-stage seconds summed over finished samples."""
+    events: Counter[str] = Counter()
+    decisions: Counter[str] = Counter()
+    stages: Counter[str] = Counter()
+    for r in ok:
+        events.update(r.get("events") or {})
+        decisions.update(r.get("decisions") or {})
+        stages.update(r.get("stage_seconds") or {})
+    return events, decisions, stages
+
+
+def _segment_stats(segments: Sequence[Mapping[str, Any]]) -> tuple[float | None, Counter]:
+    """(C: mean resident requests per decode step, weighted by each segment's steps; the engine
+    counters summed) over the segments that recorded statistics."""
+    with_stats = [s for s in segments if s.get("stats")]
+    steps = sum(s["stats"].get("num_steps") or 0 for s in with_stats)
+    resident = (sum((s["stats"].get("mean_resident") or 0.0) * (s["stats"].get("num_steps") or 0)
+                    for s in with_stats) / steps) if steps else None
+    counters: Counter[str] = Counter()
+    for s in with_stats:
+        counters.update(s["stats"].get("counts") or {})
+    return resident, counters
+
+
+def _by_source_task(records: Sequence[Mapping[str, Any]]) -> dict:
+    """pass@1 (with its interval and GSM8K's flexible reading) per source task, for a workload
+    that mixes tasks (the mixed workload); {} for a single-task run."""
+    if len({r.get("task") for r in records}) <= 1:
+        return {}
+    out = {}
+    for task in sorted({str(r.get("task")) for r in records}):
+        part = [r for r in records if str(r.get("task")) == task]
+        s = summarize(((r["uid"], grade_of(r)) for r in part), ks=(1,))
+        out[task] = {"pass@1": s["pass@1"], "samples": s["samples"],
+                     **per_sample_intervals(part, [], names=("pass@1",)),
+                     **flexible_extraction(part)}
+    return out
 
 
 # Per-sample metrics with a 95% interval (evals.intervals): name -> (value of one sample, which
