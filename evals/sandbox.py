@@ -478,24 +478,8 @@ class Sandbox:
                 if slot.uid is not None:
                     os.chown(workdir, slot.uid, slot.uid)
                 paths = {n: os.path.join(private, n) for n in ("config", "stdin", "out", "err", "status")}
-                child_cfg = {
-                    "workdir": workdir,
-                    "source": job.source,
-                    "function": job.function,
-                    "args": list(job.args),
-                    "uid": slot.uid,
-                    "namespaces": caps.net_namespace,
-                    "private_tmp": caps.private_tmp,
-                    "tmpfs_mb": cfg.tmpfs_mb,
-                    "cpu_s": cfg.effective_cpu_s,
-                    "memory_mb": cfg.memory_mb,
-                    "max_processes": cfg.max_processes,
-                    "max_file_mb": cfg.max_file_mb,
-                    "require_fs_isolation": cfg.require_fs_isolation,
-                    "max_recursion": cfg.max_recursion,
-                }
                 with open(paths["config"], "w", encoding="utf-8") as f:
-                    json.dump(child_cfg, f)
+                    json.dump(self._child_config(job, caps, workdir, slot.uid), f)
                 with open(paths["stdin"], "w", encoding="utf-8") as f:
                     f.write(job.stdin)
                 for p in (paths["config"], paths["stdin"]):
@@ -503,7 +487,6 @@ class Sandbox:
                 status_fd = os.open(paths["status"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
                 cmd = [caps.python, "-I", os.path.abspath(__file__), paths["config"], str(status_fd)]
                 start = time.monotonic()
-                timed_out = False
                 try:
                     with open(paths["stdin"], "rb") as fin, open(paths["out"], "wb") as fout, open(
                         paths["err"], "wb"
@@ -515,19 +498,9 @@ class Sandbox:
                         )
                 finally:
                     os.close(status_fd)
-                try:
-                    returncode = proc.wait(timeout=cfg.wall_s + cfg.startup_s)
-                except subprocess.TimeoutExpired:
-                    timed_out = True
-                    _kill_group(proc.pid)
-                    if slot.uid is not None:
-                        _kill_uid(slot.uid)
-                    returncode = proc.wait()
+                returncode, timed_out = self._wait(proc, slot.uid)
                 wall = time.monotonic() - start
-                # Children may outlive the program (daemonised, own session): end them all.
-                _kill_group(proc.pid)
-                if slot.uid is not None:
-                    _kill_uid(slot.uid)
+                _end_leftovers(proc, slot.uid)
                 stdout = _read_capped(paths["out"], cfg.max_capture_bytes)
                 stderr = _read_capped(paths["err"], cfg.max_capture_bytes)
                 events = _read_events(paths["status"])
@@ -540,6 +513,44 @@ class Sandbox:
                 )
             finally:
                 shutil.rmtree(private, ignore_errors=True)
+
+    def _child_config(self, job: Job, caps: Capabilities, workdir: str, uid: int | None) -> dict:
+        """What the child side (``python -I sandbox.py <config.json> <status_fd>``) reads."""
+        cfg = self.config
+        return {
+            "workdir": workdir,
+            "source": job.source,
+            "function": job.function,
+            "args": list(job.args),
+            "uid": uid,
+            "namespaces": caps.net_namespace,
+            "private_tmp": caps.private_tmp,
+            "tmpfs_mb": cfg.tmpfs_mb,
+            "cpu_s": cfg.effective_cpu_s,
+            "memory_mb": cfg.memory_mb,
+            "max_processes": cfg.max_processes,
+            "max_file_mb": cfg.max_file_mb,
+            "require_fs_isolation": cfg.require_fs_isolation,
+            "max_recursion": cfg.max_recursion,
+        }
+
+    def _wait(self, proc, uid: int | None) -> tuple[int, bool]:
+        """(return code, timed out): wait up to the wall limit plus start-up; on timeout kill
+        the program's process group (and the sandbox user's processes) and reap it."""
+        import subprocess
+
+        try:
+            return proc.wait(timeout=self.config.wall_s + self.config.startup_s), False
+        except subprocess.TimeoutExpired:
+            _end_leftovers(proc, uid)
+            return proc.wait(), True
+
+
+def _end_leftovers(proc, uid: int | None) -> None:
+    """Children may outlive the program (daemonised, own session): end them all."""
+    _kill_group(proc.pid)
+    if uid is not None:
+        _kill_uid(uid)
 
 
 def capabilities(config: SandboxConfig | None = None) -> Capabilities:
