@@ -24,8 +24,8 @@ transformers already knows every GGUF tokenizer flavour). Supported architecture
 ``GGUF_ARCHITECTURES`` (llama, qwen2, qwen3).
 
 Why not ``AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`` (checked with transformers
-5.24.0, gguf 0.19.0): on the embedded SmolLM2 Q4_1 it gives exactly our weights (max |diff| 0
-over all 272 tensors), but it fails the parity tests on two of the four tiny configurations of
+5.24.0, gguf 0.19.0; its GGUF path does not need accelerate): it reads Q4_1 for llama, and on
+the embedded SmolLM2 it gives exactly our weights (max |diff| 0 over all 272 tensors), but it fails the parity tests on two of the four tiny configurations of
 tests/test_loader.py, because its GGUF config mapping drops metadata that we read:
   * qwen3 (tiny: hidden 64, 4 heads, head_dim 16): ``qwen3.attention.key_length`` is not read,
     so Qwen3Config's default head_dim 128 applies and loading stops with "You set
