@@ -11,8 +11,17 @@ from typing import Optional
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from evals.cli_common import (ModelOpt, PolicyArgOpt, ThreadsOpt, console, fail,
-                              fixed_budget_policy_names, names, policy_names, task_names)
+from evals.cli_common import (
+    ModelOpt,
+    PolicyArgOpt,
+    ThreadsOpt,
+    console,
+    fail,
+    fixed_budget_policy_names,
+    names,
+    policy_names,
+    task_names,
+)
 
 # -- shared options ------------------------------------------------------------------------------
 
@@ -21,8 +30,8 @@ PolicyOpt = typer.Option(["full"], "--policy", "-p", help="KV policy (repeatable
                          f"another into sibling directories): {names(policy_names())}.")
 TaskArgOpt = typer.Option([], "--task-arg", help="Task option key=value, e.g. lengths=256,512 for niah; "
                           "a comma makes a list (lengths=512, is a one-element list) (repeatable).")
-DataOpt = typer.Option(None, "--data", help="Local data file or directory (a data root such as /path/to/data), "
-                       "or a hub id; default: the task's hub dataset.")
+DataOpt = typer.Option(None, "--data", help="Local data file or directory (a data root such as "
+                       "/path/to/data), or a hub id; default: the task's hub dataset.")
 LimitOpt = typer.Option(None, "--limit", help="First N problems.")
 SamplesOpt = typer.Option(None, "--samples", help="Samples per problem (default: the task preset's).")
 MaxTokensOpt = typer.Option(None, "--max-tokens", help="Most output tokens (default: the task preset's).")
@@ -55,7 +64,6 @@ def split_policy_args(items: list[str], policies: list[str]) -> dict[str, dict[s
     there is one, which then reports an unknown key itself); ``policy:key=value`` to that policy."""
     import engine.policies  # noqa: F401
     from engine.policies.base import POLICIES, parse_policy_args, policy_fields
-
     from evals.runner import EvalError
 
     unknown = [p for p in policies if p not in POLICIES]
@@ -255,7 +263,7 @@ def eval_command(
         fail(str(e))
     except KeyboardInterrupt:
         console.print("[bold yellow]interrupted[/] before generation started; nothing was lost.")
-        raise typer.Exit(130)
+        raise typer.Exit(130) from None
     if outcomes and outcomes[-1].interrupted:
         _interrupted(outcomes[-1])
     if show_leaderboard and outcomes:
@@ -273,7 +281,8 @@ def _print_summary(outcome) -> None:
     skipped = f", {len(outcome.skipped_rows)} malformed rows skipped" if outcome.skipped_rows else ""
     fid = ""
     if m.get("fid_delta_nll") is not None and m.get("fid_agreement") is not None:
-        fid = f", vs FullKV: dNLL {m['fid_delta_nll']:.3f} nats/token, agreement {100 * m['fid_agreement']:.1f}%"
+        fid = (f", vs FullKV: dNLL {m['fid_delta_nll']:.3f} nats/token, "
+               f"agreement {100 * m['fid_agreement']:.1f}%")
     console.print(f"[green]{outcome.task}/{outcome.label}[/]: pass@1 {pass1} over "
                   f"{m.get('samples_done')} samples ({outcome.ran} run now, {outcome.resumed} resumed"
                   f"{extra}{skipped}), TPS {tps}{fid} -> {outcome.path}")
@@ -296,7 +305,7 @@ def leaderboard_command(
     except FileNotFoundError as e:
         fail(str(e))
     print(board.markdown)
-    for name, path in board.files.items():
+    for path in board.files.values():
         console.print(f"wrote {path}")
 
 
@@ -364,11 +373,11 @@ def sweep_command(
         fail(str(e))
     except KeyboardInterrupt:
         console.print("[bold yellow]interrupted[/] before generation started; nothing was lost.")
-        raise typer.Exit(130)
+        raise typer.Exit(130) from None
     for r in results:
         classes = ", ".join(f"{k}: {v}" for k, v in r.classes.items())
         console.print(f"[green]{r.task}[/] B* ({r.rule} of samples) -> {classes}")
-        for name, path in r.files.items():
+        for path in r.files.values():
             console.print(f"wrote {path}")
     if results and results[-1].interrupted:
         _interrupted(results[-1].outcomes[-1])

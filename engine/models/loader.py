@@ -25,8 +25,9 @@ transformers already knows every GGUF tokenizer flavour). Supported architecture
 
 Why not ``AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)`` (checked with transformers
 5.24.0, gguf 0.19.0; its GGUF path does not need accelerate): it reads Q4_1 for llama, and on
-the embedded SmolLM2 it gives exactly our weights (max |diff| 0 over all 272 tensors), but it fails the parity tests on two of the four tiny configurations of
-tests/test_loader.py, because its GGUF config mapping drops metadata that we read:
+the embedded SmolLM2 it gives exactly our weights (max |diff| 0 over all 272 tensors), but it
+fails the parity tests on two of the four tiny configurations of tests/test_loader.py, because
+its GGUF config mapping drops metadata that we read:
   * qwen3 (tiny: hidden 64, 4 heads, head_dim 16): ``qwen3.attention.key_length`` is not read,
     so Qwen3Config's default head_dim 128 applies and loading stops with "You set
     `ignore_mismatched_sizes` to `False`" (q_proj checkpoint [64, 64] vs model [512, 64]; real
@@ -161,7 +162,8 @@ def resolve_model(spec: str | os.PathLike) -> Path:
     try:
         path = Path(spec).expanduser()
     except TypeError as exc:
-        raise ModelNotFoundError(f"Model spec must be a path or a name, got {spec!r}. {_valid_specs()}") from exc
+        raise ModelNotFoundError(
+            f"Model spec must be a path or a name, got {spec!r}. {_valid_specs()}") from exc
     if path.is_dir():
         check_model_dir(path)
         return path
@@ -318,7 +320,8 @@ def load_tokenizer(model_dir: str | os.PathLike):
     model_dir = Path(model_dir)
     if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
         raise ModelNotFoundError(
-            f"No tokenizer files in model directory {model_dir} (expected one of {', '.join(TOKENIZER_FILES)})."
+            f"No tokenizer files in model directory {model_dir} "
+            f"(expected one of {', '.join(TOKENIZER_FILES)})."
         )
     try:
         return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
@@ -411,7 +414,8 @@ _QKV_BIAS = ("attn_q.bias", "attn_k.bias", "attn_v.bias")
 _QK_NORM = ("attn_q_norm.weight", "attn_k_norm.weight")
 
 GGUF_ARCHITECTURES: dict[str, GGUFArchitecture] = {
-    "llama": GGUFArchitecture("llama", "LlamaForCausalLM", permuted_qk=True, required_block_tensors=_LLAMA_BLOCK),
+    "llama": GGUFArchitecture("llama", "LlamaForCausalLM", permuted_qk=True,
+                              required_block_tensors=_LLAMA_BLOCK),
     "qwen2": GGUFArchitecture("qwen2", "Qwen2ForCausalLM", permuted_qk=False,
                               required_block_tensors=_LLAMA_BLOCK + _QKV_BIAS),
     "qwen3": GGUFArchitecture("qwen3", "Qwen3ForCausalLM", permuted_qk=False,
@@ -432,7 +436,8 @@ GGUF_BLOCK_TENSOR_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-GGUF_GLOBAL_TENSOR_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+GGUF_GLOBAL_TENSOR_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                            "output": "lm_head"}
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _GLOBAL_RE = re.compile(r"(\w+)\.(weight|bias)")
 
@@ -651,7 +656,8 @@ def _dequantize(tensor) -> np.ndarray:
     try:
         values = np.ascontiguousarray(values.reshape(shape), dtype=np.float32)
     except ValueError as exc:
-        raise ModelFormatError(f"GGUF tensor {tensor.name!r} holds {values.size} values, not {shape}") from exc
+        raise ModelFormatError(
+            f"GGUF tensor {tensor.name!r} holds {values.size} values, not {shape}") from exc
     # F32 tensors come back as read-only views of the memory-mapped file; own the memory.
     return values if values.flags.writeable else values.copy()
 
@@ -720,7 +726,8 @@ def _save_tokenizer(gguf_path: Path, out_dir: Path) -> None:
         except OSError:  # no symlinks on this filesystem: read it where it is
             source_dir = str(gguf_path.parent)
         try:
-            tokenizer = AutoTokenizer.from_pretrained(source_dir, gguf_file=gguf_path.name, local_files_only=True)
+            tokenizer = AutoTokenizer.from_pretrained(source_dir, gguf_file=gguf_path.name,
+                                                      local_files_only=True)
         except Exception as exc:  # transformers raises many types for unsupported vocabularies
             raise UnsupportedModelError(f"Could not build a tokenizer from GGUF {gguf_path}: {exc}") from exc
     if tokenizer.eos_token is None:

@@ -16,8 +16,7 @@ def parse_floats(text: str | None, name: str) -> tuple[float, ...]:
     try:
         return tuple(float(x) for x in (text or "").split(",") if x.strip())
     except ValueError:
-        raise typer.BadParameter(f"{name} must be comma-separated numbers, got {text!r}")
-
+        raise typer.BadParameter(f"{name} must be comma-separated numbers, got {text!r}") from None
 
 
 def parse_ints(text: str | None, name: str) -> tuple[int, ...]:
@@ -25,4 +24,4 @@ def parse_ints(text: str | None, name: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in (text or "").split(",") if x.strip())
     except ValueError:
-        raise typer.BadParameter(f"{name} must be comma-separated integers, got {text!r}")
+        raise typer.BadParameter(f"{name} must be comma-separated integers, got {text!r}") from None
