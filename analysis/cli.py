@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import typer
+from rich.markup import escape
 
 from evals.cli_common import ModelOpt, ThreadsOpt, console, fail
 
@@ -126,12 +127,12 @@ def replay(
 
     gt = next(v for k, v in summary.items() if k.startswith("benefit_delta_gt"))
     le = next(v for k, v in summary.items() if k.startswith("benefit_delta_le"))
-    console.print(f"[green]{summary['clean']} boundaries of {summary['requests']} requests "
-                  f"(95% CI over requests): mean A = {fmt_interval(summary['benefit'], 4)}; "
-                  f"delta > tau (n={gt['n']}): {fmt_interval(gt, 4)}; delta <= tau (n={le['n']}): "
-                  f"{fmt_interval(le, 4)}; gap: {fmt_interval(summary['benefit_gap_gt_minus_le'], 4)}; "
-                  f"Spearman(delta, A) = {fmt_interval(summary['spearman_delta_benefit'])}[/]  "
-                  f"({path})")
+    line = (f"{summary['clean']} boundaries of {summary['requests']} requests "
+            f"(95% CI over requests): mean A = {fmt_interval(summary['benefit'], 4)}; "
+            f"delta > tau (n={gt['n']}): {fmt_interval(gt, 4)}; delta <= tau (n={le['n']}): "
+            f"{fmt_interval(le, 4)}; gap: {fmt_interval(summary['benefit_gap_gt_minus_le'], 4)}; "
+            f"Spearman(delta, A) = {fmt_interval(summary['spearman_delta_benefit'])}")
+    console.print(f"[green]{escape(line)}[/]  ({escape(str(path))})")
 
 
 def _top_p_study(name: str, doc: str, run: Callable[..., dict],
@@ -160,7 +161,7 @@ def _top_p_study(name: str, doc: str, run: Callable[..., dict],
             return run(model, prompt_ids, settings, path, top_p), path
 
         summary, path = _run(study)
-        console.print(f"[green]{report(summary)}[/]  ({path})")
+        console.print(f"[green]{escape(report(summary))}[/]  ({escape(str(path))})")
 
     command.__doc__ = doc
     analyze_app.command(name)(command)
@@ -239,4 +240,4 @@ def capacity(
                       f"{summary['seeds']['eval']} (App. I reruns with the same seed)[/]")
     typer.echo(table)
     console.print(f"[green]{summary['problems']} problems ({summary['unsolved']} Unsolved)[/]  "
-                  f"({path})")
+                  f"({escape(str(path))})")
