@@ -8,7 +8,8 @@ statistics (engine.stats). `stream()` yields outputs as requests finish (for res
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterator, Sequence as Seq
+from typing import Callable, Iterator
+from typing import Sequence as Seq
 
 from engine.block_manager import BlockManager
 from engine.config import ConfigError, EngineConfig
@@ -126,7 +127,8 @@ class LLM:
             raise ConfigError(f"{len(plist)} sampling params for {len(prompts)} prompts")
         seqs = []
         for i, (prompt, p) in enumerate(zip(prompts, plist)):
-            ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else list(prompt)
+            ids = (self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str)
+                   else list(prompt))
             if not ids:
                 raise ConfigError(f"prompt {i} is empty: a request needs at least one token")
             seed = p.seed if p.seed is not None else self.config.seed + i

@@ -252,7 +252,8 @@ class Fidelity:
         record.update(fid.fields(request, output))                    # per finished request
     """
 
-    def __init__(self, out: str | Path, config: Mapping[str, Any], policy: str, policy_args: Mapping[str, Any]):
+    def __init__(self, out: str | Path, config: Mapping[str, Any], policy: str,
+                 policy_args: Mapping[str, Any]):
         self.reference = Reference.open(out, config)
         self.policy, self.policy_args = policy, dict(policy_args)
         self.is_full = policy == FULL_POLICY

@@ -25,8 +25,9 @@ had, so they compare only loosely across rows; the benchmarks (results/benchmark
 configurations side by side and are where speed is compared.
 
 Averages ("Avg") run over the five reasoning tasks of Table 1 (gsm8k, math500, amc23, aime24,
-livecodebench: the tasks with a ``Task.table1_column``, in that order) that a row has; a row missing one of the tasks another row has is marked with
-``†`` in the markdown. Other tasks (niah, mixed) get their own columns and stay out of averages.
+livecodebench: the tasks with a ``Task.table1_column``, in that order) that a row has; a row
+missing one of the tasks another row has is marked with ``†`` in the markdown. Other tasks
+(niah, mixed) get their own columns and stay out of averages.
 A value from a run that has not finished all its samples is marked ``*``.
 
 Provenance: every run's config.json records the commit, uncommitted-change fingerprint and
@@ -45,11 +46,17 @@ from typing import Any, Sequence
 
 from evals.intervals import half_width, mean_half_width
 from evals.provenance import describe_key, provenance_key
+from evals.results import (
+    SAMPLES_FILE,
+    RunResult,
+    find_runs,
+    flexible_extraction,
+    per_sample_intervals,
+    run_label,
+    slug,
+)
 from evals.tables import markdown_table, write_csv
 from evals.tasks import table1_tasks, task_title
-from evals.results import (SAMPLES_FILE, RunResult, find_runs, flexible_extraction,
-                           per_sample_intervals, run_label, slug)
-
 
 # The x axis of the quality-vs-memory figure: the policy's average KV budget per decode step
 # (GrowPage Table 8's "Avg. KV Budget": a fixed budget's nominal value, GrowPage's capacity;
@@ -157,12 +164,13 @@ def table_markdown(runs: Sequence[RunResult], name: str,
     halves = _halves(runs, name)
     tasks = order_tasks({r.task for r in runs})
     columns = [(title, t) for title, *_ in halves for t in tasks + ["Avg"]]
-    header = ["model", "method"] + [f"{task_title(t)} {title}" for title, t in columns] + (["prov"] if prov else [])
+    header = (["model", "method"] + [f"{task_title(t)} {title}" for title, t in columns]
+              + (["prov"] if prov else []))
     rows = []
     tables = [half_table(runs, key, scale) for _, key, scale, _ in halves]
     for model, label in _row_order(runs):
         cells = []
-        for (_, key, scale, dec), table in zip(halves, tables):
+        for (_, _, _, dec), table in zip(halves, tables):
             row = table[(model, label)]
             for t in tasks + ["Avg"]:
                 text = _fmt(row[t], dec, row["_hw"][t])
@@ -259,7 +267,8 @@ def write_runs_csv(runs: Sequence[RunResult], path: Path, roots: Sequence[str | 
         row.update(model=r.model, task=r.task, method=r.label, path=relative_path(r, roots),
                    prov="+".join(run_prov_ids(r, prov_ids)), git_commit=git.get("commit"),
                    git_dirty=git.get("dirty"),
-                   machine=f"{mach.get('cpu_count')} x {mach.get('cpu')}; {mach.get('device')}" if mach else None,
+                   machine=(f"{mach.get('cpu_count')} x {mach.get('cpu')}; {mach.get('device')}"
+                            if mach else None),
                    policy_args=" ".join(f"{k}={v}" for k, v in sorted((c.get("policy_args") or {}).items())))
         rows.append(row)
     return write_csv(path, rows, RUN_COLUMNS)

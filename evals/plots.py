@@ -134,7 +134,8 @@ def budget_histogram(classes: Sequence[str], counts: Sequence[int], path: str | 
     bars = ax.bar(range(len(classes)), counts, color=colors)
     ax.set_xticks(range(len(classes)), classes)
     for b, n in zip(bars, counts):
-        ax.annotate(str(n), (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=8)
+        ax.annotate(str(n), (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom",
+                    fontsize=8)
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))  # counts of requests: whole numbers
     ax.set_ylim(0, max([1, *counts]) * 1.15)  # room for the count above the tallest bar
     ax.set_xlabel(xlabel)

@@ -8,8 +8,8 @@ import pytest
 
 from evals.grading import (
     GRADERS,
-    answer_is,
     GradingPool,
+    answer_is,
     get_grader,
     grade_many,
     hash_answer,

@@ -4,8 +4,16 @@ import numpy as np
 import pytest
 
 from evals import results as R
-from evals.intervals import (BootstrapSpec, group_by_problem, half_width, mean_and_interval,
-                             mean_half_width, nested_bootstrap, point_estimate, wilson_interval)
+from evals.intervals import (
+    BootstrapSpec,
+    group_by_problem,
+    half_width,
+    mean_and_interval,
+    mean_half_width,
+    nested_bootstrap,
+    point_estimate,
+    wilson_interval,
+)
 
 SPEC = BootstrapSpec(replicates=1000, seed=3)
 

@@ -139,7 +139,8 @@ def naive_store(key, value, k_cache, v_cache, slots):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("impl", [store_kv_torch, store_kv_triton, store_kv], ids=["torch", "triton", "dispatch"])
+@pytest.mark.parametrize("impl", [store_kv_torch, store_kv_triton, store_kv],
+                         ids=["torch", "triton", "dispatch"])
 def test_store_kv_matches_loop_and_skips_minus_one(impl, dtype):
     key, value, k_cache, v_cache, slots = _store_case(dtype)
     want_k, want_v = naive_store(key, value, k_cache, v_cache, slots)
@@ -425,7 +426,8 @@ def naive_compact(cache, src, dst):
         for h in range(kv_heads):
             for i, d in enumerate(dst.tolist()):
                 s = int(src[layer, h, i])
-                new[layer, h, d // block_size, d % block_size] = old[layer, h, s // block_size, s % block_size]
+                new[layer, h, d // block_size, d % block_size] = \
+                    old[layer, h, s // block_size, s % block_size]
     return new
 
 

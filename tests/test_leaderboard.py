@@ -64,7 +64,8 @@ def test_markdown_shows_value_plus_minus_half_width(results_root, tmp_path):
     lo, hi = run.metrics["pass@1_ci"]
     assert f"| 50.0 ± {(hi - lo) / 2 * 100:.1f} |" in full
     # Table 7: total time is run-level (no ±), TPOT a per-sample mean (±).
-    t7 = next(line for line in md.split("## Total time")[1].splitlines() if line.startswith("| tiny | full |"))
+    t7 = next(line for line in md.split("## Total time")[1].splitlines()
+              if line.startswith("| tiny | full |"))
     cells = [c.strip() for c in t7.split("|")[3:-2]]
     assert cells[:3] == ["4.0", "4.0", "4.0"] and all("±" in c for c in cells[3:])
     # Run-level TPS: a plain number, said to be run-level.
@@ -129,5 +130,6 @@ def test_fidelity_and_allocated_columns_appear_when_measured(tmp_path):
     board = build_leaderboard([root], tmp_path / "board")
     assert "delta-NLL (nats/token)" in board.markdown and "fidelity_memory.png" in board.files
     assert "NIAH avg KV allocated (tokens)" in board.markdown
-    line = next(x for x in board.markdown.split("## Memory")[1].splitlines() if x.startswith("| tiny | zipage |"))
+    line = next(x for x in board.markdown.split("## Memory")[1].splitlines()
+                if x.startswith("| tiny | zipage |"))
     assert "0.790 ± " in line  # 0.4 x mean(1 + i % 3) over 40 samples = 0.4 x 79/40

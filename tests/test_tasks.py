@@ -74,7 +74,8 @@ def test_table1_order_and_titles_come_from_the_task_classes():
 )
 def test_paper_defaults_match_table5(name, samples, max_tokens, budget):
     d = get_task(name).defaults("paper")
-    assert (d.samples, d.max_tokens, d.kv_budget, d.block_size, d.temperature) == (samples, max_tokens, budget, 256, 0.6)
+    assert (d.samples, d.max_tokens, d.kv_budget, d.block_size, d.temperature) == (
+        samples, max_tokens, budget, 256, 0.6)
 
 
 def test_cpu_preset():
@@ -153,7 +154,8 @@ def test_livecodebench_compressed_private_tests_and_unsafe_pickles():
     evil = base64.b64encode(zlib.compress(pickle.dumps(os.getcwd))).decode()  # a global reference
     with pytest.raises(Exception, match="compressed form"):
         decode_tests(evil, "private")
-    assert function_name("# class TreeNode:\n#     def __init__(self, x):\nclass Solution:\n    def solve(self, a):") == "solve"
+    starter = "# class TreeNode:\n#     def __init__(self, x):\nclass Solution:\n    def solve(self, a):"
+    assert function_name(starter) == "solve"
 
 
 def test_missing_data_gives_a_clear_error(offline_hub, tmp_path):
@@ -191,14 +193,16 @@ def test_hub_loading_calls_datasets(monkeypatch):
     monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: calls.append((a, k)) or [])
     with pytest.raises(DataUnavailableError):
         get_task("livecodebench").load()
-    assert calls[-1] == (("livecodebench/code_generation_lite", None), {"split": "test", "version_tag": "release_v1"})
+    assert calls[-1] == (("livecodebench/code_generation_lite", None),
+                         {"split": "test", "version_tag": "release_v1"})
 
 
 def test_mixed_workload(tmp_path):
     paper = get_task("mixed")
     assert [paper.multiplicity(t) for t in ("amc23", "aime24", "gsm8k")] == [32, 32, 1]
     # The full Table 6 workload: 40*32 + 30*32 + 1319*1 = 3559 requests.
-    assert 40 * paper.multiplicity("amc23") + 30 * paper.multiplicity("aime24") + 1319 * paper.multiplicity("gsm8k") == 3559
+    total = sum(n * paper.multiplicity(t) for t, n in (("amc23", 40), ("aime24", 30), ("gsm8k", 1319)))
+    assert total == 3559
     small = get_task("mixed", factor=CPU_FACTOR)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the fixtures' malformed rows are tested above
@@ -219,7 +223,8 @@ def test_mixed_workload(tmp_path):
 def test_math_and_code_messages():
     p = get_task("gsm8k").load(DATA, limit=1)[0]
     msgs = get_task("gsm8k").messages(p)
-    assert msgs == [{"role": "system", "content": MATH_SYSTEM_PROMPT}, {"role": "user", "content": p.question}]
+    assert msgs == [{"role": "system", "content": MATH_SYSTEM_PROMPT},
+                    {"role": "user", "content": p.question}]
     assert MATH_SYSTEM_PROMPT == "Please reason step by step, and put your final answer within \\boxed{}."
     lcb = get_task("livecodebench")
     stdin, func, *_ = _load("livecodebench", DATA)[0]
@@ -334,7 +339,8 @@ def test_niah_scoring_and_grid():
     assert lcs_recall("a b c d", "a x c d") == 0.75
     assert split_sentences("One. Two!Three?  Four") == ["One. ", "Two!", "Three?  ", "Four"]
     grader = get_task("niah").grade
-    p = _load("niah", DATA / "niah", tokenizer=WordTokenizer(), task=get_task("niah", lengths=(200,), depths=(0,)))[0][0]
+    task = get_task("niah", lengths=(200,), depths=(0,))
+    p = _load("niah", DATA / "niah", tokenizer=WordTokenizer(), task=task)[0][0]
     r = grader("<think>lavender? no...</think>A spoonful of lavender honey.", p)
     assert r.correct and r.score == 1.0 and r.extracted == "A spoonful of lavender honey."
     r = grader("<think>it is lavender honey</think>I don't know.", p)  # only the final answer counts

@@ -178,7 +178,8 @@ def _make_tiny_dir(arch: str, tmp_path: os.PathLike, name: str | None, seed: int
     return out
 
 
-def make_tiny_llama_dir(tmp_path: os.PathLike, *, name: str | None = None, seed: int = 0, **overrides) -> Path:
+def make_tiny_llama_dir(tmp_path: os.PathLike, *, name: str | None = None, seed: int = 0,
+                        **overrides) -> Path:
     """Tiny random Llama (SmolLM2-like: GQA, untied by default) in ``tmp_path/name``.
 
     ``overrides`` are LlamaConfig fields (e.g. ``num_hidden_layers=3``, ``tie_word_embeddings=True``,
@@ -188,12 +189,14 @@ def make_tiny_llama_dir(tmp_path: os.PathLike, *, name: str | None = None, seed:
     return _make_tiny_dir("llama", tmp_path, name, seed, overrides)
 
 
-def make_tiny_qwen2_dir(tmp_path: os.PathLike, *, name: str | None = None, seed: int = 0, **overrides) -> Path:
+def make_tiny_qwen2_dir(tmp_path: os.PathLike, *, name: str | None = None, seed: int = 0,
+                        **overrides) -> Path:
     """Tiny random Qwen2 (q/k/v biases, tied embeddings by default); see ``make_tiny_llama_dir``."""
     return _make_tiny_dir("qwen2", tmp_path, name, seed, overrides)
 
 
-def make_tiny_qwen3_dir(tmp_path: os.PathLike, *, name: str | None = None, seed: int = 0, **overrides) -> Path:
+def make_tiny_qwen3_dir(tmp_path: os.PathLike, *, name: str | None = None, seed: int = 0,
+                        **overrides) -> Path:
     """Tiny random Qwen3 (per-head q/k RMSNorm, tied embeddings by default); see ``make_tiny_llama_dir``."""
     return _make_tiny_dir("qwen3", tmp_path, name, seed, overrides)
 
@@ -282,7 +285,8 @@ def _add_rope_metadata(writer, config) -> None:
 
 
 def write_tiny_gguf(
-    model_dir: os.PathLike, gguf_path: os.PathLike, *, float_type: str = "f32", drop_tensors: tuple[str, ...] = ()
+    model_dir: os.PathLike, gguf_path: os.PathLike, *, float_type: str = "f32",
+    drop_tensors: tuple[str, ...] = (),
 ) -> Path:
     """Export an HF directory (from ``make_tiny_*_dir``) to a GGUF file as llama.cpp would.
 

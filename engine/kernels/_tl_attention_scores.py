@@ -63,7 +63,6 @@ def launch_logits(queries, k_cache, block_table, length, limits, scale,
     """queries [L, n, q_heads, d], k_cache [L, kv_heads, NB, bs, d], limits [n] int64 clamped
     to [0, length] -> logits [L, q_heads, n, length] fp32, -inf where key j >= limits[i]."""
     layers, n, q_heads, head_dim = queries.shape
-    kv_heads, block_size = k_cache.shape[1], k_cache.shape[3]
     out = torch.empty((layers, q_heads, n, length), dtype=torch.float32, device=queries.device)
     if out.numel() == 0:
         return out

@@ -37,7 +37,8 @@ SDPA a transposed view with kv_heads interleaved inside each slot.
 Measured with the retired formulation benchmark (results/benchmarks/attention-formulations.md;
 1 thread, process CPU time, min per call; 9 q / 3 kv heads, head_dim 64, block 32, fp32):
 decode, 32 sequences x ~384 slots, 4.5 ms head-major against 7.1 ms for the old layout's twin
-(5.3 ms with index_select on the old layout); 64 x ~256: 6.7 vs 9.6 ms. A 4 x 128-query prefill chunk is unchanged (8.0 vs 8.1 ms).
+(5.3 ms with index_select on the old layout); 64 x ~256: 6.7 vs 9.6 ms. A 4 x 128-query
+prefill chunk is unchanged (8.0 vs 8.1 ms).
 The twins call ``scaled_dot_product_attention`` (CPU flash kernel) with a boolean mask and
 ``enable_gqa=True``. Earlier comparisons put it ahead of grouped matmul + explicit fp32 softmax,
 einsum and expanding the KV heads (repeat_interleave copies the gathered keys again; 4-6x
@@ -274,8 +275,8 @@ def paged_prefill_attention_triton(q, k_cache_l, v_cache_l, block_tables, base_l
     One program per (sequence, kv head, tile of query positions) covers every query head of
     the GQA group, so each key/value tile is read once per group; causal online softmax over
     the sequence's slots through the block table, matmuls on the tensor cores for bf16/fp16.
-    Padded rows are never stored (output starts as zeros). As in the decode kernel, lengths are masked to the tensors' extents instead of
-    being checked on the host.
+    Padded rows are never stored (output starts as zeros). As in the decode kernel, lengths are
+    masked to the tensors' extents instead of being checked on the host.
     """
     _validate_prefill(q, k_cache_l, v_cache_l, block_tables, base_lens, q_lens)
     from engine.kernels import _tl_paged_attention

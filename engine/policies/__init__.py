@@ -1,4 +1,8 @@
-"""KV policies: importing this package registers every built-in policy by name."""
+"""KV policies: importing this package registers every built-in policy by name.
+
+The imports run in registration order, which is the order `kvarena list` and the help show.
+"""
+# ruff: isort: skip_file
 
 from engine.policies import full  # noqa: F401
 from engine.policies import kara  # noqa: F401

@@ -64,7 +64,6 @@ from engine.policies.scoring import (
 )
 
 
-
 @dataclass
 class ZipageState:
     """Per-request state.

@@ -11,7 +11,10 @@ waiting for a peer thread the OS has descheduled; with 2 threads on 2 busy cores
 OMP_WAIT_POLICY=PASSIVE. libgomp reads the variable once, when torch loads it, so it is set here,
 before any benchmark imports torch, unless the user set it. The machine facts of every result
 record the policy and whether it was in place before torch loaded.
+
+The command modules are imported in the order `kvarena bench --help` lists them.
 """
+# ruff: isort: skip_file
 
 import os
 import sys

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import random
 import time
-from pathlib import Path
 from collections import Counter
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Callable
 
 import typer
@@ -147,7 +147,7 @@ def workload(cfg: SoakConfig, vocab: int, block_size: int, count: int, *, greedy
     rng = random.Random(f"{cfg.seed}-{seed}-{block_size}")
     prefixes = [[rng.randrange(3, vocab) for _ in range(cfg.prefix_tokens)] for _ in range(cfg.prefixes)]
     prompts, params = [], []
-    for i in range(count):
+    for _ in range(count):
         body = [rng.randrange(3, vocab) for _ in range(rng.randint(*cfg.prompt_tokens))]
         if prefixes and rng.random() < cfg.prefix_share:
             body = rng.choice(prefixes) + body
@@ -369,6 +369,6 @@ def soak_command(
         cfg = replace(base, **{k: v for k, v in dict(requests=requests, block_sizes=sizes or None)
                                .items() if v is not None})
     except ValueError as err:
-        raise typer.BadParameter(str(err))
+        raise typer.BadParameter(str(err)) from err
     run_bench_command(run_soak, ctx=ctx, threads=threads, out_dir=out_dir, quick=quick, model=model,
                       cfg=cfg, policies=policy or None)

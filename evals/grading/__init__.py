@@ -4,11 +4,18 @@ Registered graders (``GRADERS``): ``math`` (MATH500), ``gsm8k``, ``aime``, ``amc
 ``code`` (LiveCodeBench, sandboxed), ``niah``.
 """
 
-from evals.grading.base import GRADERS, Grader, get_grader, register_grader
 from evals.grading import code_grader, math_grader, niah_grader  # noqa: F401  (registers graders)
+from evals.grading.base import GRADERS, Grader, get_grader, register_grader
 from evals.grading.batch import grade_many
 from evals.grading.code_grader import CodeGrader, json_values_equal, stdout_matches
-from evals.grading.extract import answer_is, hash_answer, last_boxed, last_code_block, last_number, parse_number
+from evals.grading.extract import (
+    answer_is,
+    hash_answer,
+    last_boxed,
+    last_code_block,
+    last_number,
+    parse_number,
+)
 from evals.grading.math_grader import AIMEGrader, AMCGrader, GSM8KGrader, MathGrader, math_verify_equal
 from evals.grading.metrics import pass_at_k, summarize, summarize_by_task
 from evals.grading.niah_grader import NIAHGrader

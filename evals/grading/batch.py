@@ -62,7 +62,8 @@ def grade_many(
         pool = pool or GradingPool(workers=workers, timeout_s=timeout_s)
         try:
             idx = by_place["pool"]
-            jobs = [(pairs[i][0].grader, options.get(pairs[i][0].grader, {}), pairs[i][1], pairs[i][0]) for i in idx]
+            jobs = [(pairs[i][0].grader, options.get(pairs[i][0].grader, {}), pairs[i][1], pairs[i][0])
+                    for i in idx]
             done = pool.map(
                 _grade_job,
                 jobs,

@@ -121,7 +121,8 @@ class CodeGrader(Grader):
         if not tests:
             raise ValueError(f"problem {problem.uid} has no tests; the code grader needs some")
         if testtype not in ("stdin", "functional"):
-            raise ValueError(f"problem {problem.uid}: testtype must be 'stdin' or 'functional', got {testtype!r}")
+            raise ValueError(
+                f"problem {problem.uid}: testtype must be 'stdin' or 'functional', got {testtype!r}")
         code = self.extract(output, problem)
         if code is None or not code.strip():
             return GradeResult(False, 0.0, None, "no_code", {"tests": []})

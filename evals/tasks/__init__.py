@@ -3,6 +3,8 @@
 Registered: ``gsm8k``, ``math500``, ``amc23``, ``aime24``, ``livecodebench``, ``niah``, ``mixed``.
 """
 
+# Importing a task module registers it.
+from evals.tasks import aime24, amc23, gsm8k, livecodebench, math500, mixed, niah  # noqa: F401
 from evals.tasks.base import (
     MATH_SYSTEM_PROMPT,
     SCALES,
@@ -17,10 +19,10 @@ from evals.tasks.base import (
     table1_tasks,
     task_title,
 )
-from evals.tasks import aime24, amc23, gsm8k, livecodebench, math500, mixed, niah  # noqa: F401  (registers)
 from evals.tasks.prompting import render_prompt, supports_thinking_switch
 
 __all__ = [
     "TASKS", "get_task", "register_task", "Task", "TaskDefaults", "HubSource", "LocalLayout",
-    "SCALES", "cpu_preset", "table1_tasks", "task_title", "MATH_SYSTEM_PROMPT", "render_prompt", "supports_thinking_switch",
+    "SCALES", "cpu_preset", "table1_tasks", "task_title", "MATH_SYSTEM_PROMPT", "render_prompt",
+    "supports_thinking_switch",
 ]

@@ -17,7 +17,8 @@ def math_messages(problem: Problem) -> list[dict[str, str]]:
     ]
 
 
-def answer_field(row: Mapping[str, Any], names: tuple[str, ...] = ("answer",), solution: str = "solution") -> str:
+def answer_field(row: Mapping[str, Any], names: tuple[str, ...] = ("answer",),
+                 solution: str = "solution") -> str:
     """The gold answer as text: the first present of ``names`` (string or number), else the
     last ``\\boxed{}`` of the ``solution`` field (some hub copies only have worked solutions)."""
     for name in names:
@@ -33,7 +34,8 @@ def answer_field(row: Mapping[str, Any], names: tuple[str, ...] = ("answer",), s
         boxed = last_boxed(sol)
         if boxed:
             return boxed
-    raise RowError(f"missing answer (no {' / '.join(repr(n) for n in names)} and no boxed answer in {solution!r})")
+    raise RowError(f"missing answer (no {' / '.join(repr(n) for n in names)} and no boxed answer "
+                   f"in {solution!r})")
 
 
 def format_number(value: int | float) -> str:

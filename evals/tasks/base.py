@@ -1,9 +1,9 @@
 """Task interface, per-task run defaults, data loading (hub or local files), the task registry.
 
 A task knows where its data lives (a hub dataset id, or a local file/directory in the
-formats the README describes: ``<root>/gsm8k/test.jsonl`` and so on), how to turn a data row into a :class:`Problem`, which
-chat messages to send for a problem, and which grader judges it.  It knows nothing of the
-engine.  A runner does::
+formats the README describes: ``<root>/gsm8k/test.jsonl`` and so on), how to turn a data row
+into a :class:`Problem`, which chat messages to send for a problem, and which grader judges it.
+It knows nothing of the engine.  A runner does::
 
     task = get_task("gsm8k")                     # or get_task("mixed", factor=0.125)
     problems = task.load(data=args.data, limit=args.limit, tokenizer=tok)

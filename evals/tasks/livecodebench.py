@@ -67,7 +67,8 @@ def decode_tests(value: Any, what: str) -> list[dict]:
             inner = _NoGlobalsUnpickler(io.BytesIO(raw)).load()
             tests = json.loads(inner) if isinstance(inner, (str, bytes)) else inner
         except Exception as e:
-            raise RowError(f"{what} is neither JSON nor LiveCodeBench's compressed form ({type(e).__name__})") from e
+            raise RowError(f"{what} is neither JSON nor LiveCodeBench's compressed form "
+                           f"({type(e).__name__})") from e
     if not isinstance(tests, list):
         raise RowError(f"{what} must decode to a list of tests, got {type(tests).__name__}")
     return tests
@@ -84,7 +85,8 @@ def _metadata(row: Mapping[str, Any]) -> dict:
 
 
 def _check_test(test: Any, i: int, testtype: str) -> dict:
-    if not isinstance(test, dict) or not isinstance(test.get("input"), str) or not isinstance(test.get("output"), str):
+    if not (isinstance(test, dict) and isinstance(test.get("input"), str)
+            and isinstance(test.get("output"), str)):
         raise RowError(f"test {i} needs string 'input' and 'output'")
     kind = test.get("testtype", testtype)
     if kind != testtype:
@@ -129,11 +131,13 @@ class LiveCodeBench(Task):
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"release_(v\d+|latest)", self.version_tag):
-            raise ValueError(f"version_tag must look like 'release_v1' or 'release_latest', got {self.version_tag!r}")
+            raise ValueError(f"version_tag must look like 'release_v1' or 'release_latest', "
+                             f"got {self.version_tag!r}")
 
     @property
     def hub(self) -> HubSource:  # type: ignore[override]
-        return HubSource("livecodebench/code_generation_lite", split="test", kwargs={"version_tag": self.version_tag})
+        return HubSource("livecodebench/code_generation_lite", split="test",
+                         kwargs={"version_tag": self.version_tag})
 
     def row_to_problem(self, row: Mapping[str, Any], index: int) -> Problem:
         content = text_field(row, "question_content")
@@ -141,11 +145,13 @@ class LiveCodeBench(Task):
         if not isinstance(starter, str):
             raise RowError("'starter_code' must be a string")
         public = decode_tests(row.get("public_test_cases"), "public_test_cases")
-        private = decode_tests(row.get("private_test_cases"), "private_test_cases") if self.include_private else []
+        private = (decode_tests(row.get("private_test_cases"), "private_test_cases")
+                   if self.include_private else [])
         tests_raw = public + private
         if not tests_raw:
             raise RowError("no test cases")
-        testtype = row.get("testtype") or (tests_raw[0].get("testtype") if isinstance(tests_raw[0], dict) else None)
+        first = tests_raw[0]
+        testtype = row.get("testtype") or (first.get("testtype") if isinstance(first, dict) else None)
         if testtype not in ("stdin", "functional"):
             raise RowError(f"testtype must be 'stdin' or 'functional', got {testtype!r}")
         tests = [_check_test(t, i, testtype) for i, t in enumerate(tests_raw)]
@@ -153,7 +159,8 @@ class LiveCodeBench(Task):
         if testtype == "functional":
             fn_name = _metadata(row).get("func_name") or function_name(starter)
             if not fn_name:
-                raise RowError("functional problem without a method name (no metadata.func_name, no 'def name(self' in starter_code)")
+                raise RowError("functional problem without a method name (no metadata.func_name, "
+                               "no 'def name(self' in starter_code)")
         rid = row_id(row, index, "question_id")
         meta = {
             "tests": tests,

@@ -21,7 +21,8 @@ class MATH500(Task):
 
     grader = "math"
     hub = HubSource("HuggingFaceH4/MATH-500", split="test")
-    local = LocalLayout("math500", ("test.jsonl",), "'problem' and 'answer' (optional: solution, subject, level, unique_id)")
+    local = LocalLayout("math500", ("test.jsonl",),
+                        "'problem' and 'answer' (optional: solution, subject, level, unique_id)")
     title = "MATH500"
     table1_column = 1
     paper_defaults = TaskDefaults(samples=8, max_tokens=16384, kv_budget=4096, block_size=256)
@@ -31,7 +32,8 @@ class MATH500(Task):
         gold = answer_field(row)
         rid = row_id(row, index, "unique_id", "id")
         meta = {k: row[k] for k in ("subject", "level") if k in row}
-        return Problem(uid=f"math500/{rid}", task="math500", question=question, gold=gold, grader=self.grader, meta=meta)
+        return Problem(uid=f"math500/{rid}", task="math500", question=question, gold=gold,
+                       grader=self.grader, meta=meta)
 
     def messages(self, problem: Problem) -> list[dict[str, str]]:
         return math_messages(problem)

@@ -47,11 +47,13 @@ class Mixed(Task):
         base = dict(self.components)[task]
         return max(1, round(base * self.factor))
 
-    def load(self, data: str | Path | None = None, *, limit: int | None = None, tokenizer: Any = None) -> ProblemSet:
+    def load(self, data: str | Path | None = None, *, limit: int | None = None,
+             tokenizer: Any = None) -> ProblemSet:
         if data is not None and Path(data).is_file():
             raise DataUnavailableError(
                 f"task 'mixed': --data {str(data)!r} is a file; the mixed workload needs a data root "
-                "directory with amc23/, aime24/ and gsm8k/ folders (e.g. /path/to/data), or no --data for the hub."
+                "directory with amc23/, aime24/ and gsm8k/ folders (e.g. /path/to/data), or no --data "
+                "for the hub."
             )
         problems, skipped, sources = [], [], []
         for name, _ in self.components:

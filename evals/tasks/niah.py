@@ -82,7 +82,8 @@ class NIAH(Task):
 
     # ------------------------------------------------------------------ loading
 
-    def load(self, data: str | Path | None = None, *, limit: int | None = None, tokenizer: Any = None) -> ProblemSet:
+    def load(self, data: str | Path | None = None, *, limit: int | None = None,
+             tokenizer: Any = None) -> ProblemSet:
         """Build one problem per (length, depth).  ``tokenizer`` (the model's) is required."""
         if tokenizer is None or not hasattr(tokenizer, "encode"):
             raise ValueError("niah needs the model's tokenizer (an object with encode()) to count tokens: "
@@ -102,12 +103,14 @@ class NIAH(Task):
         problems = []
         for length in self.lengths:
             for depth in self.depths:
-                problems.append(self._problem(hay, tokenizer, length, depth, overhead + needle_tokens, source))
+                problems.append(self._problem(hay, tokenizer, length, depth, overhead + needle_tokens,
+                                              source))
                 if limit is not None and len(problems) >= limit:
                     return ProblemSet(self.name, source, problems, skipped)
         return ProblemSet(self.name, source, problems, skipped)
 
-    def _problem(self, hay: Haystack, tokenizer: Any, length: int, depth: float, fixed: int, source: str) -> Problem:
+    def _problem(self, hay: Haystack, tokenizer: Any, length: int, depth: float, fixed: int,
+                 source: str) -> Problem:
         budget = length - fixed
         if budget < 1:
             raise ValueError(f"context length {length} is too small: the instructions, question and needle "
@@ -144,13 +147,15 @@ class NIAH(Task):
             return synthetic_haystack(seed=self.seed), f"synthetic(seed={self.seed})", []
         path = Path(data)
         if not path.exists():
-            raise DataUnavailableError(f"task 'niah': --data {str(path)!r} does not exist. {self.how_to_pass_data()}")
+            raise DataUnavailableError(
+                f"task 'niah': --data {str(path)!r} does not exist. {self.how_to_pass_data()}")
         files = [path] if path.is_file() else []
         # The essays directory itself, the niah/ folder above it, or a data root above that.
         for pattern in ("*.txt", "*/*.txt", "niah/*/*.txt"):
             if files or not path.is_dir():
                 break
-            files = sorted(p for p in path.glob(pattern) if p.is_file() and not p.name.upper().startswith("LICENSE"))
+            files = sorted(p for p in path.glob(pattern)
+                           if p.is_file() and not p.name.upper().startswith("LICENSE"))
         texts, skipped = [], []
         for i, p in enumerate(files):
             try:

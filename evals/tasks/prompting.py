@@ -40,7 +40,8 @@ def render_prompt(tokenizer: Any, messages: Sequence[dict[str, str]], thinking: 
                 "this tokenizer's template has none. Use thinking=None or False for this model."
             )
     if not getattr(tokenizer, "chat_template", None):
-        warnings.warn("the tokenizer has no chat template; using a plain 'role: content' prompt", stacklevel=2)
+        warnings.warn("the tokenizer has no chat template; using a plain 'role: content' prompt",
+                      stacklevel=2)
         body = "\n\n".join(f"{m['role']}: {m['content']}" for m in messages)
         return body + "\n\nassistant:"
     text = tokenizer.apply_chat_template(
