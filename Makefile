@@ -1,10 +1,11 @@
-# kvarena: `make run` sets up and runs the main job on the embedded default; `make test` runs the tests.
+# kvarena: `make run` sets up and runs the main job on the embedded default; `make test` runs the
+# tests; `make lint` runs ruff.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.kvarena-installed
 
-.PHONY: setup run test bench clean
+.PHONY: setup run test lint bench clean
 
 setup: $(STAMP)
 
@@ -35,6 +36,10 @@ run: setup
 
 test: setup
 	$(BIN)/python -m pytest -q
+
+# ruff, pinned in the dev extra; the rules are in pyproject.toml ([tool.ruff]).
+lint: setup
+	$(BIN)/ruff check .
 
 clean:
 	rm -rf $(VENV) *.egg-info
