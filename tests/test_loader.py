@@ -205,7 +205,8 @@ def embedded(tmp_path_factory):
         start = time.perf_counter()
         again = resolve_model("SmolLM2-135M-Instruct")
         second = time.perf_counter() - start
-    print(f"\nembedded model resolve: first {first:.2f} s (conversion), second {second * 1e3:.2f} ms (cache hit)")
+    print(f"\nembedded model resolve: first {first:.2f} s (conversion), "
+          f"second {second * 1e3:.2f} ms (cache hit)")
     return SimpleNamespace(gguf=find_embedded_gguf(), dir=model_dir, again=again, first=first, second=second,
                            cache_root=cache_root)  # fmt: skip
 
@@ -259,7 +260,8 @@ def test_embedded_tokenizer_matches_transformers(embedded):
 
     reference = AutoTokenizer.from_pretrained(str(embedded.gguf.parent), gguf_file=embedded.gguf.name)
     tok = load_tokenizer(embedded.dir)
-    assert (tok.eos_token, tok.eos_token_id) == (reference.eos_token, reference.eos_token_id) == ("<|im_end|>", 2)
+    assert (tok.eos_token, tok.eos_token_id) == (reference.eos_token, reference.eos_token_id)
+    assert (tok.eos_token, tok.eos_token_id) == ("<|im_end|>", 2)
     from transformers.integrations.gguf.reader import read_gguf_metadata  # fast: skips the token tables
 
     template = read_gguf_metadata(str(embedded.gguf), ())[0]["tokenizer.chat_template"]
@@ -278,7 +280,8 @@ def test_embedded_tokenizer_matches_transformers(embedded):
 # the conversion cache
 
 
-def test_gguf_cache_is_reused_and_invalidated_when_the_file_changes(tiny_llama_gguf, cache, tmp_path, monkeypatch):
+def test_gguf_cache_is_reused_and_invalidated_when_the_file_changes(tiny_llama_gguf, cache, tmp_path,
+                                                                   monkeypatch):
     source = tmp_path / "model.gguf"
     source.write_bytes(tiny_llama_gguf.read_bytes())
     calls = []
@@ -388,7 +391,10 @@ def test_unsupported_architecture_and_missing_tensor(tmp_path, cache):
     odd = tmp_path / "gpt2.gguf"
     writer = gguf.GGUFWriter(str(odd), "gpt2")
     writer.add_tensor("token_embd.weight", np.zeros((4, 4), np.float32))
-    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
     with pytest.raises(UnsupportedModelError, match=r"architecture 'gpt2'.*'llama', 'qwen2', 'qwen3'"):
         resolve_model(odd)
 
