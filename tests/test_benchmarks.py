@@ -97,6 +97,11 @@ def test_throughput_repeats_keep_each_sides_fastest(tiny_model):
         assert eng["wall_s"] <= r["engine_wall_s"] and hf["wall_s"] <= r["hf_wall_s"]
     with pytest.raises(ValueError, match="repeats"):
         replace(throughput.QUICK, repeats=0)
+    with pytest.raises(ValueError, match="workloads must be a non-empty subset"):
+        replace(throughput.QUICK, workloads=("batch 2",))
+    only = throughput.run_throughput(tiny_model, scale=replace(throughput.QUICK,
+                                                               workloads=("batch 1",)), **quiet)
+    assert [r["workload"] for r in only.table("ratios").rows] == ["batch 1"]
 
 
 def test_memory_quick(tiny_model):

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -220,3 +222,68 @@ def test_prefix_cache_hit_does_not_feed_decode_signals(llama_dir):
     deltas = [[e["info"].get("delta") for e in out.events] for out in (first, second)]
     assert any(d is not None for d in deltas[0])
     assert deltas[1] == deltas[0] and second.token_ids == first.token_ids
+
+
+def test_fused_projections_keep_checkpoint_parameters(model_dir):
+    """q/k/v and gate/up are fused at load; every checkpoint name keeps its own values, as a view
+    of the fused tensor (no second copy)."""
+    from safetensors.torch import load_file
+
+    llm = LLM(str(model_dir), block_size=4, kv_cache_tokens=64)
+    model = llm.runner.model
+    params = dict(model.named_parameters())
+    checkpoint = {}
+    for path in sorted(Path(model_dir).glob("*.safetensors")):
+        checkpoint.update(load_file(path))
+    assert any(".q_proj." in name for name in checkpoint)
+    for name, tensor in checkpoint.items():
+        if name in params:
+            assert torch.equal(params[name], tensor.float()), name
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+            assert proj.weight.untyped_storage().data_ptr() == \
+                attn.qkv_weight.untyped_storage().data_ptr()
+        assert torch.equal(attn.qkv_weight, torch.cat(
+            [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+        assert torch.equal(mlp.gate_up_weight, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+        assert mlp.up_proj.weight.untyped_storage().data_ptr() == \
+            mlp.gate_up_weight.untyped_storage().data_ptr()
+
+
+def test_fp32_rms_norm_equals_the_upcasting_formula():
+    from engine.models.llama import RMSNorm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(96, 1e-6)
+    norm.weight.data = torch.randn(96)
+    for rows in (1, 5, 64):
+        x = torch.randn(rows, 96) * 7
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        reference = (x.float() * torch.rsqrt(var + 1e-6)).to(x.dtype) * norm.weight
+        assert torch.equal(norm(x), reference)
+
+
+def test_decode_attention_without_mask_when_lengths_are_equal():
+    """The twin's unmasked path (every sequence sees the same slots) against its masked path."""
+    from engine.kernels.paged_attention import (
+        DecodePlan,
+        decode_attention_planned,
+        plan_decode_torch,
+    )
+
+    torch.manual_seed(0)
+    kv_heads, pages, block, d = 2, 12, 4, 8
+    k_cache, v_cache = torch.randn(2, kv_heads, pages, block, d).unbind(0)
+    q = torch.randn(3, 6, d)
+    tables = torch.tensor([[3, 1, 7, -1], [0, 2, 5, 9], [11, 4, 6, -1]])
+    lens = torch.tensor([10, 10, 10])
+    plan = plan_decode_torch(q, k_cache, v_cache, tables, lens)
+    assert plan.uniform == 10 and plan.visible is None
+    slots = torch.arange(plan.num_pages * block)
+    masked = DecodePlan(plan.batch, plan.num_pages, plan.pages, None,
+                        (slots[None, :] < lens[:, None])[:, None, None, :], lens <= 0)
+    fast = decode_attention_planned(q, k_cache, v_cache, plan, 0.3)
+    torch.testing.assert_close(fast, decode_attention_planned(q, k_cache, v_cache, masked, 0.3),
+                               rtol=1e-6, atol=1e-6)
+    assert plan_decode_torch(q, k_cache, v_cache, tables, torch.tensor([10, 9, 10])).uniform is None
