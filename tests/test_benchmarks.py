@@ -111,7 +111,7 @@ def test_memory_quick(tiny_model):
     assert_finite_rows(table)
     rows = {r["policy"]: r for r in table.rows}
     full = rows["full"]
-    assert full["agreement"] == 1.0 and full["prefix"] == 1.0 and full["compress_events"] == 0
+    assert full["agreement"] == 1.0 and full["prefix"] == 1.0 and full["compactions"] == 0
     pool_pages = result.scale["pool_tokens"] // result.scale["block_size"]
     for r in table.rows:
         assert r["tps_vs_full"] == pytest.approx(r["tps"] / full["tps"])
@@ -121,7 +121,7 @@ def test_memory_quick(tiny_model):
         assert r["peak_pages"] <= pool_pages
         assert r["output_tokens"] == memory.QUICK.requests * memory.QUICK.max_tokens
     for label in ("zipage", "zipage (async)", "zipage +fallback", "snapkv", "chunkkv"):
-        assert rows[label]["compress_events"] > 0
+        assert rows[label]["compactions"] > 0
         assert rows[label]["mean_physical"] < full["mean_physical"]
     assert result.targets[0].value == rows["zipage"]["tps_vs_full"]
     assert result.targets[1].value == rows["zipage"]["compaction_share"]

@@ -281,6 +281,10 @@ def run_engine(model: str, prompts: Sequence[list[int]], params, *, label: str,
         gc.collect()
 
 
+# Engine counters of finished compactions (engine.scheduler.compaction_counter).
+COMPACTION_COUNTERS = ("compress", "shrink", "fallback_compaction", "prefill_compress", "prefill_shrink")
+
+
 def count(stats, *keys: str) -> int:
     return sum(int(stats.counts.get(k, 0)) for k in keys)
 
@@ -383,6 +387,8 @@ def policy_metrics(run: EngineRun, reference: EngineRun | None = None) -> dict:
         "grow": count(s, "grow"), "compress": count(s, "compress"), "shrink": count(s, "shrink"),
         "fallback": count(s, "fallback"), "preemption": count(s, "preemption"),
         "compress_events": count(s, "compress", "shrink"),
+        # Every compaction, decision or not (prompt compression, fallback compactions).
+        "compactions": count(s, *COMPACTION_COUNTERS),
         "grow_ratio": s.grow_ratio,
         "compaction_seconds": s.compaction_seconds, "forward_seconds": s.forward_seconds,
         "stage_seconds": dict(s.stage_seconds),
