@@ -32,7 +32,7 @@ from engine.config import ConfigError, EngineConfig
 from engine.policies.base import Action, Decision, KVPolicy, StageTimer
 from engine.policy_view import SeqView
 from engine.runner import ModelRunner, WorkItem
-from engine.sequence import CapacityEvent, Sequence, SeqStatus
+from engine.sequence import CapacityEvent, SeqStatus, Sequence
 
 
 class Scheduler:

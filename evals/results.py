@@ -551,7 +551,8 @@ def find_runs(dirs: Sequence[str | Path]) -> list[RunResult]:
         root = Path(d)
         if not root.exists():
             raise FileNotFoundError(f"results directory {str(root)!r} does not exist")
-        candidates = [root / METRICS_FILE] if (root / METRICS_FILE).exists() else sorted(root.rglob(METRICS_FILE))
+        candidates = ([root / METRICS_FILE] if (root / METRICS_FILE).exists()
+                      else sorted(root.rglob(METRICS_FILE)))
         for metrics_path in candidates:
             run = metrics_path.parent
             if not (run / CONFIG_FILE).exists() or run.resolve() in found:

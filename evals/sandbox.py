@@ -572,7 +572,8 @@ def _probe(config: SandboxConfig) -> Capabilities:
 
     notes: list[str] = []
     candidates: list[str] = []
-    for p in (config.python, sys.executable, shutil.which("python3", path="/usr/bin:/bin"), "/usr/bin/python3"):
+    system_python = shutil.which("python3", path="/usr/bin:/bin")
+    for p in (config.python, sys.executable, system_python, "/usr/bin/python3"):
         if p and os.path.exists(p) and os.path.realpath(p) not in {os.path.realpath(c) for c in candidates}:
             candidates.append(p)
     if config.python:
@@ -615,7 +616,8 @@ def _probe(config: SandboxConfig) -> Capabilities:
 
 
 # The probe program asks the harness (through a builtin it leaves) what it set up.
-_PROBE_REPORT = "import builtins\nprint('probe-report', json.dumps(getattr(builtins, '_sandbox_isolation', {})))\n"
+_PROBE_REPORT = ("import builtins\n"
+                 "print('probe-report', json.dumps(getattr(builtins, '_sandbox_isolation', {})))\n")
 
 
 def _parse_probe_report(stdout: str) -> dict:
@@ -649,16 +651,16 @@ def _enter_namespaces(cfg: dict, libc) -> tuple[bool, bool, bool]:
     """
     if not cfg["namespaces"]:
         return False, False, False
-    for flags, result in (
+    for flags, granted in (
         (_CLONE_NEWNET | _CLONE_NEWNS | _CLONE_NEWPID, (True, True, True)),
         (_CLONE_NEWNET | _CLONE_NEWNS, (True, True, False)),
         (_CLONE_NEWNET, (True, False, False)),
     ):
         if libc.unshare(flags) == 0:
+            netns, mountns, pidns = granted
             break
     else:
         return False, False, False
-    netns, mountns, pidns = result
     # Mounts must not propagate back to the host: make every mount private before touching any.
     if mountns and libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None) != 0:
         mountns = False  # mounting anything now could leak to the host: do not

@@ -10,7 +10,6 @@ from statistics import median
 from types import SimpleNamespace
 
 import pytest
-from tiny_models import make_tiny_llama_dir
 
 from evals.benchmarks import concurrency, memory, mixed, throughput
 from evals.benchmarks.common import (
@@ -24,6 +23,7 @@ from evals.benchmarks.common import (
     render_markdown,
     write_result,
 )
+from tiny_models import make_tiny_llama_dir
 
 quiet = dict(quick=True, log=lambda message: None)
 

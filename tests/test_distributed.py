@@ -12,8 +12,8 @@ its shard behind.
 from __future__ import annotations
 
 import dataclasses
-import os
 import json
+import os
 import shutil
 from pathlib import Path
 

@@ -12,8 +12,7 @@ from typer.testing import CliRunner
 
 from evals import results as R
 from evals.leaderboard import build_leaderboard
-from evals.runner import (EvalError, EvalHooks, EvalSettings, event_counts, resolve_policy_args,
-                          run_eval)
+from evals.runner import EvalError, EvalHooks, EvalSettings, event_counts, resolve_policy_args, run_eval
 from evals.sweep import analyze_sweep, min_sufficient_budget, run_sweep
 from tiny_models import make_tiny_llama_dir
 
@@ -229,7 +228,8 @@ def test_every_task_format_two_policies_and_the_leaderboard(model_dir, tmp_path)
         assert len(list(csv.DictReader(f))) == 2
     with open(board.files["runs.csv"]) as f:
         runs = list(csv.DictReader(f))
-    assert len(runs) == 12 and {r["path"] for r in runs} >= {"tiny-llama/gsm8k/full", "tiny-llama/niah/zipage"}
+    assert len(runs) == 12
+    assert {r["path"] for r in runs} >= {"tiny-llama/gsm8k/full", "tiny-llama/niah/zipage"}
     md = board.files["leaderboard.md"].read_text()
     assert "| tiny-llama | full |" in md and "| tiny-llama | zipage |" in md and "TPOT" in md
     assert " ± " in md.split("| tiny-llama | full |")[1].splitlines()[0]
@@ -314,7 +314,8 @@ def test_cli_eval_two_policies_then_leaderboard(model_dir, tmp_path):
     assert result.exit_code == 0, result.output
     assert (tmp_path / "leaderboard" / "table1.csv").exists()
 
-    result = runner.invoke(app, ["eval", "--task", "gsm9k", "--model", str(model_dir), "--out", str(tmp_path)])
+    result = runner.invoke(app, ["eval", "--task", "gsm9k", "--model", str(model_dir),
+                                 "--out", str(tmp_path)])
     assert result.exit_code == 2 and "known tasks" in result.output
     result = runner.invoke(app, args[:-2] + ["--policy-arg", "nope=1", "--out", str(tmp_path)])
     assert result.exit_code == 2 and "none of the policies" in result.output

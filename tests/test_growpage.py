@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
-import statistics
 import random
+import statistics
 
 import pytest
 import torch
@@ -12,6 +12,7 @@ import torch
 from engine.config import ConfigError
 from engine.policies.base import Action, EngineSpec, StageTimer, build_policy
 from engine.policies.demand import (
+    Demand,
     calibrate_rms,
     demand_trend,
     ema_update,
@@ -34,7 +35,6 @@ from engine.policies.growpage_variants import (
     InverseRule,
     ShrinkRule,
 )
-from engine.policies.demand import Demand
 
 # -- helpers ----------------------------------------------------------------------------------
 
@@ -263,7 +263,8 @@ def test_entropy_ratio_is_effective_support_fraction():
 
 @pytest.mark.parametrize("metric", ["top_p", "entropy"])
 def test_demand_delta_against_naive_reference_with_gqa(metric):
-    policy = bound(GrowPage(protected_recent=2, initial_capacity=8, layer_chunk=2, metric=metric))  # 3 layers, 2 chunks
+    # 3 layers, 2 chunks
+    policy = bound(GrowPage(protected_recent=2, initial_capacity=8, layer_chunk=2, metric=metric))
     view = make_view(seed=5, n=20)
     demand = policy.demand(view)
     b = view.block_size

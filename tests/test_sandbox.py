@@ -42,7 +42,8 @@ def test_capabilities_are_probed():
     assert os.path.exists(caps.python)
     if os.geteuid() == 0:
         # As root every layer should be available on this machine (namespaces + own uid).
-        assert caps.user_isolation and caps.net_namespace and caps.private_tmp and caps.pid_namespace, caps.notes
+        assert (caps.user_isolation and caps.net_namespace and caps.private_tmp
+                and caps.pid_namespace), caps.notes
 
 
 def test_correct_program(sandbox):
@@ -154,7 +155,8 @@ for root, dirs, files in os.walk("/"):
 def test_no_host_directory_is_writable(tmp_path, as_root):
     # As root (isolate_user=False, capabilities dropped) file permissions would allow writes
     # nearly everywhere, so only the read-only mount tree stands in the way.
-    sb = Sandbox(SandboxConfig(wall_s=30, max_file_mb=16, max_capture_bytes=16 << 20, isolate_user=not as_root))
+    sb = Sandbox(SandboxConfig(wall_s=30, max_file_mb=16, max_capture_bytes=16 << 20,
+                               isolate_user=not as_root))
     mark = f"kvarena-escape-{os.getpid()}-{int(as_root)}"
     r = sb.run(Job(source=f"MARK = {mark!r}\n" + _WALKER))
     assert r.status == "ok", (r.status, r.detail, r.stderr[-2000:])
@@ -163,7 +165,8 @@ def test_no_host_directory_is_writable(tmp_path, as_root):
     visited = [line[len("visited "):] for line in lines if line.startswith("visited ")]
     wrote = {line[len("wrote "):] for line in lines if line.startswith("wrote ")}
     assert len(visited) > 1000 and "/usr/lib" in visited and "/run/lock" in visited
-    workdir = next(line for line in visited if line.endswith("/work") and line.startswith("/tmp/kvarena-sbx-"))
+    workdir = next(line for line in visited
+                   if line.endswith("/work") and line.startswith("/tmp/kvarena-sbx-"))
     private = ("/tmp", "/var/tmp", "/dev/shm", workdir)  # the sandbox's own tmpfs mounts
     assert all(d in private or d.startswith(tuple(p + "/" for p in private)) for d in wrote), sorted(wrote)
     left = [d for d in visited + ["/proc", "/sys"] if os.path.lexists(os.path.join(d, mark))]
@@ -215,7 +218,8 @@ def test_deep_recursion_is_a_quick_runtime_error():
     assert r.status == "runtime_error" and "RecursionError" in r.detail, (r.status, r.detail)
     assert "frames in the middle omitted" in r.stderr and len(r.stderr) < 20_000
     # A legitimately deep recursion within the cap still works.
-    src = "import sys\nsys.setrecursionlimit(10**6)\ndef f(n):\n    return 0 if n == 0 else 1 + f(n - 1)\nprint(f(200000))\n"
+    src = ("import sys\nsys.setrecursionlimit(10**6)\n"
+           "def f(n):\n    return 0 if n == 0 else 1 + f(n - 1)\nprint(f(200000))\n")
     r = sb.run(Job(source=src))
     assert r.status == "ok" and r.stdout.strip() == "200000"
 
@@ -239,7 +243,8 @@ def test_network_is_unreachable(sandbox):
         except OSError:
             pass
 
-    src = f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=1)\ns.sendall(b'leak')\n"
+    src = (f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=1)\n"
+           "s.sendall(b'leak')\n")
     r = _run(sandbox, Job(source=src))
     accept()
     server.close()

@@ -4,14 +4,14 @@ Every variant is the GrowPage runtime (same signals, demand estimate, Compress &
 fallback and re-admission) with a different `CapacityRule`; they are separate registered dataclasses
 so each is selectable by name and carries only its own extra knobs.
 
-| registry name       | rule (delta = r_S - r_L)                                           | extra knobs           |
-|---------------------|--------------------------------------------------------------------|-----------------------|
-| growpage-fixed      | allocates up to `budget` (4096 = 16 pages), then always Compress & | budget                |
-|                     | Hold; never estimates demand                                       |                       |
-| growpage-random     | Compress & Hold with probability 0.7, else grow (ignores delta)    | compress_prob, seed   |
-| growpage-inverse    | grow iff delta <= tau, else Compress & Hold                        | -                     |
-| growpage-shrink     | SHRINK if delta < -0.005, Compress & Hold in [-0.005, tau], GROW   | shrink_threshold,     |
-|                     | above tau; never below min_capacity (1024 at b=256, 4 pages)       | min_capacity          |
+| registry name    | rule (delta = r_S - r_L)                                         | extra knobs         |
+|------------------|------------------------------------------------------------------|---------------------|
+| growpage-fixed   | allocates up to `budget` (4096 = 16 pages), then always          | budget              |
+|                  | Compress & Hold; never estimates demand                          |                     |
+| growpage-random  | Compress & Hold with probability 0.7, else grow (ignores delta)  | compress_prob, seed |
+| growpage-inverse | grow iff delta <= tau, else Compress & Hold                      | -                   |
+| growpage-shrink  | SHRINK if delta < -0.005, Compress & Hold in [-0.005, tau], GROW | shrink_threshold,   |
+|                  | above tau; never below min_capacity (1024 at b=256, 4 pages)     | min_capacity        |
 
 How they relate (App. H.1, Tables 8-9). GrowPage-Fixed is the fixed-budget control: its capacity is
 a budget, 4096 tokens = 16 pages as the paper's Zipage, so it is the one variant whose capacity the

@@ -411,6 +411,6 @@ def mixed_command(
         scale = replace(base, tau=tau, tau_sweep=parse_floats(tau_sweep, "--tau-sweep"),
                         **overrides)
     except ValueError as err:  # counts of the wrong length, repeats < 1, pool_fraction out of range
-        raise typer.BadParameter(str(err))
+        raise typer.BadParameter(str(err)) from err
     run_bench_command(run_mixed, ctx=ctx, threads=threads, out_dir=out_dir, quick=quick,
                       model=model, scale=scale)

@@ -42,7 +42,6 @@ from evals.benchmarks.common import (
 from evals.benchmarks.options import ModelOpt, OutDirOpt, QuickOpt, ThreadsOpt
 from evals.benchmarks.workloads import PromptBuilder, rng
 
-
 WORKLOADS = ("batch 1", "uniform", "heterogeneous")
 
 
@@ -73,7 +72,8 @@ class ThroughputScale:
             raise ValueError(f"hf_batch_size must be >= 1, got {self.hf_batch_size}")
 
 
-QUICK = ThroughputScale(single_prompt_len=48, single_tokens=8, uniform_requests=4, uniform_prompt_len=48, uniform_tokens=8,
+QUICK = ThroughputScale(single_prompt_len=48, single_tokens=8, uniform_requests=4,
+                        uniform_prompt_len=48, uniform_tokens=8,
                         mixed_requests=8, mixed_prompt_len=(40, 80), mixed_tokens=(2, 12),
                         hf_batch_size=4)
 
@@ -151,13 +151,15 @@ def run_throughput(model: str = "default", *, quick: bool = False,
         params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
                   for n in max_tokens]
         eng = hf = None
-        def engine_side():
+
+        # This iteration's workload is bound as defaults: the sides run inside the iteration.
+        def engine_side(name=name, prompts=prompts, params=params, max_tokens=max_tokens):
             log(f"{name}: engine, {len(prompts)} requests")
             return run_engine(model_dir, prompts, params, label="engine", block_size=block_size,
                               kv_cache_tokens=pool_tokens(prompts, max_tokens, block_size),
                               max_num_seqs=max(64, len(prompts)))
 
-        def hf_side():
+        def hf_side(name=name, prompts=prompts, max_tokens=max_tokens, hf_batch=hf_batch):
             log(f"{name}: transformers, static batches of {hf_batch}")
             return run_static_batches(hf_model, prompts, max_tokens, hf_batch, pad)
 
@@ -209,7 +211,7 @@ def run_throughput(model: str = "default", *, quick: bool = False,
                        "engine_tps_cpu": eng_cpu_tps, "hf_tps_cpu": hf_cpu_tps,
                        "ratio_cpu": ratio(eng_cpu_tps, hf_cpu_tps),
                        "agreement": mean_agreement(hf.tokens, eng.token_ids)})
-    del hf_model
+    hf_model = None  # free transformers' copy of the weights before the tables
 
     side_table = Table(
         "sides", "Per side: wall time, output tokens and tokens/s",
