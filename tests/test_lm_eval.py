@@ -142,7 +142,8 @@ def test_truncated_context_matches_hf_at_a_small_max_length(model_dir):
                 ll("The quick brown fox jumps over the lazy dog. " * 3, " The end")]
     diffs = [abs(a[0] - b[0]) for a, b in zip(small.loglikelihood(requests), hf.loglikelihood(requests))]
     assert max(diffs) < LL_ATOL
-    rolling = [Instance("loglikelihood_rolling", {}, ("The quick brown fox jumps over the lazy dog. " * 6,), 0)]
+    text = "The quick brown fox jumps over the lazy dog. " * 6
+    rolling = [Instance("loglikelihood_rolling", {}, (text,), 0)]
     assert small.loglikelihood_rolling(rolling)[0] == pytest.approx(
         hf.loglikelihood_rolling(rolling)[0], abs=LL_ATOL)
     assert small.runs[-1]["request_type"] == "loglikelihood_rolling"
@@ -162,7 +163,8 @@ def test_multiple_choice_and_perplexity_tasks_equal_the_hf_backend(ours, hf, tas
           f"{mine['results']['kvarena_mc']['acc_norm,none']} (hf "
           f"{theirs['results']['kvarena_mc']['acc,none']}, "
           f"{theirs['results']['kvarena_mc']['acc_norm,none']}), max |ours - hf| {max(diffs):.2e} "
-          f"over {len(diffs)} choices; bits_per_byte {mine['results']['kvarena_ppl']['bits_per_byte,none']:.6f} "
+          f"over {len(diffs)} choices; "
+          f"bits_per_byte {mine['results']['kvarena_ppl']['bits_per_byte,none']:.6f} "
           f"(hf {theirs['results']['kvarena_ppl']['bits_per_byte,none']:.6f})")
     assert max(diffs) < LL_ATOL
     for metric in ("word_perplexity,none", "bits_per_byte,none"):
