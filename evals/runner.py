@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import queue
 import threading
 import time
@@ -757,9 +758,17 @@ def run_many(settings_list: Sequence[EvalSettings], hooks: EvalHooks | None = No
 
 
 def _source(source: str) -> str:
-    """Local data sources as absolute paths, so a resumed run from another directory matches."""
+    """A local data source as a path relative to the working directory when it lies below it
+    (links are not followed, so a results tree records no path of this machine), else absolute,
+    so a run resumed from another directory still matches; a hub id stays as it is."""
     p = Path(source)
-    return str(p.resolve()) if p.exists() else source
+    if not p.exists():
+        return source
+    absolute = Path(os.path.abspath(p))
+    try:
+        return absolute.relative_to(Path.cwd()).as_posix()
+    except ValueError:
+        return str(absolute)
 
 
 def _jsonable(value: Any) -> Any:

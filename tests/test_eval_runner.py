@@ -437,3 +437,22 @@ def test_kill_9_totals_cover_every_written_sample(model_dir, tmp_path):
     assert _finished_by_engine(m) >= m["samples_done"]  # engine counters cover every sample
     assert m["total_time_s"] == pytest.approx(sum(s["wall_time"] for s in segments))
     assert m["interrupted_segments"] == 1
+
+
+def test_data_source_records_no_path_of_the_machine(tmp_path, monkeypatch):
+    from evals.runner import _source
+
+    real = tmp_path / "shared" / "data"
+    (real / "gsm8k").mkdir(parents=True)
+    (real / "gsm8k" / "test.jsonl").write_text("{}\n")
+    work = tmp_path / "repo"
+    work.mkdir()
+    (work / "data").symlink_to(real)
+    monkeypatch.chdir(work)
+    # Below the working directory: relative, and the link is not followed.
+    assert _source("data/gsm8k/test.jsonl") == "data/gsm8k/test.jsonl"
+    assert _source(str(work / "data")) == "data"
+    # Elsewhere: absolute, so a run resumed from another directory still matches.
+    assert _source(str(real)) == str(real)
+    # A hub id is not a path.
+    assert _source("openai/gsm8k") == "openai/gsm8k"
