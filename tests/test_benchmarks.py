@@ -46,6 +46,15 @@ def assert_finite_rows(table: Table) -> None:
         assert not bad, f"{table.name}: non-finite values in {row}"
 
 
+def test_throughput_without_batch_1_has_no_floor_table(tiny_model):
+    import dataclasses
+
+    scale = dataclasses.replace(throughput.QUICK, workloads=("uniform",))
+    result = throughput.run_throughput(tiny_model, scale=scale, log=lambda _: None)
+    assert [t.name for t in result.tables] == ["sides", "ratios", "repeats"]
+    assert [r["workload"] for r in result.table("ratios").rows] == ["uniform"]
+
+
 def test_throughput_quick(tiny_model):
     result = throughput.run_throughput(tiny_model, **quiet)
     sides, ratios = result.table("sides"), result.table("ratios")
