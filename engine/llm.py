@@ -139,7 +139,7 @@ class LLM:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def _text(self, seq: Sequence) -> str:
-        return seq.text if seq.text else self._decode(seq.output_token_ids)
+        return seq.text if seq.text is not None else self._decode(seq.output_token_ids)
 
     def apply_chat_template(self, messages: list[dict], **kwargs) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False,

@@ -18,7 +18,7 @@ from engine.models import build_model, load_weights
 from engine.models.loader import iter_safetensors, load_config
 from engine.policies.base import SignalSpec
 from engine.query_state import QueryStatePool
-from engine.sampling import sample, token_logprobs
+from engine.sampling import request_generator, sample_tensor, token_logprobs
 from engine.sequence import Sequence
 
 
@@ -110,17 +110,42 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[sample_rows])
         if self.logits_hook is not None:
             self.logits_hook(sampled, logits)
-        tokens = sample(logits, [it.seq.params for it in sampled], [it.seq.generator for it in sampled])
-        for i, item in enumerate(sampled):
-            forced = item.seq.params.forced_tokens
-            if item.seq.num_output_tokens < len(forced):
-                tokens[i] = forced[item.seq.num_output_tokens]
-        rows = [i for i, it in enumerate(sampled) if it.seq.params.logprobs]
-        if rows:
-            values = token_logprobs(logits[rows], [tokens[i] for i in rows])
-            for i, value in zip(rows, values):
-                sampled[i].seq.token_logprobs.append(value)
-        return tokens
+        return self._pick(sampled, logits)
+
+    def _pick(self, sampled: list[WorkItem], logits: torch.Tensor) -> list[int]:
+        """The step's next tokens, brought to the host in one transfer (with any log-probabilities
+        requested, which are appended to their sequences). logits: [R, vocab]."""
+        tokens, logprobs = self.pick_on_device(sampled, logits)
+        if logprobs is None:
+            return tokens.tolist()
+        # Token ids are exact in fp64 (vocabularies are far below 2**53), so one copy carries both.
+        ids, values = torch.stack([tokens.double(), logprobs.double()]).tolist()
+        for item, value in zip(sampled, values):
+            if item.seq.params.logprobs:
+                item.seq.token_logprobs.append(value)
+        return [int(t) for t in ids]
+
+    def pick_on_device(self, sampled: list[WorkItem], logits: torch.Tensor):
+        """Sample, then apply forced tokens, on the logits' device with no host sync.
+        logits: [R, vocab] -> (tokens [R] long, logprobs [R] fp32 or None when no row asks)."""
+        seqs = [it.seq for it in sampled]
+        params = [s.params for s in seqs]
+        tokens = sample_tensor(logits, params, [self._generator(s) for s in seqs])
+        forced = [(i, s.params.forced_tokens[s.num_output_tokens]) for i, s in enumerate(seqs)
+                  if s.num_output_tokens < len(s.params.forced_tokens)]
+        if forced:
+            rows, ids = torch.tensor(forced, dtype=torch.long).T.to(self.device)
+            tokens = tokens.index_copy(0, rows, ids)
+        if not any(p.logprobs for p in params):
+            return tokens, None
+        return tokens, token_logprobs(logits, tokens)
+
+    def _generator(self, seq: Sequence) -> torch.Generator | None:
+        if seq.params.greedy:
+            return None
+        if seq.generator is None:
+            seq.generator = request_generator(seq.seed, self.device)
+        return seq.generator
 
     def _prepare(self, items: list[WorkItem]):
         bs = self.block_size

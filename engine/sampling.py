@@ -1,8 +1,12 @@
 """Sampling parameters and the batched sampler.
 
 Reproducibility rule: every request owns a `torch.Generator` seeded from its own seed (or the engine
-seed plus its request index), and draws exactly one uniform vector per sampled token. So a request
-produces the same tokens whatever else shares its batch.
+seed plus its request index), on the device its logits live on, and draws exactly one uniform
+vector per sampled token. So a request produces the same tokens whatever else shares its batch, and
+the same tokens for a seed on a given device (CPU and CUDA generators are different streams).
+
+Device rule: everything the sampler computes stays on the logits' device; the per-row settings go
+there once per step (`SamplingTensors`), and the runner brings the chosen ids back in one transfer.
 """
 
 from __future__ import annotations
@@ -59,51 +63,120 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def stop_tail_tokens(self) -> int:
+        """How many trailing output tokens a stop-string check decodes: every token is at least
+        one byte and a character at most four (byte-level vocabularies), so the newest token
+        plus 4 x the longest stop string's characters cover any stop string it can complete;
+        the extra tokens absorb a tail that starts inside a multi-byte character."""
+        return 4 * max((len(s) for s in self.stop), default=0) + 4
 
-def token_logprobs(logits: torch.Tensor, tokens: list[int]) -> list[float]:
-    """log softmax(logits)[row, token] per row. logits: [B, vocab]."""
+
+def request_generator(seed: int, device: torch.device | str) -> torch.Generator | None:
+    """A request's noise source, on the device its logits live on.
+
+    The generator must share the logits' device: torch refuses a CPU generator for CUDA noise, and
+    building the noise on the host would add a host-to-device copy of [rows, vocab] every step.
+    `meta` tensors (the device-discipline tests) have no random number generator at all, so a meta
+    request gets None and draws shape-only noise; its values are never read."""
+    device = torch.device(device)
+    if device.type == "meta":
+        return None
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+@dataclass
+class SamplingTensors:
+    """One step's per-row sampling settings, as tensors on the logits' device.
+
+    Built once per step from the rows' SamplingParams with one host-to-device copy per dtype
+    (pinned and non-blocking on CUDA), so the sampler itself never reads host values.
+    rows: [R] long, the sampled (non-greedy) rows of the batch; temperatures, top_p: [R, 1] fp32;
+    top_k: [R, 1] long (vocab where disabled). `filtered` says, from the host-side params, whether
+    any row needs top-k/top-p masking, so that branch costs no device sync."""
+
+    rows: torch.Tensor
+    temperatures: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    filtered: bool
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], vocab: int, device) -> SamplingTensors | None:
+        """None when every row is greedy."""
+        rows = [i for i, p in enumerate(params) if not p.greedy]
+        if not rows:
+            return None
+        chosen = [params[i] for i in rows]
+        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in chosen]
+        ints = _to_device(torch.tensor([rows, top_k], dtype=torch.long), device)
+        floats = _to_device(torch.tensor([[p.temperature for p in chosen],
+                                          [p.top_p for p in chosen]], dtype=torch.float32), device)
+        filtered = any(k < vocab for k in top_k) or any(p.top_p < 1.0 for p in chosen)
+        return cls(ints[0], floats[0].unsqueeze(1), ints[1].unsqueeze(1), floats[1].unsqueeze(1),
+                   filtered)
+
+
+def _to_device(host: torch.Tensor, device) -> torch.Tensor:
+    device = torch.device(device)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log softmax(logits)[row, token] per row, on the logits' device.
+    logits: [B, vocab]; tokens: [B] long on the same device -> [B] fp32."""
     logp = torch.log_softmax(logits.float(), dim=-1)
-    idx = torch.tensor(tokens, device=logits.device).unsqueeze(1)
-    return logp.gather(1, idx).squeeze(1).tolist()
+    return logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
            generators: list[torch.Generator | None]) -> list[int]:
-    """Pick one token per row.
+    """Pick one token per row and bring the ids to the host (`sample_tensor`, then one transfer)."""
+    return sample_tensor(logits, params, generators).tolist()
 
-    logits: [B, vocab] (any float dtype); params/generators: one per row (generator None = greedy).
-    Returns B token ids. Greedy rows are an argmax; sampled rows use top-k/top-p filtering and the
-    exponential-race trick (argmax of p / E with E ~ Exp(1)), which samples exactly from p.
-    """
+
+def sample_tensor(logits: torch.Tensor, params: list[SamplingParams],
+                  generators: list[torch.Generator | None]) -> torch.Tensor:
+    """Pick one token per row, on the logits' device, without a host sync.
+
+    logits: [B, vocab] (any float dtype); params/generators: one per row (greedy rows' generator is
+    ignored; a sampled row's must be on the logits' device, see `request_generator`).
+    Returns [B] long on the logits' device. Greedy rows are an argmax; sampled rows use top-k/top-p
+    filtering and the exponential-race trick (argmax of p / E with E ~ Exp(1)), which samples
+    exactly from p. Each sampled row draws one uniform vector from its own generator, so a request's
+    tokens do not depend on what else shares the batch."""
     logits = logits.float()
     tokens = logits.argmax(dim=-1)
-    rows = [i for i, p in enumerate(params) if not p.greedy]
-    if rows:
-        sub = logits[rows]
-        temps = torch.tensor([params[i].temperature for i in rows]).unsqueeze(1)
-        probs = _filtered_probs(sub / temps, [params[i] for i in rows])
-        noise = torch.stack([
-            torch.rand(probs.shape[1], generator=generators[i]) for i in rows
-        ])
-        race = probs / (-torch.log1p(-noise)).clamp_min(1e-20)
-        tokens[rows] = race.argmax(dim=-1)
-    return tokens.tolist()
+    tensors = SamplingTensors.build(params, logits.shape[1], logits.device)
+    if tensors is None:
+        return tokens
+    sub = logits.index_select(0, tensors.rows) / tensors.temperatures
+    probs = _filtered_probs(sub, tensors) if tensors.filtered else torch.softmax(sub, dim=-1)
+    noise = torch.stack([_uniform(probs.shape[1], generators[i], logits.device)
+                         for i, p in enumerate(params) if not p.greedy])
+    race = probs / (-torch.log1p(-noise)).clamp_min(1e-20)
+    return tokens.index_copy(0, tensors.rows, race.argmax(dim=-1))
 
 
-def _filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def _uniform(n: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    if generator is not None and generator.device != device:
+        raise ValueError(f"a request's generator is on {generator.device} but its logits are on "
+                         f"{device}; build it with request_generator(seed, logits.device)")
+    return torch.rand(n, generator=generator, device=device)
+
+
+def _filtered_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     """Softmax after per-row top-k and top-p masking. logits: [R, vocab] -> probs [R, vocab]."""
     vocab = logits.shape[1]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
-    top_p = torch.tensor([p.top_p for p in params]).unsqueeze(1)
-    if bool((top_k >= vocab).all()) and bool((top_p >= 1.0).all()):
-        return torch.softmax(logits, dim=-1)
     sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab).unsqueeze(0)
-    drop = ranks >= top_k.unsqueeze(1)
+    ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    drop = ranks >= t.top_k
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
     # Keep a token while the mass *before* it is below top_p, so the top token always survives.
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    drop |= mass_before >= top_p
+    drop |= mass_before >= t.top_p
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     filtered = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
     return torch.softmax(filtered, dim=-1)

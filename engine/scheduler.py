@@ -347,18 +347,29 @@ class Scheduler:
         forcing = seq.num_output_tokens <= len(p.forced_tokens)
         if not forcing and not p.ignore_eos and last in self.eos_ids:
             return "stop"
-        if p.stop and not forcing:
-            text = self.detokenize(seq.output_token_ids)
-            hits = [text.find(s) for s in p.stop if s in text]
-            if hits:
-                seq.text = text[: min(hits)]
-                return "stop"
+        if p.stop and not forcing and self._stop_string_hit(seq):
+            return "stop"
         if p.forced_tokens and seq.num_output_tokens == len(p.forced_tokens) \
                 and p.max_tokens <= len(p.forced_tokens):
             return "forced"
         if seq.num_output_tokens >= p.max_tokens or seq.logical_len >= self.runner.max_model_len:
             return "length"
         return None
+
+    def _stop_string_hit(self, seq: Sequence) -> bool:
+        """Did the newest token complete a stop string? Decodes only the tail that token can
+        complete (`SamplingParams.stop_tail_tokens`); the whole text is decoded once, on a hit, to
+        cut it at the first stop string."""
+        p = seq.params
+        tail = self.detokenize(seq.output_token_ids[-p.stop_tail_tokens:])
+        if not any(s in tail for s in p.stop):
+            return False
+        text = self.detokenize(seq.output_token_ids)
+        hits = [text.find(s) for s in p.stop if s in text]
+        if not hits:  # the tail decoded differently from the whole text: no stop yet
+            return False
+        seq.text = text[: min(hits)]
+        return True
 
     def _finish(self, seq: Sequence, reason: str, now: float | None = None) -> None:
         seq.finish_reason = reason

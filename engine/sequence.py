@@ -60,9 +60,10 @@ class Sequence:
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
+        self.seed = seed
+        # Made on first use by the runner, on the logits' device (engine.sampling.request_generator);
+        # it survives preemption, so a recomputed request continues its own random stream.
         self.generator: torch.Generator | None = None
-        if not params.greedy:
-            self.generator = torch.Generator().manual_seed(seed)
         self.status = SeqStatus.WAITING
         self.finish_reason: str | None = None
         self.block_table: list[int] = []
@@ -80,7 +81,7 @@ class Sequence:
         self.arrival = time.perf_counter() if arrival is None else arrival
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
-        self.text = ""
+        self.text: str | None = None  # set when a stop string cuts the output (may be "")
 
     def __len__(self) -> int:
         return len(self.token_ids)

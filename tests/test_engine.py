@@ -157,6 +157,37 @@ def test_stop_strings_and_eos(llama_dir):
     assert len(out.token_ids) == full.token_ids.index(eos_token) + 1
 
 
+def test_stop_strings_decode_only_a_bounded_tail(llama_dir):
+    """A stop string spanning several tokens, completed 40 tokens in, is found; each step decodes at
+    most SamplingParams.stop_tail_tokens tokens, and the whole text once, on the hit."""
+    llm = LLM(str(llama_dir), block_size=4, kv_cache_tokens=1024)
+    full = llm.generate([PROMPTS[1]], SamplingParams(temperature=0.0, max_tokens=60,
+                                                     ignore_eos=True))[0]
+    stop = llm.tokenizer.decode(full.token_ids[36:40])
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, stop=(stop,))
+    decoded = []
+    original = llm._decode
+
+    def counting(token_ids):
+        decoded.append(len(token_ids))
+        return original(token_ids)
+
+    llm._decode = counting
+    cut = llm.generate([PROMPTS[1]], params)[0]
+    assert cut.finish_reason == "stop" and cut.text == full.text[: full.text.find(stop)]
+    *per_step, whole = decoded  # one tail per sampled token, then the whole text on the hit
+    assert len(per_step) == len(cut.token_ids) == whole == 40
+    assert max(per_step) == params.stop_tail_tokens < 40
+
+
+def test_a_stop_string_at_the_start_leaves_empty_text(llama_dir):
+    llm = LLM(str(llama_dir), block_size=4, kv_cache_tokens=1024)
+    full = llm.generate([PROMPTS[0]], GREEDY)[0]
+    stop = llm.tokenizer.decode(full.token_ids[:2])
+    cut = llm.generate([PROMPTS[0]], SamplingParams(temperature=0.0, max_tokens=16, stop=(stop,)))[0]
+    assert cut.finish_reason == "stop" and cut.text == "" and len(cut.token_ids) == 2
+
+
 def test_run_stats_follow_metric_definitions(llama_dir):
     llm, outs = run(llama_dir, PROMPTS, kv_cache_tokens=1024)
     stats = llm.last_stats

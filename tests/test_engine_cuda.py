@@ -95,3 +95,15 @@ def test_every_policy_runs_in_bf16_and_follows_fp32(model_dir, policy):
     # bf16 drifts from fp32 after some tokens on a random model; the first ones must agree.
     agree = sum(a.token_ids[:4] == b.token_ids[:4] for a, b in zip(lowp, ref))
     assert agree >= len(PROMPTS) - 1
+
+
+def test_sampling_at_temperature_06_runs_on_the_device_and_repeats_for_a_seed(model_dir):
+    """Every reasoning task samples at 0.6 by default: the first sampled decode step must run with
+    the logits on the GPU, and a seed must give the same tokens on the same device."""
+    llm = LLM(str(model_dir), device=DEVICE, block_size=16, kv_cache_tokens=2048)
+    params = [SamplingParams(temperature=0.6, top_p=0.95, top_k=20, seed=s, max_tokens=NEW_TOKENS,
+                             ignore_eos=True, logprobs=True) for s in range(len(PROMPTS))]
+    first = llm.generate(PROMPTS, params)
+    again = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in first] == [o.token_ids for o in again]
+    assert all(len(o.token_ids) == NEW_TOKENS and len(o.token_logprobs) == NEW_TOKENS for o in first)

@@ -1,0 +1,128 @@
+"""The sampler: exact semantics on CPU, everything on the logits' device, batch-independent seeds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from device_guard import DeviceGuard, HostMixError
+from engine.config import ConfigError
+from engine.sampling import (
+    SamplingParams,
+    request_generator,
+    sample,
+    sample_tensor,
+    token_logprobs,
+)
+
+VOCAB = 50
+MIXED = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.6, seed=1),
+         SamplingParams(temperature=0.6, top_k=5, seed=2), SamplingParams(temperature=1.3, top_p=0.8),
+         SamplingParams(temperature=0.6, top_k=3, top_p=0.5)]
+
+
+def logits_for(n: int, device="cpu") -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(n, VOCAB, generator=g) * 3).to(device)
+
+
+def naive_token(row: torch.Tensor, p: SamplingParams, gen: torch.Generator) -> int:
+    """The documented rule, one row at a time: temperature, top-k, then top-p over the sorted
+    distribution (a token survives while the mass before it is below top_p), then the exponential
+    race argmax p / E with E = -log(1 - U), U one uniform draw per vocabulary entry."""
+    probs = torch.softmax(row / p.temperature, dim=-1)
+    order = sorted(range(VOCAB), key=lambda i: -row[i].item())
+    keep, mass = set(), 0.0
+    for rank, tok in enumerate(order):
+        if (p.top_k and rank >= p.top_k) or mass >= p.top_p:
+            break
+        keep.add(tok)
+        mass += probs[tok].item()
+    kept = torch.tensor([probs[i].item() if i in keep else 0.0 for i in range(VOCAB)])
+    kept = kept / kept.sum()
+    noise = torch.rand(VOCAB, generator=gen)
+    race = [kept[i].item() / max(-torch.log1p(-noise[i]).item(), 1e-20) for i in range(VOCAB)]
+    return max(range(VOCAB), key=lambda i: race[i])
+
+
+def test_cpu_sampling_follows_the_documented_rule_row_by_row():
+    logits = logits_for(len(MIXED))
+    gens = [request_generator(7 + i, "cpu") for i in range(len(MIXED))]
+    refs = [request_generator(7 + i, "cpu") for i in range(len(MIXED))]
+    for _ in range(3):  # successive draws continue each row's own stream
+        got = sample(logits, MIXED, gens)
+        want = [int(logits[i].argmax()) if p.greedy else naive_token(logits[i], p, refs[i])
+                for i, p in enumerate(MIXED)]
+        assert got == want
+
+
+def test_a_row_samples_the_same_whatever_shares_its_batch():
+    logits = logits_for(len(MIXED))
+    alone = sample(logits[2:3], MIXED[2:3], [request_generator(5, "cpu")])
+    batch = sample(logits, MIXED, [request_generator(5 if i == 2 else 100 + i, "cpu")
+                                   for i in range(len(MIXED))])
+    assert batch[2] == alone[0]
+
+
+def test_sampler_keeps_every_tensor_on_the_logits_device():
+    logits = logits_for(len(MIXED), "meta")
+    gens = [request_generator(i, "meta") for i in range(len(MIXED))]
+    with DeviceGuard("meta"):
+        tokens = sample_tensor(logits, MIXED, gens)
+        logp = token_logprobs(logits, tokens)
+    assert tokens.device.type == "meta" and tokens.shape == (len(MIXED),)
+    assert logp.device.type == "meta" and logp.shape == (len(MIXED),)
+
+
+def test_guard_catches_a_host_index_and_a_generator_on_another_device():
+    logits = logits_for(2, "meta")
+    with DeviceGuard("meta"), pytest.raises(HostMixError):
+        logits.index_select(0, torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="generator is on cpu"):
+        sample_tensor(logits, MIXED[1:3], [request_generator(0, "cpu")] * 2)
+
+
+def test_runner_picks_forces_and_scores_on_device():
+    """The runner's pick (sampling, forced tokens, log-probs) before its one transfer, on meta."""
+    from engine.runner import ModelRunner, WorkItem
+    from engine.sequence import Sequence
+
+    seqs = [Sequence([1, 2], SamplingParams(temperature=0.6, seed=3, logprobs=True), 3),
+            Sequence([1, 2], SamplingParams(temperature=0.0, forced_tokens=(4, 5)), 4)]
+    runner = ModelRunner.__new__(ModelRunner)  # only the sampling half: no model needed
+    runner.device = torch.device("meta")
+    with DeviceGuard("meta"):
+        tokens, logp = runner.pick_on_device([WorkItem(s, 1) for s in seqs], logits_for(2, "meta"))
+    assert tokens.device.type == logp.device.type == "meta" and logp.shape == (2,)
+
+
+def test_runner_pick_forces_tokens_and_records_logprobs_on_cpu():
+    from engine.runner import ModelRunner, WorkItem
+    from engine.sequence import Sequence
+
+    seqs = [Sequence([1, 2], SamplingParams(temperature=0.6, seed=3, logprobs=True), 3),
+            Sequence([1, 2], SamplingParams(temperature=0.0, forced_tokens=(4, 5), logprobs=True), 4),
+            Sequence([1, 2], SamplingParams(temperature=0.0), 5)]
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.device = torch.device("cpu")
+    logits = logits_for(3)
+    tokens = runner._pick([WorkItem(s, 1) for s in seqs], logits)
+    assert tokens[1] == 4 and tokens[2] == int(logits[2].argmax())
+    logp = torch.log_softmax(logits, -1)
+    assert seqs[0].token_logprobs == [pytest.approx(logp[0, tokens[0]].item())]
+    assert seqs[1].token_logprobs == [pytest.approx(logp[1, 4].item())]
+    assert seqs[2].token_logprobs == []
+
+
+def test_stop_tail_covers_the_longest_stop_string():
+    assert SamplingParams(stop=("ab", "Question:")).stop_tail_tokens == 4 * 9 + 4
+    with pytest.raises(ConfigError):
+        SamplingParams(top_p=0.0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")
+def test_cuda_sampling_is_on_device_and_reproducible():
+    logits = logits_for(len(MIXED), "cuda")
+    first = sample(logits, MIXED, [request_generator(i, "cuda") for i in range(len(MIXED))])
+    again = sample(logits, MIXED, [request_generator(i, "cuda") for i in range(len(MIXED))])
+    assert first == again and first[0] == int(logits[0].argmax())
