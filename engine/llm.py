@@ -17,7 +17,7 @@ from engine.models.loader import load_tokenizer, resolve_model
 from engine.policies.base import EngineSpec, KVPolicy, build_policy
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import Scheduler, prompt_unfit
 from engine.sequence import Sequence
 from engine.stats import RequestOutput, RunStats, StepRecord, run_stats
 
@@ -25,32 +25,74 @@ Prompt = str | list[int]
 
 
 class LLM:
+    """The engine: load a model once, then generate under any KV policy.
+
+    `LLM(model=None, **config)`: `model` is a local HF directory, a GGUF file, a hub id, or None for
+    the embedded default (SmolLM2-135M-Instruct); every other keyword is an `EngineConfig` field
+    (engine/config.py documents each; an unknown one is an error), for example `policy="snapkv"`,
+    `policy_args={"budget": 128}`, `block_size=32`, `kv_cache_tokens=16384`, `max_num_seqs=16`,
+    `dtype="float32"`, `device="cuda"`, `seed=0`.
+
+    To compare policies without reloading the weights, swap them with `use_policy`:
+
+        llm = LLM()
+        for name in ("full", "snapkv"):
+            llm.use_policy(name, budget=64) if name != "full" else llm.use_policy(name)
+            print(name, llm.generate("Hello", SamplingParams(temperature=0, max_tokens=32))[0].text)
+    """
+
     def __init__(self, model: str | None = None, **kwargs):
         if model is not None:
             kwargs["model"] = str(model)
         self.config = EngineConfig.from_kwargs(**kwargs)
         self.model_dir = resolve_model(self.config.model)
         self.tokenizer = load_tokenizer(self.model_dir)
-        self.policy = self._policy()
-        self.policy.prepare(self.config.block_size)  # before signals(): they may depend on it
-        self.runner = ModelRunner(self.config, self.model_dir, self.policy.signals())
-        r = self.runner
-        self.policy.bind(EngineSpec(r.block_size, r.num_layers, r.num_q_heads, r.num_kv_heads,
-                                    r.head_dim, r.num_pages, r.max_model_len))
+        policy = self._policy(self.config.policy, self.config.policy_args)
+        policy.prepare(self.config.block_size)  # before signals(): they may depend on it
+        self.runner = ModelRunner(self.config, self.model_dir, policy.signals())
         self.eos_ids = self._eos_ids()
+        self.last_stats: RunStats | None = None
+        self._bind(policy)
+
+    def use_policy(self, policy: str | KVPolicy, **args) -> KVPolicy:
+        """Run the next generations under `policy` (a registered name with its dataclass fields as
+        keyword arguments, or a policy instance), keeping the loaded weights and KV pool.
+
+        The policy is built (unknown names and fields are errors), prepared for the block size,
+        its signals are given their pools (re-allocated only when they differ from the current
+        ones), it is bound to the engine's shape, and the block manager starts afresh: a cold
+        prefix cache, as a new engine has, so a run never reuses the pages of the run before it.
+        Returns the bound policy."""
+        built = self._policy(policy, args)
+        built.prepare(self.config.block_size)
+        self.runner.use_signals(built.signals())
+        self._bind(built)
+        return built
+
+    def why_unfit(self, n_tokens: int) -> str | None:
+        """Why a prompt of `n_tokens` tokens cannot run on this engine (the model's context or the
+        whole KV pool is too small), or None when it fits. The scheduler refuses such a prompt
+        with the same words."""
+        r = self.runner
+        return prompt_unfit(n_tokens, r.max_model_len, r.num_pages, r.block_size)
+
+    def _bind(self, policy: KVPolicy) -> None:
+        r = self.runner
+        policy.bind(EngineSpec(r.block_size, r.num_layers, r.num_q_heads, r.num_kv_heads,
+                               r.head_dim, r.num_pages, r.max_model_len))
+        self.policy = policy
         # Outlives each generate() call, so prefix-cached pages are reused across calls too.
         self.block_manager = BlockManager(r.num_pages, r.block_size, self.config.enable_prefix_caching)
-        self.last_stats: RunStats | None = None
 
-    def _policy(self) -> KVPolicy:
-        policy = self.config.policy
+    @staticmethod
+    def _policy(policy: str | KVPolicy, args: dict) -> KVPolicy:
         if isinstance(policy, KVPolicy):
-            if self.config.policy_args:
-                raise ConfigError("policy_args only apply when policy is given by name")
+            if args:
+                raise ConfigError("policy arguments only apply when the policy is given by name")
             return policy
         if not isinstance(policy, str):
             raise ConfigError(f"policy must be a name or a KVPolicy, got {type(policy).__name__}")
-        return build_policy(policy, self.config.policy_args)
+        return build_policy(policy, args)
 
     def _eos_ids(self) -> set[int]:
         ids = set()

@@ -60,8 +60,25 @@ class ModelRunner:
         self.block_size = config.block_size
         self.kv = self._allocate_kv(signals.slot_scores)
         self.logits_hook = None  # tests/analysis: called with (items, logits of sampled rows)
-        self.queries = QueryStatePool(signals, self.num_layers, config.max_num_seqs,
-                                      self.num_q_heads, self.head_dim, self.device, self.dtype)
+        self.signals = signals
+        self.queries = self._query_pool(signals)
+
+    def _query_pool(self, signals: SignalSpec) -> QueryStatePool:
+        return QueryStatePool(signals, self.num_layers, self.config.max_num_seqs,
+                              self.num_q_heads, self.head_dim, self.device, self.dtype)
+
+    def use_signals(self, signals: SignalSpec) -> None:
+        """Give a newly chosen policy's signals their pools (between runs, with no request
+        running): the query pool and the per-slot scores are re-allocated only when they differ
+        from the current ones; the KV pages themselves stay."""
+        if signals == self.signals:
+            return
+        self.queries = self._query_pool(signals)
+        if signals.slot_scores != (self.kv.scores is not None):
+            scores = (torch.zeros(self.kv.k.shape[:-1], device=self.device, dtype=torch.float32)
+                      if signals.slot_scores else None)
+            self.kv = KVCache(self.kv.k, self.kv.v, scores)
+        self.signals = signals
 
     # -- memory -----------------------------------------------------------------------------
     @property

@@ -35,6 +35,19 @@ from engine.runner import ModelRunner, WorkItem
 from engine.sequence import CapacityEvent, SeqStatus, Sequence
 
 
+def prompt_unfit(n: int, max_model_len: int, num_pages: int, block_size: int) -> str | None:
+    """Why a prompt of `n` tokens can never run (the one rule for it: `Scheduler.add`, and
+    `LLM.why_unfit` for callers that check before submitting), or None. It needs room for one
+    generated token, in the model's context and in the whole KV pool."""
+    if n >= max_model_len:
+        return (f"prompt of {n} tokens does not fit the model context of {max_model_len} tokens "
+                f"(max_model_len); shorten it or raise max_model_len")
+    if -(-(n + 1) // block_size) > num_pages:
+        return (f"prompt of {n} tokens needs more KV pages than the whole pool holds "
+                f"({num_pages} pages of {block_size}); raise kv_cache_tokens")
+    return None
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, runner: ModelRunner, policy: KVPolicy,
                  block_manager: BlockManager, eos_ids: set[int],
@@ -63,16 +76,9 @@ class Scheduler:
         limit = self.runner.max_model_len
         if n == 0:
             raise ConfigError("empty prompt: a request needs at least one token")
-        if n >= limit:
-            raise ConfigError(
-                f"prompt of {n} tokens does not fit the model context of {limit} tokens "
-                f"(max_model_len); shorten it or raise max_model_len"
-            )
-        if -(-(n + 1) // self.bm.block_size) > self.bm.num_pages:
-            raise ConfigError(
-                f"prompt of {n} tokens needs more KV pages than the whole pool holds "
-                f"({self.bm.num_pages} pages of {self.bm.block_size}); raise kv_cache_tokens"
-            )
+        reason = prompt_unfit(n, limit, self.bm.num_pages, self.bm.block_size)
+        if reason:
+            raise ConfigError(reason)
         seq.policy_state = self.policy.new_state()
         self.waiting.append(seq)
 

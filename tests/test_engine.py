@@ -318,3 +318,32 @@ def test_decode_attention_without_mask_when_lengths_are_equal():
     torch.testing.assert_close(fast, decode_attention_planned(q, k_cache, v_cache, masked, 0.3),
                                rtol=1e-6, atol=1e-6)
     assert plan_decode_torch(q, k_cache, v_cache, tables, torch.tensor([10, 9, 10])).uniform is None
+
+
+def test_use_policy_swaps_policies_without_reloading(llama_dir):
+    """One engine, several policies: each run equals a fresh engine built with that policy, the
+    weights are not reloaded, and signals get pools of their own when they differ."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    kw = dict(block_size=4, kv_cache_tokens=1024)
+    llm = LLM(str(llama_dir), **kw)
+    weights = llm.runner.model
+    for name, args in [("snapkv", {"budget": 12, "window": 4}), ("zipage", {"budget": 12, "window": 4}),
+                       ("growpage", {"initial_capacity": 16, "protected_recent": 2}), ("full", {})]:
+        bound = llm.use_policy(name, **args)
+        assert llm.policy is bound and llm.runner.model is weights
+        swapped = llm.generate(PROMPTS, params)
+        fresh = LLM(str(llama_dir), policy=name, policy_args=args, **kw).generate(PROMPTS, params)
+        assert [o.token_ids for o in swapped] == [o.token_ids for o in fresh], name
+        assert llm.runner.signals == bound.signals()
+    with pytest.raises(ConfigError, match="unknown"):
+        llm.use_policy("no-such-policy")
+
+
+def test_why_unfit_is_the_rule_the_scheduler_applies(llama_dir):
+    llm = LLM(str(llama_dir), block_size=4, kv_cache_tokens=16)
+    assert llm.why_unfit(3) is None
+    reason = llm.why_unfit(16)
+    assert "more KV pages than the whole pool holds" in reason
+    with pytest.raises(ConfigError, match="more KV pages than the whole pool"):
+        llm.generate([list(range(1, 17))], SamplingParams(temperature=0.0, max_tokens=2))
+    assert "model context" in llm.why_unfit(llm.runner.max_model_len)
