@@ -24,6 +24,7 @@ class ConfigError(ValueError):
 CPU_BLOCK_SIZE = 32
 GPU_BLOCK_SIZE = 256
 CPU_KV_CACHE_TOKENS = 16384
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass
@@ -49,6 +50,9 @@ class EngineConfig:
         back to the policy's compression (GrowPage Sec. 4.2). int(watermark x pages) pages, as
         vLLM's block manager computes its 1% watermark; page allocation ignores it.
     seed: base seed; a request without its own seed gets seed + its request index.
+    load_format: "auto" reads the checkpoint; "dummy" fills every weight with seeded random values
+        and reads only the model's config (vLLM's `--load-format dummy`): step-time and launch
+        checks of 8B shapes without an 8B checkpoint.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -67,6 +71,7 @@ class EngineConfig:
     async_compaction: bool = False
     grow_watermark: float = 0.01
     seed: int = 0
+    load_format: str = "auto"
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
@@ -102,6 +107,8 @@ class EngineConfig:
             raise ConfigError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+        if self.load_format not in LOAD_FORMATS:
+            raise ConfigError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if not isinstance(self.policy_args, dict):
             raise ConfigError(f"policy_args must be a dict, got {type(self.policy_args).__name__}")
 

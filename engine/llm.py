@@ -45,7 +45,8 @@ class LLM:
         if model is not None:
             kwargs["model"] = str(model)
         self.config = EngineConfig.from_kwargs(**kwargs)
-        self.model_dir = resolve_model(self.config.model)
+        self.model_dir = resolve_model(self.config.model,
+                                       need_weights=self.config.load_format != "dummy")
         self.tokenizer = load_tokenizer(self.model_dir)
         policy = self._policy(self.config.policy, self.config.policy_args)
         policy.prepare(self.config.block_size)  # before signals(): they may depend on it

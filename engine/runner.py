@@ -14,7 +14,7 @@ import torch
 
 from engine.attention import ForwardContext, KVCache
 from engine.config import CPU_KV_CACHE_TOKENS, ConfigError, EngineConfig
-from engine.models import build_model, load_weights
+from engine.models import build_model, load_weights, random_tensors
 from engine.models.loader import iter_safetensors, load_config
 from engine.policies.base import SignalSpec
 from engine.query_state import QueryStatePool
@@ -50,7 +50,9 @@ class ModelRunner:
             )
         self.max_model_len = config.max_model_len or limit
         self.model = build_model(self.hf_config, self.max_model_len, self.device, self.dtype)
-        load_weights(self.model, iter_safetensors(model_dir), self.device, self.dtype)
+        tensors = (random_tensors(self.model, config.seed, self.device) if config.load_format == "dummy"
+                   else iter_safetensors(model_dir))
+        load_weights(self.model, tensors, self.device, self.dtype)
         cfg = self.hf_config
         self.num_layers = cfg.num_hidden_layers
         self.num_q_heads = cfg.num_attention_heads
@@ -62,6 +64,13 @@ class ModelRunner:
         self.logits_hook = None  # tests/analysis: called with (items, logits of sampled rows)
         self.signals = signals
         self.queries = self._query_pool(signals)
+
+    def load_state(self, tensors) -> None:
+        """Replace the weights with checkpoint-named (name, tensor) pairs, e.g. a transformers
+        model's `state_dict().items()`, so the engine and that model compute with the same
+        weights (the GPU check compares them on random 8B-shaped weights)."""
+        self.model = build_model(self.hf_config, self.max_model_len, self.device, self.dtype)
+        load_weights(self.model, tensors, self.device, self.dtype)
 
     def _query_pool(self, signals: SignalSpec) -> QueryStatePool:
         return QueryStatePool(signals, self.num_layers, self.config.max_num_seqs,

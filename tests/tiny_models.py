@@ -32,28 +32,8 @@ from typing import Any
 import numpy as np
 import torch
 
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
-EOS_TOKEN = "<|im_end|>"
-BOS_TOKEN = "<|im_start|>"
-PAD_TOKEN = "<|endoftext|>"
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
-
-# Enough distinct pairs for a few hundred merges; the sentences resemble the workloads (math, code).
-_CORPUS = (
-    "The quick brown fox jumps over the lazy dog.",
-    "Paged attention stores keys and values in fixed-size blocks of token slots.",
-    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
-    "How many clips did Natalia sell altogether in April and May? The answer is 72.",
-    "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n",
-    "Let x be a real number such that x^2 - 5x + 6 = 0. Find the sum of all possible values of x.",
-    "A careful reader checks every step of the reasoning before writing the final answer.",
-    "Compression keeps the most important tokens; growth appends a new page from the free pool.",
-)
+# The tokenizer is the random-weights models' (engine/models/random_model.py).
+from engine.models.random_model import make_tokenizer as make_tiny_tokenizer
 
 # Per architecture: HF config class name, whether embeddings are tied by default.
 _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
@@ -81,39 +61,6 @@ _COMMON_DEFAULTS: dict[str, Any] = {
 
 # ----------------------------------------------------------------------------------------------
 # tokenizer
-
-
-def make_tiny_tokenizer(vocab_size: int = 320):
-    """A byte-level BPE ``PreTrainedTokenizerFast`` with exactly ``vocab_size`` tokens (ChatML, eos)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    base = len(SPECIAL_TOKENS) + len(pre_tokenizers.ByteLevel.alphabet())
-    if vocab_size < base:
-        raise ValueError(f"vocab_size={vocab_size} is too small for a byte-level tokenizer: need >= {base}")
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=list(SPECIAL_TOKENS),
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    backend.train_from_iterator(list(_CORPUS) * 4, trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=backend, eos_token=EOS_TOKEN, bos_token=BOS_TOKEN, pad_token=PAD_TOKEN
-    )
-    missing = vocab_size - len(tokenizer)
-    if missing > 0:  # the corpus ran out of merges: fill up like real vocabularies do
-        tokenizer.add_special_tokens(
-            {"additional_special_tokens": [f"<|reserved_{k}|>" for k in range(missing)]},
-            replace_extra_special_tokens=False,
-        )
-    if len(tokenizer) != vocab_size:
-        raise RuntimeError(f"tiny tokenizer has {len(tokenizer)} tokens, expected {vocab_size}")
-    tokenizer.chat_template = CHATML_TEMPLATE
-    return tokenizer
 
 
 # ----------------------------------------------------------------------------------------------

@@ -49,3 +49,24 @@ def load_weights(model: CausalLM, tensors, device, dtype) -> None:
     model.load_state_dict(loaded, strict=True, assign=True)
     model.fuse_projections()
     model.eval()
+
+
+def random_tensors(model: CausalLM, seed: int, device="cpu"):
+    """(name, tensor) pairs for every parameter of a meta-initialised model, drawn in fp32 from a
+    generator seeded with `seed` on `device` (`EngineConfig.load_format="dummy"`; on a GPU this
+    takes seconds for 8B weights, where a CPU generator would take minutes). The same seed on the
+    same device gives the same weights, so a transformers model filled from this equals the
+    engine's. Norms near 1, projections scaled by 1/sqrt(fan_in) so activations stay O(1)
+    through many layers, embeddings and biases small."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def randn(shape):
+        return torch.randn(shape, generator=gen, device=device)
+
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            yield name, 1.0 + 0.05 * randn(param.shape)
+        elif name.endswith(".bias") or "embed_tokens" in name:
+            yield name, 0.02 * randn(param.shape)
+        else:
+            yield name, randn(param.shape) / param.shape[-1] ** 0.5

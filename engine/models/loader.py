@@ -149,12 +149,14 @@ def _is_embedded_name(spec: object) -> bool:
 # resolution
 
 
-def resolve_model(spec: str | os.PathLike) -> Path:
+def resolve_model(spec: str | os.PathLike, need_weights: bool = True) -> Path:
     """An HF-format model directory for ``spec``.
 
     ``spec``: an embedded name (``EMBEDDED_MODEL_NAMES``, case-insensitive; names win over a
     same-named relative path -- write ``./default`` for the path), an HF directory, or a
     ``.gguf`` file (converted into the cache on first use, see module docstring).
+    ``need_weights=False`` accepts a directory without ``*.safetensors`` (random weights,
+    ``EngineConfig.load_format="dummy"``).
     Raises ``ModelNotFoundError`` / ``ModelFormatError`` naming what was looked for.
     """
     if _is_embedded_name(spec):
@@ -165,7 +167,7 @@ def resolve_model(spec: str | os.PathLike) -> Path:
         raise ModelNotFoundError(
             f"Model spec must be a path or a name, got {spec!r}. {_valid_specs()}") from exc
     if path.is_dir():
-        check_model_dir(path)
+        check_model_dir(path, need_weights)
         return path
     if path.is_file():
         if path.suffix.lower() == ".gguf":
@@ -240,8 +242,9 @@ def _check_hub_architecture(repo_id: str, config_path: Path) -> None:
             f"{sorted(ARCHITECTURES)} (Llama, Mistral, Qwen2, Qwen3 checkpoints).")
 
 
-def check_model_dir(model_dir: str | os.PathLike) -> Path:
-    """Check that ``model_dir`` holds config.json, *.safetensors and a tokenizer; return it as a Path."""
+def check_model_dir(model_dir: str | os.PathLike, need_weights: bool = True) -> Path:
+    """Check that ``model_dir`` holds config.json, *.safetensors (unless ``need_weights`` is
+    False) and a tokenizer; return it as a Path."""
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise ModelNotFoundError(f"Model directory {model_dir} does not exist. {_valid_specs()}")
@@ -250,7 +253,7 @@ def check_model_dir(model_dir: str | os.PathLike) -> Path:
     missing = []
     if not (model_dir / "config.json").is_file():
         missing.append("config.json")
-    if not any(model_dir.glob("*.safetensors")):
+    if need_weights and not any(model_dir.glob("*.safetensors")):
         missing.append("*.safetensors weights")
     if not any((model_dir / name).is_file() for name in TOKENIZER_FILES):
         missing.append(f"tokenizer files (one of {', '.join(TOKENIZER_FILES)})")

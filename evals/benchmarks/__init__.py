@@ -36,3 +36,4 @@ from evals.benchmarks import mixed  # noqa: E402,F401
 from evals.benchmarks import concurrency  # noqa: E402,F401
 from evals.benchmarks import kernels  # noqa: E402,F401
 from evals.benchmarks import soak  # noqa: E402,F401
+from evals.benchmarks import step  # noqa: E402,F401
