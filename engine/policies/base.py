@@ -255,17 +255,25 @@ def register_policy(cls: type[KVPolicy]) -> type[KVPolicy]:
     return cls
 
 
+def policy_registry() -> dict[str, type[KVPolicy]]:
+    """Every registered policy by name, in registration order. The one door to the registry:
+    the first call imports `engine.policies`, whose modules register the built-ins, so no caller
+    needs an import for its side effect."""
+    import engine.policies  # noqa: F401  (the package's modules register the built-ins)
+
+    return POLICIES
+
+
 def policy_fields(cls: type[KVPolicy]) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(cls) if f.init}
 
 
 def build_policy(name: str, args: dict[str, Any] | None = None) -> KVPolicy:
     """Instantiate a registered policy; string values (from the CLI) are coerced to field types."""
-    import engine.policies  # noqa: F401  (registers the built-in policies)
-
-    if name not in POLICIES:
-        raise ConfigError(f"unknown policy {name!r}; known policies: {sorted(POLICIES)}")
-    cls = POLICIES[name]
+    registry = policy_registry()
+    if name not in registry:
+        raise ConfigError(f"unknown policy {name!r}; known policies: {sorted(registry)}")
+    cls = registry[name]
     fields = policy_fields(cls)
     args = dict(args or {})
     unknown = sorted(set(args) - set(fields))
