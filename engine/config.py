@@ -5,7 +5,7 @@
 "why did my flag do nothing" bugs in serving engines).
 
 Scale presets: the papers use block 256 and multi-GB pools on an A100. On CPU the defaults are a
-block of 32 tokens and an explicitly sized pool (`kv_cache_tokens`), as DESIGN.md's "Scale" asks.
+block of 32 tokens and an explicitly sized pool (`kv_cache_tokens`), which docs/architecture.md describes.
 """
 
 from __future__ import annotations
@@ -21,6 +21,8 @@ class ConfigError(ValueError):
     """A configuration value (engine, sampling or policy) is invalid."""
 
 
+# The embedded default model (engine/models/loader.py finds it); every default names it from here.
+DEFAULT_MODEL = "smollm2-135m-instruct"
 CPU_BLOCK_SIZE = 32
 GPU_BLOCK_SIZE = 256
 CPU_KV_CACHE_TOKENS = 16384
@@ -55,7 +57,7 @@ class EngineConfig:
         checks of 8B shapes without an 8B checkpoint.
     """
 
-    model: str = "smollm2-135m-instruct"
+    model: str = DEFAULT_MODEL
     device: str = "auto"
     dtype: str = "auto"
     block_size: int | None = None

@@ -1,4 +1,4 @@
-"""Preallocated per-request query signals for policies (DESIGN.md: "slot pools bound to running
+"""Preallocated per-request query signals for policies (docs/architecture.md: "slot pools bound to running
 requests, never allocated per step").
 
 - recent: ring buffer of the last n pre-RoPE queries of every layer, [layers, slots, n, q_heads, d],

@@ -1,6 +1,6 @@
 """Request state.
 
-A sequence keeps two lengths apart (DESIGN.md, "The engine's core model"):
+A sequence keeps two lengths apart (docs/architecture.md, "The core model"):
 - the *logical* length `len(token_ids)`: tokens that exist (prompt + output), which drives RoPE
   positions and stopping;
 - the *physical* KV length `physical_len`: slots occupied in its pages. Compression changes only

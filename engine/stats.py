@@ -1,4 +1,4 @@
-"""Per-request outputs and run statistics, with DESIGN.md's metric definitions:
+"""Per-request outputs and run statistics, with the metric definitions of docs/metrics.md:
 
 - TPS: total output tokens / wall time from the start of decoding until every request completes.
 - TPOT per request: (finish time - first token time) / (output tokens - 1); the mean is reported.

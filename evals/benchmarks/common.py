@@ -362,7 +362,7 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 def policy_metrics(run: EngineRun, reference: EngineRun | None = None) -> dict:
-    """The standard per-configuration numbers (DESIGN.md "Metrics"), from one engine run.
+    """The standard per-configuration numbers (docs/metrics.md), from one engine run.
 
     compaction_share: compaction_seconds / wall_time (scoring, top-k and compaction of every
         compression event; the demand estimate is not included).

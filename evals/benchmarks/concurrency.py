@@ -393,7 +393,7 @@ def _pivot(sweep: list[dict], levels: tuple[int, ...], key: str = "tps") -> Tabl
     for r in sweep:
         rows.setdefault(r["policy"], {"policy": r["policy"]})[f"{key}_{r['max_num_seqs']}"] = r[key]
     what = "TPS" if key == "tps" else "tok/CPU-s"
-    caption = ("TPS = output tokens / wall time (DESIGN.md)." if key == "tps" else
+    caption = ("TPS = output tokens / wall time (docs/metrics.md)." if key == "tps" else
                "tok/CPU-s = output tokens per process CPU second (both threads): the same runs, "
                "without the time other processes held the shared cores.")
     return Table(f"{key}_by_level", f"(a) {what} by max_num_seqs (memory-bound pool)",

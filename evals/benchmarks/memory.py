@@ -126,7 +126,7 @@ def run_memory(model: str = "default", *, quick: bool = False, scale: MemoryScal
         rows,
         f"Pool {pool} tokens ({pool // scale.block_size} pages of {scale.block_size}) = "
         f"{scale.fullkv_resident} requests at full length. TPS = output tokens / wall time of the "
-        "run (DESIGN.md); tok/CPU-s = output tokens per process CPU second (steadier on a shared "
+        "run (docs/metrics.md); tok/CPU-s = output tokens per process CPU second (steadier on a shared "
         "machine), shown relative to FullKV's. C = mean resident requests per decode step. "
         "compress = compress + shrink events (prompt, boundary and fallback compressions). "
         "compress % wall = compaction_seconds (score, window mask, top-k, compaction of every "
