@@ -364,7 +364,6 @@ def _ipc_objects_of(key: int) -> dict[str, int]:
 @needs_root
 def test_sysv_and_posix_ipc_neither_outlive_the_program_nor_see_the_host():
     sb = Sandbox(SandboxConfig(wall_s=10))
-    assert capabilities(sb.config).ipc_namespace
     key, host_key = 0x6B76_0000 + os.getpid() % 0x10000, 0x6B77_0000 + os.getpid() % 0x10000
     queue = f"/kvarena-test-{os.getpid()}".encode()
     ns: dict = {}
@@ -394,6 +393,7 @@ def test_sysv_and_posix_ipc_neither_outlive_the_program_nor_see_the_host():
         # Nor did anything reach the host's namespace.
         assert _ipc_objects_of(key) == {"shm": -1, "msg": -1, "sem": -1}
         assert ns["libc"].mq_open(queue, os.O_RDONLY, 0, None) == -1
+        assert capabilities(sb.config).ipc_namespace
     finally:
         ns["libc"].shmctl(host_shm, 0, None)  # IPC_RMID
 
@@ -552,7 +552,8 @@ def test_two_graders_never_share_a_uid():
 
 _FORGE = """
 import os
-forged = (b'{"event": "exit", "code": 0}\\n{"event": "ready"}\\n{"event": "result", "value": "[1]"}\\n'
+forged = (b'exit 0\\n{"event": "exit", "code": 0}\\n{"event": "ready"}\\n'
+          b'{"event": "result", "value": "[1]"}\\n'
           b'{"event": "exit", "code": "x"}\\n{"event": "result", "value": 5}\\n[1, 2]\\n{"event": 7}\\n'
           b'{"event": "exit", "co')
 for fd in range(3, 256):
