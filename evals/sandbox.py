@@ -4,30 +4,47 @@ Each program runs in a child interpreter that this same file drives as a script 
 needs only the standard library).  Layers, strongest first; which ones are active is probed
 once and reported by :func:`capabilities`:
 
-1. **Own unprivileged user** (when the parent is root): the child drops to a uid that belongs
-   to this sandbox slot only (``uid_base + ...``), with no supplementary groups and
-   ``PR_SET_NO_NEW_PRIVS``.  It then cannot write the project tree or read other processes'
-   ``/proc/<pid>/environ``, and ``RLIMIT_NPROC`` -- which Linux counts per real user and does
-   not enforce for root -- really stops a fork bomb.  After the run every process of that uid
-   is killed with one ``kill(-1, SIGKILL)`` issued as that uid, which also catches children
-   that left the process group with ``setsid``.
-2. **Namespaces** (root): a new network namespace (no interfaces up, not even loopback); a
-   new mount namespace in which *every* mount is remounted read-only (the whole tree, one
-   mount at a time, as listed in ``/proc/self/mountinfo``) and then ``/tmp``, ``/var/tmp``,
-   ``/dev/shm`` and the working directory are fresh size-limited tmpfs mounts that vanish
-   with the program -- the only writable places, so no path on the host (``/run/lock``, a
-   world-writable directory nobody thought of, the project tree) can be written, and the
-   program's total disk use is at most ``4 * tmpfs_mb`` of memory plus its two capture
-   files (``max_file_mb`` each, RLIMIT_FSIZE), all freed after the run.  The harness checks
-   the result before the program starts and refuses to run it if any other mount is still
-   writable.  A new pid namespace whose init (a small loop of the harness) waits for the
-   program and then exits, upon which the kernel kills and reaps everything the program
-   left behind (no orphans, no zombies holding the uid's process count).  ``/proc`` is
-   remounted there (read-only), so the program sees only its own processes.
-3. **Resource limits** in the child: CPU time, address space, processes, file size, open
-   files, no core dumps; a wall-clock timeout in the parent kills the whole process group.
-4. **Scrubbed environment**: only PATH, HOME, TMPDIR, locale and thread-count variables.
-5. **Fallbacks**: without a mount namespace (not root, or ``unshare`` refused, or
+1. **Own unprivileged user** (when the parent is root): the child drops to a uid of its own
+   (``uid_base + i``), with no supplementary groups and ``PR_SET_NO_NEW_PRIVS``.  The uid is
+   held for the run by an ``flock`` on ``/run/kvarena-sandbox/<uid>.lock`` -- machine-wide,
+   so two graders never share one, and released by the kernel if the grader dies -- and a
+   uid that any process still uses (a host user, an unreaped zombie) is skipped.  It cannot
+   write the project tree or read other processes' ``/proc/<pid>/environ``, and
+   ``RLIMIT_NPROC`` -- which Linux counts per real user and does not enforce for root --
+   really stops a fork bomb.
+2. **Namespaces** (root): network (no interfaces up, not even loopback), IPC (its own SysV
+   shared memory, semaphores, message queues and POSIX queues: it sees none of the host's,
+   and all it made dies with it; SysV shm capped at ``memory_mb`` there), pid (its init, a
+   small loop of the harness, waits for the program and exits, upon which the kernel kills
+   and reaps everything left behind), and mount, in which it ``pivot_root``s into a
+   **minimal root**: a fresh tmpfs holding only the interpreter's install and the
+   shared-library directories (read-only binds), a ``/dev`` with null, zero, full, random
+   and urandom (no ptmx or pts, so no host terminal), its own ``/proc`` (read-only) and four
+   size-limited tmpfs mounts -- ``/tmp``, ``/var/tmp``, ``/dev/shm`` and the working
+   directory ``/tmp/kvarena-sbx-*/work``, which is also HOME and TMPDIR whatever the host's
+   TMPDIR is.  Those are the only writable places and the only state it can see: no project,
+   data or results file, no host unix socket.  The harness checks that every other mount is
+   read-only before the program starts.  Disk use is at most ``4 * tmpfs_mb`` of memory plus
+   its two capture files (``max_file_mb`` each, RLIMIT_FSIZE), all freed after the run.
+3. **One memory bound** (root with a writable cgroup hierarchy, ``memory_cgroup=True``): the
+   program and all its processes share a cgroup (:mod:`evals.sandbox_cgroup`) limited to
+   ``memory_mb`` and ``max_processes`` (+2 for the harness and init), which counts tmpfs,
+   SysV shm and ``memfd_create`` pages too; an OOM kill there is status ``memory``.  Without
+   one the bound is per process (RLIMIT_AS), ``memfd_create`` is refused by a seccomp filter
+   (no per-process limit would count it), and the documented total is
+   ``Capabilities.memory_total_mb``.
+4. **Resource limits** in the child: CPU time, address space, processes, file size, open
+   files, no core dumps; a wall-clock timeout in the parent ends the program.
+5. **Status it cannot forge**: its exit status reaches the parent through a pipe only the
+   harness and the namespace's init hold (the program closes its copy before any of its code
+   runs); what the program itself reports (ready, result, MemoryError...) goes to a file
+   read with a size bound, where a forged line can only make its own result worse.
+6. **Clean slate**: a scrubbed environment (PATH, HOME, TMPDIR, locale and thread-count
+   variables), a fresh session keyring, and its uid's user and persistent keyrings emptied.
+   Leftovers are ended by killing the harness's process group (the init among them) and the
+   cgroup's members; processes are killed by uid only when neither a pid namespace nor a
+   cgroup exists, and never a uid that was busy when its lock was taken.
+7. **Fallbacks**: without a mount namespace (not root, or ``unshare`` refused, or
    ``namespaces=False``) the host filesystem would be writable wherever the program's user
    may write, so by default the sandbox *refuses to run programs at all*
    (``require_fs_isolation=True``: :func:`capabilities` raises a RuntimeError naming the
@@ -37,16 +54,21 @@ once and reported by :func:`capabilities`:
    a network namespace a guard replaces ``socket.socket``/``create_connection`` with
    functions that raise; it is best effort (``_socket`` stays reachable), the namespace is
    the real barrier.
-6. **Recursion cap**: ``sys.setrecursionlimit`` is clamped to ``max_recursion`` so that a
+8. **Recursion cap**: ``sys.setrecursionlimit`` is clamped to ``max_recursion`` so that a
    runaway recursion dies as a RecursionError within about a second instead of filling the
    address space (unwinding costs about 2 us per frame in CPython 3.11, so 3e5 frames die in
    under a second, while a limit of 1e7 took 20 s of CPU); C-level recursion overflows the
    8 MB stack and is reported as ``runtime_error`` (SIGSEGV) at once.
 
+bubblewrap is not used as a backend: it would bring no layer this one lacks (cgroups,
+rlimits, keyrings and the memfd filter would still be set here), and a single backend keeps
+one set of hostile tests (tests/test_sandbox.py) deciding what is isolated.
+
 Statuses (``ExecResult.status``): ``ok``, ``runtime_error``, ``compile_error``, ``timeout``
-(wall clock or CPU time), ``memory`` (MemoryError under the address-space limit),
-``killed`` (a signal we did not send), ``output_limit`` (file-size limit hit, e.g. by
-printing too much), ``sandbox_error`` (the harness itself failed before the program ran).
+(wall clock or CPU time), ``memory`` (MemoryError under the address-space limit, or an OOM
+kill in the program's cgroup), ``killed`` (a signal we did not send), ``output_limit``
+(file-size limit hit, e.g. by printing too much), ``sandbox_error`` (the harness itself failed
+before the program ran).
 
 Usage::
 
@@ -56,7 +78,7 @@ Usage::
     rs = sb.run_many([Job(...), Job(source=code, function="twoSum", args=([2, 7], 9))])
 
 The module imports only the standard library at top level; the child runs it with
-``python -I <this file> <config.json>``.
+``python -I <this file> <config.json> <events_fd> <exit_fd>``.
 """
 
 from __future__ import annotations
@@ -147,9 +169,12 @@ class SandboxConfig:
         wall_s: wall-clock limit per program (LiveCodeBench uses 6 s per test).
         cpu_s: CPU-time limit; ``None`` means ``wall_s`` rounded up.
         startup_s: extra wall time allowed for the harness's own start (interpreter + setup).
-        memory_mb: address-space limit (RLIMIT_AS).  Address space, not resident memory:
-            threads reserve stacks, so keep it well above the program's real needs.
-        max_processes: RLIMIT_NPROC for the program's user (processes and threads).
+        memory_mb: address-space limit of each process (RLIMIT_AS) and, with a memory cgroup,
+            the limit of all the program's processes and shared memory together.  Address
+            space, not resident memory: threads reserve stacks, so keep it well above the
+            program's real needs.
+        max_processes: RLIMIT_NPROC for the program's user (processes and threads), and its
+            cgroup's pids limit.
         max_file_mb: largest file the program may write, stdout/stderr captures included.
         tmpfs_mb: size of each private tmpfs (working directory, /tmp...) in namespace mode.
         workers: programs run at once by ``run_many``; ``None`` = the machine's core count.
