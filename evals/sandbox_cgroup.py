@@ -173,12 +173,26 @@ class _V2:
             with open(os.path.join(base, "cgroup.subtree_control"), encoding="ascii") as f:
                 enabled = set(f.read().split())
             if not {"memory", "pids"} <= enabled:
-                # EBUSY when our cgroup holds processes and is not the root ("no internal
-                # processes"): then this hierarchy cannot bound a child for us.
+                cls._leave_for_leaf(base)
+                # EBUSY when our cgroup still holds processes and is not the root ("no
+                # internal processes"): then this hierarchy cannot bound a child for us.
                 _write(os.path.join(base, "cgroup.subtree_control"), "+memory +pids")
         except OSError:
             return None
         return cls(base) if _can_make_child(base) else None
+
+    @staticmethod
+    def _leave_for_leaf(base: str) -> None:
+        """When this process is alone in its cgroup (a delegated scope, say), move it into a
+        child leaf so that the cgroup may enable controllers for its children -- the usual
+        way to use a delegated v2 subtree.  With other processes there, do nothing."""
+        with open(os.path.join(base, "cgroup.procs"), encoding="ascii") as f:
+            members = set(f.read().split())
+        if members != {str(os.getpid())}:
+            return
+        leaf = os.path.join(base, "kvarena-grader")
+        os.makedirs(leaf, 0o755, exist_ok=True)
+        _write(os.path.join(leaf, "cgroup.procs"), str(os.getpid()))
 
     def create(self, name: str, memory_mb: int, max_pids: int) -> Cgroup:
         d = os.path.join(self.base, name)
@@ -226,10 +240,11 @@ class _V1:
             memsw = os.path.join(mem, "memory.memsw.limit_in_bytes")
             if os.path.exists(memsw):  # memory + swap: the program cannot spill into swap
                 _write(memsw, str(memory_mb * _MB))
-            if self.pids_base:
+            if self.pids_base:  # its own hierarchy, or mounted together with memory
                 pids = os.path.join(self.pids_base, name)
-                os.mkdir(pids, 0o700)
-                group.dirs.append(pids)
+                if pids != mem:
+                    os.mkdir(pids, 0o700)
+                    group.dirs.append(pids)
                 _write(os.path.join(pids, "pids.max"), str(max_pids))
         except OSError:
             group.remove()

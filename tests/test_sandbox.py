@@ -651,3 +651,53 @@ def test_keyrings_are_fresh():
     host_session = ns["libc"].syscall(ctypes.c_long(_KEYS[platform.machine()][1]), ctypes.c_long(0),
                                       ctypes.c_long(-3), ctypes.c_long(0))
     assert len({int(session1), int(session2), host_session}) == 3
+
+
+def _fake_cgroup_tree(tmp_path, monkeypatch, version: int, alone: bool):
+    """A plain directory laid out like a cgroup hierarchy, for the file protocol of a backend
+    this machine may not have (the kernel's side is what the root-only tests above exercise)."""
+    from evals import sandbox_cgroup
+
+    root = tmp_path / "cgroup"
+    grader = root / "grader"
+    grader.mkdir(parents=True)
+    (grader / "cgroup.procs").write_text(f"{os.getpid()}\n" if alone else "1\n2\n")
+    if version == 2:
+        (grader / "cgroup.controllers").write_text("cpu memory pids\n")
+        (grader / "cgroup.subtree_control").write_text("")
+        mounts, own = [(str(root), "cgroup2", {"rw"})], {"": "/grader"}
+    else:
+        mounts = [(str(root), "cgroup", {"rw", "memory", "pids"})]
+        own = {"memory": "/grader", "pids": "/grader"}
+    monkeypatch.setattr(sandbox_cgroup, "_mounts", lambda: mounts)
+    monkeypatch.setattr(sandbox_cgroup, "_own_cgroups", lambda: own)
+    return sandbox_cgroup, grader
+
+
+@pytest.mark.parametrize("alone", [False, True], ids=["shared-cgroup", "alone-in-cgroup"])
+def test_cgroup_v2_protocol(tmp_path, monkeypatch, alone):
+    cg, grader = _fake_cgroup_tree(tmp_path, monkeypatch, 2, alone)
+    backend = cg._V2.find()
+    assert backend is not None and backend.base == str(grader)
+    assert (grader / "cgroup.subtree_control").read_text() == "+memory +pids"
+    # Alone in its cgroup, the grader moves into a leaf first ("no internal processes").
+    leaf = grader / "kvarena-grader" / "cgroup.procs"
+    assert (leaf.read_text() == str(os.getpid())) if alone else not leaf.exists()
+    group = backend.create("kvarena-sbx-t", 128, 10)
+    d = grader / "kvarena-sbx-t"
+    assert [(d / n).read_text() for n in ("memory.max", "memory.oom.group", "pids.max")] == [
+        str(128 << 20), "1", "10"]
+    assert group.procs_files == [str(d / "cgroup.procs")] and group.oom_kills() == 0
+    (d / "memory.events").write_text("low 0\nhigh 0\nmax 7\noom 1\noom_kill 2\n")
+    assert group.oom_kills() == 2
+
+
+def test_cgroup_v1_protocol(tmp_path, monkeypatch):
+    cg, grader = _fake_cgroup_tree(tmp_path, monkeypatch, 1, alone=False)
+    backend = cg._V1.find()
+    assert backend is not None and backend.memory_base == backend.pids_base == str(grader)
+    group = backend.create("kvarena-sbx-t", 64, 5)
+    d = grader / "kvarena-sbx-t"
+    assert (d / "memory.limit_in_bytes").read_text() == str(64 << 20) and (d / "pids.max").read_text() == "5"
+    (d / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 1\n")
+    assert group.oom_kills() == 1
