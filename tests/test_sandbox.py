@@ -461,6 +461,30 @@ def test_memfd_memory_is_bounded(backend):
 
 
 @needs_root
+@pytest.mark.parametrize("backend", ["cgroup", "per-process"])
+def test_sysv_shm_is_bounded(backend):
+    # shmmax (memory_mb in the program's IPC namespace) refuses one huge segment; with
+    # shm_rmid_forced a segment dies at its last detach, so shm is only ever held attached,
+    # inside some process's address space and its cgroup, and many small ones are refused too.
+    cfg = _memory_config(backend, wall_s=15, memory_mb=128)
+    src = _IPC + (
+        "print('one 300 MB segment:', libc.shmget(0, 300 << 20, IPC_CREAT | 0o600))\n"
+        "for i in range(30):  # 30 segments of 10 MB, each kept attached and touched\n"
+        "    shm = libc.shmget(0, 10 << 20, IPC_CREAT | 0o600)\n"
+        "    addr = libc.shmat(shm, None, 0) if shm >= 0 else None\n"
+        "    if addr in (None, ctypes.c_void_p(-1).value):\n"
+        "        print('refused at', i)\n"
+        "        break\n"
+        "    ctypes.memset(addr, 1, 10 << 20)\n"
+        "else:\n"
+        "    print('held 300 MB')\n"
+    )
+    r = Sandbox(cfg).run(Job(source=src))
+    assert "held" not in r.stdout and "one 300 MB segment: -1" in r.stdout, (r.status, r.stdout)
+    assert r.status == "memory" or "refused at" in r.stdout, (r.status, r.stdout, r.stderr[-500:])
+
+
+@needs_root
 @pytest.mark.parametrize("as_root", [False, True], ids=["sandbox-uid", "root-without-capabilities"])
 def test_host_files_are_invisible(as_root):
     # A world-readable "data file" outside /tmp, and the project tree: a program that looks
