@@ -122,6 +122,7 @@ _MS_BIND = 4096
 _KEPT_MOUNT_FLAGS = 2 | 4 | 8 | 1024 | 2048 | 4096  # nosuid nodev noexec noatime nodiratime relatime
 _MS_PRIVATE = 1 << 18
 _PR_SET_NO_NEW_PRIVS = 38
+_PR_SET_PDEATHSIG = 1
 _PRIVATE_TMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
 # Syscalls glibc has no wrapper for, by machine (asm/unistd_64.h, asm-generic/unistd.h).
 _SYSCALLS = {
@@ -692,6 +693,7 @@ class Sandbox:
         """
         cfg = self.config
         return {
+            "parent_pid": os.getpid(),
             "host_workdir": os.path.join(private, "work"),
             "sandbox_workdir": f"/tmp/{os.path.basename(private)}/work",
             "root_dir": os.path.join(private, "root"),
@@ -1161,11 +1163,12 @@ def _child_main(config_path: str, events_fd: int, exit_fd: int) -> None:
     os.set_inheritable(exit_fd, False)
     with open(config_path, encoding="utf-8") as f:
         cfg = json.load(f)
+    libc = _libc()
+    _die_with_parent(libc, cfg["parent_pid"])
     for procs in cfg["cgroup_procs"]:  # first: all that follows is charged to the program
         with open(procs, "w", encoding="ascii") as f:
             f.write(str(os.getpid()))
     uid = cfg["uid"]
-    libc = _libc()
     ns = dict.fromkeys(("netns", "mountns", "pidns", "ipcns"), False)
     if os.geteuid() == 0:
         ns = _enter_namespaces(cfg, libc)
@@ -1198,12 +1201,25 @@ def _child_main(config_path: str, events_fd: int, exit_fd: int) -> None:
         libc.mount(b"proc", b"/proc", b"proc", _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None)
         _check_readonly(writable)
     if ns["pidns"]:
+        _die_with_parent(libc, None)  # the init dies with the harness: so does the namespace
         program = os.fork()
         if program:
             _init_loop(program, exit_fd)
     os.close(exit_fd)  # the program cannot write, or forge, its own exit status
     isolation = {**ns, "uid": uid}
     _run_program(cfg, main_path, isolation, libc, report)
+
+
+def _die_with_parent(libc, parent: int | None) -> None:
+    """SIGKILL this process when its parent dies (a grader killed mid-run leaves no program
+    behind: the harness dies with the grader, the namespace's init with the harness).
+
+    ``parent``: the pid the parent should have, to catch one that died before the request
+    took effect; ``None`` inside a pid namespace, where the parent outside has no pid.
+    """
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if parent is not None and os.getppid() != parent:
+        os._exit(1)
 
 
 def _init_loop(program: int, exit_fd: int) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import re
 import signal
 import time
 from dataclasses import dataclass
@@ -158,6 +159,10 @@ class _V2:
     def __init__(self, base: str):
         self.base = base
 
+    @property
+    def bases(self) -> list[str]:
+        return [self.base]
+
     @classmethod
     def find(cls) -> "_V2 | None":
         own = _own_cgroups().get("")
@@ -217,6 +222,10 @@ class _V1:
         self.memory_base = memory_base
         self.pids_base = pids_base
 
+    @property
+    def bases(self) -> list[str]:
+        return sorted({self.memory_base, self.pids_base} - {None})
+
     @staticmethod
     def _base(controller: str) -> str | None:
         own = _own_cgroups().get(controller)
@@ -265,16 +274,42 @@ def _can_make_child(base: str) -> bool:
     return True
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
+
+
+def sweep_stale(base: str) -> None:
+    """Remove the program cgroups of graders that died mid-run (their pid is gone), killing
+    whatever of theirs is still inside."""
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return
+    for name in names:
+        match = re.fullmatch(r"kvarena-sbx-(\d+)-\d+", name)
+        if match and not _alive(int(match.group(1))):
+            Cgroup([os.path.join(base, name)], "").remove()
+
+
 _BACKENDS = (_V2, _V1)
 
 
 def find_backend():
-    """The first cgroup backend that works here (root with a writable hierarchy), or None."""
+    """The first cgroup backend that works here (root with a writable hierarchy), or None;
+    leftovers of dead graders are swept from its hierarchy first."""
     if os.geteuid() != 0:
         return None
     for backend in _BACKENDS:
         found = backend.find()
         if found is not None:
+            for base in found.bases:
+                sweep_stale(base)
             return found
     return None
 

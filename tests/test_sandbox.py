@@ -725,3 +725,42 @@ def test_cgroup_v1_protocol(tmp_path, monkeypatch):
     assert (d / "memory.limit_in_bytes").read_text() == str(64 << 20) and (d / "pids.max").read_text() == "5"
     (d / "memory.oom_control").write_text("oom_kill_disable 0\nunder_oom 0\noom_kill 1\n")
     assert group.oom_kills() == 1
+
+
+def test_stale_cgroups_of_dead_graders_are_swept(tmp_path):
+    from evals import sandbox_cgroup
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # its pid now names no process
+    for pid in (dead.pid, os.getpid()):
+        (tmp_path / f"kvarena-sbx-{pid}-0").mkdir()
+    (tmp_path / "unrelated").mkdir()
+    sandbox_cgroup.sweep_stale(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"kvarena-sbx-{os.getpid()}-0", "unrelated"]
+
+
+_DYING_GRADER = """
+import sys
+from evals.sandbox import Job, Sandbox, SandboxConfig
+Sandbox(SandboxConfig(wall_s=60, uid_base=int(sys.argv[1]))).run(
+    Job(source="import os, time\\nif os.fork() == 0:\\n    os.setsid()\\ntime.sleep(60)\\n"))
+"""
+
+
+@needs_root
+def test_a_killed_grader_leaves_no_program_behind():
+    base = _private_uid_base()
+    grader = subprocess.Popen([sys.executable, "-c", _DYING_GRADER, str(base)],
+                              cwd=Path(__file__).parent.parent)
+    try:
+        deadline = time.monotonic() + 20
+        while len(live_processes_of(base)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(live_processes_of(base)) >= 2, "the program did not start"
+    finally:
+        grader.kill()
+        grader.wait()
+    deadline = time.monotonic() + 10
+    while live_processes_of(base) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert live_processes_of(base) == []
