@@ -43,7 +43,9 @@ once and reported by :func:`capabilities`:
    variables), a fresh session keyring, and its uid's user and persistent keyrings emptied.
    Leftovers are ended by killing the harness's process group (the init among them) and the
    cgroup's members; processes are killed by uid only when neither a pid namespace nor a
-   cgroup exists, and never a uid that was busy when its lock was taken.
+   cgroup exists, and never a uid that was busy when its lock was taken.  The harness dies
+   with the grader and the init with the harness (``PR_SET_PDEATHSIG``), and cgroups of dead
+   graders are swept, so a grader killed mid-run leaves nothing running.
 7. **Fallbacks**: without a mount namespace (not root, or ``unshare`` refused, or
    ``namespaces=False``) the host filesystem would be writable wherever the program's user
    may write, so by default the sandbox *refuses to run programs at all*
