@@ -4,30 +4,49 @@ Each program runs in a child interpreter that this same file drives as a script 
 needs only the standard library).  Layers, strongest first; which ones are active is probed
 once and reported by :func:`capabilities`:
 
-1. **Own unprivileged user** (when the parent is root): the child drops to a uid that belongs
-   to this sandbox slot only (``uid_base + ...``), with no supplementary groups and
-   ``PR_SET_NO_NEW_PRIVS``.  It then cannot write the project tree or read other processes'
-   ``/proc/<pid>/environ``, and ``RLIMIT_NPROC`` -- which Linux counts per real user and does
-   not enforce for root -- really stops a fork bomb.  After the run every process of that uid
-   is killed with one ``kill(-1, SIGKILL)`` issued as that uid, which also catches children
-   that left the process group with ``setsid``.
-2. **Namespaces** (root): a new network namespace (no interfaces up, not even loopback); a
-   new mount namespace in which *every* mount is remounted read-only (the whole tree, one
-   mount at a time, as listed in ``/proc/self/mountinfo``) and then ``/tmp``, ``/var/tmp``,
-   ``/dev/shm`` and the working directory are fresh size-limited tmpfs mounts that vanish
-   with the program -- the only writable places, so no path on the host (``/run/lock``, a
-   world-writable directory nobody thought of, the project tree) can be written, and the
-   program's total disk use is at most ``4 * tmpfs_mb`` of memory plus its two capture
-   files (``max_file_mb`` each, RLIMIT_FSIZE), all freed after the run.  The harness checks
-   the result before the program starts and refuses to run it if any other mount is still
-   writable.  A new pid namespace whose init (a small loop of the harness) waits for the
-   program and then exits, upon which the kernel kills and reaps everything the program
-   left behind (no orphans, no zombies holding the uid's process count).  ``/proc`` is
-   remounted there (read-only), so the program sees only its own processes.
-3. **Resource limits** in the child: CPU time, address space, processes, file size, open
-   files, no core dumps; a wall-clock timeout in the parent kills the whole process group.
-4. **Scrubbed environment**: only PATH, HOME, TMPDIR, locale and thread-count variables.
-5. **Fallbacks**: without a mount namespace (not root, or ``unshare`` refused, or
+1. **Own unprivileged user** (when the parent is root): the child drops to a uid of its own
+   (``uid_base + i``), with no supplementary groups and ``PR_SET_NO_NEW_PRIVS``.  The uid is
+   held for the run by an ``flock`` on ``/run/kvarena-sandbox/<uid>.lock`` -- machine-wide,
+   so two graders never share one, and released by the kernel if the grader dies -- and a
+   uid that any process still uses (a host user, an unreaped zombie) is skipped.  It cannot
+   write the project tree or read other processes' ``/proc/<pid>/environ``, and
+   ``RLIMIT_NPROC`` -- which Linux counts per real user and does not enforce for root --
+   really stops a fork bomb.
+2. **Namespaces** (root): network (no interfaces up, not even loopback), IPC (its own SysV
+   shared memory, semaphores, message queues and POSIX queues: it sees none of the host's,
+   and all it made dies with it; SysV shm capped at ``memory_mb`` there), pid (its init, a
+   small loop of the harness, waits for the program and exits, upon which the kernel kills
+   and reaps everything left behind), and mount, in which it ``pivot_root``s into a
+   **minimal root**: a fresh tmpfs holding only the interpreter's install and the
+   shared-library directories (read-only binds), a ``/dev`` with null, zero, full, random
+   and urandom (no ptmx or pts, so no host terminal), its own ``/proc`` (read-only) and four
+   size-limited tmpfs mounts -- ``/tmp``, ``/var/tmp``, ``/dev/shm`` and the working
+   directory ``/tmp/kvarena-sbx-*/work``, which is also HOME and TMPDIR whatever the host's
+   TMPDIR is.  Those are the only writable places and the only state it can see: no project,
+   data or results file, no host unix socket.  The harness checks that every other mount is
+   read-only before the program starts.  Disk use is at most ``4 * tmpfs_mb`` of memory plus
+   its two capture files (``max_file_mb`` each, RLIMIT_FSIZE), all freed after the run.
+3. **One memory bound** (root with a writable cgroup hierarchy, ``memory_cgroup=True``): the
+   program and all its processes share a cgroup (:mod:`evals.sandbox_cgroup`) limited to
+   ``memory_mb`` and ``max_processes`` (+2 for the harness and init), which counts tmpfs,
+   SysV shm and ``memfd_create`` pages too; an OOM kill there is status ``memory``.  Without
+   one the bound is per process (RLIMIT_AS), ``memfd_create`` is refused by a seccomp filter
+   (no per-process limit would count it), and the documented total is
+   ``Capabilities.memory_total_mb``.
+4. **Resource limits** in the child: CPU time, address space, processes, file size, open
+   files, no core dumps; a wall-clock timeout in the parent ends the program.
+5. **Status it cannot forge**: its exit status reaches the parent through a pipe only the
+   harness and the namespace's init hold (the program closes its copy before any of its code
+   runs); what the program itself reports (ready, result, MemoryError...) goes to a file
+   read with a size bound, where a forged line can only make its own result worse.
+6. **Clean slate**: a scrubbed environment (PATH, HOME, TMPDIR, locale and thread-count
+   variables), a fresh session keyring, and its uid's user and persistent keyrings emptied.
+   Leftovers are ended by killing the harness's process group (the init among them) and the
+   cgroup's members; processes are killed by uid only when neither a pid namespace nor a
+   cgroup exists, and never a uid that was busy when its lock was taken.  The harness dies
+   with the grader and the init with the harness (``PR_SET_PDEATHSIG``), and cgroups of dead
+   graders are swept, so a grader killed mid-run leaves nothing running.
+7. **Fallbacks**: without a mount namespace (not root, or ``unshare`` refused, or
    ``namespaces=False``) the host filesystem would be writable wherever the program's user
    may write, so by default the sandbox *refuses to run programs at all*
    (``require_fs_isolation=True``: :func:`capabilities` raises a RuntimeError naming the
@@ -37,16 +56,21 @@ once and reported by :func:`capabilities`:
    a network namespace a guard replaces ``socket.socket``/``create_connection`` with
    functions that raise; it is best effort (``_socket`` stays reachable), the namespace is
    the real barrier.
-6. **Recursion cap**: ``sys.setrecursionlimit`` is clamped to ``max_recursion`` so that a
+8. **Recursion cap**: ``sys.setrecursionlimit`` is clamped to ``max_recursion`` so that a
    runaway recursion dies as a RecursionError within about a second instead of filling the
    address space (unwinding costs about 2 us per frame in CPython 3.11, so 3e5 frames die in
    under a second, while a limit of 1e7 took 20 s of CPU); C-level recursion overflows the
    8 MB stack and is reported as ``runtime_error`` (SIGSEGV) at once.
 
+bubblewrap is not used as a backend: it would bring no layer this one lacks (cgroups,
+rlimits, keyrings and the memfd filter would still be set here), and a single backend keeps
+one set of hostile tests (tests/test_sandbox.py) deciding what is isolated.
+
 Statuses (``ExecResult.status``): ``ok``, ``runtime_error``, ``compile_error``, ``timeout``
-(wall clock or CPU time), ``memory`` (MemoryError under the address-space limit),
-``killed`` (a signal we did not send), ``output_limit`` (file-size limit hit, e.g. by
-printing too much), ``sandbox_error`` (the harness itself failed before the program ran).
+(wall clock or CPU time), ``memory`` (MemoryError under the address-space limit, or an OOM
+kill in the program's cgroup), ``killed`` (a signal we did not send), ``output_limit``
+(file-size limit hit, e.g. by printing too much), ``sandbox_error`` (the harness itself failed
+before the program ran).
 
 Usage::
 
@@ -56,7 +80,7 @@ Usage::
     rs = sb.run_many([Job(...), Job(source=code, function="twoSum", args=([2, 7], 9))])
 
 The module imports only the standard library at top level; the child runs it with
-``python -I <this file> <config.json>``.
+``python -I <this file> <config.json> <events_fd> <exit_fd>``.
 """
 
 from __future__ import annotations
@@ -87,6 +111,8 @@ STATUSES = (
 _CLONE_NEWNS = 0x00020000
 _CLONE_NEWNET = 0x40000000
 _CLONE_NEWPID = 0x20000000
+_CLONE_NEWIPC = 0x08000000
+_MNT_DETACH = 2
 _MS_NOEXEC = 8
 _MS_NOSUID = 2
 _MS_NODEV = 4
@@ -98,7 +124,32 @@ _MS_BIND = 4096
 _KEPT_MOUNT_FLAGS = 2 | 4 | 8 | 1024 | 2048 | 4096  # nosuid nodev noexec noatime nodiratime relatime
 _MS_PRIVATE = 1 << 18
 _PR_SET_NO_NEW_PRIVS = 38
+_PR_SET_PDEATHSIG = 1
 _PRIVATE_TMP_DIRS = ("/tmp", "/var/tmp", "/dev/shm")
+# Syscalls glibc has no wrapper for, by machine (asm/unistd_64.h, asm-generic/unistd.h).
+_SYSCALLS = {
+    "x86_64": {"pivot_root": 155, "keyctl": 250},
+    "aarch64": {"pivot_root": 41, "keyctl": 219},
+}
+_KEYCTL_JOIN_SESSION_KEYRING = 1
+_KEYCTL_CLEAR = 7
+_KEYCTL_GET_PERSISTENT = 22
+_KEY_SPEC_SESSION_KEYRING = -3
+_KEY_SPEC_USER_KEYRING = -4
+_KEY_SPEC_USER_SESSION_KEYRING = -5
+# What the minimal root holds besides the interpreter's install: the shared-library
+# directories (ctypes, ssl, sqlite3... load from there), the loader's cache and a few devices.
+_LIBRARY_DIRS = ("/lib", "/lib32", "/lib64", "/libx32", "/usr/lib", "/usr/lib32", "/usr/lib64",
+                 "/usr/libx32", "/usr/local/lib")
+_LIBRARY_FILES = ("/etc/ld.so.cache",)
+_DEVICES = ("null", "zero", "full", "random", "urandom")
+# Bounds on SysV and POSIX IPC inside the program's own IPC namespace (per-namespace sysctls).
+_IPC_SYSCTLS = {
+    "kernel/shmmni": 64,
+    "kernel/msgmni": 32,
+    "kernel/shm_rmid_forced": 1,
+    "fs/mqueue/queues_max": 16,
+}
 
 # Imports done for LeetCode-style (functional) programs, as the judge's environment does.
 _FUNCTIONAL_PRELUDE = """\
@@ -121,9 +172,12 @@ class SandboxConfig:
         wall_s: wall-clock limit per program (LiveCodeBench uses 6 s per test).
         cpu_s: CPU-time limit; ``None`` means ``wall_s`` rounded up.
         startup_s: extra wall time allowed for the harness's own start (interpreter + setup).
-        memory_mb: address-space limit (RLIMIT_AS).  Address space, not resident memory:
-            threads reserve stacks, so keep it well above the program's real needs.
-        max_processes: RLIMIT_NPROC for the program's user (processes and threads).
+        memory_mb: address-space limit of each process (RLIMIT_AS) and, with a memory cgroup,
+            the limit of all the program's processes and shared memory together.  Address
+            space, not resident memory: threads reserve stacks, so keep it well above the
+            program's real needs.
+        max_processes: RLIMIT_NPROC for the program's user (processes and threads), and its
+            cgroup's pids limit.
         max_file_mb: largest file the program may write, stdout/stderr captures included.
         tmpfs_mb: size of each private tmpfs (working directory, /tmp...) in namespace mode.
         workers: programs run at once by ``run_many``; ``None`` = the machine's core count.
@@ -141,6 +195,10 @@ class SandboxConfig:
         max_recursion: highest ``sys.setrecursionlimit`` a program gets (larger requests are
             clamped).  3e5 covers a depth-first search over 2e5 nodes (LiveCodeBench's usual
             bound) and still unwinds in well under a second.
+        memory_cgroup: put each program in its own memory + pids cgroup (when the parent is
+            root and a cgroup hierarchy is writable), so ``memory_mb`` bounds all its
+            processes and shared memory together; ``False`` keeps the per-process bound only
+            (see :class:`Capabilities`).
     """
 
     wall_s: float = 6.0
@@ -158,6 +216,7 @@ class SandboxConfig:
     max_capture_bytes: int = 1 << 20
     require_fs_isolation: bool = True
     max_recursion: int = 300_000
+    memory_cgroup: bool = True
 
     def __post_init__(self) -> None:
         positive = {
@@ -237,7 +296,15 @@ class ExecResult:
 
 @dataclass(frozen=True)
 class Capabilities:
-    """Isolation actually available here, found by running a probe program once."""
+    """Isolation actually available here, found by running a probe program once.
+
+    ``memory_bound`` says how ``memory_mb`` is enforced: ``"cgroup2"`` / ``"cgroup1"`` -- one
+    cgroup per program whose memory limit covers all its processes, tmpfs files, SysV shm
+    and memfd pages together (``memory_total_mb == memory_mb``); ``"per-process"`` -- only
+    RLIMIT_AS per process, so the documented total is ``memory_mb * max_processes`` plus the
+    four private tmpfs mounts (``4 * tmpfs_mb``) plus SysV shm (at most ``memory_mb`` in the
+    program's IPC namespace), which ``memory_total_mb`` reports.
+    """
 
     user_isolation: bool
     net_namespace: bool
@@ -245,17 +312,23 @@ class Capabilities:
     python: str
     pid_namespace: bool = False
     notes: tuple[str, ...] = field(default_factory=tuple)
+    ipc_namespace: bool = False
+    minimal_root: bool = False
+    memory_bound: str = "per-process"
+    memory_total_mb: int = 0
 
 
 # ----------------------------------------------------------------------------------------
 # Parent side
 # ----------------------------------------------------------------------------------------
 
-_SLOTS_PER_PROCESS = 64
-_slot_lock = threading.Lock()
-_slots_in_use: set[int] = set()
+_SLOTS_PER_PROCESS = 64  # programs one Sandbox runs at once (run_many's worker cap)
+_MAX_UID_SLOTS = 4096  # uids tried from uid_base on
 _probe_lock = threading.Lock()
 _probe_cache: dict[tuple, Capabilities] = {}
+_lock_dir_cache: list[str] = []
+_cgroup_lock = threading.Lock()
+_cgroup_cache: list = []
 
 
 def live_processes_of(uid: int) -> list[int]:
@@ -282,7 +355,8 @@ def live_processes_of(uid: int) -> list[int]:
 
 def _uid_busy(uid: int) -> bool:
     """True when any process, zombies included, runs as ``uid``: RLIMIT_NPROC counts zombies,
-    so a uid is reused only once everything of its last run has been reaped."""
+    so a uid is reused only once everything of its last run has been reaped, and a uid some
+    host process happens to use is never handed to a program."""
     try:
         entries = os.listdir("/proc")
     except OSError:
@@ -297,46 +371,87 @@ def _uid_busy(uid: int) -> bool:
     return False
 
 
+def _lock_dir() -> str:
+    """A directory only we may write, holding one lock file per sandbox uid (machine-wide)."""
+    if _lock_dir_cache:
+        return _lock_dir_cache[0]
+    import stat
+    import tempfile
+
+    for d in ("/run/kvarena-sandbox", os.path.join(tempfile.gettempdir(), f"kvarena-sandbox-{os.geteuid()}")):
+        try:
+            os.makedirs(d, 0o700, exist_ok=True)
+            st = os.lstat(d)
+        except OSError:
+            continue
+        if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o022:
+            _lock_dir_cache.append(d)
+            return d
+    raise RuntimeError("no private directory for the sandbox's uid lock files (/run or TMPDIR)")
+
+
 class _Slot:
-    """A process-wide sandbox slot; with user isolation it owns one uid exclusively."""
+    """With user isolation: one uid held exclusively, by an ``flock`` on its lock file.
+
+    The lock is machine-wide (every grader on the machine uses the same lock directory) and
+    dies with the process that holds it, so two graders never share a uid and a crashed one
+    leaves no stale lock; a uid that any process still uses is skipped besides.
+    """
 
     def __init__(self, config: SandboxConfig, use_uid: bool):
-        self.index = -1
         self.uid: int | None = None
         self._config = config
         self._use_uid = use_uid
+        self._fd: int | None = None
 
     def __enter__(self) -> "_Slot":
-        # The uid range depends on our pid so that two graders on one machine rarely meet;
-        # a uid with live processes is never handed out, which settles the rare clash.
-        base = self._config.uid_base + (os.getpid() % 4096) * _SLOTS_PER_PROCESS
+        if not self._use_uid:
+            return self
+        import fcntl
+
+        lock_dir = _lock_dir()
         deadline = time.monotonic() + 60.0
         while True:
-            with _slot_lock:
-                for i in range(_SLOTS_PER_PROCESS):
-                    if i in _slots_in_use:
-                        continue
-                    if self._use_uid and _uid_busy(base + i):
-                        continue
-                    _slots_in_use.add(i)
-                    self.index = i
-                    self.uid = base + i if self._use_uid else None
-                    return self
+            for i in range(_MAX_UID_SLOTS):
+                uid = self._config.uid_base + i
+                path = os.path.join(lock_dir, f"{uid}.lock")
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    os.close(fd)
+                    continue
+                if _uid_busy(uid):
+                    os.close(fd)  # releases the lock
+                    continue
+                self._fd, self.uid = fd, uid
+                return self
             if time.monotonic() > deadline:
-                raise RuntimeError("no free sandbox slot (uid) within 60 s")
-            time.sleep(0.01)
+                raise RuntimeError(f"no free sandbox uid in [{self._config.uid_base}, "
+                                   f"+{_MAX_UID_SLOTS}) within 60 s")
+            time.sleep(0.05)
 
     def __exit__(self, *exc) -> None:
-        with _slot_lock:
-            _slots_in_use.discard(self.index)
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
 
 
-def _scrubbed_env(workdir: str) -> dict[str, str]:
+def _cgroup_backend():
+    """The machine's cgroup backend (found once), or None."""
+    from evals import sandbox_cgroup
+
+    with _cgroup_lock:
+        if not _cgroup_cache:
+            _cgroup_cache.append(sandbox_cgroup.find_backend())
+        return _cgroup_cache[0]
+
+
+def _scrubbed_env() -> dict[str, str]:
+    """The program's environment; the harness adds HOME and TMPDIR (its private directory)."""
     single_thread = {k: "1" for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
     return {
         "PATH": "/usr/local/bin:/usr/bin:/bin",
-        "HOME": workdir,
-        "TMPDIR": workdir,
         "LANG": "C.UTF-8",
         "LC_ALL": "C.UTF-8",
         **single_thread,
@@ -377,36 +492,75 @@ def _read_capped(path: str, limit: int) -> str:
     return text + ("\n[... output cut ...]" if len(data) > limit else "")
 
 
-def _read_events(path: str) -> list[dict]:
-    events = []
+def _read_events(path: str, limit: int) -> list[dict]:
+    """The program's own reports (``ready``, ``result``...), at most ``limit`` bytes of them.
+
+    The program can write this file, so nothing here is trusted: a line that is not a JSON
+    object with a string ``event`` is skipped, a line cut by the limit is dropped, and the
+    exit status never comes from here (see :func:`_read_exit`).
+    """
     try:
         with open(path, "rb") as f:
-            lines = f.read().decode("utf-8", errors="replace").splitlines()
+            data = f.read(limit + 1)
     except OSError:
-        return events
+        return []
+    lines = data.splitlines()
+    if len(data) > limit and lines:
+        lines.pop()
+    events = []
     for line in lines:
         try:
-            event = json.loads(line)
-        except ValueError:
+            event = json.loads(line.decode("utf-8", errors="replace"))
+        except (ValueError, RecursionError):
             continue
         if isinstance(event, dict) and isinstance(event.get("event"), str):
             events.append(event)
     return events
 
 
+def _read_exit(fd: int) -> int | None:
+    """The program's exit status as the pid-namespace init wrote it to the pipe that only the
+    harness and the init hold (the program closes its copy before it runs any of its code)."""
+    os.set_blocking(fd, False)
+    try:
+        data = os.read(fd, 4096)
+    except OSError:
+        return None
+    for line in data.decode("ascii", errors="replace").splitlines():
+        word, _, code = line.partition(" ")
+        if word == "exit":
+            try:
+                return int(code)
+            except ValueError:
+                return None
+    return None
+
+
+def _text(event: dict, key: str) -> str:
+    value = event.get(key, "")
+    return value if isinstance(value, str) else ""
+
+
 def _classify(
-    returncode: int, timed_out: bool, events: list[dict], stderr: str, function: bool
+    returncode: int | None, timed_out: bool, oom_killed: bool, events: list[dict], stderr: str,
+    function: bool,
 ) -> tuple[str, str, str | None]:
-    """Map how the child ended to (status, detail, value)."""
+    """Map how the program ended to (status, detail, value).
+
+    ``returncode`` is the program's exit status from a channel it cannot write (``None`` when
+    none arrived); ``events`` are its own reports, which can only make its result worse.
+    """
     kinds = {e["event"]: e for e in events}
-    if "exit" in kinds:  # reported by the pid-namespace init: the program's own status
-        returncode = int(kinds["exit"].get("code", returncode))
+    if oom_killed:
+        return "memory", "memory limit of all the program's processes together (cgroup OOM kill)", None
     if timed_out:
         return "timeout", "wall-clock limit", None
+    if returncode is None:
+        return "sandbox_error", "no exit status from the sandbox init: " + stderr.strip()[-500:], None
     if "ready" not in kinds:
         return "sandbox_error", ("harness failed: " + stderr.strip()[-500:]), None
     if "compile_error" in kinds:
-        return "compile_error", str(kinds["compile_error"].get("message", "")), None
+        return "compile_error", _text(kinds["compile_error"], "message"), None
     if "memory" in kinds:
         return "memory", "MemoryError under the address-space limit", None
     if "output_limit" in kinds or "[Errno 27] File too large" in stderr:
@@ -424,14 +578,14 @@ def _classify(
     if returncode != 0:
         if "MemoryError" in stderr:
             return "memory", "MemoryError", None
-        exc = kinds.get("exception", {}).get("type", "")
+        exc = _text(kinds.get("exception", {}), "type")
         return "runtime_error", f"exit code {returncode}" + (f" ({exc})" if exc else ""), None
     if function:
-        if "result" in kinds:
-            return "ok", "", kinds["result"].get("value")
+        if "result" in kinds and _text(kinds["result"], "value"):
+            return "ok", "", _text(kinds["result"], "value")
         if "unserializable" in kinds:
-            return "ok", "return value is not JSON-serialisable: " + str(
-                kinds["unserializable"].get("message", "")
+            return "ok", "return value is not JSON-serialisable: " + _text(
+                kinds["unserializable"], "message"
             ), None
         return "runtime_error", "the function returned no result", None
     return "ok", "", None
@@ -470,55 +624,82 @@ class Sandbox:
         cfg = self.config
         with _Slot(cfg, caps.user_isolation) as slot:
             private = tempfile.mkdtemp(prefix="kvarena-sbx-")
+            cgroup = None
+            exit_read = -1
             try:
                 # 0711: the sandbox user may traverse to work/ but not list or read our files.
                 os.chmod(private, 0o711)
-                workdir = os.path.join(private, "work")
-                os.mkdir(workdir, 0o700)
+                host_workdir = os.path.join(private, "work")
+                os.mkdir(host_workdir, 0o700)
+                os.mkdir(os.path.join(private, "root"), 0o700)  # where the minimal root is built
                 if slot.uid is not None:
-                    os.chown(workdir, slot.uid, slot.uid)
-                paths = {n: os.path.join(private, n) for n in ("config", "stdin", "out", "err", "status")}
-                with open(paths["config"], "w", encoding="utf-8") as f:
-                    json.dump(self._child_config(job, caps, workdir, slot.uid), f)
-                with open(paths["stdin"], "w", encoding="utf-8") as f:
-                    f.write(job.stdin)
-                for p in (paths["config"], paths["stdin"]):
-                    os.chmod(p, 0o600)
-                status_fd = os.open(paths["status"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-                cmd = [caps.python, "-I", os.path.abspath(__file__), paths["config"], str(status_fd)]
+                    os.chown(host_workdir, slot.uid, slot.uid)
+                if caps.memory_bound != "per-process":
+                    from evals import sandbox_cgroup
+
+                    cgroup = _cgroup_backend().create(
+                        sandbox_cgroup.new_name(), cfg.memory_mb, cfg.max_processes + 2  # + harness, init
+                    )
+                paths = {n: os.path.join(private, n) for n in ("config", "stdin", "out", "err", "events")}
+                child_cfg = self._child_config(job, caps, private, slot.uid, cgroup)
+                for name, text in (("config", json.dumps(child_cfg)), ("stdin", job.stdin)):
+                    fd = os.open(paths[name], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                    with open(fd, "w", encoding="utf-8") as f:
+                        f.write(text)
+                events_fd = os.open(paths["events"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+                exit_read, exit_write = os.pipe()
+                cmd = [caps.python, "-I", os.path.abspath(__file__), paths["config"], str(events_fd),
+                       str(exit_write)]
                 start = time.monotonic()
                 try:
-                    with open(paths["stdin"], "rb") as fin, open(paths["out"], "wb") as fout, open(
-                        paths["err"], "wb"
-                    ) as ferr:
+                    fout = os.open(paths["out"], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                    ferr = os.open(paths["err"], os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                    with open(paths["stdin"], "rb") as fin, open(fout, "wb") as fo, open(ferr, "wb") as fe:
                         proc = subprocess.Popen(
-                            cmd, stdin=fin, stdout=fout, stderr=ferr, cwd=private,
-                            env=_scrubbed_env(workdir), start_new_session=True,
-                            pass_fds=(status_fd,), close_fds=True,
+                            cmd, stdin=fin, stdout=fo, stderr=fe, cwd=private,
+                            env=_scrubbed_env(), start_new_session=True,
+                            pass_fds=(events_fd, exit_write), close_fds=True,
                         )
                 finally:
-                    os.close(status_fd)
-                returncode, timed_out = self._wait(proc, slot.uid)
+                    os.close(events_fd)
+                    os.close(exit_write)
+                returncode, timed_out = self._wait(proc, slot.uid, cgroup, caps)
                 wall = time.monotonic() - start
-                _end_leftovers(proc, slot.uid)
+                _end_leftovers(proc, slot.uid, cgroup, caps.pid_namespace)
+                if caps.pid_namespace:
+                    returncode = _read_exit(exit_read)
                 stdout = _read_capped(paths["out"], cfg.max_capture_bytes)
                 stderr = _read_capped(paths["err"], cfg.max_capture_bytes)
-                events = _read_events(paths["status"])
+                events = _read_events(paths["events"], cfg.max_capture_bytes + (64 << 10))
+                oom = cgroup is not None and cgroup.oom_kills() > 0
                 status, detail, value = _classify(
-                    returncode, timed_out, events, stderr, job.function is not None
+                    returncode, timed_out, oom, events, stderr, job.function is not None
                 )
                 return ExecResult(
                     status=status, returncode=returncode, stdout=stdout, stderr=stderr,
                     wall_s=wall, value=value, detail=detail, uid=slot.uid,
                 )
             finally:
+                if exit_read >= 0:
+                    os.close(exit_read)
+                if cgroup is not None:
+                    cgroup.remove()
                 shutil.rmtree(private, ignore_errors=True)
 
-    def _child_config(self, job: Job, caps: Capabilities, workdir: str, uid: int | None) -> dict:
-        """What the child side (``python -I sandbox.py <config.json> <status_fd>``) reads."""
+    def _child_config(self, job: Job, caps: Capabilities, private: str, uid: int | None, cgroup) -> dict:
+        """What the child side (``python -I sandbox.py <config> <events_fd> <exit_fd>``) reads.
+
+        The program's directory is ``/tmp/<private name>/work`` inside its own root (so TMPDIR
+        and HOME lie in its private /tmp whatever the host's TMPDIR is), or ``<private>/work``
+        on the host when there is no mount namespace.
+        """
         cfg = self.config
         return {
-            "workdir": workdir,
+            "parent_pid": os.getpid(),
+            "host_workdir": os.path.join(private, "work"),
+            "sandbox_workdir": f"/tmp/{os.path.basename(private)}/work",
+            "root_dir": os.path.join(private, "root"),
+            "cgroup_procs": cgroup.procs_files if cgroup is not None else [],
             "source": job.source,
             "function": job.function,
             "args": list(job.args),
@@ -534,34 +715,49 @@ class Sandbox:
             "max_recursion": cfg.max_recursion,
         }
 
-    def _wait(self, proc, uid: int | None) -> tuple[int, bool]:
-        """(return code, timed out): wait up to the wall limit plus start-up; on timeout kill
-        the program's process group (and the sandbox user's processes) and reap it."""
+    def _wait(self, proc, uid: int | None, cgroup, caps: Capabilities) -> tuple[int, bool]:
+        """(return code, timed out): wait up to the wall limit plus start-up; on timeout end
+        the program (see :func:`_end_leftovers`) and reap it."""
         import subprocess
 
         try:
             return proc.wait(timeout=self.config.wall_s + self.config.startup_s), False
         except subprocess.TimeoutExpired:
-            _end_leftovers(proc, uid)
+            _end_leftovers(proc, uid, cgroup, caps.pid_namespace)
             return proc.wait(), True
 
 
-def _end_leftovers(proc, uid: int | None) -> None:
-    """Children may outlive the program (daemonised, own session): end them all."""
+def _end_leftovers(proc, uid: int | None, cgroup, pid_namespace: bool) -> None:
+    """End everything the program left, and only that.
+
+    The harness's process group holds the harness and the pid-namespace init: killing the
+    init makes the kernel kill every process of the namespace, however it daemonised.  The
+    cgroup's member list is exact too.  Only without a pid namespace and a cgroup are the
+    processes of the program's uid killed (a uid that was free when its lock was taken).
+    """
     _kill_group(proc.pid)
-    if uid is not None:
+    if cgroup is not None:
+        cgroup.kill()
+    elif uid is not None and not pid_namespace:
         _kill_uid(uid)
 
 
 def capabilities(config: SandboxConfig | None = None) -> Capabilities:
     """Probe (once per relevant setting) which isolation layers work on this machine."""
+    import dataclasses
+
     config = config or SandboxConfig()
     key = (config.isolate_user, config.namespaces, config.python, config.uid_base,
-           config.require_fs_isolation)
+           config.require_fs_isolation, config.memory_cgroup)
     with _probe_lock:
         if key not in _probe_cache:
             _probe_cache[key] = _probe(config)
-        return _probe_cache[key]
+        caps = _probe_cache[key]
+    if caps.memory_bound == "per-process":
+        total = config.memory_mb * (config.max_processes + 1) + 4 * config.tmpfs_mb
+    else:
+        total = config.memory_mb
+    return dataclasses.replace(caps, memory_total_mb=total)
 
 
 _PROBE_SOURCE = "import fractions, decimal, heapq, json\nprint('probe-ok')\n"
@@ -580,15 +776,20 @@ def _probe(config: SandboxConfig) -> Capabilities:
         candidates = [config.python]
     probe_cfg = SandboxConfig(
         wall_s=20.0, memory_mb=max(config.memory_mb, 256), uid_base=config.uid_base,
-        require_fs_isolation=config.require_fs_isolation,
+        require_fs_isolation=config.require_fs_isolation, memory_cgroup=config.memory_cgroup,
     )
     want_uid = config.isolate_user and os.geteuid() == 0
     if config.isolate_user and not want_uid:
         notes.append("not root: programs run as the current user (RLIMIT_NPROC counts all its processes)")
+    backend = _cgroup_backend() if config.memory_cgroup else None
+    memory_bound = backend.name if backend is not None else "per-process"
+    if backend is None:
+        notes.append("no memory cgroup: memory_mb bounds each process, not the program as a whole"
+                     + ("" if config.memory_cgroup else " (memory_cgroup=False)"))
     for python in candidates:
         caps = Capabilities(
             user_isolation=want_uid, net_namespace=config.namespaces, private_tmp=config.namespaces,
-            python=python,
+            python=python, memory_bound=memory_bound,
         )
         result = Sandbox(probe_cfg)._run(Job(source=_PROBE_SOURCE + _PROBE_REPORT), caps)
         if result.status == "ok" and "probe-ok" in result.stdout:
@@ -600,6 +801,8 @@ def _probe(config: SandboxConfig) -> Capabilities:
                              "program's user may write (require_fs_isolation=False)")
             if config.namespaces and not report.get("pidns"):
                 notes.append("no pid namespace: leftovers are killed by uid or process group")
+            if config.namespaces and not report.get("ipcns"):
+                notes.append("no IPC namespace: SysV and POSIX IPC objects are shared with the host")
             return Capabilities(
                 user_isolation=want_uid,
                 net_namespace=bool(report.get("netns")),
@@ -607,6 +810,9 @@ def _probe(config: SandboxConfig) -> Capabilities:
                 python=python,
                 pid_namespace=bool(report.get("pidns")),
                 notes=tuple(notes),
+                ipc_namespace=bool(report.get("ipcns")),
+                minimal_root=bool(report.get("mountns")),
+                memory_bound=memory_bound,
             )
         notes.append(f"probe with python={python} failed: {result.status} {result.detail[-400:]}")
     if want_uid:
@@ -631,8 +837,8 @@ def _parse_probe_report(stdout: str) -> dict:
 
 
 # ----------------------------------------------------------------------------------------
-# Child side: runs as ``python -I sandbox.py <config.json> <status_fd>``, first as the
-# parent's user (root when isolating), then drops to the sandbox user before the program.
+# Child side: runs as ``python -I sandbox.py <config.json> <events_fd> <exit_fd>``, first as
+# the parent's user (root when isolating), then drops to the sandbox user before the program.
 # ----------------------------------------------------------------------------------------
 
 
@@ -643,28 +849,57 @@ def _libc():
     return ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 
 
-def _enter_namespaces(cfg: dict, libc) -> tuple[bool, bool, bool]:
-    """Unshare network, mount and pid namespaces; returns (netns, mountns, pidns).  Root only.
+def _syscall(libc, name: str, *args: int) -> int:
+    """A raw syscall by name (-1 with errno ENOSYS-like failure when unknown on this machine)."""
+    import ctypes
+    import platform
+
+    number = _SYSCALLS.get(platform.machine(), {}).get(name)
+    if number is None:
+        return -1
+    return libc.syscall(ctypes.c_long(number), *(ctypes.c_long(a) for a in args))
+
+
+def _enter_namespaces(cfg: dict, libc) -> dict[str, bool]:
+    """Unshare network, mount, pid and IPC namespaces (as many as granted).  Root only.
 
     The pid namespace applies to children: the next fork becomes its init, and when that
-    init exits the kernel kills and reaps every process left in the namespace.
+    init exits the kernel kills and reaps every process left in the namespace.  The IPC
+    namespace gives the program its own SysV shared memory, semaphores, message queues and
+    POSIX message queues: it sees none of the host's, and the kernel destroys whatever it
+    made when the namespace's last process (this harness) exits.
     """
+    granted = dict.fromkeys(("netns", "mountns", "pidns", "ipcns"), False)
     if not cfg["namespaces"]:
-        return False, False, False
-    for flags, granted in (
-        (_CLONE_NEWNET | _CLONE_NEWNS | _CLONE_NEWPID, (True, True, True)),
-        (_CLONE_NEWNET | _CLONE_NEWNS, (True, True, False)),
-        (_CLONE_NEWNET, (True, False, False)),
-    ):
+        return granted
+    base = _CLONE_NEWNET | _CLONE_NEWNS
+    for flags in (base | _CLONE_NEWPID | _CLONE_NEWIPC, base | _CLONE_NEWIPC, base | _CLONE_NEWPID, base,
+                  _CLONE_NEWNET):
         if libc.unshare(flags) == 0:
-            netns, mountns, pidns = granted
+            granted = {"netns": True, "mountns": bool(flags & _CLONE_NEWNS),
+                       "pidns": bool(flags & _CLONE_NEWPID), "ipcns": bool(flags & _CLONE_NEWIPC)}
             break
     else:
-        return False, False, False
+        return granted
     # Mounts must not propagate back to the host: make every mount private before touching any.
-    if mountns and libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None) != 0:
-        mountns = False  # mounting anything now could leak to the host: do not
-    return netns, mountns, pidns
+    if granted["mountns"] and libc.mount(b"none", b"/", None, _MS_REC | _MS_PRIVATE, None) != 0:
+        granted["mountns"] = False  # mounting anything now could leak to the host: do not
+    return granted
+
+
+def _limit_ipc(cfg: dict) -> None:
+    """Bound SysV shared memory to ``memory_mb`` in the program's IPC namespace (these sysctls
+    are per namespace), with fewer ids and queues than the host's defaults, and destroy a
+    segment as soon as no process has it attached (``shm_rmid_forced``)."""
+    shm_bytes = cfg["memory_mb"] << 20
+    values = {"kernel/shmmax": shm_bytes, "kernel/shmall": shm_bytes // os.sysconf("SC_PAGE_SIZE"),
+              **_IPC_SYSCTLS}
+    for name, value in values.items():
+        try:
+            with open(f"/proc/sys/{name}", "w", encoding="ascii") as f:
+                f.write(str(value))
+        except FileNotFoundError:  # e.g. a kernel without POSIX message queues
+            continue
 
 
 def _mount_points() -> list[str]:
@@ -679,25 +914,6 @@ def _mount_points() -> list[str]:
                     path = path.replace(code, chr(int(code[1:], 8)))
                 points.append(path)
     return points
-
-
-def _make_tree_readonly(libc) -> None:
-    """Bind-remount every mount of this (private) mount namespace read-only.
-
-    ``MS_REMOUNT | MS_BIND | MS_RDONLY`` changes one mount's own flags and ignores
-    ``MS_REC``, so the mounts are walked one by one; each keeps its nosuid/nodev/noexec and
-    atime flags.  Mounts hidden under another mount cannot be reached by path and need none.
-    A failure here is not fatal by itself: :func:`_check_readonly` decides.
-    """
-    for point in _mount_points():
-        try:
-            flag = os.statvfs(point).f_flag
-        except OSError:
-            continue
-        if flag & os.ST_RDONLY:
-            continue
-        keep = flag & _KEPT_MOUNT_FLAGS
-        libc.mount(None, point.encode(), None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | keep, None)
 
 
 def _check_readonly(writable: set[str]) -> None:
@@ -716,19 +932,98 @@ def _check_readonly(writable: set[str]) -> None:
         raise RuntimeError(f"refusing to run the program: mounts still writable: {sorted(set(still))}")
 
 
-def _isolate_filesystem(cfg: dict, libc, uid: int | None) -> None:
-    """Read-only host tree, then the private tmpfs mounts: the only writable places."""
-    _make_tree_readonly(libc)
+def _root_contents() -> tuple[list[str], list[tuple[str, str]], list[str]]:
+    """What the minimal root shows: (directories bound read-only, symlinks recreated, files
+    bound read-only) -- the interpreter's install, the shared-library directories and the
+    dynamic loader's cache; nothing of the project, the data or any host socket."""
+    install = {os.path.realpath(p) for p in (sys.base_prefix, sys.base_exec_prefix)}
+    install.add(os.path.dirname(os.path.realpath(sys.executable)))
+    if "/" in install:
+        raise RuntimeError("the interpreter is installed at /: no minimal root can hold only it")
+    links, dirs = [], set(install)
+    for d in _LIBRARY_DIRS:
+        if os.path.islink(d):
+            links.append((d, os.readlink(d)))
+        elif os.path.isdir(d):
+            dirs.add(d)
+    chosen: list[str] = []
+    for d in sorted(dirs):
+        if not any(d == c or d.startswith(c + "/") for c in chosen):
+            chosen.append(d)
+    links = [(p, t) for p, t in links if not any(p.startswith(c + "/") for c in chosen)]
+    return chosen, links, [f for f in _LIBRARY_FILES if os.path.isfile(f)]
+
+
+def _bind_readonly(libc, source: str, target: str) -> None:
+    if os.path.isdir(source):
+        os.makedirs(target, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        open(target, "a").close()
+    keep = os.statvfs(source).f_flag & _KEPT_MOUNT_FLAGS
+    if libc.mount(source.encode(), target.encode(), None, _MS_BIND, None) != 0 or libc.mount(
+        None, target.encode(), None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID | keep, None
+    ) != 0:
+        raise OSError(f"read-only bind of {source} failed (errno {__import__('ctypes').get_errno()})")
+
+
+def _enter_minimal_root(cfg: dict, libc, uid: int | None, workdir: str) -> set[str]:
+    """``pivot_root`` into a fresh tmpfs that holds only :func:`_root_contents` (read-only),
+    a /dev with null, zero, full, random and urandom (no ptmx, no pts: no terminal of the
+    host can be opened), an empty /proc for the namespace's own, and the private tmpfs
+    mounts /tmp, /var/tmp, /dev/shm and the working directory -- the only writable places.
+    The old root is detached, so no path leads back to the host tree.  Returns the writable
+    mount points (:func:`_check_readonly` runs once /proc is mounted)."""
+    root = cfg["root_dir"]
+    os.umask(0o022)
+    _mount_tmpfs(libc, root, 1, None, mode=0o755, inodes=4096)
+    dirs, links, files = _root_contents()
+    for source in dirs + files:
+        _bind_readonly(libc, source, root + source)
+    for path, target in links:
+        os.makedirs(os.path.dirname(root + path), exist_ok=True)
+        os.symlink(target, root + path)
+    os.mkdir(root + "/dev")
+    _mount_tmpfs(libc, root + "/dev", 1, None, mode=0o755, inodes=64)
+    for name in _DEVICES:
+        if os.path.exists(f"/dev/{name}"):
+            _bind_readonly(libc, f"/dev/{name}", f"{root}/dev/{name}")
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
+                         ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, f"{root}/dev/{name}")
+    os.mkdir(root + "/proc", 0o555)
     writable = set()
     for d in _PRIVATE_TMP_DIRS:
-        if os.path.isdir(d) and not os.path.islink(d):
-            _mount_tmpfs(libc, d, cfg["tmpfs_mb"], uid)
-            writable.add(d)
-    workdir = cfg["workdir"]
-    os.makedirs(workdir, exist_ok=True)  # inside the fresh /tmp when the host's TMPDIR is /tmp
-    _mount_tmpfs(libc, workdir, cfg["tmpfs_mb"], uid)
+        os.makedirs(root + d, exist_ok=True)
+        _mount_tmpfs(libc, root + d, cfg["tmpfs_mb"], uid)
+        writable.add(d)
+    os.makedirs(root + workdir)
+    _mount_tmpfs(libc, root + workdir, cfg["tmpfs_mb"], uid)
     writable.add(workdir)
-    _check_readonly(writable)
+    os.mkdir(root + "/.old")
+    if _syscall(libc, "pivot_root", _c_path(root), _c_path(root + "/.old")) != 0:
+        raise OSError(f"pivot_root failed (errno {__import__('ctypes').get_errno()})")
+    os.chdir("/")
+    if libc.umount2(b"/.old", _MNT_DETACH) != 0:
+        raise OSError(f"detaching the old root failed (errno {__import__('ctypes').get_errno()})")
+    os.rmdir("/.old")
+    readonly = _MS_REMOUNT | _MS_BIND | _MS_RDONLY | _MS_NOSUID
+    for point in ("/", "/dev"):
+        if libc.mount(None, point.encode(), None, readonly, None) != 0:
+            raise OSError(f"remounting {point} read-only failed (errno {__import__('ctypes').get_errno()})")
+    return writable
+
+
+_c_strings: list = []
+
+
+def _c_path(path: str) -> int:
+    """Address of a NUL-terminated copy of ``path`` (kept alive for the process's life)."""
+    import ctypes
+
+    buf = ctypes.create_string_buffer(path.encode())
+    _c_strings.append(buf)
+    return ctypes.addressof(buf)
 
 
 def _drop_capabilities(libc) -> None:
@@ -748,10 +1043,11 @@ def _drop_capabilities(libc) -> None:
         raise OSError(f"capset failed (errno {ctypes.get_errno()})")
 
 
-def _mount_tmpfs(libc, target: str, size_mb: int, uid: int | None) -> None:
+def _mount_tmpfs(libc, target: str, size_mb: int, uid: int | None, mode: int = 0o700,
+                 inodes: int = 16384) -> None:
     owner = f",uid={uid},gid={uid}" if uid is not None else ""
     # nr_inodes bounds a flood of empty files, which size= alone does not.
-    opts = f"size={size_mb}m,nr_inodes=16384,mode=0700{owner}".encode()
+    opts = f"size={size_mb}m,nr_inodes={inodes},mode={mode:o}{owner}".encode()
     if libc.mount(b"tmpfs", target.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, opts) != 0:
         raise OSError(f"mount tmpfs on {target} failed (errno {__import__('ctypes').get_errno()})")
 
@@ -801,59 +1097,134 @@ def _install_socket_guard() -> None:
     socket.getaddrinfo = refuse  # type: ignore[assignment]
 
 
-def _child_main(config_path: str, status_fd: int) -> None:
+def _fresh_keyrings(libc) -> None:
+    """Give the program a new, empty session keyring and empty the user keyrings of its uid
+    (and its persistent keyring), so no key reaches it from the host or an earlier run."""
+    _syscall(libc, "keyctl", _KEYCTL_JOIN_SESSION_KEYRING, 0)
+    for spec in (_KEY_SPEC_USER_KEYRING, _KEY_SPEC_USER_SESSION_KEYRING):
+        _syscall(libc, "keyctl", _KEYCTL_CLEAR, spec)
+    persistent = _syscall(libc, "keyctl", _KEYCTL_GET_PERSISTENT, -1, _KEY_SPEC_SESSION_KEYRING)
+    if persistent > 0:
+        _syscall(libc, "keyctl", _KEYCTL_CLEAR, persistent)
+
+
+# seccomp: refuse memfd_create and memfd_secret (their memory is counted by no per-process
+# limit) when no cgroup counts it; everything else, native ABI only, is allowed.
+_SECCOMP_ARCH = {"x86_64": (0xC000003E, (319, 447)), "aarch64": (0xC00000B7, (279, 447))}
+
+
+def _refuse_memfd(libc) -> None:
+    import ctypes
+    import platform
+
+    arch, denied = _SECCOMP_ARCH.get(platform.machine(), (None, ()))
+    if arch is None:
+        raise RuntimeError(f"no seccomp filter for {platform.machine()}: memfd memory would be unbounded")
+
+    class Insn(ctypes.Structure):
+        _fields_ = [("code", ctypes.c_uint16), ("jt", ctypes.c_uint8), ("jf", ctypes.c_uint8),
+                    ("k", ctypes.c_uint32)]
+
+    class Prog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_uint16), ("filter", ctypes.POINTER(Insn))]
+
+    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, JGE|K, BPF_RET|K
+    allow, refuse = 0x7FFF0000, 0x00050000 | errno.EPERM  # SECCOMP_RET_ALLOW, RET_ERRNO
+    n = len(denied)
+    # Offsets: seccomp_data.nr at 0, .arch at 4.  Other ABIs (i386, x32) are refused.
+    insns = [(ld, 0, 0, 4), (jeq, 1, 0, arch), (ret, 0, 0, refuse), (ld, 0, 0, 0),
+             (jge, n + 1, 0, 0x40000000)]
+    insns += [(jeq, n - i, 0, nr) for i, nr in enumerate(denied)]
+    insns += [(ret, 0, 0, allow), (ret, 0, 0, refuse)]
+    program = (Insn * len(insns))(*insns)
+    prog = Prog(len(insns), program)
+    if libc.prctl(22, 2, ctypes.byref(prog), 0, 0) != 0:  # PR_SET_SECCOMP, SECCOMP_MODE_FILTER
+        raise OSError(f"seccomp filter refused (errno {ctypes.get_errno()})")
+
+
+def _child_main(config_path: str, events_fd: int, exit_fd: int) -> None:
     """Set up isolation, then run the program (in a new pid namespace when possible).
 
     Process layout with a pid namespace: this harness (root, outside) -> init (pid 1 inside;
-    mounts a private /proc, waits for the program, reports its exit) -> the program (drops
-    to the sandbox user).  Without one, this process becomes the program itself.
+    mounts a private /proc, waits for the program, writes its exit status to ``exit_fd``)
+    -> the program (closes ``exit_fd``, drops to the sandbox user).  Without one, this
+    process becomes the program itself and the parent reads its exit status directly.
+    ``events_fd`` carries the program's own reports; nothing there is trusted.
     """
+    import resource  # noqa: F401 -- loaded while the host tree is still visible
+    import traceback  # noqa: F401
+    import types  # noqa: F401
 
     def report(event: str, **kw) -> None:
         try:
-            os.write(status_fd, (json.dumps({"event": event, **kw}) + "\n").encode())
+            os.write(events_fd, (json.dumps({"event": event, **kw}) + "\n").encode())
         except OSError:
             pass
 
-    os.set_inheritable(status_fd, False)
+    os.set_inheritable(events_fd, False)
+    os.set_inheritable(exit_fd, False)
     with open(config_path, encoding="utf-8") as f:
         cfg = json.load(f)
-    uid = cfg["uid"]
     libc = _libc()
-    netns = mountns = pidns = False
+    _die_with_parent(libc, cfg["parent_pid"])
+    for procs in cfg["cgroup_procs"]:  # first: all that follows is charged to the program
+        with open(procs, "w", encoding="ascii") as f:
+            f.write(str(os.getpid()))
+    uid = cfg["uid"]
+    ns = dict.fromkeys(("netns", "mountns", "pidns", "ipcns"), False)
     if os.geteuid() == 0:
-        netns, mountns, pidns = _enter_namespaces(cfg, libc)
-    if cfg["require_fs_isolation"] and not mountns:
+        ns = _enter_namespaces(cfg, libc)
+    if cfg["require_fs_isolation"] and not ns["mountns"]:
         why = "the harness is not root" if os.geteuid() != 0 else (
             "namespaces=False" if not cfg["namespaces"] else "unshare(CLONE_NEWNS) was refused")
         raise RuntimeError(
             f"refusing to run an untrusted program: no private mount namespace ({why}), so the "
             "host filesystem would be writable; pass require_fs_isolation=False to run it anyway"
         )
-    workdir = cfg["workdir"]
-    if mountns:
-        _isolate_filesystem(cfg, libc, uid)
+    if ns["ipcns"]:
+        _limit_ipc(cfg)
+    workdir = cfg["sandbox_workdir"] if ns["mountns"] else cfg["host_workdir"]
+    writable: set[str] = set()
+    if ns["mountns"]:
+        writable = _enter_minimal_root(cfg, libc, uid, workdir)
     os.chdir(workdir)
+    os.environ.update(HOME=workdir, TMPDIR=workdir)
     main_path = os.path.join(workdir, "main.py")
     with open(main_path, "w", encoding="utf-8") as f:
         f.write(cfg["source"])
     if uid is not None:
         os.chown(main_path, uid, uid)
-    if pidns:
+    if ns["pidns"]:
         init = os.fork()
         if init:
             _, status = os.waitpid(init, 0)
             os._exit(0 if os.waitstatus_to_exitcode(status) == 0 else 1)
-        if mountns:  # a /proc of this namespace: the program sees only its own processes
-            libc.mount(b"proc", b"/proc", b"proc", _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None)
+    if ns["mountns"]:  # the namespace's own /proc (the host's pids when there is no pid namespace)
+        libc.mount(b"proc", b"/proc", b"proc", _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOEXEC, None)
+        _check_readonly(writable)
+    if ns["pidns"]:
+        _die_with_parent(libc, None)  # the init dies with the harness: so does the namespace
         program = os.fork()
         if program:
-            _init_loop(program, report)
-    isolation = {"netns": netns, "mountns": mountns, "pidns": pidns, "uid": uid}
+            _init_loop(program, exit_fd)
+    os.close(exit_fd)  # the program cannot write, or forge, its own exit status
+    isolation = {**ns, "uid": uid}
     _run_program(cfg, main_path, isolation, libc, report)
 
 
-def _init_loop(program: int, report) -> None:
+def _die_with_parent(libc, parent: int | None) -> None:
+    """SIGKILL this process when its parent dies (a grader killed mid-run leaves no program
+    behind: the harness dies with the grader, the namespace's init with the harness).
+
+    ``parent``: the pid the parent should have, to catch one that died before the request
+    took effect; ``None`` inside a pid namespace, where the parent outside has no pid.
+    """
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if parent is not None and os.getppid() != parent:
+        os._exit(1)
+
+
+def _init_loop(program: int, exit_fd: int) -> None:
     """Namespace init: reap children until the program ends, report its exit, and leave --
     the kernel then kills whatever the program left behind."""
     while True:
@@ -864,7 +1235,10 @@ def _init_loop(program: int, report) -> None:
             break
         if pid == program:
             break
-    report("exit", code=os.waitstatus_to_exitcode(status))
+    try:
+        os.write(exit_fd, f"exit {os.waitstatus_to_exitcode(status)}\n".encode())
+    except OSError:
+        pass
     os._exit(0)
 
 
@@ -880,6 +1254,9 @@ def _run_program(cfg: dict, main_path: str, isolation: dict, libc, report) -> No
         _drop_privileges(uid, libc)
     elif os.geteuid() == 0 and isolation["mountns"]:
         _drop_capabilities(libc)
+    _fresh_keyrings(libc)
+    if not cfg["cgroup_procs"]:
+        _refuse_memfd(libc)
     _cap_recursion(cfg["max_recursion"])
     if not isolation["netns"]:
         _install_socket_guard()
@@ -972,4 +1349,4 @@ def _call_entry(namespace: dict, name: str, args: list):
 
 
 if __name__ == "__main__":
-    _child_main(sys.argv[1], int(sys.argv[2]))
+    _child_main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]))
