@@ -269,7 +269,10 @@ def split_exactly(shares: torch.Tensor, total: int) -> torch.Tensor:
     order = torch.sort(remainder, dim=-1, descending=True, stable=True).indices
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(shares.shape[-1],
                                             device=shares.device).expand_as(order).contiguous())
-    return (base + (rank < missing).to(base.dtype)).long()
+    out = (base + (rank < missing).to(base.dtype)).long()
+    if out.numel() and not bool((out.sum(dim=-1) == total).all()):
+        raise ValueError(f"shares {shares.tolist()} do not sum to {total}")
+    return out
 
 
 def chunk_ids(length: int, chunk_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
