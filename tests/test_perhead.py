@@ -298,8 +298,35 @@ def test_engine_equal_head_counts_match_the_plain_selection(tiny_model):
     assert events and all(e["physical_after"] == 24 for e in events)
 
 
-def test_engine_holes_are_masked_and_pages_sized_by_the_largest_head(tiny_model, monkeypatch):
+@pytest.fixture
+def poison_holes(monkeypatch):
+    """After every compaction, fill each head's hole with huge keys and values (masked slots must
+    not change a single token). Returns the `setup` hook that tells it the run's cache."""
     import engine.compaction as compaction
+    import engine.scheduler as scheduler
+
+    original = compaction.finalize
+    kv = {}
+
+    def poisoned(job, bm):
+        event = original(job, bm)
+        seq = job.seq
+        if seq.head_lens is not None and "cache" in kv:  # only runs given the setup hook
+            for layer in range(seq.head_lens.shape[0]):
+                for h in range(seq.head_lens.shape[1]):
+                    for slot in range(int(seq.head_lens[layer, h]), seq.compacted_len):
+                        page = seq.block_table[slot // BS]
+                        kv["cache"].k[layer, h, page, slot % BS] = 1e4
+                        kv["cache"].v[layer, h, page, slot % BS] = -1e4
+        return event
+
+    monkeypatch.setattr(compaction, "finalize", poisoned)
+    monkeypatch.setattr(scheduler, "finalize", poisoned)
+    return lambda llm: kv.update(cache=llm.runner.kv)
+
+
+def test_engine_holes_are_masked_and_pages_sized_by_the_largest_head(tiny_model, poison_holes,
+                                                                     monkeypatch):
     from engine.sequence import Sequence
 
     ps = prompts([70, 52, 20], seed=2)
@@ -314,35 +341,54 @@ def test_engine_holes_are_masked_and_pages_sized_by_the_largest_head(tiny_model,
         assert o.avg_kv_kept < o.avg_kv_allocated - BS / 2  # holes are reported, not hidden
     assert llm.last_stats.avg_kv_kept < llm.last_stats.avg_kv_allocated
 
-    original = compaction.finalize
-    kv = {}
-
-    def poisoned(job, bm):
-        event = original(job, bm)
-        seq = job.seq
-        if seq.head_lens is not None:
-            cache = kv["k"]
-            for layer in range(seq.head_lens.shape[0]):
-                for h in range(seq.head_lens.shape[1]):
-                    for slot in range(int(seq.head_lens[layer, h]), seq.compacted_len):
-                        page = job.seq.block_table[slot // BS]
-                        cache.k[layer, h, page, slot % BS] = 1e4
-                        cache.v[layer, h, page, slot % BS] = -1e4
-        return event
-
-    monkeypatch.setattr(compaction, "finalize", poisoned)
-    import engine.scheduler as scheduler
-    monkeypatch.setattr(scheduler, "finalize", poisoned)
-
-    def setup(llm):
-        kv["k"] = llm.runner.kv
-
-    _, masked = run(tiny_model, "adakv", ps, policy_args=args, max_tokens=16, setup=setup)
+    _, masked = run(tiny_model, "adakv", ps, policy_args=args, max_tokens=16, setup=poison_holes)
     assert [o.token_ids for o in masked] == [o.token_ids for o in clean]
     # Without the masks the poison reaches attention (the check above can fail).
     monkeypatch.setattr(Sequence, "holes", lambda self: None)
-    _, unmasked = run(tiny_model, "adakv", ps, policy_args=args, max_tokens=16, setup=setup)
+    _, unmasked = run(tiny_model, "adakv", ps, policy_args=args, max_tokens=16,
+                      setup=poison_holes)
     assert [o.token_ids for o in unmasked] != [o.token_ids for o in clean]
+
+
+class _FirstChunk(AdaKV):
+    """Ada-KV compressing after the first prefill chunk (once), so the rest of the prompt is
+    prefilled on top of the holes: chunk attention must honour them."""
+
+    name = "adakv-test-first-chunk"
+
+    def new_state(self):
+        return {"done": False}
+
+    def after_prefill(self, view, final):
+        if view.state["done"] or view.physical_len <= self.budget:
+            return None
+        view.state["done"] = True
+        return super().after_prefill(view, True)
+
+
+def test_engine_prefill_chunks_after_a_per_head_compaction_skip_the_holes(tiny_model,
+                                                                          poison_holes,
+                                                                          monkeypatch):
+    import engine.attention as attention
+
+    calls = []
+    inner = attention.paged_prefill_attention
+
+    def spy(*args):
+        calls.append(args[-1] is not None and args[-1].shape[1:] == (2, 2))  # [Bp, kv_heads, 2]
+        return inner(*args)
+
+    monkeypatch.setattr(attention, "paged_prefill_attention", spy)
+    ps = prompts([90], seed=4)
+    args = dict(budget=24, window=8, floor_alpha=0.0)
+    chunked = dict(max_num_batched_tokens=40)
+    _, clean = run(tiny_model, _FirstChunk(**args), ps, max_tokens=8, **chunked)
+    (event,) = [e for e in clean[0].events if e["action"] == "compress"]
+    assert event["logical_len"] == 40 and event["info"]["head_kept_min"] < event["physical_after"]
+    _, masked = run(tiny_model, _FirstChunk(**args), ps, max_tokens=8, setup=poison_holes,
+                    **chunked)
+    assert masked[0].token_ids == clean[0].token_ids
+    assert any(calls) and not all(calls)  # chunks after the compaction passed their holes
 
 
 def test_engine_pyramidkv_compresses_preempts_and_recompresses(tiny_model):
