@@ -74,6 +74,7 @@ class Sequence:
         self.head_lens: torch.Tensor | None = None  # [layers, kv_heads] int64, CPU
         self.compacted_len = 0
         self._holes: torch.Tensor | None = None
+        self._mean_hole = 0.0
         self.num_cached_prefix = 0
         self.query_slot: int | None = None
         self.policy_state: Any = None
@@ -125,6 +126,8 @@ class Sequence:
         self.head_lens = None if counts is None else counts.to("cpu", torch.long)
         self.compacted_len = compacted_len if counts is not None else 0
         self._holes = None
+        self._mean_hole = (0.0 if counts is None
+                           else float((compacted_len - self.head_lens).double().mean()))
 
     def holes(self) -> torch.Tensor | None:
         """[layers, kv_heads, 2] int32 (start, end) of each head's hole, or None."""
@@ -139,9 +142,7 @@ class Sequence:
     def kept_slots(self) -> float:
         """Slots holding kept tokens, averaged over (layer, KV head): physical_len minus the mean
         hole (equal to physical_len without per-head budgets)."""
-        if self.head_lens is None:
-            return float(self.physical_len)
-        return self.physical_len - float((self.compacted_len - self.head_lens).double().mean())
+        return self.physical_len - self._mean_hole
 
     def reset_for_recompute(self) -> None:
         """Preemption by recompute: forget all KV; the tokens stay and are prefilled again."""

@@ -17,8 +17,9 @@ window plus its k_l best SnapKV-scored slots, the same count for all its KV head
 
 Where the code and the arithmetic differ, the arithmetic wins here: KVCache-Factory floors the step
 (`steps = (k_0 - k_{m-1}) // (m - 1)`), which lifts every layer after the first above the
-arithmetic sequence and overspends the total, e.g. a budget 128, window 8, 30 layers (SmolLM2-135M): a = 120, k_{m-1} = 6, k_0 = 234,
-step 228 / 29 = 7.86 floored to 7, total 30 * 234 - 7 * 435 = 3975 slots instead of 3600 (+10%).
+arithmetic sequence and overspends the total, e.g. a budget 128, window 8, 30 layers
+(SmolLM2-135M): a = 120, k_{m-1} = 6, k_0 = 234, step 228 / 29 = 7.86 floored to 7, total
+30 * 234 - 7 * 435 = 3975 slots instead of 3600 (+10%).
 kvarena uses the real step and rounds the layers by largest remainder so the total is exactly
 m * a (tests/test_perhead.py checks it against a loop).
 
