@@ -51,6 +51,9 @@ class ForwardContext:
         decode_context_lens [Bd] (physical slots visible, the new one included).
     prefill_*: the chunk items: block_tables [Bp, nb], base_lens [Bp], q_lens [Bp], pad_index
         [T - num_decode] (row -> b * q_max + i in the padded layout), q_max.
+    decode_holes, prefill_holes: per-head budgets, [layers, Bd or Bp, kv_heads, 2] int32
+        (start, end) of the slots each (layer, kv head) skips (docs/architecture.md "Per-head
+        budgets"); None when no item of the group has a hole (the uniform path, unchanged).
     capture: a QueryCapture that records pre-RoPE queries per layer (signals for policies).
     collect: when a list, every layer's post-RoPE queries [T, q_heads, d] are appended to it.
     store_plan, decode_plan: on CPU, the torch twins' checks and index tensors, built by the
@@ -69,6 +72,8 @@ class ForwardContext:
     prefill_q_lens: torch.Tensor | None = None
     prefill_pad_index: torch.Tensor | None = None
     prefill_q_max: int = 0
+    decode_holes: torch.Tensor | None = None
+    prefill_holes: torch.Tensor | None = None
     capture: object | None = None
     collect: list | None = field(default=None)
     store_plan: StorePlan | None = None
@@ -87,16 +92,17 @@ def attend(layer: int, q_pre: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         _store(k, v, k_cache, v_cache, ctx)
     nd = ctx.num_decode
     if nd == q.shape[0]:
-        return _decode(q, k_cache, v_cache, ctx)
+        return _decode(layer, q, k_cache, v_cache, ctx)
     out = torch.empty_like(q)
     if nd:
-        out[:nd] = _decode(q[:nd], k_cache, v_cache, ctx)
+        out[:nd] = _decode(layer, q[:nd], k_cache, v_cache, ctx)
     bp = ctx.prefill_block_tables.shape[0]
     padded = q.new_zeros(bp * ctx.prefill_q_max, q.shape[1], q.shape[2])
     padded[ctx.prefill_pad_index] = q[nd:]
+    holes = None if ctx.prefill_holes is None else ctx.prefill_holes[layer]  # [Bp, kv_heads, 2]
     o = paged_prefill_attention(padded.view(bp, ctx.prefill_q_max, q.shape[1], q.shape[2]),
                                 k_cache, v_cache, ctx.prefill_block_tables,
-                                ctx.prefill_base_lens, ctx.prefill_q_lens, ctx.scale)
+                                ctx.prefill_base_lens, ctx.prefill_q_lens, ctx.scale, holes)
     out[nd:] = o.reshape(bp * ctx.prefill_q_max, q.shape[1], q.shape[2])[ctx.prefill_pad_index]
     return out
 
@@ -111,13 +117,14 @@ def _store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     store_kv_planned(k, v, k_cache, v_cache, ctx.store_plan)
 
 
-def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+def _decode(layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             ctx: ForwardContext) -> torch.Tensor:
     """q: [Bd, q_heads, d] -> [Bd, q_heads, d] over the decode items' pages."""
+    holes = None if ctx.decode_holes is None else ctx.decode_holes[layer]  # [Bd, kv_heads, 2]
     if use_triton(q):
         return paged_decode_attention(q, k_cache, v_cache, ctx.decode_block_tables,
-                                      ctx.decode_context_lens, ctx.scale)
+                                      ctx.decode_context_lens, ctx.scale, holes)
     if ctx.decode_plan is None:
         ctx.decode_plan = plan_decode_torch(q, k_cache, v_cache, ctx.decode_block_tables,
                                             ctx.decode_context_lens)
-    return decode_attention_planned(q, k_cache, v_cache, ctx.decode_plan, ctx.scale)
+    return decode_attention_planned(q, k_cache, v_cache, ctx.decode_plan, ctx.scale, holes)

@@ -20,6 +20,14 @@ hazard check (a device-to-host sync per call) is skipped; K and V move in one la
 order is checked (free there) so a policy that breaks it fails loudly in CPU runs and tests.
 With async compaction on CUDA the worker runs on its own stream: the copy overlaps the other
 requests' decode steps instead of queueing behind them on the default stream.
+
+Per-head budgets (a `HeadKeep` from select, docs/architecture.md): row (l, h) moves its
+counts[l, h] kept slots to the front as usual; its ignored tail entries become slot i -> target
+i (a self-copy in place, a harmless copy into fresh pages), which keeps the ordering
+precondition. finalize sets the physical length to max(counts), gives back the pages past it
+(keeping whatever headroom the decision asked for beyond ceil(target_len / b)) and records the
+counts on the sequence, whose heads then mask their holes in attention. The counts come to the
+host once per event (a sync on CUDA).
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ from engine.attention import KVCache
 from engine.block_manager import BlockManager
 from engine.kernels._common import upload
 from engine.kernels.compact import compact_kv, compact_slots
-from engine.policies.base import Action, Decision, KVPolicy, PolicyView, StageTimer
+from engine.policies.base import Action, Decision, HeadKeep, KVPolicy, PolicyView, StageTimer
 from engine.sequence import CapacityEvent, Sequence
 
 
@@ -55,6 +63,7 @@ class CompactionJob:
     started: float = field(default_factory=time.perf_counter)
     physical_before: int = 0
     pages_before: int = 0
+    counts: torch.Tensor | None = None  # [layers, kv_heads] kept per head (HeadKeep), CPU
 
 
 def plan(seq: Sequence, decision: Decision, bm: BlockManager, kind: str,
@@ -89,13 +98,23 @@ def execute(job: CompactionJob, policy: KVPolicy, view: PolicyView, kv: KVCache)
     """Select and move the kept slots. Reads the old block table, writes the new one."""
     seq, target = job.seq, job.decision.target_len
     keep = policy.select(view, target, job.timer)
+    counts = None
+    if isinstance(keep, HeadKeep):
+        keep, counts = keep.slots, keep.counts
     L, H = kv.k.shape[0], kv.k.shape[1]
     if tuple(keep.shape) != (L, H, target):
         raise PolicyError(
             f"{policy.name}.select returned shape {tuple(keep.shape)}, expected {(L, H, target)}"
         )
-    if not keep.is_cuda and target > 1 and not bool((keep[..., 1:] > keep[..., :-1]).all()):
-        raise PolicyError(f"{policy.name}.select must return each row's slots strictly ascending")
+    real = None
+    if counts is not None:
+        job.counts = _check_counts(policy, counts, L, H, target)
+        real = torch.arange(target, device=keep.device) < job.counts.to(keep.device)[..., None]
+    if not keep.is_cuda:
+        _check_rows(policy, seq, keep, real)
+    if real is not None:
+        # Ignored tail entries copy slot i onto target i (see the module docstring).
+        keep = torch.where(real, keep, torch.arange(target, device=keep.device))
     with job.timer.stage("compaction"):
         bs = kv.block_size
         old = upload(seq.block_table, kv.k.device)
@@ -109,10 +128,56 @@ def execute(job: CompactionJob, policy: KVPolicy, view: PolicyView, kv: KVCache)
             compact_slots(kv.scores, src, dst, ordered=True)
 
 
+def _check_counts(policy: KVPolicy, counts: torch.Tensor, layers: int, heads: int,
+                  target: int) -> torch.Tensor:
+    """A HeadKeep's counts, checked and on the host: [layers, kv_heads] int64 in 0..target."""
+    counts = counts.to("cpu", torch.long)
+    if tuple(counts.shape) != (layers, heads):
+        raise PolicyError(f"{policy.name}.select returned counts of shape {tuple(counts.shape)}, "
+                          f"expected {(layers, heads)}")
+    if counts.numel() and not (0 <= int(counts.min()) and int(counts.max()) <= target):
+        raise PolicyError(f"{policy.name}.select returned counts in "
+                          f"[{int(counts.min())}, {int(counts.max())}], outside 0..{target}")
+    return counts
+
+
+def _check_rows(policy: KVPolicy, seq: Sequence, keep: torch.Tensor,
+                real: torch.Tensor | None) -> None:
+    """CPU-only checks (free there): each row's kept entries strictly ascending, and none of
+    them inside the head's hole from an earlier per-head compaction (stale KV)."""
+    if keep.shape[-1] > 1:
+        rising = keep[..., 1:] > keep[..., :-1]
+        if real is not None:
+            rising = rising | ~real[..., 1:]
+        if not bool(rising.all()):
+            raise PolicyError(f"{policy.name}.select must return each row's slots strictly "
+                              "ascending")
+    holes = seq.holes()
+    if holes is not None and keep.numel():
+        holes = holes.long()
+        inside = (keep >= holes[..., 0:1]) & (keep < holes[..., 1:2])
+        if real is not None:
+            inside = inside & real
+        if bool(inside.any()):
+            raise PolicyError(f"{policy.name}.select kept a slot inside a head's hole (a slot "
+                              "that head no longer holds; see PolicyView.head_lens)")
+
+
 def finalize(job: CompactionJob, bm: BlockManager) -> CapacityEvent:
     seq = job.seq
+    target = job.decision.target_len
+    if job.counts is not None:
+        longest = int(job.counts.max()) if job.counts.numel() else 0
+        # Pages sized by the largest head, keeping the headroom the decision asked for.
+        bs = bm.block_size
+        headroom = len(job.new_table) - math.ceil(target / bs)
+        need = math.ceil(longest / bs) + headroom
+        job.release.extend(job.new_table[need:])
+        job.new_table = job.new_table[:need]
+        target = longest
     seq.block_table = job.new_table
-    seq.physical_len = job.decision.target_len
+    seq.physical_len = target
+    seq.set_head_lens(job.counts, target)
     for page in job.release:
         bm.release(page)
     event = CapacityEvent(
@@ -122,6 +187,9 @@ def finalize(job: CompactionJob, bm: BlockManager) -> CapacityEvent:
         pages_after=seq.num_pages, fallback=job.fallback, info=dict(job.decision.info),
         stages=dict(job.timer.stages),
     )
+    if job.counts is not None and job.counts.numel():
+        event.info.update(head_kept_min=int(job.counts.min()), head_kept_max=int(job.counts.max()),
+                          kept_slots=seq.kept_slots)
     seq.events.append(event)
     return event
 

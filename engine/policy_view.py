@@ -49,6 +49,12 @@ class SeqView:
     def is_prefilling(self) -> bool:
         return self.seq.is_prefilling
 
+    def head_lens(self) -> tuple[torch.Tensor, int] | None:
+        """(counts [layers, kv_heads], compacted_len) after a per-head compaction, else None."""
+        if self.seq.head_lens is None:
+            return None
+        return self.seq.head_lens.clone(), self.seq.compacted_len
+
     @property
     def state(self) -> Any:
         return self.seq.policy_state

@@ -206,6 +206,7 @@ class ModelRunner:
             ctx.decode_block_tables = _tables([it.seq.block_table for it in decode], dev)
             ctx.decode_context_lens = torch.tensor(
                 [_base(it, base_override) + 1 for it in decode], dtype=torch.long, device=dev)
+            ctx.decode_holes = self._holes(decode)
         if chunks:
             q_max = max(it.num_tokens for it in chunks)
             pad = [b * q_max + i for b, it in enumerate(chunks) for i in range(it.num_tokens)]
@@ -216,7 +217,18 @@ class ModelRunner:
                                               device=dev)
             ctx.prefill_pad_index = torch.tensor(pad, dtype=torch.long, device=dev)
             ctx.prefill_q_max = q_max
+            ctx.prefill_holes = self._holes(chunks)
         return ctx
+
+    def _holes(self, items: list[WorkItem]) -> torch.Tensor | None:
+        """Per-head holes of a group, [layers, B, kv_heads, 2] int32; None when no item has one
+        (then attention takes the uniform path)."""
+        holes = [it.seq.holes() for it in items]
+        if all(h is None for h in holes):
+            return None
+        none = torch.zeros(self.num_layers, self.num_kv_heads, 2, dtype=torch.int32)
+        stacked = torch.stack([none if h is None else h for h in holes], dim=1)
+        return stacked.to(self.device)
 
     # -- policy signals -----------------------------------------------------------------------
     def gather_slots(self, cache: torch.Tensor, seq: Sequence, layers: slice | None = None,

@@ -69,6 +69,13 @@ class Sequence:
         self.block_table: list[int] = []
         self.num_computed = 0
         self.physical_len = 0
+        # Per-head budgets (docs/architecture.md): after a compaction with unequal per-head counts,
+        # head (l, h) holds slots [0, head_lens[l, h]) and [compacted_len, physical_len); the slots
+        # between are its hole. None: every head holds every physical slot.
+        self.head_lens: torch.Tensor | None = None  # [layers, kv_heads] int64, CPU
+        self.compacted_len = 0
+        self._holes: torch.Tensor | None = None
+        self._mean_hole = 0.0
         self.num_cached_prefix = 0
         self.query_slot: int | None = None
         self.policy_state: Any = None
@@ -76,6 +83,7 @@ class Sequence:
         self.num_preemptions = 0
         self.events: list[CapacityEvent] = []
         self.capacity_trace: list[int] = []  # allocated slots at each decode step
+        self.kept_trace: list[float] = []    # slots holding kept tokens, per (layer, head), each step
         self.budget_trace: list[int] = []    # the policy's KV budget at each decode step
         self.token_logprobs: list[float] = []
         self.arrival = time.perf_counter() if arrival is None else arrival
@@ -111,11 +119,38 @@ class Sequence:
     def is_compressed(self) -> bool:
         return self.physical_len < self.num_computed
 
+    def set_head_lens(self, counts: torch.Tensor | None, compacted_len: int) -> None:
+        """Record a compaction's per-head counts [layers, kv_heads] (None, or all equal to
+        compacted_len: no holes)."""
+        if counts is not None and bool((counts == compacted_len).all()):
+            counts = None
+        self.head_lens = None if counts is None else counts.to("cpu", torch.long)
+        self.compacted_len = compacted_len if counts is not None else 0
+        self._holes = None
+        self._mean_hole = (0.0 if counts is None
+                           else float((compacted_len - self.head_lens).double().mean()))
+
+    def holes(self) -> torch.Tensor | None:
+        """[layers, kv_heads, 2] int32 (start, end) of each head's hole, or None."""
+        if self.head_lens is None:
+            return None
+        if self._holes is None:
+            end = torch.full_like(self.head_lens, self.compacted_len)
+            self._holes = torch.stack([self.head_lens, end], dim=-1).to(torch.int32)
+        return self._holes
+
+    @property
+    def kept_slots(self) -> float:
+        """Slots holding kept tokens, averaged over (layer, KV head): physical_len minus the mean
+        hole (equal to physical_len without per-head budgets)."""
+        return self.physical_len - self._mean_hole
+
     def reset_for_recompute(self) -> None:
         """Preemption by recompute: forget all KV; the tokens stay and are prefilled again."""
         self.block_table = []
         self.num_computed = 0
         self.physical_len = 0
+        self.set_head_lens(None, 0)
         self.num_cached_prefix = 0
         self.status = SeqStatus.WAITING
         self.num_preemptions += 1

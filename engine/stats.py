@@ -12,6 +12,11 @@
   block_size) averaged over its decode steps, mean over requests: the memory it occupied.
   Which table prints which: the mixed benchmark's Table 8 and Table 9 shaped tables print both
   (Table 8's column is avg_kv_budget); the leaderboard and the eval metrics carry both.
+- Average kept KV (`avg_kv_kept`): the slots that hold a kept token, averaged over (layer, KV
+  head) and over a request's decode steps, mean over requests, in the same per-head slot unit as
+  `avg_kv_allocated`. With one length for every head it is the physical length; with per-head
+  budgets (PyramidKV, AdaKV) pages are sized by the largest head, so allocated minus kept counts
+  the write-page headroom plus the holes of the heads that keep fewer tokens.
 - C: mean number of requests resident (running) per decode step.
 - Events (Table 9): "grow" (a capacity decision to grow that got its page), "compress", "shrink"
   (capacity decisions at boundaries), "fallback" (a grow decision the pool could not safely
@@ -49,6 +54,7 @@ class RequestOutput:
     avg_kv_budget: float | None
     num_preemptions: int
     avg_kv_allocated: float | None = None
+    avg_kv_kept: float | None = None
     capacity_trace: list[int] = field(repr=False, default_factory=list)
     events: list[dict] = field(repr=False, default_factory=list)
     token_logprobs: list[float] = field(repr=False, default_factory=list)
@@ -70,6 +76,7 @@ class RequestOutput:
             avg_kv_budget=statistics.fmean(budgets) if budgets else None,
             num_preemptions=seq.num_preemptions,
             avg_kv_allocated=statistics.fmean(trace) if trace else None,
+            avg_kv_kept=statistics.fmean(seq.kept_trace) if seq.kept_trace else None,
             capacity_trace=list(trace),
             events=[event_dict(e) for e in seq.events],
             token_logprobs=list(seq.token_logprobs),
@@ -107,6 +114,7 @@ class RunStats:
     counts: dict
     grow_ratio: float | None
     stage_seconds: dict
+    avg_kv_kept: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -116,7 +124,14 @@ class RunStats:
         return (f"{self.num_requests} requests, {self.output_tokens} tokens in "
                 f"{self.wall_time:.2f} s: {self.tps:.1f} tok/s, TPOT {tpot}, "
                 f"C {self.mean_resident:.1f}, peak pages {self.peak_pages}, "
+                f"{self._memory()}"
                 f"preemptions {self.counts.get('preemption', 0)}")
+
+    def _memory(self) -> str:
+        """"KV slots allocated / kept per head a, b, " when both are known, else nothing."""
+        if self.avg_kv_allocated is None or self.avg_kv_kept is None:
+            return ""
+        return f"KV slots per head allocated {self.avg_kv_allocated:.0f} / kept {self.avg_kv_kept:.0f}, "
 
 
 def run_stats(outputs: list[RequestOutput], steps: list[StepRecord], events: list[CapacityEvent],
@@ -126,6 +141,7 @@ def run_stats(outputs: list[RequestOutput], steps: list[StepRecord], events: lis
     tpots = [o.tpot for o in outputs if o.tpot is not None]
     budgets = [o.avg_kv_budget for o in outputs if o.avg_kv_budget is not None]
     allocated = [o.avg_kv_allocated for o in outputs if o.avg_kv_allocated is not None]
+    kept = [o.avg_kv_kept for o in outputs if o.avg_kv_kept is not None]
     decode_steps = [s for s in steps if s.decodes]
     stages: Counter[str] = Counter()
     for e in events:
@@ -147,6 +163,7 @@ def run_stats(outputs: list[RequestOutput], steps: list[StepRecord], events: lis
         compaction_seconds=compaction_seconds, counts=counts,
         grow_ratio=decisions["grow"] / n_decisions if n_decisions else None,
         stage_seconds=dict(stages),
+        avg_kv_kept=statistics.fmean(kept) if kept else None,
     )
 
 

@@ -461,7 +461,7 @@ PER_SAMPLE_METRICS: dict[str, tuple[Callable[[Mapping[str, Any]], Any], str, str
 # Numeric per-sample fields with these prefixes get "<field>" (their mean over the finished
 # samples where the field applies, i.e. is not None) and "<field>_ci" automatically: fidelity to
 # FullKV (fid_*) and every definition of the average KV budget.
-AUTO_MEAN_PREFIXES = ("fid_", "avg_kv_budget", "avg_kv_allocated")
+AUTO_MEAN_PREFIXES = ("fid_", "avg_kv_budget", "avg_kv_allocated", "avg_kv_kept")
 # Figures of the whole run, not means over samples: no bootstrap interval. TPS and total time
 # depend on the machine's load during the run; compare them only between runs measured side by
 # side (the benchmarks).

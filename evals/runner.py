@@ -268,6 +268,7 @@ def output_record(problem: Problem, sample: int, seed: int, segment: int, out: A
         "tpot_s": out.tpot,
         "avg_kv_budget": out.avg_kv_budget,
         "avg_kv_allocated": out.avg_kv_allocated,
+        "avg_kv_kept": out.avg_kv_kept,
         "peak_kv_capacity": max(trace) if trace else None,
         "preemptions": out.num_preemptions,
         "events": kinds,

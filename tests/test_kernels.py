@@ -505,3 +505,123 @@ def test_importing_kernels_does_not_import_triton():
     result = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
                             env={**os.environ, "PYTHONPATH": str(root)})
     assert result.returncode == 0, result.stderr or "engine.kernels imported triton eagerly"
+
+
+# ----------------------------------------------------------------------------- per-head holes
+
+def naive_decode_holes(q, k_cache, v_cache, tables, lens, scale, holes):
+    """Loop reference: kv head h of sequence b sees slots j < lens[b] outside
+    holes[b, h, 0] <= j < holes[b, h, 1]."""
+    batch, q_heads, head_dim = q.shape
+    kv_heads, block_size = k_cache.shape[0], k_cache.shape[2]
+    out = torch.zeros(batch, q_heads, head_dim, dtype=torch.float64)
+    for b in range(batch):
+        slots = slots_of(tables[b], int(lens[b]), block_size)
+        for h in range(q_heads):
+            kvh = h // (q_heads // kv_heads)
+            lo, hi = int(holes[b, kvh, 0]), int(holes[b, kvh, 1])
+            seen = [s for j, s in enumerate(slots) if not lo <= j < hi]
+            if seen:
+                keys = torch.stack([k_cache[kvh, p, o] for p, o in seen])
+                values = torch.stack([v_cache[kvh, p, o] for p, o in seen])
+                out[b, h] = naive_attention(q[b, h], keys, values, scale)
+    return out
+
+
+def naive_prefill_holes(q, k_cache, v_cache, tables, base_lens, q_lens, scale, holes):
+    batch, lq_max, q_heads, head_dim = q.shape
+    kv_heads, block_size = k_cache.shape[0], k_cache.shape[2]
+    out = torch.zeros(batch, lq_max, q_heads, head_dim, dtype=torch.float64)
+    for b in range(batch):
+        for i in range(int(q_lens[b])):
+            slots = slots_of(tables[b], int(base_lens[b]) + i + 1, block_size)
+            for h in range(q_heads):
+                kvh = h // (q_heads // kv_heads)
+                lo, hi = int(holes[b, kvh, 0]), int(holes[b, kvh, 1])
+                seen = [s for j, s in enumerate(slots) if not lo <= j < hi]
+                keys = torch.stack([k_cache[kvh, p, o] for p, o in seen])
+                values = torch.stack([v_cache[kvh, p, o] for p, o in seen])
+                out[b, i, h] = naive_attention(q[b, i, h], keys, values, scale)
+    return out
+
+
+def _holes(kv_heads, rows):
+    """holes [B, kv_heads, 2] int32 from per-sequence lists of per-head (start, end)."""
+    return torch.tensor([[row[h % len(row)] for h in range(kv_heads)] for row in rows],
+                        dtype=torch.int32)
+
+
+# Per sequence of lens (37, 0, 9, 16): a head that kept nothing of a 24-slot compacted prefix,
+# a partial hole, none; padding; a hole ending at the newest slot's predecessor; a hole-free row.
+DECODE_HOLES = [[(0, 24), (5, 24)], [(0, 0)], [(3, 8), (0, 0)], [(0, 0)]]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", HEADS, ids=["gqa", "mqa"])
+def test_decode_holes_twin_and_triton_match_masked_loop(dtype, heads):
+    case = _decode_case(dtype, heads, seed=40)
+    holes = _holes(heads[1], DECODE_HOLES)
+    expected = naive_decode_holes(*case, holes)
+    twin = paged_decode_attention_torch(*case, holes)
+    assert_close(twin, expected, dtype)
+    assert_close(paged_decode_attention_triton(*case, holes), expected, dtype)
+    assert twin[1].abs().max() == 0
+    # The holes change the answer (the test could fail), and empty holes change nothing.
+    assert not torch.allclose(twin.double(), naive_decode(*case), **TOL[dtype])
+    empty = torch.zeros_like(holes)
+    assert_close(paged_decode_attention_torch(*case, empty), paged_decode_attention_torch(*case),
+                 dtype)
+    assert_close(paged_decode_attention_triton(*case, empty),
+                 paged_decode_attention_triton(*case), dtype)
+
+
+def test_decode_holes_uniform_lengths_take_the_masked_path():
+    """Equal lengths (the twin's unmasked fast path) with a hole still skip it."""
+    case = _decode_case(torch.float32, (4, 2), seed=41, lens=(20, 20))
+    holes = _holes(2, [[(2, 12), (0, 0)], [(0, 19)]])
+    assert_close(paged_decode_attention_torch(*case, holes), naive_decode_holes(*case, holes),
+                 torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("partitions", [1, 3])
+def test_decode_holes_split_k_with_empty_tiles_and_partitions(dtype, partitions):
+    """A hole spanning whole 64-slot tiles and a whole partition: those programs see nothing
+    and must weigh 0 in the reduction."""
+    from engine.kernels import _tl_paged_attention
+
+    case = _decode_case(dtype, (8, 2), seed=42, block_size=16, lens=(500, 65, 130))
+    holes = _holes(2, [[(10, 400), (0, 499)], [(0, 64), (1, 2)], [(0, 0), (64, 128)]])
+    out = _tl_paged_attention.launch_decode(*case, partitions=partitions, holes=holes)
+    assert_close(out, naive_decode_holes(*case, holes), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", HEADS, ids=["gqa", "mqa"])
+def test_prefill_holes_twin_and_triton_match_masked_loop(dtype, heads):
+    """A chunk prefilled after a per-head compaction: every row skips its head's hole, which
+    lies below the chunk's base; padded rows stay zero."""
+    case = _prefill_case(dtype, heads, seed=43)
+    holes = _holes(heads[1], [[(0, 20), (4, 18)], [(0, 0)], [(1, 3)], [(0, 0), (0, 5)]])
+    expected = naive_prefill_holes(*case, holes)
+    twin = paged_prefill_attention_torch(*case, holes)
+    assert_close(twin, expected, dtype)
+    assert_close(paged_prefill_attention_triton(*case, holes), expected, dtype)
+    assert twin[2].abs().max() == 0 and twin[0, 5:].abs().max() == 0
+    assert not torch.allclose(twin.double(), naive_prefill(*case), **TOL[dtype])
+
+
+def test_holes_reject_bad_input():
+    q, k_cache, v_cache, tables, lens, scale = _decode_case(torch.float32, (4, 2), seed=44)
+    with pytest.raises(ValueError, match="holes"):
+        paged_decode_attention(q, k_cache, v_cache, tables, lens, scale,
+                               torch.zeros(4, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="kv_heads"):
+        paged_decode_attention(q, k_cache, v_cache, tables, lens, scale,
+                               torch.zeros(4, 3, 2, dtype=torch.int32))
+    over = _holes(2, [[(0, 37)], [(0, 0)], [(0, 0)], [(0, 0)]])  # covers the newest slot
+    with pytest.raises(ValueError, match="newest slot"):
+        paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, over)
+    backwards = _holes(2, [[(9, 3)], [(0, 0)], [(0, 0)], [(0, 0)]])
+    with pytest.raises(ValueError, match="start <= end"):
+        paged_decode_attention(q, k_cache, v_cache, tables, lens, scale, backwards)

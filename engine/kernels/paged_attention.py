@@ -3,7 +3,8 @@
 Two entry points, each with a Triton version (used for CUDA tensors) and a torch twin of the
 same signature (used on CPU and as the test oracle):
 
-``paged_decode_attention(q, k_cache_l, v_cache_l, block_tables, context_lens, scale) -> out``
+``paged_decode_attention(q, k_cache_l, v_cache_l, block_tables, context_lens, scale,
+holes=None) -> out``
     One query token per sequence.
 
     q:            [B, q_heads, head_dim]
@@ -12,17 +13,23 @@ same signature (used on CPU and as the test oracle):
     context_lens: [B] int   physical slots 0..len-1 (through the block table) are attended;
                   a sequence with length 0 (batch padding) gets a zero output row
     scale:        float     softmax scale, usually head_dim ** -0.5
+    holes:        [B, kv_heads, 2] int or None   per-head budgets: kv head h of sequence b skips
+                  the slots holes[b, h, 0] <= j < holes[b, h, 1] (slots its compaction left
+                  empty, docs/architecture.md "Per-head budgets"); (0, 0) is no hole. None is the
+                  uniform path, unchanged (bit-identical to a call without the argument)
     out:          [B, q_heads, head_dim], dtype of q
 
-``paged_prefill_attention(q, k_cache_l, v_cache_l, block_tables, base_lens, q_lens, scale) -> out``
+``paged_prefill_attention(q, k_cache_l, v_cache_l, block_tables, base_lens, q_lens, scale,
+holes=None) -> out``
     A padded batch of query chunks whose keys/values are already stored in the cache
     (prefill, chunked prefill, recompute after preemption).
 
     q:         [B, Lq_max, q_heads, head_dim]
     base_lens: [B] int   physical slots filled before this chunk
     q_lens:    [B] int   valid query rows of each sequence (<= Lq_max)
+    holes:     [B, kv_heads, 2] int or None, as for decode: those slots are skipped by every row
     out:       [B, Lq_max, q_heads, head_dim]; row i of sequence b attends physical slots
-               j < base_lens[b] + i + 1; rows i >= q_lens[b] are zeros.
+               j < base_lens[b] + i + 1 (outside its head's hole); rows i >= q_lens[b] are zeros.
 
 GQA/MQA: q_heads must be a multiple of kv_heads; query head h reads kv head
 h // (q_heads // kv_heads). Logits and softmax are computed in fp32 whatever the input dtype.
@@ -123,6 +130,38 @@ def _validate_prefill(q, k_cache_l, v_cache_l, block_tables, base_lens, q_lens) 
                       block_tables=block_tables, base_lens=base_lens, q_lens=q_lens)
 
 
+def _validate_holes(holes, batch: int, kv_heads: int, reference: torch.Tensor) -> None:
+    check_ndim("holes", holes, 3, "[B, kv_heads, 2]")
+    check_integer("holes", holes)
+    check_dim("holes", holes.shape[0], batch, "batch size (dim 0)")
+    check_dim("holes", holes.shape[1], kv_heads, "kv_heads (dim 1)")
+    check_dim("holes", holes.shape[2], 2, "(start, end) (dim 2)")
+    check_same_device("q", reference, holes=holes)
+
+
+def _check_hole_range(holes, newest: torch.Tensor) -> None:
+    """Twin-only range check (free on CPU): 0 <= start <= end <= newest[b] for every head, where
+    newest [B] is the first slot a query row must always see (its own token's slot)."""
+    if not holes.numel():
+        return
+    lo, hi = holes[..., 0].long(), holes[..., 1].long()
+    limit = newest.long().clamp(min=0)[:, None]
+    check(bool(((lo >= 0) & (lo <= hi) & ((hi <= limit) | (hi == lo))).all()),
+          "holes must satisfy 0 <= start <= end <= the newest slot of each sequence (a hole "
+          "covers stored slots only)")
+
+
+def _hole_mask(holes, num_slots: int) -> torch.Tensor:
+    """holes [B, kv_heads, 2] -> bool [B, kv_heads, num_slots], True inside each head's hole."""
+    slots = torch.arange(num_slots, device=holes.device)
+    return (slots >= holes[..., 0:1].long()) & (slots < holes[..., 1:2].long())
+
+
+def _per_query_head(mask: torch.Tensor, q_heads: int) -> torch.Tensor:
+    """[B, kv_heads, ...] -> [B, q_heads, ...]: query head h reads kv head h // group."""
+    return mask.repeat_interleave(q_heads // mask.shape[1], dim=1)
+
+
 def _check_q_lens(q_lens, lq_max: int) -> None:
     longest = int(q_lens.max()) if q_lens.numel() else 0
     check(longest <= lq_max, f"q_lens holds {longest} but q has only Lq_max={lq_max} rows")
@@ -153,10 +192,14 @@ def _pages_for(slots: int, block_size: int, max_blocks: int) -> int:
     return max(1, min(max_blocks, -(-slots // block_size)))
 
 
-def paged_decode_attention_torch(q, k_cache_l, v_cache_l, block_tables, context_lens, scale):
+def paged_decode_attention_torch(q, k_cache_l, v_cache_l, block_tables, context_lens, scale,
+                                 holes=None):
     """Torch twin of :func:`paged_decode_attention` (module docstring has the shapes)."""
     plan = plan_decode_torch(q, k_cache_l, v_cache_l, block_tables, context_lens)
-    return decode_attention_planned(q, k_cache_l, v_cache_l, plan, scale)
+    if holes is not None:
+        _validate_holes(holes, q.shape[0], k_cache_l.shape[0], q)
+        _check_hole_range(holes, context_lens.long() - 1)
+    return decode_attention_planned(q, k_cache_l, v_cache_l, plan, scale, holes)
 
 
 @dataclass(frozen=True)
@@ -198,10 +241,13 @@ def plan_decode_torch(q, k_cache_l, v_cache_l, block_tables, context_lens) -> De
     return DecodePlan(batch, num_pages, pages, None, visible[:, None, None, :], empty)
 
 
-def decode_attention_planned(q, k_cache_l, v_cache_l, plan: DecodePlan, scale):
-    """The twin's attention for inputs already checked by :func:`plan_decode_torch`."""
+def decode_attention_planned(q, k_cache_l, v_cache_l, plan: DecodePlan, scale, holes=None):
+    """The twin's attention for inputs already checked by :func:`plan_decode_torch` (holes:
+    [B, kv_heads, 2] or None, already checked by the caller)."""
     keys = _gather(k_cache_l, plan).to(q.dtype)
     values = _gather(v_cache_l, plan).to(q.dtype)
+    if holes is not None:
+        return _decode_with_holes(q, keys, values, plan, scale, holes)
     if plan.uniform is not None:
         # Exactly the visible slots, no mask: SDPA's unmasked path, and nothing to zero.
         n = plan.uniform
@@ -214,6 +260,29 @@ def decode_attention_planned(q, k_cache_l, v_cache_l, plan: DecodePlan, scale):
     return out.masked_fill(plan.empty[:, None, None], 0)
 
 
+def _decode_with_holes(q, keys, values, plan: DecodePlan, scale, holes) -> torch.Tensor:
+    """Masked decode where each kv head skips its hole: the plan's length mask [B, S] minus
+    holes [B, kv_heads, 2], per query head. keys/values: [B, kv_heads, S, d]."""
+    num_slots = keys.shape[2]
+    slots = torch.arange(num_slots, device=q.device)
+    if plan.uniform is not None:
+        lengths = (slots < plan.uniform)[None, :].expand(plan.batch, num_slots)
+    else:
+        lengths = plan.visible[:, 0, 0, :]
+    visible = lengths[:, None, :] & ~_hole_mask(holes, num_slots)  # [B, kv_heads, S]
+    # A head left with nothing to see (only a length-0 padding row) attends slot 0 and is zeroed.
+    blind = ~visible.any(dim=-1, keepdim=True)
+    visible = visible | (blind & (slots == 0))
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), keys, values, attn_mask=_per_query_head(visible, q.shape[1])[:, :, None],
+        scale=float(scale), enable_gqa=True,
+    ).squeeze(2)
+    zero = _per_query_head(blind, q.shape[1])
+    if plan.empty is not None:
+        zero = zero | plan.empty[:, None, None]
+    return out.masked_fill(zero, 0)
+
+
 def _gather(cache_l: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
     """gather_pages with the plan's precomputed page index: [B, kv_heads, S, head_dim]."""
     kv_heads, _, block_size, head_dim = cache_l.shape
@@ -221,9 +290,13 @@ def _gather(cache_l: torch.Tensor, plan: DecodePlan) -> torch.Tensor:
     return dense.view(kv_heads, plan.batch, plan.num_pages * block_size, head_dim).transpose(0, 1)
 
 
-def paged_prefill_attention_torch(q, k_cache_l, v_cache_l, block_tables, base_lens, q_lens, scale):
+def paged_prefill_attention_torch(q, k_cache_l, v_cache_l, block_tables, base_lens, q_lens, scale,
+                                  holes=None):
     """Torch twin of :func:`paged_prefill_attention` (module docstring has the shapes)."""
     _validate_prefill(q, k_cache_l, v_cache_l, block_tables, base_lens, q_lens)
+    if holes is not None:
+        _validate_holes(holes, q.shape[0], k_cache_l.shape[0], q)
+        _check_hole_range(holes, base_lens)
     lq_max = q.shape[1]
     _check_q_lens(q_lens, lq_max)
     block_size = k_cache_l.shape[2]
@@ -238,16 +311,23 @@ def paged_prefill_attention_torch(q, k_cache_l, v_cache_l, block_tables, base_le
     causal = slots[None, None, :] < (base[:, None, None] + rows[None, :, None] + 1)
     # Padded rows attend slot 0 only (never a fully masked row) and are zeroed afterwards.
     visible = torch.where(padded[:, :, None], slots[None, None, :] == 0, causal)  # [B, Lq, S]
+    mask = visible[:, None]
+    if holes is not None:
+        # Valid rows skip their head's hole (every hole lies below base, so a row keeps its own
+        # slot); padded rows keep slot 0. [B, kv_heads, Lq, S] -> one mask per query head.
+        in_hole = _hole_mask(holes, keys.shape[2])[:, :, None, :] & ~padded[:, None, :, None]
+        mask = _per_query_head(mask & ~in_hole, q.shape[2])
     out = F.scaled_dot_product_attention(
         q.transpose(1, 2), keys, values,
-        attn_mask=visible[:, None], scale=float(scale), enable_gqa=True,
+        attn_mask=mask, scale=float(scale), enable_gqa=True,
     ).transpose(1, 2)
     return out.masked_fill(padded[:, :, None, None], 0)
 
 
 # ----------------------------------------------------------------------------- Triton
 
-def paged_decode_attention_triton(q, k_cache_l, v_cache_l, block_tables, context_lens, scale):
+def paged_decode_attention_triton(q, k_cache_l, v_cache_l, block_tables, context_lens, scale,
+                                  holes=None):
     """Triton version of :func:`paged_decode_attention` (same signature).
 
     One program per (sequence, kv head, partition) serves the whole query group of that kv
@@ -261,45 +341,62 @@ def paged_decode_attention_triton(q, k_cache_l, v_cache_l, block_tables, context
     Lengths are not checked against the block table here (that would cost a host sync per
     layer and step); the kernel masks every read to the table's width instead, so a too-long
     context_lens is truncated to max_blocks * block_size rather than read out of bounds.
+    With ``holes`` each program also masks its kv head's hole (a compiled variant of its own;
+    without it the kernel is the uniform one, instruction for instruction); hole ranges are not
+    range-checked here either.
     """
     _validate_decode(q, k_cache_l, v_cache_l, block_tables, context_lens)
+    if holes is not None:
+        _validate_holes(holes, q.shape[0], k_cache_l.shape[0], q)
     from engine.kernels import _tl_paged_attention
 
     return _tl_paged_attention.launch_decode(q, k_cache_l, v_cache_l, block_tables,
-                                             context_lens, float(scale))
+                                             context_lens, float(scale), holes=holes)
 
 
-def paged_prefill_attention_triton(q, k_cache_l, v_cache_l, block_tables, base_lens, q_lens, scale):
+def paged_prefill_attention_triton(q, k_cache_l, v_cache_l, block_tables, base_lens, q_lens, scale,
+                                   holes=None):
     """Triton version of :func:`paged_prefill_attention` (same signature).
 
     One program per (sequence, kv head, tile of query positions) covers every query head of
     the GQA group, so each key/value tile is read once per group; causal online softmax over
     the sequence's slots through the block table, matmuls on the tensor cores for bf16/fp16.
     Padded rows are never stored (output starts as zeros). As in the decode kernel, lengths are
-    masked to the tensors' extents instead of being checked on the host.
+    masked to the tensors' extents instead of being checked on the host. ``holes`` as for
+    decode.
     """
     _validate_prefill(q, k_cache_l, v_cache_l, block_tables, base_lens, q_lens)
+    if holes is not None:
+        _validate_holes(holes, q.shape[0], k_cache_l.shape[0], q)
     from engine.kernels import _tl_paged_attention
 
     return _tl_paged_attention.launch_prefill(q, k_cache_l, v_cache_l, block_tables,
-                                              base_lens, q_lens, float(scale))
+                                              base_lens, q_lens, float(scale), holes=holes)
 
 
 # ----------------------------------------------------------------------------- dispatch
 
-def paged_decode_attention(q, k_cache_l, v_cache_l, block_tables, context_lens, scale):
+def paged_decode_attention(q, k_cache_l, v_cache_l, block_tables, context_lens, scale,
+                           holes=None):
     """Decode attention over the paged cache: Triton on CUDA, torch twin otherwise.
 
-    q: [B, q_heads, head_dim] -> out [B, q_heads, head_dim] (module docstring for the rest).
+    q: [B, q_heads, head_dim] -> out [B, q_heads, head_dim]; holes: [B, kv_heads, 2] or None
+    (module docstring for the rest).
     """
     impl = paged_decode_attention_triton if use_triton(q) else paged_decode_attention_torch
-    return impl(q, k_cache_l, v_cache_l, block_tables, context_lens, scale)
+    if holes is None:
+        return impl(q, k_cache_l, v_cache_l, block_tables, context_lens, scale)
+    return impl(q, k_cache_l, v_cache_l, block_tables, context_lens, scale, holes)
 
 
-def paged_prefill_attention(q, k_cache_l, v_cache_l, block_tables, base_lens, q_lens, scale):
+def paged_prefill_attention(q, k_cache_l, v_cache_l, block_tables, base_lens, q_lens, scale,
+                            holes=None):
     """Causal chunk attention over the paged cache: Triton on CUDA, torch twin otherwise.
 
-    q: [B, Lq_max, q_heads, head_dim] -> out of the same shape (module docstring for the rest).
+    q: [B, Lq_max, q_heads, head_dim] -> out of the same shape; holes: [B, kv_heads, 2] or None
+    (module docstring for the rest).
     """
     impl = paged_prefill_attention_triton if use_triton(q) else paged_prefill_attention_torch
-    return impl(q, k_cache_l, v_cache_l, block_tables, base_lens, q_lens, scale)
+    if holes is None:
+        return impl(q, k_cache_l, v_cache_l, block_tables, base_lens, q_lens, scale)
+    return impl(q, k_cache_l, v_cache_l, block_tables, base_lens, q_lens, scale, holes)

@@ -19,6 +19,9 @@ When the scheduler asks:
   (layer, KV head) keeps: `[layers, kv_heads, target_len]` int64, ascending in every row, all rows
   the same count (Compressed PagedAttention: one block table and one physical length per sequence).
   The engine then compacts those slots, in order, to the front of the sequence's target pages.
+  A policy with per-(layer, head) budgets (PyramidKV, AdaKV) returns a `HeadKeep` instead: rows of
+  unequal counts, at most `target_len`; the pages are then sized by the largest count and each
+  head's unused tail is a masked hole (docs/architecture.md, "Per-head budgets").
   Contract: `select` runs before any new KV is written for that sequence (a sequence being
   compacted is not scheduled), so the view's lengths are those the decision was made on.
 
@@ -73,6 +76,22 @@ class Decision:
     @staticmethod
     def shrink(target_len: int, keep_pages: int | None = None, **info: Any) -> "Decision":
         return Decision(Action.SHRINK, target_len, keep_pages, info)
+
+
+@dataclass(frozen=True)
+class HeadKeep:
+    """A selection with per-(layer, KV head) counts (per-layer / per-head budgets).
+
+    slots:  `[layers, kv_heads, K]` int64, K = the decision's target_len. Row (l, h) lists the
+            physical slots head h of layer l keeps in its first `counts[l, h]` entries, strictly
+            ascending; the entries after them are ignored.
+    counts: `[layers, kv_heads]` int64, 0 <= counts <= K. The sequence's physical length becomes
+            max(counts); head (l, h) then holds a hole of max(counts) - counts[l, h] slots.
+    All counts equal to K is exactly the plain `[layers, kv_heads, K]` selection.
+    """
+
+    slots: torch.Tensor
+    counts: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -154,6 +173,12 @@ class PolicyView(Protocol):
 
     def set_slot_scores(self, scores: torch.Tensor) -> None:
         """Write [layers, kv_heads, physical_len] scores back to the sequence's slots."""
+
+    def head_lens(self) -> tuple[torch.Tensor, int] | None:
+        """None when every (layer, KV head) holds all physical slots; after a compaction with
+        per-head counts (`HeadKeep`), (counts [layers, kv_heads] int64, compacted_len): head
+        (l, h) holds slots [0, counts[l, h]) and [compacted_len, physical_len), and the slots
+        between are a hole whose keys and values are stale (never keep them)."""
 
     def recompute_queries(self, start: int, end: int) -> torch.Tensor:
         """Post-RoPE queries of the tokens in physical slots [start, end), recomputed by a forward

@@ -98,3 +98,28 @@ class FixedBudgetPolicy(KVPolicy):
             return None
         return Decision.compress(self.budget, keep_pages=math.ceil(self.budget / self.block_size),
                                  reason="prefill", budget=self.budget)
+
+
+class PromptOnlyBudget:
+    """The capacity rule of a policy that compresses the prompt once and never again (PyramidKV,
+    Ada-KV, as their papers do): mix in before the FixedBudgetPolicy subclass. Decode boundaries
+    GROW; a GROW the pool cannot satisfy preempts (a compression would have to score the per-head
+    holes its prompt compression left, docs/architecture.md "Per-head budgets"); the budget of a
+    decode step is the allocated slots (the request grows past the prompt budget)."""
+
+    def check_prompt_only(self) -> None:
+        if self.fallback_compress:
+            raise ConfigError(f"{self.name}: compresses the prompt only; fallback_compress is not "
+                              "supported")
+
+    def max_pages(self, view: PolicyView) -> int | None:
+        return None
+
+    def kv_budget(self, state, num_pages: int) -> int | None:
+        return None
+
+    def on_boundary(self, view: PolicyView) -> Decision:
+        return Decision.grow()
+
+    def fallback(self, view: PolicyView) -> Decision | None:
+        return None

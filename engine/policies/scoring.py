@@ -21,6 +21,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from engine.policies.base import HeadKeep
+
 # -- GQA group reductions ---------------------------------------------------------------------
 
 
@@ -219,6 +221,58 @@ def topk_keep(scores: torch.Tensor, k: int, protected: torch.Tensor | None = Non
     ranked = torch.nan_to_num(ranked, nan=float("-inf"))
     order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :k]
     return torch.sort(order, dim=-1).values
+
+
+def keep_counts(scores: torch.Tensor, counts: torch.Tensor,
+                protected: torch.Tensor | None = None) -> HeadKeep:
+    """Per-row top-k with per-row k (per-layer / per-head budgets): row (l, h) keeps its
+    `counts[l, h]` best slots, protected slots first, ties toward the earlier slot (topk_keep's
+    rule, so a row whose count equals k gives exactly topk_keep's slots).
+
+    scores: `[layers, kv_heads, length]`; counts: `[layers, kv_heads]` int, each in
+    [protected per row, length]; protected: bool `[length]` or None.
+    Returns a HeadKeep: slots `[layers, kv_heads, max(counts)]`, each row's kept slots ascending
+    in its first counts entries and 0 after them.
+    """
+    length = scores.shape[-1]
+    counts = counts.to(device=scores.device, dtype=torch.long)
+    if counts.shape != scores.shape[:-1]:
+        raise ValueError(f"counts {tuple(counts.shape)} must match scores' rows {tuple(scores.shape[:-1])}")
+    if counts.numel() and not (0 <= int(counts.min()) and int(counts.max()) <= length):
+        raise ValueError(f"cannot keep [{int(counts.min())}, {int(counts.max())}] of {length} slots")
+    ranked = scores.float()
+    if protected is not None:
+        if counts.numel() and int(protected.sum()) > int(counts.min()):
+            raise ValueError(f"{int(protected.sum())} protected slots exceed a count of {int(counts.min())}")
+        ranked = ranked.masked_fill(protected, float("inf"))
+    ranked = torch.nan_to_num(ranked, nan=float("-inf"))
+    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(length, device=order.device)
+                                            .expand_as(order).contiguous())
+    kept = rank < counts[..., None]
+    # Kept slots first, ascending; the others after them (sorted key: slot, or length + slot).
+    positions = torch.arange(length, device=scores.device)
+    key = torch.where(kept, positions, positions + length)
+    width = int(counts.max()) if counts.numel() else 0
+    slots = torch.sort(key, dim=-1).values[..., :width]
+    slots = torch.where(slots < length, slots, torch.zeros_like(slots))
+    return HeadKeep(slots, counts)
+
+
+def split_exactly(shares: torch.Tensor, total: int) -> torch.Tensor:
+    """Round non-negative real shares `[..., n]` (each row summing to `total`) to integers that
+    sum to exactly `total` per row: floor each, then one more to the largest remainders (ties to
+    the earlier entry). Largest-remainder rounding; `[..., n]` int64."""
+    base = torch.floor(shares + 1e-9)
+    missing = total - base.sum(dim=-1, keepdim=True)
+    remainder = shares - base
+    order = torch.sort(remainder, dim=-1, descending=True, stable=True).indices
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(shares.shape[-1],
+                                            device=shares.device).expand_as(order).contiguous())
+    out = (base + (rank < missing).to(base.dtype)).long()
+    if out.numel() and not bool((out.sum(dim=-1) == total).all()):
+        raise ValueError(f"shares {shares.tolist()} do not sum to {total}")
+    return out
 
 
 def chunk_ids(length: int, chunk_size: int, device: torch.device | str = "cpu") -> torch.Tensor:

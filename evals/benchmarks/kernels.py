@@ -104,6 +104,14 @@ def family_launches(scale: AotScale, head_dim: int, dtype) -> list[tuple[str, st
         lens = _meta(batch, dtype=torch.int32)
         out.append(("decode", f"B={batch} ctx={scale.context}", _tl_paged_attention.decode_launches(
             q, k_l, k_l, tables, lens, sm, torch.empty_like(q))))
+    # Per-head budgets: the HOLES variant of both attention kernels (engine/kernels/
+    # paged_attention.py), at the smallest decode batch and the plain prefill chunk.
+    batch = min(scale.decode_batches)
+    q = _meta(batch, h, d, dtype=dtype)
+    holes = _meta(batch, kvh, 2, dtype=torch.int32)
+    out.append(("decode", f"B={batch} ctx={scale.context} holes", _tl_paged_attention.decode_launches(
+        q, k_l, k_l, _tables(batch, scale.context, bs), _meta(batch, dtype=torch.int32), sm,
+        torch.empty_like(q), holes=holes)))
 
     chunk = scale.prefill_chunk
     for base in (0, scale.prefill_base):
@@ -112,6 +120,10 @@ def family_launches(scale: AotScale, head_dim: int, dtype) -> list[tuple[str, st
         ints = _meta(1, dtype=torch.int32)
         out.append(("prefill", f"chunk={chunk} base={base}", _tl_paged_attention.prefill_launches(
             q, k_l, k_l, tables, ints, ints, sm, torch.empty_like(q))))
+    out.append(("prefill", f"chunk={chunk} base={scale.prefill_base} holes",
+                _tl_paged_attention.prefill_launches(
+                    q, k_l, k_l, tables, ints, ints, sm, torch.empty_like(q),
+                    holes=_meta(1, kvh, 2, dtype=torch.int32))))
 
     n, length = scale.window, scale.context
     queries = _meta(scale.layers, n, h, d, dtype=dtype)

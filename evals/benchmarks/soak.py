@@ -8,8 +8,9 @@ gets both by registering -- the list comes from ``engine.policies.base.POLICIES`
 2. every page returns to the pool: after every step each page's reference count equals the number
    of block tables that hold it and the free list is exactly the unreferenced pages; after the
    run the whole pool is free;
-3. per-head kept counts stay equal: every ``select`` returns ``(layers, kv_heads, target)`` slots,
-   each row strictly ascending and inside the sequence, and the sequence then holds ``target``;
+3. kept slots are well formed: every ``select`` returns ``(layers, kv_heads, target)`` slots, each
+   row strictly ascending and inside the sequence; a per-head selection (``HeadKeep``: PyramidKV,
+   Ada-KV) does so in each row's first ``counts[l, h]`` entries, with counts in 0..target;
 4. a budget larger than every sequence reproduces FullKV exactly (greedy tokens, same workload).
 
 The load (``SoakConfig``): random prompt and output lengths, a share of prompts built on a few
@@ -165,22 +166,35 @@ def _pool_tokens(cfg: SoakConfig, block_size: int, requests: float) -> int:
 
 def _watch_select(policy, layers: int, kv_heads: int, violations: list[str]) -> None:
     """Wrap this policy instance's ``select`` to check contract 3 on every compaction."""
+    import torch
+
+    from engine.policies.base import HeadKeep
+
     inner = policy.select
 
     def select(view, target, timer):
-        keep = inner(view, target, timer)
+        result = inner(view, target, timer)
+        keep, counts = (result.slots, result.counts) if isinstance(result, HeadKeep) else (result, None)
         seq = view.seq
         shape = tuple(keep.shape)
         L, H = layers, kv_heads
         if shape != (L, H, target):
             violations.append(f"select returned shape {shape}, expected {(L, H, target)}")
+        elif counts is not None and (tuple(counts.shape) != (L, H) or int(counts.min()) < 0
+                                     or int(counts.max()) > target):
+            violations.append(f"select returned counts {counts.tolist()} for target {target}")
         elif target:
             rows = keep.reshape(-1, target).cpu()
-            if target > 1 and not bool((rows[:, 1:] > rows[:, :-1]).all()):
+            real = torch.ones_like(rows, dtype=torch.bool)
+            if counts is not None:
+                real = torch.arange(target)[None, :] < counts.reshape(-1, 1).cpu()
+            rising = (rows[:, 1:] > rows[:, :-1]) | ~real[:, 1:]
+            if target > 1 and not bool(rising.all()):
                 violations.append("select rows are not strictly ascending (a head keeps a slot twice)")
-            if int(rows.min()) < 0 or int(rows.max()) >= seq.physical_len:
-                violations.append(f"select kept slot {int(rows.max())} outside 0..{seq.physical_len - 1}")
-        return keep
+            kept = rows[real]
+            if kept.numel() and (int(kept.min()) < 0 or int(kept.max()) >= seq.physical_len):
+                violations.append(f"select kept slot {int(kept.max())} outside 0..{seq.physical_len - 1}")
+        return result
 
     policy.select = select
 

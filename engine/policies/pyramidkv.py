@@ -1,0 +1,169 @@
+"""PyramidKV (Cai et al., 2024, "PyramidKV: Dynamic KV Cache Compression based on Pyramidal
+Information Funneling", arXiv:2406.02069; code: Zefan-Cai/KVCache-Factory `PyramidKVCluster`):
+SnapKV's prompt selection under layer-wise budgets that shrink linearly with depth, more cache in
+the lower layers (where attention is spread wide), less in the upper ones (where it concentrates).
+
+Budgets. `budget` is the average per-layer budget, window included (KVCache-Factory's
+`max_capacity_prompt`), so the request's total is `layers x budget` per KV head. With a = budget -
+window (the selected part) and m layers, the paper's arithmetic sequence runs from k_0 (layer 0)
+down to k_{m-1} (last layer):
+
+    k_{m-1} = a // beta,    k_0 = 2a - k_{m-1},    k_l = k_0 - l * (k_0 - k_{m-1}) / (m - 1)
+
+so that (k_0 + k_{m-1}) / 2 = a and the layers sum to m * a. When k_0 would exceed the prompt's
+selectable part (length - window), k_0 = length - window and k_{m-1} = 2a - k_0 (the code's clamp);
+a prompt shorter than 2a (the code's middle branch) gives every layer a. Each layer then keeps the
+window plus its k_l best SnapKV-scored slots, the same count for all its KV heads.
+
+Where the code and the arithmetic differ, the arithmetic wins here: KVCache-Factory floors the step
+(`steps = (k_0 - k_{m-1}) // (m - 1)`), which lifts every layer after the first above the
+arithmetic sequence and overspends the total, e.g. a budget 128, window 8, 30 layers
+(SmolLM2-135M): a = 120, k_{m-1} = 6, k_0 = 234, step 228 / 29 = 7.86 floored to 7, total
+30 * 234 - 7 * 435 = 3975 slots instead of 3600 (+10%).
+kvarena uses the real step and rounds the layers by largest remainder so the total is exactly
+m * a (tests/test_perhead.py checks it against a loop).
+
+`layer_budgets` gives the per-layer budgets explicitly instead (window included, one per layer);
+they must sum to layers x budget, each at least the window: a list that sums wrong is an error at
+bind. A prompt shorter than the largest of them is kept whole.
+
+When it runs: after the last prefill chunk, a prompt longer than `budget` is compressed (the paper
+and its code compress the prompt once; decode tokens are appended uncompressed), and a re-admitted
+request is compressed again the same way. Decode boundaries GROW (no decode-time re-compression:
+the per-head holes of a compressed request are not scored by SnapKV's window, see
+docs/architecture.md "Per-head budgets"); a GROW the pool cannot satisfy preempts.
+
+Memory: pages are sized by layer 0's budget (the largest); the other layers hold holes
+(docs/architecture.md), so `avg_kv_kept` < `avg_kv_allocated` by design: with one page table per
+sequence, PyramidKV saves compute and keeps quality, not pages, relative to SnapKV at k_0.
+
+Scoring is kvarena's SnapKV (`snapkv.snapkv_scores`: probabilities summed over the window, pooled
+per query head, then the GQA group mean), so that PyramidKV differs from SnapKV in the budgets only;
+KVCache-Factory's GQA path averages the group before pooling.
+
+Defaults (paper/code -> here):
+
+| knob     | PyramidKV / KVCache-Factory                      | kvarena default             |
+|----------|--------------------------------------------------|-----------------------------|
+| budget   | max_capacity_prompts 512 (run_longbench default)| None -> 8 pages (SnapKV's)  |
+| window   | 8 (run_longbench `window_sizes`)                 | 8                           |
+| beta     | 20 (paper; `PyramidKVCluster`)                   | 20                          |
+| pooling  | maxpool, kernel 7 (run_longbench)                | max, 7                      |
+| trigger  | prompt only                                      | prompt only                 |
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import ConfigError
+from engine.policies.base import Decision, EngineSpec, HeadKeep, PolicyView, StageTimer, register_policy
+from engine.policies.fixed_budget import PromptOnlyBudget
+from engine.policies.scoring import keep_counts, protected_mask, split_exactly
+from engine.policies.snapkv import SnapKV
+
+
+def pyramid_layer_budgets(budget: int, window: int, num_layers: int, length: int,
+                          beta: float) -> list[int]:
+    """PyramidKV's per-layer budgets (window included) for a sequence of `length` slots.
+
+    Layer 0 gets the most; the list sums to exactly num_layers * budget (module docstring has the
+    arithmetic and the clamps). Requires budget > window and length > budget.
+    """
+    selected = budget - window
+    if selected <= 0 or length <= budget:
+        raise ValueError(f"budgets need budget ({budget}) > window ({window}) and length ({length}) "
+                         f"> budget")
+    if num_layers == 1 or length < 2 * selected:
+        return [budget] * num_layers
+    low = selected // beta
+    high = 2 * selected - low
+    if high >= length - window:
+        high = length - window
+        low = 2 * selected - high
+    step = (high - low) / (num_layers - 1)
+    shares = torch.tensor([high - layer * step for layer in range(num_layers)], dtype=torch.float64)
+    sizes = split_exactly(shares, num_layers * selected)
+    return [window + int(k) for k in sizes]
+
+
+@register_policy
+@dataclass
+class PyramidKV(PromptOnlyBudget, SnapKV):
+    """SnapKV's prompt selection with pyramid-shaped per-layer budgets (module docstring).
+
+    budget: average per-layer budget, window included (tokens). None: 8 pages of the block.
+    window / pooling / pooling_kernel / layer_stride: as SnapKV's.
+    beta: the pyramid's steepness (last layer's selected part = (budget - window) // beta).
+    layer_budgets: explicit per-layer budgets (window included) summing to layers x budget.
+    """
+
+    name = "pyramidkv"
+
+    window: int = 8
+    beta: float = 20.0
+    layer_budgets: tuple | None = None
+
+    def __post_init__(self) -> None:
+        self.check_prompt_only()
+        if self.beta < 1:
+            raise ConfigError(f"{self.name}: beta must be >= 1, got {self.beta}")
+        super().__post_init__()
+        if self.layer_budgets is not None:
+            budgets = tuple(self.layer_budgets)
+            if not all(float(b).is_integer() for b in budgets):
+                raise ConfigError(f"{self.name}: layer_budgets must be whole token counts, got "
+                                  f"{budgets}")
+            self.layer_budgets = tuple(int(b) for b in budgets)
+            if min(self.layer_budgets, default=0) < self.window:
+                raise ConfigError(f"{self.name}: every layer budget must hold the window "
+                                  f"({self.window}), got {self.layer_budgets}")
+
+    def bind(self, engine: EngineSpec) -> None:
+        super().bind(engine)
+        if self.layer_budgets is None:
+            return
+        layers = engine.num_layers
+        if len(self.layer_budgets) != layers:
+            raise ConfigError(f"{self.name}: layer_budgets has {len(self.layer_budgets)} entries, "
+                              f"the model has {layers} layers")
+        if sum(self.layer_budgets) != layers * self.budget:
+            raise ConfigError(
+                f"{self.name}: layer_budgets sum to {sum(self.layer_budgets)}, expected layers x "
+                f"budget = {layers} x {self.budget} = {layers * self.budget}")
+
+    # -- budgets -------------------------------------------------------------------------------
+    def budgets_for(self, length: int) -> list[int] | None:
+        """Per-layer budgets for a prompt of `length` slots, or None when it stays whole."""
+        if self.layer_budgets is not None:
+            return list(self.layer_budgets) if length > max(self.layer_budgets) else None
+        if length <= self.budget:
+            return None
+        return pyramid_layer_budgets(self.budget, self.window, self.engine.num_layers, length,
+                                     self.beta)
+
+    # -- capacity (PromptOnlyBudget: decode boundaries grow) -------------------------------------
+    def after_prefill(self, view: PolicyView, final: bool) -> Decision | None:
+        budgets = self.budgets_for(view.physical_len) if final else None
+        if budgets is None:
+            return None
+        target = max(budgets)
+        return Decision.compress(target, keep_pages=math.ceil(target / self.block_size),
+                                 reason="prefill", budget=self.budget)
+
+    # -- selection -----------------------------------------------------------------------------
+    def select(self, view: PolicyView, target_len: int, timer: StageTimer) -> HeadKeep:
+        with timer.stage("score"):
+            score = self.scores(view)
+        with timer.stage("window_mask"):
+            protected = protected_mask(score.shape[-1], self.window, device=score.device)
+        with timer.stage("topk"):
+            budgets = self.budgets_for(view.physical_len)
+            counts = torch.tensor(budgets, dtype=torch.long)[:, None].expand(score.shape[:2])
+            keep = keep_counts(score, counts, protected)
+        if keep.slots.shape[-1] != target_len:
+            raise RuntimeError(f"{self.name}: budgets changed between decision and selection")
+        return keep

@@ -1,0 +1,428 @@
+"""Per-layer and per-head budgets: PyramidKV's layer budgets and Ada-KV's head allocation against
+naive loops, their selections through a fake view, and the engine's per-head compaction (holes
+masked in attention, pages sized by the largest head, kept-slot statistics, parity with the
+uniform path when every head keeps the same count)."""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import pytest
+import torch
+
+from engine.config import ConfigError
+from engine.policies.adakv import AdaKV, adaptive_head_budgets
+from engine.policies.base import Decision, HeadKeep, StageTimer, build_policy
+from engine.policies.pyramidkv import PyramidKV, pyramid_layer_budgets
+from engine.policies.scoring import (
+    causal_key_limits,
+    keep_counts,
+    observation_scores,
+    pool1d,
+    protected_mask,
+    split_exactly,
+)
+from engine.policies.snapkv import snapkv_scores
+from test_policies_fixed import HKV, FakeView, L, bound, naive_pool, naive_probs, naive_topk, rand_qk
+
+# -- naive references ---------------------------------------------------------------------------
+
+
+def naive_largest_remainder(shares: list[Fraction], total: int) -> list[int]:
+    base = [math.floor(s) for s in shares]
+    order = sorted(range(len(shares)), key=lambda i: (-(shares[i] - base[i]), i))
+    for i in order[: total - sum(base)]:
+        base[i] += 1
+    return base
+
+
+def naive_pyramid(budget: int, window: int, layers: int, length: int, beta: int) -> list[int]:
+    """The paper's arithmetic sequence in exact fractions, rounded to the exact total."""
+    a = budget - window
+    if layers == 1 or length < 2 * a:
+        return [budget] * layers
+    low = a // beta
+    high = 2 * a - low
+    if high >= length - window:
+        high, low = length - window, 2 * a - (length - window)
+    shares = [Fraction(high) - Fraction(high - low, layers - 1) * i for i in range(layers)]
+    return [window + k for k in naive_largest_remainder(shares, layers * a)]
+
+
+def naive_adakv_counts(scores: torch.Tensor, per_head: int, alpha: float) -> list[list[int]]:
+    layers, heads, n = scores.shape
+    out = []
+    for layer in range(layers):
+        entries = sorted(((-float(scores[layer, h, j]), h, j) for h in range(heads)
+                          for j in range(n)))
+        chosen = [0] * heads
+        for _, h, _ in entries[: heads * per_head]:
+            chosen[h] += 1
+        shares = [Fraction(1 - alpha).limit_denominator(10**6) * c
+                  + Fraction(alpha).limit_denominator(10**6) * per_head for c in chosen]
+        out.append(naive_largest_remainder(shares, heads * per_head))
+    return out
+
+
+def naive_keep_counts(row: list[float], count: int, protected: list[bool]) -> list[int]:
+    return naive_topk(row, count, protected)
+
+
+def naive_adakv_scores(q, k, limit, window, kernel):
+    """Mean over window queries of the softmax, mean over each GQA group, max-pooled before the
+    window (Ada-KV's order)."""
+    p = naive_probs(q, k, limit)
+    layers, n, hq = q.shape[:3]
+    hkv, length = k.shape[1], k.shape[2]
+    group = hq // hkv
+    out = torch.zeros(layers, hkv, length, dtype=torch.float64)
+    for layer in range(layers):
+        for j in range(hkv):
+            row = [sum(p[layer][h][i][t] for h in range(j * group, (j + 1) * group)
+                       for i in range(n)) / (n * group) for t in range(length)]
+            region = length - window
+            out[layer, j] = torch.tensor(naive_pool(row[:region], kernel, "max") + row[region:],
+                                         dtype=torch.float64)
+    return out
+
+
+# -- budgets --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("budget,window,layers,length", [
+    (128, 8, 30, 2000), (128, 8, 30, 300), (64, 8, 7, 150), (40, 8, 4, 60), (32, 4, 3, 60),
+    (16, 4, 5, 23), (100, 8, 1, 500)])
+def test_pyramid_layer_budgets_match_the_arithmetic_loop(budget, window, layers, length):
+    got = pyramid_layer_budgets(budget, window, layers, length, 20)
+    assert got == naive_pyramid(budget, window, layers, length, 20)
+    assert sum(got) == layers * budget                       # the total is exact
+    assert got == sorted(got, reverse=True)                  # a pyramid: lower layers get more
+    assert min(got) >= window and max(got) <= length
+
+
+def test_pyramid_budgets_fix_the_floored_step_overspend():
+    """KVCache-Factory floors the step: 30 x 234 - 7 x 435 = 3975 slots for a 30 x 120 = 3600 total
+    (module docstring); the real step spends exactly 3600 + the windows."""
+    got = pyramid_layer_budgets(128, 8, 30, 4000, 20)
+    assert got[0] == 8 + 234 and got[-1] == 8 + 6
+    assert sum(k - 8 for k in got) == 3600
+    assert sum(234 - layer * (228 // 29) for layer in range(30)) == 3975
+
+
+def test_split_exactly_and_keep_counts_match_loops():
+    shares = torch.tensor([[2.5, 2.5, 1.0], [0.2, 0.3, 5.5]], dtype=torch.float64)
+    assert split_exactly(shares, 6).tolist() == [[3, 2, 1], [0, 0, 6]]  # remainders .2 .3 .5
+    g = torch.Generator().manual_seed(3)
+    scores = torch.rand(2, 3, 20, generator=g).round(decimals=1)  # ties on purpose
+    counts = torch.tensor([[5, 9, 20], [7, 7, 3]])
+    prot = protected_mask(20, 3)
+    keep = keep_counts(scores, counts, prot)
+    assert keep.slots.shape == (2, 3, 20)
+    for layer in range(2):
+        for h in range(3):
+            c = int(counts[layer, h])
+            assert keep.slots[layer, h, :c].tolist() == naive_keep_counts(
+                scores[layer, h].tolist(), c, prot.tolist())
+    equal = keep_counts(scores, torch.full((2, 3), 9), prot)
+    from engine.policies.scoring import topk_keep
+    assert torch.equal(equal.slots, topk_keep(scores, 9, prot))  # equal counts: topk_keep
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.2, 0.5, 1.0])
+def test_adakv_head_allocation_matches_the_loop(alpha):
+    g = torch.Generator().manual_seed(4)
+    scores = torch.rand(3, 4, 30, generator=g) ** 3
+    scores[1, 2] *= 5.0                                     # one head attracts the layer's budget
+    scores[2] = scores[2].round(decimals=1)                 # ties go to the earlier (head, slot)
+    got = adaptive_head_budgets(scores, 10, alpha)
+    assert got.tolist() == naive_adakv_counts(scores, 10, alpha)
+    assert (got.sum(dim=1) == 40).all()                     # the per-layer total holds
+    if alpha == 1.0:
+        assert (got == 10).all()
+    if alpha < 1.0:
+        assert int(got[1, 2]) > 10
+
+
+def test_adakv_select_keeps_each_heads_top_counts_plus_window():
+    pol = bound(AdaKV, budget=24, window=8, floor_alpha=0.2)
+    q, k = rand_qk(8, 60, seed=5)
+    view = FakeView(k, q)
+    decision = pol.after_prefill(view, final=True)
+    keep = pol.select(view, decision.target_len, StageTimer())
+    assert isinstance(keep, HeadKeep) and keep.slots.shape == (L, HKV, decision.target_len)
+    limit = causal_key_limits(8, 60)
+    ref = naive_adakv_scores(q, k, limit.tolist(), 8, 7)
+    torch.testing.assert_close(pol.scores(view), ref.float(), rtol=1e-5, atol=1e-7)
+    counts = naive_adakv_counts(ref[..., :52], 16, 0.2)
+    prot = protected_mask(60, 8).tolist()
+    for layer in range(L):
+        assert sum(counts[layer]) == HKV * 16
+        for h in range(HKV):
+            c = counts[layer][h] + 8
+            assert int(keep.counts[layer, h]) == c
+            assert keep.slots[layer, h, :c].tolist() == naive_topk(ref[layer, h].tolist(), c, prot)
+
+
+def test_pyramidkv_select_is_snapkv_per_layer_budget():
+    pol = bound(PyramidKV, budget=24, window=8)
+    q, k = rand_qk(8, 70, seed=6)
+    view = FakeView(k, q)
+    budgets = pyramid_layer_budgets(24, 8, L, 70, 20)
+    assert budgets[0] > budgets[1]
+    decision = pol.after_prefill(view, final=True)
+    assert decision.target_len == budgets[0] and decision.keep_pages == math.ceil(budgets[0] / 32)
+    keep = pol.select(view, decision.target_len, StageTimer())
+    score = snapkv_scores(q, k, causal_key_limits(8, 70), window=8, pool_kernel=7)
+    prot = protected_mask(70, 8).tolist()
+    for layer in range(L):
+        for h in range(HKV):
+            c = budgets[layer]
+            assert int(keep.counts[layer, h]) == c
+            assert keep.slots[layer, h, :c].tolist() == naive_topk(score[layer, h].tolist(), c, prot)
+    assert pol.after_prefill(FakeView(k[:, :, :24], q), final=True) is None  # fits the budget
+    assert pol.after_prefill(view, final=False) is None
+
+
+def test_adakv_scores_pool_after_the_group_mean():
+    q, k = rand_qk(4, 30, seed=7)
+    got = observation_scores(q, k, causal_key_limits(4, 30), group_reduce="mean")
+    region = 30 - 4
+    pooled = torch.cat([pool1d(got[..., :region], 7, "max"), got[..., region:]], dim=-1)
+    pol = bound(AdaKV, budget=16, window=4)
+    torch.testing.assert_close(pol.scores(FakeView(k, q)), pooled)
+
+
+@pytest.mark.parametrize("name,args,match", [
+    ("pyramidkv", {"budget": 8, "window": 8}, "must exceed"),
+    ("pyramidkv", {"beta": 0.5}, "beta"),
+    ("pyramidkv", {"fallback_compress": True}, "prompt only"),
+    ("pyramidkv", {"layer_budgets": "20,4.5"}, "whole token"),
+    ("pyramidkv", {"window": 8, "layer_budgets": "20,4"}, "hold the window"),
+    ("adakv", {"floor_alpha": 1.5}, "floor_alpha"),
+    ("adakv", {"budget": 32, "window": 32}, "must exceed"),
+])
+def test_bad_per_head_configs_fail_clearly(name, args, match):
+    with pytest.raises(ConfigError, match=match):
+        build_policy(name, args)
+
+
+def test_layer_budgets_that_sum_wrong_fail_at_bind():
+    pol = build_policy("pyramidkv", {"budget": 24, "window": 8, "layer_budgets": "30,20"})
+    with pytest.raises(ConfigError, match="sum to 50, expected layers x budget = 2 x 24 = 48"):
+        pol.bind(_spec())
+    pol = build_policy("pyramidkv", {"budget": 24, "window": 8, "layer_budgets": "24,24,24"})
+    with pytest.raises(ConfigError, match="3 entries, the model has 2 layers"):
+        pol.bind(_spec())
+    pol = build_policy("pyramidkv", {"budget": 24, "window": 8, "layer_budgets": "30,18"})
+    pol.bind(_spec())
+    assert pol.budgets_for(31) == [30, 18] and pol.budgets_for(30) is None
+
+
+def _spec():
+    from test_policies_fixed import spec
+
+    return spec()
+
+
+# -- engine ---------------------------------------------------------------------------------------
+
+BS = 8
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from tiny_models import make_tiny_llama_dir
+
+    return str(make_tiny_llama_dir(tmp_path_factory.mktemp("perhead"), num_hidden_layers=3))
+
+
+def prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 320, (n,), generator=g).tolist() for n in lengths]
+
+
+def run(model_dir, policy, prompt_list, max_tokens=12, pages=64, setup=None, **kw):
+    from engine.llm import LLM
+    from engine.sampling import SamplingParams
+
+    llm = LLM(model_dir, device="cpu", block_size=BS, kv_cache_tokens=BS * pages, policy=policy,
+              **kw)
+    if setup is not None:
+        setup(llm)
+    outs = llm.generate(prompt_list, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    return llm, outs
+
+
+def test_engine_pyramidkv_with_equal_layers_gives_snapkvs_tokens(tiny_model):
+    """beta = 1 makes every layer's budget equal: the per-head path collapses to the uniform one
+    and the tokens are SnapKV's (same window and budget; short outputs stay below SnapKV's decode
+    threshold, so both compress the prompt only)."""
+    ps = prompts([60, 45, 20, 33])
+    _, snap = run(tiny_model, "snapkv", ps, max_tokens=6, policy_args=dict(budget=32, window=8))
+    llm, pyr = run(tiny_model, "pyramidkv", ps, max_tokens=6,
+                   policy_args=dict(budget=32, window=8, beta=1))
+    assert [o.token_ids for o in pyr] == [o.token_ids for o in snap]
+    assert any(e["action"] == "compress" for o in pyr for e in o.events)
+    assert [o.avg_kv_kept for o in pyr] == [o.avg_kv_kept for o in snap]
+
+
+class _AsPlain(AdaKV):
+    """Ada-KV with every count equal (floor_alpha=1) returning a plain [layers, kv_heads, budget]
+    selection of the same slots."""
+
+    name = "adakv-test-plain"
+
+    def after_prefill(self, view, final):
+        decision = super().after_prefill(view, final)
+        if decision is None:
+            return None
+        return Decision.compress(self.budget, keep_pages=math.ceil(self.budget / BS),
+                                 reason="prefill")
+
+    def select(self, view, target_len, timer):
+        keep = super().select(view, target_len, timer)
+        assert bool((keep.counts == target_len).all())
+        return keep.slots
+
+
+def test_engine_equal_head_counts_match_the_plain_selection(tiny_model):
+    """A HeadKeep whose counts are all equal is exactly the [layers, kv_heads, K] selection."""
+    ps = prompts([60, 45, 20], seed=1)
+    args = dict(budget=24, window=8, floor_alpha=1.0)
+    llm, head = run(tiny_model, "adakv", ps, policy_args=args)
+    plain = _AsPlain(**args)
+    _, flat = run(tiny_model, plain, ps)
+    assert [o.token_ids for o in head] == [o.token_ids for o in flat]
+    events = [e for o in head for e in o.events if e["action"] == "compress"]
+    assert events and all(e["physical_after"] == 24 for e in events)
+
+
+@pytest.fixture
+def poison_holes(monkeypatch):
+    """After every compaction, fill each head's hole with huge keys and values (masked slots must
+    not change a single token). Returns the `setup` hook that tells it the run's cache."""
+    import engine.compaction as compaction
+    import engine.scheduler as scheduler
+
+    original = compaction.finalize
+    kv = {}
+
+    def poisoned(job, bm):
+        event = original(job, bm)
+        seq = job.seq
+        if seq.head_lens is not None and "cache" in kv:  # only runs given the setup hook
+            for layer in range(seq.head_lens.shape[0]):
+                for h in range(seq.head_lens.shape[1]):
+                    for slot in range(int(seq.head_lens[layer, h]), seq.compacted_len):
+                        page = seq.block_table[slot // BS]
+                        kv["cache"].k[layer, h, page, slot % BS] = 1e4
+                        kv["cache"].v[layer, h, page, slot % BS] = -1e4
+        return event
+
+    monkeypatch.setattr(compaction, "finalize", poisoned)
+    monkeypatch.setattr(scheduler, "finalize", poisoned)
+    return lambda llm: kv.update(cache=llm.runner.kv)
+
+
+def test_engine_holes_are_masked_and_pages_sized_by_the_largest_head(tiny_model, poison_holes,
+                                                                     monkeypatch):
+    from engine.sequence import Sequence
+
+    ps = prompts([70, 52, 20], seed=2)
+    args = dict(budget=24, window=8, floor_alpha=0.0)
+    llm, clean = run(tiny_model, "adakv", ps, policy_args=args, max_tokens=16)
+    events = [e for o in clean for e in o.events if e["action"] == "compress"]
+    assert events and all(e["info"]["head_kept_min"] < e["info"]["head_kept_max"] for e in events)
+    for e in events:
+        assert e["physical_after"] == e["info"]["head_kept_max"]       # the largest head
+        assert e["pages_after"] == math.ceil(e["physical_after"] / BS)  # pages sized by it
+    for o in clean[:2]:
+        assert o.avg_kv_kept < o.avg_kv_allocated - BS / 2  # holes are reported, not hidden
+    assert llm.last_stats.avg_kv_kept < llm.last_stats.avg_kv_allocated
+
+    _, masked = run(tiny_model, "adakv", ps, policy_args=args, max_tokens=16, setup=poison_holes)
+    assert [o.token_ids for o in masked] == [o.token_ids for o in clean]
+    # Without the masks the poison reaches attention (the check above can fail).
+    monkeypatch.setattr(Sequence, "holes", lambda self: None)
+    _, unmasked = run(tiny_model, "adakv", ps, policy_args=args, max_tokens=16,
+                      setup=poison_holes)
+    assert [o.token_ids for o in unmasked] != [o.token_ids for o in clean]
+
+
+class _FirstChunk(AdaKV):
+    """Ada-KV compressing after the first prefill chunk (once), so the rest of the prompt is
+    prefilled on top of the holes: chunk attention must honour them."""
+
+    name = "adakv-test-first-chunk"
+
+    def new_state(self):
+        return {"done": False}
+
+    def after_prefill(self, view, final):
+        if view.state["done"] or view.physical_len <= self.budget:
+            return None
+        view.state["done"] = True
+        return super().after_prefill(view, True)
+
+
+def test_engine_prefill_chunks_after_a_per_head_compaction_skip_the_holes(tiny_model,
+                                                                          poison_holes,
+                                                                          monkeypatch):
+    import engine.attention as attention
+
+    calls = []
+    inner = attention.paged_prefill_attention
+
+    def spy(*args):
+        calls.append(args[-1] is not None and args[-1].shape[1:] == (2, 2))  # [Bp, kv_heads, 2]
+        return inner(*args)
+
+    monkeypatch.setattr(attention, "paged_prefill_attention", spy)
+    ps = prompts([90], seed=4)
+    args = dict(budget=24, window=8, floor_alpha=0.0)
+    chunked = dict(max_num_batched_tokens=40)
+    _, clean = run(tiny_model, _FirstChunk(**args), ps, max_tokens=8, **chunked)
+    (event,) = [e for e in clean[0].events if e["action"] == "compress"]
+    assert event["logical_len"] == 40 and event["info"]["head_kept_min"] < event["physical_after"]
+    _, masked = run(tiny_model, _FirstChunk(**args), ps, max_tokens=8, setup=poison_holes,
+                    **chunked)
+    assert masked[0].token_ids == clean[0].token_ids
+    assert any(calls) and not all(calls)  # chunks after the compaction passed their holes
+
+
+def test_engine_pyramidkv_compresses_preempts_and_recompresses(tiny_model):
+    """A small pool: requests are preempted, re-prefilled and compressed again; every page
+    comes back."""
+    ps = prompts([60, 58, 50, 44], seed=3)
+    llm, outs = run(tiny_model, "pyramidkv", ps, pages=24, max_tokens=20,
+                    policy_args=dict(budget=24, window=4))
+    assert all(o.num_output_tokens == 20 for o in outs)
+    events = [e for o in outs for e in o.events]
+    assert any(e["action"] == "compress" and e["info"].get("head_kept_min", 24) < 24
+               for e in events)
+    assert llm.last_scheduler.bm.num_free == llm.last_scheduler.bm.num_pages
+
+
+def test_compaction_rejects_bad_head_keeps(tiny_model):
+    from engine.compaction import PolicyError
+
+    class BadCounts(AdaKV):
+        name = "adakv-test-bad"
+
+        def select(self, view, target_len, timer):
+            keep = super().select(view, target_len, timer)
+            return HeadKeep(keep.slots, keep.counts[:1])
+
+    with pytest.raises(PolicyError, match="counts of shape"):
+        run(tiny_model, BadCounts(budget=24, window=8), prompts([60]))
+
+    class Descending(AdaKV):
+        name = "adakv-test-desc"
+
+        def select(self, view, target_len, timer):
+            keep = super().select(view, target_len, timer)
+            return HeadKeep(keep.slots.flip(-1), keep.counts.clamp(min=2))
+
+    with pytest.raises(PolicyError, match="ascending"):
+        run(tiny_model, Descending(budget=24, window=8, floor_alpha=1.0), prompts([60]))
