@@ -111,4 +111,4 @@ PolicyArgOpt = typer.Option([], "--policy-arg", "-a",
                             help="Policy argument key=value (repeatable). With several --policy, "
                                  "key=value goes to every listed policy that has the field and "
                                  "policy:key=value to that one. Fields and defaults: kvarena list.")
-ThreadsOpt = typer.Option(2, "--threads", help="torch CPU threads.")
+ThreadsOpt = typer.Option(2, "--threads", min=1, max=1024, help="torch CPU threads.")

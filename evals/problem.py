@@ -9,8 +9,9 @@ because grading happens in worker processes.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 
 class DataUnavailableError(RuntimeError):
@@ -64,12 +65,15 @@ class ProblemSet:
 
     Iterable and indexable like a list of problems.  ``skipped`` lists malformed rows (each
     also reported once through ``warnings.warn`` by the loader), so a run can record them.
+    ``files``: the local files the problems were read from, in reading order (empty for a hub
+    dataset or built-in data), whose ``data_fingerprint`` a run records.
     """
 
     task: str
     source: str
     problems: list[Problem]
     skipped: list[SkippedRow] = field(default_factory=list)
+    files: tuple[str, ...] = ()
 
     def __iter__(self) -> Iterator[Problem]:
         return iter(self.problems)
@@ -115,6 +119,22 @@ class GradeResult:
             "reason": self.reason,
             "details": dict(self.details),
         }
+
+
+def data_fingerprint(files: Sequence[str]) -> str | None:
+    """SHA-256 over the contents of ``files`` in order (each prefixed by its length, so two
+    files never read as one), or None for no files. Names do not count: a moved copy matches."""
+    if not files:
+        return None
+    digest = hashlib.sha256()
+    for name in files:
+        with open(name, "rb") as f:
+            f.seek(0, 2)
+            digest.update(f.tell().to_bytes(8, "little"))
+            f.seek(0)
+            for chunk in iter(lambda: f.read(1 << 20), b""):
+                digest.update(chunk)
+    return digest.hexdigest()
 
 
 def config_from_mapping(cls: type, values: Mapping[str, Any], what: str):
