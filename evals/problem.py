@@ -122,18 +122,22 @@ class GradeResult:
 
 
 def data_fingerprint(files: Sequence[str]) -> str | None:
-    """SHA-256 over the contents of ``files`` in order (each prefixed by its length, so two
-    files never read as one), or None for no files. Names do not count: a moved copy matches."""
+    """The SHA-256 of the data: of the one file's contents (what ``sha256sum FILE`` prints), or
+    over the files' own SHA-256 digests in order for several; None for no files. Names do not
+    count: a moved copy matches."""
     if not files:
         return None
+    digests = [_file_sha256(name) for name in files]
+    if len(digests) == 1:
+        return digests[0]
+    return hashlib.sha256("\n".join(digests).encode("ascii")).hexdigest()
+
+
+def _file_sha256(name: str) -> str:
     digest = hashlib.sha256()
-    for name in files:
-        with open(name, "rb") as f:
-            f.seek(0, 2)
-            digest.update(f.tell().to_bytes(8, "little"))
-            f.seek(0)
-            for chunk in iter(lambda: f.read(1 << 20), b""):
-                digest.update(chunk)
+    with open(name, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
     return digest.hexdigest()
 
 

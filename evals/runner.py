@@ -513,6 +513,18 @@ def _run_locked(settings: EvalSettings, hooks: EvalHooks, task, preset: str, def
     from engine.config import ConfigError
     from engine.models.loader import ModelLoadError, load_tokenizer, resolve_model
 
+    # The directory's files first (cheap, and a broken one stops the run before anything loads).
+    stored = R.read_config(path / R.CONFIG_FILE) if (path / R.CONFIG_FILE).exists() else None
+    for cut in filter(None, (R.repair_tail(path / R.SAMPLES_FILE),
+                             R.repair_tail(path / R.SEGMENTS_FILE))):
+        hooks.on_message(f"warning: {cut}")
+    dropped: list[str] = []
+    segments = R.read_segments(path / R.SEGMENTS_FILE, dropped)
+    for problem in dropped:
+        hooks.on_message(f"warning: dropped an unreadable segment line ({problem})")
+    loaded = R.load_samples(path / R.SAMPLES_FILE)
+    for problem in loaded.dropped_lines:
+        hooks.on_message(f"{path / R.SAMPLES_FILE}: dropped an unreadable line ({problem})")
     try:
         model_dir = resolve_model(settings.model)
         tokenizer = load_tokenizer(model_dir)
@@ -539,25 +551,14 @@ def _run_locked(settings: EvalSettings, hooks: EvalHooks, task, preset: str, def
         "fidelity": settings.fidelity, "task_defaults": dataclasses.asdict(defaults),
         "skipped_rows": [dataclasses.asdict(s) for s in problems.skipped],
     }
-    if (path / R.CONFIG_FILE).exists():
-        stored = R.read_config(path / R.CONFIG_FILE)
+    if stored is not None:
         R.check_identity(stored, config, path)
         check_data(stored, config, path, settings, hooks)
-    for cut in filter(None, (R.repair_tail(path / R.SAMPLES_FILE),
-                             R.repair_tail(path / R.SEGMENTS_FILE))):
-        hooks.on_message(f"warning: {cut}")
-    dropped: list[str] = []
-    segments = R.read_segments(path / R.SEGMENTS_FILE, dropped)
-    for problem in dropped:
-        hooks.on_message(f"warning: dropped an unreadable segment line ({problem})")
     killed = R.seal_progress(path)
     if killed:
         hooks.on_message(f"segment {killed.get('segment')} was killed; its progress is kept as a "
                          f"segment line")
         segments = R.read_segments(path / R.SEGMENTS_FILE)
-    loaded = R.load_samples(path / R.SAMPLES_FILE)
-    for problem in loaded.dropped_lines:
-        hooks.on_message(f"{path / R.SAMPLES_FILE}: dropped an unreadable line ({problem})")
     retry = failed_to_retry(loaded.records, segments, settings)
     if retry:
         hooks.on_message(f"retrying {len(retry)} sample(s) that failed for an engine reason")
