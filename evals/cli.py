@@ -198,11 +198,13 @@ def _interrupted(outcome) -> None:
     raise typer.Exit(143 if outcome.stop_signal == "SIGTERM" else 130)
 
 
-def _stopped_early() -> None:
+def _stopped_early(e: KeyboardInterrupt) -> None:
     """A stop outside the engine loop (loading, planning, the final writes)."""
+    from evals.interrupts import Terminated
+
     console.print("[bold yellow]interrupted:[/] the samples already written are kept; run the "
                   "same command again to resume.")
-    raise typer.Exit(130)
+    raise typer.Exit(143 if isinstance(e, Terminated) else 130)
 
 
 def _results_error(e: Exception) -> None:
@@ -289,8 +291,8 @@ def eval_command(
         fail(str(e))
     except (ResultsError, OSError) as e:
         _results_error(e)
-    except KeyboardInterrupt:
-        _stopped_early()
+    except KeyboardInterrupt as e:
+        _stopped_early(e)
     if outcomes and outcomes[-1].interrupted:
         _interrupted(outcomes[-1])
     if show_leaderboard and outcomes:
@@ -402,8 +404,8 @@ def sweep_command(
         fail(str(e))
     except (ResultsError, OSError) as e:
         _results_error(e)
-    except KeyboardInterrupt:
-        _stopped_early()
+    except KeyboardInterrupt as e:
+        _stopped_early(e)
     for r in results:
         classes = ", ".join(f"{k}: {v}" for k, v in r.classes.items())
         console.print(f"[green]{r.task}[/] B* ({r.rule} of samples) -> {classes}")

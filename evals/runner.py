@@ -852,6 +852,14 @@ def longest_token_chars(tokenizer) -> int:
     return max((len(t) for t in vocab), default=64) or 64
 
 
+def model_context(model_dir) -> int:
+    """The most tokens the engine allows ``model_dir`` (engine.runner.ModelRunner's limit, which
+    max_model_len never exceeds): for measuring prompts before an engine exists."""
+    from engine.models.loader import load_config
+
+    return getattr(load_config(model_dir), "max_position_embeddings", None) or 4096
+
+
 def _prompt_ids(tokenizer, text: str, max_model_len: int, char_bound: int) -> tuple[int, list | None]:
     """(token count, token ids) of a prompt. A prompt of more than ``char_bound`` characters
     (``longest_token_chars x max_model_len``) needs more than ``max_model_len`` tokens, since no
@@ -872,7 +880,7 @@ def _unfit(n: int, max_model_len: int, num_pages: int, block_size: int,
     """Why a prompt of ``n`` tokens (``at_least``: of ``n`` or more) cannot run on this engine,
     or None (mirrors Scheduler.add)."""
     if n >= max_model_len:
-        size = f"more than {n}" if at_least else f"{n}"
+        size = f"at least {n}" if at_least else f"{n}"
         return f"prompt of {size} tokens does not fit the model context of {max_model_len} tokens"
     if math.ceil((n + 1) / block_size) > num_pages:
         return (f"prompt of {n} tokens needs more KV pages than the pool holds "
