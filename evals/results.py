@@ -571,9 +571,13 @@ class RunLock:
             except BaseException:
                 os.close(fd)
                 raise
-            set_mode(fd)
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, json.dumps(_holder()).encode("utf-8") + b"\n", 0)
+            try:
+                set_mode(fd)
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, json.dumps(_holder()).encode("utf-8") + b"\n", 0)
+            except BaseException:
+                os.close(fd)  # releases the lock: a holder that cannot say who it is holds nothing
+                raise
             _HELD[self.key] = [fd, 1]
         return self
 
