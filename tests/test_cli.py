@@ -105,7 +105,7 @@ def test_usage_errors_exit_2_with_the_valid_choices(args, message, tmp_path):
     (["--temperature", "nan"], "temperature must be a finite number"),
     (["--temperature", "inf"], "temperature must be a finite number"),
     (["--temperature", "-1"], "temperature must be a finite number"),
-    (["--threads", "0"], "--threads"),
+    (["--threads", "0"], "--threads must be an integer in [1, 1024]"),
     (["--seed", str(10**23)], "seed must be an integer in [0, 4294967295]"),
     (["--seed", "-1"], "seed must be an integer"),
     (["--kv-cache-tokens", "10000000000000"], "kv_cache_tokens must be an integer in [1, 2147483647]"),
@@ -124,7 +124,7 @@ def test_absurd_eval_values_get_a_one_line_error_before_anything_loads(args, mes
     result = RUNNER.invoke(app, ["eval", "-t", "gsm8k", *out, *args])
     assert result.exit_code == 2, result.output
     assert message in result.output and "Traceback" not in result.output
-    assert len([ln for ln in result.output.splitlines() if ln.strip()]) <= 6  # a usage box at most
+    assert len([ln for ln in result.output.splitlines() if ln.strip()]) == 1
     assert not list(tmp_path.iterdir())
 
 
