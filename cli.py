@@ -10,7 +10,16 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from evals.cli_common import ModelOpt, PolicyArgOpt, ThreadsOpt, console, fail, names, policy_names
+from evals.cli_common import (
+    ModelOpt,
+    PolicyArgOpt,
+    ThreadsOpt,
+    console,
+    fail,
+    names,
+    policy_names,
+    set_threads,
+)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="An arena for KV-cache budgeting policies on a paged engine.")
@@ -53,14 +62,13 @@ def generate(
     json_out: bool = typer.Option(False, "--json", help="Print outputs and run stats as JSON."),
 ):
     """Generate text for prompts on the paged engine, with a live progress display."""
-    import torch
 
     from engine.config import ConfigError
     from engine.llm import LLM
     from engine.models.loader import ModelLoadError
     from engine.sampling import SamplingParams
 
-    torch.set_num_threads(threads)
+    set_threads(threads)
     prompts = prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
         fail("no prompt given (pass prompts as arguments or on stdin)")

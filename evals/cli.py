@@ -20,6 +20,7 @@ from evals.cli_common import (
     fixed_budget_policy_names,
     names,
     policy_names,
+    set_threads,
     task_names,
 )
 
@@ -54,6 +55,10 @@ WorkersOpt = typer.Option(None, "--workers", help="Run on N engine workers as Ra
                           "needs pip install -e '.[ray]'.")
 RayAddressOpt = typer.Option(None, "--ray-address", help="Ray cluster to run the workers on "
                              "(default: RAY_ADDRESS, else a local Ray instance).")
+AllowDataChangeOpt = typer.Option(False, "--allow-data-change",
+                                  help="Resume although the data file changed since the run "
+                                       "started (its hash is in config.json); the samples "
+                                       "already there were graded against the old data.")
 
 
 # -- argument parsing ----------------------------------------------------------------------------
@@ -185,9 +190,31 @@ def _for_run(base, task: str, policy: str, policy_args: dict):
 
 
 def _interrupted(outcome) -> None:
-    console.print(f"[bold yellow]interrupted:[/] {outcome.metrics.get('samples_done', 0)} finished "
-                  f"samples are kept in {outcome.path}; run the same command again to resume.")
-    raise typer.Exit(130)
+    """The stop message (never "nothing was lost" when finished samples were dropped) and the
+    exit status of the signal: 143 for SIGTERM, 130 for Ctrl-C."""
+    dropped = (f" {outcome.dropped} finished but ungraded sample(s) were dropped and will be "
+               f"generated again." if outcome.dropped else "")
+    console.print(f"[bold yellow]interrupted:[/] {outcome.metrics.get('samples_done', 0)} samples "
+                  f"are kept in {outcome.path}.{dropped} Run the same command again to resume.")
+    raise typer.Exit(143 if outcome.stop_signal == "SIGTERM" else 130)
+
+
+def _stopped_early(e: KeyboardInterrupt) -> None:
+    """A stop outside the engine loop (loading, planning, the final writes)."""
+    from evals.interrupts import Terminated
+
+    console.print("[bold yellow]interrupted:[/] the samples already written are kept; run the "
+                  "same command again to resume.")
+    raise typer.Exit(143 if isinstance(e, Terminated) else 130)
+
+
+def _results_error(e: Exception) -> None:
+    """A results directory that cannot be used (exit 2: busy, broken, another experiment or
+    other data) or written (exit 1): one line, no traceback."""
+    from evals.results import ResultsWriteError
+
+    console.print(f"[bold red]error:[/] {e}")
+    raise typer.Exit(1 if isinstance(e, (ResultsWriteError, OSError)) else 2)
 
 
 def eval_command(
@@ -217,6 +244,7 @@ def eval_command(
                                   help="Also measure drift from FullKV per sample (a cached FullKV "
                                        "reference + one teacher-forced pass of the policy); "
                                        "--no-fidelity for accuracy only."),
+    allow_data_change: bool = AllowDataChangeOpt,
     retry_failed: bool = typer.Option(False, "--retry-failed",
                                       help="Rerun samples recorded as failed for an engine reason "
                                            "(prompt longer than the context or the KV pool); they "
@@ -227,13 +255,12 @@ def eval_command(
 ):
     """Evaluate policies on tasks: results/<model>/<task>/<policy>/ with config, per-sample JSONL
     (written as samples finish; re-running resumes) and metrics."""
-    import torch
 
     from engine.config import ConfigError
-    from evals.results import ResultsMismatchError
+    from evals.results import ResultsError
     from evals.runner import EvalError, run_eval
 
-    torch.set_num_threads(threads)
+    set_threads(threads)
     outcomes = []
     try:
         base = _base_settings(task_arg, model=model, data=data, limit=limit, samples=samples,
@@ -241,7 +268,8 @@ def eval_command(
                               preset=preset, thinking=thinking, kv_budget=kv_budget,
                               kv_cache_tokens=kv_cache_tokens, block_size=block_size,
                               max_num_seqs=max_num_seqs, out=out, grading_workers=grading_workers,
-                              fidelity=fidelity, retry_failed=retry_failed)
+                              fidelity=fidelity, retry_failed=retry_failed,
+                              allow_data_change=allow_data_change)
         per_policy = split_policy_args(policy_arg, policy)
         # Policies outer, tasks inner: the engine loads once per policy.
         plan = [_for_run(base, t, p, per_policy[p]) for p in policy for t in task]
@@ -259,11 +287,12 @@ def eval_command(
                     if outcome.interrupted:
                         break
                     _print_summary(outcome)
-    except (EvalError, ConfigError, ResultsMismatchError) as e:
+    except (EvalError, ConfigError) as e:
         fail(str(e))
-    except KeyboardInterrupt:
-        console.print("[bold yellow]interrupted[/] before generation started; nothing was lost.")
-        raise typer.Exit(130) from None
+    except (ResultsError, OSError) as e:
+        _results_error(e)
+    except KeyboardInterrupt as e:
+        _stopped_early(e)
     if outcomes and outcomes[-1].interrupted:
         _interrupted(outcomes[-1])
     if show_leaderboard and outcomes:
@@ -299,10 +328,11 @@ def leaderboard_command(
     quality-vs-memory figure (pass@1, and drift from FullKV where measured, against the average KV
     budget) and NIAH heatmaps."""
     from evals.leaderboard import build_leaderboard
+    from evals.results import ResultsError
 
     try:
         board = build_leaderboard(dirs, out or Path(dirs[0]) / "leaderboard")
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ResultsError) as e:
         fail(str(e))
     print(board.markdown)
     for path in board.files.values():
@@ -335,17 +365,17 @@ def sweep_command(
     grading_workers: int = GradeWorkersOpt,
     workers: Optional[str] = WorkersOpt,
     ray_address: Optional[str] = RayAddressOpt,
+    allow_data_change: bool = AllowDataChangeOpt,
 ):
     """Minimum sufficient KV budget per request (GrowPage Eq. 1, Fig. 2): a fixed-budget policy over
     a set of budgets; CSV and a histogram PNG per task."""
-    import torch
 
     from engine.config import ConfigError
-    from evals.results import ResultsMismatchError
+    from evals.results import ResultsError
     from evals.runner import EvalError
     from evals.sweep import run_sweep
 
-    torch.set_num_threads(threads)
+    set_threads(threads)
     try:
         values = [int(b) for b in budgets.split(",") if b.strip()]
     except ValueError:
@@ -356,7 +386,7 @@ def sweep_command(
                               max_tokens=max_tokens, seed=seed, temperature=temperature,
                               preset=preset, thinking=thinking, kv_cache_tokens=kv_cache_tokens,
                               block_size=block_size, max_num_seqs=max_num_seqs, out=out,
-                              grading_workers=grading_workers)
+                              grading_workers=grading_workers, allow_data_change=allow_data_change)
         args = split_policy_args(policy_arg, [policy])[policy]
         plan = [_for_run(base, t, policy, args) for t in task]
         with _progress() as bar:
@@ -369,11 +399,12 @@ def sweep_command(
                     results.append(run_sweep(settings, values, rule, hooks))
                     if results[-1].interrupted:
                         break
-    except (EvalError, ConfigError, ResultsMismatchError) as e:
+    except (EvalError, ConfigError) as e:
         fail(str(e))
-    except KeyboardInterrupt:
-        console.print("[bold yellow]interrupted[/] before generation started; nothing was lost.")
-        raise typer.Exit(130) from None
+    except (ResultsError, OSError) as e:
+        _results_error(e)
+    except KeyboardInterrupt as e:
+        _stopped_early(e)
     for r in results:
         classes = ", ".join(f"{k}: {v}" for k, v in r.classes.items())
         console.print(f"[green]{r.task}[/] B* ({r.rule} of samples) -> {classes}")

@@ -113,4 +113,14 @@ PolicyArgOpt = typer.Option([], "--policy-arg", "-a",
                             help="Policy argument key=value (repeatable). With several --policy, "
                                  "key=value goes to every listed policy that has the field and "
                                  "policy:key=value to that one. Fields and defaults: kvarena list.")
-ThreadsOpt = typer.Option(2, "--threads", help="torch CPU threads.")
+ThreadsOpt = typer.Option(2, "--threads", help="torch CPU threads (1 to 1024).")
+MAX_THREADS = 1024
+
+
+def set_threads(threads: int) -> None:
+    """``torch.set_num_threads``, or a one-line usage error for a count it cannot take."""
+    import torch
+
+    if not 1 <= threads <= MAX_THREADS:
+        fail(f"--threads must be an integer in [1, {MAX_THREADS}], got {threads}")
+    torch.set_num_threads(threads)

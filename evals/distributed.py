@@ -40,6 +40,7 @@ without one, a job's samples still come back to the driver when the job ends.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -102,12 +103,28 @@ def run_distributed(settings_list: Sequence[EvalSettings], workers: int | str = 
                     address: str | None = None, hooks: EvalHooks | None = None,
                     threads: int = 2) -> list[EvalOutcome]:
     """Run every evaluation of ``settings_list`` on Ray workers; outcomes in the same order."""
-    import ray
 
     hooks = hooks or EvalHooks()
     if not settings_list:
         return []
     runs = [_Run(s) for s in settings_list]
+    with contextlib.ExitStack() as held:  # one writer per run directory for the whole invocation
+        for run in runs:
+            path = R.run_dir(run.settings.out, run.settings.model, run.settings.task,
+                             R.run_label(run.settings.policy, run.settings.policy_args))
+            try:
+                R.check_writable(path)
+            except OSError as e:
+                raise EvalError(f"results directory {path} cannot be written ({e}); pass a "
+                                f"writable --out") from None
+            held.enter_context(R.RunLock(path))
+        return _run_all(runs, workers, address, hooks, threads)
+
+
+def _run_all(runs: list[_Run], workers: int | str, address: str | None, hooks: EvalHooks,
+             threads: int) -> list[EvalOutcome]:
+    import ray
+
     for run in runs:  # 1 + 2: merge leftovers, then plan (raises EvalError on bad settings)
         _merge_leftovers(run.settings, hooks)
         planner = _PlanHooks(hooks)

@@ -423,10 +423,13 @@ def _rendered_requests(settings, plan, todo, temperature: float, max_tokens: int
     """The run's requests for ``todo``, rendered exactly as evals.runner renders them."""
     from engine.models.loader import load_tokenizer, resolve_model
     from engine.sampling import SamplingParams
-    from evals.runner import _task_for
+    from evals.runner import _prompt_ids, _task_for, longest_token_chars, model_context
     from evals.tasks import render_prompt
 
-    tokenizer = load_tokenizer(resolve_model(settings.model))
+    model_dir = resolve_model(settings.model)
+    tokenizer = load_tokenizer(model_dir)
+    context = model_context(model_dir)
+    bound = longest_token_chars(tokenizer) * context
     tasks: dict[str, Any] = {}
     requests = []
     for uid, j in todo:
@@ -434,7 +437,9 @@ def _rendered_requests(settings, plan, todo, temperature: float, max_tokens: int
         if problem.task not in tasks:
             tasks[problem.task] = _task_for(problem, settings)
         text = render_prompt(tokenizer, tasks[problem.task].messages(problem), thinking=settings.thinking)
-        ids = tokenizer.encode(text, add_special_tokens=False)
+        _, ids = _prompt_ids(tokenizer, text, context, bound)  # a huge prompt is not tokenized whole
+        if ids is None:
+            continue  # longer than any context: the run records it as a failed sample
         seed = settings.seed + j
         requests.append(Request(uid, j, seed, ids, SamplingParams(temperature=temperature,
                                                                   max_tokens=max_tokens, seed=seed)))

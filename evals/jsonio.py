@@ -5,6 +5,10 @@ Every results file (config.json, metrics.json, benchmark and analysis JSON) goes
 hold into JSON: tuples and sets become lists, paths strings, numpy scalars and arrays numbers and
 lists, enums their value; anything else is written as its ``repr`` rather than failing, so a
 finished result is never lost to an odd value.
+
+Every file this writes, and every results file opened through ``open_append``, gets one mode,
+``FILE_MODE`` (0644: the owner writes, everyone reads), whatever the umask and whichever writer
+made it (``mkstemp`` alone would leave 0600, ``open`` 0666 less the umask).
 """
 
 from __future__ import annotations
@@ -14,7 +18,9 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, BinaryIO, Mapping
+
+FILE_MODE = 0o644
 
 
 def json_default(obj: Any) -> Any:
@@ -43,6 +49,25 @@ def to_jsonable(value: Any) -> Any:
     return json.loads(dumps(value))
 
 
+def set_mode(target: int | str | os.PathLike) -> None:
+    """Give a results file (an open descriptor or a path) the one ``FILE_MODE``."""
+    if isinstance(target, int):
+        os.fchmod(target, FILE_MODE)
+    else:
+        os.chmod(target, FILE_MODE)
+
+
+def open_append(path: str | os.PathLike) -> BinaryIO:
+    """``path`` opened for appending bytes (created with ``FILE_MODE`` if missing)."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, FILE_MODE)
+    try:
+        set_mode(fd)
+        return os.fdopen(fd, "ab")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def write_json(path: str | os.PathLike, obj: Any) -> Path:
     """Write ``obj`` as indented JSON atomically, so a crash never leaves half a file; returns
     the path. The parent directory is created."""
@@ -50,6 +75,7 @@ def write_json(path: str | os.PathLike, obj: Any) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        set_mode(fd)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             json.dump(obj, f, indent=2, default=json_default)
             f.write("\n")

@@ -9,8 +9,9 @@ because grading happens in worker processes.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
 
 class DataUnavailableError(RuntimeError):
@@ -64,12 +65,15 @@ class ProblemSet:
 
     Iterable and indexable like a list of problems.  ``skipped`` lists malformed rows (each
     also reported once through ``warnings.warn`` by the loader), so a run can record them.
+    ``files``: the local files the problems were read from, in reading order (empty for a hub
+    dataset or built-in data), whose ``data_fingerprint`` a run records.
     """
 
     task: str
     source: str
     problems: list[Problem]
     skipped: list[SkippedRow] = field(default_factory=list)
+    files: tuple[str, ...] = ()
 
     def __iter__(self) -> Iterator[Problem]:
         return iter(self.problems)
@@ -115,6 +119,26 @@ class GradeResult:
             "reason": self.reason,
             "details": dict(self.details),
         }
+
+
+def data_fingerprint(files: Sequence[str]) -> str | None:
+    """The SHA-256 of the data: of the one file's contents (what ``sha256sum FILE`` prints), or
+    over the files' own SHA-256 digests in order for several; None for no files. Names do not
+    count: a moved copy matches."""
+    if not files:
+        return None
+    digests = [_file_sha256(name) for name in files]
+    if len(digests) == 1:
+        return digests[0]
+    return hashlib.sha256("\n".join(digests).encode("ascii")).hexdigest()
+
+
+def _file_sha256(name: str) -> str:
+    digest = hashlib.sha256()
+    with open(name, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def config_from_mapping(cls: type, values: Mapping[str, Any], what: str):

@@ -14,6 +14,8 @@ Layout of one run (one model x task x policy configuration)::
                         totals in metrics.json still cover every sample it wrote
         metrics.json    the aggregate, rewritten at the end of every invocation
         niah_heatmap.png (task niah only)
+        .lock           the advisory lock of the one invocation writing the directory, and who
+                        holds it (pid, host, command, start); never deleted (see ``RunLock``)
 
 ``<label>`` is the policy name plus the policy arguments given on the command line, sorted,
 e.g. ``full``, ``zipage``, ``zipage+budget=256``, ``growpage-shrink+min_capacity=128+tau=0.001``.
@@ -27,7 +29,17 @@ must match those in ``config.json``; otherwise the run stops with an error rathe
 experiments in one file. ``--limit`` and ``--samples`` may change between invocations: metrics
 are computed over the samples the current invocation asks for.
 
-A line cut short by a crash (no trailing newline, or not JSON) is dropped and reported; a sample
+One writer per run directory: an invocation holds ``RunLock`` from before its model loads to
+its last write; a second one on the same directory stops at once naming the holder. Segment
+numbers are unique: a new segment takes one more than any number found in segments.jsonl,
+progress.json or a sample line. Every results file is created with one mode (``FILE_MODE``).
+
+A last line cut short by a crash (no trailing newline) of samples.jsonl or segments.jsonl is cut
+from the file, with a warning, before anything is appended to it; a line in the middle that is
+not JSON is dropped and reported. A line that is JSON but holds what no run writes (a hand edit:
+``score: "high"``, ``correct: "no"``, ``stats: "x"``), a config.json that is not a JSON object,
+or a results file that is not a regular file stops the run with ``ResultsCorruptError`` naming
+the file and line (``validate_sample`` / ``validate_segment``). A sample
 recorded twice keeps its first line, unless that line is a failed sample (``status: "failed"``, an
 engine reason such as a prompt longer than the pool): a failed sample is retried by a resumed run
 whose engine settings differ from those of the segment that failed it (or with ``retry_failed``),
@@ -41,21 +53,25 @@ the samples held only when they all came from one setting -- otherwise they read
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
 import re
+import socket
 import statistics
+import sys
 import tempfile
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from evals.grading.metrics import FLEXIBLE_CORRECT, FLEXIBLE_EXTRACTED, summarize
 from evals.intervals import DEFAULT_SPEC, BootstrapSpec, mean_and_interval
-from evals.jsonio import dumps_line, json_default, write_json  # noqa: F401  (re-exported)
+from evals.jsonio import FILE_MODE, dumps_line, json_default, open_append, set_mode, write_json  # noqa: F401
 from evals.problem import GradeResult
 
 CONFIG_FILE = "config.json"
@@ -63,6 +79,7 @@ SAMPLES_FILE = "samples.jsonl"
 SEGMENTS_FILE = "segments.jsonl"
 METRICS_FILE = "metrics.json"
 PROGRESS_FILE = "progress.json"
+LOCK_FILE = ".lock"
 # Segment fields that are engine settings (not identity: they may change between invocations).
 ENGINE_SETTING_KEYS = ("kv_cache_tokens", "max_num_seqs", "num_pages", "max_model_len", "device")
 MIXED = "mixed"
@@ -77,8 +94,28 @@ EVENT_KINDS = ("grow", "compress", "shrink", "fallback", "preempt", "prefill_com
                "periodic_compress", "allocate")
 
 
-class ResultsMismatchError(ValueError):
+class ResultsError(ValueError):
+    """A result directory cannot be used as asked; the message names the file and says why."""
+
+
+class ResultsMismatchError(ResultsError):
     """A result directory holds a run with other settings than the one asked for."""
+
+
+class RunBusyError(ResultsError):
+    """Another invocation holds the run directory's lock (``RunLock``)."""
+
+
+class ResultsCorruptError(ResultsError):
+    """A results file holds what no run writes (a hand edit, a truncated file, a directory)."""
+
+
+class ResultsWriteError(ResultsError):
+    """A results file could not be written; what was written before stays."""
+
+
+class DataChangedError(ResultsError):
+    """The data file of a resumed run is not the one its samples were graded against."""
 
 
 SampleKey = tuple[str, int]
@@ -132,6 +169,165 @@ def read_json(path: Path) -> Any:
         return json.load(f)
 
 
+def read_config(path: Path) -> dict:
+    """config.json as a dict, or ``ResultsCorruptError`` saying what is wrong with it."""
+    _regular(path)
+    try:
+        config = read_json(path)
+    except (ValueError, RecursionError) as e:
+        raise ResultsCorruptError(
+            f"{path} is not valid JSON ({e}): it was cut short or edited; restore it, or delete "
+            f"the run directory to start over") from None
+    if not isinstance(config, dict):
+        raise ResultsCorruptError(f"{path} must hold a JSON object, found {type(config).__name__}")
+    for key, kind in (("provenance", dict), ("data_sha256", str), ("task_options", dict)):
+        if config.get(key) is not None and not isinstance(config[key], kind):
+            raise ResultsCorruptError(f"{path}: {key!r} must be a {kind.__name__} or null, got "
+                                      f"{config[key]!r}")
+    return config
+
+
+def _regular(path: Path) -> None:
+    if path.exists() and not path.is_file():
+        raise ResultsCorruptError(f"{path} is not a regular file; move it away to continue")
+
+
+# ------------------------------------------------------------------------------ typed lines
+
+
+def _count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _opt(pred: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: v is None or pred(v)
+
+
+def _mapping_of(pred: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda v: isinstance(v, dict) and all(isinstance(k, str) and pred(x) for k, x in v.items())
+
+
+_STR = (lambda v: isinstance(v, str), "a string")
+_OPT_STR = (_opt(lambda v: isinstance(v, str)), "a string or null")
+_COUNT = (_count, "an integer >= 0")
+_OPT_NUM = (_opt(_number), "a number or null")
+_DICT = (lambda v: isinstance(v, dict), "a JSON object")
+# field -> (check, what it must be, required). Fields not listed are not checked; a field that is
+# absent reads as the metrics read it (no ``correct``: not correct).
+SAMPLE_FIELDS: dict[str, tuple[Callable[[Any], bool], str, bool]] = {
+    "uid": (lambda v: isinstance(v, str) and bool(v), "a non-empty string", True),
+    "sample": (*_COUNT, True),
+    "status": (lambda v: v in ("ok", "failed"), '"ok" or "failed"', False),
+    "correct": (lambda v: isinstance(v, bool), "true or false", False),
+    "score": (lambda v: _number(v) and 0.0 <= v <= 1.0, "a number in [0, 1]", False),
+    "segment": (_opt(_count), "an integer >= 0 or null", False),
+    "seed": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer", False),
+    "output_tokens": (*_COUNT, False), "prompt_tokens": (*_COUNT, False),
+    "output": (*_STR, False), "reason": (*_STR, False), "task": (*_STR, False),
+    "error": (*_STR, False), "extracted": (*_OPT_STR, False), "finish_reason": (*_OPT_STR, False),
+    "details": (*_DICT, False), "meta": (*_DICT, False),
+    "events": (_mapping_of(_count), "an object of integers >= 0", False),
+    "decisions": (_mapping_of(_count), "an object of integers >= 0", False),
+    "stage_seconds": (_mapping_of(_number), "an object of numbers", False),
+    **{name: (*_OPT_NUM, False) for name in (
+        "tpot_s", "first_token_s", "finish_s", "avg_kv_budget", "avg_kv_allocated",
+        "peak_kv_capacity", "preemptions")},
+}
+SEGMENT_STATUSES = ("complete", "interrupted", "error", "killed", "running")
+SEGMENT_FIELDS: dict[str, tuple[Callable[[Any], bool], str, bool]] = {
+    "segment": (*_COUNT, True),
+    "status": (lambda v: v in SEGMENT_STATUSES, f"one of {list(SEGMENT_STATUSES)}", True),
+    "wall_time": (lambda v: _number(v) and v >= 0, "a number >= 0", False),
+    "samples": (*_COUNT, False), "output_tokens": (*_COUNT, False), "failed": (*_COUNT, False),
+    "stats": (_opt(lambda v: isinstance(v, dict) and _stats_ok(v)),
+              "null or an object whose counts are integers and num_steps / mean_resident numbers",
+              False),
+    "settings": (_opt(lambda v: isinstance(v, dict)), "a JSON object or null", False),
+    "started": (*_STR, False), "merged_from": (*_STR, False),
+}
+
+
+def _stats_ok(stats: dict) -> bool:
+    return (_opt(_mapping_of(_number))(stats.get("counts")) and _opt(_number)(stats.get("num_steps"))
+            and _opt(_number)(stats.get("mean_resident")))
+
+
+def _validate(record: Any, fields: Mapping[str, tuple], where: str) -> dict:
+    if not isinstance(record, dict):
+        raise ResultsCorruptError(f"{where}: a line must be a JSON object, found {type(record).__name__}")
+    for name, (check, want, required) in fields.items():
+        if name not in record:
+            if required:
+                raise ResultsCorruptError(f"{where}: field {name!r} is missing")
+            continue
+        if not check(record[name]):
+            raise ResultsCorruptError(f"{where}: {name!r} must be {want}, got {record[name]!r}")
+    return record
+
+
+def validate_sample(record: Any, where: str) -> dict:
+    """``record`` if it is a sample line as runs write it (SAMPLE_FIELDS), else
+    ``ResultsCorruptError`` naming ``where`` (file and line), the field and its value."""
+    return _validate(record, SAMPLE_FIELDS, where)
+
+
+def validate_segment(record: Any, where: str) -> dict:
+    """``record`` if it is a segment line as runs write it (SEGMENT_FIELDS), else
+    ``ResultsCorruptError``."""
+    return _validate(record, SEGMENT_FIELDS, where)
+
+
+# ------------------------------------------------------------------------------ JSONL files
+
+
+def repair_tail(path: Path) -> str | None:
+    """Cut a last line without its newline (a write cut short by a crash) from ``path``, so the
+    next line appended starts on a line of its own; returns what was cut, or None."""
+    if not path.is_file():
+        return None
+    with open(path, "r+b") as f:
+        size = f.seek(0, os.SEEK_END)
+        if size == 0:
+            return None
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            return None
+        keep, pos = 0, size
+        while pos > 0:  # the last newline, read backwards in chunks (the file may be large)
+            step = min(1 << 16, pos)
+            pos -= step
+            f.seek(pos)
+            i = f.read(step).rfind(b"\n")
+            if i >= 0:
+                keep = pos + i + 1
+                break
+        f.truncate(keep)
+    return f"{path}: cut its last line, cut short by a crash ({size - keep} bytes without a newline)"
+
+
+def _jsonl_lines(path: Path) -> Iterable[tuple[int, str]]:
+    """(line number, text) of the complete lines of ``path`` (a last line without its newline
+    is not complete)."""
+    _regular(path)
+    if not path.exists():
+        return
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            if raw.endswith(b"\n") and raw.strip():
+                yield n, raw.decode("utf-8", errors="replace")
+
+
+def _parse(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise ValueError("nested too deeply") from None
+
+
 @dataclass
 class LoadedSamples:
     """Records read back from ``samples.jsonl``: by key, plus what was wrong with the file."""
@@ -143,26 +339,21 @@ class LoadedSamples:
 
 def load_samples(path: Path, repair: bool = True) -> LoadedSamples:
     """Read ``samples.jsonl``. A last line without its newline (a write cut short) is dropped
-    and, with ``repair``, cut from the file so later appends start on a fresh line."""
+    and, with ``repair``, cut from the file so later appends start on a fresh line. A line that
+    is not JSON is dropped; a JSON line of the wrong shape raises ``ResultsCorruptError``."""
     loaded = LoadedSamples()
-    if not path.exists():
-        return loaded
-    data = path.read_bytes()
-    good_end = data.rfind(b"\n") + 1
-    if good_end < len(data):
-        loaded.dropped_lines.append("last line was cut short (no newline)")
-        if repair:
-            with open(path, "r+b") as f:
-                f.truncate(good_end)
-    for n, raw in enumerate(data[:good_end].decode("utf-8", errors="replace").splitlines(), 1):
-        if not raw.strip():
-            continue
+    _regular(path)
+    cut = repair_tail(path) if repair else None
+    if cut:
+        loaded.dropped_lines.append(cut)
+    for n, raw in _jsonl_lines(path):
         try:
-            rec = json.loads(raw)
-            key = (str(rec["uid"]), int(rec["sample"]))
-        except (ValueError, KeyError, TypeError) as e:
-            loaded.dropped_lines.append(f"line {n}: {type(e).__name__}: {e}")
+            rec = _parse(raw)
+        except ValueError as e:
+            loaded.dropped_lines.append(f"line {n}: not JSON ({e})")
             continue
+        validate_sample(rec, f"{path} line {n}")
+        key = (rec["uid"], rec["sample"])
         if key in loaded.records and loaded.records[key].get("status") != "failed":
             loaded.duplicates += 1
             continue
@@ -170,26 +361,60 @@ def load_samples(path: Path, repair: bool = True) -> LoadedSamples:
     return loaded
 
 
+class WriterClosed(RuntimeError):
+    """A sample arrived after its writer was closed (a run stopped while grading)."""
+
+
 class SampleWriter:
-    """Appends one JSON line per sample and flushes it to disk at once (thread-safe)."""
+    """Appends one JSON line per sample and flushes it to disk at once (thread-safe).
+
+    A write that fails (disk full, an immutable file) is undone (the file is cut back to where
+    the line began) and raises ``ResultsWriteError``; every later write raises it again, so a
+    run never goes on as if its samples were kept."""
 
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
+        repair_tail(path)  # run_eval reports a cut line; this guards every other writer
         self.path = path
-        self._file = open(path, "a", encoding="utf-8")
+        self._file = open_append(path)
         self._lock = threading.Lock()
+        self.error: ResultsWriteError | None = None
+        self.written = 0
 
     def write(self, record: Mapping[str, Any]) -> None:
-        line = dumps_line(record)
+        data = encode_line(record)
         with self._lock:
-            self._file.write(line)
-            self._file.flush()
-            os.fsync(self._file.fileno())
+            if self.error is not None:
+                raise self.error
+            if self._file.closed:
+                raise WriterClosed(f"{self.path} is closed")
+            fd = self._file.fileno()
+            start = os.fstat(fd).st_size
+            try:
+                self._append(data)
+            except OSError as e:
+                self.error = ResultsWriteError(
+                    f"cannot write {self.path} ({e.strerror or e}); the {self.written} sample(s) "
+                    f"written before are kept")
+                try:
+                    os.ftruncate(fd, start)
+                except OSError:
+                    pass  # a torn line left behind is cut by the next invocation
+                raise self.error from None
+            self.written += 1
+
+    def _append(self, data: bytes) -> None:
+        self._file.write(data)
+        self._file.flush()
+        os.fsync(self._file.fileno())
 
     def close(self) -> None:
         with self._lock:
             if not self._file.closed:
-                self._file.close()
+                try:
+                    self._file.close()
+                except OSError:
+                    pass  # the flush of an already failed write: the error is recorded
 
     def __enter__(self) -> "SampleWriter":
         return self
@@ -198,24 +423,49 @@ class SampleWriter:
         self.close()
 
 
-def read_segments(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
+def encode_line(record: Mapping[str, Any]) -> bytes:
+    """One JSONL line as UTF-8; a string that cannot be UTF-8 (a lone surrogate from a program's
+    output) is written as a JSON escape instead of failing the write."""
+    try:
+        return dumps_line(record).encode("utf-8")
+    except UnicodeEncodeError:
+        return (json.dumps(record, ensure_ascii=True, default=json_default) + "\n").encode("ascii")
+
+
+def read_segments(path: Path, dropped: list[str] | None = None) -> list[dict]:
+    """The segment lines of ``segments.jsonl``. A line that is not JSON (cut short) is skipped --
+    its samples are still in samples.jsonl -- and described in ``dropped``; a JSON line of the
+    wrong shape raises ``ResultsCorruptError`` naming the line."""
     out = []
-    for raw in path.read_text(encoding="utf-8").splitlines():
+    for n, raw in _jsonl_lines(path):
         try:
-            out.append(json.loads(raw))
-        except ValueError:
-            continue  # a segment line cut short: its samples are still in samples.jsonl
+            line = _parse(raw)
+        except ValueError as e:
+            if dropped is not None:
+                dropped.append(f"{path} line {n}: not JSON ({e})")
+            continue
+        out.append(validate_segment(line, f"{path} line {n}"))
     return out
 
 
 def append_segment(path: Path, segment: Mapping[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(dumps_line(segment))
-        f.flush()
-        os.fsync(f.fileno())
+    repair_tail(path)
+    try:
+        with open_append(path) as f:
+            f.write(encode_line(segment))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        raise ResultsWriteError(f"cannot write {path} ({e.strerror or e})") from None
+
+
+def next_segment(run: Path, records: Iterable[Mapping[str, Any]]) -> int:
+    """The number of a new segment: one more than any in segments.jsonl or a sample line (a
+    segment whose line was lost still numbers its samples)."""
+    seen = [s["segment"] for s in read_segments(run / SEGMENTS_FILE)]
+    seen += [r["segment"] for r in records if r.get("segment") is not None]
+    return 1 + max(seen, default=-1)
 
 
 def write_progress(run: Path, segment: Mapping[str, Any]) -> None:
@@ -238,13 +488,15 @@ def seal_progress(run: Path) -> dict | None:
     if not path.exists():
         return None
     try:
-        line = dict(read_json(path))
-    except ValueError:  # cannot happen with atomic writes; a broken file holds nothing usable
+        line = validate_segment(read_json(path), str(path))
+    except (ValueError, RecursionError, OSError):  # not a file atomic writes leave: nothing usable
+        if path.is_dir():
+            raise ResultsCorruptError(f"{path} is not a regular file; move it away to continue") from None
         end_progress(run)
         return None
-    known = {s.get("segment") for s in read_segments(run / SEGMENTS_FILE)}
+    known = {s["segment"] for s in read_segments(run / SEGMENTS_FILE)}
     appended = None
-    if line.get("segment") not in known:
+    if line["segment"] not in known:
         appended = {**line, "status": "killed"}
         append_segment(run / SEGMENTS_FILE, appended)
     end_progress(run)
@@ -252,25 +504,107 @@ def seal_progress(run: Path) -> dict | None:
 
 
 def check_writable(run: Path) -> None:
-    """Raise OSError (naming the path) unless ``run`` can be created and written: its nearest
-    existing ancestor must be a writable directory, and existing result files writable."""
-    existing = run
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        raise NotADirectoryError(f"{existing} is not a directory")
-    if existing == run:
-        try:  # a real write: access() does not see every reason (read-only mounts, quotas)
-            fd, tmp = tempfile.mkstemp(dir=run, prefix=".write-check.")
-        except OSError as e:
-            raise OSError(e.errno, f"cannot create files in {run}: {e.strerror}") from None
-        os.close(fd)
-        os.unlink(tmp)
-        for name in (CONFIG_FILE, SAMPLES_FILE, SEGMENTS_FILE, METRICS_FILE):
-            if (run / name).exists() and not os.access(run / name, os.W_OK):
-                raise PermissionError(f"{run / name} is not writable")
-    elif not os.access(existing, os.W_OK | os.X_OK):
-        raise PermissionError(f"cannot create directories in {existing}")
+    """Create ``run`` and raise OSError (naming the path, whatever the errno) unless files can be
+    created in it and its existing result files written; ``ResultsCorruptError`` if one of them
+    is not a regular file."""
+    try:
+        run.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OSError(e.errno, f"cannot create {run}: {e.strerror or e}") from None
+    try:  # a real write: access() does not see every reason (read-only mounts, quotas)
+        fd, tmp = tempfile.mkstemp(dir=run, prefix=".write-check.")
+    except OSError as e:
+        raise OSError(e.errno, f"cannot create files in {run}: {e.strerror}") from None
+    os.close(fd)
+    os.unlink(tmp)
+    for name in (CONFIG_FILE, SAMPLES_FILE, SEGMENTS_FILE, METRICS_FILE, PROGRESS_FILE):
+        _regular(run / name)
+        if (run / name).exists() and not os.access(run / name, os.W_OK):
+            raise PermissionError(f"{run / name} is not writable")
+
+
+def set_modes(run: Path) -> None:
+    """Give every results file in ``run`` the one ``FILE_MODE`` (files other writers made too:
+    figures, fidelity timings)."""
+    for p in run.iterdir():
+        if p.is_file() and not p.is_symlink():
+            set_mode(p)
+
+
+# ------------------------------------------------------------------------------ one writer
+
+
+_HELD: dict[str, list] = {}  # real path of a run directory -> [lock file, depth] (this process)
+_HELD_GUARD = threading.Lock()
+
+
+class RunLock:
+    """One writer per run directory: an exclusive advisory ``flock`` on ``<run>/.lock``, taken
+    without waiting, so a second invocation on the same directory stops at once with
+    ``RunBusyError`` naming the holder (pid, host, command, start time, written into the lock
+    file by the holder). Re-entrant within one process (a driver that plans and merges a run
+    holds it around the runs it makes there). The lock goes with the process, however it ends
+    (kill -9 too); the file stays, because deleting it would let two processes lock two
+    different files of the same name. Advisory: only kvarena's writers take it; on a network
+    file system it is as reliable as that file system's ``flock``."""
+
+    def __init__(self, run: Path):
+        self.run = Path(run)
+        self.key = os.path.realpath(self.run)
+
+    def __enter__(self) -> "RunLock":
+        with _HELD_GUARD:
+            held = _HELD.get(self.key)
+            if held is not None:
+                held[1] += 1
+                return self
+            self.run.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.run / LOCK_FILE, os.O_RDWR | os.O_CREAT, FILE_MODE)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_holder(fd)
+                os.close(fd)
+                raise RunBusyError(
+                    f"{self.run} is being written by another kvarena invocation ({holder}); "
+                    f"wait for it to end, or pass another --out") from None
+            except BaseException:
+                os.close(fd)
+                raise
+            try:
+                set_mode(fd)
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, json.dumps(_holder()).encode("utf-8") + b"\n", 0)
+            except BaseException:
+                os.close(fd)  # releases the lock: a holder that cannot say who it is holds nothing
+                raise
+            _HELD[self.key] = [fd, 1]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with _HELD_GUARD:
+            held = _HELD[self.key]
+            held[1] -= 1
+            if held[1] == 0:
+                del _HELD[self.key]
+                try:
+                    os.ftruncate(held[0], 0)  # no stale holder for the next reader
+                finally:
+                    os.close(held[0])  # closing releases the lock
+
+
+def _holder() -> dict:
+    return {"pid": os.getpid(), "host": socket.gethostname(), "command": " ".join(sys.argv),
+            "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+
+
+def _read_holder(fd: int) -> str:
+    try:
+        info = json.loads(os.pread(fd, 1 << 16, 0).decode("utf-8", errors="replace"))
+        return (f"pid {info['pid']} on host {info['host']}, started {info['started']}: "
+                f"{info['command']}")
+    except (ValueError, KeyError, TypeError, OSError):
+        return "holder not yet recorded"
 
 
 def engine_settings_summary(records: Sequence[Mapping[str, Any]],

@@ -18,11 +18,24 @@ How a run proceeds:
    Each finished request is handed to a grading thread (math answers in time-bounded worker
    processes, code in the sandbox, NIAH inline) that appends its line to ``samples.jsonl`` --
    grading never pauses the engine, whose wall time defines TPS.
-4. On Ctrl-C (KeyboardInterrupt) the engine stops; samples that had finished are graded and
-   written, a segment line (with the engine's statistics so far) and metrics.json are written,
-   and the outcome says ``interrupted``. Killed outright, the run leaves ``progress.json`` (the
-   segment's totals as of its last finished request, written before that request's sample line),
-   which the next invocation turns into the segment's line (evals.results).
+4. On Ctrl-C or SIGTERM (evals.interrupts) the engine stops; samples that had finished are
+   graded and written, a segment line (with the engine's statistics so far) and metrics.json
+   are written, and the outcome says ``interrupted``. A second Ctrl-C while that grading runs
+   drops the samples not yet graded (counted in ``EvalOutcome.dropped``; a resumed run
+   generates them again) and still writes the segment line. A sample line that cannot be
+   written (disk full, an immutable file) stops the run with ``ResultsWriteError``: the segment
+   is recorded as ``error``, the lines written before stay. Killed outright, the run leaves
+   ``progress.json`` (the segment's totals as of its last finished request, written before
+   that request's sample line), which the next invocation turns into the segment's line (evals.results).
+
+Guards, all before the model loads: the run directory is created and locked (one writer,
+``R.RunLock``); the data file's SHA-256 is in config.json and a resumed run whose data file
+changed stops (``allow_data_change`` overrides it, and the earlier hashes are listed under
+``data_sha256_earlier``); the results files are validated line by line (``R.validate_sample``)
+and a torn last line cut. A prompt is measured before it is tokenized in full: one of more than
+``L x max_model_len`` characters (``L``: the tokenizer's longest token, in characters) cannot fit
+the context, which its first ``L x max_model_len`` characters confirm, so it is recorded as a
+failed sample at the cost of tokenizing that prefix only (``_prompt_ids``).
 
 Fixed KV budget: a policy with a ``budget`` field (Zipage, SnapKV, ChunkKV, GrowPage-Fixed) gets
 the task default's ``kv_budget`` (or ``--kv-budget``) unless a policy argument sets it; the value
@@ -45,8 +58,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from evals import interrupts
 from evals import results as R
-from evals.problem import DataUnavailableError, Problem, ProblemSet
+from evals.problem import DataUnavailableError, Problem, ProblemSet, data_fingerprint
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -55,6 +69,13 @@ BUDGET_FIELDS = ("budget",)
 
 # Meta values larger than this (JSON characters) stay out of sample lines (contexts, tests).
 _META_MAX_CHARS = 200
+# Upper bounds of the integer settings: counts past int32 are no run this engine can hold (the
+# engine's memory error would come only after the model loaded).
+MAX_COUNT = 2**31 - 1
+MAX_GRADING_WORKERS = 1024
+# Sample j is drawn with seed + j, a 64-bit generator seed: 32-bit base seeds leave room for
+# any number of samples.
+MAX_SEED = 2**32 - 1
 
 
 class EvalError(ValueError):
@@ -85,6 +106,8 @@ class EvalSettings:
     retry_failed: rerun samples recorded as failed for an engine reason (prompt longer than the
         context or the pool) even when the engine settings are those that failed them (they are
         retried anyway when ``kv_cache_tokens`` or ``max_num_seqs`` changed).
+    allow_data_change: resume although the data file's hash differs from the one in
+        config.json (the samples already there were graded against the old data).
     """
 
     task: str
@@ -109,25 +132,37 @@ class EvalSettings:
     grading_timeout_s: float = 10.0
     fidelity: bool = True
     retry_failed: bool = False
+    allow_data_change: bool = False
     only_keys: frozenset | None = None  # run only these (uid, sample) keys (evals.distributed)
 
     def __post_init__(self) -> None:
         for name in ("limit", "samples", "max_tokens", "kv_budget", "kv_cache_tokens", "block_size"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise EvalError(f"{name} must be a positive integer or unset, got {value!r}")
-        for name in ("max_num_seqs", "grading_workers"):
+            if value is not None and not _int_in(value, 1, MAX_COUNT):
+                raise EvalError(f"{name} must be an integer in [1, {MAX_COUNT}] or unset, got {value!r}")
+        for name, top in (("max_num_seqs", MAX_COUNT), ("grading_workers", MAX_GRADING_WORKERS)):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise EvalError(f"{name} must be a positive integer, got {value!r}")
-        if self.temperature is not None and self.temperature < 0:
-            raise EvalError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
-        if not isinstance(self.seed, int) or self.seed < 0:
-            raise EvalError(f"seed must be a non-negative integer, got {self.seed!r}")
+            if not _int_in(value, 1, top):
+                raise EvalError(f"{name} must be an integer in [1, {top}], got {value!r}")
+        if self.temperature is not None and not (_real(self.temperature) and self.temperature >= 0):
+            raise EvalError(f"temperature must be a finite number >= 0 (0 = greedy), got "
+                            f"{self.temperature!r}")
+        if not _int_in(self.seed, 0, MAX_SEED):
+            raise EvalError(f"seed must be an integer in [0, {MAX_SEED}], got {self.seed!r}")
         if self.preset is not None and self.preset not in ("paper", "cpu"):
             raise EvalError(f"preset must be 'paper' or 'cpu', got {self.preset!r}")
-        if not self.grading_timeout_s > 0:
-            raise EvalError(f"grading_timeout_s must be > 0, got {self.grading_timeout_s!r}")
+        if not (_real(self.grading_timeout_s) and self.grading_timeout_s > 0):
+            raise EvalError(f"grading_timeout_s must be a finite number > 0, got {self.grading_timeout_s!r}")
+        if not isinstance(self.out, (str, os.PathLike)) or not str(self.out).strip() or "\0" in str(self.out):
+            raise EvalError(f"out must name a results directory, got {self.out!r}")
+
+
+def _int_in(value: Any, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
+
+
+def _real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass
@@ -143,6 +178,8 @@ class EvalOutcome:
     failed: int = 0         # samples recorded as failed by this invocation
     interrupted: bool = False
     skipped_rows: list = field(default_factory=list)
+    dropped: int = 0        # finished samples not graded when a second stop signal came
+    stop_signal: str | None = None  # "SIGINT" / "SIGTERM" when a signal stopped the run
 
 
 class EvalHooks:
@@ -301,7 +338,9 @@ class BackgroundGrader:
 
     Whatever is queued is graded together (so code samples run side by side in the sandbox and
     math samples in the pool's workers). A failure of grading itself still writes the sample,
-    marked ``reason: "grading_error"``, so no generated output is lost.
+    marked ``reason: "grading_error"``, so no generated output is lost. A failed write of a
+    sample line is kept in ``error`` (the run checks it and stops); nothing more is written
+    after it.
     """
 
     def __init__(self, writer: R.SampleWriter, on_sample: Callable[[dict], None], *,
@@ -312,20 +351,34 @@ class BackgroundGrader:
         self.timeout_s = timeout_s
         self.pool = None
         self.pending = 0
+        self.submitted = 0
+        self.error: R.ResultsWriteError | None = None
+        self._abandoned = False
+        self._written_before = writer.written
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="kvarena-grader", daemon=True)
         self._thread.start()
 
     def submit(self, problem: Problem, record: dict) -> None:
         self.pending += 1
+        self.submitted += 1
         self._queue.put((problem, record))
 
-    def close(self) -> None:
-        """Grade and write everything submitted, then stop."""
+    def close(self, again: threading.Event | None = None) -> int:
+        """Grade and write everything submitted, then stop. If ``again`` is set meanwhile (a
+        second stop signal), stop waiting: the samples not yet written are dropped. Returns how
+        many finished samples were not written (dropped, or lost to a failed write)."""
         self._queue.put(None)
-        self._thread.join()
-        if self.pool is not None:
-            self.pool.close()
+        while self._thread.is_alive():
+            self._thread.join(0.1)
+            if again is not None and again.is_set():
+                self._abandoned = True
+                self.writer.close()  # the grading in flight can no longer write its lines
+                break
+        else:
+            if self.pool is not None:
+                self.pool.close()
+        return self.submitted - (self.writer.written - self._written_before)
 
     def _loop(self) -> None:
         done = False
@@ -338,8 +391,10 @@ class BackgroundGrader:
                     break
             done = batch[-1] is None or None in batch
             items = [b for b in batch if b is not None]
-            if items:
+            if items and self.error is None and not self._abandoned:
                 self._grade(items)
+        if self._abandoned and self.pool is not None:
+            self.pool.close()
 
     def _grade(self, items: list[tuple[Problem, dict]]) -> None:
         from evals.grading import GRADERS, GradingPool, grade_many
@@ -357,7 +412,13 @@ class BackgroundGrader:
                 rec.update(extracted=None, correct=False, score=0.0, reason="grading_error",
                            details={"error": f"{type(e).__name__}: {e}"})
         for _, rec in items:
-            self.writer.write(rec)
+            try:
+                self.writer.write(rec)
+            except R.ResultsWriteError as e:  # the run stops on it (_stream)
+                self.error = e
+                return
+            except R.WriterClosed:  # abandoned by a second stop signal
+                return
             self.pending -= 1
             try:
                 self.on_sample(rec)
@@ -417,11 +478,10 @@ def load_problems(task, settings: EvalSettings, tokenizer, hooks: EvalHooks) -> 
 
 
 def run_eval(settings: EvalSettings, hooks: EvalHooks | None = None) -> EvalOutcome:
-    """Run (or resume) one evaluation; see the module docstring. Raises EvalError on bad input
-    and ResultsMismatchError when the result directory holds another experiment."""
-    from engine.config import ConfigError
-    from engine.models.loader import ModelLoadError, load_tokenizer, resolve_model
-
+    """Run (or resume) one evaluation; see the module docstring. Raises EvalError on bad input,
+    R.ResultsError when the result directory holds another experiment, is busy (another
+    invocation writes it), holds broken files or its data file changed, and
+    R.ResultsWriteError when a results file cannot be written."""
     hooks = hooks or EvalHooks()
     task = load_task(settings)
     preset = settings.preset or default_preset()
@@ -434,9 +494,38 @@ def run_eval(settings: EvalSettings, hooks: EvalHooks | None = None) -> EvalOutc
     path = R.run_dir(settings.out, settings.model, settings.task, label)
     try:  # before anything heavy loads: a run that cannot write its results must not start
         R.check_writable(path)
-    except OSError as e:
+    except (OSError, ValueError) as e:
+        if isinstance(e, R.ResultsError):
+            raise
         raise EvalError(f"results directory {path} cannot be written ({e}); pass a writable "
                         f"--out") from None
+    with R.RunLock(path), interrupts.StopSignals() as stops:
+        outcome = _run_locked(settings, hooks, task, preset, defaults, block_size, budget,
+                              policy_args, label, path)
+        if stops.again.is_set() or stops.signal:  # a signal while the run was finishing
+            outcome.interrupted = True
+        outcome.stop_signal = outcome.stop_signal or stops.signal
+    return outcome
+
+
+def _run_locked(settings: EvalSettings, hooks: EvalHooks, task, preset: str, defaults,
+                block_size: int, budget, policy_args: dict, label: str, path: Path) -> EvalOutcome:
+    """run_eval's work once the run directory is locked."""
+    from engine.config import ConfigError
+    from engine.models.loader import ModelLoadError, load_tokenizer, resolve_model
+
+    # The directory's files first (cheap, and a broken one stops the run before anything loads).
+    stored = R.read_config(path / R.CONFIG_FILE) if (path / R.CONFIG_FILE).exists() else None
+    for cut in filter(None, (R.repair_tail(path / R.SAMPLES_FILE),
+                             R.repair_tail(path / R.SEGMENTS_FILE))):
+        hooks.on_message(f"warning: {cut}")
+    dropped: list[str] = []
+    segments = R.read_segments(path / R.SEGMENTS_FILE, dropped)
+    for problem in dropped:
+        hooks.on_message(f"warning: dropped an unreadable segment line ({problem})")
+    loaded = R.load_samples(path / R.SAMPLES_FILE)
+    for problem in loaded.dropped_lines:
+        hooks.on_message(f"{path / R.SAMPLES_FILE}: dropped an unreadable line ({problem})")
     try:
         model_dir = resolve_model(settings.model)
         tokenizer = load_tokenizer(model_dir)
@@ -452,6 +541,7 @@ def run_eval(settings: EvalSettings, hooks: EvalHooks | None = None) -> EvalOutc
         "label": label, "model": R.model_slug(settings.model), "model_spec": settings.model,
         "task": settings.task, "task_options": _jsonable(settings.task_options),
         "data": settings.data, "data_source": _source(problems.source),
+        "data_sha256": data_fingerprint(problems.files),
         "policy": settings.policy, "policy_args": policy_args,
         "user_policy_args": dict(settings.policy_args), "preset": preset,
         "max_tokens": max_tokens, "temperature": temperature, "seed": settings.seed,
@@ -462,16 +552,15 @@ def run_eval(settings: EvalSettings, hooks: EvalHooks | None = None) -> EvalOutc
         "fidelity": settings.fidelity, "task_defaults": dataclasses.asdict(defaults),
         "skipped_rows": [dataclasses.asdict(s) for s in problems.skipped],
     }
-    if (path / R.CONFIG_FILE).exists():
-        R.check_identity(R.read_json(path / R.CONFIG_FILE), config, path)
+    if stored is not None:
+        R.check_identity(stored, config, path)
+        check_data(stored, config, path, settings, hooks)
     killed = R.seal_progress(path)
     if killed:
         hooks.on_message(f"segment {killed.get('segment')} was killed; its progress is kept as a "
                          f"segment line")
-    loaded = R.load_samples(path / R.SAMPLES_FILE)
-    for problem in loaded.dropped_lines:
-        hooks.on_message(f"{path / R.SAMPLES_FILE}: dropped an unreadable line ({problem})")
-    retry = failed_to_retry(loaded.records, R.read_segments(path / R.SEGMENTS_FILE), settings)
+        segments = R.read_segments(path / R.SEGMENTS_FILE)
+    retry = failed_to_retry(loaded.records, segments, settings)
     if retry:
         hooks.on_message(f"retrying {len(retry)} sample(s) that failed for an engine reason")
     done = set(loaded.records) - retry
@@ -484,16 +573,48 @@ def run_eval(settings: EvalSettings, hooks: EvalHooks | None = None) -> EvalOutc
                           skipped_rows=config["skipped_rows"])
     hooks.on_start(label, settings.task, len(plan.keys), len(todo), path)
     if todo:
+        segment = R.next_segment(path, loaded.records.values())
         try:
             _generate(settings, config, plan, todo, path, preset, block_size, policy_args,
-                      temperature, max_tokens, hooks, outcome)
+                      temperature, max_tokens, hooks, outcome, segment)
         except ConfigError as e:
             raise EvalError(str(e)) from None
+        except (MemoryError, RuntimeError) as e:
+            if not _allocation_failure(e):
+                raise
+            raise EvalError(f"the engine could not allocate its memory ({str(e).splitlines()[0]}); "
+                            f"lower --kv-cache-tokens or --max-num-seqs") from None
     else:
-        R.write_json(path / R.CONFIG_FILE, {**R.read_json(path / R.CONFIG_FILE), **_latest(config)}
+        R.write_json(path / R.CONFIG_FILE, {**R.read_config(path / R.CONFIG_FILE), **_latest(config)}
                      if (path / R.CONFIG_FILE).exists() else config)
     outcome.metrics = finalize(path, plan)
     return outcome
+
+
+def _allocation_failure(e: BaseException) -> bool:
+    """A memory error of torch's allocators (a KV pool or batch larger than the machine)."""
+    text = str(e).lower()
+    return isinstance(e, MemoryError) or "out of memory" in text or "allocate" in text
+
+
+def check_data(stored: Mapping[str, Any], config: dict, path: Path, settings: EvalSettings,
+               hooks: EvalHooks) -> None:
+    """Stop a resumed run whose data file changed since config.json recorded its hash (its
+    samples were graded against the old gold), unless ``allow_data_change``; then the old hash
+    goes to ``data_sha256_earlier``. A tree without a hash (older runs) gets one now."""
+    old, new = stored.get("data_sha256"), config.get("data_sha256")
+    config["data_sha256_earlier"] = list(stored.get("data_sha256_earlier") or [])
+    if not old or old == new:
+        return
+    if not settings.allow_data_change:
+        raise R.DataChangedError(
+            f"the data file of {path} changed since its samples were graded (sha256 {old[:12]}... "
+            f"in config.json, {str(new)[:12]}... now): resuming would grade new samples against "
+            f"other data than the old ones. Restore the data, pass another --out, or pass "
+            f"--allow-data-change to continue anyway")
+    hooks.on_message(f"warning: the data file changed since {path} was started (sha256 "
+                     f"{old[:12]}... -> {str(new)[:12]}...); continuing (--allow-data-change)")
+    config["data_sha256_earlier"].append(old)
 
 
 def failed_to_retry(records: Mapping[R.SampleKey, dict], segments: Sequence[Mapping[str, Any]],
@@ -519,7 +640,7 @@ def _segment_settings(settings: EvalSettings, llm) -> dict:
 
 def _generate(settings: EvalSettings, config: dict, plan: Plan, todo: list[R.SampleKey], path: Path,
               preset: str, block_size: int, policy_args: dict, temperature: float, max_tokens: int,
-              hooks: EvalHooks, outcome: EvalOutcome) -> None:
+              hooks: EvalHooks, outcome: EvalOutcome, segment: int) -> None:
     from engine.sampling import SamplingParams
     from evals.tasks import render_prompt
 
@@ -538,20 +659,21 @@ def _generate(settings: EvalSettings, config: dict, plan: Plan, todo: list[R.Sam
         config["policy_params"] = _jsonable(policy.effective_params())
     config["engine"] = {"device": llm.config.device, "num_pages": llm.runner.num_pages,
                         "max_model_len": llm.runner.max_model_len}
-    segment = 1 + max((int(s.get("segment", -1)) for s in R.read_segments(path / R.SEGMENTS_FILE)),
-                      default=-1)
     config["last_invocation"] = _now()
     config["provenance"] = invocation_provenance(path)
     R.write_json(path / R.CONFIG_FILE, config)
     # The segment exists (with its engine settings) before its first sample line, failed ones too.
-    R.write_progress(path, {"segment": segment, "status": "running", "started": _now(),
-                            "wall_time": 0.0, "samples": 0, "output_tokens": 0, "stats": None,
-                            "failed": 0, "settings": _segment_settings(settings, llm)})
+    empty = {"segment": segment, "status": "running", "started": _now(), "wall_time": 0.0,
+             "samples": 0, "output_tokens": 0, "stats": None, "failed": 0,
+             "settings": _segment_settings(settings, llm)}
+    R.write_progress(path, empty)
 
     task_for = {}  # the mixed workload's problems are prompted by their source task
     prompts, params, keys = [], [], []
     writer = R.SampleWriter(path / R.SAMPLES_FILE)
     limit_len, pages, bs = llm.runner.max_model_len, llm.runner.num_pages, llm.runner.block_size
+    char_bound = longest_token_chars(llm.tokenizer) * limit_len
+    streamed = False
     try:
         for uid, j in todo:
             problem = plan.problems[uid]
@@ -562,11 +684,11 @@ def _generate(settings: EvalSettings, config: dict, plan: Plan, todo: list[R.Sam
                 text = render_prompt(llm.tokenizer, task.messages(problem), thinking=settings.thinking)
             except ValueError as e:
                 raise EvalError(str(e)) from None
-            ids = llm.tokenizer.encode(text, add_special_tokens=False)
-            reason = _unfit(len(ids), limit_len, pages, bs)
+            n, ids = _prompt_ids(llm.tokenizer, text, limit_len, char_bound)
+            reason = _unfit(n, limit_len, pages, bs, at_least=ids is None)
             seed = settings.seed + j
             if reason:
-                writer.write(failed_record(problem, j, seed, segment, len(ids), reason))
+                writer.write(failed_record(problem, j, seed, segment, n, reason))
                 outcome.failed += 1
                 hooks.on_message(f"{uid} sample {j}: {reason}; recorded as failed")
                 continue
@@ -578,17 +700,31 @@ def _generate(settings: EvalSettings, config: dict, plan: Plan, todo: list[R.Sam
             fid.requests = fidelity.requests_for(keys, prompts, params)
             fid.forced_pass(llm, fid.requests)
         if prompts:
+            streamed = True
             _stream(llm, prompts, params, keys, writer, segment, path, settings, hooks, outcome, fid)
         else:  # only failed samples: still a segment, so they keep the settings that failed them
-            R.append_segment(path / R.SEGMENTS_FILE, {
-                "segment": segment, "status": "complete", "started": _now(), "wall_time": 0.0,
-                "samples": 0, "output_tokens": 0, "stats": None, "failed": outcome.failed,
-                "settings": _segment_settings(settings, llm)})
+            R.append_segment(path / R.SEGMENTS_FILE, {**empty, "status": "complete",
+                                                      "failed": outcome.failed})
             R.end_progress(path)
         if fid is not None:
             fid.write_timing(path, segment)
-    except BaseException:
+    except (KeyboardInterrupt, R.ResultsWriteError) as e:
         _ENGINES.clear()  # an engine stopped mid-run may hold pages of unfinished requests
+        if streamed:  # _stream recorded the segment
+            raise
+        # Stopped before generation (tokenizing, the fidelity pass) or a failed sample's line
+        # could not be written: the segment still gets its line, with what it wrote.
+        stops = interrupts.current()
+        stops.begin_stop()
+        status = "interrupted" if isinstance(e, KeyboardInterrupt) else "error"
+        R.append_segment(path / R.SEGMENTS_FILE, {**empty, "status": status, "failed": outcome.failed,
+                                                  "signal": stops.signal})
+        R.end_progress(path)
+        if status == "error":
+            raise
+        outcome.interrupted = True
+    except BaseException:
+        _ENGINES.clear()
         raise
     finally:
         writer.close()
@@ -643,9 +779,12 @@ def _stream(llm, prompts, params, keys, writer, segment, path, settings, hooks, 
     line = {"segment": segment, "status": "running", "started": started,
             "settings": _segment_settings(settings, llm), "failed": outcome.failed}
     start = time.perf_counter()
+    stops = interrupts.current()
     stream = llm.stream(prompts, params, on_step=hooks.on_step)
     try:
         for out in stream:
+            if grader.error is not None:  # a sample line could not be written: stop now
+                raise grader.error
             problem, j, seed = keys[out.index]
             record = output_record(problem, j, seed, segment, out)
             record.update(fid.fields(fid.requests[out.index], out) if fid else fidelity_none())
@@ -665,19 +804,32 @@ def _stream(llm, prompts, params, keys, writer, segment, path, settings, hooks, 
         status = "error"
         raise
     finally:
+        stops.begin_stop()  # from here a signal no longer breaks into the writes below
         stream.close()  # a stopped run's statistics (engine counters so far) are set on close
         wall = time.perf_counter() - start
         stats = llm.last_stats.to_dict() if llm.last_stats else None
         if status == "complete" and stats:
             wall = stats["wall_time"]
         if status != "complete" and grader.pending:
-            hooks.on_message(f"grading the {grader.pending} finished sample(s) before stopping")
-        grader.close()
+            hooks.on_message(f"grading the {grader.pending} finished sample(s) before stopping; "
+                             f"Ctrl-C again to drop them (a resumed run generates them again)")
+        lost = grader.close(stops.again)
+        if grader.error is not None:
+            status = "error"
+        elif lost:  # a second stop signal: what was not graded yet is not in samples.jsonl
+            status = "interrupted"
+            outcome.interrupted = True
+            outcome.dropped += lost
+            hooks.on_message(f"stopped while grading: {lost} finished sample(s) were not graded "
+                             f"and are dropped; a resumed run generates them again")
         R.append_segment(path / R.SEGMENTS_FILE, {
             **line, "status": status, "wall_time": wall, "samples": outcome.ran,
-            "output_tokens": finished_tokens, "stats": stats,
+            "output_tokens": finished_tokens, "stats": stats, "written": outcome.ran - lost,
+            "signal": stops.signal,
         })
         R.end_progress(path)
+    if grader.error is not None:
+        raise grader.error
 
 
 def _task_for(problem: Problem, settings: EvalSettings):
@@ -690,10 +842,47 @@ def _task_for(problem: Problem, settings: EvalSettings):
     return get_task(problem.task)
 
 
-def _unfit(n: int, max_model_len: int, num_pages: int, block_size: int) -> str | None:
-    """Why a prompt of ``n`` tokens cannot run on this engine, or None (mirrors Scheduler.add)."""
+def longest_token_chars(tokenizer) -> int:
+    """The most characters one token of ``tokenizer`` stands for (its longest vocabulary
+    entry; byte-level entries spell one character per byte, so this bounds what a token covers
+    of the text). 64 when the tokenizer lists no vocabulary."""
+    try:
+        vocab = tokenizer.get_vocab()
+    except (AttributeError, NotImplementedError, TypeError):
+        return 64
+    return max((len(t) for t in vocab), default=64) or 64
+
+
+def model_context(model_dir) -> int:
+    """The most tokens the engine allows ``model_dir`` (engine.runner.ModelRunner's limit, which
+    max_model_len never exceeds): for measuring prompts before an engine exists."""
+    from engine.models.loader import load_config
+
+    return getattr(load_config(model_dir), "max_position_embeddings", None) or 4096
+
+
+def _prompt_ids(tokenizer, text: str, max_model_len: int, char_bound: int) -> tuple[int, list | None]:
+    """(token count, token ids) of a prompt. A prompt of more than ``char_bound`` characters
+    (``longest_token_chars x max_model_len``) needs more than ``max_model_len`` tokens, since no
+    token covers more than ``longest_token_chars`` characters; it is not tokenized in full:
+    its first ``char_bound`` characters are, and when they alone reach the context the count
+    is theirs and the ids None (a lower bound, enough to refuse it). A tokenizer that shrinks
+    text (a normalizer) may make the prefix shorter: then the prompt is tokenized in full."""
+    if len(text) > char_bound:
+        head = len(tokenizer.encode(text[:char_bound], add_special_tokens=False))
+        if head >= max_model_len:
+            return head, None
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    return len(ids), ids
+
+
+def _unfit(n: int, max_model_len: int, num_pages: int, block_size: int,
+           at_least: bool = False) -> str | None:
+    """Why a prompt of ``n`` tokens (``at_least``: of ``n`` or more) cannot run on this engine,
+    or None (mirrors Scheduler.add)."""
     if n >= max_model_len:
-        return f"prompt of {n} tokens does not fit the model context of {max_model_len} tokens"
+        size = f"at least {n}" if at_least else f"{n}"
+        return f"prompt of {size} tokens does not fit the model context of {max_model_len} tokens"
     if math.ceil((n + 1) / block_size) > num_pages:
         return (f"prompt of {n} tokens needs more KV pages than the pool holds "
                 f"({num_pages} pages of {block_size}); raise --kv-cache-tokens")
@@ -711,10 +900,11 @@ def finalize(path: Path, plan: Plan) -> dict:
     if grid:
         from evals.plots import niah_heatmap
 
-        config = R.read_json(path / R.CONFIG_FILE) if (path / R.CONFIG_FILE).exists() else {}
+        config = R.read_config(path / R.CONFIG_FILE) if (path / R.CONFIG_FILE).exists() else {}
         metrics["niah_mean_score"] = sum(r["score"] for r in grid) / len(grid)
         niah_heatmap(grid, path / R.NIAH_HEATMAP_FILE, title=config.get("label", path.name))
     R.write_json(path / R.METRICS_FILE, metrics)
+    R.set_modes(path)
     return metrics
 
 
@@ -724,7 +914,7 @@ def describe_engine_settings(path: Path, records: Sequence[Mapping[str, Any]],
     setting they all came from, or ``"mixed"`` with ``engine_settings`` listing each."""
     if not (path / R.CONFIG_FILE).exists() or not records:
         return
-    config = R.read_json(path / R.CONFIG_FILE)
+    config = R.read_config(path / R.CONFIG_FILE)
     summary = R.engine_settings_summary(records, segments)
     config["engine_settings"] = summary
     if summary["mixed"]:
@@ -779,8 +969,9 @@ def _jsonable(value: Any) -> Any:
 
 
 def _latest(config: dict) -> dict:
-    keep = ("samples", "limit", "problems", "samples_planned", "kv_cache_tokens", "max_num_seqs")
-    return {k: config[k] for k in keep}
+    keep = ("samples", "limit", "problems", "samples_planned", "kv_cache_tokens", "max_num_seqs",
+            "data_sha256", "data_sha256_earlier")
+    return {k: config[k] for k in keep if k in config}
 
 
 def invocation_provenance(path: Path) -> dict:
@@ -792,7 +983,7 @@ def invocation_provenance(path: Path) -> dict:
 
     current = run_provenance()
     config_path = path / R.CONFIG_FILE
-    old = R.read_json(config_path).get("provenance") if config_path.exists() else None
+    old = R.read_config(config_path).get("provenance") if config_path.exists() else None
     history = [{k: v for k, v in old.items() if k != "earlier"}, *(old.get("earlier") or [])] if old else []
     earlier, seen = [], {provenance_key(current)}
     for prev in history:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -99,3 +100,46 @@ def test_only_fullkv_never_compresses():
 def test_usage_errors_exit_2_with_the_valid_choices(args, message, tmp_path):
     result = RUNNER.invoke(app, [*args, "--out", str(tmp_path)])
     assert result.exit_code == 2 and message in result.output
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--temperature", "nan"], "temperature must be a finite number"),
+    (["--temperature", "inf"], "temperature must be a finite number"),
+    (["--temperature", "-1"], "temperature must be a finite number"),
+    (["--threads", "0"], "--threads must be an integer in [1, 1024]"),
+    (["--seed", str(10**23)], "seed must be an integer in [0, 4294967295]"),
+    (["--seed", "-1"], "seed must be an integer"),
+    (["--kv-cache-tokens", "10000000000000"], "kv_cache_tokens must be an integer in [1, 2147483647]"),
+    (["--max-num-seqs", "100000000000"], "max_num_seqs must be an integer in [1, 2147483647]"),
+    (["--max-tokens", "0"], "max_tokens must be an integer"),
+    (["--grading-workers", "100000"], "grading_workers must be an integer in [1, 1024]"),
+    (["--out", ""], "out must name a results directory"),
+    (["--out", "   "], "out must name a results directory"),
+])
+def test_absurd_eval_values_get_a_one_line_error_before_anything_loads(args, message, tmp_path,
+                                                                       monkeypatch):
+    import engine.models.loader as loader
+
+    monkeypatch.setattr(loader, "resolve_model", lambda *a, **k: pytest.fail("the model loaded"))
+    out = ["--out", str(tmp_path)] if "--out" not in args else []
+    result = RUNNER.invoke(app, ["eval", "-t", "gsm8k", *out, *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
+    assert len([ln for ln in result.output.splitlines() if ln.strip()]) == 1
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("where", ["/proc/kvarena-x/results", "file/results", "/dev/null/results"])
+def test_out_where_mkdir_fails_gets_a_one_line_error(where, tmp_path, monkeypatch):
+    import engine.models.loader as loader
+
+    if where.startswith("/proc") and not Path("/proc/self").is_dir():
+        pytest.fail("this test needs Linux's /proc (mkdir below it fails with ENOENT)")
+    (tmp_path / "file").write_text("a file, not a directory")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(loader, "resolve_model", lambda *a, **k: pytest.fail("the model loaded"))
+    result = RUNNER.invoke(app, ["eval", "-t", "gsm8k", "--out", where])
+    assert result.exit_code == 2, result.output
+    assert "cannot be written" in result.output and "cannot create" in result.output
+    assert "Traceback" not in result.output
+    assert len([ln for ln in result.output.splitlines() if ln.strip()]) == 1

@@ -456,3 +456,370 @@ def test_data_source_records_no_path_of_the_machine(tmp_path, monkeypatch):
     assert _source(str(real)) == str(real)
     # A hub id is not a path.
     assert _source("openai/gsm8k") == "openai/gsm8k"
+
+
+# ------------------------------------------------------------------------------ hostile trees
+
+ROOT = Path(__file__).resolve().parent.parent
+WIDE = {"COLUMNS": "400", "NO_COLOR": "1", "TERM": "dumb"}  # rich never wraps an error line
+
+
+def _env() -> dict:
+    import os
+
+    return {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'tests'}"}
+
+
+def _cli_args(model_dir, out, *extra) -> list[str]:
+    return ["eval", "-t", "gsm8k", "-m", str(model_dir), "--data", str(TASK_DATA["gsm8k"]),
+            "--block-size", "4", "--kv-cache-tokens", "512", "--max-tokens", "12", "--threads", "1",
+            "--no-fidelity", "--no-leaderboard", "--out", str(out), *extra]
+
+
+def _no_model(monkeypatch):
+    """Fail the test if the model (or only its engine) loads."""
+    import engine.models.loader as loader
+    from evals import runner
+
+    def no_loading(*a, **k):
+        raise AssertionError("the model loaded before the run was refused")
+
+    monkeypatch.setattr(loader, "resolve_model", no_loading)
+    monkeypatch.setattr(runner, "_engine", no_loading)
+
+
+_HOLDER = """
+import sys
+from pathlib import Path
+from evals import results as R
+with R.RunLock(Path(sys.argv[1])):
+    print("locked", flush=True)
+    sys.stdin.read()
+"""
+
+
+def test_a_second_eval_on_a_locked_run_directory_stops_at_once_naming_the_holder(
+        model_dir, tmp_path, monkeypatch):
+    import socket
+    import subprocess
+    import sys
+
+    from cli import app
+
+    run = R.run_dir(tmp_path, str(model_dir), "gsm8k", "full")
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(run)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, cwd=ROOT, env=_env())
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with monkeypatch.context() as m:
+            _no_model(m)
+            result = CliRunner(env=WIDE).invoke(app, _cli_args(model_dir, tmp_path))
+            assert result.exit_code == 2, result.output
+            text = " ".join(result.output.split())
+            assert f"pid {holder.pid} on host {socket.gethostname()}" in text, text
+            assert "started 20" in text and "-c" in text and "Traceback" not in text
+            with pytest.raises(R.RunBusyError, match=f"pid {holder.pid}"):
+                run_eval(settings(model_dir, tmp_path, **NO_FIDELITY))
+        assert not (run / R.SAMPLES_FILE).exists() and not (run / R.CONFIG_FILE).exists()
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    outcome = run_eval(settings(model_dir, tmp_path, limit=1, **NO_FIDELITY))  # free again
+    assert outcome.metrics["complete"] and (run / R.LOCK_FILE).read_text() == ""
+
+
+def test_run_lock_is_reentrant_in_one_process_and_exclusive_across_processes(tmp_path):
+    import subprocess
+    import sys
+
+    with R.RunLock(tmp_path / "run"):
+        with R.RunLock(tmp_path / "run"):  # a driver planning a run it holds
+            pass
+        probe = subprocess.run([sys.executable, "-c", _HOLDER, str(tmp_path / "run")],
+                               input="", capture_output=True, text=True, cwd=ROOT, env=_env(),
+                               timeout=60)
+        assert probe.returncode != 0 and "RunBusyError" in probe.stderr
+    probe = subprocess.run([sys.executable, "-c", _HOLDER, str(tmp_path / "run")], input="",
+                           capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=60)
+    assert probe.returncode == 0 and probe.stdout.strip() == "locked"
+
+
+def test_torn_segment_line_is_cut_and_segment_numbers_stay_unique(model_dir, tmp_path):
+    first = run_eval(settings(model_dir, tmp_path, limit=1, **NO_FIDELITY))
+    segments = first.path / R.SEGMENTS_FILE
+    # A sample of a segment whose line was lost (numbered 4), then a segment line cut short.
+    (rec,) = lines(first.path)
+    with open(first.path / R.SAMPLES_FILE, "a") as f:
+        f.write(json.dumps({**rec, "uid": "gsm8k/elsewhere", "segment": 4}) + "\n")
+    with open(segments, "a") as f:
+        f.write('{"segment": 1, "status": "compl')
+    hooks = StopAfter(10**9)
+    again = run_eval(settings(model_dir, tmp_path, limit=2, **NO_FIDELITY), hooks)
+    assert any("cut its last line" in m and "segments.jsonl" in m for m in hooks.messages)
+    numbers = [json.loads(x)["segment"] for x in segments.read_text().splitlines()]
+    assert numbers == [0, 5]  # every line whole, and the new segment numbered past every sample's
+    assert again.ran == 1 and {r["segment"] for r in lines(again.path)} == {0, 4, 5}
+
+
+def test_a_failed_sample_write_fails_the_run_and_keeps_what_was_written(model_dir, tmp_path, monkeypatch):
+    import errno
+
+    from cli import app
+
+    calls = {"n": 0}
+    real = R.SampleWriter._append
+
+    def flaky(self, data):
+        calls["n"] += 1
+        if calls["n"] == 3:  # as `chattr +i` would: half a line reaches the file, then EPERM
+            real(self, data[:10])
+            raise OSError(errno.EPERM, "Operation not permitted")
+        real(self, data)
+
+    with monkeypatch.context() as m:
+        m.setattr(R.SampleWriter, "_append", flaky)
+        result = CliRunner(env=WIDE).invoke(app, _cli_args(model_dir, tmp_path, "--samples", "2",
+                                                           "--temperature", "0.8", "--max-num-seqs", "3"))
+    assert result.exit_code == 1, result.output
+    assert "cannot write" in result.output and "Operation not permitted" in result.output
+    assert "Traceback" not in result.output
+    run = R.run_dir(tmp_path, str(model_dir), "gsm8k", "full")
+    kept = lines(run)  # every line whole: the half line was cut back
+    assert len(kept) == 2 and (run / R.SAMPLES_FILE).read_text().endswith("}\n")
+    (segment,) = R.read_segments(run / R.SEGMENTS_FILE)
+    assert segment["status"] == "error" and not (run / R.PROGRESS_FILE).exists()
+    again = run_eval(settings(model_dir, tmp_path, samples=2, temperature=0.8, max_num_seqs=3,
+                              **NO_FIDELITY))
+    assert again.resumed == 2 and again.metrics["complete"]
+    assert again.metrics["samples_done"] == len(lines(run)) == again.resumed + again.ran
+
+
+def test_a_huge_question_is_refused_without_tokenizing_it_whole(model_dir, tmp_path, monkeypatch):
+    from transformers import PreTrainedTokenizerBase
+
+    from engine.models.loader import load_tokenizer
+    from evals.runner import longest_token_chars
+
+    data = tmp_path / "gsm8k.jsonl"
+    rows = [{"question": "What is 2 + 3?", "answer": "#### 5"},
+            {"question": "apples " * 300_000, "answer": "#### 1"}]  # 2 MB: within the row bound
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    longest = []
+    real = PreTrainedTokenizerBase.encode
+
+    def spy(self, text, *a, **k):
+        longest.append(len(text))
+        return real(self, text, *a, **k)
+
+    monkeypatch.setattr(PreTrainedTokenizerBase, "encode", spy)
+    # A compressing policy with fidelity on: the FullKV reference renders the prompts too.
+    outcome = run_eval(settings(model_dir, tmp_path / "out", data=str(data), policy="zipage",
+                                kv_budget=ZIPAGE_BUDGET))
+    recs = {r["uid"]: r for r in lines(outcome.path)}
+    assert recs["gsm8k/1"]["status"] == "failed" and recs["gsm8k/0"]["status"] == "ok"
+    assert "at least" in recs["gsm8k/1"]["error"] and "context of 512" in recs["gsm8k/1"]["error"]
+    bound = longest_token_chars(load_tokenizer(model_dir)) * 512  # the tiny model's context
+    assert max(longest) <= bound < 2_000_000 / 100
+
+
+def _edit_sample(field, value, line=1):
+    def edit(run):
+        rows = (run / R.SAMPLES_FILE).read_text().splitlines()
+        rows[line - 1] = json.dumps({**json.loads(rows[line - 1]), field: value})
+        (run / R.SAMPLES_FILE).write_text("\n".join(rows) + "\n")
+    return edit
+
+
+def _edit_segment(field, value):
+    def edit(run):
+        seg = json.loads((run / R.SEGMENTS_FILE).read_text())
+        (run / R.SEGMENTS_FILE).write_text(json.dumps({**seg, field: value}) + "\n")
+    return edit
+
+
+def _truncate_config(run):
+    text = (run / R.CONFIG_FILE).read_text()
+    (run / R.CONFIG_FILE).write_text(text[: len(text) // 2])
+
+
+def _samples_as_directory(run):
+    (run / R.SAMPLES_FILE).unlink()
+    (run / R.SAMPLES_FILE).mkdir()
+
+
+HAND_EDITS = {
+    "score high": (_edit_sample("score", "high", line=2), "samples.jsonl line 2: 'score'"),
+    "correct no": (_edit_sample("correct", "no"), "samples.jsonl line 1: 'correct' must be true or false"),
+    "sample index": (_edit_sample("sample", -1), "samples.jsonl line 1: 'sample'"),
+    "events": (_edit_sample("events", {"grow": "many"}), "samples.jsonl line 1: 'events'"),
+    "stats x": (_edit_segment("stats", "x"), "segments.jsonl line 1: 'stats'"),
+    "segment status": (_edit_segment("status", 3), "segments.jsonl line 1: 'status'"),
+    "truncated config": (_truncate_config, "config.json is not valid JSON"),
+    "samples directory": (_samples_as_directory, "samples.jsonl is not a regular file"),
+}
+
+
+def test_hand_edited_results_files_stop_the_resume_naming_file_and_line(model_dir, tmp_path, monkeypatch):
+    import shutil
+
+    from cli import app
+
+    base = run_eval(settings(model_dir, tmp_path / "base", limit=2, **NO_FIDELITY)).path
+    assert len(lines(base)) == 2
+    _no_model(monkeypatch)  # refused before the model loads (limit 3 leaves one sample to run)
+    for name, (edit, expected) in HAND_EDITS.items():
+        out = tmp_path / name.replace(" ", "_")
+        shutil.copytree(tmp_path / "base", out)
+        run = R.run_dir(out, str(model_dir), "gsm8k", "full")
+        edit(run)
+        with pytest.raises(R.ResultsCorruptError) as caught:
+            run_eval(settings(model_dir, out, limit=3, **NO_FIDELITY))
+        assert expected in str(caught.value) and str(run) in str(caught.value), (name, caught.value)
+    result = CliRunner(env=WIDE).invoke(app, _cli_args(model_dir, tmp_path / "correct_no", "--limit", "3"))
+    assert result.exit_code == 2 and "line 1: 'correct'" in result.output
+    assert "Traceback" not in result.output and result.output.count("error:") == 1
+
+
+def test_resume_refuses_a_changed_data_file_unless_allowed(model_dir, tmp_path):
+    import hashlib
+    import shutil
+
+    data = tmp_path / "gsm8k.jsonl"
+    shutil.copy(TASK_DATA["gsm8k"], data)
+    old = hashlib.sha256(data.read_bytes()).hexdigest()
+    first = run_eval(settings(model_dir, tmp_path / "out", data=str(data), limit=1, **NO_FIDELITY))
+    assert json.loads((first.path / R.CONFIG_FILE).read_text())["data_sha256"] == old
+    data.write_text(data.read_text().replace("#### 1,234", "#### 1,235"))  # the gold, edited in place
+    new = hashlib.sha256(data.read_bytes()).hexdigest()
+    with pytest.raises(R.DataChangedError, match="allow-data-change"):
+        run_eval(settings(model_dir, tmp_path / "out", data=str(data), limit=2, **NO_FIDELITY))
+    assert len(lines(first.path)) == 1
+    again = run_eval(settings(model_dir, tmp_path / "out", data=str(data), limit=2,
+                              allow_data_change=True, **NO_FIDELITY))
+    config = json.loads((again.path / R.CONFIG_FILE).read_text())
+    assert again.ran == 1 and config["data_sha256"] == new and config["data_sha256_earlier"] == [old]
+    assert lines(again.path)[1]["gold"] == "1235"
+
+
+_SIGNALS = """
+import json, os, signal, sys, time
+import torch
+torch.set_num_threads(1)
+from evals.runner import EvalHooks, EvalSettings, run_eval
+
+mode = sys.argv[2]
+
+class Hooks(EvalHooks):
+    first = second = False
+    messages = []
+
+    def on_step(self, tokens, finished):  # the engine loop, in the main thread
+        if finished >= 3 and not Hooks.first:
+            Hooks.first = True
+            os.kill(os.getpid(), signal.SIGTERM if mode == "sigterm" else signal.SIGINT)
+
+    def on_sample(self, record):  # the grading thread
+        if mode == "twice":
+            if Hooks.first and not Hooks.second:
+                Hooks.second = True
+                os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C again, while the stop grades
+            time.sleep(0.5)  # grading lags the engine: finished samples wait at the stop
+
+    def on_message(self, text):
+        Hooks.messages.append(text)
+
+o = run_eval(EvalSettings(**json.loads(sys.argv[1])), Hooks())
+print(json.dumps({"interrupted": o.interrupted, "dropped": o.dropped, "signal": o.stop_signal,
+                  "done": o.metrics["samples_done"], "ran": o.ran, "messages": Hooks.messages}))
+"""
+
+
+def _signalled(model_dir, tmp_path, mode: str) -> dict:
+    import subprocess
+    import sys
+
+    args = {**dict(task="gsm8k", model=str(model_dir), data=str(TASK_DATA["gsm8k"]), out=str(tmp_path)),
+            **ENGINE, "samples": 2, "temperature": 0.8, "max_num_seqs": 3, **NO_FIDELITY}
+    proc = subprocess.run([sys.executable, "-c", _SIGNALS, json.dumps(args), mode], env=_env(),
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_sigterm_records_an_interrupted_segment(model_dir, tmp_path):
+    got = _signalled(model_dir, tmp_path, "sigterm")
+    assert got["interrupted"] and got["signal"] == "SIGTERM" and got["dropped"] == 0
+    run = R.run_dir(tmp_path, str(model_dir), "gsm8k", "full")
+    (segment,) = R.read_segments(run / R.SEGMENTS_FILE)
+    assert segment["status"] == "interrupted" and segment["signal"] == "SIGTERM"
+    assert segment["samples"] == segment["written"] == got["ran"] == got["done"] == len(lines(run)) >= 3
+    assert not (run / R.PROGRESS_FILE).exists()
+    again = run_eval(settings(model_dir, tmp_path, samples=2, temperature=0.8, max_num_seqs=3,
+                              **NO_FIDELITY))
+    assert again.resumed == got["done"] and again.metrics["complete"]
+
+
+def test_a_second_ctrl_c_drops_ungraded_samples_says_so_and_records_the_segment(model_dir, tmp_path):
+    got = _signalled(model_dir, tmp_path, "twice")
+    assert got["interrupted"] and got["signal"] == "SIGINT" and got["dropped"] >= 1
+    run = R.run_dir(tmp_path, str(model_dir), "gsm8k", "full")
+    (segment,) = R.read_segments(run / R.SEGMENTS_FILE)
+    assert segment["status"] == "interrupted"
+    assert segment["written"] == len(lines(run)) == got["done"] == got["ran"] - got["dropped"]
+    said = " ".join(got["messages"])
+    assert f"{got['dropped']} finished sample(s) were not graded and are dropped" in said
+    assert "nothing was lost" not in said
+    again = run_eval(settings(model_dir, tmp_path, samples=2, temperature=0.8, max_num_seqs=3,
+                              **NO_FIDELITY))
+    assert again.resumed == got["done"] and again.metrics["complete"]
+
+
+def test_the_stop_message_counts_dropped_samples_and_sigterm_exits_143(tmp_path):
+    import typer
+
+    from evals.cli import _interrupted
+    from evals.runner import EvalOutcome
+
+    outcome = EvalOutcome(tmp_path, "full", "gsm8k", {"samples_done": 4}, interrupted=True,
+                          dropped=2, stop_signal="SIGTERM")
+    with pytest.raises(typer.Exit) as caught:
+        _interrupted(outcome)
+    assert caught.value.exit_code == 143
+    outcome.stop_signal = "SIGINT"
+    with pytest.raises(typer.Exit) as caught:
+        _interrupted(outcome)
+    assert caught.value.exit_code == 130
+
+
+def test_every_results_file_has_one_mode_whatever_the_umask(model_dir, tmp_path):
+    import os
+    import stat
+
+    old = os.umask(0o077)
+    try:
+        outcome = run_eval(settings(model_dir, tmp_path, limit=1, **NO_FIDELITY))
+    finally:
+        os.umask(old)
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in outcome.path.iterdir() if p.is_file()}
+    assert set(modes) >= {R.CONFIG_FILE, R.SAMPLES_FILE, R.SEGMENTS_FILE, R.METRICS_FILE, R.LOCK_FILE}
+    assert set(modes.values()) == {0o644}, modes
+
+
+def test_bad_rows_are_rejected_before_the_model_loads(model_dir, tmp_path, monkeypatch):
+    data = tmp_path / "gsm8k.jsonl"
+    deep = '{"question": "q", "answer": "#### 1", "x": ' + "[" * 50_000 + "]" * 50_000 + "}"
+    data.write_text("\n".join([json.dumps({"question": "What is 2 + 3?", "answer": "#### 5"}), deep,
+                               '{"question": "lone \\ud800", "answer": "#### 1"}',
+                               json.dumps({"question": 7, "answer": "#### 1"}),
+                               json.dumps({"question": "What is 4 + 4?", "answer": "#### 8"})]) + "\n")
+    from evals import runner
+
+    monkeypatch.setattr(runner, "_engine", lambda *a, **k: pytest.fail("the engine loaded"))
+    hooks = StopAfter(10**9)
+    outcome = run_eval(settings(model_dir, tmp_path / "out", data=str(data), only_keys=frozenset(),
+                                **NO_FIDELITY), hooks)  # plan only: no engine
+    assert [s["index"] for s in outcome.skipped_rows] == [1, 2, 3]
+    assert any("skipped 3 malformed row(s)" in m for m in hooks.messages)
+    monkeypatch.undo()
+    done = run_eval(settings(model_dir, tmp_path / "out", data=str(data), **NO_FIDELITY))
+    assert sorted(r["uid"] for r in lines(done.path)) == ["gsm8k/0", "gsm8k/4"]

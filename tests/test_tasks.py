@@ -367,3 +367,87 @@ def test_haystack_placement_unit():
     assert ctx == "Aa bb. Cc dd. Ee ff. Gg hh. NEEDLE." and depth == 100
     ctx, depth = hay.place(5, 0, "NEEDLE.")  # never less than one sentence
     assert ctx == "NEEDLE. Aa bb. " and depth == 0
+
+
+# --------------------------------------------------------------------------- hostile data rows
+
+GOOD = {"question": "What is 2 + 3?", "answer": "#### 5"}
+
+
+def _rows_file(path, lines):
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def test_bad_rows_are_rejected_one_by_one_and_the_good_rows_kept(tmp_path):
+    deep = '{"question": "q", "answer": "#### 1", "x": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    nested = '{"question": "q", "answer": "#### 1", "x": ' + "[" * 40 + "]" * 40 + "}"
+    lines = [json.dumps(GOOD),
+             deep,                                                    # past the parser's stack
+             nested,                                                  # past MAX_ROW_DEPTH
+             '{"question": "lone \\ud800 surrogate", "answer": "#### 1"}',
+             '{"question": "q", "answer": "#### 1", "\\udfff": 1}',    # in a key
+             json.dumps({"question": 5, "answer": "#### 1"}),         # wrong types
+             json.dumps({"question": "q", "answer": ["#### 1"]}),
+             json.dumps(["a", "list"]),
+             json.dumps({**GOOD, "question": "What is 4 + 4?", "answer": "#### 8"})]
+    ps, warned = _load("gsm8k", _rows_file(tmp_path / "test.jsonl", lines))
+    assert [p.gold for p in ps] == ["5", "8"] and [p.uid for p in ps] == ["gsm8k/0", "gsm8k/8"]
+    reasons = {s.index: s.reason for s in ps.skipped}
+    assert set(reasons) == {1, 2, 3, 4, 5, 6, 7}
+    assert "nested deeper" in reasons[1] and "nested deeper" in reasons[2]
+    assert "surrogate" in reasons[3] and "surrogate" in reasons[4]
+    assert "question" in reasons[5] and "'answer'" in reasons[6] and "not a JSON object" in reasons[7]
+    assert len(warned) == 1
+
+
+def test_livecodebench_row_of_wrong_types_is_rejected_not_raised(tmp_path):
+    good = (DATA / "livecodebench" / "lcb_sample.jsonl").read_text().splitlines()[0]
+    row = json.loads(good)
+    bad = [{**row, "question_id": "b1", "public_test_cases": 5},
+           {**row, "question_id": "b2", "starter_code": ["not", "text"]},
+           {**row, "question_id": "b3", "testtype": 5}]
+    path = _rows_file(tmp_path / "lcb.jsonl", [json.dumps(b) for b in bad] + [good])
+    ps, _ = _load("livecodebench", path)
+    assert [p.uid for p in ps] == ["livecodebench/9001_A"] and len(ps.skipped) == 3
+
+
+def test_an_overlong_line_is_rejected_without_reading_it_whole(tmp_path):
+    from evals.tasks.base import MAX_ROW_BYTES, read_rows_file
+
+    # The default bound: a 17 MB question (GSM8K's bound is 16 MiB) is one rejected row.
+    huge = json.dumps({"question": "x" * (MAX_ROW_BYTES + (1 << 20)), "answer": "#### 1"})
+    path = _rows_file(tmp_path / "test.jsonl", [json.dumps(GOOD), huge, json.dumps(GOOD | {"id": 2})])
+    ps, _ = _load("gsm8k", path)
+    assert [p.uid for p in ps] == ["gsm8k/0", "gsm8k/2"]
+    assert "longer than the" in ps.skipped[0].reason and ps.skipped[0].index == 1
+
+    # read_rows_file holds at most bound + 1 bytes of a line, then skips the rest in chunks.
+    import tracemalloc
+
+    small = _rows_file(tmp_path / "small.jsonl", [json.dumps(GOOD), "y" * 20_000_000, json.dumps(GOOD)])
+    tracemalloc.start()
+    try:
+        rows = list(read_rows_file(small, max_row_bytes=4096))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [type(r).__name__ for _, r in rows] == ["dict", "RowError", "dict"]
+    assert "20000001 bytes" in str(rows[1][1])
+    assert peak < 4_000_000, peak  # never the 20 MB line in one piece
+
+
+def test_data_fingerprint_is_the_files_sha256(tmp_path):
+    import hashlib
+
+    from evals.problem import data_fingerprint
+
+    a = _rows_file(tmp_path / "a.jsonl", [json.dumps(GOOD)])
+    b = _rows_file(tmp_path / "b.jsonl", [json.dumps(GOOD | {"id": 1})])
+    assert data_fingerprint([str(a)]) == hashlib.sha256(a.read_bytes()).hexdigest()
+    assert data_fingerprint([]) is None
+    assert data_fingerprint([str(a), str(b)]) != data_fingerprint([str(b), str(a)])
+    ps, _ = _load("gsm8k", a)
+    assert ps.files == (str(a),)
+    mixed = get_task("mixed", factor=CPU_FACTOR).load(DATA, limit=1)
+    assert len(mixed.files) == 3 and all(Path(f).is_file() for f in mixed.files)

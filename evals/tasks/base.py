@@ -41,6 +41,11 @@ MATH_SYSTEM_PROMPT = "Please reason step by step, and put your final answer with
 
 SCALES = ("paper", "cpu")
 
+# Data rows: the longest JSON line read by default (a math question is a few KB) and the deepest
+# nesting accepted (the formats nest three levels; a deeper row would only strain the loader).
+MAX_ROW_BYTES = 16 << 20
+MAX_ROW_DEPTH = 32
+
 
 @dataclass(frozen=True)
 class TaskDefaults:
@@ -176,6 +181,9 @@ class Task(ABC):
     local: ClassVar[LocalLayout]
     paper_defaults: ClassVar[TaskDefaults]
     cpu_defaults: ClassVar[TaskDefaults | None] = None
+    # The longest data row read (bytes of one JSON line; larger rows are rejected per row
+    # without being held in memory). A task whose rows carry test suites raises it.
+    max_row_bytes: ClassVar[int] = MAX_ROW_BYTES
     # Policy arguments the task's published setup uses, by registered policy name (e.g. NIAH runs
     # Kara with prompt compression); the user's own arguments win. See ``policy_args_for``.
     policy_defaults: ClassVar[Mapping[str, Mapping[str, Any]]] = {}
@@ -230,7 +238,10 @@ class Task(ABC):
         from the task's hub dataset.
 
         Malformed rows are skipped; they are listed in ``ProblemSet.skipped`` and reported
-        with one ``warnings.warn``.  ``limit`` keeps the first ``limit`` usable problems.
+        with one ``warnings.warn``: unparseable JSON, a line longer than ``max_row_bytes``,
+        nesting deeper than ``MAX_ROW_DEPTH``, a string with a lone surrogate (``"\\ud800"``,
+        which no UTF-8 file or tokenizer takes), a field of the wrong type. The good rows
+        around them are kept.  ``limit`` keeps the first ``limit`` usable problems.
         Raises ``DataUnavailableError`` saying what was tried when no data can be read.
         """
         if limit is not None and limit < 1:
@@ -246,11 +257,15 @@ class Task(ABC):
             try:
                 if not isinstance(row, Mapping):
                     raise RowError(f"row is a {type(row).__name__}, not a JSON object")
+                check_row(row)
                 problem = self.row_to_problem(row, index)
                 if problem.uid in seen:
                     raise RowError(f"duplicate id {problem.uid!r}")
             except RowError as e:
                 skipped.append(SkippedRow(source, index, str(e)))
+                continue
+            except (TypeError, ValueError, KeyError, AttributeError) as e:  # a field of a wrong type
+                skipped.append(SkippedRow(source, index, f"unusable row ({type(e).__name__}: {e})"))
                 continue
             seen.add(problem.uid)
             problems.append(problem)
@@ -262,13 +277,15 @@ class Task(ABC):
                 f"task {self.name!r}: no usable rows in {source} ({len(skipped)} skipped; "
                 f"expected rows with {self.local.fields})"
             )
-        return ProblemSet(task=self.name, source=source, problems=problems, skipped=skipped)
+        files = (source,) if Path(source).is_file() else ()
+        return ProblemSet(task=self.name, source=source, problems=problems, skipped=skipped,
+                          files=files)
 
     def read_rows(self, data: str | Path | None) -> tuple[Iterator[tuple[int, Any]], str]:
         """``(rows, source description)``; rows are ``(index, dict | RowError)``."""
         if data is not None and Path(data).exists():
             path = self.resolve_local(Path(data))
-            return read_rows_file(path), str(path)
+            return read_rows_file(path, self.max_row_bytes), str(path)
         if data is not None and not _HUB_ID_RE.match(str(data)):
             raise DataUnavailableError(
                 f"task {self.name!r}: --data {str(data)!r} does not exist. {self.how_to_pass_data()}"
@@ -330,26 +347,76 @@ def report_skipped(task: str, source: str, skipped: Sequence[SkippedRow], what: 
         )
 
 
-def read_rows_file(path: Path) -> Iterator[tuple[int, Any]]:
+def read_rows_file(path: Path, max_row_bytes: int = MAX_ROW_BYTES) -> Iterator[tuple[int, Any]]:
     """Rows of a ``.jsonl`` file (one JSON object per line; blank lines ignored) or of a
-    ``.json`` file holding a list of objects.  Unparseable lines come back as ``RowError``."""
+    ``.json`` file holding a list of objects.  Unparseable lines, and lines longer than
+    ``max_row_bytes`` (read no further than the bound, then skipped to their end), come back as
+    ``RowError``."""
     if path.suffix == ".json":
+        if path.stat().st_size > max_row_bytes * 64:
+            raise DataUnavailableError(f"{path} is larger than a .json list of rows is read "
+                                       f"({max_row_bytes * 64} bytes); use JSON lines")
         try:
-            rows = json.loads(path.read_text(encoding="utf-8"))
-        except ValueError as e:
+            rows = json.loads(path.read_text(encoding="utf-8", errors="replace"))
+        except (ValueError, RecursionError) as e:
             raise DataUnavailableError(f"{path} is not valid JSON: {e}") from e
         if not isinstance(rows, list):
             raise DataUnavailableError(f"{path} must hold a JSON list of rows, found {type(rows).__name__}")
         yield from enumerate(rows)
         return
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for index, line in enumerate(f):
+    with open(path, "rb") as f:
+        index = -1
+        while True:
+            line = f.readline(max_row_bytes + 1)
+            if not line:
+                return
+            index += 1
+            if len(line) > max_row_bytes:
+                size = len(line) + _skip_line(f)
+                yield index, RowError(f"row of {size} bytes is longer than the {max_row_bytes} "
+                                      f"bytes a row of this task may have")
+                continue
             if not line.strip():
                 continue
             try:
-                yield index, json.loads(line)
+                yield index, json.loads(line.decode("utf-8", errors="replace"))
+            except RecursionError:
+                yield index, RowError(f"nested deeper than {MAX_ROW_DEPTH} levels")
             except ValueError as e:
                 yield index, RowError(f"invalid JSON: {e}")
+
+
+def _skip_line(f) -> int:
+    """Read past the rest of the current line in bounded chunks; returns the bytes skipped."""
+    skipped = 0
+    while True:
+        chunk = f.readline(1 << 20)
+        skipped += len(chunk)
+        if not chunk or chunk.endswith(b"\n"):
+            return skipped
+
+
+_SURROGATE_RE = re.compile("[\ud800-\udfff]")
+
+
+def check_row(row: Any) -> None:
+    """``RowError`` unless ``row`` nests at most ``MAX_ROW_DEPTH`` levels and every string in it
+    (keys too) is valid Unicode text (no lone surrogate). Iterative: a hostile row cannot
+    exhaust the stack."""
+    stack = [(row, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_ROW_DEPTH:
+            raise RowError(f"nested deeper than {MAX_ROW_DEPTH} levels")
+        if isinstance(value, str):
+            if _SURROGATE_RE.search(value):
+                raise RowError(f"a string holds a lone surrogate ({_SURROGATE_RE.search(value).group()!a}), "
+                               f"not valid Unicode text")
+        elif isinstance(value, Mapping):
+            stack += [(k, depth) for k in value.keys() if isinstance(k, str)]
+            stack += [(v, depth + 1) for v in value.values()]
+        elif isinstance(value, (list, tuple)):
+            stack += [(v, depth + 1) for v in value]
 
 
 # ------------------------------------------------------------------ row helpers

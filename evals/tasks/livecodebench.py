@@ -116,6 +116,8 @@ class LiveCodeBench(Task):
     KV budget 8192.
     """
 
+    # Rows carry their test suites (private ones compressed): far larger than a math row.
+    max_row_bytes = 1 << 30
     grader = "code"
     local = LocalLayout(
         "livecodebench",

@@ -55,14 +55,15 @@ class Mixed(Task):
                 "directory with amc23/, aime24/ and gsm8k/ folders (e.g. /path/to/data), or no --data "
                 "for the hub."
             )
-        problems, skipped, sources = [], [], []
+        problems, skipped, sources, files = [], [], [], []
         for name, _ in self.components:
             part = TASKS[name]().load(data, limit=limit, tokenizer=tokenizer)
             n = self.multiplicity(name)
             problems += [p.with_samples(n) for p in part]
             skipped += part.skipped
             sources.append(part.source)
-        return ProblemSet(self.name, "; ".join(sources), problems, skipped)
+            files += part.files
+        return ProblemSet(self.name, "; ".join(sources), problems, skipped, tuple(files))
 
     def row_to_problem(self, row: Mapping[str, Any], index: int) -> Problem:
         raise NotImplementedError("the mixed workload loads its component tasks instead of rows")

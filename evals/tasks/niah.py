@@ -90,7 +90,7 @@ class NIAH(Task):
                              "load(..., tokenizer=tokenizer)")
         if limit is not None and limit < 1:
             raise ValueError(f"limit must be >= 1 or None, got {limit!r}")
-        text, source, skipped = self.haystack_text(data)
+        text, source, skipped, files = self.haystack_text(data)
         report_skipped(self.name, source, skipped, what="file")
         longest = max(self.lengths)
         hay = Haystack(text, tokenizer, max_tokens=longest)
@@ -106,8 +106,8 @@ class NIAH(Task):
                 problems.append(self._problem(hay, tokenizer, length, depth, overhead + needle_tokens,
                                               source))
                 if limit is not None and len(problems) >= limit:
-                    return ProblemSet(self.name, source, problems, skipped)
-        return ProblemSet(self.name, source, problems, skipped)
+                    return ProblemSet(self.name, source, problems, skipped, files)
+        return ProblemSet(self.name, source, problems, skipped, files)
 
     def _problem(self, hay: Haystack, tokenizer: Any, length: int, depth: float, fixed: int,
                  source: str) -> Problem:
@@ -139,12 +139,13 @@ class NIAH(Task):
             },
         )
 
-    def haystack_text(self, data: str | Path | None) -> tuple[str, str, list[SkippedRow]]:
-        """(text, source, skipped files) from a directory of .txt files, or the built-in one."""
+    def haystack_text(self, data: str | Path | None) -> tuple[str, str, list[SkippedRow], tuple[str, ...]]:
+        """(text, source, skipped files, files used) from a directory of .txt files, or the
+        built-in one (no files)."""
         if data is None:
             warnings.warn("niah: no --data given; using the built-in generated haystack "
                           "(pass a directory of .txt essays for the standard test)", stacklevel=3)
-            return synthetic_haystack(seed=self.seed), f"synthetic(seed={self.seed})", []
+            return synthetic_haystack(seed=self.seed), f"synthetic(seed={self.seed})", [], ()
         path = Path(data)
         if not path.exists():
             raise DataUnavailableError(
@@ -156,7 +157,7 @@ class NIAH(Task):
                 break
             files = sorted(p for p in path.glob(pattern)
                            if p.is_file() and not p.name.upper().startswith("LICENSE"))
-        texts, skipped = [], []
+        texts, skipped, used = [], [], []
         for i, p in enumerate(files):
             try:
                 body = p.read_text(encoding="utf-8")
@@ -167,10 +168,11 @@ class NIAH(Task):
                 skipped.append(SkippedRow(str(p), i, "empty file"))
                 continue
             texts.append(body.strip())
+            used.append(str(p))
         if not texts:
             raise DataUnavailableError(f"task 'niah': no usable .txt files in {str(path)!r} "
                                        f"({len(skipped)} skipped). {self.how_to_pass_data()}")
-        return "\n\n".join(texts) + "\n", str(path), skipped
+        return "\n\n".join(texts) + "\n", str(path), skipped, tuple(used)
 
     def how_to_pass_data(self) -> str:
         return ("Pass a directory of .txt essays with --data DIR (e.g. /path/to/data/niah/PaulGrahamEssays), "
