@@ -649,7 +649,7 @@ def _generate(settings: EvalSettings, config: dict, plan: Plan, todo: list[R.Sam
     if settings.kv_cache_tokens is not None:
         engine_kwargs["kv_cache_tokens"] = settings.kv_cache_tokens
     fid = None
-    if settings.fidelity:  # the FullKV reference first: on a GPU it must load before the policy
+    if settings.fidelity:  # the FullKV reference first, on the engine the run then reuses
         from evals import fidelity
 
         fid = fidelity.start(settings, config, plan, todo, engine_kwargs, temperature, max_tokens, hooks)
@@ -671,7 +671,7 @@ def _generate(settings: EvalSettings, config: dict, plan: Plan, todo: list[R.Sam
     task_for = {}  # the mixed workload's problems are prompted by their source task
     prompts, params, keys = [], [], []
     writer = R.SampleWriter(path / R.SAMPLES_FILE)
-    limit_len, pages, bs = llm.runner.max_model_len, llm.runner.num_pages, llm.runner.block_size
+    limit_len = llm.runner.max_model_len
     char_bound = longest_token_chars(llm.tokenizer) * limit_len
     streamed = False
     try:
@@ -685,7 +685,7 @@ def _generate(settings: EvalSettings, config: dict, plan: Plan, todo: list[R.Sam
             except ValueError as e:
                 raise EvalError(str(e)) from None
             n, ids = _prompt_ids(llm.tokenizer, text, limit_len, char_bound)
-            reason = _unfit(n, limit_len, pages, bs, at_least=ids is None)
+            reason = _unfit(llm, n, at_least=ids is None)
             seed = settings.seed + j
             if reason:
                 writer.write(failed_record(problem, j, seed, segment, n, reason))
@@ -732,40 +732,32 @@ def _generate(settings: EvalSettings, config: dict, plan: Plan, todo: list[R.Sam
         _ENGINES.clear()
 
 
-# One loaded engine is kept between runs whose engine settings match and whose policies read the
-# same signals (the engine sizes its query pools and per-slot scores from them): the tasks of one
-# policy, the budgets of a sweep, the GrowPage family, SnapKV and ChunkKV. The weights then load
-# once. Each run still gets a fresh policy instance, bound to the engine as LLM does it: a policy
-# may carry state across requests (GrowPage-Random's generator), and a run must not depend on
-# what ran before it.
+# One loaded engine is kept between runs whose engine settings match, whatever their policies: the
+# tasks of one policy, the budgets of a sweep, every policy of one `eval`, and the FullKV reference
+# pass. The weights then load once. Each run still gets a fresh policy instance (`LLM.use_policy`):
+# a policy may carry state across requests (GrowPage-Random's generator), and a run must not depend
+# on what ran before it.
 _ENGINES: dict[str, Any] = {}
 
 
 def _engine(model: str, engine_kwargs: dict, hooks: EvalHooks):
+    """The loaded engine for these settings, with a fresh instance of the run's policy swapped in
+    through `LLM.use_policy` (its signal pools re-allocated when they differ, a cold prefix cache:
+    otherwise a run would reuse the prompt pages of the run before it and look faster than it is).
+    The weights load once per model and engine settings, whatever the policy."""
     import json
 
-    from engine.block_manager import BlockManager
     from engine.llm import LLM
-    from engine.policies.base import EngineSpec, build_policy
 
-    policy = build_policy(engine_kwargs["policy"], engine_kwargs["policy_args"])
     rest = {k: v for k, v in engine_kwargs.items() if k not in ("policy", "policy_args")}
-    policy.prepare(engine_kwargs["block_size"])  # signals() may depend on the block size
-    key = json.dumps({"model": model, "signals": repr(policy.signals()), **rest}, sort_keys=True,
-                     default=repr)
+    key = json.dumps({"model": model, **rest}, sort_keys=True, default=repr)
     llm = _ENGINES.get(key)
     if llm is None:
         _ENGINES.clear()
         hooks.on_message(f"loading {model} with policy {engine_kwargs['policy']}")
         llm = _ENGINES[key] = LLM(model, **engine_kwargs)
         return llm
-    r = llm.runner
-    policy.bind(EngineSpec(r.block_size, r.num_layers, r.num_q_heads, r.num_kv_heads, r.head_dim,
-                           r.num_pages, r.max_model_len))
-    llm.policy = policy
-    # A cold prefix cache, as a fresh engine has: otherwise a run would reuse the prompt pages of
-    # the run before it (often the same prompts) and look faster than it is.
-    llm.block_manager = BlockManager(r.num_pages, r.block_size, llm.config.enable_prefix_caching)
+    llm.use_policy(engine_kwargs["policy"], **engine_kwargs["policy_args"])
     return llm
 
 
@@ -876,17 +868,13 @@ def _prompt_ids(tokenizer, text: str, max_model_len: int, char_bound: int) -> tu
     return len(ids), ids
 
 
-def _unfit(n: int, max_model_len: int, num_pages: int, block_size: int,
-           at_least: bool = False) -> str | None:
-    """Why a prompt of ``n`` tokens (``at_least``: of ``n`` or more) cannot run on this engine,
-    or None (mirrors Scheduler.add)."""
-    if n >= max_model_len:
-        size = f"at least {n}" if at_least else f"{n}"
-        return f"prompt of {size} tokens does not fit the model context of {max_model_len} tokens"
-    if math.ceil((n + 1) / block_size) > num_pages:
-        return (f"prompt of {n} tokens needs more KV pages than the pool holds "
-                f"({num_pages} pages of {block_size}); raise --kv-cache-tokens")
-    return None
+def _unfit(llm, n: int, at_least: bool = False) -> str | None:
+    """Why a prompt of ``n`` tokens (``at_least``: of ``n`` or more, when only a prefix was
+    tokenized) cannot run on ``llm``, or None: the engine's own rule (`LLM.why_unfit`)."""
+    reason = llm.why_unfit(n)
+    if reason and at_least:
+        reason = reason.replace(f"prompt of {n} tokens", f"prompt of at least {n} tokens", 1)
+    return reason
 
 
 def finalize(path: Path, plan: Plan) -> dict:
