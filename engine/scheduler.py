@@ -74,6 +74,7 @@ class Scheduler:
                 f"({self.bm.num_pages} pages of {self.bm.block_size}); raise kv_cache_tokens"
             )
         seq.policy_state = self.policy.new_state()
+        self.policy.on_admit(seq.policy_state, n, seq.params.kv_budget)
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
