@@ -114,19 +114,15 @@ class FixedBudgetPolicy(KVPolicy):
         `ceil(budget_ratio * num_prompt_tokens)`, aligned by `align_budget`; None when neither
         applies (the request uses `budget`). Raises ConfigError for one that cannot be met."""
         if kv_budget is not None:
-            what = f"per-request budget {kv_budget}"
-            tokens = kv_budget
+            tokens, what = kv_budget, "the request's own budget (SamplingParams.kv_budget)"
         elif self.budget_ratio is not None:
             tokens = math.ceil(self.budget_ratio * num_prompt_tokens)
-            what = (f"budget_ratio {self.budget_ratio} of a {num_prompt_tokens}-token prompt "
-                    f"(= {tokens} tokens)")
+            what = f"budget_ratio {self.budget_ratio} of a {num_prompt_tokens}-token prompt"
         else:
             return None
-        if tokens <= 0:
-            raise ConfigError(f"{self.name}: {what} is not a positive number of tokens")
         aligned = self.align_budget(tokens)
         if aligned != tokens:
-            what += f", aligned to {aligned}"
+            what += f" ({tokens} tokens, rounded down to whole pages of {self.block_size})"
         self._check_tokens(aligned, what)
         return aligned
 
