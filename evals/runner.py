@@ -78,6 +78,8 @@ class EvalSettings:
     preset: "paper" or "cpu" task defaults (None: cpu on CPU, paper on CUDA).
     thinking: Qwen3's thinking switch (None: the chat template's default).
     kv_budget: fixed KV budget overriding the task default (see module docstring).
+    match_budget_to: a finished Kara run directory: each sample's budget is the compressed length
+        Kara realised on it (Kara's comparison protocol, evals.matched_budget).
     kv_cache_tokens, block_size, max_num_seqs: engine knobs (block_size None: the preset's).
     out: results root. grading_workers / grading_timeout_s: math grading processes and bound.
     fidelity: also measure drift from FullKV per sample (evals.fidelity): a cached FullKV
@@ -101,6 +103,7 @@ class EvalSettings:
     preset: str | None = None
     thinking: bool | None = None
     kv_budget: int | None = None
+    match_budget_to: str | None = None
     kv_cache_tokens: int | None = None
     block_size: int | None = None
     max_num_seqs: int = 64
@@ -188,7 +191,7 @@ def resolve_policy_args(policy: str, user_args: Mapping[str, Any], budget: int |
 
     args = {**(task_args or {}), **user_args}
     name = budget_field(policy)
-    if name and name not in args and budget is not None:
+    if name and name not in args and "budget_ratio" not in args and budget is not None:
         args[name] = max(block_size, budget // block_size * block_size)
     try:
         instance = build_policy(policy, args)
@@ -268,6 +271,7 @@ def output_record(problem: Problem, sample: int, seed: int, segment: int, out: A
         "tpot_s": out.tpot,
         "avg_kv_budget": out.avg_kv_budget,
         "avg_kv_allocated": out.avg_kv_allocated,
+        "final_kv_len": out.final_kv_len,
         "peak_kv_capacity": max(trace) if trace else None,
         "preemptions": out.num_preemptions,
         "events": kinds,
@@ -430,6 +434,9 @@ def run_eval(settings: EvalSettings, hooks: EvalHooks | None = None) -> EvalOutc
     policy_args = resolve_policy_args(settings.policy, settings.policy_args, budget, block_size,
                                       task.policy_args_for(settings.policy))
     label = R.run_label(settings.policy, settings.policy_args)
+    matched = _matched_budgets(settings)
+    if matched is not None:
+        label = matched.run_label(label)
     path = R.run_dir(settings.out, settings.model, settings.task, label)
     try:  # before anything heavy loads: a run that cannot write its results must not start
         R.check_writable(path)
@@ -461,6 +468,8 @@ def run_eval(settings: EvalSettings, hooks: EvalHooks | None = None) -> EvalOutc
         "fidelity": settings.fidelity, "task_defaults": dataclasses.asdict(defaults),
         "skipped_rows": [dataclasses.asdict(s) for s in problems.skipped],
     }
+    if matched is not None:
+        config["match_budget_to"] = matched.describe()
     if (path / R.CONFIG_FILE).exists():
         R.check_identity(R.read_json(path / R.CONFIG_FILE), config, path)
     killed = R.seal_progress(path)
@@ -479,13 +488,15 @@ def run_eval(settings: EvalSettings, hooks: EvalHooks | None = None) -> EvalOutc
         hooks.on_plan(path, list(todo))
     if settings.only_keys is not None:
         todo = [k for k in todo if k in settings.only_keys]
+    if matched is not None:
+        _check_matched(matched, todo, settings.policy, policy_args)
     outcome = EvalOutcome(path, label, settings.task, {}, resumed=len(plan.keys) - len(todo),
                           skipped_rows=config["skipped_rows"])
     hooks.on_start(label, settings.task, len(plan.keys), len(todo), path)
     if todo:
         try:
             _generate(settings, config, plan, todo, path, preset, block_size, policy_args,
-                      temperature, max_tokens, hooks, outcome)
+                      temperature, max_tokens, hooks, outcome, matched)
         except ConfigError as e:
             raise EvalError(str(e)) from None
     else:
@@ -493,6 +504,40 @@ def run_eval(settings: EvalSettings, hooks: EvalHooks | None = None) -> EvalOutc
                      if (path / R.CONFIG_FILE).exists() else config)
     outcome.metrics = finalize(path, plan)
     return outcome
+
+
+def _matched_budgets(settings: EvalSettings):
+    """The Kara run a matched-budget run reads (evals.matched_budget), checked against this run's
+    model, task and policy; None without --match-budget-to."""
+    if settings.match_budget_to is None:
+        return None
+    from evals import matched_budget
+
+    try:
+        matched = matched_budget.load(settings.match_budget_to)
+        matched.check_run(settings.model, settings.task, settings.policy)
+    except matched_budget.MatchedBudgetError as e:
+        raise EvalError(str(e)) from None
+    return matched
+
+
+def _check_matched(matched, todo: Sequence[R.SampleKey], policy: str, policy_args: dict) -> None:
+    from engine.policies.base import build_policy
+    from evals import matched_budget
+
+    try:
+        matched.check_samples(todo, build_policy(policy, policy_args).num_protected, policy)
+    except matched_budget.MatchedBudgetError as e:
+        raise EvalError(str(e)) from None
+
+
+def _matched_budget(matched, uid: str, sample: int, prompt_tokens: int) -> int:
+    from evals import matched_budget
+
+    try:
+        return matched.budget_for(uid, sample, prompt_tokens)
+    except matched_budget.MatchedBudgetError as e:
+        raise EvalError(str(e)) from None
 
 
 def failed_to_retry(records: Mapping[R.SampleKey, dict], segments: Sequence[Mapping[str, Any]],
@@ -518,7 +563,7 @@ def _segment_settings(settings: EvalSettings, llm) -> dict:
 
 def _generate(settings: EvalSettings, config: dict, plan: Plan, todo: list[R.SampleKey], path: Path,
               preset: str, block_size: int, policy_args: dict, temperature: float, max_tokens: int,
-              hooks: EvalHooks, outcome: EvalOutcome) -> None:
+              hooks: EvalHooks, outcome: EvalOutcome, matched=None) -> None:
     from engine.sampling import SamplingParams
     from evals.tasks import render_prompt
 
@@ -570,7 +615,9 @@ def _generate(settings: EvalSettings, config: dict, plan: Plan, todo: list[R.Sam
                 hooks.on_message(f"{uid} sample {j}: {reason}; recorded as failed")
                 continue
             prompts.append(ids)
-            params.append(SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed))
+            own = None if matched is None else _matched_budget(matched, uid, j, len(ids))
+            params.append(SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed,
+                                         kv_budget=own))
             keys.append((problem, j, seed))
         if prompts and fid is not None:
             params = fid.run_params(params)
