@@ -28,12 +28,13 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from evals import results as R
+from evals.runner import EvalError
 
 FIELD = "final_kv_len"  # the per-sample record field holding Kara's realised compressed length
 
 
-class MatchedBudgetError(ValueError):
-    """A matched-budget source that cannot serve the run (the runner reports it as EvalError)."""
+class MatchedBudgetError(EvalError):
+    """A matched-budget source that cannot serve the run."""
 
 
 @dataclass(frozen=True)
@@ -81,8 +82,12 @@ class MatchedBudgets:
             raise MatchedBudgetError(
                 f"--match-budget-to needs a fixed-budget policy (one of {fixed}), got {policy!r}")
 
-    def check_samples(self, keys: Iterable[tuple[str, int]], protected: int, policy: str) -> None:
-        """Every sample to run has a matched budget, and each exceeds the protected tokens."""
+    def check_samples(self, keys: Iterable[tuple[str, int]], policy: str, policy_args: dict) -> None:
+        """Every sample to run has a matched budget, and each exceeds the protected tokens of
+        `policy` built with `policy_args`."""
+        from engine.policies.base import build_policy
+
+        protected = build_policy(policy, policy_args).num_protected
         keys = list(keys)
         missing = [k for k in keys if k not in self.budgets]
         if missing:

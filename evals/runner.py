@@ -434,8 +434,12 @@ def run_eval(settings: EvalSettings, hooks: EvalHooks | None = None) -> EvalOutc
     policy_args = resolve_policy_args(settings.policy, settings.policy_args, budget, block_size,
                                       task.policy_args_for(settings.policy))
     label = R.run_label(settings.policy, settings.policy_args)
-    matched = _matched_budgets(settings)
-    if matched is not None:
+    matched = None
+    if settings.match_budget_to is not None:  # Kara's comparison protocol (evals.matched_budget)
+        from evals import matched_budget
+
+        matched = matched_budget.load(settings.match_budget_to)
+        matched.check_run(settings.model, settings.task, settings.policy)
         label = matched.run_label(label)
     path = R.run_dir(settings.out, settings.model, settings.task, label)
     try:  # before anything heavy loads: a run that cannot write its results must not start
@@ -489,7 +493,7 @@ def run_eval(settings: EvalSettings, hooks: EvalHooks | None = None) -> EvalOutc
     if settings.only_keys is not None:
         todo = [k for k in todo if k in settings.only_keys]
     if matched is not None:
-        _check_matched(matched, todo, settings.policy, policy_args)
+        matched.check_samples(todo, settings.policy, policy_args)
     outcome = EvalOutcome(path, label, settings.task, {}, resumed=len(plan.keys) - len(todo),
                           skipped_rows=config["skipped_rows"])
     hooks.on_start(label, settings.task, len(plan.keys), len(todo), path)
@@ -504,40 +508,6 @@ def run_eval(settings: EvalSettings, hooks: EvalHooks | None = None) -> EvalOutc
                      if (path / R.CONFIG_FILE).exists() else config)
     outcome.metrics = finalize(path, plan)
     return outcome
-
-
-def _matched_budgets(settings: EvalSettings):
-    """The Kara run a matched-budget run reads (evals.matched_budget), checked against this run's
-    model, task and policy; None without --match-budget-to."""
-    if settings.match_budget_to is None:
-        return None
-    from evals import matched_budget
-
-    try:
-        matched = matched_budget.load(settings.match_budget_to)
-        matched.check_run(settings.model, settings.task, settings.policy)
-    except matched_budget.MatchedBudgetError as e:
-        raise EvalError(str(e)) from None
-    return matched
-
-
-def _check_matched(matched, todo: Sequence[R.SampleKey], policy: str, policy_args: dict) -> None:
-    from engine.policies.base import build_policy
-    from evals import matched_budget
-
-    try:
-        matched.check_samples(todo, build_policy(policy, policy_args).num_protected, policy)
-    except matched_budget.MatchedBudgetError as e:
-        raise EvalError(str(e)) from None
-
-
-def _matched_budget(matched, uid: str, sample: int, prompt_tokens: int) -> int:
-    from evals import matched_budget
-
-    try:
-        return matched.budget_for(uid, sample, prompt_tokens)
-    except matched_budget.MatchedBudgetError as e:
-        raise EvalError(str(e)) from None
 
 
 def failed_to_retry(records: Mapping[R.SampleKey, dict], segments: Sequence[Mapping[str, Any]],
@@ -615,7 +585,7 @@ def _generate(settings: EvalSettings, config: dict, plan: Plan, todo: list[R.Sam
                 hooks.on_message(f"{uid} sample {j}: {reason}; recorded as failed")
                 continue
             prompts.append(ids)
-            own = None if matched is None else _matched_budget(matched, uid, j, len(ids))
+            own = None if matched is None else matched.budget_for(uid, j, len(ids))
             params.append(SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed,
                                          kv_budget=own))
             keys.append((problem, j, seed))
