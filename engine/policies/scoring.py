@@ -185,10 +185,11 @@ def key_redundancy(keys: torch.Tensor, *, threshold: float = 0.5, temperature: f
         sim.diagonal(dim1=-2, dim2=-1).zero_()
         idx = torch.arange(length, device=sim.device)
         if block is not None:
-            sim = sim * ((idx // block)[:, None] == (idx // block)[None, :])
-        similar = sim > threshold
-        last = torch.where(similar, idx, -1).amax(dim=-1)          # [H, T]: -1 when none
-        has = last >= 0
+            sim.masked_fill_((idx // block)[:, None] != (idx // block)[None, :], 0.0)
+        similar = sim > threshold                                   # bool [H, T, T]
+        has = similar.any(dim=-1)                                   # [H, T]
+        # the last True of each row: the first of the reversed row (uint8 keeps it 1 byte a pair)
+        last = length - 1 - similar.flip(-1).to(torch.uint8).argmax(dim=-1)
         rows = idx.expand_as(last)
         sim[has.nonzero(as_tuple=True)[0], rows[has], last[has]] = 0.0
         mean = sim.sum(dim=-2) / (length if block is None else block)
