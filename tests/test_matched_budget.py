@@ -91,3 +91,14 @@ def test_budget_ratio_runs_without_the_task_budget(model_dir, tmp_path):
     assert config["policy_args"] == {"budget_ratio": 0.5, "window": 4}  # no preset budget added
     for rec in records(outcome.path).values():
         assert rec["avg_kv_budget"] == -(-rec["prompt_tokens"] // 2)
+
+
+def test_a_prompt_of_another_length_than_karas_is_refused(tmp_path):
+    from evals.matched_budget import MatchedBudgetError, MatchedBudgets
+
+    matched = MatchedBudgets(tmp_path, {"label": "kara"}, {("q1", 0): 70}, {("q1", 0): 50})
+    assert matched.budget_for("q1", 0, 50) == 70
+    with pytest.raises(MatchedBudgetError, match="50 in the Kara run"):
+        matched.budget_for("q1", 0, 51)
+    with pytest.raises(EvalError, match="no budget for q2 sample 0"):
+        matched.budget_for("q2", 0, 50)
