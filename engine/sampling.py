@@ -33,6 +33,9 @@ class SamplingParams:
         still runs and scores it); generation stops after them unless max_tokens is larger. A
         forced token never stops the request, even when it is EOS or completes a stop string.
     logprobs: record the log-probability of every output token (sampled or forced).
+    kv_budget: this request's own KV budget in tokens for a fixed-budget policy (None: the
+        policy's budget or budget_ratio); Kara's comparison protocol sets it per sequence
+        (engine/policies/fixed_budget.py). A policy without a budget refuses it.
     """
 
     temperature: float = 1.0
@@ -44,6 +47,7 @@ class SamplingParams:
     ignore_eos: bool = False
     forced_tokens: tuple[int, ...] = field(default_factory=tuple)
     logprobs: bool = False
+    kv_budget: int | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -58,6 +62,10 @@ class SamplingParams:
             self.stop = (self.stop,)
         self.stop = tuple(self.stop)
         self.forced_tokens = tuple(int(t) for t in self.forced_tokens)
+        if self.kv_budget is not None and (not isinstance(self.kv_budget, int)
+                                           or isinstance(self.kv_budget, bool) or self.kv_budget < 1):
+            raise ConfigError(f"kv_budget must be a positive number of tokens or None, "
+                              f"got {self.kv_budget!r}")
 
     @property
     def greedy(self) -> bool:

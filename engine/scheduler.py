@@ -80,6 +80,7 @@ class Scheduler:
         if reason:
             raise ConfigError(reason)
         seq.policy_state = self.policy.new_state()
+        self.policy.on_admit(seq.policy_state, n, seq.params.kv_budget)
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:

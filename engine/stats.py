@@ -55,6 +55,7 @@ class RequestOutput:
     num_preemptions: int
     avg_kv_allocated: float | None = None
     avg_kv_kept: float | None = None
+    final_kv_len: int | None = None  # KV slots the request held when it finished (its compressed length)
     capacity_trace: list[int] = field(repr=False, default_factory=list)
     events: list[dict] = field(repr=False, default_factory=list)
     token_logprobs: list[float] = field(repr=False, default_factory=list)
@@ -77,6 +78,7 @@ class RequestOutput:
             num_preemptions=seq.num_preemptions,
             avg_kv_allocated=statistics.fmean(trace) if trace else None,
             avg_kv_kept=statistics.fmean(seq.kept_trace) if seq.kept_trace else None,
+            final_kv_len=seq.physical_len,
             capacity_trace=list(trace),
             events=[event_dict(e) for e in seq.events],
             token_logprobs=list(seq.token_logprobs),

@@ -232,6 +232,10 @@ def eval_command(
     preset: Optional[str] = PresetOpt,
     thinking: Optional[bool] = ThinkingOpt,
     kv_budget: Optional[int] = KvBudgetOpt,
+    match_budget_to: Optional[str] = typer.Option(
+        None, "--match-budget-to", metavar="RUN_DIR",
+        help="Kara's comparison protocol: give each sample of a fixed-budget policy the "
+             "compressed length a finished Kara run (its results directory) realised on it."),
     kv_cache_tokens: Optional[int] = KvCacheOpt,
     block_size: Optional[int] = BlockOpt,
     max_num_seqs: int = SeqsOpt,
@@ -266,6 +270,7 @@ def eval_command(
         base = _base_settings(task_arg, model=model, data=data, limit=limit, samples=samples,
                               max_tokens=max_tokens, seed=seed, temperature=temperature,
                               preset=preset, thinking=thinking, kv_budget=kv_budget,
+                              match_budget_to=match_budget_to,
                               kv_cache_tokens=kv_cache_tokens, block_size=block_size,
                               max_num_seqs=max_num_seqs, out=out, grading_workers=grading_workers,
                               fidelity=fidelity, retry_failed=retry_failed,

@@ -99,6 +99,8 @@ class EvalSettings:
     preset: "paper" or "cpu" task defaults (None: cpu on CPU, paper on CUDA).
     thinking: Qwen3's thinking switch (None: the chat template's default).
     kv_budget: fixed KV budget overriding the task default (see module docstring).
+    match_budget_to: a finished Kara run directory: each sample's budget is the compressed length
+        Kara realised on it (Kara's comparison protocol, evals.matched_budget).
     kv_cache_tokens, block_size, max_num_seqs: engine knobs (block_size None: the preset's).
     out: results root. grading_workers / grading_timeout_s: math grading processes and bound.
     fidelity: also measure drift from FullKV per sample (evals.fidelity): a cached FullKV
@@ -124,6 +126,7 @@ class EvalSettings:
     preset: str | None = None
     thinking: bool | None = None
     kv_budget: int | None = None
+    match_budget_to: str | None = None
     kv_cache_tokens: int | None = None
     block_size: int | None = None
     max_num_seqs: int = 64
@@ -225,7 +228,7 @@ def resolve_policy_args(policy: str, user_args: Mapping[str, Any], budget: int |
 
     args = {**(task_args or {}), **user_args}
     name = budget_field(policy)
-    if name and name not in args and budget is not None:
+    if name and name not in args and "budget_ratio" not in args and budget is not None:
         args[name] = max(block_size, budget // block_size * block_size)
     try:
         instance = build_policy(policy, args)
@@ -306,6 +309,7 @@ def output_record(problem: Problem, sample: int, seed: int, segment: int, out: A
         "avg_kv_budget": out.avg_kv_budget,
         "avg_kv_allocated": out.avg_kv_allocated,
         "avg_kv_kept": out.avg_kv_kept,
+        "final_kv_len": out.final_kv_len,
         "peak_kv_capacity": max(trace) if trace else None,
         "preemptions": out.num_preemptions,
         "events": kinds,
@@ -491,6 +495,13 @@ def run_eval(settings: EvalSettings, hooks: EvalHooks | None = None) -> EvalOutc
     policy_args = resolve_policy_args(settings.policy, settings.policy_args, budget, block_size,
                                       task.policy_args_for(settings.policy))
     label = R.run_label(settings.policy, settings.policy_args)
+    matched = None
+    if settings.match_budget_to is not None:  # Kara's comparison protocol (evals.matched_budget)
+        from evals import matched_budget
+
+        matched = matched_budget.load(settings.match_budget_to)
+        matched.check_run(settings.model, settings.task, settings.policy)
+        label = matched.run_label(label)
     path = R.run_dir(settings.out, settings.model, settings.task, label)
     try:  # before anything heavy loads: a run that cannot write its results must not start
         R.check_writable(path)
@@ -501,7 +512,7 @@ def run_eval(settings: EvalSettings, hooks: EvalHooks | None = None) -> EvalOutc
                         f"--out") from None
     with R.RunLock(path), interrupts.StopSignals() as stops:
         outcome = _run_locked(settings, hooks, task, preset, defaults, block_size, budget,
-                              policy_args, label, path)
+                              policy_args, label, path, matched)
         if stops.again.is_set() or stops.signal:  # a signal while the run was finishing
             outcome.interrupted = True
         outcome.stop_signal = outcome.stop_signal or stops.signal
@@ -509,7 +520,8 @@ def run_eval(settings: EvalSettings, hooks: EvalHooks | None = None) -> EvalOutc
 
 
 def _run_locked(settings: EvalSettings, hooks: EvalHooks, task, preset: str, defaults,
-                block_size: int, budget, policy_args: dict, label: str, path: Path) -> EvalOutcome:
+                block_size: int, budget, policy_args: dict, label: str, path: Path,
+                matched=None) -> EvalOutcome:
     """run_eval's work once the run directory is locked."""
     from engine.config import ConfigError
     from engine.models.loader import ModelLoadError, load_tokenizer, resolve_model
@@ -552,6 +564,8 @@ def _run_locked(settings: EvalSettings, hooks: EvalHooks, task, preset: str, def
         "fidelity": settings.fidelity, "task_defaults": dataclasses.asdict(defaults),
         "skipped_rows": [dataclasses.asdict(s) for s in problems.skipped],
     }
+    if matched is not None:
+        config["match_budget_to"] = matched.describe()
     if stored is not None:
         R.check_identity(stored, config, path)
         check_data(stored, config, path, settings, hooks)
@@ -569,6 +583,8 @@ def _run_locked(settings: EvalSettings, hooks: EvalHooks, task, preset: str, def
         hooks.on_plan(path, list(todo))
     if settings.only_keys is not None:
         todo = [k for k in todo if k in settings.only_keys]
+    if matched is not None:
+        matched.check_samples(todo, settings.policy, policy_args)
     outcome = EvalOutcome(path, label, settings.task, {}, resumed=len(plan.keys) - len(todo),
                           skipped_rows=config["skipped_rows"])
     hooks.on_start(label, settings.task, len(plan.keys), len(todo), path)
@@ -576,7 +592,7 @@ def _run_locked(settings: EvalSettings, hooks: EvalHooks, task, preset: str, def
         segment = R.next_segment(path, loaded.records.values())
         try:
             _generate(settings, config, plan, todo, path, preset, block_size, policy_args,
-                      temperature, max_tokens, hooks, outcome, segment)
+                      temperature, max_tokens, hooks, outcome, segment, matched)
         except ConfigError as e:
             raise EvalError(str(e)) from None
         except (MemoryError, RuntimeError) as e:
@@ -640,7 +656,8 @@ def _segment_settings(settings: EvalSettings, llm) -> dict:
 
 def _generate(settings: EvalSettings, config: dict, plan: Plan, todo: list[R.SampleKey], path: Path,
               preset: str, block_size: int, policy_args: dict, temperature: float, max_tokens: int,
-              hooks: EvalHooks, outcome: EvalOutcome, segment: int) -> None:
+              hooks: EvalHooks, outcome: EvalOutcome, segment: int,
+              matched=None) -> None:
     from engine.sampling import SamplingParams
     from evals.tasks import render_prompt
 
@@ -693,7 +710,9 @@ def _generate(settings: EvalSettings, config: dict, plan: Plan, todo: list[R.Sam
                 hooks.on_message(f"{uid} sample {j}: {reason}; recorded as failed")
                 continue
             prompts.append(ids)
-            params.append(SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed))
+            own = None if matched is None else matched.budget_for(uid, j, len(ids))
+            params.append(SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed,
+                                         kv_budget=own))
             keys.append((problem, j, seed))
         if prompts and fid is not None:
             params = fid.run_params(params)

@@ -27,9 +27,15 @@ declare -A SAMPLES=([gsm8k]=1 [math500]=2 [amc23]=4 [aime24]=4 [livecodebench]=4
 GROWPAGE_START="-a growpage:initial_capacity=64 -a growpage-random:initial_capacity=64
           -a growpage-inverse:initial_capacity=64 -a growpage-shrink:initial_capacity=64
           -a growpage-shrink:min_capacity=64"
+# Zipage runs with its redundancy term, as Zipage's own evaluation script does (lambda 0.2,
+# temperature 0.4, per page; engine/policies/zipage.py).
+ZIPAGE_PAPER="-a zipage:redundancy=true"
+# The decode-time baselines of GrowPage's Table 1 (MorphKV, R-KV, G-KV) and the classic ones
+# (StreamingLLM, H2O, TOVA), at the same fixed budget as Zipage.
+BASELINES="--policy rkv --policy morphkv --policy gkv --policy streamingllm --policy h2o --policy tova"
 POLICIES="--policy full --policy zipage --policy snapkv --policy chunkkv --policy growpage
           --policy growpage-fixed --policy growpage-random --policy growpage-inverse
-          --policy growpage-shrink --policy kara $GROWPAGE_START"
+          --policy growpage-shrink --policy kara $BASELINES $ZIPAGE_PAPER $GROWPAGE_START"
 # Kara's default KvLLM schedule fires every T = 160 engine steps (CPU preset: |W| = 128, one block
 # more) on each request's trailing window, so within 192 output tokens it compresses at most once.
 # The paper's accuracy setting (Fig. 5, Table 1) has no periodic policy: every window is
@@ -40,6 +46,11 @@ POLICIES="--policy full --policy zipage --policy snapkv --policy chunkkv --polic
 KARA_TABLE1="--policy kara --policy kara-wo-biattn --policy kara-wo-t2c
           --policy-arg schedule=window_fill"
 KARA_NIAH_ABLATIONS="--policy kara-wo-biattn --policy kara-wo-t2c"
+# Kara's Fig. 5 protocol: each baseline sample's budget is the compressed length Kara (window-fill,
+# the accuracy setting) realised on it (evals/matched_budget.py). MODEL is the results tree's model
+# directory.
+MODEL_DIR=${MODEL_DIR:-smollm2-135m-instruct}
+KARA_MATCHED="--policy snapkv --policy chunkkv --policy streamingllm"
 # One torch thread per process: the reference was run on 2 cores shared with ~10 other jobs, where
 # a second thread spends its time waiting for the first (set THREADS=2 on an idle machine).
 COMMON="--data $DATA --kv-budget 128 --seed 0 --out $OUT --no-leaderboard --threads ${THREADS:-1}"
@@ -60,6 +71,9 @@ run_task() {  # run_task TASK POLICY-OPTIONS...
 
 for task in $TASKS; do
     run_task "$task" $POLICIES
-    if [ "$task" = niah ]; then run_task niah $KARA_NIAH_ABLATIONS; else run_task "$task" $KARA_TABLE1; fi
+    if [ "$task" = niah ]; then run_task niah $KARA_NIAH_ABLATIONS; else
+        run_task "$task" $KARA_TABLE1
+        run_task "$task" $KARA_MATCHED --match-budget-to "$OUT/$MODEL_DIR/$task/kara+schedule=window_fill"
+    fi
 done
 $KV leaderboard $OUT --out $OUT/leaderboard

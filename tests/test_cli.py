@@ -77,7 +77,8 @@ def test_help_lists_come_from_the_registries():
 
 
 def test_fixed_budget_policies_follow_the_budget_field(monkeypatch):
-    assert set(fixed_budget_policies()) == {"zipage", "snapkv", "chunkkv", "growpage-fixed",
+    assert set(fixed_budget_policies()) == {"zipage", "snapkv", "chunkkv", "growpage-fixed", "rkv",
+                                            "morphkv", "gkv", "streamingllm", "h2o", "tova",
                                             "pyramidkv", "adakv"}
 
     @dataclasses.dataclass

@@ -10,6 +10,8 @@ When the scheduler asks:
   current pages) or SHRINK (compact and return pages).
 - `fallback(view)`: a GROW found no free page. Answer a compression, or None to let the scheduler
   preempt.
+- `on_admit(state, num_prompt_tokens, kv_budget)`: once, when a request is added (a fixed-budget
+  policy resolves the request's own budget: `SamplingParams.kv_budget` or `budget_ratio`).
 - `after_prefill(view, final)`: after each prefill chunk (final=True after the last one). Prompt
   compression (SnapKV/ChunkKV/Kara) and re-compression of a re-admitted (preempted) request live here
   (the per-request state survives preemption; `on_preempt(state)` is called at each preemption).
@@ -228,6 +230,15 @@ class KVPolicy:
         """Per-request state, created once when the request is added. It survives preemption (so a
         policy can remember the capacity a request had); `on_preempt` is called at each one."""
         return None
+
+    def on_admit(self, state: Any, num_prompt_tokens: int, kv_budget: int | None) -> None:
+        """Called once when a request is added, after `new_state`: `kv_budget` is the request's own
+        budget (`SamplingParams.kv_budget`, tokens) or None. A fixed-budget policy resolves the
+        request's budget here (fixed_budget.py); the others take none. Raise ConfigError for a
+        budget that cannot be met: the request is refused before anything runs."""
+        if kv_budget is not None:
+            raise ConfigError(f"policy {self.name!r} takes no per-request KV budget "
+                              f"(got kv_budget={kv_budget}); use a fixed-budget policy")
 
     def on_preempt(self, state: Any) -> None:
         """The request lost all its KV and will be re-prefilled (prompt + generated tokens); reset

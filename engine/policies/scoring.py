@@ -136,6 +136,80 @@ def observation_scores(queries: torch.Tensor, keys: torch.Tensor,
     return torch.cat(out, dim=0)
 
 
+def grouped_logit_probs(queries: torch.Tensor, keys: torch.Tensor, key_end: int, *,
+                        group_reduce: str = "max", scale: float | None = None) -> torch.Tensor:
+    """Softmax over keys `[0, key_end)` of logits already reduced over each GQA group.
+
+    R-KV (`compute_attention_scores`) takes the max of the group's raw logits and MorphKV sums them
+    before one softmax per KV head; this differs from a softmax per query head (observation_probs)
+    followed by a group reduction. Only keys before `key_end` (the slots before the recent window)
+    enter the softmax, so every window query sees all of them and no causal mask is needed.
+
+    queries: `[layers, n, q_heads, head_dim]`; keys: `[layers, kv_heads, length, head_dim]`.
+    Returns float32 `[layers, kv_heads, n, key_end]`.
+    """
+    if group_reduce not in ("max", "sum"):
+        raise ValueError(f"group_reduce must be 'max' or 'sum', got {group_reduce!r}")
+    layers, n, q_heads, dim = queries.shape
+    kv_heads = keys.shape[1]
+    group = q_heads // kv_heads
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    q = queries.float().reshape(layers, n, kv_heads, group, dim)
+    logits = torch.einsum("lnkgd,lktd->lkgnt", q, keys[:, :, :key_end].float()) * scale
+    reduced = logits.amax(dim=2) if group_reduce == "max" else logits.sum(dim=2)  # [L, kvh, n, T']
+    return torch.softmax(reduced, dim=-1)
+
+
+def key_redundancy(keys: torch.Tensor, *, threshold: float = 0.5, temperature: float = 1.0,
+                   block: int | None = None) -> torch.Tensor:
+    """R-KV's redundancy score of every key (R-KV Sec. 3, `rkv/utils.py cal_similarity`).
+
+    Per (layer, KV head): cosine similarity S[i, j] between the L2-normalised keys, diagonal
+    zeroed. For each key i, its most recent similar key (the largest j with S[i, j] > threshold)
+    is spared: S[i, j] := 0, so the newest copy of a repeated token is not penalised. The
+    redundancy of key j is softmax_j(mean_i S[i, j] / temperature). R-KV uses temperature 1;
+    Zipage's redundancy term uses 0.4. Departure: R-KV's code also zeroes S[i, 0] when key i has
+    no similar key (an artefact of its max over masked indices); here only a similar key is spared.
+    block: compare each key only with keys of its own page and divide by the page size instead of
+    the length (Zipage's "lightning" variant, `lightning_redudancy_score.py`); None: all pairs.
+
+    keys: `[layers, kv_heads, length, head_dim]`. Returns float32 `[layers, kv_heads, length]`.
+    One layer at a time bounds the temporary similarity matrix to `[kv_heads, length, length]`.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    out = []
+    for layer in keys:                                             # [H, T, d]
+        k = layer.float()
+        k = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
+        sim = k @ k.transpose(-1, -2)                              # [H, T, T]
+        length = sim.shape[-1]
+        sim.diagonal(dim1=-2, dim2=-1).zero_()
+        idx = torch.arange(length, device=sim.device)
+        if block is not None:
+            sim.masked_fill_((idx // block)[:, None] != (idx // block)[None, :], 0.0)
+        similar = sim > threshold                                   # bool [H, T, T]
+        has = similar.any(dim=-1)                                   # [H, T]
+        # the last True of each row: the first of the reversed row (uint8 keeps it 1 byte a pair)
+        last = length - 1 - similar.flip(-1).to(torch.uint8).argmax(dim=-1)
+        rows = idx.expand_as(last)
+        sim[has.nonzero(as_tuple=True)[0], rows[has], last[has]] = 0.0
+        mean = sim.sum(dim=-2) / (length if block is None else block)
+        out.append(torch.softmax(mean / temperature, dim=-1))
+    return torch.stack(out)
+
+
+def max_normalise(scores: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:
+    """Divide each row by its maximum (G-KV normalises attention and redundancy this way before
+    mixing them): `[..., length] -> [..., length]`."""
+    return scores / scores.amax(dim=-1, keepdim=True).clamp_min(eps)
+
+
+def mix_redundancy(importance: torch.Tensor, redundancy: torch.Tensor, lam: float) -> torch.Tensor:
+    """R-KV's final score `lam * importance - (1 - lam) * redundancy` (same shapes)."""
+    return importance * lam - redundancy * (1.0 - lam)
+
+
 def observation_queries(view: Any, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The last (up to) n post-RoPE queries of a sequence and their causal key limits.
 

@@ -17,8 +17,10 @@ because neighbouring slots of a compacted layout are not neighbouring tokens).
 
 Defaults (paper/scripts -> here). Zipage's Config defaults every option off; its evaluation script
 (`scripts/mathbench.sh`) enables the global score (decay 0.8) and pooling (kernel 5, hard-coded in
-its runner), not the attention sink, plus lightning redundancy scoring, which is not implemented
-here (out of scope; R-KV-style redundancy would be a separate scorer). We follow the script:
+its runner), not the attention sink, plus lightning redundancy scoring (lambda 0.2, temperature
+0.4). The redundancy term is here an option, off by default so that results recorded without it
+keep their meaning: `redundancy=True` gives the script's setting (below). We follow the script
+for the rest:
 
 | knob            | Zipage paper/script            | kvarena default (CPU preset)            |
 |-----------------|--------------------------------|-----------------------------------------|
@@ -28,7 +30,22 @@ here (out of scope; R-KV-style redundancy would be a separate scorer). We follow
 | global score    | on, decay 0.8 (Config: off)    | on, 0.8                                 |
 | pooling         | on, max-pool 5 (Config: off)   | on, 5, first compression only           |
 | attention sink  | off, sink_len 4                | off, 4                                  |
+| redundancy      | on in the script, lightning,   | off (`redundancy=True`: lambda 0.2,     |
+|                 | lambda 0.2, temperature 0.4    | temperature 0.4, per page)              |
+|                 | (Config: off, 0.2, 0.4)        |                                         |
 | layer_stride    | 8 layers per scoring launch    | 8                                       |
+
+Redundancy (reference notes B.5 step 5, R-KV's term; scoring.key_redundancy): after pooling, the
+score becomes `lambda * score - (1 - lambda) * redundancy`, where a key's redundancy is the softmax
+(temperature 0.4) over the sequence of its mean cosine similarity to the other keys of its page
+("lightning": pairs within a page, divided by the page size; `redundancy_scope="all"` compares all
+pairs and divides by the length, Zipage's raw variant), its most recent similar copy (cosine >
+0.5) spared. The persisted global score stays the attention score, as in Zipage's pipeline. Zipage
+does not say whether the page is the physical page of a compacted layout; here it is (slots
+[k*b, (k+1)*b)).
+
+A request's own budget (`SamplingParams.kv_budget`, `budget_ratio`; fixed_budget.py) is rounded
+down to whole pages (less than a page is refused), since Compress & Hold compacts to whole pages.
 
 Departures from Zipage, chosen for the engine's contract: a prompt (or a re-admitted request,
 re-prefilled with its output after a preemption) longer than `budget` is compressed to `budget`
@@ -53,9 +70,11 @@ from engine.policies.base import (
     StageTimer,
     register_policy,
 )
-from engine.policies.fixed_budget import FixedBudgetPolicy
+from engine.policies.fixed_budget import BudgetState, FixedBudgetPolicy
 from engine.policies.scoring import (
     decayed_max,
+    key_redundancy,
+    mix_redundancy,
     observation_queries,
     observation_scores,
     pool1d,
@@ -63,10 +82,12 @@ from engine.policies.scoring import (
     topk_keep,
 )
 
+REDUNDANCY_SCOPES = ("block", "all")
+
 
 @dataclass
-class ZipageState:
-    """Per-request state.
+class ZipageState(BudgetState):
+    """Per-request state (plus the request's own budget, BudgetState).
 
     compressed: the request was compacted at least once since admission (pooling stops then).
     scored_len: slots [0, scored_len) hold a persisted global score from the last compaction; later
@@ -110,6 +131,8 @@ class Zipage(FixedBudgetPolicy):
     use_global_score / decay: persistent per-slot score max(new, decay * old).
     pooling / pooling_kernel / continue_pooling: max-pool smoothing of the scores (odd kernel).
     attention_sink / sink_len: always keep the first sink_len slots.
+    redundancy / redundancy_lambda / redundancy_temperature / redundancy_scope: R-KV-style key
+        redundancy mixed into the score (Zipage's script: on, 0.2, 0.4, "block" = lightning).
     layer_stride: layers scored at once (bounds the temporary attention probabilities).
     """
 
@@ -123,6 +146,10 @@ class Zipage(FixedBudgetPolicy):
     continue_pooling: bool = False
     attention_sink: bool = False
     sink_len: int = 4
+    redundancy: bool = False
+    redundancy_lambda: float = 0.2
+    redundancy_temperature: float = 0.4
+    redundancy_scope: str = "block"
     layer_stride: int = 8
 
     def __post_init__(self) -> None:
@@ -139,6 +166,15 @@ class Zipage(FixedBudgetPolicy):
                 f"got {self.sink_len}")
         if self.layer_stride < 1:
             raise ConfigError(f"zipage: layer_stride must be >= 1, got {self.layer_stride}")
+        if not 0.0 <= self.redundancy_lambda <= 1.0:
+            raise ConfigError(
+                f"zipage: redundancy_lambda must be in [0, 1], got {self.redundancy_lambda}")
+        if not self.redundancy_temperature > 0:
+            raise ConfigError(
+                f"zipage: redundancy_temperature must be > 0, got {self.redundancy_temperature}")
+        if self.redundancy_scope not in REDUNDANCY_SCOPES:
+            raise ConfigError(f"zipage: redundancy_scope must be one of {list(REDUNDANCY_SCOPES)}, "
+                              f"got {self.redundancy_scope!r}")
         self._check_budget()
 
     @property
@@ -152,12 +188,17 @@ class Zipage(FixedBudgetPolicy):
     def bind(self, engine: EngineSpec) -> None:
         super().bind(engine)
         b = engine.block_size
-        if self.budget % b:
+        if self.budget is not None and self.budget % b:
             lower, upper = (self.budget // b) * b, (self.budget // b + 1) * b
             hint = f"{lower} or {upper}" if lower > 0 else f"{upper}"
             raise ConfigError(
                 f"zipage: budget ({self.budget}) must be a multiple of the page size {b} "
                 f"(e.g. {hint})")
+
+    def align_budget(self, tokens: int) -> int:
+        """Whole pages: a request's own budget rounded down to a page multiple (below one page it
+        becomes 0 and is refused)."""
+        return tokens // self.block_size * self.block_size
 
     # -- signals and state ---------------------------------------------------------------------
     def signals(self) -> SignalSpec:
@@ -188,6 +229,10 @@ class Zipage(FixedBudgetPolicy):
                 pool_kernel=self.pooling_kernel if pool else 1, layer_stride=self.layer_stride)
             if self.use_global_score:
                 view.set_slot_scores(persist)
+            if self.redundancy:
+                block = self.block_size if self.redundancy_scope == "block" else None
+                red = key_redundancy(keys, temperature=self.redundancy_temperature, block=block)
+                score = mix_redundancy(score, red, self.redundancy_lambda)
         with timer.stage("window_mask"):
             protected = protected_mask(score.shape[-1], self.window,
                                        self.sink_len if self.attention_sink else 0, score.device)
