@@ -96,6 +96,8 @@ def execute(job: CompactionJob, policy: KVPolicy, view: PolicyView, kv: KVCache)
         )
     if not keep.is_cuda and target > 1 and not bool((keep[..., 1:] > keep[..., :-1]).all()):
         raise PolicyError(f"{policy.name}.select must return each row's slots strictly ascending")
+    if seq.kept_trace is not None:  # opt-in (EngineConfig.trace_kept): positions, not slots
+        seq.kept_trace.compacted(seq.num_computed, seq.physical_len, keep)
     with job.timer.stage("compaction"):
         bs = kv.block_size
         old = upload(seq.block_table, kv.k.device)
@@ -123,6 +125,8 @@ def finalize(job: CompactionJob, bm: BlockManager) -> CapacityEvent:
         stages=dict(job.timer.stages),
     )
     seq.events.append(event)
+    if seq.kept_trace is not None:
+        seq.kept_trace.finished(len(seq.events) - 1)
     return event
 
 

@@ -49,6 +49,9 @@ class EngineConfig:
         back to the policy's compression (GrowPage Sec. 4.2). int(watermark x pages) pages, as
         vLLM's block manager computes its 1% watermark; page allocation ignores it.
     seed: base seed; a request without its own seed gets seed + its request index.
+    trace_kept: record, per compaction, the logical positions each (layer, KV head) kept
+        (engine.kept_trace; RequestOutput.kept). Off by default: it costs a host copy per
+        compaction.
     """
 
     model: str = "smollm2-135m-instruct"
@@ -67,6 +70,7 @@ class EngineConfig:
     async_compaction: bool = False
     grow_watermark: float = 0.01
     seed: int = 0
+    trace_kept: bool = False
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
