@@ -85,6 +85,8 @@ class EvalSettings:
     retry_failed: rerun samples recorded as failed for an engine reason (prompt longer than the
         context or the pool) even when the engine settings are those that failed them (they are
         retried anyway when ``kv_cache_tokens`` or ``max_num_seqs`` changed).
+    trace_kept: also record, per compaction, which prompt positions each layer and KV head kept
+        (engine.kept_trace) into traces.jsonl (evals.traces); off by default.
     """
 
     task: str
@@ -109,6 +111,7 @@ class EvalSettings:
     grading_timeout_s: float = 10.0
     fidelity: bool = True
     retry_failed: bool = False
+    trace_kept: bool = False
     only_keys: frozenset | None = None  # run only these (uid, sample) keys (evals.distributed)
 
     def __post_init__(self) -> None:
@@ -458,7 +461,8 @@ def run_eval(settings: EvalSettings, hooks: EvalHooks | None = None) -> EvalOutc
         "samples": n_samples, "limit": settings.limit, "problems": len(problems),
         "samples_planned": len(plan.keys), "kv_budget": budget,
         "kv_cache_tokens": settings.kv_cache_tokens, "max_num_seqs": settings.max_num_seqs,
-        "fidelity": settings.fidelity, "task_defaults": dataclasses.asdict(defaults),
+        "fidelity": settings.fidelity, "trace_kept": settings.trace_kept,
+        "task_defaults": dataclasses.asdict(defaults),
         "skipped_rows": [dataclasses.asdict(s) for s in problems.skipped],
     }
     if (path / R.CONFIG_FILE).exists():
@@ -526,6 +530,8 @@ def _generate(settings: EvalSettings, config: dict, plan: Plan, todo: list[R.Sam
                          max_num_seqs=settings.max_num_seqs, seed=settings.seed)
     if settings.kv_cache_tokens is not None:
         engine_kwargs["kv_cache_tokens"] = settings.kv_cache_tokens
+    if settings.trace_kept:
+        engine_kwargs["trace_kept"] = True
     fid = None
     if settings.fidelity:  # the FullKV reference first: on a GPU it must load before the policy
         from evals import fidelity
@@ -586,6 +592,7 @@ def _generate(settings: EvalSettings, config: dict, plan: Plan, todo: list[R.Sam
             R.end_progress(path)
         if fid is not None:
             fid.write_timing(path, segment)
+            fid.write_forced(path, segment)
     except BaseException:
         _ENGINES.clear()  # an engine stopped mid-run may hold pages of unfinished requests
         raise
@@ -634,6 +641,9 @@ def _engine(model: str, engine_kwargs: dict, hooks: EvalHooks):
 
 def _stream(llm, prompts, params, keys, writer, segment, path, settings, hooks, outcome, fid=None) -> None:
     """Generate, hand finished requests to the grader, record the segment (also when stopped)."""
+    from evals.traces import TRACES_FILE, TraceWriter, trace_line
+
+    traces = TraceWriter(path / TRACES_FILE)
     grader = BackgroundGrader(writer, hooks.on_sample, workers=settings.grading_workers,
                               timeout_s=settings.grading_timeout_s)
     finished_tokens = 0
@@ -648,6 +658,8 @@ def _stream(llm, prompts, params, keys, writer, segment, path, settings, hooks, 
             problem, j, seed = keys[out.index]
             record = output_record(problem, j, seed, segment, out)
             record.update(fid.fields(fid.requests[out.index], out) if fid else fidelity_none())
+            traces.write(trace_line(problem.uid, j, segment, out, prompts[out.index], problem.meta,
+                                    llm.tokenizer.decode))
             finished_tokens += out.num_output_tokens
             outcome.ran += 1
             # The segment's totals so far, on disk before this sample's line can be: after a
@@ -672,6 +684,7 @@ def _stream(llm, prompts, params, keys, writer, segment, path, settings, hooks, 
         if status != "complete" and grader.pending:
             hooks.on_message(f"grading the {grader.pending} finished sample(s) before stopping")
         grader.close()
+        traces.close()
         R.append_segment(path / R.SEGMENTS_FILE, {
             **line, "status": status, "wall_time": wall, "samples": outcome.ran,
             "output_tokens": finished_tokens, "stats": stats,
