@@ -21,6 +21,7 @@ so traces are sampled (``Limits``) and ``notes`` says what was left out.
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,15 +45,26 @@ from evals.traces import read_traces
 COLUMNS = (
     ("pass@1", "pass@1 (%)", 100.0, 1),
     ("mean_score", "NIAH score", 1.0, 3),
-    ("fid_delta_nll", "delta-NLL (nats/token)", 1.0, 4),
-    ("fid_worst_window", "worst 32-token window", 1.0, 3),
-    ("fid_agreement", "token agreement (%)", 100.0, 1),
-    ("fid_first_divergence", "first divergence (token)", 1.0, 1),
+    ("fid_delta_nll", "delta-NLL", 1.0, 4),
+    ("fid_worst_window", "worst window", 1.0, 3),
+    ("fid_agreement", "agreement (%)", 100.0, 1),
+    ("fid_first_divergence", "first divergence", 1.0, 1),
     ("avg_kv_budget", "avg KV budget", 1.0, 0),
     ("avg_kv_allocated", "avg KV allocated", 1.0, 0),
-    ("tps", "TPS (tok/s, run-level)", 1.0, 1),
+    ("tps", "TPS", 1.0, 1),
     ("grow_ratio", "grow ratio", 1.0, 3),
 )
+# Header tooltips: units and definitions (docs/metrics.md).
+COLUMN_HELP = {
+    "fid_delta_nll": "mean over FullKV's continuation of the policy's NLL minus FullKV's (nats/token)",
+    "fid_worst_window": "largest mean delta-NLL over 32 consecutive reference tokens (nats/token)",
+    "fid_agreement": "share of FullKV's tokens the free generation reproduces at the same position",
+    "fid_first_divergence": "first output position that differs from FullKV's, mean over diverging samples",
+    "avg_kv_budget": "the policy's KV budget per decode step, mean over requests (tokens)",
+    "avg_kv_allocated": "KV slots held per decode step, mean over requests (tokens)",
+    "tps": "output tokens per second of the run, timed alone (no interval: run-level)",
+    "grow_ratio": "grow decisions / all capacity decisions (GrowPage Table 9)",
+}
 # Settings that must match FullKV's run of the same model and task for a row to compare with it.
 COMPARED_SETTINGS = ("max_tokens", "temperature", "seed", "data_source", "task_options", "preset",
                      "samples", "limit", "thinking", "block_size")
@@ -179,7 +191,8 @@ def _run_entry(run: RunResult, roots: Sequence[str | Path], prov: list[str], rea
         "path": relative_path(run, roots), "prov": "+".join(prov),
         "complete": bool(m.get("complete", True)), "samples_done": m.get("samples_done"),
         "samples_planned": m.get("samples_planned"), "failed": m.get("failed", 0),
-        "figures": {key: _figure(m, key, scale) for key, _, scale, _ in COLUMNS},
+        "figures": {key: _figure(m, key, scale) for key, _, scale, _ in COLUMNS
+                    if key != "mean_score" or run.task == "niah"},  # elsewhere it is pass@1
         "events": m.get("events") or {}, "comparable": not reasons, "reasons": reasons,
         "cautions": cautions,
         "has_traces": bool(traces), "has_kept": any("kept" in t for t in traces.values()),
@@ -204,7 +217,7 @@ def _sample_entries(run: RunResult, records: Sequence[dict], traces: Mapping, fo
                     refs: Mapping, pieces: Pieces, references: dict, limits: Limits,
                     notes: _Notes) -> list[dict]:
     spec = str(run.config.get("model_spec") or run.model)
-    shown = sorted(records, key=lambda r: (str(r["uid"]), int(r["sample"])))
+    shown = sorted(records, key=lambda r: (natural_key(str(r["uid"])), int(r["sample"])))
     if len(shown) > limits.samples_per_run:
         notes.add(f"Per-sample view: the first {limits.samples_per_run} samples of each run "
                   f"(in problem order) are shown; {run_id(run)} has {len(shown)}.")
@@ -236,6 +249,11 @@ def _sample_entries(run: RunResult, records: Sequence[dict], traces: Mapping, fo
             "deltas": deltas, "events": rec.get("events") or {},
         })
     return out
+
+
+def natural_key(text: str) -> list:
+    """``gsm8k/2`` before ``gsm8k/10``."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
 
 
 def _short_meta(meta: Mapping[str, Any]) -> dict:
@@ -353,7 +371,7 @@ def capacity_section(runs: Sequence[RunResult], traces: Mapping[str, Mapping], l
         t_run = traces[run_id(run)]
         if not t_run:
             continue
-        keys = sorted(t_run)
+        keys = sorted(t_run, key=lambda k: (natural_key(k[0]), k[1]))
         if len(keys) > limits.capacity_requests:
             cut_requests.append(run_id(run))
             keys = keys[:limits.capacity_requests]
@@ -371,7 +389,7 @@ def capacity_section(runs: Sequence[RunResult], traces: Mapping[str, Mapping], l
             group["requests"].add(f"{key[0]}|{key[1]}")
         group["runs"][run_id(run)] = series
     for group in out.values():
-        group["requests"] = sorted(group["requests"])
+        group["requests"] = sorted(group["requests"], key=natural_key)
     if cut_requests:
         notes.add(f"Capacity view: the first {limits.capacity_requests} requests of each run are "
                   f"shown ({', '.join(cut_requests)} have more).")
@@ -450,7 +468,8 @@ def build_data(dirs: Sequence[str | Path], limits: Limits | None = None,
         "title": "kvarena report",
         "generated_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
         "roots": [Path(d).as_posix() for d in dirs],
-        "columns": [{"key": k, "title": t, "decimals": d} for k, t, _, d in COLUMNS],
+        "columns": [{"key": k, "title": t, "decimals": d, "help": COLUMN_HELP.get(k, t)}
+                    for k, t, _, d in COLUMNS],
         "runs": entries,
         "samples": samples,
         "references": references,

@@ -35,12 +35,21 @@
   }
   function svgTitle(text) { var t = svg("title"); t.textContent = text; return t; }
   function clear(node) { while (node.firstChild) { node.removeChild(node.firstChild); } return node; }
-  function fmt(v, d) { return (v === null || v === undefined || isNaN(v)) ? "-" : Number(v).toFixed(d); }
+  function fmt(v, d) {
+    if (v === null || v === undefined || isNaN(v)) { return "-"; }
+    var text = Number(v).toFixed(d);
+    return /^-[0.]+$/.test(text) ? text.slice(1) : text;  /* no "-0.000" */
+  }
   function uniq(xs) { return xs.filter(function (x, i) { return xs.indexOf(x) === i; }); }
   function option(value, text, selected) {
     var o = el("option", {value: value, text: text});
     if (selected) { o.selected = true; }
     return o;
+  }
+  function niceStep(max) {
+    var raw = Math.max(1, max) / 5, mag = Math.pow(10, Math.floor(Math.log10(raw)));
+    var f = raw / mag;
+    return Math.max(1, (f <= 1 ? 1 : f <= 2 ? 2 : f <= 5 ? 5 : 10) * mag);
   }
   function expandRuns(runs) {
     var out = [];
@@ -73,7 +82,9 @@
   }
 
   /* ---------------------------------------------------------------- leaderboard */
-  var board = {task: "", model: "", policy: "", comparable: false, sort: null, dir: 1};
+  var board = {task: "", model: "", policy: "", comparable: false, sort: null, dir: 1, more: false};
+  /* Shown by default; the others behind "more columns". */
+  var MAIN_COLUMNS = ["pass@1", "mean_score", "fid_delta_nll", "fid_agreement", "avg_kv_budget", "tps"];
 
   function figureCell(fig, d, pct) {
     if (!fig) { return el("td", {text: "-"}); }
@@ -103,6 +114,9 @@
     c.appendChild(el("label", null, ["model ", msel]));
     c.appendChild(el("label", null, ["policy ", ptext]));
     c.appendChild(el("label", null, [cb, " comparable rows only"]));
+    var more = el("input", {type: "checkbox", id: "f-more",
+      onchange: function () { board.more = this.checked; renderBoard(); }});
+    c.appendChild(el("label", null, [more, " more columns (worst window, first divergence, KV allocated, grow ratio)"]));
   }
 
   function sortValue(r, key) {
@@ -119,8 +133,9 @@
         (!board.comparable || r.comparable);
     });
     var cols = DATA.columns.filter(function (c) {
-      return DATA.runs.some(function (r) { return r.figures[c.key]; });
+      return (board.more || MAIN_COLUMNS.indexOf(c.key) >= 0) && DATA.runs.some(function (r) { return r.figures[c.key]; });
     });
+    var oneModel = uniq(DATA.runs.map(function (r) { return r.model; })).length === 1;
     if (board.sort) {
       rows = rows.slice().sort(function (a, b) {
         var x = sortValue(a, board.sort), y = sortValue(b, board.sort);
@@ -129,32 +144,34 @@
         return (x < y ? -1 : x > y ? 1 : 0) * board.dir;
       });
     }
-    function head(key, title, cls) {
+    function head(key, title, cls, help) {
       var arrow = board.sort === key ? (board.dir > 0 ? " \u25b2" : " \u25bc") : "";
-      return el("th", {cls: "sortable " + (cls || ""), title: "sort by " + title, onclick: function () {
+      return el("th", {cls: "sortable " + (cls || ""), title: (help ? help + "; " : "") + "click to sort", onclick: function () {
         board.dir = board.sort === key ? -board.dir : 1; board.sort = key; renderBoard();
       }}, [title, el("span", {cls: "arrow", text: arrow})]);
     }
-    var thead = el("tr", null, [head("model", "model", "text"), head("task", "task", "text"),
-      head("label", "method", "text")].concat(cols.map(function (c) { return head(c.key, c.title); }))
-      .concat([head("samples", "samples"), head("prov", "prov", "text")]));
+    var thead = el("tr", null, (oneModel ? [] : [head("model", "model", "text")]).concat([head("task", "task", "text"),
+      head("label", "method", "text"), head("prov", "prov", "text")]).concat(cols.map(function (c) { return head(c.key, c.title, "", c.help); }))
+      .concat([head("samples", "samples")]));
     var body = rows.map(function (r) {
       var pct = function (c) { return c.key === "pass@1" || c.key === "fid_agreement"; };
       var method = el("td", {cls: "text method", title: r.path}, [r.label]);
       if (!r.comparable) {
         method.appendChild(el("div", {cls: "reasons", text: "\u26a0 not comparable: " + r.reasons.join("; ")}));
       }
-      var cells = [el("td", {cls: "text", text: r.model}), el("td", {cls: "text", text: r.task_title}), method];
-      cols.forEach(function (c) { cells.push(figureCell(r.figures[c.key], c.decimals, pct(c))); });
-      cells.push(el("td", {text: r.samples_done + " / " + r.samples_planned + (r.failed ? " (" + r.failed + " failed)" : "")}));
+      var cells = (oneModel ? [] : [el("td", {cls: "text", text: r.model})]).concat(
+        [el("td", {cls: "text", text: r.task_title}), method]);
       var prov = el("td", {cls: "text", text: r.prov + (r.cautions.length ? " \u2260" : "")});
       if (r.cautions.length) { prov.title = r.cautions.join("; "); prov.className = "text caution"; }
       cells.push(prov);
+      cols.forEach(function (c) { cells.push(figureCell(r.figures[c.key], c.decimals, pct(c))); });
+      cells.push(el("td", {text: r.samples_done + " / " + r.samples_planned + (r.failed ? " (" + r.failed + " failed)" : "")}));
       return el("tr", {cls: r.comparable ? "" : "flagged"}, cells);
     });
     var table = el("table", {id: "leaderboard-table"}, [el("thead", null, [thead]), el("tbody", null, body)]);
     clear(document.getElementById("board")).appendChild(el("div", {cls: "scroll"}, [table]));
-    document.getElementById("board-count").textContent = rows.length + " of " + DATA.runs.length + " runs shown";
+    document.getElementById("board-count").textContent = rows.length + " of " + DATA.runs.length + " runs shown" +
+      (oneModel ? " (model: " + DATA.runs[0].model + ")" : "");
   }
 
   /* ---------------------------------------------------------------- per-sample view */
@@ -249,7 +266,7 @@
     wrap.appendChild(el("div", {cls: "legend"}, [
       el("span", null, [el("span", {cls: "divmark", text: "\u25b6 "}), "first divergence from FullKV"]),
       el("span", null, [el("span", {cls: "grad"}), " forced pass: delta-NLL per reference token, 0 to \u2265 2 nats (blue: the policy is more confident than FullKV)"]),
-      el("span", null, [el("span", {cls: "swatch", style: "background:#fff;border-color:#7a2f8f"}), "policy's tokens after the divergence"])]));
+      el("span", null, [el("span", {cls: "tokens tok after", text: "purple"}), ": the policy's tokens after the divergence"])]));
     var left = el("div", {cls: "pane"}, [el("h4", {text: "FullKV reference continuation" +
       (s.deltas ? " (shaded by the policy's forced-pass delta-NLL)" : run.policy === "full" ? "" : " (no per-token delta-NLL recorded for this run)")})]);
     if (ref) {
@@ -282,8 +299,13 @@
     var box = document.getElementById("niah");
     if (!DATA.niah.length) { box.appendChild(el("p", {cls: "empty", text: "No NIAH runs in these results."})); return; }
     DATA.niah.forEach(function (g, gi) {
-      var head = el("tr", null, [el("th", {cls: "text", text: "policy"})].concat(g.cells.map(function (c) {
-        return el("th", {text: "L" + c[0] + " D" + c[1] + "%", title: "context length " + c[0] + " tokens, needle depth " + c[1] + "%"});
+      var lengths = uniq(g.cells.map(function (c) { return c[0]; }));
+      var top = el("tr", null, [el("th", {cls: "text", text: "context length (tokens) \u2192", rowspan: "1"})].concat(lengths.map(function (n) {
+        var span = g.cells.filter(function (c) { return c[0] === n; }).length;
+        return el("th", {colspan: String(span), style: "text-align:center", text: String(n)});
+      })).concat([el("th", {text: ""})]));
+      var head = el("tr", null, [el("th", {cls: "text", text: "policy \u2193 / needle depth \u2192"})].concat(g.cells.map(function (c) {
+        return el("th", {text: c[1] + "%", title: "context length " + c[0] + " tokens, needle depth " + c[1] + "%"});
       })).concat([el("th", {text: "mean"})]));
       var rows = g.rows.map(function (row) {
         var total = 0, count = 0;
@@ -306,7 +328,7 @@
       });
       box.appendChild(el("h3", {text: g.model + " / " + g.task}));
       box.appendChild(el("div", {cls: "scroll"}, [el("table", {cls: "niah", id: "niah-grid-" + gi},
-        [el("thead", null, [head]), el("tbody", null, rows)])]));
+        [el("thead", null, [top, head]), el("tbody", null, rows)])]));
       box.appendChild(el("div", {cls: "kept-wrap", id: "kept-" + gi}));
     });
     var first = null;
@@ -363,10 +385,12 @@
     var ctx = canvas.getContext("2d");
     ctx.fillStyle = "#ffffff"; ctx.fillRect(0, 0, canvas.width, canvas.height);
     var prompt = entry.prompt_tokens || n;
+    var inNeedle = function (p) { return needle && p >= needle[0] && p < needle[1]; };
     for (var r = 0; r < rows; r++) {
       for (var p = 0; p < n; p++) {
         var kept = bit(r, p);
-        ctx.fillStyle = kept ? (p < prompt ? "#2f5fb3" : "#6a4c93") : (p < prompt ? "#e6e9ef" : "#efe8f5");
+        ctx.fillStyle = inNeedle(p) ? (kept ? "#e07000" : "#fbe3c8") :
+          kept ? (p < prompt ? "#2f5fb3" : "#6a4c93") : (p < prompt ? "#e6e9ef" : "#efe8f5");
         ctx.fillRect(margin + p * cw, top + r * rh, cw, rh - (rh > 2 && (r % H === H - 1) ? 1 : 0));
       }
     }
@@ -374,8 +398,6 @@
     var step = Math.max(1, Math.ceil(L / 10));
     for (var l = 0; l < L; l += step) { ctx.fillText("L" + l, 4, top + (l * H + H / 2) * rh + 3); }
     if (needle) {
-      ctx.fillStyle = "rgba(255,140,0,0.35)";
-      ctx.fillRect(margin + needle[0] * cw, top, Math.max(2, (needle[1] - needle[0]) * cw), rows * rh);
       ctx.fillStyle = "#e07000";
       ctx.fillRect(margin + needle[0] * cw, 2, Math.max(2, (needle[1] - needle[0]) * cw), top - 5);
     }
@@ -388,7 +410,8 @@
       el("span", null, [el("span", {cls: "swatch", style: "background:#2f5fb3"}), "kept prompt position"]),
       el("span", null, [el("span", {cls: "swatch", style: "background:#e6e9ef"}), "evicted"]),
       el("span", null, [el("span", {cls: "swatch", style: "background:#6a4c93"}), "kept generated position"]),
-      el("span", null, [el("span", {cls: "swatch", style: "background:rgba(255,140,0,0.6)"}), "needle span"]),
+      el("span", null, [el("span", {cls: "swatch", style: "background:#e07000"}), "kept needle position"]),
+      el("span", null, [el("span", {cls: "swatch", style: "background:#fbe3c8"}), "evicted needle position"]),
       el("span", null, ["rows: " + L + " layers \u00d7 " + H + " KV heads (layer 0 at the top); columns: the " + n + " positions that existed (prompt " + prompt + ")"])]));
     var summary = "Each head keeps " + c.physical[1] + " of " + n + " positions.";
     if (needle) {
@@ -488,18 +511,22 @@
       x.s.events.forEach(function (e) { maxY = Math.max(maxY, e.physical[0], e.physical[1]); maxX = Math.max(maxX, e.step); });
       x.cap = cap;
     });
-    maxY = Math.ceil(maxY * 1.08);
+    var stepY = niceStep(maxY * 1.05), stepX = niceStep(maxX);
+    maxY = Math.ceil(maxY * 1.05 / stepY) * stepY;
+    maxX = Math.ceil(maxX / stepX) * stepX;
     var sx = function (v) { return ml + (W - ml - mr) * Math.max(0, v) / maxX; };
     var sy = function (v) { return mt + (H - mt - mb) * (1 - v / maxY); };
     var root = svg("svg", {width: W, height: H, viewBox: "0 0 " + W + " " + H, id: "capacity-chart"});
     var axis = svg("g", {"class": "axis"});
     axis.appendChild(svg("line", {x1: ml, y1: sy(0), x2: W - mr, y2: sy(0)}));
     axis.appendChild(svg("line", {x1: ml, y1: mt, x2: ml, y2: sy(0)}));
-    for (var i = 0; i <= 5; i++) {
-      var yv = Math.round(maxY * i / 5), xv = Math.round(maxX * i / 5);
+    for (var yv = 0; yv <= maxY; yv += stepY) {
       var ty = svg("text", {x: ml - 6, y: sy(yv) + 4, "text-anchor": "end"}); ty.textContent = String(yv); axis.appendChild(ty);
       axis.appendChild(svg("line", {x1: ml - 3, y1: sy(yv), x2: ml, y2: sy(yv)}));
+    }
+    for (var xv = 0; xv <= maxX; xv += stepX) {
       var tx = svg("text", {x: sx(xv), y: sy(0) + 14, "text-anchor": "middle"}); tx.textContent = String(xv); axis.appendChild(tx);
+      axis.appendChild(svg("line", {x1: sx(xv), y1: sy(0), x2: sx(xv), y2: sy(0) + 3}));
     }
     var xl = svg("text", {x: (ml + W - mr) / 2, y: sy(0) + 28, "text-anchor": "middle"}); xl.textContent = "decode step (output token)"; axis.appendChild(xl);
     var yl = svg("text", {x: 12, y: (mt + sy(0)) / 2, transform: "rotate(-90 12 " + ((mt + sy(0)) / 2) + ")", "text-anchor": "middle"});
@@ -510,7 +537,10 @@
       if (x.cap.length) {
         var d = "M" + sx(0) + " " + sy(x.cap[0]);
         x.cap.forEach(function (v, k) { d += " L" + sx(k) + " " + sy(v) + " L" + sx(k + 1) + " " + sy(v); });
-        root.appendChild(svg("path", {d: d, fill: "none", stroke: color, "stroke-width": 2, opacity: 0.85},
+        /* Later series are drawn thinner, so lines that coincide (FullKV and a policy that only
+           allocates) stay visible as nested strokes. */
+        root.appendChild(svg("path", {d: d, fill: "none", stroke: color, "stroke-width": Math.max(1.2, 5 - 1.3 * si),
+          "stroke-linejoin": "round", opacity: 0.9},
           [svgTitle(RUNS[x.id].label + ": allocated slots per decode step")]));
       }
       var fr = firingRows.indexOf(x);
@@ -528,7 +558,8 @@
           root.appendChild(svg("line", {x1: xs, y1: sy(e.physical[0]), x2: xs, y2: sy(e.physical[1]), stroke: color, "stroke-width": 1, opacity: 0.6}));
           root.appendChild(marker("periodic", xs, yb, color, title));
         } else {
-          root.appendChild(marker(kind, xs, sy(e.physical[kind === "grow" ? 0 : 1] || 0), kind === "fallback" ? null : null, title));
+          var at = x.cap.length ? x.cap[Math.min(x.cap.length - 1, Math.max(0, e.step))] : e.physical[1];
+          root.appendChild(marker(kind, xs, sy(at), null, title));
         }
       });
       if (fr >= 0) {
@@ -546,7 +577,7 @@
       if (k === "preempt") { s.appendChild(svg("line", {x1: 8, y1: 0, x2: 8, y2: 16, stroke: MARKS[k].color, "stroke-dasharray": "3 2"})); }
       else { s.appendChild(marker(k, 8, 8, null, MARKS[k].text)); }
       return el("span", null, [s, " " + MARKS[k].text]);
-    }).concat([el("span", {text: "Lines: allocated slots (pages \u00d7 block size) after each decode step; markers sit at the physical length after the event (a grow at the length it grew from)."})])));
+    }).concat([el("span", {text: "Lines: allocated slots (pages \u00d7 block size) after each decode step; each decision sits on its policy's line at the step it was taken (hover: slots and pages before \u2192 after)."})])));
   }
 
   /* ---------------------------------------------------------------- config and provenance */
