@@ -563,8 +563,10 @@
         }
       });
       if (fr >= 0) {
-        var t = svg("text", {x: ml - 6, y: sy(0) + 34 + 16 * fr + 10, "text-anchor": "end"});
-        t.textContent = RUNS[x.id].label; root.appendChild(t);
+        var t = svg("text", {x: W - mr, y: sy(0) + 34 + 16 * fr + 10, "text-anchor": "end", fill: color});
+        t.textContent = RUNS[x.id].label + ": periodic firings"; root.appendChild(t);
+        root.appendChild(svg("line", {x1: ml, y1: sy(0) + 34 + 16 * fr + 6, x2: sx(maxX), y2: sy(0) + 34 + 16 * fr + 6,
+          stroke: color, opacity: 0.25}));
       }
       return si;
     });
