@@ -88,6 +88,18 @@ def test_token_span_finds_the_text_it_was_asked_for(model):
     assert T.token_span(tok.decode, ids, "absent") is None
 
 
+def test_pieces_rebuild_the_text_token_by_token(model):
+    from engine.models.loader import load_tokenizer
+    from evals.report.data import Pieces
+
+    tok = load_tokenizer(model)
+    text = "Grandma Rosa's café — 12 × 7 = 84 😀 lavender honey.\nThe answer is 84."
+    ids = tok.encode(text, add_special_tokens=False)
+    pieces = Pieces(lambda spec: tok)("tiny", ids)
+    assert len(pieces) == len(ids) and "".join(pieces) == tok.decode(ids) == text
+    assert Pieces(lambda spec: 1 / 0)("gone", [5, 7]) == ["⟨5⟩", "⟨7⟩"]  # no tokenizer: ids
+
+
 def test_runs_record_traces_and_forced_logprobs(tree):
     for label in ("snapkv", "growpage", "kara"):
         run = _run(tree, "gsm8k", label)

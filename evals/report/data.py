@@ -76,6 +76,7 @@ class Limits:
     """How much of each trace goes into the page (the rest is counted in ``notes``).
 
     samples_per_run: samples per run in the per-sample view (the first ones, in key order).
+    tokens_per_sample: tokens per continuation in that view (the rest is cut, and counted).
     kept_per_sample: compactions per sample in the kept-position view (first, last, evenly
         spaced between); kept_bytes: all kept masks together (base64 characters); runs are taken
         in name order until it is spent.
@@ -84,6 +85,7 @@ class Limits:
     """
 
     samples_per_run: int = 40
+    tokens_per_sample: int = 1024
     kept_per_sample: int = 4
     kept_bytes: int = 2_500_000
     events_per_request: int = 400
@@ -118,15 +120,26 @@ class Pieces:
                 self.cache[model_spec] = None
         return self.cache[model_spec]
 
+    CONTEXT = 6  # tokens decoded before each one: enough for a multi-byte character's bytes
+
     def __call__(self, model_spec: str, ids: Sequence[int]) -> list[str]:
+        """One text piece per id (incremental decoding over a short window, as servers stream:
+        a token that ends inside a multi-byte character gets "" and the next one the whole
+        character)."""
         tok = self.tokenizer(model_spec)
         if tok is None:
             return [f"⟨{i}⟩" for i in ids]
-        pieces, prev = [], ""
-        for k in range(len(ids)):  # incremental decoding: multi-byte characters stay whole
-            text = tok.decode(list(ids[:k + 1]), skip_special_tokens=False)
-            pieces.append(text[len(prev):] if text.startswith(prev) else text)
-            prev = text
+        ids = [int(i) for i in ids]
+        pieces, start = [], 0  # start: first id whose text has not been emitted yet
+        for k in range(len(ids)):
+            lo = max(0, start - self.CONTEXT)
+            before = tok.decode(ids[lo:start], skip_special_tokens=False)
+            text = tok.decode(ids[lo:k + 1], skip_special_tokens=False)
+            if text.endswith("\ufffd") and k + 1 < len(ids):
+                pieces.append("")  # an incomplete character: wait for its next byte
+                continue
+            pieces.append(text[len(before):] if text.startswith(before) else text)
+            start = k + 1
         return pieces
 
 
@@ -228,22 +241,27 @@ def _sample_entries(run: RunResult, records: Sequence[dict], traces: Mapping, fo
         f = forced.get(key)
         ref = _reference_for(refs.get(key, []), f["prompt_sha"] if f else None)
         ref_id = None
+        cap = limits.tokens_per_sample
         if ref is not None:
             ref_id = f"{run.model}/{run.task}/{fidelity.reference_key(run.config)[0]}/{key[0]}/{key[1]}/" \
                      f"{ref.get('prompt_sha')}"
             if ref_id not in references:
-                references[ref_id] = {"pieces": pieces(spec, ref["tokens"]),
+                references[ref_id] = {"pieces": pieces(spec, ref["tokens"][:cap]),
+                                      "tokens": len(ref["tokens"]),
                                       "finish_reason": ref.get("finish_reason")}
         trace = traces.get(key)
         deltas = None
         if f is not None and ref is not None and f["prompt_sha"] == ref.get("prompt_sha"):
-            deltas = [round(d, 4) for d in fidelity.token_deltas(ref, f["logprobs"])]
+            deltas = [round(d, 4) for d in fidelity.token_deltas(ref, f["logprobs"])[:cap]]
+        longest = max(len(ref["tokens"]) if ref else 0, len(trace["tokens"]) if trace else 0)
+        if longest > cap:
+            notes.add(f"Per-sample view: continuations are shown up to their first {cap} tokens.")
         out.append({
             "uid": key[0], "sample": key[1], "status": rec.get("status"),
             "correct": rec.get("correct"), "score": rec.get("score"), "gold": rec.get("gold"),
             "extracted": rec.get("extracted"), "meta": _short_meta(rec.get("meta") or {}),
             "output": rec.get("output", ""),
-            "pieces": pieces(spec, trace["tokens"]) if trace else None,
+            "pieces": pieces(spec, trace["tokens"][:cap]) if trace else None,
             "ref": ref_id, "div": rec.get("fid_first_divergence"),
             "fid": {k: rec.get(k) for k in fidelity.FIELDS},
             "deltas": deltas, "events": rec.get("events") or {},
