@@ -237,6 +237,10 @@ def test_cli_report(tree, tmp_path):
     empty.mkdir()
     result = CliRunner().invoke(app, ["report", str(empty)])
     assert result.exit_code != 0 and "no result directories" in result.output
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    result = CliRunner().invoke(app, ["report", str(tree), "--out", str(blocker / "page.html")])
+    assert result.exit_code != 0 and "cannot write the report" in result.output
 
 
 # ------------------------------------------------------------------------------ headless browser

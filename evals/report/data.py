@@ -469,7 +469,10 @@ def build_data(dirs: Sequence[str | Path], limits: Limits | None = None,
         entries.append(_run_entry(r, dirs, prov[run_id(r)], comparability(r, base),
                                   provenance_cautions(r, base, prov), traces[run_id(r)],
                                   forced[run_id(r)]))
-        refs = fidelity.reference_entries(r.path, r.config) if r.config.get("model_spec") else {}
+        try:
+            refs = fidelity.reference_entries(r.path, r.config)
+        except (KeyError, TypeError, ValueError):  # a config without the reference's settings
+            refs = {}
         samples[run_id(r)] = _sample_entries(r, records[run_id(r)], traces[run_id(r)],
                                              forced[run_id(r)], refs, pieces, references, limits, notes)
     missing = [e["id"] for e in entries if not e["has_traces"]]

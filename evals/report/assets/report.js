@@ -379,7 +379,7 @@
     var needle = entry.spans && entry.spans.needle;
     var L = c.shape[0], H = c.shape[1], n = c.n, rows = L * H;
     var bit = bitsOf(c);
-    var margin = 46, top = 14, rh = Math.max(2, Math.min(6, Math.floor(420 / rows)));
+    var margin = 46, top = 14, rh = Math.max(2, Math.min(18, Math.floor(420 / rows)));
     var cw = Math.max(1, Math.floor(1100 / n));
     var canvas = el("canvas", {id: "kept-canvas", width: String(margin + n * cw), height: String(top + rows * rh + 2)});
     var ctx = canvas.getContext("2d");
@@ -502,7 +502,7 @@
     var W = 1100, H = 340, ml = 56, mr = 16, mt = 12, firingRows = shown.filter(function (x) {
       return x.s.events.some(function (e) { return markKind(e) === "periodic"; });
     });
-    var band = 16 * firingRows.length, mb = 34 + band;
+    var band = 16 * firingRows.length, mb = 40 + band;
     var maxX = 1, maxY = 1;
     shown.forEach(function (x) {
       var cap = expandRuns(x.s.capacity);
@@ -554,7 +554,7 @@
         if (kind === "preempt") {
           root.appendChild(svg("line", {x1: xs, y1: mt, x2: xs, y2: sy(0), stroke: MARKS.preempt.color, "stroke-dasharray": "4 3"}, [svgTitle(title)]));
         } else if (kind === "periodic") {
-          var yb = sy(0) + 34 + 16 * fr + 6;
+          var yb = sy(0) + 40 + 16 * fr + 6;
           root.appendChild(svg("line", {x1: xs, y1: sy(e.physical[0]), x2: xs, y2: sy(e.physical[1]), stroke: color, "stroke-width": 1, opacity: 0.6}));
           root.appendChild(marker("periodic", xs, yb, color, title));
         } else {
@@ -563,9 +563,12 @@
         }
       });
       if (fr >= 0) {
-        var t = svg("text", {x: W - mr, y: sy(0) + 34 + 16 * fr + 10, "text-anchor": "end", fill: color});
-        t.textContent = RUNS[x.id].label + ": periodic firings"; root.appendChild(t);
-        root.appendChild(svg("line", {x1: ml, y1: sy(0) + 34 + 16 * fr + 6, x2: sx(maxX), y2: sy(0) + 34 + 16 * fr + 6,
+        /* A short label in the run's colour (the chips above name the run); hover names it too. */
+        var t = svg("text", {x: ml - 6, y: sy(0) + 40 + 16 * fr + 10, "text-anchor": "end", style: "fill:" + color},
+          [svgTitle(RUNS[x.id].label + ": periodic firings")]);
+        t.appendChild(document.createTextNode("firings"));
+        root.appendChild(t);
+        root.appendChild(svg("line", {x1: ml, y1: sy(0) + 40 + 16 * fr + 6, x2: sx(maxX), y2: sy(0) + 40 + 16 * fr + 6,
           stroke: color, opacity: 0.25}));
       }
       return si;
