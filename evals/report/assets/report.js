@@ -371,8 +371,9 @@
     var comps = entry.compactions;
     var sel = el("select", {id: "kept-comp", onchange: function () { niahState.comp = Number(this.value); renderKept(); }},
       comps.map(function (c, i) {
-        return option(String(i), (i + 1) + ". " + c.action + " (" + c.trigger + ") at output step " + c.step +
-          ": " + c.physical[0] + " \u2192 " + c.physical[1] + " slots", i === niahState.comp);
+        var phys = c.physical ? ": " + c.physical[0] + " \u2192 " + c.physical[1] + " slots" : "";
+        return option(String(i), (i + 1) + ". " + (c.action || "compaction") + (c.trigger ? " (" + c.trigger + ")" : "") +
+          (c.step === null || c.step === undefined ? "" : " at output step " + c.step) + phys, i === niahState.comp);
       }));
     box.appendChild(el("div", {cls: "controls"}, [el("label", null, ["compaction ", sel])]));
     var c = comps[niahState.comp];
@@ -413,7 +414,9 @@
       el("span", null, [el("span", {cls: "swatch", style: "background:#e07000"}), "kept needle position"]),
       el("span", null, [el("span", {cls: "swatch", style: "background:#fbe3c8"}), "evicted needle position"]),
       el("span", null, ["rows: " + L + " layers \u00d7 " + H + " KV heads (layer 0 at the top); columns: the " + n + " positions that existed (prompt " + prompt + ")"])]));
-    var summary = "Each head keeps " + c.physical[1] + " of " + n + " positions.";
+    var keptRow0 = 0;
+    for (var p0 = 0; p0 < n; p0++) { keptRow0 += bit(0, p0); }
+    var summary = "Each head keeps " + keptRow0 + " of " + n + " positions.";
     if (needle) {
       var full = 0, part = 0, none = 0, len = needle[1] - needle[0];
       for (var rr = 0; rr < rows; rr++) {
