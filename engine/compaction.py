@@ -126,7 +126,7 @@ def finalize(job: CompactionJob, bm: BlockManager) -> CapacityEvent:
     )
     seq.events.append(event)
     if seq.kept_trace is not None:
-        seq.kept_trace.finished(len(seq.events) - 1)
+        seq.kept_trace.finished(len(seq.events) - 1, seq.physical_len)
     return event
 
 

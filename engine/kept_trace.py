@@ -7,6 +7,8 @@ compaction left (``positions``: ``[layers, kv_heads, n]``); the slots past them 
 uncompressed tail, whose positions are ``num_computed - physical_len + s`` (the engine's
 recompute contract: every computed token appends one slot). A compaction's kept slots then map
 to positions by one gather. Preemption (recompute) forgets all KV, and the tracker with it.
+Per-head counts (a row keeping fewer slots than the target): the entries past a row's count are
+holes, recorded as position -1.
 
 Cost: one device-to-host copy of the kept slots per compaction (a host sync on CUDA) and
 ``layers x kv_heads x target_len`` int32 per record; nothing at all when tracing is off.
@@ -25,7 +27,7 @@ class KeptRecord:
     positions: ``[layers, kv_heads, target_len]`` int32, ascending in every row."""
 
     event: int
-    positions: torch.Tensor
+    positions: torch.Tensor  # -1: a hole (a row that kept fewer slots than the target)
 
 
 @dataclass
@@ -43,18 +45,30 @@ class KeptTrace:
         tail = tail.expand(layers, kv_heads, -1)
         return tail.contiguous() if self.positions is None else torch.cat([self.positions, tail], -1)
 
-    def compacted(self, num_computed: int, physical_len: int, keep: torch.Tensor) -> torch.Tensor:
+    def compacted(self, num_computed: int, physical_len: int, keep: torch.Tensor,
+                  counts: torch.Tensor | None = None) -> torch.Tensor:
         """Record a compaction about to run: ``keep`` are the kept physical slots
-        ``[layers, kv_heads, target_len]``; returns (and remembers) their positions."""
-        layers, kv_heads, _ = keep.shape
+        ``[layers, kv_heads, target_len]``, of which row (l, h) keeps its first ``counts[l, h]``
+        when counts are given; returns (and remembers) their positions."""
+        layers, kv_heads, target = keep.shape
         current = self.slot_positions(num_computed, physical_len, layers, kv_heads)
-        self.positions = current.gather(-1, keep.detach().to("cpu", torch.long))
+        keep = keep.detach().to("cpu", torch.long)
+        if counts is None:
+            self.positions = current.gather(-1, keep)
+            return self.positions
+        real = torch.arange(target) < counts.detach().to("cpu", torch.long)[..., None]
+        gathered = current.gather(-1, torch.where(real, keep, torch.zeros_like(keep)))
+        self.positions = torch.where(real, gathered, torch.full_like(gathered, -1))
         return self.positions
 
-    def finished(self, event_index: int) -> None:
-        """The compaction's event was recorded as ``events[event_index]``."""
-        if self.positions is not None:
-            self.records.append(KeptRecord(event_index, self.positions))
+    def finished(self, event_index: int, physical_len: int | None = None) -> None:
+        """The compaction's event was recorded as ``events[event_index]``; the sequence now holds
+        ``physical_len`` slots (per-head counts: the largest count, less than the target)."""
+        if self.positions is None:
+            return
+        if physical_len is not None:
+            self.positions = self.positions[..., :physical_len]
+        self.records.append(KeptRecord(event_index, self.positions))
 
     def reset(self) -> None:
         """Preemption: the request's KV is gone; it will be prefilled from position 0 again."""

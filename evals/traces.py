@@ -71,12 +71,13 @@ def compact_event(event: Mapping[str, Any], prompt_tokens: int) -> dict:
 
 
 def encode_kept(positions: Any, n: int) -> dict:
-    """A kept-position tensor ``[layers, kv_heads, k]`` (engine.kept_trace) as a bit mask over
-    ``n`` positions."""
+    """A kept-position tensor ``[layers, kv_heads, k]`` (engine.kept_trace; -1 entries are holes
+    and mark nothing) as a bit mask over ``n`` positions."""
     pos = np.asarray(positions, dtype=np.int64)
     layers, heads, _ = pos.shape
-    mask = np.zeros((layers, heads, n), dtype=bool)
-    np.put_along_axis(mask, pos, True, axis=-1)
+    mask = np.zeros((layers, heads, n + 1), dtype=bool)  # the extra column takes the holes (-1)
+    np.put_along_axis(mask, np.where(pos < 0, n, pos), True, axis=-1)
+    mask = mask[..., :n]
     return {"n": n, "shape": [layers, heads],
             "bits": base64.b64encode(np.packbits(mask, axis=-1).tobytes()).decode("ascii")}
 

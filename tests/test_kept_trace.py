@@ -82,6 +82,20 @@ def test_tracker_forgets_at_preemption():
     assert trace.slot_positions(4, 4, 1, 1).tolist() == [[[0, 1, 2, 3]]]
 
 
+def test_per_head_counts_leave_holes():
+    trace = KeptTrace()
+    keep = torch.tensor([[[1, 4, 6], [0, 2, 0]]])  # head 1 keeps two slots; its third is ignored
+    pos = trace.compacted(8, 8, keep, counts=torch.tensor([[3, 2]]))
+    assert pos.tolist() == [[[1, 4, 6], [0, 2, -1]]]
+    trace.finished(0, physical_len=3)
+    # A token decoded after it lands in slot 3 of every head, at position 8.
+    assert trace.slot_positions(9, 4, 1, 2).tolist() == [[[1, 4, 6, 8], [0, 2, -1, 8]]]
+    from evals.traces import decode_kept, encode_kept
+
+    mask = decode_kept(encode_kept(pos, 8))
+    assert [m.nonzero()[0].tolist() for m in mask[0]] == [[1, 4, 6], [0, 2]]
+
+
 def test_tracing_is_off_by_default(model_dir):
     llm = LLM(str(model_dir), block_size=4, policy="snapkv", policy_args={"budget": 8, "window": 4},
               kv_cache_tokens=512)

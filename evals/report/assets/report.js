@@ -414,9 +414,13 @@
       el("span", null, [el("span", {cls: "swatch", style: "background:#e07000"}), "kept needle position"]),
       el("span", null, [el("span", {cls: "swatch", style: "background:#fbe3c8"}), "evicted needle position"]),
       el("span", null, ["rows: " + L + " layers \u00d7 " + H + " KV heads (layer 0 at the top); columns: the " + n + " positions that existed (prompt " + prompt + ")"])]));
-    var keptRow0 = 0;
-    for (var p0 = 0; p0 < n; p0++) { keptRow0 += bit(0, p0); }
-    var summary = "Each head keeps " + keptRow0 + " of " + n + " positions.";
+    var lo = n, hi = 0;
+    for (var r0 = 0; r0 < rows; r0++) {
+      var kr = 0;
+      for (var p0 = 0; p0 < n; p0++) { kr += bit(r0, p0); }
+      lo = Math.min(lo, kr); hi = Math.max(hi, kr);
+    }
+    var summary = (lo === hi ? "Each head keeps " + hi : "Heads keep " + lo + " to " + hi) + " of " + n + " positions.";
     if (needle) {
       var full = 0, part = 0, none = 0, len = needle[1] - needle[0];
       for (var rr = 0; rr < rows; rr++) {
