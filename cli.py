@@ -60,6 +60,10 @@ def generate(
     max_num_seqs: int = typer.Option(64),
     threads: int = ThreadsOpt,
     json_out: bool = typer.Option(False, "--json", help="Print outputs and run stats as JSON."),
+    trace_kept: bool = typer.Option(False, "--trace-kept",
+                                    help="Record the positions each layer and KV head kept at every "
+                                         "compaction: a summary per compaction (with --json: the "
+                                         "evals.traces bit masks)."),
 ):
     """Generate text for prompts on the paged engine, with a live progress display."""
 
@@ -77,7 +81,7 @@ def generate(
                                 max_tokens=max_tokens)
         with console.status(f"loading {model}"):
             llm = LLM(model, **engine_kwargs(policy, policy_arg, kv_cache_tokens, block_size,
-                                             max_num_seqs))
+                                             max_num_seqs, trace_kept=trace_kept))
         texts = [llm.apply_chat_template([{"role": "user", "content": p}]) if chat else p
                  for p in prompts]
         total = len(texts) * max_tokens
@@ -94,14 +98,39 @@ def generate(
     stats = llm.last_stats
     if json_out:
         print(json.dumps({"outputs": [{"prompt": p, "text": o.text, "finish_reason": o.finish_reason,
-                                       "output_tokens": o.num_output_tokens}
+                                       "output_tokens": o.num_output_tokens,
+                                       **({"kept": _kept_json(o)} if trace_kept else {})}
                                       for p, o in zip(prompts, outputs)],
                           "stats": stats.to_dict()}, indent=2))
         return
     for prompt, out in zip(prompts, outputs):
         console.rule(prompt[:80])
         print(out.text)
+        for line in _kept_summary(out) if trace_kept else []:
+            console.print(f"[dim]{line}[/]")
     console.print(f"[green]{stats.summary()}[/]")
+
+
+def _kept_json(out) -> list[dict]:
+    """An output's kept-position records in traces.jsonl's form (evals.traces.encode_kept)."""
+    from evals.traces import encode_kept
+
+    return [{"event": rec.event, "action": out.events[rec.event]["action"],
+             **encode_kept(rec.positions, int(out.events[rec.event]["logical_len"]))}
+            for rec in out.kept]
+
+
+def _kept_summary(out) -> list[str]:
+    """One line per compaction: when, how much, and how many of the prompt's positions layer 0's
+    KV heads kept."""
+    lines = []
+    for rec in out.kept:
+        e = out.events[rec.event]
+        prompt = [int((h < out.num_prompt_tokens).sum()) for h in rec.positions[0]]
+        lines.append(f"{e['action']} ({(e.get('info') or {}).get('trigger', 'boundary')}) at length "
+                     f"{e['logical_len']}: {e['physical_before']} -> {e['physical_after']} slots; "
+                     f"layer 0 keeps {prompt} of the {out.num_prompt_tokens} prompt positions per KV head")
+    return lines
 
 
 @app.command("list")

@@ -115,6 +115,9 @@ def execute(job: CompactionJob, policy: KVPolicy, view: PolicyView, kv: KVCache)
     if real is not None:
         # Ignored tail entries copy slot i onto target i (see the module docstring).
         keep = torch.where(real, keep, torch.arange(target, device=keep.device))
+    if seq.kept_trace is not None:  # opt-in (EngineConfig.trace_kept): positions, not slots
+        seq.kept_trace.compacted(seq.num_computed, seq.physical_len, keep,
+                                 job.counts if counts is not None else None)
     with job.timer.stage("compaction"):
         bs = kv.block_size
         old = upload(seq.block_table, kv.k.device)
@@ -191,6 +194,8 @@ def finalize(job: CompactionJob, bm: BlockManager) -> CapacityEvent:
         event.info.update(head_kept_min=int(job.counts.min()), head_kept_max=int(job.counts.max()),
                           kept_slots=seq.kept_slots)
     seq.events.append(event)
+    if seq.kept_trace is not None:
+        seq.kept_trace.finished(len(seq.events) - 1, seq.physical_len)
     return event
 
 

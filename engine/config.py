@@ -55,6 +55,9 @@ class EngineConfig:
     load_format: "auto" reads the checkpoint; "dummy" fills every weight with seeded random values
         and reads only the model's config (vLLM's `--load-format dummy`): step-time and launch
         checks of 8B shapes without an 8B checkpoint.
+    trace_kept: record, per compaction, the logical positions each (layer, KV head) kept
+        (engine.kept_trace; RequestOutput.kept). Off by default: it costs a host copy per
+        compaction.
     """
 
     model: str = DEFAULT_MODEL
@@ -74,6 +77,7 @@ class EngineConfig:
     grow_watermark: float = 0.01
     seed: int = 0
     load_format: str = "auto"
+    trace_kept: bool = False
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

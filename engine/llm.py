@@ -13,6 +13,7 @@ from typing import Sequence as Seq
 
 from engine.block_manager import BlockManager
 from engine.config import ConfigError, EngineConfig
+from engine.kept_trace import KeptTrace
 from engine.models.loader import load_tokenizer, resolve_model
 from engine.policies.base import EngineSpec, KVPolicy, build_policy
 from engine.runner import ModelRunner
@@ -175,7 +176,10 @@ class LLM:
             if not ids:
                 raise ConfigError(f"prompt {i} is empty: a request needs at least one token")
             seed = p.seed if p.seed is not None else self.config.seed + i
-            seqs.append(Sequence(ids, p, seed))
+            seq = Sequence(ids, p, seed)
+            if self.config.trace_kept:
+                seq.kept_trace = KeptTrace()
+            seqs.append(seq)
         return seqs
 
     def _decode(self, ids: list[int]) -> str:

@@ -86,6 +86,7 @@ class Sequence:
         self.kept_trace: list[float] = []    # slots holding kept tokens, per (layer, head), each step
         self.budget_trace: list[int] = []    # the policy's KV budget at each decode step
         self.token_logprobs: list[float] = []
+        self.kept_trace: Any = None  # engine.kept_trace.KeptTrace when EngineConfig.trace_kept
         self.arrival = time.perf_counter() if arrival is None else arrival
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
@@ -154,3 +155,5 @@ class Sequence:
         self.num_cached_prefix = 0
         self.status = SeqStatus.WAITING
         self.num_preemptions += 1
+        if self.kept_trace is not None:
+            self.kept_trace.reset()

@@ -59,6 +59,7 @@ class RequestOutput:
     capacity_trace: list[int] = field(repr=False, default_factory=list)
     events: list[dict] = field(repr=False, default_factory=list)
     token_logprobs: list[float] = field(repr=False, default_factory=list)
+    kept: list = field(repr=False, default_factory=list)  # KeptRecords (EngineConfig.trace_kept)
 
     @classmethod
     def from_sequence(cls, index: int, seq: Sequence, text: str, t0: float) -> "RequestOutput":
@@ -82,6 +83,7 @@ class RequestOutput:
             capacity_trace=list(trace),
             events=[event_dict(e) for e in seq.events],
             token_logprobs=list(seq.token_logprobs),
+            kept=list(seq.kept_trace.records) if seq.kept_trace is not None else [],
         )
 
 

@@ -254,6 +254,9 @@ def eval_command(
                                            "(prompt longer than the context or the KV pool); they "
                                            "are retried anyway when --kv-cache-tokens or "
                                            "--max-num-seqs changed."),
+    trace_kept: bool = typer.Option(False, "--trace-kept",
+                                    help="Record, per compaction, which positions each layer and KV "
+                                         "head kept (traces.jsonl; shown by `kvarena report`)."),
     workers: Optional[str] = WorkersOpt,
     ray_address: Optional[str] = RayAddressOpt,
 ):
@@ -274,7 +277,7 @@ def eval_command(
                               kv_cache_tokens=kv_cache_tokens, block_size=block_size,
                               max_num_seqs=max_num_seqs, out=out, grading_workers=grading_workers,
                               fidelity=fidelity, retry_failed=retry_failed,
-                              allow_data_change=allow_data_change)
+                              allow_data_change=allow_data_change, trace_kept=trace_kept)
         per_policy = split_policy_args(policy_arg, policy)
         # Policies outer, tasks inner: the engine loads once per policy.
         plan = [_for_run(base, t, p, per_policy[p]) for p in policy for t in task]
@@ -342,6 +345,26 @@ def leaderboard_command(
     print(board.markdown)
     for path in board.files.values():
         console.print(f"wrote {path}")
+
+
+def report_command(
+    dirs: list[Path] = typer.Argument(..., help="Result directories (roots, task dirs or run dirs)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o",
+                                       help="The HTML file to write (default: <first DIR>/report.html)."),
+):
+    """One self-contained HTML page (no network; opens from disk) showing where and why each policy
+    departs from FullKV: a sortable, filterable leaderboard with 95% intervals, provenance and
+    non-comparable rows flagged; per sample FullKV's continuation beside the policy's with the
+    first divergence and per-token delta-NLL; NIAH grids with the kept positions of each layer and
+    KV head (--trace-kept runs); capacity against decode step with each decision; every config."""
+    from evals.report import build_report
+
+    try:
+        path = build_report(dirs, out)
+    except (FileNotFoundError, OSError) as e:
+        fail(str(e))
+    size = path.stat().st_size
+    console.print(f"wrote {path} ({size / 1e6:.2f} MB)")
 
 
 def sweep_command(
@@ -434,4 +457,5 @@ def register(app: typer.Typer) -> None:
     """Add the evaluation commands to the `kvarena` app."""
     app.command("eval")(eval_command)
     app.command("leaderboard")(leaderboard_command)
+    app.command("report")(report_command)
     app.command("sweep")(sweep_command)

@@ -21,8 +21,9 @@ into it. For each run (one task x one policy, ``evals.runner.run_eval``):
    progress files, Ctrl-C), then returns the shard's config, segment lines and sample lines.
 5. The driver merges each finished job into the run directory: segment lines first (renumbered
    after the run's own, each marked ``merged_from`` so a repeated merge adds nothing), then the
-   sample lines with their segment numbers mapped, skipping any key already finished there; then
-   the shard is deleted. Metrics are recomputed once every job of the run has merged (``run_eval``
+   sample lines with their segment numbers mapped, skipping any key already finished there, and
+   the shard's traces.jsonl / forced_logprobs.jsonl lines of the samples merged; then the shard
+   is deleted. Metrics are recomputed once every job of the run has merged (``run_eval``
    again, with nothing left to run).
 
 Sampling seeds are per sample (seed + j), so where a sample runs does not change it: with greedy
@@ -343,7 +344,36 @@ def merge_shard(path: Path, shard: dict, source: str) -> list[dict]:
             rec = {**rec, "segment": mapped.get(f"{source}/{rec.get('segment')}", rec.get("segment"))}
             writer.write(rec)
             written.append(rec)
+    _merge_side_files(path, shard.get("side_files") or {}, {(r["uid"], int(r["sample"])) for r in written})
     return written
+
+
+# Per-sample files beside samples.jsonl that `kvarena report` reads (evals.traces, evals.fidelity):
+# a shard's lines for the samples merged are appended to the run's.
+def _side_files() -> tuple[str, ...]:
+    from evals.fidelity import FORCED_FILE
+    from evals.traces import TRACES_FILE
+
+    return (TRACES_FILE, FORCED_FILE)
+
+
+def _merge_side_files(path: Path, files: dict, keys: set) -> None:
+    import json
+
+    for name, text in files.items():
+        if name not in _side_files():
+            continue
+        lines = []
+        for raw in text.splitlines():
+            try:
+                line = json.loads(raw)
+                if (str(line["uid"]), int(line["sample"])) in keys:
+                    lines.append(raw + "\n")
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut short by a killed worker
+        if lines:
+            with open(path / name, "a", encoding="utf-8") as f:
+                f.write("".join(lines))
 
 
 def read_shard(run_path: Path) -> dict:
@@ -351,8 +381,11 @@ def read_shard(run_path: Path) -> dict:
     file sealed into a segment line first)."""
     R.seal_progress(run_path)
     config = R.read_json(run_path / R.CONFIG_FILE) if (run_path / R.CONFIG_FILE).exists() else {}
+    side = {name: (run_path / name).read_text(encoding="utf-8") for name in _side_files()
+            if (run_path / name).exists()}
     return {"config": config, "segments": R.read_segments(run_path / R.SEGMENTS_FILE),
-            "records": list(R.load_samples(run_path / R.SAMPLES_FILE).records.values())}
+            "records": list(R.load_samples(run_path / R.SAMPLES_FILE).records.values()),
+            "side_files": side}
 
 
 def _merge_leftovers(settings: EvalSettings, hooks: EvalHooks) -> None:

@@ -39,6 +39,11 @@ the forced pass costs one prefill plus one decode step per reference token for e
 FullKV (about one extra pass per sample). Each invocation's wall times go to
 ``fidelity_passes.jsonl`` in the run directory.
 
+Per-token log-probabilities of the forced pass go to ``forced_logprobs.jsonl`` in the run
+directory (one line per sample and invocation: ``uid``, ``sample``, ``prompt_sha``, ``segment``,
+``n`` and ``lp``, base64 of ``n`` little-endian float32), so ``kvarena report`` can shade each
+reference token by its ``d_t`` (:func:`token_deltas`); the last line of a sample wins.
+
 Cache::
 
     <out>/<model>/<task>/_reference/<key>/
@@ -54,6 +59,7 @@ are kept; only missing ones are generated.
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import json
 import os
@@ -71,6 +77,7 @@ REFERENCE_DIR = "_reference"
 REFERENCE_FILE = "reference.jsonl"
 KEY_FILE = "key.json"
 PASSES_FILE = "fidelity_passes.jsonl"
+FORCED_FILE = "forced_logprobs.jsonl"
 FULL_POLICY = "full"
 
 # The per-sample fields. evals.results puts the mean of each (over the samples where it is not
@@ -351,12 +358,81 @@ class Fidelity:
                     "fid_worst_window": None}
         return sample_fields(ref, out.token_ids, forced)
 
+    def write_forced(self, run_path: Path, segment: int) -> int:
+        """Append this invocation's forced-pass log-probabilities to the run's
+        ``forced_logprobs.jsonl`` (module docstring); returns the number of lines written."""
+        lines = [R.dumps_line({"uid": uid, "sample": sample, "prompt_sha": sha, "segment": segment,
+                               **encode_logprobs(lp)})
+                 for (uid, sample, sha), lp in self.forced.items()]
+        if lines:
+            with open(Path(run_path) / FORCED_FILE, "a", encoding="utf-8") as f:
+                f.write("".join(lines))
+        return len(lines)
+
     def write_timing(self, run_path: Path, segment: int) -> dict:
         """Append this invocation's pass times to the run's ``fidelity_passes.jsonl``."""
         line = {"segment": segment, "reference": str(self.reference.path), **self.timing}
         with open(Path(run_path) / PASSES_FILE, "a", encoding="utf-8") as f:
             f.write(R.dumps_line(line))
         return line
+
+
+def encode_logprobs(logprobs: Sequence[float]) -> dict:
+    """[n] log-probabilities as ``{"n", "lp"}``: base64 of little-endian float32."""
+    raw = np.asarray(logprobs, dtype="<f4").tobytes()
+    return {"n": len(logprobs), "lp": base64.b64encode(raw).decode("ascii")}
+
+
+def decode_logprobs(entry: Mapping[str, Any]) -> list[float]:
+    """Inverse of :func:`encode_logprobs`."""
+    values = np.frombuffer(base64.b64decode(entry["lp"]), dtype="<f4")
+    if len(values) != int(entry["n"]):
+        raise ValueError(f"forced log-probs: {len(values)} values for n = {entry['n']}")
+    return [float(v) for v in values]
+
+
+def read_forced(run_path: str | Path) -> dict[tuple[str, int], dict]:
+    """{(uid, sample): {"prompt_sha", "segment", "logprobs"}} from a run's
+    ``forced_logprobs.jsonl`` (the last line of each sample; empty when there is none)."""
+    path = Path(run_path) / FORCED_FILE
+    out: dict[tuple[str, int], dict] = {}
+    if not path.exists():
+        return out
+    for raw in path.read_text(encoding="utf-8").splitlines():
+        try:
+            e = json.loads(raw)
+            out[(str(e["uid"]), int(e["sample"]))] = {
+                "prompt_sha": e["prompt_sha"], "segment": e.get("segment"),
+                "logprobs": decode_logprobs(e)}
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short by a kill
+    return out
+
+
+def reference_entries(run_path: str | Path, config: Mapping[str, Any]) -> dict[tuple[str, int], list[dict]]:
+    """Read-only view of a run's reference cache (the ``_reference`` directory beside the run's
+    own, keyed by its config): {(uid, sample): entries in file order} (several when the prompt
+    changed between invocations; they differ in ``prompt_sha``). Empty when there is none."""
+    name, _ = reference_key(config)
+    file = Path(run_path).parent / REFERENCE_DIR / name / REFERENCE_FILE
+    out: dict[tuple[str, int], list[dict]] = {}
+    if not file.exists():
+        return out
+    for line in file.read_text(encoding="utf-8").splitlines():
+        try:
+            e = json.loads(line)
+            out.setdefault((str(e["uid"]), int(e["sample"])), []).append(e)
+        except (ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
+def token_deltas(ref: Mapping[str, Any], forced_logprobs: Sequence[float] | None) -> list[float] | None:
+    """Per reference token ``d_t`` (``delta_nll``) of a reference entry and a forced pass's
+    log-probabilities; None without a forced pass."""
+    if forced_logprobs is None:
+        return None
+    return delta_nll(forced_logprobs, ref["logprobs"])
 
 
 def _with_logprobs(params):

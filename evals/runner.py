@@ -110,6 +110,8 @@ class EvalSettings:
         retried anyway when ``kv_cache_tokens`` or ``max_num_seqs`` changed).
     allow_data_change: resume although the data file's hash differs from the one in
         config.json (the samples already there were graded against the old data).
+    trace_kept: also record, per compaction, which prompt positions each layer and KV head kept
+        (engine.kept_trace) into traces.jsonl (evals.traces); off by default.
     """
 
     task: str
@@ -136,6 +138,7 @@ class EvalSettings:
     fidelity: bool = True
     retry_failed: bool = False
     allow_data_change: bool = False
+    trace_kept: bool = False
     only_keys: frozenset | None = None  # run only these (uid, sample) keys (evals.distributed)
 
     def __post_init__(self) -> None:
@@ -561,7 +564,8 @@ def _run_locked(settings: EvalSettings, hooks: EvalHooks, task, preset: str, def
         "samples": n_samples, "limit": settings.limit, "problems": len(problems),
         "samples_planned": len(plan.keys), "kv_budget": budget,
         "kv_cache_tokens": settings.kv_cache_tokens, "max_num_seqs": settings.max_num_seqs,
-        "fidelity": settings.fidelity, "task_defaults": dataclasses.asdict(defaults),
+        "fidelity": settings.fidelity, "trace_kept": settings.trace_kept,
+        "task_defaults": dataclasses.asdict(defaults),
         "skipped_rows": [dataclasses.asdict(s) for s in problems.skipped],
     }
     if matched is not None:
@@ -665,6 +669,8 @@ def _generate(settings: EvalSettings, config: dict, plan: Plan, todo: list[R.Sam
                          max_num_seqs=settings.max_num_seqs, seed=settings.seed)
     if settings.kv_cache_tokens is not None:
         engine_kwargs["kv_cache_tokens"] = settings.kv_cache_tokens
+    if settings.trace_kept:
+        engine_kwargs["trace_kept"] = True
     fid = None
     if settings.fidelity:  # the FullKV reference first, on the engine the run then reuses
         from evals import fidelity
@@ -727,6 +733,7 @@ def _generate(settings: EvalSettings, config: dict, plan: Plan, todo: list[R.Sam
             R.end_progress(path)
         if fid is not None:
             fid.write_timing(path, segment)
+            fid.write_forced(path, segment)
     except (KeyboardInterrupt, R.ResultsWriteError) as e:
         _ENGINES.clear()  # an engine stopped mid-run may hold pages of unfinished requests
         if streamed:  # _stream recorded the segment
@@ -782,6 +789,9 @@ def _engine(model: str, engine_kwargs: dict, hooks: EvalHooks):
 
 def _stream(llm, prompts, params, keys, writer, segment, path, settings, hooks, outcome, fid=None) -> None:
     """Generate, hand finished requests to the grader, record the segment (also when stopped)."""
+    from evals.traces import TRACES_FILE, TraceWriter, trace_line
+
+    traces = TraceWriter(path / TRACES_FILE)
     grader = BackgroundGrader(writer, hooks.on_sample, workers=settings.grading_workers,
                               timeout_s=settings.grading_timeout_s)
     finished_tokens = 0
@@ -799,6 +809,8 @@ def _stream(llm, prompts, params, keys, writer, segment, path, settings, hooks, 
             problem, j, seed = keys[out.index]
             record = output_record(problem, j, seed, segment, out)
             record.update(fid.fields(fid.requests[out.index], out) if fid else fidelity_none())
+            traces.write(trace_line(problem.uid, j, segment, out, prompts[out.index], problem.meta,
+                                    llm.tokenizer.decode))
             finished_tokens += out.num_output_tokens
             outcome.ran += 1
             # The segment's totals so far, on disk before this sample's line can be: after a
@@ -833,6 +845,7 @@ def _stream(llm, prompts, params, keys, writer, segment, path, settings, hooks, 
             outcome.dropped += lost
             hooks.on_message(f"stopped while grading: {lost} finished sample(s) were not graded "
                              f"and are dropped; a resumed run generates them again")
+        traces.close()
         R.append_segment(path / R.SEGMENTS_FILE, {
             **line, "status": status, "wall_time": wall, "samples": outcome.ran,
             "output_tokens": finished_tokens, "stats": stats, "written": outcome.ran - lost,

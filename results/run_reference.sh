@@ -62,7 +62,7 @@ run_task() {  # run_task TASK POLICY-OPTIONS...
     shift
     if [ "$task" = niah ]; then
         $KV eval --task niah --task-arg lengths=256,512,1024 --task-arg depths=0,25,50,75,100 \
-            --max-tokens 32 --temperature 0 $NIAH_FIDELITY $COMMON "$@"
+            --max-tokens 32 --temperature 0 --trace-kept $NIAH_FIDELITY $COMMON "$@"
     else
         $KV eval --task "$task" --limit "${LIMIT[$task]}" --samples "${SAMPLES[$task]}" \
             --max-tokens 192 --temperature 0.6 $COMMON "$@"
@@ -77,3 +77,4 @@ for task in $TASKS; do
     fi
 done
 $KV leaderboard $OUT --out $OUT/leaderboard
+$KV report $OUT --out $OUT/report.html

@@ -172,7 +172,10 @@ def test_merging_is_idempotent_and_never_overwrites_a_finished_sample(model_dir,
     fresh.mkdir()
     written = merge_shard(fresh, shard, source="job-1")
     assert len(written) == 2
+    # The per-sample traces come along (kvarena report reads them), once.
+    assert (fresh / "traces.jsonl").read_text() == (first.path / "traces.jsonl").read_text()
     assert merge_shard(fresh, shard, source="job-1") == []
+    assert len((fresh / "traces.jsonl").read_text().splitlines()) == 2
     assert len(R.read_segments(fresh / R.SEGMENTS_FILE)) == 1
     changed = {**shard, "config": {**shard["config"], "policy": "zipage"}}
     with pytest.raises(R.ResultsMismatchError):

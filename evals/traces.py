@@ -1,0 +1,169 @@
+"""Per-request traces of an eval run: ``traces.jsonl`` in the run directory, one line per finished
+request, read by ``kvarena report`` (evals.report).
+
+samples.jsonl keeps a request's event counts; this file keeps what happened when, compactly:
+
+- ``uid``, ``sample``, ``segment``, ``prompt_tokens``;
+- ``tokens``: the output token ids (the free generation, for the per-token comparison with FullKV);
+- ``capacity``: the allocated KV slots (pages x block_size) at each decode step, run-length
+  encoded as ``[[slots, steps], ...]`` (GrowPage's capacity grows a page at a time, so a few
+  runs describe hundreds of steps);
+- ``events``: every capacity event (engine.sequence.CapacityEvent) as ``{"step", "action",
+  "trigger", "fallback", "physical": [before, after], "pages": [before, after], "info"}``,
+  ``step`` = the request's logical length at the event minus its prompt (the output position:
+  0 for prompt compression and the first decode, negative for a prefill chunk), ``info`` the
+  policy's short accounting values (GrowPage's demand estimate and reason, Kara's window starts);
+- ``spans``: token spans ``[start, end)`` of named parts of the prompt found in it (the NIAH
+  needle: ``SPAN_KEYS`` of the problem's meta);
+- ``kept`` (``--trace-kept`` only, engine.kept_trace): per compaction ``{"event", "n", "shape",
+  "bits"}``: ``bits`` is base64 of the ``[layers, kv_heads, n]`` kept mask over the ``n`` logical
+  positions that existed, packed 8 positions a byte, most significant bit first (numpy's
+  ``packbits``): ``layers x kv_heads x n / 8`` bytes, 11.5 KB for 30 layers x 3 KV heads x 1,024.
+
+A resumed or retried sample gets a new line; readers keep the last one per (uid, sample).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+TRACES_FILE = "traces.jsonl"
+SPAN_KEYS = ("needle",)
+_INFO_MAX_CHARS = 120  # longer info values (none today) stay out of the line
+
+
+def run_length(values: Sequence[int]) -> list[list[int]]:
+    """[v, v, v, w] -> [[v, 3], [w, 1]]."""
+    out: list[list[int]] = []
+    for v in values:
+        if out and out[-1][0] == v:
+            out[-1][1] += 1
+        else:
+            out.append([int(v), 1])
+    return out
+
+
+def expand_runs(runs: Iterable[Sequence[int]]) -> list[int]:
+    """Inverse of :func:`run_length`."""
+    return [int(v) for v, n in runs for _ in range(int(n))]
+
+
+def compact_event(event: Mapping[str, Any], prompt_tokens: int) -> dict:
+    """One engine event dict (engine.stats.event_dict) in the trace's form (module docstring)."""
+    info = {}
+    for k, v in (event.get("info") or {}).items():
+        try:
+            if k != "trigger" and len(json.dumps(v)) <= _INFO_MAX_CHARS:
+                info[k] = v
+        except (TypeError, ValueError):
+            continue
+    return {"step": int(event["logical_len"]) - prompt_tokens, "action": event["action"],
+            "trigger": (event.get("info") or {}).get("trigger", "boundary"),
+            "fallback": bool(event.get("fallback")),
+            "physical": [event["physical_before"], event["physical_after"]],
+            "pages": [event["pages_before"], event["pages_after"]], "info": info}
+
+
+def encode_kept(positions: Any, n: int) -> dict:
+    """A kept-position tensor ``[layers, kv_heads, k]`` (engine.kept_trace; -1 entries are holes
+    and mark nothing) as a bit mask over ``n`` positions."""
+    pos = np.asarray(positions, dtype=np.int64)
+    layers, heads, _ = pos.shape
+    mask = np.zeros((layers, heads, n + 1), dtype=bool)  # the extra column takes the holes (-1)
+    np.put_along_axis(mask, np.where(pos < 0, n, pos), True, axis=-1)
+    mask = mask[..., :n]
+    return {"n": n, "shape": [layers, heads],
+            "bits": base64.b64encode(np.packbits(mask, axis=-1).tobytes()).decode("ascii")}
+
+
+def decode_kept(entry: Mapping[str, Any]) -> np.ndarray:
+    """The ``[layers, kv_heads, n]`` bool mask of an encoded ``kept`` entry."""
+    layers, heads = entry["shape"]
+    n = int(entry["n"])
+    raw = np.frombuffer(base64.b64decode(entry["bits"]), dtype=np.uint8)
+    return np.unpackbits(raw.reshape(layers, heads, -1), axis=-1, count=n).astype(bool)
+
+
+def token_span(decode, ids: Sequence[int], text: str) -> list[int] | None:
+    """Token span ``[start, end)`` of the first occurrence of ``text`` in the decoded ``ids``
+    (None if absent): the tokens whose decoded characters overlap it. Binary searches on decoded
+    prefix lengths (a few decodes, not one per token)."""
+    full = decode(list(ids))
+    at = full.find(text)
+    if not text or at < 0:
+        return None
+
+    def first_prefix_longer_than(chars: int) -> int:
+        lo, hi = 0, len(ids)
+        while lo < hi:  # smallest i with len(decode(ids[:i])) > chars
+            mid = (lo + hi) // 2
+            if len(decode(list(ids[:mid]))) > chars:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo
+
+    start = first_prefix_longer_than(at) - 1
+    end = first_prefix_longer_than(at + len(text) - 1)
+    return [max(0, start), max(start + 1, end)]
+
+
+def trace_line(uid: str, sample: int, segment: int, out: Any, prompt_ids: Sequence[int],
+               meta: Mapping[str, Any], decode) -> dict:
+    """The trace of one finished request (``out``: engine.stats.RequestOutput)."""
+    spans = {}
+    for key in SPAN_KEYS:
+        if isinstance(meta.get(key), str):
+            span = token_span(decode, prompt_ids, meta[key])
+            if span:
+                spans[key] = span
+    line = {"uid": uid, "sample": sample, "segment": segment,
+            "prompt_tokens": out.num_prompt_tokens, "tokens": list(out.token_ids),
+            "capacity": run_length(out.capacity_trace),
+            "events": [compact_event(e, out.num_prompt_tokens) for e in out.events],
+            "spans": spans}
+    if out.kept:
+        line["kept"] = [{"event": rec.event, **encode_kept(rec.positions,
+                                                           int(out.events[rec.event]["logical_len"]))}
+                        for rec in out.kept]
+    return line
+
+
+class TraceWriter:
+    """Appends trace lines to a run's ``traces.jsonl`` (thread-safe; flushed per line)."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "a", encoding="utf-8")
+        self._lock = threading.Lock()
+
+    def write(self, line: Mapping[str, Any]) -> None:
+        text = json.dumps(line, separators=(",", ":")) + "\n"
+        with self._lock:
+            self._file.write(text)
+            self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+def read_traces(run: Path) -> dict[tuple[str, int], dict]:
+    """{(uid, sample): the last trace line} of a run directory (empty when it has none)."""
+    path = Path(run) / TRACES_FILE
+    out: dict[tuple[str, int], dict] = {}
+    if not path.exists():
+        return out
+    for raw in path.read_text(encoding="utf-8").splitlines():
+        try:
+            line = json.loads(raw)
+            out[(str(line["uid"]), int(line["sample"]))] = line
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short by a kill
+    return out

@@ -1,0 +1,284 @@
+"""`kvarena report` (evals.report) on a results tree made here with a tiny random Llama: what the
+runs record for it (traces.jsonl, forced log-probabilities), the page's data and structure (no
+network reference, every section and table, the JS parses), and a headless-browser render
+(Debian's chromium) with no console errors and a screenshot."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from evals import fidelity as F
+from evals import traces as T
+from evals.report import Limits, build_data, build_report
+from evals.report.page import SECTIONS, render
+from evals.runner import EvalSettings, run_eval
+from tiny_models import make_tiny_llama_dir
+
+FIXTURES = Path(__file__).parent / "fixtures" / "data"
+CHROMIUM = "/usr/bin/chromium"
+# block 4: a 48-token budget compresses NIAH prompts and GSM8K continuations.
+ENGINE = dict(block_size=4, kv_cache_tokens=2048, temperature=0.0, trace_kept=True)
+KARA = {"window_tokens": 16, "buffer_tokens": 4, "chunk_budget": 2, "max_chunk_gap": 2, "ratio": 0.4}
+POLICIES = (("full", {}), ("snapkv", {"budget": 48, "window": 4}),
+            ("growpage", {"initial_capacity": 16, "protected_recent": 2}), ("kara", KARA))
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return make_tiny_llama_dir(tmp_path_factory.mktemp("report-llama"), num_hidden_layers=2)
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory, model):
+    """Two NIAH cells and two GSM8K problems for FullKV, SnapKV, GrowPage and Kara."""
+    out = tmp_path_factory.mktemp("results")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the GSM8K fixture's malformed rows
+        for policy, args in POLICIES:
+            run_eval(EvalSettings(task="niah", policy=policy, policy_args=dict(args), model=str(model),
+                                  data=str(FIXTURES / "niah"), out=str(out), max_tokens=6,
+                                  task_options={"lengths": (320,), "depths": (25.0, 75.0)}, **ENGINE))
+            run_eval(EvalSettings(task="gsm8k", policy=policy, policy_args=dict(args), model=str(model),
+                                  data=str(FIXTURES / "gsm8k" / "test.jsonl"), out=str(out), limit=2,
+                                  max_tokens=40, **ENGINE))
+    return out
+
+
+def _run(tree: Path, task: str, label: str) -> Path:
+    (path,) = [p for p in tree.glob(f"*/{task}/*") if p.name.split("+")[0] == label]
+    return path
+
+
+def _samples(run: Path) -> dict:
+    lines = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+    return {(r["uid"], r["sample"]): r for r in lines}
+
+
+# ------------------------------------------------------------------------------ what runs record
+
+
+def test_encodings_round_trip():
+    assert T.expand_runs(T.run_length([3, 3, 3, 5, 3])) == [3, 3, 3, 5, 3]
+    pos = np.array([[[0, 2, 9]], [[1, 2, 3]]])
+    mask = T.decode_kept(T.encode_kept(pos, 11))
+    assert mask.shape == (2, 1, 11)
+    assert [np.flatnonzero(m[0]).tolist() for m in mask] == [[0, 2, 9], [1, 2, 3]]
+    lp = [-0.5, -1e-6, -12.25]
+    assert F.decode_logprobs(F.encode_logprobs(lp)) == pytest.approx(lp, rel=1e-6)
+
+
+def test_token_span_finds_the_text_it_was_asked_for(model):
+    from engine.models.loader import load_tokenizer
+
+    tok = load_tokenizer(model)
+    ids = tok.encode("The quick brown fox jumps over the lazy dog.", add_special_tokens=False)
+    start, end = T.token_span(tok.decode, ids, "brown fox")
+    assert "brown fox" in tok.decode(ids[start:end])
+    assert "brown fox" not in tok.decode(ids[start + 1:end])  # the smallest such span
+    assert "brown fox" not in tok.decode(ids[start:end - 1])
+    assert T.token_span(tok.decode, ids, "absent") is None
+
+
+def test_pieces_rebuild_the_text_token_by_token(model):
+    from engine.models.loader import load_tokenizer
+    from evals.report.data import Pieces
+
+    tok = load_tokenizer(model)
+    text = "Grandma Rosa's café — 12 × 7 = 84 😀 lavender honey.\nThe answer is 84."
+    ids = tok.encode(text, add_special_tokens=False)
+    pieces = Pieces(lambda spec: tok)("tiny", ids)
+    assert len(pieces) == len(ids) and "".join(pieces) == tok.decode(ids) == text
+    assert Pieces(lambda spec: 1 / 0)("gone", [5, 7]) == ["⟨5⟩", "⟨7⟩"]  # no tokenizer: ids
+
+
+def test_runs_record_traces_and_forced_logprobs(tree):
+    for label in ("snapkv", "growpage", "kara"):
+        run = _run(tree, "gsm8k", label)
+        samples, traces = _samples(run), T.read_traces(run)
+        forced = F.read_forced(run)
+        assert set(traces) == set(samples) == set(forced)
+        for key, rec in samples.items():
+            t = traces[key]
+            assert len(t["tokens"]) == rec["output_tokens"]
+            assert sum(n for _, n in t["capacity"]) == rec["output_tokens"] - 1  # first token: prefill
+            ref = F.reference_entries(run, json.loads((run / "config.json").read_text()))[key][-1]
+            deltas = F.token_deltas(ref, forced[key]["logprobs"])
+            assert np.mean(deltas) == pytest.approx(rec["fid_delta_nll"], abs=1e-5)
+            assert sum(1 for e in t["events"] if e["action"] in ("grow", "compress", "shrink")) >= \
+                sum(rec["decisions"].values())
+    growpage = T.read_traces(_run(tree, "gsm8k", "growpage"))
+    assert any(e["action"] == "grow" and e["trigger"] == "boundary" for t in growpage.values()
+               for e in t["events"])
+
+
+def test_kept_traces_are_positions_with_the_needle_span(tree):
+    run = _run(tree, "niah", "snapkv")
+    for t in T.read_traces(run).values():
+        assert t["events"][t["kept"][0]["event"]]["trigger"] == "prefill"  # the prompt's first
+        for kept in t["kept"]:
+            event = t["events"][kept["event"]]
+            mask = T.decode_kept(kept)
+            assert mask.shape == (2, 2, t["prompt_tokens"] + event["step"])
+            assert (mask.sum(-1) == event["physical"][1]).all()
+            assert mask[..., -4:].all()  # SnapKV's observation window, in every head
+            assert not (mask == mask[:1, :1]).all()  # heads keep different positions
+        start, end = t["spans"]["needle"]
+        assert 0 <= start < end <= t["prompt_tokens"]
+    assert "kept" not in next(iter(T.read_traces(_run(tree, "niah", "full")).values()))
+
+
+# ------------------------------------------------------------------------------ the page
+
+
+def _data_of(page: str) -> dict:
+    m = re.search(r'<script type="application/json" id="report-data">(.*?)</script>', page, re.S)
+    return json.loads(m.group(1))
+
+
+def _main_script(page: str) -> str:
+    scripts = re.findall(r"<script>(.*?)</script>", page, re.S)
+    assert len(scripts) == 2  # the error collector, the renderer
+    return scripts[1]
+
+
+def test_report_data(tree):
+    data = build_data([tree])
+    runs = {r["id"].split("/", 1)[1]: r for r in data["runs"]}
+    assert len(runs) == 8 and all(r["comparable"] for r in runs.values())
+    snap = runs["niah/snapkv+budget=48+window=4"]
+    assert snap["figures"]["pass@1"][1] is not None and snap["has_kept"] and snap["has_forced"]
+    samples = data["samples"][snap["id"]]
+    assert len(samples) == 2 and all(s["deltas"] is not None and s["pieces"] for s in samples)
+    ref = data["references"][samples[0]["ref"]]
+    assert len(ref["pieces"]) == len(samples[0]["deltas"])
+    grid, = [g for g in data["niah"] if g["task"] == "niah"]
+    assert grid["cells"] == [[320, 25.0], [320, 75.0]] and len(grid["rows"]) == 4
+    assert grid["rows"][0]["label"] == "full"
+    # Prompt compression: SnapKV and Kara (GrowPage grows through these short answers).
+    assert {k.split("/")[2].split("+")[0] for k in data["kept"]} == {"snapkv", "kara"}
+    assert all(k.split("/")[1] == "niah" for k in data["kept"])
+    gsm = data["capacity"][f"{snap['model']}/gsm8k"]
+    assert len(gsm["runs"]) == 4 and len(gsm["requests"]) == 2
+    assert data["notes"] == []  # nothing sampled out at this size
+
+
+def test_non_comparable_rows_are_flagged(tree, tmp_path):
+    copy = tmp_path / "tree"
+    shutil.copytree(tree, copy)
+    config_path = _run(copy, "gsm8k", "snapkv") / "config.json"
+    config = json.loads(config_path.read_text())
+    config["max_tokens"] = 99
+    config_path.write_text(json.dumps(config))
+    runs = {r["label"].split("+")[0] + "/" + r["task"]: r for r in build_data([copy])["runs"]}
+    assert runs["snapkv/gsm8k"]["comparable"] is False
+    assert runs["snapkv/gsm8k"]["reasons"] == ["max_tokens 99 vs FullKV's 40"]
+    assert runs["snapkv/niah"]["comparable"] and runs["full/gsm8k"]["comparable"]
+
+
+def test_traces_are_sampled_and_the_page_says_so(tree):
+    data = build_data([tree], Limits(samples_per_run=1, kept_per_sample=1, kept_bytes=10,
+                                     events_per_request=1, capacity_requests=1))
+    text = " ".join(data["notes"])
+    for phrase in ("first 1 samples", "budget for them", "first 1 requests", "at most 1 events"):
+        assert phrase in text
+    assert all(len(v) <= 1 for v in data["samples"].values())
+
+
+def test_page_is_self_contained_with_every_section(tree, tmp_path):
+    path = build_report([tree], tmp_path / "r.html")
+    page = path.read_text(encoding="utf-8")
+    assert "http://" not in page and "https://" not in page
+    assert not re.search(r"""(?:src|href|action)\s*=\s*["']?(?!#)[^"'\s>]*//""", page, re.I)
+    assert not re.search(r"url\(|@import|<link|<img|<iframe|<script[^>]+src", page, re.I)
+    for name in SECTIONS:
+        assert f'id="sec-{name}"' in page
+    for container in ("board", "samples", "niah", "capacity", "provenance", "report-errors"):
+        assert f'id="{container}"' in page
+    data = _data_of(page)
+    assert data["runs"] and data["kept"] and data["capacity"]
+    script = _main_script(page)
+    # Every table the renderer builds (the NIAH grids are numbered per task).
+    for table in ("leaderboard-table", "samples-table", "niah-grid-", "provenance-table"):
+        assert table in script
+    if shutil.which("node") is None:
+        pytest.skip("node is not installed: the script's syntax is not checked")
+    js = tmp_path / "report.js"
+    js.write_text(script, encoding="utf-8")
+    subprocess.run(["node", "--check", str(js)], check=True, capture_output=True)
+
+
+def test_embedded_text_cannot_close_the_script_or_hold_an_address():
+    page = render({"title": "t", "generated_utc": "", "roots": [], "columns": [], "runs": [],
+                   "samples": {"x": [{"output": "</script><b>see https://example.org</b>"}]},
+                   "references": {}, "niah": [], "kept": {}, "capacity": {}, "provenance": [],
+                   "limits": {}, "notes": []})
+    assert "https://" not in page and page.count("</script>") == 3
+    assert _data_of(page)["samples"]["x"][0]["output"] == "</script><b>see https://example.org</b>"
+
+
+def test_cli_report(tree, tmp_path):
+    from typer.testing import CliRunner
+
+    from cli import app
+
+    result = CliRunner().invoke(app, ["report", str(tree), "--out", str(tmp_path / "page.html")])
+    assert result.exit_code == 0, result.output
+    assert "page.html" in result.output and (tmp_path / "page.html").exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = CliRunner().invoke(app, ["report", str(empty)])
+    assert result.exit_code != 0 and "no result directories" in result.output
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    result = CliRunner().invoke(app, ["report", str(tree), "--out", str(blocker / "page.html")])
+    assert result.exit_code != 0 and "cannot write the report" in result.output
+
+
+# ------------------------------------------------------------------------------ headless browser
+
+
+def _chromium(page: Path, profile: Path, *extra: str) -> subprocess.CompletedProcess:
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={profile}", "--enable-logging=stderr", "--v=0",
+             "--window-size=1400,2600", "--hide-scrollbars", "--virtual-time-budget=5000"]
+    return subprocess.run([CHROMIUM, *flags, *extra, page.as_uri()], capture_output=True, text=True,
+                          timeout=120)
+
+
+def _rendered(dom: str) -> tuple[bool, str]:
+    errors = re.search(r'<pre id="report-errors"[^>]*>(.*?)</pre>', dom, re.S)
+    return 'data-rendered="yes"' in dom, errors.group(1).strip() if errors else "<no error box>"
+
+
+@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} is not installed "
+                    "(Debian: apt-get install chromium); the page's render is not checked")
+def test_page_renders_in_headless_chromium_without_errors(tree, tmp_path):
+    path = build_report([tree], tmp_path / "report.html")
+    dom = _chromium(path, tmp_path / "profile-dom", "--dump-dom")
+    ok, errors = _rendered(dom.stdout)
+    assert ok and errors == "", (errors, dom.stderr[-2000:])
+    assert "Uncaught" not in dom.stderr
+    for marker in ('id="leaderboard-table"', 'id="samples-table"', 'id="niah-grid-0"',
+                   'id="kept-canvas"', 'id="capacity-chart"', 'id="provenance-table"'):
+        assert marker in dom.stdout
+    shots = Path(os.environ.get("KVARENA_REPORT_SCREENSHOTS", tmp_path))
+    shots.mkdir(parents=True, exist_ok=True)
+    shot = shots / "report.png"
+    _chromium(path, tmp_path / "profile-shot", f"--screenshot={shot}")
+    assert shot.exists() and shot.stat().st_size > 10_000
+    # The check can fail: a page whose renderer throws is caught.
+    broken = tmp_path / "broken.html"
+    broken.write_text(path.read_text().replace('document.body.setAttribute("data-rendered", "yes");',
+                                               'null.crash();'))
+    ok, errors = _rendered(_chromium(broken, tmp_path / "profile-broken", "--dump-dom").stdout)
+    assert not ok and "error" in errors
