@@ -320,7 +320,7 @@ class Scheduler:
                 allocated = seq.num_pages * self.bm.block_size
                 budget = self.policy.kv_budget(seq.policy_state, seq.num_pages)
                 seq.capacity_trace.append(allocated)
-                seq.kept_trace.append(seq.kept_slots)
+                seq.kept_slots_trace.append(seq.kept_slots)
                 seq.budget_trace.append(allocated if budget is None else budget)
             if samples:
                 seq.token_ids.append(next(sampled))

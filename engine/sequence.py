@@ -83,7 +83,7 @@ class Sequence:
         self.num_preemptions = 0
         self.events: list[CapacityEvent] = []
         self.capacity_trace: list[int] = []  # allocated slots at each decode step
-        self.kept_trace: list[float] = []    # slots holding kept tokens, per (layer, head), each step
+        self.kept_slots_trace: list[float] = []  # slots holding kept tokens, per (layer, head), each step
         self.budget_trace: list[int] = []    # the policy's KV budget at each decode step
         self.token_logprobs: list[float] = []
         self.kept_trace: Any = None  # engine.kept_trace.KeptTrace when EngineConfig.trace_kept

@@ -78,7 +78,7 @@ class RequestOutput:
             avg_kv_budget=statistics.fmean(budgets) if budgets else None,
             num_preemptions=seq.num_preemptions,
             avg_kv_allocated=statistics.fmean(trace) if trace else None,
-            avg_kv_kept=statistics.fmean(seq.kept_trace) if seq.kept_trace else None,
+            avg_kv_kept=statistics.fmean(seq.kept_slots_trace) if seq.kept_slots_trace else None,
             final_kv_len=seq.physical_len,
             capacity_trace=list(trace),
             events=[event_dict(e) for e in seq.events],
