@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+# ruff: isort: skip_file
+# `engine` first: importing it sets OpenMP's wait policy, which libgomp reads only when torch loads
+# (engine/threads.py); every command imports torch later.
+import engine  # noqa: F401
+
 import json
 import sys
 from typing import Optional
@@ -53,14 +58,13 @@ def generate(
     json_out: bool = typer.Option(False, "--json", help="Print outputs and run stats as JSON."),
 ):
     """Generate text for prompts on the paged engine, with a live progress display."""
-    import torch
-
     from engine.config import ConfigError
     from engine.llm import LLM
     from engine.models.loader import ModelLoadError
     from engine.sampling import SamplingParams
+    from engine.threads import set_threads
 
-    torch.set_num_threads(threads)
+    set_threads(threads)
     prompts = prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
         fail("no prompt given (pass prompts as arguments or on stdin)")

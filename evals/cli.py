@@ -227,13 +227,12 @@ def eval_command(
 ):
     """Evaluate policies on tasks: results/<model>/<task>/<policy>/ with config, per-sample JSONL
     (written as samples finish; re-running resumes) and metrics."""
-    import torch
-
     from engine.config import ConfigError
+    from engine.threads import set_threads
     from evals.results import ResultsMismatchError
     from evals.runner import EvalError, run_eval
 
-    torch.set_num_threads(threads)
+    set_threads(threads)
     outcomes = []
     try:
         base = _base_settings(task_arg, model=model, data=data, limit=limit, samples=samples,
@@ -338,14 +337,13 @@ def sweep_command(
 ):
     """Minimum sufficient KV budget per request (GrowPage Eq. 1, Fig. 2): a fixed-budget policy over
     a set of budgets; CSV and a histogram PNG per task."""
-    import torch
-
     from engine.config import ConfigError
+    from engine.threads import set_threads
     from evals.results import ResultsMismatchError
     from evals.runner import EvalError
     from evals.sweep import run_sweep
 
-    torch.set_num_threads(threads)
+    set_threads(threads)
     try:
         values = [int(b) for b in budgets.split(",") if b.strip()]
     except ValueError:

@@ -21,7 +21,7 @@ console = Console(stderr=True)
 
 def fail(message: str) -> NoReturn:
     """A usage error: print ``message`` to stderr and exit with status 2."""
-    console.print(f"[bold red]error:[/] {message}")
+    console.print(f"[bold red]error:[/] {message}", soft_wrap=True)  # one line, never wrapped
     raise typer.Exit(2)
 
 
