@@ -69,11 +69,12 @@ def openmp_state() -> dict:
             "omp_policy_applied_before_torch": _in_time}
 
 
-def _cgroup_cpu_quota() -> float | None:
-    """CPUs allowed by a cgroup v2 (`cpu.max`) or v1 (`cpu.cfs_quota_us`) quota; None if none."""
-    for quota_file, period_file in (("/sys/fs/cgroup/cpu.max", None),
-                                    ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us",
-                                     "/sys/fs/cgroup/cpu/cpu.cfs_period_us")):
+def cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> float | None:
+    """CPUs allowed by a cgroup v2 (`cpu.max`) or v1 (`cpu.cfs_quota_us`) quota under `root`;
+    None where there is none."""
+    for quota_file, period_file in ((f"{root}/cpu.max", None),
+                                    (f"{root}/cpu/cpu.cfs_quota_us",
+                                     f"{root}/cpu/cpu.cfs_period_us")):
         try:
             with open(quota_file) as f:
                 parts = f.read().split()
@@ -93,7 +94,7 @@ def _cgroup_cpu_quota() -> float | None:
 def usable_cpus() -> int:
     """CPUs this process may run on: its affinity mask, capped by a cgroup CPU quota."""
     count = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    quota = _cgroup_cpu_quota()
+    quota = cgroup_cpu_quota()
     if quota is not None:
         count = min(count, max(1, int(quota)))
     return max(1, count or 1)

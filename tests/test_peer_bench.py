@@ -137,7 +137,8 @@ def test_peer_bench_end_to_end_with_a_fake_vllm(tiny_model, fake_peer):
     # Only the contended quiet-machine-free target applies (uniform, one competitor).
     assert [(t.description, t.threshold) for t in result.targets] == [
         ("uniform: kvarena TPS / vLLM CPU eager TPS", 0.8)]
-    assert "0.0-fake" in result.notes[0] and "torch threads 1" in result.notes[0]
+    # The driver's own process (the fake runs in it) is described from /proc.
+    assert "0.0-fake" in result.notes[0] and "threads per CPU set" in result.notes[0]
     # The peer runs with its own OpenMP defaults, not the ones kvarena set for itself.
     for key in applied_defaults():
         assert key not in result.notes[0]

@@ -133,7 +133,11 @@ class Peer:
         self.proc = subprocess.Popen([python, str(DRIVER), *args], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._log, text=True,
                                      env=env, start_new_session=True)
-        self.info = self._answer("start")["info"]
+        try:
+            self.info = self._answer("start")["info"]
+        except BaseException:
+            self.close(keep_log=True)
+            raise
 
     @property
     def pid(self) -> int:
@@ -165,8 +169,9 @@ class Peer:
         self.proc.stdin.flush()
         return self._answer("a run")
 
-    def close(self) -> None:
-        """Ask the driver to quit; its process group is killed if it has not gone in 60 s."""
+    def close(self, keep_log: bool = False) -> None:
+        """Ask the driver to quit (its process group is killed if it has not gone in 60 s) and
+        delete its log unless `keep_log` (a failed run's log stays for reading)."""
         if self.proc.poll() is None:
             try:
                 self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
@@ -176,6 +181,8 @@ class Peer:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         self._log.close()
+        if not keep_log:
+            Path(self.log_path).unlink(missing_ok=True)
 
 
 @contextmanager
@@ -193,13 +200,15 @@ def contenders(n: int) -> Iterator[list[subprocess.Popen]]:
             p.wait()
 
 
-def describe_worker(info: dict) -> str:
-    worker = info.get("worker", {})
-    if "error" in worker:
-        return f"its model worker's threads could not be read ({worker['error']})"
-    env = ", ".join(f"{k}={v}" for k, v in sorted(worker.get("env", {}).items())) or "none"
-    return (f"its model worker computed with torch threads {worker.get('torch_threads')}, "
-            f"CPU affinity {worker.get('affinity')}, OpenMP variables: {env}")
+def describe_processes(info: dict) -> str:
+    """'VLLM::Worker (pid 12) 9 threads, CPUs {0: 1, 0-1: 8}, OMP_NUM_THREADS=2; ...' per process."""
+    parts = []
+    for p in info.get("processes", []):
+        cpus = ", ".join(f"{k}: {v}" for k, v in p["thread_cpus"].items())
+        env = "".join(f", {k}={v}" for k, v in p["env"].items())
+        parts.append(f"{p['name']} (pid {p['pid']}) {p['threads']} threads, threads per CPU set "
+                     f"{{{cpus}}}{env}")
+    return "; ".join(parts) or "no process information"
 
 
 def run_peer(model: str = "default", *, peer: PeerSettings, quick: bool = False,
@@ -229,9 +238,10 @@ def run_peer(model: str = "default", *, peer: PeerSettings, quick: bool = False,
     vllm = Peer(python, args)
     side = f"vLLM CPU {peer.mode}"
     sides, ratios, repeats = [], [], []
+    failed = True
     try:
-        log(f"vLLM ready: {vllm.info.get('version')}; {describe_worker(vllm.info)}; log "
-            f"{vllm.log_path}")
+        log(f"vLLM ready: {vllm.info.get('version')}; {describe_processes(vllm.info)}; its log "
+            f"(kept if the run fails): {vllm.log_path}")
         with contenders(peer.contend) as procs:
             if procs:
                 log(f"started {len(procs)} CPU-bound competitor(s): pids "
@@ -281,16 +291,18 @@ def run_peer(model: str = "default", *, peer: PeerSettings, quick: bool = False,
                                "ratio": ratio(k_tps, v_tps), "ratio_cpu": ratio(k_cpu, v_cpu),
                                "target": target_for(name, peer),
                                "agreement": mean_agreement(best_k.token_ids, best_v["tokens"])})
+        failed = False
     finally:
-        vllm.close()
+        vllm.close(keep_log=failed)
     scale_dict = dict(scale.__dict__, model=str(model), block_size=block_size, threads=threads,
                       peer_mode=peer.mode, peer_bind=peer.bind, contend=peer.contend)
     scale_dict.pop("hf_batch_size")
     name = "peer" if peer.contend == 0 else f"peer-contend{peer.contend}"
     notes = [f"vLLM side: {vllm.info.get('version')} (Python {vllm.info.get('python')}), "
-             f"{peer.mode}, bind {peer.bind}; {describe_worker(vllm.info)}.",
+             f"{peer.mode}, bind {peer.bind}; {describe_processes(vllm.info)}.",
              "The vLLM processes stay up between its runs; 'vLLM idle CPU s' is what they used "
-             "while kvarena's side ran (near 0 when idle)."]
+             "while kvarena's side ran (its engine core busy-polls for about a second after a "
+             "run, then sleeps; kvarena's side includes loading its engine)."]
     targets = [Target.check(f"{r['workload']}: kvarena TPS / {side} TPS", r["ratio"], ">=",
                             r["target"]) for r in ratios if r["target"] is not None]
     return BenchResult(name, f"kvarena FullKV vs vLLM's CPU backend ({peer.mode})", scale_dict,

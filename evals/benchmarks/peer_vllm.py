@@ -9,8 +9,9 @@ Protocol: one JSON object per line. The driver answers on its original stdout an
 else (vLLM's logs, its worker processes' output) to stderr, which the harness keeps in a log file.
 
 - On start it builds `vllm.LLM` (float32, greedy sampling later), warms it up, and writes
-  ``{"ready": true, "info": {...}}``: vLLM's version, the thread setup vLLM's model worker ended
-  up with (torch threads, OMP variables, CPU affinity), asked of the worker itself.
+  ``{"ready": true, "info": {...}}``: vLLM's version and, for each process of the driver's tree
+  (vLLM's engine core and model worker included), its thread count, its threads' CPU affinities
+  and the OpenMP variables it started with (`tree_threads`).
 - ``{"op": "run", "prompts": [[token ids], ...], "max_tokens": [n, ...]}`` resets vLLM's prefix
   cache (kvarena's side starts every run with an empty one), runs one untimed 2-token warm-up,
   then generates greedily with EOS ignored and answers ``{"wall_s", "cpu_s", "tokens"}``:
@@ -36,6 +37,7 @@ import sys
 import time
 
 BINDS = ("threads", "auto", "nobind")
+THREAD_VARS = ("OMP_", "GOMP_", "KMP_", "VLLM_CPU_OMP", "LD_PRELOAD")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -69,17 +71,56 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def tree(pid: int) -> list[int]:
+    """`pid` and its live descendants, parents first."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop(0)
+        if p not in out:
+            out.append(p)
+            todo += _children(p)
+    return out
+
+
 def tree_cpu_seconds(pid: int) -> float:
     """CPU seconds of `pid` and every live descendant (10 ms resolution: the kernel's tick)."""
-    total, todo, seen = 0.0, [pid], set()
-    while todo:
-        p = todo.pop()
-        if p in seen:
-            continue
-        seen.add(p)
-        total += _cpu_seconds(p)
-        todo += _children(p)
-    return total
+    return sum(_cpu_seconds(p) for p in tree(pid))
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def tree_threads(pid: int) -> list[dict]:
+    """How each process of the tree computes: name, thread count, its threads' CPU affinities
+    ({"0": 1, "1": 1, "0-1": 5}: OpenMP threads bound one per CPU show as single CPUs) and the
+    OpenMP/vLLM thread variables it was started with. Read from /proc, so nothing runs inside
+    vLLM's processes."""
+    out = []
+    for p in tree(pid):
+        tasks = [t for t in _read_dir(f"/proc/{p}/task")]
+        cpus: dict[str, int] = {}
+        for t in tasks:
+            for line in _read(f"/proc/{p}/task/{t}/status").splitlines():
+                if line.startswith("Cpus_allowed_list:"):
+                    key = line.split(":", 1)[1].strip()
+                    cpus[key] = cpus.get(key, 0) + 1
+        env = dict(kv.split("=", 1) for kv in _read(f"/proc/{p}/environ").split("\0") if "=" in kv)
+        out.append({"pid": p, "name": _read(f"/proc/{p}/comm").strip(), "threads": len(tasks),
+                    "thread_cpus": cpus,
+                    "env": {k: v for k, v in sorted(env.items()) if k.startswith(THREAD_VARS)}})
+    return out
+
+
+def _read_dir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
 
 
 def bind_list(threads: int) -> str:
@@ -122,16 +163,6 @@ def thread_env(args: argparse.Namespace) -> dict[str, str]:
     return {}
 
 
-def worker_threads() -> dict:
-    """Runs inside vLLM's model worker (collective_rpc): the threads it computes with."""
-    import torch
-
-    env = {k: v for k, v in os.environ.items()
-           if k.startswith(("OMP_", "GOMP_", "KMP_")) or k == "LD_PRELOAD"}
-    return {"torch_threads": torch.get_num_threads(), "env": env,
-            "affinity": sorted(os.sched_getaffinity(0))}
-
-
 def version() -> str:
     from importlib import metadata
 
@@ -163,11 +194,8 @@ class Driver:
         return [list(o.outputs[0].token_ids) for o in outs]
 
     def info(self) -> dict:
-        try:
-            (worker,) = self.llm.collective_rpc(lambda _worker: worker_threads())
-        except Exception as exc:  # the worker's view is a report, never a reason to stop
-            worker = {"error": f"{type(exc).__name__}: {exc}"}
-        return {"version": version(), "python": sys.version.split()[0], "worker": worker}
+        return {"version": version(), "python": sys.version.split()[0],
+                "processes": tree_threads(os.getpid())}
 
     def run(self, prompts: list[list[int]], max_tokens: list[int]) -> dict:
         if len(prompts) != len(max_tokens) or not prompts:
