@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -170,3 +171,7 @@ def test_driver_failure_reports_its_log(tiny_model, fake_peer, monkeypatch):
         peer.run_peer(tiny_model, peer=peer.PeerSettings(fake_peer), scale=SCALE,
                       log=lambda _: None)
     assert "failing at start as asked" in str(err.value)
+    # A failed run's log is kept for reading (and removed here).
+    log = Path(re.search(r"its log (\S+):", str(err.value)).group(1))
+    assert log.is_file()
+    log.unlink()

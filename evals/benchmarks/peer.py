@@ -127,12 +127,13 @@ class Peer:
     def __init__(self, python: str, args: list[str]) -> None:
         fd, self.log_path = tempfile.mkstemp(prefix="kvarena-peer-", suffix=".log")
         self._log = os.fdopen(fd, "w")
-        # vLLM runs with its own OpenMP defaults: drop the variables kvarena set for itself.
-        ours = applied_defaults()
-        env = {k: v for k, v in os.environ.items() if k not in ours}
+        # vLLM runs with its own defaults: without the OpenMP variables kvarena set for itself
+        # and without kvarena's PYTHONPATH, from a folder holding no kvarena package.
+        drop = {*applied_defaults(), "PYTHONPATH"}
+        env = {k: v for k, v in os.environ.items() if k not in drop}
         self.proc = subprocess.Popen([python, str(DRIVER), *args], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._log, text=True,
-                                     env=env, start_new_session=True)
+                                     env=env, cwd=tempfile.gettempdir(), start_new_session=True)
         try:
             self.info = self._answer("start")["info"]
         except BaseException:
@@ -217,14 +218,13 @@ def run_peer(model: str = "default", *, peer: PeerSettings, quick: bool = False,
     import torch
 
     from engine.models.loader import load_tokenizer, resolve_model
-    from engine.sampling import SamplingParams
 
     python = check_peer_python(peer.python)
     threads = torch.get_num_threads()
     if peer.bind == "threads":
         peer_vllm.bind_list(threads)  # more threads than usable CPUs: an error before any load
     scale = scale or (QUICK if quick else ThroughputScale(repeats=2))
-    model_dir = resolve_model(model)
+    model_dir = Path(resolve_model(model)).resolve()  # the driver runs in another folder
     loads = workloads(PromptBuilder(load_tokenizer(model_dir)), scale)
     pools = {name: pool_tokens(p, n, block_size) for name, (p, n) in loads.items()}
     max_seqs = max(64, max(len(p) for p, _ in loads.values()))
@@ -236,7 +236,6 @@ def run_peer(model: str = "default", *, peer: PeerSettings, quick: bool = False,
             "--kv-cache-bytes", str(kv_bytes)] + (["--compile"] if peer.compile else [])
     log(f"starting vLLM ({peer.mode}, bind {peer.bind}) in {python}")
     vllm = Peer(python, args)
-    side = f"vLLM CPU {peer.mode}"
     sides, ratios, repeats = [], [], []
     failed = True
     try:
@@ -247,50 +246,13 @@ def run_peer(model: str = "default", *, peer: PeerSettings, quick: bool = False,
                 log(f"started {len(procs)} CPU-bound competitor(s): pids "
                     f"{', '.join(str(p.pid) for p in procs)}")
             for name, (prompts, max_tokens) in loads.items():
-                params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-                          for n in max_tokens]
-
-                def ours(name=name, prompts=prompts, params=params):
-                    load, idle = load_average(), vllm.cpu_seconds()
-                    log(f"{name}: kvarena, {len(prompts)} requests; load {load}")
-                    run = run_engine(model_dir, prompts, params, label="kvarena",
-                                     block_size=block_size, kv_cache_tokens=pools[name],
+                engine_kwargs = dict(block_size=block_size, kv_cache_tokens=pools[name],
                                      max_num_seqs=max_seqs)
-                    return run, load, vllm.cpu_seconds() - idle
-
-                def theirs(name=name, prompts=prompts, max_tokens=max_tokens):
-                    load = load_average()
-                    log(f"{name}: {side}, {len(prompts)} requests; load {load}")
-                    return vllm.run(prompts, max_tokens), load
-
-                best_k = best_v = None
-                for rep in range(scale.repeats):
-                    if rep % 2 == 0:
-                        (k, k_load, idle), (v, v_load) = ours(), theirs()
-                    else:
-                        (v, v_load), (k, k_load, idle) = theirs(), ours()
-                    row = {"workload": name, "repeat": rep + 1,
-                           "first": "kvarena" if rep % 2 == 0 else "vLLM",
-                           "kvarena_load": k_load, "vllm_load": v_load,
-                           "kvarena_tps": k.stats.output_tokens / k.wall,
-                           "vllm_tps": sum(map(len, v["tokens"])) / v["wall_s"],
-                           "kvarena_cpu_s": k.cpu, "vllm_cpu_s": v["cpu_s"],
-                           "ratio_cpu": ratio(v["cpu_s"], k.cpu), "vllm_idle_cpu_s": idle}
-                    row["ratio"] = ratio(row["kvarena_tps"], row["vllm_tps"])
-                    repeats.append(row)
-                    log(f"{name} repeat {rep + 1}: kvarena {row['kvarena_tps']:.1f} tok/s, "
-                        f"{k.cpu:.1f} CPU s; vLLM {row['vllm_tps']:.1f} tok/s, "
-                        f"{v['cpu_s']:.1f} CPU s; kvarena / vLLM {row['ratio']:.2f} "
-                        f"({row['ratio_cpu']:.2f} by CPU time)")
-                    best_k = k if best_k is None or k.wall < best_k.wall else best_k
-                    best_v = v if best_v is None or v["wall_s"] < best_v["wall_s"] else best_v
-                sides += side_rows(name, prompts, max_tokens, best_k, best_v, side)
-                k_tps, v_tps = sides[-2]["tps"], sides[-1]["tps"]
-                k_cpu, v_cpu = sides[-2]["tps_cpu"], sides[-1]["tps_cpu"]
-                ratios.append({"workload": name, "kvarena_tps": k_tps, "vllm_tps": v_tps,
-                               "ratio": ratio(k_tps, v_tps), "ratio_cpu": ratio(k_cpu, v_cpu),
-                               "target": target_for(name, peer),
-                               "agreement": mean_agreement(best_k.token_ids, best_v["tokens"])})
+                s, r, reps = compare(name, prompts, max_tokens, vllm, model_dir, engine_kwargs,
+                                     scale.repeats, peer, log)
+                sides += s
+                ratios.append(r)
+                repeats += reps
         failed = False
     finally:
         vllm.close(keep_log=failed)
@@ -303,10 +265,60 @@ def run_peer(model: str = "default", *, peer: PeerSettings, quick: bool = False,
              "The vLLM processes stay up between its runs; 'vLLM idle CPU s' is what they used "
              "while kvarena's side ran (its engine core busy-polls for about a second after a "
              "run, then sleeps; kvarena's side includes loading its engine)."]
-    targets = [Target.check(f"{r['workload']}: kvarena TPS / {side} TPS", r["ratio"], ">=",
+    targets = [Target.check(f"{r['workload']}: kvarena TPS / vLLM CPU {peer.mode} TPS", r["ratio"], ">=",
                             r["target"]) for r in ratios if r["target"] is not None]
     return BenchResult(name, f"kvarena FullKV vs vLLM's CPU backend ({peer.mode})", scale_dict,
                        tables(sides, ratios, repeats, peer), targets, notes)
+
+
+def compare(name: str, prompts: list, max_tokens: list, vllm: Peer, model_dir, engine_kwargs: dict,
+            repeats: int, peer: PeerSettings, log: Callable[[str], None]) -> tuple:
+    """One workload on both sides, `repeats` times, alternating which goes first: (the two side
+    rows from each side's fastest repeat, the ratio row, one row per repeat)."""
+    from engine.sampling import SamplingParams
+
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    side = f"vLLM CPU {peer.mode}"
+
+    def ours():
+        load, idle = load_average(), vllm.cpu_seconds()
+        log(f"{name}: kvarena, {len(prompts)} requests; load {load}")
+        run = run_engine(model_dir, prompts, params, label="kvarena", **engine_kwargs)
+        return run, load, vllm.cpu_seconds() - idle
+
+    def theirs():
+        load = load_average()
+        log(f"{name}: {side}, {len(prompts)} requests; load {load}")
+        return vllm.run(prompts, max_tokens), load
+
+    best_k = best_v = None
+    rows = []
+    for rep in range(repeats):
+        if rep % 2 == 0:
+            (k, k_load, idle), (v, v_load) = ours(), theirs()
+        else:
+            (v, v_load), (k, k_load, idle) = theirs(), ours()
+        row = {"workload": name, "repeat": rep + 1, "first": "kvarena" if rep % 2 == 0 else "vLLM",
+               "kvarena_load": k_load, "vllm_load": v_load,
+               "kvarena_tps": k.stats.output_tokens / k.wall,
+               "vllm_tps": sum(map(len, v["tokens"])) / v["wall_s"],
+               "kvarena_cpu_s": k.cpu, "vllm_cpu_s": v["cpu_s"],
+               "ratio_cpu": ratio(v["cpu_s"], k.cpu), "vllm_idle_cpu_s": idle}
+        row["ratio"] = ratio(row["kvarena_tps"], row["vllm_tps"])
+        rows.append(row)
+        log(f"{name} repeat {rep + 1}: kvarena {row['kvarena_tps']:.1f} tok/s, {k.cpu:.1f} CPU s; "
+            f"vLLM {row['vllm_tps']:.1f} tok/s, {v['cpu_s']:.1f} CPU s; kvarena / vLLM "
+            f"{row['ratio']:.2f} ({row['ratio_cpu']:.2f} by CPU time)")
+        best_k = k if best_k is None or k.wall < best_k.wall else best_k
+        best_v = v if best_v is None or v["wall_s"] < best_v["wall_s"] else best_v
+    sides = side_rows(name, prompts, max_tokens, best_k, best_v, side)
+    ours_row, theirs_row = sides
+    ratio_row = {"workload": name, "kvarena_tps": ours_row["tps"], "vllm_tps": theirs_row["tps"],
+                 "ratio": ratio(ours_row["tps"], theirs_row["tps"]),
+                 "ratio_cpu": ratio(ours_row["tps_cpu"], theirs_row["tps_cpu"]),
+                 "target": target_for(name, peer),
+                 "agreement": mean_agreement(best_k.token_ids, best_v["tokens"])}
+    return sides, ratio_row, rows
 
 
 def side_rows(name: str, prompts: list, max_tokens: list, ours, theirs: dict, side: str) -> list:

@@ -238,4 +238,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # Run as a script, this file's folder comes first on sys.path, and its siblings (kernels.py,
+    # common.py, memory.py, ...) would shadow the packages of those names vLLM imports.
+    _here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
     sys.exit(main())
