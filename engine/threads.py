@@ -8,9 +8,9 @@ matmuls per layer) separated by serial Python and small ops, so the second threa
 asleep: it spins between regions and holds a core. On a machine where other processes want the
 cores, that spinning thread competes with our own main thread and with them; a thread that waits
 on one the OS has descheduled spins away its time slice. Measured on the shared 2-core machine
-with one CPU-bound competitor (the engine's batch-1 decode, 2 threads): 32 tokens took 14.6 CPU
-seconds with the default policy against 2.5 with `OMP_WAIT_POLICY=PASSIVE` (docs/architecture.md,
-"CPU threads", has the experiment). vLLM's CPU backend avoids the same trap differently: its model
+with one CPU-bound competitor (the engine's batch-1 decode, 2 threads): 32 tokens took 13.0-14.6
+CPU seconds with the default policy against 2.1-2.5 with `OMP_WAIT_POLICY=PASSIVE`
+(docs/architecture.md, "CPU threads", has the experiment). vLLM's CPU backend avoids the same trap differently: its model
 worker's OpenMP threads are bound one per core (`VLLM_CPU_OMP_THREADS_BIND=auto`), one core is
 reserved for its scheduler process (on 2 cores: a single compute thread, so nothing waits on a
 peer), and its scheduler process drops torch to one thread for that reason

@@ -201,12 +201,19 @@ def contenders(n: int) -> Iterator[list[subprocess.Popen]]:
             p.wait()
 
 
+def short(key: str, value: str) -> str:
+    """LD_PRELOAD's libraries by file name (no machine paths in results); anything else as is."""
+    if key != "LD_PRELOAD":
+        return value
+    return ":".join(os.path.basename(lib) for lib in value.split(":"))
+
+
 def describe_processes(info: dict) -> str:
     """'VLLM::Worker (pid 12) 9 threads, CPUs {0: 1, 0-1: 8}, OMP_NUM_THREADS=2; ...' per process."""
     parts = []
     for p in info.get("processes", []):
         cpus = ", ".join(f"{k}: {v}" for k, v in p["thread_cpus"].items())
-        env = "".join(f", {k}={v}" for k, v in p["env"].items())
+        env = "".join(f", {k}={short(k, v)}" for k, v in p["env"].items())
         parts.append(f"{p['name']} (pid {p['pid']}) {p['threads']} threads, threads per CPU set "
                      f"{{{cpus}}}{env}")
     return "; ".join(parts) or "no process information"
