@@ -10,11 +10,11 @@ cores, that spinning thread competes with our own main thread and with them; a t
 on one the OS has descheduled spins away its time slice. Measured on the shared 2-core machine
 with one CPU-bound competitor (the engine's batch-1 decode, 2 threads): 32 tokens took 13.0-14.6
 CPU seconds with the default policy against 2.1-2.5 with `OMP_WAIT_POLICY=PASSIVE`
-(docs/architecture.md, "CPU threads", has the experiment). vLLM's CPU backend avoids the same trap differently: its model
-worker's OpenMP threads are bound one per core (`VLLM_CPU_OMP_THREADS_BIND=auto`), one core is
-reserved for its scheduler process (on 2 cores: a single compute thread, so nothing waits on a
-peer), and its scheduler process drops torch to one thread for that reason
-(`vllm.utils.torch_utils.set_torch_threads_for_runtime`).
+(docs/architecture.md, "CPU threads", has the experiment). vLLM's CPU backend avoids the same
+trap differently: its model worker's OpenMP threads are bound one per core
+(`VLLM_CPU_OMP_THREADS_BIND=auto`), one core is reserved for its scheduler process (on 2 cores: a
+single compute thread, so nothing waits on a peer), and its scheduler process drops torch to one
+thread for that reason (`vllm.utils.torch_utils.set_torch_threads_for_runtime`).
 
 What this module does:
 - `apply_openmp_defaults()` sets `OMP_WAIT_POLICY=PASSIVE` in the environment unless the user set
