@@ -405,15 +405,14 @@ def peer_command(
                                   "worker gets --threads threads bound to the first --threads "
                                   "CPUs), auto (vLLM's choice), nobind."),
     contend: int = typer.Option(0, help="CPU-bound processes to run beside both sides."),
-    single_tokens: int = typer.Option(None, help="New tokens of the batch-1 request [default: "
-                                      "200]."),
-    uniform_requests: int = typer.Option(None, help="Requests in the uniform batch [default: 32]."),
-    uniform_tokens: int = typer.Option(None, help="New tokens per uniform request [default: 256]."),
-    mixed_requests: int = typer.Option(None, help="Requests in the heterogeneous workload."),
+    single_tokens: int = typer.Option(None, help="New tokens of the batch-1 request (default 200)."),
+    uniform_requests: int = typer.Option(None, help="Requests in the uniform batch (default 32)."),
+    uniform_tokens: int = typer.Option(None, help="New tokens per uniform request (default 256)."),
+    mixed_requests: int = typer.Option(None, help="Requests in the heterogeneous workload (default 64)."),
     repeats: int = typer.Option(None, help="Repeats per side, alternating which goes first; the "
-                                "fastest of each side is reported [default: 2]."),
+                                "fastest of each side is reported (default 2; 1 with --quick)."),
     workloads: str = typer.Option(None, help="Comma-separated subset of the workloads "
-                                  f"[default: all: {','.join(WORKLOADS)}]."),
+                                  f"(default: all: {','.join(WORKLOADS)})."),
     out_dir: Path = OutDirOpt,
 ):
     """kvarena FullKV vs vLLM's CPU backend (in the --peer-python venv): batch 1, uniform batch of
