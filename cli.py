@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+# ruff: isort: skip_file
+# `engine` first: importing it sets OpenMP's wait policy, which libgomp reads only when torch loads
+# (engine/threads.py); every command imports torch later.
+import engine  # noqa: F401
+
 import json
 import sys
 from typing import Optional
@@ -66,12 +71,10 @@ def generate(
                                          "evals.traces bit masks)."),
 ):
     """Generate text for prompts on the paged engine, with a live progress display."""
-
     from engine.config import ConfigError
     from engine.llm import LLM
     from engine.models.loader import ModelLoadError
     from engine.sampling import SamplingParams
-
     set_threads(threads)
     prompts = prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:

@@ -48,10 +48,9 @@ def _model_tag(model: str) -> str:
 def _prepare(study: str, model: str, prompts_file, num_prompts, max_tokens: int, block_size: int,
              temperature: float, seed: int, chat: bool, out: Optional[Path], threads: int):
     """Validate the shared options, load prompts and tokenise them with the model's tokenizer."""
-    import torch
-
     from analysis.common import RunSettings, encode_prompts, load_prompts
     from engine.models.loader import load_tokenizer, resolve_model
+    from engine.threads import set_threads
 
     if threads < 1:
         fail(f"--threads must be >= 1, got {threads}")
@@ -59,7 +58,7 @@ def _prepare(study: str, model: str, prompts_file, num_prompts, max_tokens: int,
         fail(f"--max-tokens must be >= 1, got {max_tokens}")
     if block_size < 2:
         fail(f"--block-size must be >= 2, got {block_size}")
-    torch.set_num_threads(threads)
+    set_threads(threads)
     prompts = load_prompts(prompts_file, num_prompts)
     prompt_ids = encode_prompts(load_tokenizer(resolve_model(model)), prompts, chat)
     settings = RunSettings(model=model, block_size=block_size, max_tokens=max_tokens,

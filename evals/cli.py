@@ -262,7 +262,6 @@ def eval_command(
 ):
     """Evaluate policies on tasks: results/<model>/<task>/<policy>/ with config, per-sample JSONL
     (written as samples finish; re-running resumes) and metrics."""
-
     from engine.config import ConfigError
     from evals.results import ResultsError
     from evals.runner import EvalError, run_eval
@@ -397,7 +396,6 @@ def sweep_command(
 ):
     """Minimum sufficient KV budget per request (GrowPage Eq. 1, Fig. 2): a fixed-budget policy over
     a set of budgets; CSV and a histogram PNG per task."""
-
     from engine.config import ConfigError
     from evals.results import ResultsError
     from evals.runner import EvalError

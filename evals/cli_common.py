@@ -23,7 +23,7 @@ console = Console(stderr=True)
 
 def fail(message: str) -> NoReturn:
     """A usage error: print ``message`` to stderr and exit with status 2."""
-    console.print(f"[bold red]error:[/] {message}")
+    console.print(f"[bold red]error:[/] {message}", soft_wrap=True)  # one line, never wrapped
     raise typer.Exit(2)
 
 
@@ -118,9 +118,10 @@ MAX_THREADS = 1024
 
 
 def set_threads(threads: int) -> None:
-    """``torch.set_num_threads``, or a one-line usage error for a count it cannot take."""
-    import torch
+    """The engine's thread setup (`engine.threads.set_threads`: capped at the usable CPUs, passive
+    OpenMP waits), or a one-line usage error for a count it cannot take."""
+    from engine import threads as engine_threads
 
     if not 1 <= threads <= MAX_THREADS:
         fail(f"--threads must be an integer in [1, {MAX_THREADS}], got {threads}")
-    torch.set_num_threads(threads)
+    engine_threads.set_threads(threads)

@@ -424,9 +424,10 @@ class EvalWorker:
     directories and returns them (``read_shard``)."""
 
     def __init__(self, threads: int, cwd: str):
-        import torch
+        # engine.threads before torch: importing engine sets OpenMP's wait policy in this worker.
+        from engine.threads import set_threads
 
-        torch.set_num_threads(threads)
+        set_threads(threads)
         if os.path.isdir(cwd):  # relative --data / --model paths mean what they meant to the driver
             os.chdir(cwd)
 

@@ -412,9 +412,10 @@ def lm_eval_argv(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def main(argv: list[str] | None = None) -> None:
     """``kvarena lm-eval``: lm-eval's CLI with the ``kvarena`` model (writes lm-eval's results
     JSON, with the engine's statistics under ``config.kvarena``)."""
-    import torch
     from lm_eval._cli import HarnessCLI
     from lm_eval.utils import setup_logging
+
+    from engine.threads import set_threads
 
     argv = list(sys.argv[1:] if argv is None else argv)
     ours, lm_argv = lm_eval_argv(argv)
@@ -424,7 +425,7 @@ def main(argv: list[str] | None = None) -> None:
         print("\nlm-eval's arguments (all accepted, except --model):\n")
         cli._parser.parse_args(["run", "--help"])
         return
-    torch.set_num_threads(ours.threads)
+    set_threads(ours.threads)
     setup_logging()
     args = cli._parser.parse_args(lm_argv)
     cli.execute(args)

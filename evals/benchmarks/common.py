@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from engine.threads import openmp_state, set_threads
 from evals import provenance
 from evals.tables import markdown_table, md_cell
 
@@ -200,16 +201,11 @@ def machine_facts(threads: int) -> dict:
         "cpu": mach["cpu"], "cpu_count": mach["cpu_count"], "memory": mach["memory"],
         "platform": mach["platform"], "device": mach["device"], "python": vers["python"],
         "torch": vers["torch"], "transformers": vers["transformers"], "kvarena": vers["kvarena"],
-        "torch_threads": threads, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
-        "omp_policy_applied_before_torch": OMP_POLICY_APPLIED,
+        "torch_threads": threads, **openmp_state(),
         "git_commit": _git_commit(),
         "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
     }
 
-
-# Set by evals/benchmarks/__init__.py: whether OMP_WAIT_POLICY was set before torch was imported
-# (libgomp reads it once, when torch loads it).
-OMP_POLICY_APPLIED: bool | None = None
 
 command_line = provenance.command_line
 
@@ -219,12 +215,9 @@ def run_bench_command(core: Callable[..., BenchResult], *, threads: int, out_dir
     """What every `kvarena bench` command does: set threads, run the core, print, write files.
 
     Quick runs write `<name>-quick.{json,md}` so they never overwrite a full run's files."""
-    import torch
     from rich.console import Console
 
-    if threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {threads}")
-    torch.set_num_threads(threads)
+    threads = set_threads(threads)
     console = Console(width=None if sys.stdout.isatty() else 220)
     facts = machine_facts(threads)  # before the run: the code state the run imports
     load_start, started = load_average(), time.perf_counter()
@@ -374,7 +367,7 @@ def policy_metrics(run: EngineRun, reference: EngineRun | None = None) -> dict:
     tps_cpu: output tokens per second of process CPU time (all threads). On a shared machine the
         wall clock also counts time other processes held the cores; CPU time counts only this
         process's work, so its ratios are the steadier ones (spinning threads would inflate it,
-        which is one reason the benchmarks set OMP_WAIT_POLICY=PASSIVE).
+        which is one reason engine/threads.py sets OMP_WAIT_POLICY=PASSIVE).
     """
     s = run.stats
     physical = [v for v in (mean_physical_len(o) for o in run.outputs) if v is not None]
