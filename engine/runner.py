@@ -14,6 +14,8 @@ import torch
 
 from engine.attention import ForwardContext, KVCache
 from engine.config import CPU_KV_CACHE_TOKENS, ConfigError, EngineConfig
+from engine.decode_graph import DecodeGraph
+from engine.kernels._common import upload
 from engine.models import build_model, load_weights
 from engine.models.loader import iter_safetensors, load_config
 from engine.policies.base import SignalSpec
@@ -59,9 +61,22 @@ class ModelRunner:
         self.scale = self.head_dim ** -0.5
         self.block_size = config.block_size
         self.kv = self._allocate_kv(signals.slot_scores)
-        self.logits_hook = None  # tests/analysis: called with (items, logits of sampled rows)
+        # tests/analysis: called with (items, logits of sampled rows); the logits are valid during
+        # the call only (a compiled CUDA step reuses its output buffer).
+        self.logits_hook = None
         self.queries = QueryStatePool(signals, self.num_layers, config.max_num_seqs,
                                       self.num_q_heads, self.head_dim, self.device, self.dtype)
+        self.graph = self._decode_graph() if config.compile else None
+
+    def _decode_graph(self) -> DecodeGraph:
+        """The compiled decode step (engine/decode_graph.py). Block tables are as wide as the
+        most pages a sequence can hold; on meta the graph runs uncompiled (a dry run)."""
+        max_blocks = min(-(-self.max_model_len // self.block_size), self.num_pages)
+        graph = DecodeGraph(self.model, self.kv, self.queries, self.scale, self.config.max_num_seqs,
+                            max_blocks, self.device, compile=self.device.type != "meta")
+        if self.config.is_cuda:
+            graph.capture()
+        return graph
 
     # -- memory -----------------------------------------------------------------------------
     @property
@@ -102,12 +117,10 @@ class ModelRunner:
     def run(self, items: list[WorkItem]) -> list[int]:
         """Forward the step's tokens and sample one token for each item that `samples`.
         Single-token items must come first (the decode group)."""
-        input_ids, positions, ctx, sample_rows = self._prepare(items)
-        hidden = self.model(input_ids, positions, ctx)
         sampled = [it for it in items if it.samples]
+        logits = self.forward(items)
         if not sampled:
             return []
-        logits = self.model.compute_logits(hidden[sample_rows])
         if self.logits_hook is not None:
             self.logits_hook(sampled, logits)
         tokens = sample(logits, [it.seq.params for it in sampled], [it.seq.generator for it in sampled])
@@ -121,6 +134,41 @@ class ModelRunner:
             for i, value in zip(rows, values):
                 sampled[i].seq.token_logprobs.append(value)
         return tokens
+
+    def forward(self, items: list[WorkItem]) -> torch.Tensor | None:
+        """The step's device work: logits [S, vocab] of the S items that `samples`, in order
+        (None when none does). A step of one-token items runs the compiled decode graph when the
+        engine has one; anything else runs eager."""
+        if self.graph is not None and all(it.num_tokens == 1 for it in items) \
+                and self.graph.fits([it.seq.block_table for it in items]):
+            return self._graph_forward(items)
+        input_ids, positions, ctx, sample_rows = self._prepare(items)
+        hidden = self.model(input_ids, positions, ctx)
+        if not sample_rows.numel():
+            return None
+        return self.model.compute_logits(hidden[sample_rows])
+
+    def _graph_forward(self, items: list[WorkItem]) -> torch.Tensor | None:
+        """`forward` through the DecodeGraph: one metadata copy, the graph, the sampled rows."""
+        bs = self.block_size
+        ids, pos, slots, lens, signal_rows, sample_rows = [], [], [], [], [], []
+        for i, item in enumerate(items):
+            seq = item.seq
+            phys, start = seq.physical_len, seq.num_computed
+            ids.append(seq.token_ids[start])
+            pos.append(start)
+            slots.append(seq.block_table[phys // bs] * bs + phys % bs)
+            lens.append(phys + 1)
+            signal_rows.append((seq.query_slot, start, not item.prefill))
+            if item.samples:
+                sample_rows.append(i)
+        columns = [ids, pos, slots, lens, *self.queries.prepare_decode(signal_rows)]
+        logits = self.graph.run(columns, [it.seq.block_table for it in items])
+        if not sample_rows:
+            return None
+        if len(sample_rows) == len(items):
+            return logits
+        return logits[upload(sample_rows, self.device)]
 
     def _prepare(self, items: list[WorkItem]):
         bs = self.block_size
