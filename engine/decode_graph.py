@@ -97,10 +97,10 @@ class DecodeGraph:
         self.meta = torch.zeros(size, dtype=torch.long, device=self.device)
         self._inputs = {b: self._views(b) for b in self.buckets}
         self.compiled = compile
-        self._fn = self._forward
+        self.fn = self.forward  # what a step calls: `forward`, compiled unless compile=False
         if compile:
             use_project_compile_cache()
-            self._fn = torch.compile(self._forward, fullgraph=True)
+            self.fn = torch.compile(self.forward, fullgraph=True)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.compile_seconds = 0.0
 
@@ -121,9 +121,10 @@ class DecodeGraph:
         """Whether a decode batch with these block tables can run here (rows and width)."""
         return len(tables) <= self.max_rows and all(len(t) <= self.max_blocks for t in tables)
 
-    def _fill(self, columns: list[list[int]], tables: list[list[int]]) -> None:
-        """Write one step's metadata into the host buffer (padded rows get their defaults) and
-        copy it to the device in one non-blocking transfer."""
+    def load(self, columns: list[list[int]], tables: list[list[int]]) -> tuple[int, tuple]:
+        """Write one step's metadata (`run` has the arguments) into the host buffer, padded rows
+        getting their defaults, and copy it to the device in one non-blocking transfer.
+        Returns the bucket and its input views, the arguments of `forward`."""
         n, w = self.max_rows, self.max_blocks
         scratch = self.queries.scratch
         defaults = {"slot_mapping": -1, "recent_slot": scratch, "ema_slot": scratch}
@@ -139,9 +140,11 @@ class DecodeGraph:
         # ids reached the host.
         self.host.copy_(torch.tensor(flat, dtype=torch.long))
         self.meta.copy_(self.host, non_blocking=True)
+        bucket = bucket_for(max(len(tables), 1), self.buckets)
+        return bucket, self._inputs[bucket]
 
     # -- the graph ------------------------------------------------------------------------------
-    def _forward(self, input_ids, positions, slot_mapping, context_lens, recent_slot, ring,
+    def forward(self, input_ids, positions, slot_mapping, context_lens, recent_slot, ring,
                  ema_slot, ema_init, block_tables) -> torch.Tensor:
         """[B] rows -> logits [B, vocab]; the function torch.compile traces."""
         ctx = ForwardContext(self.kv, self.scale, slot_mapping, num_decode=input_ids.shape[0],
@@ -156,7 +159,7 @@ class DecodeGraph:
         global _reported_compile
         first = not _reported_compile and self.compiled
         start = time.perf_counter()
-        out = self._fn(*self._inputs[bucket])
+        out = self.fn(*self._inputs[bucket])
         if first:
             _reported_compile = True
             self.compile_seconds = time.perf_counter() - start
@@ -169,13 +172,13 @@ class DecodeGraph:
         largest first, sharing one memory pool. Warm-up rows are all padding (nothing stored)."""
         pool = None
         for bucket in reversed(self.buckets):
-            self._fill([[] for _ in FIELDS], [])
+            self.load([[] for _ in FIELDS], [])
             for _ in range(2):
                 self._call(bucket)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                out = self._fn(*self._inputs[bucket])
+                out = self.fn(*self._inputs[bucket])
             pool = graph.pool()
             self.graphs[bucket] = (graph, out)
         torch.cuda.synchronize(self.device)
@@ -186,8 +189,7 @@ class DecodeGraph:
         Returns logits [rows, vocab] (on CUDA a view of the graph's output, valid until the next
         step)."""
         rows = len(tables)
-        bucket = bucket_for(rows, self.buckets)
-        self._fill(columns, tables)
+        bucket, _ = self.load(columns, tables)
         if bucket in self.graphs:
             graph, out = self.graphs[bucket]
             graph.replay()

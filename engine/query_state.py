@@ -158,11 +158,13 @@ class DecodeCapture:
         self.ema_slot, self.init = ema_slot, init != 0
 
     def record(self, layer: int, q_pre: torch.Tensor) -> None:
-        """q_pre: [B, q_heads, d]."""
+        """q_pre: [B, q_heads, d]. Each write indexes the whole buffer (layer included) rather
+        than a layer's view, which inductor writes in place without staging the view."""
         pool = self.pool
+        at = torch.full_like(self.recent_slot, layer)
         if pool.recent is not None:
-            pool.recent[layer].index_put_((self.recent_slot, self.ring), q_pre.to(pool.recent.dtype))
+            pool.recent.index_put_((at, self.recent_slot, self.ring), q_pre.to(pool.recent.dtype))
         if pool.ema is not None:
-            ema = pool.ema[layer]
-            ema.index_copy_(0, self.ema_slot,
-                            ema_update(ema[self.ema_slot], q_pre, pool.betas, self.init))
+            current = pool.ema[at, self.ema_slot]
+            pool.ema.index_put_((at, self.ema_slot),
+                                ema_update(current, q_pre, pool.betas, self.init))

@@ -3,7 +3,8 @@
 Commands (each module registers its own on `bench_app`): throughput (engine vs transformers),
 memory (fixed-budget policies under a small KV pool), mixed (GrowPage and its variants on a mixed
 workload), concurrency (Kara's concurrency-throughput effect and fidelity), soak (every
-policy under random load with aborts and preemption: requests done, pages leaked).
+policy under random load with aborts and preemption: requests done, pages leaked), launches
+(kernel launches per layer of a decode step, eager vs compiled).
 
 OpenMP wait policy: on a shared, oversubscribed CPU, torch's OpenMP workers spin at every barrier
 waiting for a peer thread the OS has descheduled; with 2 threads on 2 busy cores we measured a
@@ -35,4 +36,5 @@ from evals.benchmarks import memory  # noqa: E402,F401
 from evals.benchmarks import mixed  # noqa: E402,F401
 from evals.benchmarks import concurrency  # noqa: E402,F401
 from evals.benchmarks import kernels  # noqa: E402,F401
+from evals.benchmarks import launches  # noqa: E402,F401
 from evals.benchmarks import soak  # noqa: E402,F401
