@@ -16,7 +16,7 @@ change. Block tables have the fixed width max_blocks (the most pages a sequence 
 table width never recompiles; the kernels read only each row's own length.
 
 Shapes. Rows are marked dynamic for buckets >= 2 (one compiled graph serves them all; size 1 is
-specialised by the compiler anyway), so at most two compiles per engine; on CUDA each bucket is
+specialised by the compiler anyway), so usually two compiles per engine; on CUDA each bucket is
 then warmed up and captured once, in decreasing size, sharing one memory pool (nano-vLLM's
 order), and a step replays its bucket's graph after the copy.
 
@@ -100,9 +100,14 @@ class DecodeGraph:
         self.fn = self.forward  # what a step calls: `forward`, compiled unless compile=False
         if compile:
             use_project_compile_cache()
+            # The guards of a compiled entry pin one engine's model and buffers, so every engine
+            # of a process adds its own entries (two: batch 1 and the dynamic buckets); past
+            # the limit dynamo would quietly run the step eagerly.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             self.fn = torch.compile(self.forward, fullgraph=True)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.compile_seconds = 0.0
+        self.steps = 0  # decode steps run through the graph
 
     # -- inputs -------------------------------------------------------------------------------
     def _views(self, bucket: int) -> tuple[torch.Tensor, ...]:
@@ -114,7 +119,8 @@ class DecodeGraph:
         views = (*fields, tables)
         if bucket >= 2:
             for t in views:
-                torch._dynamo.mark_dynamic(t, 0, min=2, max=self.max_rows)
+                # maybe_: a guard the compiler adds on the size recompiles instead of failing.
+                torch._dynamo.maybe_mark_dynamic(t, 0)
         return views
 
     def fits(self, tables: list[list[int]]) -> bool:
@@ -189,6 +195,7 @@ class DecodeGraph:
         Returns logits [rows, vocab] (on CUDA a view of the graph's output, valid until the next
         step)."""
         rows = len(tables)
+        self.steps += 1
         bucket, _ = self.load(columns, tables)
         if bucket in self.graphs:
             graph, out = self.graphs[bucket]
