@@ -10,7 +10,16 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from evals.cli_common import ModelOpt, PolicyArgOpt, ThreadsOpt, console, fail, names, policy_names
+from evals.cli_common import (
+    CompileOpt,
+    ModelOpt,
+    PolicyArgOpt,
+    ThreadsOpt,
+    console,
+    fail,
+    names,
+    policy_names,
+)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="An arena for KV-cache budgeting policies on a paged engine.")
@@ -49,6 +58,7 @@ def generate(
     kv_cache_tokens: Optional[int] = typer.Option(None, help="KV pool size in tokens."),
     block_size: Optional[int] = typer.Option(None, help="Tokens per KV page."),
     max_num_seqs: int = typer.Option(64),
+    compile: Optional[bool] = CompileOpt,
     threads: int = ThreadsOpt,
     json_out: bool = typer.Option(False, "--json", help="Print outputs and run stats as JSON."),
 ):
@@ -68,8 +78,9 @@ def generate(
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                 max_tokens=max_tokens)
         with console.status(f"loading {model}"):
+            extra = {} if compile is None else {"compile": compile}
             llm = LLM(model, **engine_kwargs(policy, policy_arg, kv_cache_tokens, block_size,
-                                             max_num_seqs))
+                                             max_num_seqs, **extra))
         texts = [llm.apply_chat_template([{"role": "user", "content": p}]) if chat else p
                  for p in prompts]
         total = len(texts) * max_tokens

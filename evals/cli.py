@@ -12,6 +12,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from evals.cli_common import (
+    CompileOpt,
     ModelOpt,
     PolicyArgOpt,
     ThreadsOpt,
@@ -208,6 +209,7 @@ def eval_command(
     kv_cache_tokens: Optional[int] = KvCacheOpt,
     block_size: Optional[int] = BlockOpt,
     max_num_seqs: int = SeqsOpt,
+    compile: Optional[bool] = CompileOpt,
     out: str = OutOpt,
     threads: int = ThreadsOpt,
     grading_workers: int = GradeWorkersOpt,
@@ -240,7 +242,8 @@ def eval_command(
                               max_tokens=max_tokens, seed=seed, temperature=temperature,
                               preset=preset, thinking=thinking, kv_budget=kv_budget,
                               kv_cache_tokens=kv_cache_tokens, block_size=block_size,
-                              max_num_seqs=max_num_seqs, out=out, grading_workers=grading_workers,
+                              max_num_seqs=max_num_seqs, compile=compile, out=out,
+                              grading_workers=grading_workers,
                               fidelity=fidelity, retry_failed=retry_failed)
         per_policy = split_policy_args(policy_arg, policy)
         # Policies outer, tasks inner: the engine loads once per policy.
@@ -330,6 +333,7 @@ def sweep_command(
     kv_cache_tokens: Optional[int] = KvCacheOpt,
     block_size: Optional[int] = BlockOpt,
     max_num_seqs: int = SeqsOpt,
+    compile: Optional[bool] = CompileOpt,
     out: str = OutOpt,
     threads: int = ThreadsOpt,
     grading_workers: int = GradeWorkersOpt,
@@ -355,7 +359,7 @@ def sweep_command(
         base = _base_settings(task_arg, model=model, data=data, limit=limit, samples=samples,
                               max_tokens=max_tokens, seed=seed, temperature=temperature,
                               preset=preset, thinking=thinking, kv_cache_tokens=kv_cache_tokens,
-                              block_size=block_size, max_num_seqs=max_num_seqs, out=out,
+                              block_size=block_size, max_num_seqs=max_num_seqs, compile=compile, out=out,
                               grading_workers=grading_workers)
         args = split_policy_args(policy_arg, [policy])[policy]
         plan = [_for_run(base, t, policy, args) for t in task]

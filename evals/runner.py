@@ -79,6 +79,8 @@ class EvalSettings:
     thinking: Qwen3's thinking switch (None: the chat template's default).
     kv_budget: fixed KV budget overriding the task default (see module docstring).
     kv_cache_tokens, block_size, max_num_seqs: engine knobs (block_size None: the preset's).
+    compile: the engine's compiled decode step (EngineConfig.compile; None: its default). How
+        the engine runs, not what it computes: not part of a run's identity.
     out: results root. grading_workers / grading_timeout_s: math grading processes and bound.
     fidelity: also measure drift from FullKV per sample (evals.fidelity): a cached FullKV
         reference and the policy's teacher-forced pass over it; False for accuracy only.
@@ -104,6 +106,7 @@ class EvalSettings:
     kv_cache_tokens: int | None = None
     block_size: int | None = None
     max_num_seqs: int = 64
+    compile: bool | None = None
     out: str = "results"
     grading_workers: int = 1
     grading_timeout_s: float = 10.0
@@ -526,6 +529,8 @@ def _generate(settings: EvalSettings, config: dict, plan: Plan, todo: list[R.Sam
                          max_num_seqs=settings.max_num_seqs, seed=settings.seed)
     if settings.kv_cache_tokens is not None:
         engine_kwargs["kv_cache_tokens"] = settings.kv_cache_tokens
+    if settings.compile is not None:
+        engine_kwargs["compile"] = settings.compile
     fid = None
     if settings.fidelity:  # the FullKV reference first: on a GPU it must load before the policy
         from evals import fidelity
