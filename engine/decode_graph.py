@@ -173,9 +173,12 @@ class DecodeGraph:
                   f"(cached under {os.environ.get('TORCHINDUCTOR_CACHE_DIR')})", file=sys.stderr)
         return out
 
+    @torch.inference_mode()
     def capture(self) -> None:
         """CUDA only: warm up every bucket (compiling it) and capture one CUDA graph per bucket,
-        largest first, sharing one memory pool. Warm-up rows are all padding (nothing stored)."""
+        largest first, sharing one memory pool. Warm-up rows are all padding (nothing stored).
+        Under inference mode, as every step runs (ModelRunner.run): the compiled entry and the
+        captured kernels are those of a step, without autograd."""
         pool = None
         for bucket in reversed(self.buckets):
             self.load([[] for _ in FIELDS], [])
