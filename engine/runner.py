@@ -186,13 +186,12 @@ class ModelRunner:
             if seq.query_slot is not None:
                 capture.append((row, n, start, seq.query_slot, not item.prefill))
         dev = self.device
-        ctx = self._context(items, torch.tensor(slots, dtype=torch.long, device=dev))
+        # upload: pinned, non-blocking copies on CUDA (engine/kernels/_common.py)
+        ctx = self._context(items, upload(slots, dev))
         if self.queries.active and capture:
             self.queries.prepare(capture)
             ctx.capture = self.queries
-        return (torch.tensor(ids, dtype=torch.long, device=dev),
-                torch.tensor(pos, dtype=torch.long, device=dev), ctx,
-                torch.tensor(sample_rows, dtype=torch.long, device=dev))
+        return upload(ids, dev), upload(pos, dev), ctx, upload(sample_rows, dev)
 
     def _context(self, items: list[WorkItem], slot_mapping, base_override=None) -> ForwardContext:
         dev = self.device
@@ -201,17 +200,14 @@ class ModelRunner:
         ctx = ForwardContext(self.kv, self.scale, slot_mapping, num_decode=len(decode))
         if decode:
             ctx.decode_block_tables = _tables([it.seq.block_table for it in decode], dev)
-            ctx.decode_context_lens = torch.tensor(
-                [_base(it, base_override) + 1 for it in decode], dtype=torch.long, device=dev)
+            ctx.decode_context_lens = upload([_base(it, base_override) + 1 for it in decode], dev)
         if chunks:
             q_max = max(it.num_tokens for it in chunks)
             pad = [b * q_max + i for b, it in enumerate(chunks) for i in range(it.num_tokens)]
             ctx.prefill_block_tables = _tables([it.seq.block_table for it in chunks], dev)
-            ctx.prefill_base_lens = torch.tensor([_base(it, base_override) for it in chunks],
-                                                 dtype=torch.long, device=dev)
-            ctx.prefill_q_lens = torch.tensor([it.num_tokens for it in chunks], dtype=torch.long,
-                                              device=dev)
-            ctx.prefill_pad_index = torch.tensor(pad, dtype=torch.long, device=dev)
+            ctx.prefill_base_lens = upload([_base(it, base_override) for it in chunks], dev)
+            ctx.prefill_q_lens = upload([it.num_tokens for it in chunks], dev)
+            ctx.prefill_pad_index = upload(pad, dev)
             ctx.prefill_q_max = q_max
         return ctx
 
@@ -255,8 +251,7 @@ def _base(item: WorkItem, override: int | None) -> int:
 
 
 def _tables(tables: list[list[int]], device) -> torch.Tensor:
+    """[B, widest] block tables padded with -1, in one non-blocking upload."""
     width = max(len(t) for t in tables)
-    out = torch.full((len(tables), width), -1, dtype=torch.long)
-    for i, t in enumerate(tables):
-        out[i, : len(t)] = torch.tensor(t, dtype=torch.long)
-    return out.to(device)
+    flat = [page for t in tables for page in t + [-1] * (width - len(t))]
+    return upload(flat, device).view(len(tables), width)
