@@ -9,8 +9,9 @@ Real rows never read padded rows (attention is per row), so their logits are tho
 unpadded batch.
 
 Static inputs. Every per-step tensor is a view of one int64 device buffer `meta` laid out field
-by field, [fields x max_rows] then the block tables [max_rows, max_blocks]; a step fills the same
-layout on the host (pinned on CUDA) and copies it with one non-blocking transfer. A bucket's
+by field, [fields x max_rows] then the block tables [max_rows, max_blocks]; a step fills the
+bucket's rows of the same layout on the host (pinned on CUDA) and copies it with one
+non-blocking transfer (on CPU the graph reads the host buffer itself). A bucket's
 graph reads the first rows of each field, so the input views (and on CUDA their addresses) never
 change. Block tables have the fixed width max_blocks (the most pages a sequence can hold), so the
 table width never recompiles; the kernels read only each row's own length.
@@ -94,7 +95,10 @@ class DecodeGraph:
         size = len(FIELDS) * max_rows + max_rows * max_blocks
         pin = self.device.type == "cuda"
         self.host = torch.zeros(size, dtype=torch.long, pin_memory=pin)
-        self.meta = torch.zeros(size, dtype=torch.long, device=self.device)
+        # On CPU the graph reads the host buffer itself: no copy.
+        self.meta = (self.host if self.device.type == "cpu"
+                     else torch.zeros(size, dtype=torch.long, device=self.device))
+        self._no_pages = [-1] * max_blocks
         self._inputs = {b: self._views(b) for b in self.buckets}
         self.compiled = compile
         self.fn = self.forward  # what a step calls: `forward`, compiled unless compile=False
@@ -132,21 +136,27 @@ class DecodeGraph:
         getting their defaults, and copy it to the device in one non-blocking transfer.
         Returns the bucket and its input views, the arguments of `forward`."""
         n, w = self.max_rows, self.max_blocks
+        rows = len(tables)
+        bucket = bucket_for(max(rows, 1), self.buckets)
         scratch = self.queries.scratch
         defaults = {"slot_mapping": -1, "recent_slot": scratch, "ema_slot": scratch}
-        flat: list[int] = []
+        # Only the bucket's rows are written: its graph reads nothing else. Reusing the host
+        # buffer is safe: the previous step's copy completed before its sampled ids came back.
+        per_row: list[int] = []
         for name, col in zip(FIELDS, columns):
-            flat += col
-            flat += [defaults.get(name, 0)] * (n - len(col))
+            per_row += col
+            per_row += [defaults.get(name, 0)] * (bucket - len(col))
+        self.host[:len(FIELDS) * n].view(len(FIELDS), n)[:, :bucket] = \
+            torch.tensor(per_row, dtype=torch.long).view(len(FIELDS), bucket)
+        flat: list[int] = []
         for t in tables:
             flat += t
-            flat += [-1] * (w - len(t))
-        flat += [-1] * ((n - len(tables)) * w)
-        # Reusing the host buffer is safe: the previous step's copy completed before its sampled
-        # ids reached the host.
-        self.host.copy_(torch.tensor(flat, dtype=torch.long))
-        self.meta.copy_(self.host, non_blocking=True)
-        bucket = bucket_for(max(len(tables), 1), self.buckets)
+            flat += self._no_pages[:w - len(t)]
+        flat += self._no_pages * (bucket - rows)
+        start = len(FIELDS) * n
+        self.host[start:start + bucket * w] = torch.tensor(flat, dtype=torch.long)
+        if self.meta is not self.host:
+            self.meta.copy_(self.host, non_blocking=True)
         return bucket, self._inputs[bucket]
 
     # -- the graph ------------------------------------------------------------------------------
