@@ -47,12 +47,15 @@ def assert_finite_rows(table: Table) -> None:
 
 
 def test_throughput_without_batch_1_has_no_floor_table(tiny_model):
+    """Also the compiled engine (--compile): its greedy tokens agree with transformers'."""
     import dataclasses
 
     scale = dataclasses.replace(throughput.QUICK, workloads=("uniform",))
-    result = throughput.run_throughput(tiny_model, scale=scale, log=lambda _: None)
+    result = throughput.run_throughput(tiny_model, scale=scale, compile=True, log=lambda _: None)
     assert [t.name for t in result.tables] == ["sides", "ratios", "repeats"]
     assert [r["workload"] for r in result.table("ratios").rows] == ["uniform"]
+    assert result.table("ratios").rows[0]["agreement"] == 1.0
+    assert result.scale["compile"] is True
 
 
 def test_throughput_quick(tiny_model):
