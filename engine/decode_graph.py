@@ -104,9 +104,9 @@ class DecodeGraph:
         self.fn = self.forward  # what a step calls: `forward`, compiled unless compile=False
         if compile:
             use_project_compile_cache()
-            # The guards of a compiled entry pin one engine's model and buffers, so every engine
-            # of a process adds its own entries (two: batch 1 and the dynamic buckets); past
-            # the limit dynamo would quietly run the step eagerly.
+            # Compiled entries are guarded on shapes (the KV pool's among them), so engines of a
+            # process with other shapes add their own entries (two each: batch 1 and the
+            # buckets); past dynamo's default limit of 8 the step would quietly run eagerly.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             self.fn = torch.compile(self.forward, fullgraph=True)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
