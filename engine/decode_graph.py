@@ -131,13 +131,15 @@ class DecodeGraph:
         """Whether a decode batch with these block tables can run here (rows and width)."""
         return len(tables) <= self.max_rows and all(len(t) <= self.max_blocks for t in tables)
 
-    def load(self, columns: list[list[int]], tables: list[list[int]]) -> tuple[int, tuple]:
+    def load(self, columns: list[list[int]], tables: list[list[int]],
+             bucket: int | None = None) -> tuple[int, tuple]:
         """Write one step's metadata (`run` has the arguments) into the host buffer, padded rows
         getting their defaults, and copy it to the device in one non-blocking transfer.
+        bucket: pad to this bucket instead of the smallest that fits (warm-up: all padding).
         Returns the bucket and its input views, the arguments of `forward`."""
         n, w = self.max_rows, self.max_blocks
         rows = len(tables)
-        bucket = bucket_for(max(rows, 1), self.buckets)
+        bucket = bucket or bucket_for(max(rows, 1), self.buckets)
         scratch = self.queries.scratch
         defaults = {"slot_mapping": -1, "recent_slot": scratch, "ema_slot": scratch}
         # Only the bucket's rows are written: its graph reads nothing else. Reusing the host
@@ -191,7 +193,7 @@ class DecodeGraph:
         captured kernels are those of a step, without autograd."""
         pool = None
         for bucket in reversed(self.buckets):
-            self.load([[] for _ in FIELDS], [])
+            self.load([[] for _ in FIELDS], [], bucket)
             for _ in range(2):
                 self._call(bucket)
             torch.cuda.synchronize(self.device)

@@ -190,3 +190,24 @@ def test_host_sync_check_can_fail(model_dir, monkeypatch):
     with torch.inference_mode(), pytest.raises((AssertionError, RuntimeError, NotImplementedError)):
         with SyncGuard():
             runner.forward(items)
+
+
+def test_an_all_padding_step_writes_no_kv_and_no_bound_slot(model_dir):
+    """The CUDA graphs' warm-up and capture run buckets of padding only (DecodeGraph.capture):
+    nothing reaches the KV cache or a slot other than the scratch one."""
+    from engine.decode_graph import FIELDS, DecodeGraph
+
+    runner = make_runner(model_dir)
+    graph = DecodeGraph(runner.model, runner.kv, runner.queries, runner.scale, 4, 4, "cpu",
+                        compile=False)
+    before = state(runner)
+    with torch.inference_mode():
+        for bucket in graph.buckets:
+            _, inputs = graph.load([[] for _ in FIELDS], [], bucket)
+            assert inputs[0].shape[0] == bucket
+            graph.forward(*inputs)
+    after = state(runner)
+    scratch = runner.queries.scratch
+    assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1])
+    assert torch.equal(after[2][:, :scratch], before[2][:, :scratch])
+    assert torch.equal(after[3][:, :scratch], before[3][:, :scratch])
