@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from evals.cli_common import (
+    CompileOpt,
     ModelOpt,
     PolicyArgOpt,
     ThreadsOpt,
@@ -63,6 +64,7 @@ def generate(
     kv_cache_tokens: Optional[int] = typer.Option(None, help="KV pool size in tokens."),
     block_size: Optional[int] = typer.Option(None, help="Tokens per KV page."),
     max_num_seqs: int = typer.Option(64),
+    compile: Optional[bool] = CompileOpt,
     threads: int = ThreadsOpt,
     json_out: bool = typer.Option(False, "--json", help="Print outputs and run stats as JSON."),
     trace_kept: bool = typer.Option(False, "--trace-kept",
@@ -83,8 +85,9 @@ def generate(
         params = SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                 max_tokens=max_tokens)
         with console.status(f"loading {model}"):
+            extra = {} if compile is None else {"compile": compile}
             llm = LLM(model, **engine_kwargs(policy, policy_arg, kv_cache_tokens, block_size,
-                                             max_num_seqs, trace_kept=trace_kept))
+                                             max_num_seqs, trace_kept=trace_kept, **extra))
         texts = [llm.apply_chat_template([{"role": "user", "content": p}]) if chat else p
                  for p in prompts]
         total = len(texts) * max_tokens

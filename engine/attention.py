@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.kernels import ops as _ops  # noqa: F401  (registers torch.ops.kvarena.*)
 from engine.kernels._common import use_triton
 from engine.kernels.paged_attention import (
     DecodePlan,
@@ -56,6 +57,9 @@ class ForwardContext:
         budgets"); None when no item of the group has a hole (the uniform path, unchanged).
     capture: a QueryCapture that records pre-RoPE queries per layer (signals for policies).
     collect: when a list, every layer's post-RoPE queries [T, q_heads, d] are appended to it.
+    fused_decode: every row is a one-token item and each layer runs the store and the decode
+        attention as one registered op (torch.ops.kvarena.store_and_decode), the form a compiled
+        graph traces (engine/decode_graph.py, engine/kernels/ops.py).
     store_plan, decode_plan: on CPU, the torch twins' checks and index tensors, built by the
         first layer and reused by the others: every layer has the same shapes, slots, tables and
         lengths, and at batch 1 this per-layer index work was a visible share of a decode step.
@@ -76,6 +80,7 @@ class ForwardContext:
     prefill_holes: torch.Tensor | None = None
     capture: object | None = None
     collect: list | None = field(default=None)
+    fused_decode: bool = False
     store_plan: StorePlan | None = None
     decode_plan: DecodePlan | None = None
 
@@ -87,6 +92,10 @@ def attend(layer: int, q_pre: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
         ctx.capture.record(layer, q_pre)
     if ctx.collect is not None:
         ctx.collect.append(q)
+    if ctx.fused_decode:
+        return torch.ops.kvarena.store_and_decode(q, k, v, ctx.kv.k, ctx.kv.v, ctx.slot_mapping,
+                                                  ctx.decode_block_tables,
+                                                  ctx.decode_context_lens, layer, ctx.scale)
     k_cache, v_cache = ctx.kv.k[layer], ctx.kv.v[layer]
     if ctx.slot_mapping is not None:
         _store(k, v, k_cache, v_cache, ctx)

@@ -28,13 +28,18 @@ GPU_BLOCK_SIZE = 256
 CPU_KV_CACHE_TOKENS = 16384
 LOAD_FORMATS = ("auto", "dummy")
 
+# Whether decode steps run as one compiled graph (engine/decode_graph.py) unless `compile` is
+# given. Chosen by measurement on a quiet machine (compile time included); until then eager.
+COMPILE_DEFAULT = False
+
 
 @dataclass
 class EngineConfig:
     """Engine knobs. Every field is documented; unknown keys are errors (see `from_kwargs`).
 
     model: a HF-format directory, a .gguf file, or the embedded default's name.
-    device: "auto" (cuda if available, else cpu), "cpu" or "cuda".
+    device: "auto" (cuda if available, else cpu), "cpu" or "cuda"; "meta" builds every tensor
+        without data (shapes only), for dry runs of a step's device work (tests).
     dtype: "auto" (float32 on CPU, the model's dtype or bfloat16 on CUDA), or a torch dtype name.
     block_size: tokens per KV page; None picks 32 on CPU and 256 on CUDA.
     kv_cache_tokens: size of the KV pool in token slots (rounded down to whole pages).
@@ -58,6 +63,9 @@ class EngineConfig:
     trace_kept: record, per compaction, the logical positions each (layer, KV head) kept
         (engine.kept_trace; RequestOutput.kept). Off by default: it costs a host copy per
         compaction.
+    compile: run decode steps as one compiled graph (torch.compile; on CUDA one captured CUDA
+        graph per batch-size bucket; engine/decode_graph.py); False is eager (vLLM's
+        enforce_eager), for debugging. Prefill and mixed steps are always eager.
     """
 
     model: str = DEFAULT_MODEL
@@ -78,6 +86,7 @@ class EngineConfig:
     seed: int = 0
     load_format: str = "auto"
     trace_kept: bool = False
+    compile: bool = COMPILE_DEFAULT
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
@@ -92,8 +101,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
+        if self.device not in ("cpu", "cuda", "meta") and not self.device.startswith("cuda:"):
+            raise ConfigError(f"device must be 'auto', 'cpu', 'cuda' or 'meta', got {self.device!r}")
+        if not isinstance(self.compile, bool):
+            raise ConfigError(f"compile must be True or False, got {self.compile!r}")
         if self.block_size is None:
             self.block_size = GPU_BLOCK_SIZE if self.is_cuda else CPU_BLOCK_SIZE
         _require_positive("block_size", self.block_size)

@@ -7,7 +7,10 @@ requests, never allocated per step").
   (GrowPage's dual-timescale summaries). A newly bound slot is initialised from its first decode
   query, overwriting whatever the previous owner left (no clearing needed).
 
-A slot is bound when a request starts running and released at finish or preemption.
+A slot is bound when a request starts running and released at finish or preemption. One extra
+*scratch* slot (index `num_slots`) is never bound: a compiled decode step has a fixed number of
+rows, and rows without a slot (batch padding, requests of policies without signals) write their
+queries there instead of being filtered out on the host.
 """
 
 from __future__ import annotations
@@ -38,15 +41,17 @@ class QueryStatePool:
                  head_dim: int, device, dtype):
         self.n = spec.recent_queries
         self.num_slots = num_slots
+        self.scratch = num_slots
         self.device = torch.device(device)
-        self.recent = (torch.zeros(num_layers, num_slots, self.n, q_heads, head_dim,
+        rows = num_slots + 1  # + the scratch slot (module docstring)
+        self.recent = (torch.zeros(num_layers, rows, self.n, q_heads, head_dim,
                                    device=device, dtype=dtype) if self.n else None)
         self.recent_pos = torch.full((num_slots, max(self.n, 1)), -1, dtype=torch.long)
         k = len(spec.ema_betas)
         self.betas = torch.tensor(spec.ema_betas, device=device, dtype=torch.float32)
         # fp32 whatever the model dtype: in bf16, beta_L = 0.999 rounds to 1 and the long summary
         # would freeze at its first value.
-        self.ema = (torch.zeros(num_layers, num_slots, k, q_heads, head_dim, device=device,
+        self.ema = (torch.zeros(num_layers, rows, k, q_heads, head_dim, device=device,
                                 dtype=torch.float32) if k else None)
         self.ema_ready = torch.zeros(num_slots, dtype=torch.bool)
         self._free = list(range(num_slots - 1, -1, -1))
@@ -98,6 +103,26 @@ class QueryStatePool:
         parts[5] = parts[5].bool()
         return CapturePlan(*parts)
 
+    def prepare_decode(self, rows: list[tuple[int | None, int, bool]]) -> list[list[int]]:
+        """The fixed-shape form of `prepare` for a compiled decode step: rows are one-token items
+        (slot or None, position, is_decode), padded rows included as (None, 0, False). Records
+        positions now and returns four per-row columns for `DecodeCapture`: recent slot, ring
+        index, EMA slot, EMA init (0/1); a row without a slot, or that does not feed a signal,
+        points at the scratch slot."""
+        r_slot, ring, e_slot, e_init = [], [], [], []
+        n = max(self.n, 1)
+        for slot, pos, is_decode in rows:
+            if slot is not None and self.n:
+                self.recent_pos[slot, pos % n] = pos
+            r_slot.append(self.scratch if slot is None else slot)
+            ring.append(pos % n)
+            ema = slot is not None and is_decode and self.ema is not None
+            e_slot.append(slot if ema else self.scratch)
+            e_init.append(int(ema and not bool(self.ema_ready[slot])))
+            if ema:
+                self.ema_ready[slot] = True
+        return [r_slot, ring, e_slot, e_init]
+
     def record(self, layer: int, q_pre: torch.Tensor) -> None:
         """q_pre: [T, q_heads, d] pre-RoPE queries of this layer for the step's rows."""
         plan = self.plan
@@ -118,3 +143,28 @@ class QueryStatePool:
 
     def ema_of(self, slot: int) -> tuple[torch.Tensor, bool]:
         return self.ema[:, slot], bool(self.ema_ready[slot])
+
+
+class DecodeCapture:
+    """What a compiled decode step records, as fixed-shape tensor ops on the pool's buffers (no
+    host work, no data-dependent shapes): row b's pre-RoPE query goes to recent[layer,
+    recent_slot[b], ring[b]] and into the EMAs of ema_slot[b] (set to it where init[b]).
+    Padded rows point at the scratch slot. Every argument is [B] int64 on the pool's device."""
+
+    def __init__(self, pool: QueryStatePool, recent_slot: torch.Tensor, ring: torch.Tensor,
+                 ema_slot: torch.Tensor, init: torch.Tensor):
+        self.pool = pool
+        self.recent_slot, self.ring = recent_slot, ring
+        self.ema_slot, self.init = ema_slot, init != 0
+
+    def record(self, layer: int, q_pre: torch.Tensor) -> None:
+        """q_pre: [B, q_heads, d]. Each write indexes the whole buffer (layer included) rather
+        than a layer's view, which inductor writes in place without staging the view."""
+        pool = self.pool
+        at = torch.full_like(self.recent_slot, layer)
+        if pool.recent is not None:
+            pool.recent.index_put_((at, self.recent_slot, self.ring), q_pre.to(pool.recent.dtype))
+        if pool.ema is not None:
+            current = pool.ema[at, self.ema_slot]
+            pool.ema.index_put_((at, self.ema_slot),
+                                ema_update(current, q_pre, pool.betas, self.init))

@@ -14,6 +14,8 @@ import torch
 
 from engine.attention import ForwardContext, KVCache
 from engine.config import CPU_KV_CACHE_TOKENS, ConfigError, EngineConfig
+from engine.decode_graph import DecodeGraph
+from engine.kernels._common import upload
 from engine.models import build_model, load_weights, random_tensors
 from engine.models.loader import iter_safetensors, load_config
 from engine.policies.base import SignalSpec
@@ -61,9 +63,29 @@ class ModelRunner:
         self.scale = self.head_dim ** -0.5
         self.block_size = config.block_size
         self.kv = self._allocate_kv(signals.slot_scores)
-        self.logits_hook = None  # tests/analysis: called with (items, logits of sampled rows)
+        # tests/analysis: called with (items, logits of sampled rows); the logits are valid during
+        # the call only (a compiled CUDA step reuses its output buffer).
+        self.logits_hook = None
         self.signals = signals
         self.queries = self._query_pool(signals)
+        self.graph = self._decode_graph() if config.compile else None
+
+    def _decode_graph(self) -> DecodeGraph:
+        """The compiled decode step (engine/decode_graph.py). Block tables are as wide as the
+        most pages a sequence can hold; on meta the graph runs uncompiled (a dry run)."""
+        max_blocks = min(-(-self.max_model_len // self.block_size), self.num_pages)
+        graph = DecodeGraph(self.model, self.kv, self.queries, self.scale, self.config.max_num_seqs,
+                            max_blocks, self.device, compile=self.device.type != "meta")
+        if self.config.is_cuda:
+            graph.capture()
+        return graph
+
+    def _rebuild_graph(self) -> None:
+        """The compiled step holds the model, the KV cache and the query pools it was built on:
+        after one of them is replaced, build it again (inductor's on-disk cache makes that a
+        cache hit; on CUDA the graphs are captured again)."""
+        if self.graph is not None:
+            self.graph = self._decode_graph()
 
     def load_state(self, tensors) -> None:
         """Replace the weights with checkpoint-named (name, tensor) pairs, e.g. a transformers
@@ -71,6 +93,7 @@ class ModelRunner:
         weights (the GPU check compares them on random 8B-shaped weights)."""
         self.model = build_model(self.hf_config, self.max_model_len, self.device, self.dtype)
         load_weights(self.model, tensors, self.device, self.dtype)
+        self._rebuild_graph()
 
     def _query_pool(self, signals: SignalSpec) -> QueryStatePool:
         return QueryStatePool(signals, self.num_layers, self.config.max_num_seqs,
@@ -88,6 +111,7 @@ class ModelRunner:
                       if signals.slot_scores else None)
             self.kv = KVCache(self.kv.k, self.kv.v, scores)
         self.signals = signals
+        self._rebuild_graph()
 
     # -- memory -----------------------------------------------------------------------------
     @property
@@ -128,12 +152,10 @@ class ModelRunner:
     def run(self, items: list[WorkItem]) -> list[int]:
         """Forward the step's tokens and sample one token for each item that `samples`.
         Single-token items must come first (the decode group)."""
-        input_ids, positions, ctx, sample_rows = self._prepare(items)
-        hidden = self.model(input_ids, positions, ctx)
         sampled = [it for it in items if it.samples]
+        logits = self.forward(items)
         if not sampled:
             return []
-        logits = self.model.compute_logits(hidden[sample_rows])
         if self.logits_hook is not None:
             self.logits_hook(sampled, logits)
         return self._pick(sampled, logits)
@@ -173,6 +195,44 @@ class ModelRunner:
             seq.generator = request_generator(seq.seed, self.device)
         return seq.generator
 
+    def forward(self, items: list[WorkItem]) -> torch.Tensor | None:
+        """The step's device work: logits [S, vocab] of the S items that `samples`, in order
+        (None when none does). A step of one-token items runs the compiled decode graph when the
+        engine has one; anything else runs eager."""
+        # Per-head holes (PyramidKV, Ada-KV) are an eager-only path: the graph's attention op
+        # takes no hole masks.
+        if self.graph is not None and all(it.num_tokens == 1 for it in items) \
+                and self.graph.fits([it.seq.block_table for it in items]) \
+                and all(it.seq.holes() is None for it in items):
+            return self._graph_forward(items)
+        input_ids, positions, ctx, sample_rows = self._prepare(items)
+        hidden = self.model(input_ids, positions, ctx)
+        if not sample_rows.numel():
+            return None
+        return self.model.compute_logits(hidden[sample_rows])
+
+    def _graph_forward(self, items: list[WorkItem]) -> torch.Tensor | None:
+        """`forward` through the DecodeGraph: one metadata copy, the graph, the sampled rows."""
+        bs = self.block_size
+        ids, pos, slots, lens, signal_rows, sample_rows = [], [], [], [], [], []
+        for i, item in enumerate(items):
+            seq = item.seq
+            phys, start = seq.physical_len, seq.num_computed
+            ids.append(seq.token_ids[start])
+            pos.append(start)
+            slots.append(seq.block_table[phys // bs] * bs + phys % bs)
+            lens.append(phys + 1)
+            signal_rows.append((seq.query_slot, start, not item.prefill))
+            if item.samples:
+                sample_rows.append(i)
+        columns = [ids, pos, slots, lens, *self.queries.prepare_decode(signal_rows)]
+        logits = self.graph.run(columns, [it.seq.block_table for it in items])
+        if not sample_rows:
+            return None
+        if len(sample_rows) == len(items):
+            return logits
+        return logits[upload(sample_rows, self.device)]
+
     def _prepare(self, items: list[WorkItem]):
         bs = self.block_size
         ids, pos, slots, sample_rows, capture = [], [], [], [], []
@@ -189,13 +249,12 @@ class ModelRunner:
             if seq.query_slot is not None:
                 capture.append((row, n, start, seq.query_slot, not item.prefill))
         dev = self.device
-        ctx = self._context(items, torch.tensor(slots, dtype=torch.long, device=dev))
+        # upload: pinned, non-blocking copies on CUDA (engine/kernels/_common.py)
+        ctx = self._context(items, upload(slots, dev))
         if self.queries.active and capture:
             self.queries.prepare(capture)
             ctx.capture = self.queries
-        return (torch.tensor(ids, dtype=torch.long, device=dev),
-                torch.tensor(pos, dtype=torch.long, device=dev), ctx,
-                torch.tensor(sample_rows, dtype=torch.long, device=dev))
+        return upload(ids, dev), upload(pos, dev), ctx, upload(sample_rows, dev)
 
     def _context(self, items: list[WorkItem], slot_mapping, base_override=None) -> ForwardContext:
         dev = self.device
@@ -204,18 +263,15 @@ class ModelRunner:
         ctx = ForwardContext(self.kv, self.scale, slot_mapping, num_decode=len(decode))
         if decode:
             ctx.decode_block_tables = _tables([it.seq.block_table for it in decode], dev)
-            ctx.decode_context_lens = torch.tensor(
-                [_base(it, base_override) + 1 for it in decode], dtype=torch.long, device=dev)
+            ctx.decode_context_lens = upload([_base(it, base_override) + 1 for it in decode], dev)
             ctx.decode_holes = self._holes(decode)
         if chunks:
             q_max = max(it.num_tokens for it in chunks)
             pad = [b * q_max + i for b, it in enumerate(chunks) for i in range(it.num_tokens)]
             ctx.prefill_block_tables = _tables([it.seq.block_table for it in chunks], dev)
-            ctx.prefill_base_lens = torch.tensor([_base(it, base_override) for it in chunks],
-                                                 dtype=torch.long, device=dev)
-            ctx.prefill_q_lens = torch.tensor([it.num_tokens for it in chunks], dtype=torch.long,
-                                              device=dev)
-            ctx.prefill_pad_index = torch.tensor(pad, dtype=torch.long, device=dev)
+            ctx.prefill_base_lens = upload([_base(it, base_override) for it in chunks], dev)
+            ctx.prefill_q_lens = upload([it.num_tokens for it in chunks], dev)
+            ctx.prefill_pad_index = upload(pad, dev)
             ctx.prefill_q_max = q_max
             ctx.prefill_holes = self._holes(chunks)
         return ctx
@@ -270,8 +326,7 @@ def _base(item: WorkItem, override: int | None) -> int:
 
 
 def _tables(tables: list[list[int]], device) -> torch.Tensor:
+    """[B, widest] block tables padded with -1, in one non-blocking upload."""
     width = max(len(t) for t in tables)
-    out = torch.full((len(tables), width), -1, dtype=torch.long)
-    for i, t in enumerate(tables):
-        out[i, : len(t)] = torch.tensor(t, dtype=torch.long)
-    return out.to(device)
+    flat = [page for t in tables for page in t + [-1] * (width - len(t))]
+    return upload(flat, device).view(len(tables), width)

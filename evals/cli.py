@@ -12,6 +12,7 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from evals.cli_common import (
+    CompileOpt,
     ModelOpt,
     PolicyArgOpt,
     ThreadsOpt,
@@ -239,6 +240,7 @@ def eval_command(
     kv_cache_tokens: Optional[int] = KvCacheOpt,
     block_size: Optional[int] = BlockOpt,
     max_num_seqs: int = SeqsOpt,
+    compile: Optional[bool] = CompileOpt,
     out: str = OutOpt,
     threads: int = ThreadsOpt,
     grading_workers: int = GradeWorkersOpt,
@@ -274,7 +276,8 @@ def eval_command(
                               preset=preset, thinking=thinking, kv_budget=kv_budget,
                               match_budget_to=match_budget_to,
                               kv_cache_tokens=kv_cache_tokens, block_size=block_size,
-                              max_num_seqs=max_num_seqs, out=out, grading_workers=grading_workers,
+                              max_num_seqs=max_num_seqs, compile=compile, out=out,
+                              grading_workers=grading_workers,
                               fidelity=fidelity, retry_failed=retry_failed,
                               allow_data_change=allow_data_change, trace_kept=trace_kept)
         per_policy = split_policy_args(policy_arg, policy)
@@ -387,6 +390,7 @@ def sweep_command(
     kv_cache_tokens: Optional[int] = KvCacheOpt,
     block_size: Optional[int] = BlockOpt,
     max_num_seqs: int = SeqsOpt,
+    compile: Optional[bool] = CompileOpt,
     out: str = OutOpt,
     threads: int = ThreadsOpt,
     grading_workers: int = GradeWorkersOpt,
@@ -411,8 +415,9 @@ def sweep_command(
         base = _base_settings(task_arg, model=model, data=data, limit=limit, samples=samples,
                               max_tokens=max_tokens, seed=seed, temperature=temperature,
                               preset=preset, thinking=thinking, kv_cache_tokens=kv_cache_tokens,
-                              block_size=block_size, max_num_seqs=max_num_seqs, out=out,
-                              grading_workers=grading_workers, allow_data_change=allow_data_change)
+                              block_size=block_size, max_num_seqs=max_num_seqs, compile=compile,
+                              out=out, grading_workers=grading_workers,
+                              allow_data_change=allow_data_change)
         args = split_policy_args(policy_arg, [policy])[policy]
         plan = [_for_run(base, t, policy, args) for t in task]
         with _progress() as bar:

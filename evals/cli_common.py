@@ -114,6 +114,9 @@ PolicyArgOpt = typer.Option([], "--policy-arg", "-a",
                                  "key=value goes to every listed policy that has the field and "
                                  "policy:key=value to that one. Fields and defaults: kvarena list.")
 ThreadsOpt = typer.Option(2, "--threads", help="torch CPU threads (1 to 1024).")
+CompileOpt = typer.Option(None, "--compile/--no-compile",
+                          help="Decode steps as one compiled graph (torch.compile; CUDA graphs on "
+                               "a GPU) or eager (default: engine.config.COMPILE_DEFAULT).")
 MAX_THREADS = 1024
 
 

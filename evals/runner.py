@@ -102,6 +102,8 @@ class EvalSettings:
     match_budget_to: a finished Kara run directory: each sample's budget is the compressed length
         Kara realised on it (Kara's comparison protocol, evals.matched_budget).
     kv_cache_tokens, block_size, max_num_seqs: engine knobs (block_size None: the preset's).
+    compile: the engine's compiled decode step (EngineConfig.compile; None: its default). How
+        the engine runs, not what it computes: not part of a run's identity.
     out: results root. grading_workers / grading_timeout_s: math grading processes and bound.
     fidelity: also measure drift from FullKV per sample (evals.fidelity): a cached FullKV
         reference and the policy's teacher-forced pass over it; False for accuracy only.
@@ -132,6 +134,7 @@ class EvalSettings:
     kv_cache_tokens: int | None = None
     block_size: int | None = None
     max_num_seqs: int = 64
+    compile: bool | None = None
     out: str = "results"
     grading_workers: int = 1
     grading_timeout_s: float = 10.0
@@ -671,6 +674,8 @@ def _generate(settings: EvalSettings, config: dict, plan: Plan, todo: list[R.Sam
         engine_kwargs["kv_cache_tokens"] = settings.kv_cache_tokens
     if settings.trace_kept:
         engine_kwargs["trace_kept"] = True
+    if settings.compile is not None:
+        engine_kwargs["compile"] = settings.compile
     fid = None
     if settings.fidelity:  # the FullKV reference first, on the engine the run then reuses
         from evals import fidelity

@@ -47,12 +47,15 @@ def assert_finite_rows(table: Table) -> None:
 
 
 def test_throughput_without_batch_1_has_no_floor_table(tiny_model):
+    """Also the compiled engine (--compile): its greedy tokens agree with transformers'."""
     import dataclasses
 
     scale = dataclasses.replace(throughput.QUICK, workloads=("uniform",))
-    result = throughput.run_throughput(tiny_model, scale=scale, log=lambda _: None)
+    result = throughput.run_throughput(tiny_model, scale=scale, compile=True, log=lambda _: None)
     assert [t.name for t in result.tables] == ["sides", "ratios", "repeats"]
     assert [r["workload"] for r in result.table("ratios").rows] == ["uniform"]
+    assert result.table("ratios").rows[0]["agreement"] == 1.0
+    assert result.scale["compile"] is True
 
 
 def test_throughput_quick(tiny_model):
@@ -390,3 +393,22 @@ def test_kernels_cli_rejects_bad_options_before_compiling(args, message):
 
     out = CliRunner().invoke(app, ["bench", "kernels", *args])
     assert out.exit_code != 0 and message in out.output
+
+
+def test_launches_per_layer_eager_and_compiled():
+    """`kvarena bench launches --quick` with GrowPage's signals: the compiled layer is within the
+    issue's 12 launches and below the eager layer; a view is no launch, a matmul one, the fused
+    paged op two (store + attention on CUDA)."""
+    import torch
+
+    import engine.kernels.ops  # noqa: F401  (registers torch.ops.kvarena.*)
+    from evals.benchmarks import launches as B
+
+    assert B.op_launches(torch.ops.aten.view.default) == 0
+    assert B.op_launches(torch.ops.aten.mm.default) == 1
+    assert B.op_launches(torch.ops.kvarena.store_and_decode.default) == 2
+    result = B.run_launches(quick=True, policies=("growpage",), log=lambda _: None)
+    row = result.table("per_layer").rows[0]
+    assert row["compiled"] <= B.TARGET_PER_LAYER < row["eager"]
+    assert row["custom"] == 2 and row["extern"] >= 4  # qkv, o, gate/up, down
+    assert all(t.met for t in result.targets)

@@ -57,7 +57,19 @@ def hf_greedy(model_dir, tokenizer, prompt: str, n: int) -> tuple[list[int], tor
 
 
 def test_greedy_tokens_and_logits_match_transformers(model_dir):
-    llm = LLM(str(model_dir), block_size=4, kv_cache_tokens=1024)
+    check_against_transformers(model_dir)
+
+
+@pytest.mark.parametrize("name", ["llama-gqa", "qwen3"])
+def test_compiled_greedy_tokens_and_logits_match_transformers(name, tmp_path):
+    """The compiled decode step (engine/decode_graph.py) on the plain Llama layout and on
+    Qwen3's q/k norms; 4 prompts decode at bucket 4, and as they finish in lockstep, no fewer."""
+    llm = check_against_transformers(MODELS[name](tmp_path), compile=True)
+    assert llm.runner.graph.steps >= GREEDY.max_tokens - 1
+
+
+def check_against_transformers(model_dir, **cfg) -> LLM:
+    llm = LLM(str(model_dir), block_size=4, kv_cache_tokens=1024, **cfg)
     seen: dict[int, list[torch.Tensor]] = {}
     llm.runner.logits_hook = lambda items, logits: [
         seen.setdefault(it.seq.seq_id, []).append(logits[i].clone()) for i, it in enumerate(items)]
@@ -71,6 +83,7 @@ def test_greedy_tokens_and_logits_match_transformers(model_dir):
         # first row is the prefill's last position, the rest are decode steps
         torch.testing.assert_close(got, ref_logits, atol=LOGIT_ATOL, rtol=0)
         assert out.finish_reason == "length" and out.num_output_tokens == GREEDY.max_tokens
+    return llm
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +96,48 @@ def run(model_dir, prompts, params=GREEDY, **cfg):
     llm = LLM(str(model_dir), **cfg)
     outs = llm.generate(prompts, params)
     return llm, outs
+
+
+@pytest.fixture(scope="module")
+def compiled_llm(llama_dir):
+    """One compiled engine shared by the tests that compare it with eager."""
+    return LLM(str(llama_dir), block_size=4, kv_cache_tokens=1024, max_num_seqs=8, compile=True)
+
+
+def test_compiled_engine_matches_eager(llama_dir, compiled_llm):
+    """Greedy, seeded sampling, forced tokens with logprobs and stop strings: identical tokens
+    in both modes, at batch 1 (bucket 1), 3 (padded to 4) and 4."""
+    eager = LLM(str(llama_dir), block_size=4, kv_cache_tokens=1024, max_num_seqs=8, compile=False)
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, top_k=20, max_tokens=12, seed=5,
+                             ignore_eos=True)
+    forced = SamplingParams(temperature=0.0, max_tokens=8, forced_tokens=[5, 6, 7], logprobs=True,
+                            ignore_eos=True)
+    stop = SamplingParams(temperature=0.0, max_tokens=16, stop=("e",))
+    steps = compiled_llm.runner.graph.steps
+    for params in (GREEDY, sampled, forced, stop):
+        for prompts in (PROMPTS[:1], PROMPTS[:3], PROMPTS):
+            want = eager.generate(prompts, params)
+            got = compiled_llm.generate(prompts, params)
+            assert [o.token_ids for o in got] == [o.token_ids for o in want]
+            assert [o.text for o in got] == [o.text for o in want]
+            for g, w in zip(got, want):
+                if params.logprobs:
+                    torch.testing.assert_close(g.token_logprobs, w.token_logprobs, atol=1e-5,
+                                               rtol=0)
+    assert compiled_llm.runner.graph.steps > steps
+
+
+def test_compiled_engine_under_preemption_and_chunked_prefill(llama_dir):
+    """A pool too small for the batch (preemption and re-prefill) and 5-token prefill chunks
+    (mixed steps run eager, decode-only steps compiled): the tokens of the unconstrained run."""
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    _, ref = run(llama_dir, PROMPTS, params, kv_cache_tokens=1024)
+    # 96 slots hold any one request but not all four (test_preemption_under_tiny_pool_...)
+    llm, outs = run(llama_dir, PROMPTS, params, kv_cache_tokens=96, max_num_batched_tokens=5,
+                    max_num_seqs=4, compile=True)
+    assert sum(o.num_preemptions for o in outs) > 0
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert llm.runner.graph.steps > 0
 
 
 def test_chunked_prefill_matches_whole_prefill(llama_dir):

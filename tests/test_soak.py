@@ -30,17 +30,22 @@ def fullkv_tokens(model_dir):
     return get
 
 
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 @pytest.mark.parametrize("policy", S.registered_policies())
-def test_policy_keeps_the_serving_contract(model_dir, fullkv_tokens, policy):
+def test_policy_keeps_the_serving_contract(model_dir, fullkv_tokens, policy, compile):
+    """Compiled: the engine's compiled decode step (one block size, to keep the suite's time;
+    contract 4 against the eager FullKV's tokens)."""
     per_size = CFG.requests // len(CFG.block_sizes)
-    results = [S.soak_policy(model_dir, policy, bs, CFG, per_size) for bs in CFG.block_sizes]
+    sizes = CFG.block_sizes[:1] if compile else CFG.block_sizes
+    results = [S.soak_policy(model_dir, policy, bs, CFG, per_size, compile=compile) for bs in sizes]
     for r in results:
         assert r.violations == [], f"{policy} at block size {r.block_size}: {r.violations[:5]}"
         assert r.done == r.requests, (policy, r.block_size, dict(r.reasons))  # contract 1
         assert r.pages_leaked == 0  # contract 2 (also checked after every step)
     assert sum(r.reasons["aborted"] for r in results) > 0  # the load really aborted requests
     block_size = CFG.block_sizes[0]
-    mismatches, _ = S.fullkv_mismatches(model_dir, policy, block_size, CFG, fullkv_tokens(block_size))
+    mismatches, _ = S.fullkv_mismatches(model_dir, policy, block_size, CFG, fullkv_tokens(block_size),
+                                        compile=compile)
     assert mismatches == []  # contract 4
 
 

@@ -4,7 +4,9 @@ Commands (each module registers its own on `bench_app`): throughput (engine vs t
 memory (fixed-budget policies under a small KV pool), mixed (GrowPage and its variants on a mixed
 workload), concurrency (Kara's concurrency-throughput effect and fidelity), soak (every
 policy under random load with aborts and preemption: requests done, pages leaked), peer (FullKV
-against vLLM's CPU backend run from another venv).
+against vLLM's CPU backend run from another venv), launches (kernel launches per layer of a decode
+step, eager vs compiled), step (the decode step of random 8B-shaped models against transformers and
+the bandwidth floor, with the GPU checks).
 
 OpenMP wait policy: importing `engine` sets OMP_WAIT_POLICY=PASSIVE before torch loads, unless
 the user set it (engine/threads.py says why); the machine facts of every result record the policy
@@ -25,6 +27,7 @@ from evals.benchmarks import memory  # noqa: E402,F401
 from evals.benchmarks import mixed  # noqa: E402,F401
 from evals.benchmarks import concurrency  # noqa: E402,F401
 from evals.benchmarks import kernels  # noqa: E402,F401
+from evals.benchmarks import launches  # noqa: E402,F401
 from evals.benchmarks import soak  # noqa: E402,F401
 from evals.benchmarks import step  # noqa: E402,F401
 from evals.benchmarks import peer  # noqa: E402,F401

@@ -257,14 +257,18 @@ class EngineRun:
 def run_engine(model: str, prompts: Sequence[list[int]], params, *, label: str,
                warmup: bool = True, **engine_kwargs) -> EngineRun:
     """Build an LLM, warm it up on a short prompt that shares no page with the workload, run the
-    workload, and free the engine (weights and KV pool) before returning."""
+    workload, and free the engine (weights and KV pool) before returning. A compiling engine
+    warms up on two such prompts, so both of its compiled decode graphs (batch 1 and the
+    batch buckets, engine/decode_graph.py) exist before the timed run."""
     from engine.llm import LLM
     from engine.sampling import SamplingParams
 
     llm = LLM(model, **engine_kwargs)
     try:
         if warmup:
-            llm.generate([list(prompts[0][:4])], SamplingParams(temperature=0.0, max_tokens=2))
+            warm = [list(prompts[0][:4])] + ([list(prompts[0][:3])] if llm.runner.graph else [])
+            for batch in ([warm[:1], warm] if len(warm) > 1 else [warm]):
+                llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=3))
         start, cpu = time.perf_counter(), time.process_time()
         outputs = llm.generate(list(prompts), params)
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 
 from evals.benchmarks.common import RESULTS_DIR
-from evals.cli_common import ModelOpt, ThreadsOpt  # noqa: F401  (shared by every command group)
+from evals.cli_common import CompileOpt, ModelOpt, ThreadsOpt  # noqa: F401  (shared by every command group)
 
 QuickOpt = typer.Option(False, help="Tiny sizes (smoke test).")
 OutDirOpt = typer.Option(RESULTS_DIR, help="Where the .json/.md copies go.")

@@ -222,14 +222,15 @@ def _check_pages(sched, violations: list[str]) -> None:
 
 
 def soak_policy(model: str, policy: str, block_size: int, cfg: SoakConfig, count: int,
-                seed: int = 0) -> SoakResult:
-    """Contracts 1-3 for ``policy`` on ``count`` random requests at ``block_size``."""
+                seed: int = 0, compile: bool = False) -> SoakResult:
+    """Contracts 1-3 for ``policy`` on ``count`` random requests at ``block_size``; `compile`:
+    the engine's compiled decode step (EngineConfig.compile)."""
     from engine.llm import LLM
 
     args = policy_args(policy, SMALL_ARGS, block_size)
     llm = LLM(model, policy=policy, policy_args=args, block_size=block_size,
               kv_cache_tokens=_pool_tokens(cfg, block_size, cfg.pool_requests),
-              max_num_seqs=cfg.max_num_seqs, seed=cfg.seed)
+              max_num_seqs=cfg.max_num_seqs, seed=cfg.seed, compile=compile)
     result = SoakResult(policy, block_size, count)
     prompts, params = workload(cfg, len(llm.tokenizer), block_size, count, seed=seed)
     rng = random.Random(f"abort-{cfg.seed}-{seed}-{block_size}-{policy}")
@@ -266,9 +267,11 @@ def soak_policy(model: str, policy: str, block_size: int, cfg: SoakConfig, count
 
 
 def fullkv_mismatches(model: str, policy: str, block_size: int, cfg: SoakConfig,
-                      reference: list[list[int]] | None = None) -> tuple[list[str], list[list[int]]]:
+                      reference: list[list[int]] | None = None,
+                      compile: bool = False) -> tuple[list[str], list[list[int]]]:
     """Contract 4: ``policy`` with a budget above every sequence against FullKV, greedy tokens.
-    Returns (mismatches, FullKV's tokens) so callers can reuse the reference."""
+    Returns (mismatches, FullKV's tokens) so callers can reuse the reference. `compile` applies
+    to the policy's engine (a reference computed here runs eager)."""
     from engine.llm import LLM
 
     big = -(-cfg.max_len // block_size) * block_size + block_size
@@ -279,9 +282,10 @@ def fullkv_mismatches(model: str, policy: str, block_size: int, cfg: SoakConfig,
                 f"field to evals.benchmarks.soak.LARGE_ARGS"], reference or []
     pool = _pool_tokens(cfg, block_size, cfg.fidelity_requests + 1)
 
-    def run(name: str, policy_args_: dict) -> list[list[int]]:
+    def run(name: str, policy_args_: dict, compiled: bool = False) -> list[list[int]]:
         llm = LLM(model, policy=name, policy_args=policy_args_, block_size=block_size,
-                  kv_cache_tokens=pool, max_num_seqs=cfg.fidelity_requests, seed=cfg.seed)
+                  kv_cache_tokens=pool, max_num_seqs=cfg.fidelity_requests, seed=cfg.seed,
+                  compile=compiled)
         prompts, params = workload(cfg, len(llm.tokenizer), block_size, cfg.fidelity_requests,
                                    greedy=True, seed=1)
         outs = llm.generate(prompts, params)
@@ -289,7 +293,7 @@ def fullkv_mismatches(model: str, policy: str, block_size: int, cfg: SoakConfig,
 
     if reference is None:
         reference = run("full", {})
-    tokens = run(policy, args)
+    tokens = run(policy, args, compile)
     bad = [f"request {i}: first difference at output token "
            f"{next((j for j, (a, b) in enumerate(zip(r, t)) if a != b), min(len(r), len(t)))}"
            for i, (r, t) in enumerate(zip(reference, tokens)) if r != t]

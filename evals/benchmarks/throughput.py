@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import typer
 
@@ -39,7 +39,7 @@ from evals.benchmarks.common import (
     run_bench_command,
     run_engine,
 )
-from evals.benchmarks.options import ModelOpt, OutDirOpt, QuickOpt, ThreadsOpt
+from evals.benchmarks.options import CompileOpt, ModelOpt, OutDirOpt, QuickOpt, ThreadsOpt
 from evals.benchmarks.workloads import PromptBuilder, rng
 
 WORKLOADS = ("batch 1", "uniform", "heterogeneous")
@@ -127,6 +127,7 @@ def pool_tokens(prompts: list[list[int]], max_tokens: list[int], block_size: int
 
 def run_throughput(model: str = "default", *, quick: bool = False,
                    scale: ThroughputScale | None = None, block_size: int = 32,
+                   compile: bool | None = None,
                    log: Callable[[str], None] = print) -> BenchResult:
     from engine.models.loader import load_tokenizer, resolve_model
     from engine.sampling import SamplingParams
@@ -158,9 +159,10 @@ def run_throughput(model: str = "default", *, quick: bool = False,
         # This iteration's workload is bound as defaults: the sides run inside the iteration.
         def engine_side(name=name, prompts=prompts, params=params, max_tokens=max_tokens):
             log(f"{name}: engine, {len(prompts)} requests")
+            extra = {} if compile is None else {"compile": compile}
             return run_engine(model_dir, prompts, params, label="engine", block_size=block_size,
                               kv_cache_tokens=pool_tokens(prompts, max_tokens, block_size),
-                              max_num_seqs=max(64, len(prompts)))
+                              max_num_seqs=max(64, len(prompts)), **extra)
 
         def hf_side(name=name, prompts=prompts, max_tokens=max_tokens, hf_batch=hf_batch):
             log(f"{name}: transformers, static batches of {hf_batch}")
@@ -274,7 +276,8 @@ def run_throughput(model: str = "default", *, quick: bool = False,
     targets = [Target.check(f"{r['workload']}: engine TPS / transformers TPS", r["ratio"], ">=",
                             r["target"]) for r in ratios]
     scale_dict = {k: v for k, v in scale.__dict__.items()}
-    scale_dict.update(model=str(model), block_size=block_size)
+    scale_dict.update(model=str(model), block_size=block_size,
+                      compile="engine default" if compile is None else compile)
     return BenchResult("throughput", "Engine vs transformers generate: throughput",
                        scale_dict, [side_table, ratio_table, repeat_table]
                        + ([floor_table] if floor else []), targets)
@@ -296,6 +299,7 @@ def throughput_command(
                                            "the fastest of each side is reported [default: 1]."),
     workloads: str = typer.Option(None, help="Comma-separated subset of the workloads to run "
                                   f"[default: all: {','.join(WORKLOADS)}]."),
+    compile: Optional[bool] = CompileOpt,
     out_dir: Path = OutDirOpt,
 ):
     """Engine vs transformers generate: (0) one request, (a) uniform batch, (b) heterogeneous
@@ -309,4 +313,4 @@ def throughput_command(
     if workloads is not None:
         overrides["workloads"] = tuple(w.strip() for w in workloads.split(",") if w.strip())
     run_bench_command(run_throughput, ctx=ctx, threads=threads, out_dir=out_dir, quick=quick,
-                      model=model, scale=replace(base, **overrides))
+                      model=model, scale=replace(base, **overrides), compile=compile)

@@ -1,0 +1,213 @@
+"""The compiled decode step (engine/decode_graph.py): the paged custom ops, padding to buckets,
+the compiled graph against its eager run, and no host sync inside a decode step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import engine.kernels.ops  # noqa: F401  (registers torch.ops.kvarena.*)
+from engine.config import EngineConfig
+from engine.decode_graph import batch_buckets, bucket_for
+from engine.kernels.paged_attention import paged_decode_attention_torch, paged_prefill_attention_torch
+from engine.policies.base import SignalSpec
+from engine.runner import ModelRunner, WorkItem
+from engine.sampling import SamplingParams
+from engine.sequence import Sequence
+from tiny_models import make_tiny_llama_dir
+
+L, KH, H, D, BS, PAGES = 2, 2, 4, 16, 4, 12
+
+
+def caches():
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(L, KH, PAGES, BS, D, generator=g)
+    return k, torch.randn(L, KH, PAGES, BS, D, generator=g)
+
+
+def decode_inputs(batch=3):
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(batch, H, D, generator=g)
+    key, value = torch.randn(batch, KH, D, generator=g), torch.randn(batch, KH, D, generator=g)
+    tables = torch.tensor([[0, 1, 2, -1], [3, 4, -1, -1], [5, -1, -1, -1]][:batch])
+    lens = torch.tensor([10, 6, 1][:batch])
+    slots = torch.stack([tables[b, (n - 1) // BS] * BS + (n - 1) % BS for b, n in enumerate(lens)])
+    return q, key, value, slots, tables, lens
+
+
+def test_buckets():
+    assert batch_buckets(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert batch_buckets(12) == [1, 2, 4, 8, 12]
+    assert batch_buckets(1) == [1]
+    assert bucket_for(5, batch_buckets(12)) == 8 and bucket_for(12, batch_buckets(12)) == 12
+    with pytest.raises(ValueError, match="exceed"):
+        bucket_for(13, batch_buckets(12))
+
+
+def test_ops_equal_the_kernels_and_pass_opcheck():
+    k, v = caches()
+    q, key, value, slots, tables, lens = decode_inputs()
+    k2, v2 = k.clone(), v.clone()
+    out = torch.ops.kvarena.store_and_decode(q, key, value, k2, v2, slots, tables, lens, 1, 0.25)
+    ref_k, ref_v = k.clone(), v.clone()
+    torch.ops.kvarena.store_kv(key, value, ref_k, ref_v, slots, 1)
+    assert torch.equal(k2, ref_k) and torch.equal(v2, ref_v)
+    assert torch.equal(k2[0], k[0])  # only the named layer is written
+    ref = paged_decode_attention_torch(q, ref_k[1], ref_v[1], tables, lens, 0.25)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    torch.testing.assert_close(
+        torch.ops.kvarena.paged_decode_attention(q, ref_k, ref_v, tables, lens, 1, 0.25), ref)
+    qp = torch.randn(2, 3, H, D)
+    base, qlens = torch.tensor([4, 1]), torch.tensor([3, 2])
+    torch.testing.assert_close(
+        torch.ops.kvarena.paged_prefill_attention(qp, k, v, tables[:2], base, qlens, 0, 0.25),
+        paged_prefill_attention_torch(qp, k[0], v[0], tables[:2], base, qlens, 0.25))
+    # fake implementations agree with the real ones (shapes, strides, aliasing, mutation)
+    torch.library.opcheck(torch.ops.kvarena.store_and_decode.default,
+                          (q, key, value, k.clone(), v.clone(), slots, tables, lens, 0, 0.25),
+                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.kvarena.paged_prefill_attention.default,
+                          (qp, k, v, tables[:2], base, qlens, 0, 0.25),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+def test_ops_trace_without_graph_breaks():
+    k, v = caches()
+    q, key, value, slots, tables, lens = decode_inputs()
+
+    def step(q, key, value, slots, tables, lens):
+        x = q
+        for layer in range(L):
+            x = torch.ops.kvarena.store_and_decode(x * 2, key, value, k, v, slots, tables, lens,
+                                                   layer, 0.25) + 1
+        return x
+
+    k0, v0 = k.clone(), v.clone()
+    graph = torch.compile(step, fullgraph=True, backend="aot_eager")  # fullgraph: no break
+    out = graph(q, key, value, slots, tables, lens)
+    k.copy_(k0), v.copy_(v0)
+    assert torch.equal(out, step(q, key, value, slots, tables, lens))
+
+
+# -- the graph on a tiny model -----------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(make_tiny_llama_dir(tmp_path_factory.mktemp("graph"), num_hidden_layers=2))
+
+
+def make_runner(model_dir, device="cpu", compile=False, signals=SignalSpec(recent_queries=2,
+                                                                           ema_betas=(0.9, 0.99))):
+    config = EngineConfig(model=model_dir, device=device, block_size=BS, kv_cache_tokens=BS * 16,
+                          max_num_seqs=4, compile=compile)
+    return ModelRunner(config, model_dir, signals)
+
+
+def decode_items(runner, lengths=(9, 3, 5)):
+    """One-token items of sequences with `lengths` tokens whose KV (all but the last token) is
+    in disjoint pages, each with a query slot."""
+    items, page = [], 0
+    for n in lengths:
+        seq = Sequence(list(range(3, 3 + n)), SamplingParams(temperature=0.0), 0)
+        pages = -(-n // BS)
+        seq.block_table = list(range(page, page + pages))
+        page += pages
+        seq.num_computed = seq.physical_len = n - 1
+        seq.query_slot = runner.queries.bind()
+        items.append(WorkItem(seq, 1))
+    return items
+
+
+def state(runner):
+    q = runner.queries
+    return [t.clone() for t in (runner.kv.k, runner.kv.v, q.recent, q.ema)]
+
+
+def test_padded_graph_step_equals_eager_step_and_writes_only_real_slots(model_dir):
+    torch.manual_seed(0)
+    eager = make_runner(model_dir)
+    graph = make_runner(model_dir, compile=True)
+    assert graph.graph is not None and eager.graph is None
+    for r in (eager, graph):  # same random cache contents on both sides
+        g = torch.Generator().manual_seed(3)
+        r.kv.k.copy_(torch.randn(r.kv.k.shape, generator=g))
+        r.kv.v.copy_(torch.randn(r.kv.v.shape, generator=g))
+    before = state(graph)
+    items_e, items_g = decode_items(eager), decode_items(graph)  # 3 rows -> bucket 4
+    with torch.inference_mode():
+        ref = eager.forward(items_e)
+        out = graph.forward(items_g)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    scratch = graph.queries.scratch  # written by the graph's padded row only
+    for a, b in zip(state(graph), state(eager)):
+        if a.shape[1] == scratch + 1:
+            a, b = a[:, :scratch], b[:, :scratch]
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+    # the padded row wrote no KV: exactly the three real slots changed in every layer and head
+    changed = (state(graph)[0] != before[0]).any(-1)  # [L, KH, pages, bs]
+    assert int(changed.sum()) == 3 * L * KH
+    assert not torch.equal(state(graph)[3][:, scratch], before[3][:, scratch])  # padding -> scratch
+
+
+class SyncGuard(torch.overrides.TorchFunctionMode):
+    """Fails on host reads of a device tensor's values (the meta device already raises on data
+    access; this names the call). Host-side bookkeeping tensors (CPU) are allowed."""
+
+    BANNED = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__"}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        if name in self.BANNED and args and isinstance(args[0], torch.Tensor) \
+                and args[0].device.type != "cpu":
+            raise AssertionError(f"host sync inside a decode step: Tensor.{name}")
+        return func(*args, **(kwargs or {}))
+
+
+def test_decode_step_has_no_host_sync(model_dir):
+    """The compiled step's device work (metadata copy, model, signals, LM head) run on `meta`
+    tensors, where any read of a value on the host raises: no `.item()`, `.tolist()`, `.cpu()`
+    or truthiness between the metadata copy and the logits."""
+    runner = make_runner(model_dir, device="meta", compile=True)
+    assert runner.kv.k.is_meta and not runner.graph.compiled  # meta runs the graph uncompiled
+    items = decode_items(runner)
+    items[1].seq.params = SamplingParams(temperature=0.0)
+    with torch.inference_mode(), SyncGuard():
+        logits = runner.forward(items)
+    assert logits.is_meta and logits.shape == (3, runner.hf_config.vocab_size)
+
+
+def test_host_sync_check_can_fail(model_dir, monkeypatch):
+    runner = make_runner(model_dir, device="meta", compile=True)
+    items = decode_items(runner)
+    original = runner.model.compute_logits
+
+    def syncing(hidden):
+        if hidden.abs().max() > 0:  # a tensor's truthiness: a host sync
+            pass
+        return original(hidden)
+
+    monkeypatch.setattr(runner.model, "compute_logits", syncing)
+    with torch.inference_mode(), pytest.raises((AssertionError, RuntimeError, NotImplementedError)):
+        with SyncGuard():
+            runner.forward(items)
+
+
+def test_an_all_padding_step_writes_no_kv_and_no_bound_slot(model_dir):
+    """The CUDA graphs' warm-up and capture run buckets of padding only (DecodeGraph.capture):
+    nothing reaches the KV cache or a slot other than the scratch one."""
+    from engine.decode_graph import FIELDS, DecodeGraph
+
+    runner = make_runner(model_dir)
+    graph = DecodeGraph(runner.model, runner.kv, runner.queries, runner.scale, 4, 4, "cpu",
+                        compile=False)
+    before = state(runner)
+    with torch.inference_mode():
+        for bucket in graph.buckets:
+            _, inputs = graph.load([[] for _ in FIELDS], [], bucket)
+            assert inputs[0].shape[0] == bucket
+            graph.forward(*inputs)
+    after = state(runner)
+    scratch = runner.queries.scratch
+    assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1])
+    assert torch.equal(after[2][:, :scratch], before[2][:, :scratch])
+    assert torch.equal(after[3][:, :scratch], before[3][:, :scratch])
