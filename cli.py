@@ -59,6 +59,7 @@ def generate(
     from engine.llm import LLM
     from engine.models.loader import ModelLoadError
     from engine.sampling import SamplingParams
+    from engine.stats import never_compressed
 
     torch.set_num_threads(threads)
     prompts = prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
@@ -88,12 +89,18 @@ def generate(
         print(json.dumps({"outputs": [{"prompt": p, "text": o.text, "finish_reason": o.finish_reason,
                                        "output_tokens": o.num_output_tokens}
                                       for p, o in zip(prompts, outputs)],
-                          "stats": stats.to_dict()}, indent=2))
+                          "stats": stats.to_dict(),
+                          "warning": never_compressed(llm.policy, stats.compactions,
+                                                      stats.kv_context)}, indent=2))
         return
     for prompt, out in zip(prompts, outputs):
         console.rule(prompt[:80])
         print(out.text)
     console.print(f"[green]{stats.summary()}[/]")
+    console.print(f"[green]{stats.kv_summary()}[/]")
+    warning = never_compressed(llm.policy, stats.compactions, stats.kv_context)
+    if warning:
+        console.print(f"[yellow]warning:[/] {warning}")
 
 
 @app.command("list")

@@ -24,6 +24,14 @@
   compactions that are not decisions apart: "fallback_compaction" (the compaction a fallback ran)
   and "prefill_compress" (prompt compression, re-admission); "compress" and "grow" hold decisions
   only.
+- Compactions (`compactions`): every compaction that ran (a capacity decision's, a fallback's, a
+  prompt compression, a periodic firing): what `kvarena generate` prints as "compress events".
+- KV kept (`kv_kept`): the KV slots a request holds when it finishes, mean over requests, beside
+  `kv_context`, the tokens its context had by then (prompt plus output): kept < context means the
+  policy dropped KV.
+
+`never_compressed` is the one rule for "a compressing policy did not compress in this run"
+(`kvarena generate` warns with it; an eval can call it on a segment's statistics).
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ class RequestOutput:
     avg_kv_budget: float | None
     num_preemptions: int
     avg_kv_allocated: float | None = None
+    kv_kept: int | None = None  # KV slots held at the finish (seq.physical_len)
     capacity_trace: list[int] = field(repr=False, default_factory=list)
     events: list[dict] = field(repr=False, default_factory=list)
     token_logprobs: list[float] = field(repr=False, default_factory=list)
@@ -70,6 +79,7 @@ class RequestOutput:
             avg_kv_budget=statistics.fmean(budgets) if budgets else None,
             num_preemptions=seq.num_preemptions,
             avg_kv_allocated=statistics.fmean(trace) if trace else None,
+            kv_kept=seq.physical_len,
             capacity_trace=list(trace),
             events=[event_dict(e) for e in seq.events],
             token_logprobs=list(seq.token_logprobs),
@@ -107,6 +117,9 @@ class RunStats:
     counts: dict
     grow_ratio: float | None
     stage_seconds: dict
+    compactions: int = 0
+    kv_kept: float | None = None
+    kv_context: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -117,6 +130,18 @@ class RunStats:
                 f"{self.wall_time:.2f} s: {self.tps:.1f} tok/s, TPOT {tpot}, "
                 f"C {self.mean_resident:.1f}, peak pages {self.peak_pages}, "
                 f"preemptions {self.counts.get('preemption', 0)}")
+
+    def kv_summary(self) -> str:
+        """Compression and memory in one line: compress events (of them prompt compressions),
+        KV kept at the finish of the context's tokens, average budget and allocated slots."""
+        prefill = sum(v for k, v in self.counts.items() if k.startswith("prefill_"))
+        parts = [f"compress events {self.compactions} ({prefill} of the prompt)"]
+        if self.kv_kept is not None and self.kv_context is not None:
+            parts.append(f"KV kept {self.kv_kept:.0f} of {self.kv_context:.0f} tokens")
+        for label, value in (("avg KV budget", self.avg_kv_budget),
+                             ("avg KV allocated", self.avg_kv_allocated)):
+            parts.append(f"{label} {value:.0f}" if value is not None else f"{label} n/a")
+        return ", ".join(parts)
 
 
 def run_stats(outputs: list[RequestOutput], steps: list[StepRecord], events: list[CapacityEvent],
@@ -146,8 +171,41 @@ def run_stats(outputs: list[RequestOutput], steps: list[StepRecord], events: lis
         num_steps=len(steps), forward_seconds=forward_seconds,
         compaction_seconds=compaction_seconds, counts=counts,
         grow_ratio=decisions["grow"] / n_decisions if n_decisions else None,
-        stage_seconds=dict(stages),
+        stage_seconds=dict(stages), compactions=sum(is_compaction(e.action) for e in events),
+        kv_kept=_mean([o.kv_kept for o in outputs if o.kv_kept is not None]),
+        kv_context=_mean([o.num_prompt_tokens + o.num_output_tokens for o in outputs
+                          if o.kv_kept is not None]),
     )
+
+
+def _mean(values: list[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+def is_compaction(action: str) -> bool:
+    """Whether a capacity event's action is a compaction (KV slots rewritten, some dropped)."""
+    return action in ("compress", "shrink")
+
+
+def never_compressed(policy, compactions: int, kv_context: float | None = None) -> str | None:
+    """The warning for a run in which a compressing policy (``policy.compresses``) ran no
+    compaction, or None when it compressed or never compresses by design (FullKV).
+
+    Such a run is FullKV under another name: every request stayed within the policy's budget, so
+    its quality and memory figures say nothing about the policy. ``compactions`` is
+    ``RunStats.compactions`` (``stats["compactions"]`` in a segment line); ``kv_context`` (the
+    mean context length, ``RunStats.kv_context``) and the policy's ``budget`` field, when it has
+    one, make the message say how far the requests were from compressing."""
+    if not getattr(policy, "compresses", True) or compactions > 0:
+        return None
+    name = getattr(policy, "name", type(policy).__name__)
+    budget = getattr(policy, "budget", None)
+    reach = ""
+    if kv_context is not None:
+        reach = f" (requests reached {kv_context:.0f} tokens on average"
+        reach += f", budget {budget})" if budget is not None else ")"
+    return (f"policy {name} never compressed in this run{reach}: every request fit, so the run "
+            f"is FullKV's; use longer prompts or more output tokens, or a smaller budget")
 
 
 def primary_decisions(events) -> Counter:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 from typer.testing import CliRunner
@@ -98,3 +99,40 @@ def test_only_fullkv_never_compresses():
 def test_usage_errors_exit_2_with_the_valid_choices(args, message, tmp_path):
     result = RUNNER.invoke(app, [*args, "--out", str(tmp_path)])
     assert result.exit_code == 2 and message in result.output
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from tiny_models import make_tiny_llama_dir
+
+    return make_tiny_llama_dir(tmp_path_factory.mktemp("tiny"))
+
+
+def generate(tiny_dir, *args: str) -> str:
+    return invoke("generate", "the quick brown fox", "-m", str(tiny_dir), "--no-chat",
+                  "--block-size", "4", "--threads", "1", *args)
+
+
+def test_generate_shows_compress_events_and_kept_kv(tiny_dir):
+    text = generate(tiny_dir, "-p", "zipage", "-a", "budget=24", "--max-tokens", "32")
+    line = next(ln for ln in text.splitlines() if ln.startswith("compress events"))
+    events, kept, context = map(int, re.search(r"events (\d+) .* kept (\d+) of (\d+)", line).groups())
+    assert events >= 1 and 24 <= kept <= 28 < context, line  # budget + at most one write page
+    assert "avg KV budget 24" in line, line
+    assert "never compressed" not in text
+
+
+def test_generate_warns_when_a_compressing_policy_never_compressed(tiny_dir):
+    text = generate(tiny_dir, "-p", "snapkv", "-a", "budget=256", "--max-tokens", "4")
+    assert "compress events 0" in text and "policy snapkv never compressed" in text
+    assert "never compressed" not in generate(tiny_dir, "--max-tokens", "4")  # FullKV by design
+
+
+def test_never_compressed_is_one_rule_for_every_command():
+    from engine.policies.base import build_policy
+    from engine.stats import never_compressed
+
+    assert never_compressed(build_policy("full", {}), 0) is None
+    assert never_compressed(build_policy("zipage", {"budget": 64}), 3) is None
+    message = never_compressed(build_policy("zipage", {"budget": 64}), 0, kv_context=40.0)
+    assert "zipage never compressed" in message and "40 tokens" in message and "budget 64" in message
