@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 import engine.policies  # noqa: F401  (registers the built-in policies)
 from cli import app
 from engine.policies.base import POLICIES, policy_fields
+from engine.policies.fixed_budget import FixedBudgetPolicy
 from engine.policies.snapkv import SnapKV
 from evals.sweep import fixed_budget_policies
 from evals.tasks import TASKS, get_task
@@ -77,7 +78,17 @@ def test_help_lists_come_from_the_registries():
 
 
 def test_fixed_budget_policies_follow_the_budget_field(monkeypatch):
-    assert set(fixed_budget_policies()) == {"zipage", "snapkv", "chunkkv", "growpage-fixed"}
+    fixed = fixed_budget_policies()
+    # Derived from the registry, so a newly registered policy never breaks this test: every policy
+    # built on FixedBudgetPolicy, and any other with a `budget` field, is swept by that field;
+    # the GrowPage family without one (its initial capacity is not a budget) is not.
+    for name, cls in POLICIES.items():
+        expected = "budget" if "budget" in policy_fields(cls) else None
+        assert fixed.get(name) == expected, name
+        if issubclass(cls, FixedBudgetPolicy):
+            assert fixed.get(name) == "budget", name
+    assert {"zipage", "snapkv", "chunkkv", "growpage-fixed"} <= set(fixed)
+    assert not {"full", "growpage", "growpage-random", "kara"} & set(fixed)
 
     @dataclasses.dataclass
     class Mine(SnapKV):
