@@ -10,7 +10,16 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from evals.cli_common import ModelOpt, PolicyArgOpt, ThreadsOpt, console, fail, names, policy_names
+from evals.cli_common import (
+    ModelOpt,
+    PolicyArgOpt,
+    ThreadsOpt,
+    console,
+    fail,
+    name_metavars,
+    names,
+    policy_names,
+)
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="An arena for KV-cache budgeting policies on a paged engine.")
@@ -118,14 +127,14 @@ def list_command(
         print(json.dumps(listing, indent=2, default=str))
         return
     out = Console()
-    policies = Table("policy", "arguments (default)", "", title="KV policies: --policy NAME "
+    policies = Table("policy", "arguments (default)", "description", title="KV policies: --policy NAME "
                      "--policy-arg key=value", title_justify="left", show_lines=True)
     for name, p in listing["policies"].items():
         args = " ".join(f"{k}={_show(v)}" for k, v in p["arguments"].items()) or "-"
         swept = f"sweep sets {p['fixed_budget']}" if p["fixed_budget"] else ""
         policies.add_row(name, args, f"{p['summary']} {swept}".strip())
     out.print(policies)
-    tasks = Table("task", "presets (--preset)", "options (--task-arg)", "", title="Tasks: --task "
+    tasks = Table("task", "presets (--preset)", "options (--task-arg)", "description", title="Tasks: --task "
                   "NAME", title_justify="left", show_lines=True)
     for name, t in listing["tasks"].items():
         presets = "\n".join(f"{scale}: " + " ".join(f"{k}={_show(v)}" for k, v in d.items())
@@ -165,6 +174,7 @@ def _register_subcommands() -> None:
 
 
 _register_subcommands()
+name_metavars(app)
 
 
 def main() -> None:  # pragma: no cover

@@ -147,3 +147,19 @@ def test_never_compressed_is_one_rule_for_every_command():
     assert never_compressed(build_policy("zipage", {"budget": 64}), 3) is None
     message = never_compressed(build_policy("zipage", {"budget": 64}), 0, kv_context=40.0)
     assert "zipage never compressed" in message and "40 tokens" in message and "budget 64" in message
+
+
+def test_help_metavars_read_as_words():
+    for command in ("eval", "sweep", "generate", "leaderboard", "bench soak", "analyze"):
+        text = invoke(*command.split(), "--help")
+        options = text[text.index("Options"):]  # typer types arguments whatever their metavar
+        assert not re.search(r"<(list\[|str>|int>|float>|Path>)", options), command
+        # Flags take no value; only click's own --help line still names its type.
+        assert [ln for ln in options.splitlines() if "<bool>" in ln and "--help" not in ln] == [], command
+    text = invoke("eval", "--help")
+    assert all(word in text for word in ("NAME", "KEY=VALUE", "MODEL", "PATH", "DIR", " N "))
+
+
+def test_list_columns_are_labelled():
+    text = invoke("list")
+    assert "description" in text and "arguments (default)" in text and "options (--task-arg)" in text
