@@ -163,3 +163,19 @@ def test_help_metavars_read_as_words():
 def test_list_columns_are_labelled():
     text = invoke("list")
     assert "description" in text and "arguments (default)" in text and "options (--task-arg)" in text
+
+
+def test_eval_prints_each_message_once_per_command():
+    import io
+
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from evals.cli import RichHooks
+
+    buffer = io.StringIO()
+    hooks = RichHooks(Progress(console=Console(file=buffer, width=200)))
+    for _ in range(3):  # e.g. NIAH's "no --data" note, from the run of each of three policies
+        hooks.on_message("niah: no --data given")
+    hooks.on_message("loading model with policy zipage")
+    assert buffer.getvalue().count("no --data") == 1 and "policy zipage" in buffer.getvalue()
