@@ -22,6 +22,7 @@ from evals.cli_common import (
     ThreadsOpt,
     console,
     fail,
+    name_metavars,
     names,
     policy_names,
     set_threads,
@@ -77,6 +78,8 @@ def generate(
     from engine.llm import LLM
     from engine.models.loader import ModelLoadError
     from engine.sampling import SamplingParams
+    from engine.stats import never_compressed
+
     set_threads(threads)
     prompts = prompts or [line.rstrip("\n") for line in sys.stdin if line.strip()]
     if not prompts:
@@ -107,7 +110,9 @@ def generate(
                                        "output_tokens": o.num_output_tokens,
                                        **({"kept": _kept_json(o)} if trace_kept else {})}
                                       for p, o in zip(prompts, outputs)],
-                          "stats": stats.to_dict()}, indent=2))
+                          "stats": stats.to_dict(),
+                          "warning": never_compressed(llm.policy, stats.compactions,
+                                                      stats.kv_context)}, indent=2))
         return
     for prompt, out in zip(prompts, outputs):
         console.rule(prompt[:80])
@@ -115,6 +120,10 @@ def generate(
         for line in _kept_summary(out) if trace_kept else []:
             console.print(f"[dim]{line}[/]")
     console.print(f"[green]{stats.summary()}[/]")
+    console.print(f"[green]{stats.kv_summary()}[/]")
+    warning = never_compressed(llm.policy, stats.compactions, stats.kv_context)
+    if warning:
+        console.print(f"[yellow]warning:[/] {warning}")
 
 
 def _kept_json(out) -> list[dict]:
@@ -154,14 +163,14 @@ def list_command(
         print(json.dumps(listing, indent=2, default=str))
         return
     out = Console()
-    policies = Table("policy", "arguments (default)", "", title="KV policies: --policy NAME "
+    policies = Table("policy", "arguments (default)", "description", title="KV policies: --policy NAME "
                      "--policy-arg key=value", title_justify="left", show_lines=True)
     for name, p in listing["policies"].items():
         args = " ".join(f"{k}={_show(v)}" for k, v in p["arguments"].items()) or "-"
         swept = f"sweep sets {p['fixed_budget']}" if p["fixed_budget"] else ""
         policies.add_row(name, args, f"{p['summary']} {swept}".strip())
     out.print(policies)
-    tasks = Table("task", "presets (--preset)", "options (--task-arg)", "", title="Tasks: --task "
+    tasks = Table("task", "presets (--preset)", "options (--task-arg)", "description", title="Tasks: --task "
                   "NAME", title_justify="left", show_lines=True)
     for name, t in listing["tasks"].items():
         presets = "\n".join(f"{scale}: " + " ".join(f"{k}={_show(v)}" for k, v in d.items())
@@ -201,6 +210,7 @@ def _register_subcommands() -> None:
 
 
 _register_subcommands()
+name_metavars(app)
 
 
 def main() -> None:  # pragma: no cover

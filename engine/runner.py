@@ -43,7 +43,7 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         self.hf_config = load_config(model_dir)
-        model_dtype = getattr(self.hf_config, "torch_dtype", None) or getattr(self.hf_config, "dtype", None)
+        model_dtype = checkpoint_dtype(self.hf_config)
         self.dtype = config.torch_dtype(model_dtype if isinstance(model_dtype, torch.dtype) else None)
         limit = getattr(self.hf_config, "max_position_embeddings", None) or 4096
         if config.max_model_len is not None and config.max_model_len > limit:
@@ -330,3 +330,11 @@ def _tables(tables: list[list[int]], device) -> torch.Tensor:
     width = max(len(t) for t in tables)
     flat = [page for t in tables for page in t + [-1] * (width - len(t))]
     return upload(flat, device).view(len(tables), width)
+
+
+def checkpoint_dtype(hf_config) -> torch.dtype | str | None:
+    """The dtype a config declares. transformers >= 4.56 calls it ``dtype`` and warns on every read
+    of ``torch_dtype``; older releases only have ``torch_dtype``, read from the instance's own
+    fields so that no deprecated property is touched."""
+    value = getattr(hf_config, "dtype", None)
+    return value if value is not None else vars(hf_config).get("torch_dtype")

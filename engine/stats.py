@@ -29,6 +29,14 @@
   compactions that are not decisions apart: "fallback_compaction" (the compaction a fallback ran)
   and "prefill_compress" (prompt compression, re-admission); "compress" and "grow" hold decisions
   only.
+- Compactions (`compactions`): every compaction that ran (a capacity decision's, a fallback's, a
+  prompt compression, a periodic firing): what `kvarena generate` prints as "compress events".
+- KV kept (`final_kv_len`): the KV slots a request holds when it finishes, mean over requests, beside
+  `kv_context`, the tokens its context had by then (prompt plus output): kept < context means the
+  policy dropped KV.
+
+`never_compressed` is the one rule for "a compressing policy did not compress in this run"
+(`kvarena generate` warns with it; an eval can call it on a segment's statistics).
 """
 
 from __future__ import annotations
@@ -119,6 +127,9 @@ class RunStats:
     grow_ratio: float | None
     stage_seconds: dict
     avg_kv_kept: float | None = None
+    compactions: int = 0
+    final_kv_len: float | None = None  # mean over requests of RequestOutput.final_kv_len
+    kv_context: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -136,6 +147,18 @@ class RunStats:
         if self.avg_kv_allocated is None or self.avg_kv_kept is None:
             return ""
         return f"KV slots per head allocated {self.avg_kv_allocated:.0f} / kept {self.avg_kv_kept:.0f}, "
+
+    def kv_summary(self) -> str:
+        """Compression and memory in one line: compress events (of them prompt compressions),
+        KV kept at the finish of the context's tokens, average budget and allocated slots."""
+        prefill = sum(v for k, v in self.counts.items() if k.startswith("prefill_"))
+        parts = [f"compress events {self.compactions} ({prefill} of the prompt)"]
+        if self.final_kv_len is not None and self.kv_context is not None:
+            parts.append(f"KV kept {self.final_kv_len:.0f} of {self.kv_context:.0f} tokens")
+        for label, value in (("avg KV budget", self.avg_kv_budget),
+                             ("avg KV allocated", self.avg_kv_allocated)):
+            parts.append(f"{label} {value:.0f}" if value is not None else f"{label} n/a")
+        return ", ".join(parts)
 
 
 def run_stats(outputs: list[RequestOutput], steps: list[StepRecord], events: list[CapacityEvent],
@@ -166,9 +189,42 @@ def run_stats(outputs: list[RequestOutput], steps: list[StepRecord], events: lis
         num_steps=len(steps), forward_seconds=forward_seconds,
         compaction_seconds=compaction_seconds, counts=counts,
         grow_ratio=decisions["grow"] / n_decisions if n_decisions else None,
-        stage_seconds=dict(stages),
+        stage_seconds=dict(stages), compactions=sum(is_compaction(e.action) for e in events),
         avg_kv_kept=statistics.fmean(kept) if kept else None,
+        final_kv_len=_mean([o.final_kv_len for o in outputs if o.final_kv_len is not None]),
+        kv_context=_mean([o.num_prompt_tokens + o.num_output_tokens for o in outputs
+                          if o.final_kv_len is not None]),
     )
+
+
+def _mean(values: list[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+def is_compaction(action: str) -> bool:
+    """Whether a capacity event's action is a compaction (KV slots rewritten, some dropped)."""
+    return action in ("compress", "shrink")
+
+
+def never_compressed(policy, compactions: int, kv_context: float | None = None) -> str | None:
+    """The warning for a run in which a compressing policy (``policy.compresses``) ran no
+    compaction, or None when it compressed or never compresses by design (FullKV).
+
+    Such a run is FullKV under another name: every request stayed within the policy's budget, so
+    its quality and memory figures say nothing about the policy. ``compactions`` is
+    ``RunStats.compactions`` (``stats["compactions"]`` in a segment line); ``kv_context`` (the
+    mean context length, ``RunStats.kv_context``) and the policy's ``budget`` field, when it has
+    one, make the message say how far the requests were from compressing."""
+    if not getattr(policy, "compresses", True) or compactions > 0:
+        return None
+    name = getattr(policy, "name", type(policy).__name__)
+    budget = getattr(policy, "budget", None)
+    reach = ""
+    if kv_context is not None:
+        reach = f" (requests reached {kv_context:.0f} tokens on average"
+        reach += f", budget {budget})" if budget is not None else ")"
+    return (f"policy {name} never compressed in this run{reach}: every request fit, so the run "
+            f"is FullKV's; use longer prompts or more output tokens, or a smaller budget")
 
 
 def primary_decisions(events) -> Counter:

@@ -27,12 +27,16 @@ from evals.cli_common import (
 
 # -- shared options ------------------------------------------------------------------------------
 
-TaskOpt = typer.Option(..., "--task", "-t", help=f"Task name (repeatable): {names(task_names())}.")
-PolicyOpt = typer.Option(["full"], "--policy", "-p", help="KV policy (repeatable; runs one after "
-                         f"another into sibling directories): {names(policy_names())}.")
-TaskArgOpt = typer.Option([], "--task-arg", help="Task option key=value, e.g. lengths=256,512 for niah; "
+TaskOpt = typer.Option(..., "--task", "-t", metavar="NAME",
+                       help=f"Task name (repeatable): {names(task_names())}.")
+PolicyOpt = typer.Option(["full"], "--policy", "-p", metavar="NAME",
+                         help="KV policy (repeatable; runs one after another into sibling "
+                         f"directories): {names(policy_names())}.")
+TaskArgOpt = typer.Option([], "--task-arg", metavar="KEY=VALUE",
+                          help="Task option key=value, e.g. lengths=256,512 for niah; "
                           "a comma makes a list (lengths=512, is a one-element list) (repeatable).")
-DataOpt = typer.Option(None, "--data", help="Local data file or directory (a data root such as "
+DataOpt = typer.Option(None, "--data", metavar="PATH",
+                       help="Local data file or directory (a data root such as "
                        "/path/to/data), or a hub id; default: the task's hub dataset.")
 LimitOpt = typer.Option(None, "--limit", help="First N problems.")
 SamplesOpt = typer.Option(None, "--samples", help="Samples per problem (default: the task preset's).")
@@ -49,7 +53,7 @@ KvBudgetOpt = typer.Option(None, "--kv-budget", help="Fixed KV budget for fixed-
 KvCacheOpt = typer.Option(None, "--kv-cache-tokens", help="KV pool size in tokens.")
 BlockOpt = typer.Option(None, "--block-size", help="Tokens per KV page (default: the preset's).")
 SeqsOpt = typer.Option(64, "--max-num-seqs", help="Most requests resident at once.")
-OutOpt = typer.Option("results", "--out", "-o", help="Results root directory.")
+OutOpt = typer.Option("results", "--out", "-o", metavar="DIR", help="Results root directory.")
 GradeWorkersOpt = typer.Option(1, "--grading-workers", help="Math grading processes / code threads.")
 WorkersOpt = typer.Option(None, "--workers", help="Run on N engine workers as Ray actors, sharded by "
                           "(problem, sample) into the same results tree ('auto': one per GPU); "
@@ -136,6 +140,7 @@ class RichHooks:
         self.graded = 0
         self.tokens = 0
         self.start = time.perf_counter()
+        self.said: set[str] = set()
 
     def on_start(self, label, task, total, todo, path) -> None:
         if self.task_id is not None:
@@ -159,6 +164,11 @@ class RichHooks:
         self._refresh()
 
     def on_message(self, text: str) -> None:
+        # Each run of a command reports what holds for all of them (e.g. NIAH's "no --data" note,
+        # once per policy); the same words are printed once per command.
+        if text in self.said:
+            return
+        self.said.add(text)
         self.progress.console.print(f"[dim]{text}[/]")
 
     def _refresh(self) -> None:

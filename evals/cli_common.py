@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import sys
+from pathlib import Path
 from typing import Any, NoReturn
 
 import typer
@@ -106,10 +107,10 @@ def describe_registries() -> dict[str, dict]:
 
 # -- options shared by the command groups --------------------------------------------------------
 
-ModelOpt = typer.Option(DEFAULT_MODEL, "--model", "-m",
+ModelOpt = typer.Option(DEFAULT_MODEL, "--model", "-m", metavar="MODEL",
                         help="HF directory, .gguf file, hub id, or the embedded default's name "
                              f"({DEFAULT_MODEL}, also 'default').")
-PolicyArgOpt = typer.Option([], "--policy-arg", "-a",
+PolicyArgOpt = typer.Option([], "--policy-arg", "-a", metavar="KEY=VALUE",
                             help="Policy argument key=value (repeatable). With several --policy, "
                                  "key=value goes to every listed policy that has the field and "
                                  "policy:key=value to that one. Fields and defaults: kvarena list.")
@@ -128,3 +129,50 @@ def set_threads(threads: int) -> None:
     if not 1 <= threads <= MAX_THREADS:
         fail(f"--threads must be an integer in [1, {MAX_THREADS}], got {threads}")
     engine_threads.set_threads(threads)
+
+
+# -- help metavars -------------------------------------------------------------------------------
+
+# The word a help text shows for an option's value, by the parameter's type, where the option does
+# not name its own: typer would show the Python type (`<list[str]>`, `<int>`, and `<bool>` for a
+# flag, which takes no value at all).
+_METAVARS = {bool: "", int: "N", float: "NUMBER", str: "TEXT", Path: "PATH"}
+
+
+def name_metavars(app: typer.Typer) -> None:
+    """Give every option of ``app``'s commands (sub-apps included) a metavar that reads as a word,
+    from its type (``_METAVARS``; a flag shows none); options that set ``metavar`` keep theirs.
+    (typer shows an argument's Python type whatever its metavar.) Call once, after every command
+    is registered."""
+    import typing
+
+    for command in _commands(app):
+        hints = typing.get_type_hints(command.callback)
+        for name, param in inspect.signature(command.callback).parameters.items():
+            info = param.default
+            if not isinstance(info, typer.models.OptionInfo) or info.metavar is not None:
+                continue
+            word = _METAVARS.get(_bare(hints.get(name)))
+            if word is not None:
+                info.metavar = word
+
+
+def _commands(app: typer.Typer):
+    for command in app.registered_commands:
+        if command.callback is not None:
+            yield command
+    for group in app.registered_groups:
+        if group.typer_instance is not None:
+            yield from _commands(group.typer_instance)
+
+
+def _bare(annotation: Any) -> Any:
+    """``Optional[X]`` and ``list[X]`` -> ``X``; anything else as it is."""
+    import typing
+
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) in (list, typing.Union) and len(args) == 1:
+        return _bare(args[0])
+    if type(annotation).__name__ == "UnionType" and len(args) == 1:
+        return _bare(args[0])
+    return annotation

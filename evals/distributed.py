@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import math
 import os
 import shutil
@@ -175,10 +176,18 @@ def _start_ray(address: str | None, threads: int) -> bool:
         return False
     address = address or os.environ.get("RAY_ADDRESS") or None
     quiet = dict(include_dashboard=False, logging_level="WARNING", log_to_driver=False)
-    if address:
-        ray.init(address=address, logging_level="WARNING", log_to_driver=False)
-    else:
-        ray.init(**quiet, object_store_memory=128 * 1024 * 1024)
+    # Ray 2.5x warns on every ray.init that token authentication was enabled (or is off) for the
+    # cluster: a notice about Ray's own defaults, not about the run, so it stays out of the output.
+    auth_log = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    level = auth_log.level
+    auth_log.setLevel(logging.ERROR)
+    try:
+        if address:
+            ray.init(address=address, logging_level="WARNING", log_to_driver=False)
+        else:
+            ray.init(**quiet, object_store_memory=128 * 1024 * 1024)
+    finally:
+        auth_log.setLevel(level)
     return True
 
 

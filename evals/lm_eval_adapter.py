@@ -383,49 +383,111 @@ def _own_parser() -> argparse.ArgumentParser:
                     "--model_args in full (engine settings such as kv_cache_tokens=4096 go there).")
     parser.add_argument("-m", "--model", default=DEFAULT_MODEL,
                         help="HF directory, .gguf file, hub id, or the embedded default's name.")
-    parser.add_argument("-p", "--policy", default="full", help="KV policy name.")
+    parser.add_argument("-p", "--policy", action="append", default=[], metavar="POLICY",
+                        help="KV policy name (repeatable: one lm-eval run per policy, each in its "
+                             "own directory under --output_path; default: full).")
     parser.add_argument("-a", "--policy-arg", action="append", default=[], metavar="KEY=VALUE",
-                        help="Policy argument (repeatable).")
+                        help="Policy argument (repeatable). With several --policy, key=value goes "
+                             "to every listed policy that has the field and policy:key=value to "
+                             "that one, as in kvarena eval.")
     parser.add_argument("--threads", type=int, default=2, help="torch CPU threads.")
     parser.add_argument("-h", "--help", action="store_true", help="Show this help and lm-eval's.")
     return parser
 
 
-def lm_eval_argv(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    """Split ``kvarena lm-eval`` arguments into ours and the ``lm-eval run`` argument list that
-    evaluates the ``kvarena`` model with them."""
-    from engine.policies.base import parse_policy_args as parse_items
+def lm_eval_runs(argv: list[str]) -> tuple[argparse.Namespace, list[tuple[str, list[str]]]]:
+    """Split ``kvarena lm-eval`` arguments into ours and, per policy, its label
+    (``evals.results.run_label``, as ``kvarena eval`` names run directories) and the
+    ``lm-eval run`` argument list that evaluates the ``kvarena`` model under it.
+
+    Every policy and its arguments are validated here, by building it, so a bad name or value is
+    one AdapterError before lm-eval or the model loads. ``--output_path DIR`` becomes
+    ``DIR/<label>`` for each run (lm-eval then adds its model directory), so the runs of several
+    policies never share a directory; a ``.json`` output path gets ``<label>/`` before its name."""
+    from engine.config import ConfigError
+    from engine.policies.base import build_policy
+    from evals.cli import split_policy_args
+    from evals.results import run_label
 
     ours, rest = _own_parser().parse_known_args(argv)
-    model_args = {"pretrained": ours.model, "policy": ours.policy,
-                  "policy_args": parse_items(ours.policy_arg)}
     if "-M" in rest:
         raise AdapterError("-M (lm-eval's --model) is set by kvarena lm-eval; pass the model "
                            "with --model/-m")
+    policies = list(dict.fromkeys(ours.policy)) or ["full"]
+    try:
+        per_policy = split_policy_args(ours.policy_arg, policies)
+        for policy in policies:
+            build_policy(policy, per_policy[policy])
+    except (ConfigError, ValueError) as e:
+        raise AdapterError(str(e)) from None
     # lm-eval's own default device is cuda:0; the engine picks cuda when present, else cpu.
     device = [] if "--device" in rest or any(a.startswith("--device=") for a in rest) \
         else ["--device", "auto"]
-    return ours, ["run", *rest, *device, "--model", MODEL_NAME,
-                  "--model_args", json.dumps(model_args)]
+    runs = []
+    for policy in policies:
+        label = run_label(policy, per_policy[policy])
+        model_args = {"pretrained": ours.model, "policy": policy, "policy_args": per_policy[policy]}
+        runs.append((label, ["run", *_output_per_run(rest, label), *device, "--model", MODEL_NAME,
+                             "--model_args", json.dumps(model_args)]))
+    return ours, runs
+
+
+def _output_per_run(argv: list[str], label: str) -> list[str]:
+    """``argv`` with lm-eval's output path (``--output_path``/``-o``, also ``--output_path=``)
+    moved into a directory named ``label``."""
+    from pathlib import Path
+
+    def moved(value: str) -> str:
+        path = Path(value)
+        return str(path.parent / label / path.name if path.suffix == ".json" else path / label)
+
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("--output_path", "-o") and i + 1 < len(argv):
+            out += [arg, moved(argv[i + 1])]
+            i += 2
+            continue
+        if arg.startswith("--output_path="):
+            arg = "--output_path=" + moved(arg.split("=", 1)[1])
+        out.append(arg)
+        i += 1
+    return out
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``kvarena lm-eval``: lm-eval's CLI with the ``kvarena`` model (writes lm-eval's results
-    JSON, with the engine's statistics under ``config.kvarena``)."""
-    from lm_eval._cli import HarnessCLI
-    from lm_eval.utils import setup_logging
-
-    from engine.threads import set_threads
-
+    """``kvarena lm-eval``: lm-eval's CLI with the ``kvarena`` model, once per policy (writes
+    lm-eval's results JSON, with the engine's statistics under ``config.kvarena``). Bad policies,
+    policy arguments or models are an AdapterError before lm-eval starts."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    ours, lm_argv = lm_eval_argv(argv)
+    ours, runs = lm_eval_runs(argv)
+    from lm_eval._cli import HarnessCLI
+
     cli = HarnessCLI()
     if ours.help:
         _own_parser().print_help()
         print("\nlm-eval's arguments (all accepted, except --model):\n")
         cli._parser.parse_args(["run", "--help"])
         return
+    _check_model(ours.model)
+    from lm_eval.utils import setup_logging
+
+    from engine.threads import set_threads
+
     set_threads(ours.threads)
     setup_logging()
-    args = cli._parser.parse_args(lm_argv)
-    cli.execute(args)
+    for label, lm_argv in runs:
+        if len(runs) > 1:
+            print(f"== kvarena lm-eval: policy {label}", file=sys.stderr)
+        cli.execute(cli._parser.parse_args(lm_argv))
+
+
+def _check_model(model: str) -> None:
+    """The model resolves (a local directory, a GGUF, the embedded default, a cached or
+    downloadable hub id), else an AdapterError with the loader's words."""
+    from engine.models.loader import ModelLoadError, resolve_model
+
+    try:
+        resolve_model(model)
+    except ModelLoadError as e:
+        raise AdapterError(str(e)) from None

@@ -1,9 +1,13 @@
-"""Figures of the evaluation suite (matplotlib, Agg backend, PNG files).
+"""Figures of the evaluation suite (matplotlib, Agg backend): every figure is written as a PNG
+and, beside it, an SVG of the same name (vector, for papers).
 
 - :func:`niah_heatmap`: depth x context length retrieval scores, the mean in the title (Kara's
   Fig. 6 layout: x = input context length, y = needle depth).
+- :func:`niah_grid`: the same heatmap for every policy of one task as small multiples on one
+  shared colour scale (one colour bar), so the policies compare at a glance.
 - :func:`quality_memory_plot`: quality (pass@1, or fidelity to FullKV) against the average KV
-  budget, one panel per task, one point per policy and budget, with interval error bars.
+  budget, one panel per task, one point per policy and budget, with interval error bars; points
+  of several policies at the same budget are dodged sideways so none hides another.
   Throughput is deliberately not plotted here: eval runs are timed one after another at
   whatever load the machine had; the benchmarks compare speed side by side.
 - :func:`budget_histogram`: requests per minimum sufficient budget class, with Unsolved
@@ -25,29 +29,83 @@ def _pyplot():
     return plt
 
 
+# Scores run from 0 (miss) to 1 (found). cividis is perceptually uniform and reads the same to
+# readers with red-green colour blindness (the red-yellow-green map it replaces did not).
+NIAH_CMAP = "cividis"
+
+
 def niah_heatmap(records: Iterable[Mapping[str, Any]], path: str | Path, title: str = "",
                  value: str = "score") -> Path:
     """Heatmap of per-cell mean ``value`` (records: ``context_length``, ``depth_percent``,
-    ``value``); rows are depths (0 % at the top), columns lengths. Returns the PNG path."""
+    ``value``); rows are depths (0 % at the top), columns lengths. Returns the PNG path (an SVG
+    is written beside it)."""
+    return niah_grid({title: records}, path, value=value)
+
+
+def niah_grid(panels: Mapping[str, Iterable[Mapping[str, Any]]], path: str | Path,
+              title: str = "", value: str = "score", max_cols: int = 4) -> Path:
+    """NIAH heatmaps as small multiples: one panel per entry of ``panels`` ({panel title, e.g. a
+    policy: records as for :func:`niah_heatmap`}), all on the same 0-1 colour scale with one
+    colour bar, every panel on the union of the lengths and depths (a cell a run lacks is
+    blank). Each panel's title carries its mean; ``title`` goes above them all. Returns the PNG
+    path (an SVG is written beside it)."""
     from evals.niah import scores_to_grid
 
-    grid = scores_to_grid(list(records), value=value)
+    grids = {name: scores_to_grid(list(records), value=value) for name, records in panels.items()}
+    lengths = sorted({c for g in grids.values() for c in g.columns})
+    depths = sorted({d for g in grids.values() for d in g.index})
+    grids = {name: g.reindex(index=depths, columns=lengths) for name, g in grids.items()}
     plt = _pyplot()
-    mean = float(grid.stack().mean()) if grid.size else float("nan")
-    fig, ax = plt.subplots(figsize=(1.2 + 1.1 * max(1, grid.shape[1]), 1.2 + 0.55 * max(1, grid.shape[0])))
-    im = ax.imshow(grid.values, vmin=0.0, vmax=1.0, cmap="RdYlGn", aspect="auto")
-    ax.set_xticks(range(grid.shape[1]), [str(c) for c in grid.columns])
-    ax.set_yticks(range(grid.shape[0]), [f"{d:g}" for d in grid.index])
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("needle depth (%)")
-    for i in range(grid.shape[0]):
-        for j in range(grid.shape[1]):
-            v = grid.values[i, j]
-            if v == v:  # not NaN
-                ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=8)
-    ax.set_title(f"{title}  mean {mean:.3f}".strip())
-    fig.colorbar(im, ax=ax, label=value)
-    return _save(fig, path)
+    n = max(1, len(grids))
+    cols = min(max_cols, n)
+    rows = (n + cols - 1) // cols
+    cell_w, cell_h = 0.62, 0.42
+    panel_w = max(2.4, 0.9 + cell_w * max(1, len(lengths)))
+    panel_h = max(1.7, 1.0 + cell_h * max(1, len(depths)))
+    fig, axes = plt.subplots(rows, cols, figsize=(panel_w * cols + 1.0, panel_h * rows + 0.5),
+                             squeeze=False, layout="constrained")
+    chars = int(panel_w * 11)  # ~11 characters per inch at 9 pt: wrap titles to their panel
+    im = None
+    for k, (ax, (name, grid)) in enumerate(zip(axes.flat, grids.items())):
+        im = ax.imshow(grid.values, vmin=0.0, vmax=1.0, cmap=NIAH_CMAP, aspect="auto")
+        ax.set_xticks(range(len(lengths)), [str(c) for c in lengths], fontsize=8)
+        ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths], fontsize=8)
+        if k // cols == rows - 1 or k + cols >= n:
+            ax.set_xlabel("context length (tokens)", fontsize=8)
+        if k % cols == 0:
+            ax.set_ylabel("needle depth (%)", fontsize=8)
+        for i in range(grid.shape[0]):
+            for j in range(grid.shape[1]):
+                v = grid.values[i, j]
+                if v == v:  # not NaN
+                    # cividis is dark at 0 and light at 1: dark text on the light half.
+                    ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7,
+                            color="black" if v > 0.6 else "white")
+        values = grid.stack()
+        mean = f"mean {float(values.mean()):.2f}" if len(values) else "no cells"
+        ax.set_title("\n".join([*_wrap_label(name, chars), mean]), fontsize=9)
+    for ax in list(axes.flat)[n:]:
+        ax.set_visible(False)
+    if im is not None:
+        bar = fig.colorbar(im, ax=axes.ravel().tolist(), shrink=min(0.9, 0.45 + 0.15 * rows),
+                           aspect=25)
+        bar.set_label(f"{value} (1 = needle found)" if value == "score" else value, fontsize=8)
+        bar.ax.tick_params(labelsize=8)
+    if title:
+        fig.suptitle("\n".join(_wrap_label(title, int((panel_w * cols + 1.0) * 9))), fontsize=10)
+    return _save(fig, path, tight=False)
+
+
+def _wrap_label(text: str, width: int) -> list[str]:
+    """Lines of at most ~``width`` characters, broken at spaces or before a run label's ``+``
+    (never inside a name such as ``initial_capacity=64``)."""
+    import textwrap
+
+    if not text:
+        return []
+    lines = textwrap.wrap(text.replace("+", " +"), width, break_long_words=False,
+                          break_on_hyphens=False)
+    return [line.replace(" +", "+") for line in lines]
 
 
 def _marker_styles():
@@ -76,12 +134,14 @@ def quality_memory_plot(panels: Mapping[str, Sequence[Mapping[str, Any]]], path:
     rows = (n + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols + 2.6, 3.5 * rows), squeeze=False)
     for ax, (panel, pts) in zip(axes.flat, panels.items()):
+        shift = dodge(pts)
         for name in names:
             mine = sorted((p for p in pts if str(p["series"]) == name), key=lambda p: float(p["x"]))
             if not mine:
                 continue
             color, marker = style[name]
-            xs, ys = [float(p["x"]) for p in mine], [float(p["y"]) for p in mine]
+            xs = [float(p["x"]) + shift.get((name, float(p["x"])), 0.0) for p in mine]
+            ys = [float(p["y"]) for p in mine]
             ax.errorbar(xs, ys, xerr=_err(mine, "x"), yerr=_err(mine, "y"), color=color,
                         marker=marker, markersize=5, linewidth=0.8, elinewidth=0.8, capsize=2,
                         alpha=0.9, label=name)
@@ -99,12 +159,33 @@ def quality_memory_plot(panels: Mapping[str, Sequence[Mapping[str, Any]]], path:
                    title="policy", title_fontsize=8, frameon=False)
     if title:
         fig.suptitle(title, fontsize=11)
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    if any(dodge(pts) for pts in panels.values()):
+        fig.text(0.5, -0.01, "Points of several policies at one budget are spread sideways "
+                 "(dodged) so that none hides another; their budget is the one they share.",
+                 ha="center", va="top", fontsize=7, color="0.35")
+    return _save(fig, path, bbox_inches="tight")
+
+
+def dodge(points: Sequence[Mapping[str, Any]], width: float = 0.025) -> dict[tuple[str, float], float]:
+    """Sideways offsets {(series, x): dx} for points of several series at the same ``x``: they
+    are spread evenly around ``x``, ``width`` of the panel's x range apart (of ``x`` itself when
+    every point sits at one x). A point alone at its x is not moved (it is not in the result)."""
+    by_x: dict[float, list[str]] = {}
+    for p in points:
+        by_x.setdefault(float(p["x"]), [])
+        name = str(p["series"])
+        if name not in by_x[float(p["x"])]:
+            by_x[float(p["x"])].append(name)
+    xs = list(by_x)
+    span = (max(xs) - min(xs)) if xs else 0.0
+    out = {}
+    for x, names in by_x.items():
+        if len(names) < 2:
+            continue
+        step = width * (span if span > 0 else max(abs(x), 1.0))
+        for i, name in enumerate(sorted(names)):
+            out[(name, x)] = (i - (len(names) - 1) / 2) * step
+    return out
 
 
 def _err(points: Sequence[Mapping[str, Any]], axis: str):
@@ -145,10 +226,13 @@ def budget_histogram(classes: Sequence[str], counts: Sequence[int], path: str | 
     return _save(fig, path)
 
 
-def _save(fig, path: str | Path) -> Path:
+def _save(fig, path: str | Path, tight: bool = True, **savefig) -> Path:
+    """Write ``fig`` as ``path`` (PNG) and as an SVG beside it; returns the PNG path."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    if tight:
+        fig.tight_layout()
+    fig.savefig(path, dpi=120, **savefig)
+    fig.savefig(path.with_suffix(".svg"), **savefig)
     _pyplot().close(fig)
     return path

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,7 @@ from typer.testing import CliRunner
 import engine.policies  # noqa: F401  (registers the built-in policies)
 from cli import app
 from engine.policies.base import POLICIES, policy_fields
+from engine.policies.fixed_budget import FixedBudgetPolicy
 from engine.policies.snapkv import SnapKV
 from evals.sweep import fixed_budget_policies
 from evals.tasks import TASKS, get_task
@@ -77,9 +79,17 @@ def test_help_lists_come_from_the_registries():
 
 
 def test_fixed_budget_policies_follow_the_budget_field(monkeypatch):
-    assert set(fixed_budget_policies()) == {"zipage", "snapkv", "chunkkv", "growpage-fixed", "rkv",
-                                            "morphkv", "gkv", "streamingllm", "h2o", "tova",
-                                            "pyramidkv", "adakv"}
+    fixed = fixed_budget_policies()
+    # Derived from the registry, so a newly registered policy never breaks this test: every policy
+    # built on FixedBudgetPolicy, and any other with a `budget` field, is swept by that field;
+    # the GrowPage family without one (its initial capacity is not a budget) is not.
+    for name, cls in POLICIES.items():
+        expected = "budget" if "budget" in policy_fields(cls) else None
+        assert fixed.get(name) == expected, name
+        if issubclass(cls, FixedBudgetPolicy):
+            assert fixed.get(name) == "budget", name
+    assert {"zipage", "snapkv", "chunkkv", "growpage-fixed"} <= set(fixed)
+    assert not {"full", "growpage", "growpage-random", "kara"} & set(fixed)
 
     @dataclasses.dataclass
     class Mine(SnapKV):
@@ -144,3 +154,70 @@ def test_out_where_mkdir_fails_gets_a_one_line_error(where, tmp_path, monkeypatc
     assert "cannot be written" in result.output and "cannot create" in result.output
     assert "Traceback" not in result.output
     assert len([ln for ln in result.output.splitlines() if ln.strip()]) == 1
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    from tiny_models import make_tiny_llama_dir
+
+    return make_tiny_llama_dir(tmp_path_factory.mktemp("tiny"))
+
+
+def generate(tiny_dir, *args: str) -> str:
+    return invoke("generate", "the quick brown fox", "-m", str(tiny_dir), "--no-chat",
+                  "--block-size", "4", "--threads", "1", *args)
+
+
+def test_generate_shows_compress_events_and_kept_kv(tiny_dir):
+    text = generate(tiny_dir, "-p", "zipage", "-a", "budget=24", "--max-tokens", "32")
+    line = next(ln for ln in text.splitlines() if ln.startswith("compress events"))
+    events, kept, context = map(int, re.search(r"events (\d+) .* kept (\d+) of (\d+)", line).groups())
+    assert events >= 1 and 24 <= kept <= 28 < context, line  # budget + at most one write page
+    assert "avg KV budget 24" in line, line
+    assert "never compressed" not in text
+
+
+def test_generate_warns_when_a_compressing_policy_never_compressed(tiny_dir):
+    text = generate(tiny_dir, "-p", "snapkv", "-a", "budget=256", "--max-tokens", "4")
+    assert "compress events 0" in text and "policy snapkv never compressed" in text
+    assert "never compressed" not in generate(tiny_dir, "--max-tokens", "4")  # FullKV by design
+
+
+def test_never_compressed_is_one_rule_for_every_command():
+    from engine.policies.base import build_policy
+    from engine.stats import never_compressed
+
+    assert never_compressed(build_policy("full", {}), 0) is None
+    assert never_compressed(build_policy("zipage", {"budget": 64}), 3) is None
+    message = never_compressed(build_policy("zipage", {"budget": 64}), 0, kv_context=40.0)
+    assert "zipage never compressed" in message and "40 tokens" in message and "budget 64" in message
+
+
+def test_help_metavars_read_as_words():
+    for command in ("eval", "sweep", "generate", "leaderboard", "bench soak", "analyze"):
+        text = invoke(*command.split(), "--help")
+        options = text[text.index("Options"):]  # typer types arguments whatever their metavar
+        assert not re.search(r"<(list\[|str>|int>|float>|Path>)", options), command
+        # Flags take no value; only click's own --help line still names its type.
+        assert [ln for ln in options.splitlines() if "<bool>" in ln and "--help" not in ln] == [], command
+    text = invoke("eval", "--help")
+    assert all(word in text for word in ("NAME", "KEY=VALUE", "MODEL", "PATH", "DIR", " N "))
+
+
+def test_list_columns_are_labelled():
+    text = invoke("list")
+    assert "description" in text and "arguments (default)" in text and "options (--task-arg)" in text
+
+
+def test_eval_prints_each_message_once_per_command():
+    import io
+
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from evals.cli import RichHooks
+
+    buffer = io.StringIO()
+    hooks = RichHooks(Progress(console=Console(file=buffer, width=200)))
+    for _ in range(3):  # e.g. NIAH's "no --data" note, from the run of each of three policies
+        hooks.on_message("niah: no --data given")
+    hooks.on_message("loading model with policy zipage")
+    assert buffer.getvalue().count("no --data") == 1 and "policy zipage" in buffer.getvalue()

@@ -28,7 +28,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from engine.config import ConfigError  # noqa: E402
 from engine.llm import LLM  # noqa: E402
 from engine.sampling import SamplingParams  # noqa: E402
-from evals.lm_eval_adapter import AdapterError, KvarenaLM, lm_eval_argv, main, parse_policy_args  # noqa: E402
+from evals.lm_eval_adapter import AdapterError, KvarenaLM, lm_eval_runs, main, parse_policy_args  # noqa: E402
 from tiny_models import make_tiny_llama_dir  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures" / "lm_eval"
@@ -237,17 +237,47 @@ def test_policy_args_forms():
 
 
 def test_cli_arguments_pass_through_to_lm_eval():
-    ours, argv = lm_eval_argv(["--tasks", "a,b", "-m", "some/dir", "--limit", "3", "-p", "snapkv",
+    ours, runs = lm_eval_runs(["--tasks", "a,b", "-m", "some/dir", "--limit", "3", "-p", "snapkv",
                                "-a", "budget=64", "--policy-arg", "window=8",
                                "--model_args", "kv_cache_tokens=2048", "--log_samples"])
+    ((label, argv),) = runs
+    assert label == "snapkv+budget=64+window=8"
     assert argv[:7] == ["run", "--tasks", "a,b", "--limit", "3", "--model_args",
                         "kv_cache_tokens=2048"]
     assert argv[7:12] == ["--log_samples", "--device", "auto", "--model", "kvarena"]
     assert json.loads(argv[-1]) == {"pretrained": "some/dir", "policy": "snapkv",
                                     "policy_args": {"budget": "64", "window": "8"}}
     with pytest.raises(AdapterError, match="-M"):
-        lm_eval_argv(["-M", "hf", "--tasks", "a"])
+        lm_eval_runs(["-M", "hf", "--tasks", "a"])
 
+
+def test_cli_gives_each_policy_its_own_output_directory(tmp_path):
+    _, runs = lm_eval_runs(["--tasks", "a", "-p", "full", "-p", "zipage", "-a", "zipage:budget=64",
+                            "--output_path", str(tmp_path / "out")])
+    assert [label for label, _ in runs] == ["full", "zipage+budget=64"]
+    outputs = [argv[argv.index("--output_path") + 1] for _, argv in runs]
+    assert outputs == [str(tmp_path / "out" / "full"), str(tmp_path / "out" / "zipage+budget=64")]
+    _, runs = lm_eval_runs(["--tasks", "a", "-o", "res.json", "--output_path=x"])
+    argv = runs[0][1]
+    assert argv[argv.index("-o") + 1] == "full/res.json" and "--output_path=x/full" in argv
+
+
+@pytest.mark.parametrize("args, message", [
+    (["-p", "nope"], "unknown policy 'nope'"),
+    (["-p", "zipage", "-a", "budgte=64"], "unknown argument(s) ['budgte'] for policy 'zipage'"),
+    (["-p", "zipage", "-a", "budget=-3"], "budget must be a positive number"),
+    (["-p", "full", "-p", "snapkv", "-a", "sink=8"], "--policy-arg sink: none of the policies"),
+])
+def test_cli_rejects_bad_policies_before_lm_eval_starts(args, message):
+    from typer.testing import CliRunner
+
+    from cli import app
+
+    wide = CliRunner(env={"COLUMNS": "400", "NO_COLOR": "1", "TERM": "dumb"})
+    result = wide.invoke(app, ["lm-eval", "--tasks", "a", *args])
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
+    assert len(result.output.strip().splitlines()) == 1  # the one error line, as kvarena eval's
 
 def test_cli_writes_lm_evals_results_json_with_engine_stats(model_dir, workspace, tmp_path, capsys):
     out = tmp_path / "out"
@@ -258,6 +288,7 @@ def test_cli_writes_lm_evals_results_json_with_engine_stats(model_dir, workspace
               "--log_samples", "--threads", "1"])
     files = sorted(out.rglob("results_*.json"))
     assert len(files) == 1 and sorted(out.rglob("samples_kvarena_mc_*.jsonl"))
+    assert files[0].relative_to(out).parts[0] == "zipage+budget=16+window=4"  # one directory per policy
     results = json.loads(files[0].read_text())
     assert results["results"]["kvarena_mc"]["sample_len"] == 4
     stats = results["config"]["kvarena"]

@@ -456,3 +456,16 @@ def test_tiny_helpers_validate_and_size_vocabularies(tmp_path):
     big = make_tiny_tokenizer(2000)  # more than the corpus has merges for: reserved tokens fill it
     assert len(big) == 2000 and "<|reserved_0|>" in big.get_vocab()
     assert big.decode(big("Paged attention").input_ids) == "Paged attention"
+
+
+def test_the_checkpoint_dtype_is_read_without_the_deprecated_torch_dtype(tmp_path, monkeypatch):
+    from engine.runner import checkpoint_dtype
+
+    config = loader.load_config(make_tiny_llama_dir(tmp_path))
+
+    def deprecated(self):
+        raise AssertionError("torch_dtype read: transformers warns on every such read")
+
+    monkeypatch.setattr(type(config), "torch_dtype", property(deprecated), raising=False)
+    assert checkpoint_dtype(config) == torch.float32
+    assert checkpoint_dtype(SimpleNamespace(torch_dtype="bfloat16")) == "bfloat16"  # older releases

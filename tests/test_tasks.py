@@ -86,10 +86,16 @@ def test_cpu_preset():
     assert get_task("niah").defaults("cpu").temperature == 0.0
     with pytest.raises(ValueError, match="valid scales"):
         get_task("gsm8k").defaults("gpu")
+
+
+def test_preset_budgets_stay_in_range():
+    from evals.tasks.base import PRESET_KV_BUDGET_RANGE
+
+    low, high = PRESET_KV_BUDGET_RANGE
     for name in TASKS:
         for scale in ("paper", "cpu"):
             d = get_task(name).defaults(scale)
-            assert d.kv_budget is None or 256 <= d.kv_budget <= 8192
+            assert d.kv_budget is None or low <= d.kv_budget <= high, (name, scale, d.kv_budget)
 
 
 # --------------------------------------------------------------------------- loaders

@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 import typer
 
+from engine.stats import is_compaction
 from evals.benchmarks import bench_app
 from evals.benchmarks.common import BenchResult, Column, Table, run_bench_command
 from evals.benchmarks.options import ModelOpt, OutDirOpt, QuickOpt, ThreadsOpt, parse_ints
@@ -253,7 +254,7 @@ def soak_policy(model: str, policy: str, block_size: int, cfg: SoakConfig, count
     result.wall_s = time.perf_counter() - start
     sched = llm.last_scheduler
     result.preemptions = int(sched.counters.get("preemption", 0))
-    result.compactions = sum(1 for e in sched.events if e.action in ("compress", "shrink"))
+    result.compactions = sum(is_compaction(e.action) for e in sched.events)
     result.pages_leaked = sched.bm.num_pages - sched.bm.num_free
     missing = count - len(seen)
     if missing:

@@ -81,6 +81,11 @@ class TaskDefaults:
 # preset (block 32, budgets 256-1024, outputs 1-2k) for a 135M model on 2 cores.
 CPU_DIVISOR = 8
 CPU_MAX_TOKENS_CAP = 2048
+# Every preset's kv_budget is None or in this range (tests/test_tasks.py checks each registered
+# task): the papers' fixed budgets reach 8192 (LiveCodeBench); below 256 slots (8 CPU pages) too
+# little of a reasoning trace is kept to compare policies. A derived cpu preset therefore needs a
+# paper budget of at least 256 * CPU_DIVISOR = 2048, else the task sets its own cpu_defaults.
+PRESET_KV_BUDGET_RANGE = (256, 8192)
 
 
 def cpu_preset(paper: TaskDefaults) -> TaskDefaults:
