@@ -857,8 +857,23 @@ def _stream(llm, prompts, params, keys, writer, segment, path, settings, hooks, 
             "signal": stops.signal,
         })
         R.end_progress(path)
+        _warn_if_never_compressed(llm, status, path, settings, hooks)
     if grader.error is not None:
         raise grader.error
+
+
+def _warn_if_never_compressed(llm, status: str, path: Path, settings: EvalSettings,
+                              hooks: EvalHooks) -> None:
+    """A compressing policy whose finished run never compressed measured FullKV under another
+    name (its budget above every sequence): say so (engine.stats.never_compressed)."""
+    from engine.stats import never_compressed
+
+    stats = llm.last_stats
+    if status != "complete" or stats is None:
+        return
+    warning = never_compressed(llm.policy, stats.compactions, stats.kv_context)
+    if warning:
+        hooks.on_message(f"{settings.task}/{path.name}: warning: {warning}")
 
 
 def _task_for(problem: Problem, settings: EvalSettings):

@@ -828,3 +828,16 @@ def test_bad_rows_are_rejected_before_the_model_loads(model_dir, tmp_path, monke
     monkeypatch.undo()
     done = run_eval(settings(model_dir, tmp_path / "out", data=str(data), **NO_FIDELITY))
     assert sorted(r["uid"] for r in lines(done.path)) == ["gsm8k/0", "gsm8k/4"]
+
+
+def test_a_compressing_policy_that_never_compressed_is_reported(model_dir, tmp_path):
+    """A budget above every sequence makes the run FullKV's under another name: eval says so;
+    a run that did compress says nothing of the kind."""
+    hooks = StopAfter(10**9)
+    run_eval(settings(model_dir, tmp_path, policy="zipage", limit=1, max_tokens=8, kv_budget=4096,
+                      fidelity=False), hooks)
+    assert any("zipage never compressed" in m for m in hooks.messages), hooks.messages
+    hooks = StopAfter(10**9)
+    run_eval(settings(model_dir, tmp_path / "small", policy="zipage", limit=1, max_tokens=24,
+                      kv_budget=ZIPAGE_BUDGET, fidelity=False), hooks)
+    assert not any("never compressed" in m for m in hooks.messages), hooks.messages
