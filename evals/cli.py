@@ -72,13 +72,13 @@ AllowDataChangeOpt = typer.Option(False, "--allow-data-change",
 def split_policy_args(items: list[str], policies: list[str]) -> dict[str, dict[str, str]]:
     """``key=value`` goes to every listed policy that has the field (to the only policy when
     there is one, which then reports an unknown key itself); ``policy:key=value`` to that policy."""
-    import engine.policies  # noqa: F401
-    from engine.policies.base import POLICIES, parse_policy_args, policy_fields
+    from engine.policies.base import parse_policy_args, policy_fields, policy_registry
     from evals.runner import EvalError
 
-    unknown = [p for p in policies if p not in POLICIES]
+    registry = policy_registry()
+    unknown = [p for p in policies if p not in registry]
     if unknown:
-        raise EvalError(f"unknown policy {unknown[0]!r}; known policies: {sorted(POLICIES)}")
+        raise EvalError(f"unknown policy {unknown[0]!r}; known policies: {sorted(registry)}")
     per: dict[str, dict[str, str]] = {p: {} for p in policies}
     for item in items:
         head = item.split("=", 1)[0]
@@ -92,7 +92,7 @@ def split_policy_args(items: list[str], policies: list[str]) -> dict[str, dict[s
         if target:
             per[target][key] = value
             continue
-        takers = [p for p in policies if key in policy_fields(POLICIES[p])]
+        takers = [p for p in policies if key in policy_fields(registry[p])]
         if len(policies) == 1:
             takers = policies
         if not takers:

@@ -33,10 +33,9 @@ def fail(message: str) -> NoReturn:
 
 def policy_names() -> list[str]:
     """Every registered KV policy, in registration order."""
-    import engine.policies  # noqa: F401  (registers the built-in policies)
-    from engine.policies.base import POLICIES
+    from engine.policies.base import policy_registry
 
-    return list(POLICIES)
+    return list(policy_registry())
 
 
 def fixed_budget_policy_names() -> list[str]:
@@ -89,15 +88,15 @@ def describe_registries() -> dict[str, dict]:
     sweep sets or None}}; ``tasks``: {name: {"title", "summary", "options": {field: default},
     "presets": {"paper" | "cpu": TaskDefaults as a dict}}}.
     """
-    import engine.policies  # noqa: F401  (registers the built-in policies)
-    from engine.policies.base import POLICIES
+    from engine.policies.base import policy_registry
     from evals.sweep import fixed_budget_policies
     from evals.tasks import SCALES, TASKS, task_title
 
+    registry = policy_registry()
     fixed = fixed_budget_policies()
     policies = {name: {"summary": _summary(cls), "arguments": _field_defaults(cls),
                        "fixed_budget": fixed.get(name)}
-                for name, cls in POLICIES.items()}
+                for name, cls in registry.items()}
     tasks = {name: {"title": task_title(name), "summary": _summary(cls),
                     "options": _field_defaults(cls),
                     "presets": {scale: dataclasses.asdict(cls().defaults(scale)) for scale in SCALES}}

@@ -65,7 +65,7 @@ class MatchedBudgets:
 
     def check_run(self, model: str, task: str, policy: str) -> None:
         """The source is a run of this model and task, and `policy` takes a fixed budget."""
-        from engine.policies.base import POLICIES
+        from engine.policies.base import policy_registry
         from engine.policies.fixed_budget import FixedBudgetPolicy
 
         if R.model_slug(model) != self.config.get("model"):
@@ -76,9 +76,10 @@ class MatchedBudgets:
             raise MatchedBudgetError(
                 f"--match-budget-to {self.source}: a run of task {self.config.get('task')!r}, "
                 f"not {task!r}")
-        cls = POLICIES.get(policy)
+        registry = policy_registry()
+        cls = registry.get(policy)
         if cls is None or not issubclass(cls, FixedBudgetPolicy):
-            fixed = sorted(n for n, c in POLICIES.items() if issubclass(c, FixedBudgetPolicy))
+            fixed = sorted(n for n, c in registry.items() if issubclass(c, FixedBudgetPolicy))
             raise MatchedBudgetError(
                 f"--match-budget-to needs a fixed-budget policy (one of {fixed}), got {policy!r}")
 
@@ -121,10 +122,10 @@ class MatchedBudgets:
 
 def load(run_dir: str | Path) -> MatchedBudgets:
     """Read a Kara run's per-sample realised compressed lengths (module docstring)."""
-    import engine.policies  # noqa: F401  (registers the built-in policies)
-    from engine.policies.base import POLICIES
+    from engine.policies.base import policy_registry
     from engine.policies.kara import Kara
 
+    registry = policy_registry()
     path = Path(run_dir)
     config_path = path / R.CONFIG_FILE
     if not config_path.is_file():
@@ -136,7 +137,7 @@ def load(run_dir: str | Path) -> MatchedBudgets:
     except (OSError, ValueError) as e:
         raise MatchedBudgetError(f"--match-budget-to {path}: unreadable {R.CONFIG_FILE} ({e})") from None
     policy = config.get("policy")
-    cls = POLICIES.get(policy)
+    cls = registry.get(policy)
     if cls is None or not issubclass(cls, Kara):
         raise MatchedBudgetError(
             f"--match-budget-to {path}: a run of policy {policy!r}, not Kara's; the protocol "

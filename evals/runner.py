@@ -214,12 +214,12 @@ class EvalHooks:
 
 def budget_field(policy: str) -> str | None:
     """The field of ``policy`` that takes the fixed KV budget (``BUDGET_FIELDS``), if any."""
-    import engine.policies  # noqa: F401  (registers the built-in policies)
-    from engine.policies.base import POLICIES, policy_fields
+    from engine.policies.base import policy_fields, policy_registry
 
-    if policy not in POLICIES:
-        raise EvalError(f"unknown policy {policy!r}; known policies: {sorted(POLICIES)}")
-    fields = policy_fields(POLICIES[policy])
+    registry = policy_registry()
+    if policy not in registry:
+        raise EvalError(f"unknown policy {policy!r}; known policies: {sorted(registry)}")
+    fields = policy_fields(registry[policy])
     return next((f for f in BUDGET_FIELDS if f in fields), None)
 
 

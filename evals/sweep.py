@@ -69,10 +69,10 @@ def fixed_budget_policies() -> dict[str, str]:
     holds it (``evals.runner.budget_field``: a dataclass field named in ``BUDGET_FIELDS``).
     GrowPage (and its Random / Inverse / Shrink variants) has no such field: its initial capacity
     is where capacity control starts, not a budget, so it is never swept here."""
-    import engine.policies  # noqa: F401  (registers the built-in policies)
-    from engine.policies.base import POLICIES
+    from engine.policies.base import policy_registry
 
-    fields = {name: budget_field(name) for name in POLICIES}
+    registry = policy_registry()
+    fields = {name: budget_field(name) for name in registry}
     return {name: f for name, f in fields.items() if f is not None}
 
 

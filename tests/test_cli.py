@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-import engine.policies  # noqa: F401  (registers the built-in policies)
 from cli import app
-from engine.policies.base import POLICIES, policy_fields
+from engine.policies.base import policy_fields, policy_registry
 from engine.policies.fixed_budget import FixedBudgetPolicy
 from engine.policies.snapkv import SnapKV
 from evals.sweep import fixed_budget_policies
 from evals.tasks import TASKS, get_task
+
+POLICIES = policy_registry()  # every registered policy, built-ins included
 
 # Wide, colourless output, so rich never wraps a name across lines.
 RUNNER = CliRunner(env={"COLUMNS": "400", "NO_COLOR": "1", "TERM": "dumb"})

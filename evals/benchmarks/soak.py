@@ -126,19 +126,19 @@ class SoakResult:
 
 def policy_args(policy: str, table: dict[str, Callable[[int], Any]], value: int) -> dict:
     """Arguments of ``policy`` for the fields it has in ``table``."""
-    import engine.policies  # noqa: F401  (registers the built-in policies)
-    from engine.policies.base import POLICIES, policy_fields
+    from engine.policies.base import policy_fields, policy_registry
 
-    fields = policy_fields(POLICIES[policy])
+    registry = policy_registry()
+    fields = policy_fields(registry[policy])
     skip = _CAPACITY_FIELDS if "budget" in fields else ()  # GrowPage-Fixed: its capacity is the budget
     return {name: make(value) for name, make in table.items() if name in fields and name not in skip}
 
 
 def registered_policies() -> list[str]:
-    import engine.policies  # noqa: F401
-    from engine.policies.base import POLICIES
+    from engine.policies.base import policy_registry
 
-    return sorted(POLICIES)
+    registry = policy_registry()
+    return sorted(registry)
 
 
 def workload(cfg: SoakConfig, vocab: int, block_size: int, count: int, *, greedy: bool = False,

@@ -326,12 +326,12 @@ def _sampling(model_dir: Path, scale: StepScale) -> dict:
 
 def _policies_compress(model_dir: Path, scale: StepScale) -> list[dict]:
     """Every registered policy, small budgets (the soak's), long enough outputs to compress."""
-    from engine.policies.base import POLICIES
+    from engine.policies.base import policy_registry
     from engine.sampling import SamplingParams
     from evals.benchmarks.soak import SMALL_ARGS, policy_args
 
     rows = []
-    for name in sorted(POLICIES):
+    for name in sorted(policy_registry()):
         llm = _engine(model_dir, scale, name, policy_args(name, SMALL_ARGS, 16), max_num_seqs=4,
                       kv_cache_tokens=4096, block_size=16)
         outs = llm.generate(_prompts(4, 40, llm.runner.hf_config.vocab_size, scale.seed),

@@ -198,10 +198,10 @@ class Task(ABC):
     def policy_args_for(self, policy: str) -> dict:
         """This task's default arguments for ``policy``. A registered variant (a subclass, e.g.
         Kara's ablations) inherits its base policy's entry unless it has its own."""
-        import engine.policies  # noqa: F401  (registers the built-in policies)
-        from engine.policies.base import POLICIES
+        from engine.policies.base import policy_registry
 
-        cls = POLICIES.get(policy)
+        registry = policy_registry()
+        cls = registry.get(policy)
         for klass in cls.__mro__ if cls is not None else ():
             name = getattr(klass, "name", None)
             if name in self.policy_defaults:
