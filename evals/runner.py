@@ -540,6 +540,8 @@ def _generate(settings: EvalSettings, config: dict, plan: Plan, todo: list[R.Sam
     segment = 1 + max((int(s.get("segment", -1)) for s in R.read_segments(path / R.SEGMENTS_FILE)),
                       default=-1)
     config["last_invocation"] = _now()
+    # the machine's load when this invocation started: speed compares only at similar load
+    config["load_average_start"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     config["provenance"] = invocation_provenance(path)
     R.write_json(path / R.CONFIG_FILE, config)
     # The segment exists (with its engine settings) before its first sample line, failed ones too.
