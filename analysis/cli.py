@@ -94,7 +94,7 @@ def replay(
     max_tokens: int = typer.Option(320, "--max-tokens", help="Reference output tokens per prompt."),
     block_size: int = BlockOpt,
     window: Optional[int] = typer.Option(None, "--window",
-                                         help="Tokens scored after each decision (default: one page)."),
+                                         help="Tokens scored after each decision (default: 4 pages)."),
     max_boundaries: Optional[int] = typer.Option(
         None, "--max-boundaries", help="Demand boundaries per request to branch at (evenly spaced)."),
     policy_arg: list[str] = typer.Option(
@@ -133,7 +133,10 @@ def replay(
             f"(95% CI over requests): mean A = {fmt_interval(summary['benefit'], 4)}; "
             f"delta > tau (n={gt['n']}): {fmt_interval(gt, 4)}; delta <= tau (n={le['n']}): "
             f"{fmt_interval(le, 4)}; gap: {fmt_interval(summary['benefit_gap_gt_minus_le'], 4)}; "
-            f"Spearman(delta, A) = {fmt_interval(summary['spearman_delta_benefit'])}")
+            f"Spearman(delta, A) = {fmt_interval(summary['spearman_delta_benefit'])}; cost of the "
+            f"earlier compressions (NLL_grow - NLL_full) = "
+            f"{fmt_interval(summary['cumulative_cost'], 4)}, whole-output natural - FullKV NLL = "
+            f"{fmt_interval(summary['natural_excess'], 4)}")
     console.print(f"[green]{escape(line)}[/]  ({escape(str(path))})")
 
 

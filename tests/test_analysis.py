@@ -489,11 +489,20 @@ def test_forced_decision_overrides_growpage_and_shows_in_the_events(tiny_dir, ta
 
 
 def test_replay_nll_full_is_fullkv_teacher_forcing_and_branches_are_clean(tiny_dir):
-    config = ReplayConfig(growpage=dict(TINY_GROWPAGE), max_num_seqs=8)
+    config = ReplayConfig(growpage=dict(TINY_GROWPAGE), max_num_seqs=8, window=BLOCK)
     result = run_replay(str(tiny_dir), REPLAY_PROMPTS, 30, BLOCK, config=config,
                         show_progress=False)
     rows = result.rows
     assert len(rows) >= 6 and rows["clean"].all()
+    # the cost of earlier compressions: none before any compression, NLL_grow - NLL_full always
+    assert np.allclose(rows["cumulative_cost"], rows["nll_grow"] - rows["nll_full"])
+    untouched = rows[rows["earlier_compressions"] == 0]
+    assert len(untouched) and np.allclose(untouched["cumulative_cost"], 0.0, atol=1e-4)
+    for r, ref in enumerate(result.references):
+        n = len(ref.token_ids)
+        excess = (window_nll(result.natural[r].token_logprobs, 0, n)
+                  - window_nll(ref.token_logprobs, 0, n))
+        assert np.allclose(rows.loc[rows["request"] == r, "natural_excess"], excess)
     # every usable demand boundary was branched at (no --max-boundaries)
     assert len(rows) == sum(b.output_index + BLOCK <= len(result.references[b.request].token_ids)
                             for b in result.boundaries)
@@ -522,12 +531,14 @@ def test_replay_nll_full_is_fullkv_teacher_forcing_and_branches_are_clean(tiny_d
 
 def test_replay_study_writes_csv_png_and_summary(tiny_dir, tmp_path):
     settings = RunSettings(str(tiny_dir), BLOCK, 24, 2, 0.0, 0, False)
-    config = ReplayConfig(growpage=dict(TINY_GROWPAGE), max_boundaries=2, max_num_seqs=8)
+    config = ReplayConfig(growpage=dict(TINY_GROWPAGE), max_boundaries=2, max_num_seqs=8,
+                          window=BLOCK)
     summary = replay_study(str(tiny_dir), PROMPTS, settings, tmp_path, config, show_progress=False)
     frame = pd.read_csv(tmp_path / "replay.csv")
     assert list(frame.columns) == ["request", "boundary", "position", "output_index", "pages",
                                    "delta", "r_S", "r_L", "natural_action", "nll_full",
                                    "nll_grow", "nll_compress", "benefit", "nll_natural",
+                                   "cumulative_cost", "earlier_compressions", "natural_excess",
                                    "delta_branch", "window", "clean"]
     assert frame.groupby("request").size().max() <= 2
     assert (tmp_path / "replay.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
