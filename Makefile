@@ -23,9 +23,9 @@ $(STAMP): pyproject.toml
 #    compressed to a 128-token KV budget: FullKV, SnapKV, Zipage, ChunkKV;
 #    and Kara (its NIAH preset compresses the prompt window by window, so it acts on every prompt);
 # 2. fidelity to FullKV on four built-in word problems (evals/data/gsm8k_mini.jsonl), 64-token budget;
-# 3. GrowPage on the same problems at 16-token pages (8 protected slots, half a page, as in the
-#    studies), where its 9-page start (144 tokens) lies inside every request, so it makes capacity
-#    decisions (printed as events: grow / compress);
+# 3. GrowPage on the same problems at 8-token pages (4 protected slots, half a page), where its
+#    9-page start (72 tokens) lies inside every request (~60 prompt + 64 output tokens), so it
+#    makes capacity decisions (printed as events: grow / compress);
 # then the leaderboard (95% intervals) and NIAH heatmaps in runs/main/leaderboard/.
 # Re-running resumes (finished samples and the FullKV references are kept).
 MAIN_OUT := runs/main
@@ -37,7 +37,7 @@ run: setup
 		--policy full --policy snapkv --policy zipage --kv-budget 64 \
 		--max-tokens 64 --temperature 0 --no-leaderboard --out $(MAIN_OUT)
 	$(BIN)/kvarena eval --task gsm8k --data evals/data/gsm8k_mini.jsonl --limit 4 \
-		--policy growpage --policy-arg protected_recent=8 --block-size 16 \
+		--policy growpage --policy-arg protected_recent=4 --block-size 8 \
 		--max-tokens 64 --temperature 0 --no-leaderboard --out $(MAIN_OUT)
 	$(BIN)/kvarena leaderboard $(MAIN_OUT)
 
