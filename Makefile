@@ -21,17 +21,24 @@ $(STAMP): pyproject.toml
 # The main job on the embedded default model (README: what it prints, what it means, its time):
 # 1. needle in a haystack, built-in haystack, contexts 512/1024 x depths 0/50/100%, every prompt
 #    compressed to a 128-token KV budget: FullKV, SnapKV, Zipage, ChunkKV;
+#    and Kara (its NIAH preset compresses the prompt window by window, so it acts on every prompt);
 # 2. fidelity to FullKV on four built-in word problems (evals/data/gsm8k_mini.jsonl), 64-token budget;
+# 3. GrowPage on the same problems at 8-token pages (4 protected slots, half a page), where its
+#    9-page start (72 tokens) lies inside every request (~60 prompt + 64 output tokens), so it
+#    makes capacity decisions (printed as events: grow / compress);
 # then the leaderboard (95% intervals) and NIAH heatmaps in runs/main/leaderboard/, and the report
 # page runs/main/report.html (its path printed; NIAH runs with --trace-kept for its kept positions).
 # Re-running resumes (finished samples and the FullKV references are kept).
 MAIN_OUT := runs/main
 run: setup
 	$(BIN)/kvarena eval --task niah --task-arg lengths=512,1024 --task-arg depths=0,50,100 \
-		--policy full --policy snapkv --policy zipage --policy chunkkv --kv-budget 128 \
+		--policy full --policy snapkv --policy zipage --policy chunkkv --policy kara --kv-budget 128 \
 		--max-tokens 24 --temperature 0 --no-leaderboard --trace-kept --out $(MAIN_OUT)
 	$(BIN)/kvarena eval --task gsm8k --data evals/data/gsm8k_mini.jsonl --limit 4 \
 		--policy full --policy snapkv --policy zipage --kv-budget 64 \
+		--max-tokens 64 --temperature 0 --no-leaderboard --out $(MAIN_OUT)
+	$(BIN)/kvarena eval --task gsm8k --data evals/data/gsm8k_mini.jsonl --limit 4 \
+		--policy growpage --policy-arg protected_recent=4 --block-size 8 \
 		--max-tokens 64 --temperature 0 --no-leaderboard --out $(MAIN_OUT)
 	$(BIN)/kvarena leaderboard $(MAIN_OUT)
 	$(BIN)/kvarena report $(MAIN_OUT) --out $(MAIN_OUT)/report.html

@@ -46,7 +46,8 @@ def _model_tag(model: str) -> str:
 
 
 def _prepare(study: str, model: str, prompts_file, num_prompts, max_tokens: int, block_size: int,
-             temperature: float, seed: int, chat: bool, out: Optional[Path], threads: int):
+             temperature: float, seed: int, chat: bool, out: Optional[Path], threads: int,
+             ignore_eos: bool = False, suffix: str = ""):
     """Validate the shared options, load prompts and tokenise them with the model's tokenizer."""
     from analysis.common import RunSettings, encode_prompts, load_prompts
     from engine.models.loader import load_tokenizer, resolve_model
@@ -62,10 +63,11 @@ def _prepare(study: str, model: str, prompts_file, num_prompts, max_tokens: int,
     prompts = load_prompts(prompts_file, num_prompts)
     prompt_ids = encode_prompts(load_tokenizer(resolve_model(model)), prompts, chat)
     settings = RunSettings(model=model, block_size=block_size, max_tokens=max_tokens,
-                           num_prompts=len(prompts), temperature=temperature, seed=seed, chat=chat)
+                           num_prompts=len(prompts), temperature=temperature, seed=seed, chat=chat,
+                           ignore_eos=ignore_eos)
     if out is None:
         out = RESULTS_ROOT / (f"{study}-{_model_tag(model)}-b{block_size}-t{max_tokens}"
-                              f"-n{len(prompts)}")
+                              f"-n{len(prompts)}{suffix}")
     console.print(f"[bold]{study}[/]: {len(prompts)} prompts "
                   f"({min(map(len, prompt_ids))}-{max(map(len, prompt_ids))} tokens), "
                   f"{max_tokens} output tokens, block {block_size} -> {out}")
@@ -91,7 +93,7 @@ def replay(
     max_tokens: int = typer.Option(320, "--max-tokens", help="Reference output tokens per prompt."),
     block_size: int = BlockOpt,
     window: Optional[int] = typer.Option(None, "--window",
-                                         help="Tokens scored after each decision (default: one page)."),
+                                         help="Tokens scored after each decision (default: 4 pages)."),
     max_boundaries: Optional[int] = typer.Option(
         None, "--max-boundaries", help="Demand boundaries per request to branch at (evenly spaced)."),
     policy_arg: list[str] = typer.Option(
@@ -130,7 +132,10 @@ def replay(
             f"(95% CI over requests): mean A = {fmt_interval(summary['benefit'], 4)}; "
             f"delta > tau (n={gt['n']}): {fmt_interval(gt, 4)}; delta <= tau (n={le['n']}): "
             f"{fmt_interval(le, 4)}; gap: {fmt_interval(summary['benefit_gap_gt_minus_le'], 4)}; "
-            f"Spearman(delta, A) = {fmt_interval(summary['spearman_delta_benefit'])}")
+            f"Spearman(delta, A) = {fmt_interval(summary['spearman_delta_benefit'])}; cost of the "
+            f"earlier compressions (NLL_grow - NLL_full) = "
+            f"{fmt_interval(summary['cumulative_cost'], 4)}, whole-output natural - FullKV NLL = "
+            f"{fmt_interval(summary['natural_excess'], 4)}")
     console.print(f"[green]{escape(line)}[/]  ({escape(str(path))})")
 
 
@@ -166,23 +171,6 @@ def _top_p_study(name: str, doc: str, run: Callable[..., dict],
     analyze_app.command(name)(command)
 
 
-def _demand(model, prompt_ids, settings, path, top_p) -> dict:
-    from analysis.demand_study import DemandConfig, demand_study
-
-    return demand_study(model, prompt_ids, settings, path, DemandConfig(top_p=top_p))
-
-
-def _demand_report(summary: dict) -> str:
-    from analysis.bootstrap import fmt_interval
-
-    main = summary["pooled"]["delta"]
-    return (f"{summary['complete']} of {summary['boundaries']} boundaries, {summary['requests']} "
-            f"requests (95% CI over requests): Spearman(delta, change) = "
-            f"{fmt_interval(main['spearman'])}, sign agreement = "
-            f"{fmt_interval(main['sign_agreement'])}, Spearman(delta, position) = "
-            f"{fmt_interval(summary['spearman_position']['delta'])}")
-
-
 def _sparsity(model, prompt_ids, settings, path, top_p) -> dict:
     from analysis.sparsity import SparsityConfig, sparsity_study
 
@@ -199,10 +187,98 @@ def _sparsity_report(summary: dict) -> str:
             f"D_p / N_t) = {fmt_interval(summary['spearman_step_ratio'])}")
 
 
-_top_p_study("demand", "Spearman correlation of GrowPage's delta_t with the future "
-             "attention-demand change.", _demand, _demand_report)
 _top_p_study("sparsity", "p-coverage attention demand D_p of real decode queries over a FullKV "
              "generation.", _sparsity, _sparsity_report)
+
+
+def _demand_report(summary: dict) -> str:
+    from analysis.bootstrap import fmt_interval
+
+    main = summary["pooled"]["delta"]
+    offset = summary["offset"]
+    lines = [
+        f"{summary['complete']} complete of {summary['decision_boundaries']} decision boundaries "
+        f"({summary['boundaries']} in all), {summary['requests']} requests (95% CI over requests)",
+        f"Spearman(delta, change) = {fmt_interval(main['spearman'])}",
+        f"sign agreement = {fmt_interval(main['sign_agreement'])}, chance level "
+        f"{fmt_interval(main['chance_sign_agreement'])}, after centring delta on its median "
+        f"{fmt_interval(main['centred_sign_agreement'])}",
+        "delta > 0 at " + ", ".join(
+            f"{name.removeprefix('delta_positive_').replace('_', ' ')} "
+            f"{fmt_interval(offset[name])}" for name in offset if name.startswith("delta")) +
+        f"; change > 0 at {fmt_interval(offset.get('change_positive_complete_rows'))}",
+    ]
+    for name, target in summary["targets"].items():
+        if name != "future_change":
+            flag = " [shares a term with delta]" if target["shares_term_with_delta"] else ""
+            lines.append(f"alternative target {name}{flag}: Spearman = "
+                         f"{fmt_interval(main.get('spearman_' + name))}")
+    if "control" in summary:
+        lines.append(f"control: Spearman(measured change, latent change) = "
+                     f"{summary['control']['spearman_target_vs_latent']:.3f}")
+    lines.append(f"Spearman(delta, position) = {fmt_interval(summary['spearman_position']['delta'])}")
+    return "\n".join(lines)
+
+
+@analyze_app.command()
+def demand(
+    model: str = ModelOpt,
+    prompts_file: Optional[Path] = PromptsOpt,
+    num_prompts: Optional[int] = NumPromptsOpt,
+    max_tokens: int = typer.Option(1024, "--max-tokens", help="Output tokens per prompt."),
+    block_size: int = BlockOpt,
+    horizon_tokens: int = typer.Option(
+        256, "--horizon-tokens", help="Length of the current and the future window (paper: 256, "
+        "the tokens of its next page)."),
+    exclude_tokens: int = typer.Option(
+        256, "--exclude-tokens", help="Most recent tokens left out of the candidate set C_t "
+        "(paper: 256, its last page)."),
+    control: str = typer.Option("none", "--control", help="'synthetic': the positive control, "
+                                "the same pipeline on a synthetic attention process whose future "
+                                "demand is known (no model is loaded)."),
+    requests: int = typer.Option(16, "--control-requests", help="Requests of the control."),
+    top_p: float = TopPOpt,
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Decode every prompt to "
+                                    "--max-tokens (the windows need long outputs)."),
+    temperature: float = typer.Option(0.6, "--temperature", help="Sampling temperature "
+                                      "(paper: 0.6, App. F.1; 0 = greedy)."),
+    seed: int = SeedOpt,
+    chat: bool = ChatOpt,
+    out: Optional[Path] = OutOpt,
+    threads: int = ThreadsOpt,
+):
+    """Spearman correlation of GrowPage's delta_t with the future attention-demand change
+    (Fig. 6), at GrowPage's decision boundaries; --control synthetic runs the positive control."""
+    if control not in ("none", "synthetic"):
+        fail(f"--control must be 'none' or 'synthetic', got {control!r}")
+    if horizon_tokens < 1 or exclude_tokens < 1:
+        fail("--horizon-tokens and --exclude-tokens must be >= 1")
+
+    def study():
+        from analysis.demand_study import DemandConfig, demand_study
+
+        config = DemandConfig(top_p=top_p, horizon_tokens=horizon_tokens,
+                              exclude_tokens=exclude_tokens)
+        if control == "synthetic":
+            import torch
+
+            from analysis.demand_control import SyntheticProcess, control_study
+
+            torch.set_num_threads(threads)
+            path = out or RESULTS_ROOT / (f"demand-control-synthetic-h{horizon_tokens}"
+                                          f"-e{exclude_tokens}-n{requests}")
+            console.print(f"[bold]demand[/]: positive control, {requests} synthetic requests "
+                          f"-> {path}")
+            return control_study(SyntheticProcess(requests=requests, seed=seed), config,
+                                 path), path
+        prompt_ids, settings, path = _prepare(
+            "demand", model, prompts_file, num_prompts, max_tokens, block_size, temperature,
+            seed, chat, out, threads, ignore_eos,
+            suffix=f"-h{horizon_tokens}-e{exclude_tokens}-temp{temperature:g}")
+        return demand_study(model, prompt_ids, settings, path, config), path
+
+    summary, path = _run(study)
+    console.print(f"[green]{escape(_demand_report(summary))}[/]  ({escape(str(path))})")
 
 
 @analyze_app.command()

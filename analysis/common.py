@@ -220,7 +220,7 @@ def progress(description: str, total: int, enabled: bool = True) -> Iterator[Cal
 def generate_with_probe(label: str, probe_type: type, make_probe: Callable[[], Any], model: str,
                         prompt_ids: list[list[int]], max_tokens: int, block_size: int,
                         max_num_seqs: int, temperature: float, seed: int, show_progress: bool,
-                        llm=None) -> tuple[Any, list]:
+                        llm=None, ignore_eos: bool = False) -> tuple[Any, list]:
     """FullKV generation of every prompt under a recording policy (a probe); returns (the probe,
     outputs). llm: an existing LLM whose policy is a `probe_type` (tests); else one is built for
     `model` with make_probe(), no prefix caching and a pool sized by `pool_tokens`."""
@@ -238,7 +238,8 @@ def generate_with_probe(label: str, probe_type: type, make_probe: Callable[[], A
         raise TypeError(f"the {label} study needs an LLM whose policy is a "
                         f"{probe_type.__name__}, got {probe.name!r}")
     probe.reset()
-    params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens)
+    params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens,
+                            ignore_eos=ignore_eos)
     with progress(label, max_tokens * len(prompt_ids), show_progress) as on_step:
         outputs = llm.generate(prompt_ids, params, on_step=on_step)
     return probe, outputs
@@ -258,6 +259,7 @@ class RunSettings:
     temperature: float
     seed: int
     chat: bool
+    ignore_eos: bool = False
 
 
 def finite_or_none(value: float) -> float | None:

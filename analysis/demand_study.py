@@ -2,18 +2,24 @@
 
 Along a FullKV decode of each prompt, at every page boundary t (the request's pages are full), we
 record GrowPage's signal delta_t = r_S - r_L (Eq. 7-8, computed by GrowPage's own code path on the
-same cache) and, once the next page has been generated, the *future demand change*
+same cache) and, once the next `horizon` tokens have been generated, the *future demand change*
 
     change_t = r_future - r_current
 
 where r_window is the actual Top-p working-set ratio of the real decode queries of a window of
 tokens, measured on the same candidate set C_t that delta_t uses (all slots but the most recent
-page, Eq. 7):
-- current window: the b tokens of the page that just filled (positions |C_t| .. |C_t| + b - 1),
-- future window: the b tokens generated within the next physical page.
+`exclude` tokens, Eq. 7 / App. E.1: "the most recent physical KV block ... 256 tokens"):
+- current window: the `horizon` tokens decoded just before the boundary,
+- future window: the `horizon` tokens decoded from the boundary on.
 The paper: "the variation between the current attention working set and the actual attention
-working set of tokens generated within the next physical KV page". It reports Spearman's rho
-between delta_t and this change (0.78 on Qwen3-8B / AMC23) and the sign agreement (80.3%).
+working set of tokens generated within the next physical KV page" (its page: 256 tokens). It
+reports Spearman's rho between delta_t and this change (0.78 on Qwen3-8B / AMC23, sampled at
+temperature 0.6, App. F.1) and the sign agreement (80.3%).
+
+The paper's setting is the default: horizon = exclude = 256 tokens (one page at b = 256), the
+paper's betas (0.9, 0.999) for the main signal, and statistics only at *decision* boundaries
+(GrowPage's capacity control has started: the request holds at least GrowPage's initial capacity;
+below it GrowPage allocates a page without estimating demand). The CLI samples at 0.6.
 
 Choices where the paper is silent (and why):
 - Same candidate set for both windows and the signal (C_t): the change then measures how widely the
@@ -21,22 +27,33 @@ Choices where the paper is silent (and why):
 - Window working set: a window's (layer, KV head) distribution is the mean of its queries'
   distributions (each query restricted to C_t and renormalised; a GQA group's query heads averaged
   as GrowPage does), i.e. the attention mass the window as a whole puts on each candidate; its
-  Top-p ratio is averaged over layers and KV heads like Eq. 8. Two sensitivity targets are
-  recorded too: the mean of per-query ratios (`*_q` columns), and the change from the boundary's
-  own query alone (`r_current_last`, the newest decode query; `future_change_last`).
-- Rows enter the statistics only when both windows are complete (b decode queries each): the first
-  boundaries of a request (whose last page still holds prompt tokens, which have no decode query)
-  and the last one (whose next page was never completed) are kept in the CSV with NaN targets.
-- Baselines (Table 2's ablations, as predictors of the same target): the short summary replaced by
-  the current query (beta_S = 0), the entropy metric, the paper's betas unscaled (0.9, 0.999),
-  and two level predictors: r_S alone and the current window's actual ratio r_current.
+  Top-p ratio is averaged over layers and KV heads like Eq. 8.
+- Alternative targets (TARGETS): the mean of per-query ratios (`future_change_q`), and the change
+  from the boundary's own query alone (`future_change_last` = r_future - r_current_last). The last
+  one *shares a term with delta*: r_current_last is the working set of the newest decode query,
+  which is the short summary of the beta_S = 0 variant (up to one RoPE position) and the query
+  every summary is calibrated to, so delta (+r_S) and this target (-r_current_last) carry nearly
+  the same quantity with opposite signs, and a negative rho is partly built in. It is flagged
+  (`shares_term_with_delta`) and never the headline.
+- Rows enter the statistics only when they are decision boundaries and both windows are complete
+  (`horizon` decode queries each); the others are kept in the CSV with NaN targets (targets are
+  computed only at decision boundaries, where the windows are expensive).
+- Baselines (Table 2's rows, as predictors of the same target): (0, 0.999) `delta_bS0`, (0, 0.99)
+  `delta_bS0_bL099`, (0.9, 0.99) `delta_bL099`, (0.99, 0.999) `delta_bS099`, the entropy metric,
+  GrowPage's CPU presets "auto" (0.9, 1 - 1 / (3.9 b)) and "ratio" (the paper's ratio of 100, at
+  b = 16 the same pair as (0, 0.99)), and two level predictors: r_S alone and r_current.
+- The offset: delta's sign rates at all boundaries, at decision boundaries, and the change's, with
+  the chance level of sign agreement (p_d p_c + (1 - p_d)(1 - p_c) from the two marginal rates) and
+  the agreement after centring delta on its median (what is left once a constant offset is gone).
+
+Positive control (analysis/demand_control.py): the same recorder, statistics and plots on a
+synthetic attention process whose future demand is known by construction; without it a null
+result here would mean nothing.
 
 The probe is a `DecodeTap` (always GROW: FullKV behaviour) that also declares the EMA summaries
 GrowPage needs (`SignalSpec(ema_betas=..., recent_queries=1)`) and calls a bound `GrowPage`
-instance's `demand()` per signal variant in `on_boundary`. The betas are GrowPage's own: each
-variant is a GrowPage instance whose preset resolves them at the engine's block size (at b = 16
-the default keeps beta_S = 0.9 and gives beta_L = 1 - 1 / (3.90625 x 16) = 0.984, the paper's
-1000-token time constant expressed in pages); config.json records the values used.
+instance's `demand(view, exclude)` per signal variant in `on_boundary`; each variant is a GrowPage
+instance whose preset resolves its betas at the engine's block size. config.json records them.
 
 Intervals: boundaries of one request share its trajectory, so every pooled statistic carries a 95%
 bootstrap interval over requests (analysis/bootstrap.py), not a p-value that counts boundaries as
@@ -72,20 +89,33 @@ from engine.policies.base import Decision, EngineSpec, PolicyView, SignalSpec
 from engine.policies.demand import attention_scale, group_attention_probs, top_p_ratio
 from engine.policies.growpage import GrowPage
 
-# name -> GrowPage knobs that differ from GrowPage's defaults. "delta" is GrowPage itself, with the
-# EMA betas its own preset resolves at the engine's block size (engine/policies/growpage.py: the
-# long summary keeps the paper's time constant in pages); the others are Table 2's ablations on
-# top of it, plus the paper's betas unscaled (the setting of the first CPU run).
-# Table 2's beta_L = 0.99 row is not here: scaled the same way (100 tokens = 0.39 pages) it is a
-# 6-token time constant at b = 16, shorter than beta_S's 10 tokens, which GrowPage rejects.
+PAPER_HORIZON_TOKENS = 256  # "tokens generated within the next physical KV page", b = 256
+PAPER_EXCLUDE_TOKENS = 256  # "the most recent physical KV block ... 256 tokens" (App. E.1)
+PAPER_TEMPERATURE = 0.6  # App. F.1
+
+# name -> GrowPage knobs. "delta" is GrowPage with the paper's betas (0.9, 0.999); the others are
+# Table 2's rows and GrowPage's two CPU presets as predictors of the same target.
 DEFAULT_VARIANTS: dict[str, dict] = {
-    "delta": {},
-    "delta_bS0": {"beta_short": 0.0},
-    "delta_entropy": {"metric": "entropy"},
-    "delta_paper_betas": {"preset": "paper"},
+    "delta": {"preset": "paper"},
+    "delta_bS0": {"preset": "paper", "beta_short": 0.0},
+    "delta_bS0_bL099": {"beta_short": 0.0, "beta_long": 0.99},
+    "delta_bL099": {"preset": "paper", "beta_long": 0.99},
+    "delta_bS099": {"preset": "paper", "beta_short": 0.99},
+    "delta_entropy": {"preset": "paper", "metric": "entropy"},
+    "delta_auto": {"preset": "auto"},
+    "delta_ratio": {"preset": "ratio"},
 }
 MAIN_SIGNAL = "delta"
 LEVEL_PREDICTORS = ("r_S", "r_current")
+MAIN_TARGET = "future_change"
+# target -> (description, shares a term with delta)
+TARGETS: dict[str, tuple[str, bool]] = {
+    "future_change": ("r_future - r_current (window working sets on C_t; the paper's)", False),
+    "future_change_q": ("mean per-query ratio of the future window - of the current one", False),
+    "future_change_last": ("r_future - r_current_last (the boundary's newest query alone): "
+                           "r_current_last is nearly r_S of the beta_S = 0 summary, so this "
+                           "target shares a term with delta (opposite signs)", True),
+}
 
 
 class _EmaPairView:
@@ -104,27 +134,36 @@ class _EmaPairView:
         return getattr(self._view, name)
 
 
-def window_ratios(queries: torch.Tensor, keys: torch.Tensor, p: float) -> tuple[float, float, float]:
+def window_ratios(queries: torch.Tensor, keys: torch.Tensor, p: float,
+                  layer_chunk: int = 8) -> tuple[float, float, float]:
     """Working-set ratios of a window of real queries over candidate keys.
 
     queries: [m, layers, q_heads, head_dim] post-RoPE, oldest first;
     keys: [layers, kv_heads, c, head_dim].
     Returns (ratio of the window's mean distribution, mean of the per-query ratios, ratio of the
     window's last query), each averaged over layers and KV heads (see the module docstring).
+    Layers are processed `layer_chunk` at a time to bound the [layers, m, q_heads, c] temporaries.
     """
-    probs = group_attention_probs(queries.transpose(0, 1), keys, attention_scale(keys.shape[-1]))
-    aggregate = top_p_ratio(probs.mean(dim=1), p).mean()  # probs: [layers, m, kv_heads, c]
-    per_query = top_p_ratio(probs, p).mean(dim=(0, 2))  # [m]
-    return float(aggregate), float(per_query.mean()), float(per_query[-1])
+    scale = attention_scale(keys.shape[-1])
+    aggregate, per_query = [], []
+    for lo in range(0, keys.shape[0], layer_chunk):
+        hi = min(lo + layer_chunk, keys.shape[0])
+        probs = group_attention_probs(queries[:, lo:hi].transpose(0, 1), keys[lo:hi], scale)
+        aggregate.append(top_p_ratio(probs.mean(dim=1), p))  # probs: [l, m, kv_heads, c]
+        per_query.append(top_p_ratio(probs, p))  # [l, m, kv_heads]
+    per_query_mean = torch.cat(per_query).mean(dim=(0, 2))  # [m]
+    return (float(torch.cat(aggregate).mean()), float(per_query_mean.mean()),
+            float(per_query_mean[-1]))
 
 
 @dataclass
 class DemandState(TapState):
-    """ring: (position, query [layers, q_heads, d]) of the last b decode queries; rows: one dict
-    per boundary, completed with its future window at the next boundary."""
+    """ring: (position, query [layers, q_heads, d]) of the last `horizon` decode queries; rows: one
+    dict per boundary; pending: rows waiting for their future window."""
 
     ring: deque = field(default_factory=deque)
     rows: list = field(default_factory=list)
+    pending: list = field(default_factory=list)
 
 
 @dataclass
@@ -132,22 +171,34 @@ class DemandRecorder(DecodeTap):
     """FullKV probe recording GrowPage's demand signals and the actual window working sets.
 
     top_p: coverage p of every working set (the signals' and the targets').
-    variants: signal name -> GrowPage knobs overriding its defaults ({} = GrowPage as registered);
-        must contain "delta". Each variant is a GrowPage instance; its betas are resolved by its
-        own preset at the engine's block size (`prepare`), never set here.
+    horizon_tokens: length of the current and the future window (paper: 256, one of its pages).
+    exclude_tokens: most recent slots left out of C_t, for delta and targets (paper: 256).
+    variants: signal name -> GrowPage knobs ({} = GrowPage as registered); must contain "delta".
+        Each variant is a GrowPage instance; its betas are resolved by its own preset at the
+        engine's block size (`prepare`).
+    initial_capacity: GrowPage's start in tokens for every variant (None: GrowPage's default);
+        boundaries below it are no decisions and enter no statistic.
     """
 
     name: ClassVar[str] = "analysis-demand"
     top_p: float = 0.99
+    horizon_tokens: int = PAPER_HORIZON_TOKENS
+    exclude_tokens: int = PAPER_EXCLUDE_TOKENS
     variants: dict = field(default_factory=lambda: {k: dict(v) for k, v in DEFAULT_VARIANTS.items()})
+    initial_capacity: int | None = None
 
     def __post_init__(self) -> None:
         if MAIN_SIGNAL not in self.variants:
             raise ValueError(f"variants must include {MAIN_SIGNAL!r} (GrowPage's signal), "
                              f"got {sorted(self.variants)}")
+        for key in ("horizon_tokens", "exclude_tokens"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{key} must be a positive number of tokens, got {value!r}")
         # protected_recent only matters for compaction, which these never do.
+        extra = {} if self.initial_capacity is None else {"initial_capacity": self.initial_capacity}
         self.estimators: dict[str, GrowPage] = {
-            name: GrowPage(top_p=self.top_p, protected_recent=0, **knobs)
+            name: GrowPage(**{"top_p": self.top_p, "protected_recent": 0, **extra, **knobs})
             for name, knobs in self.variants.items()}
         self.pairs: dict[str, tuple[int, int]] = {}
         self.betas: tuple[float, ...] = ()
@@ -176,48 +227,51 @@ class DemandRecorder(DecodeTap):
         super().bind(engine)
         for estimator in self.estimators.values():
             estimator.bind(engine)
+        self.start_pages = self.estimators[MAIN_SIGNAL].initial_pages
 
     def variant_params(self) -> dict:
         """Each variant's resolved knobs (for config.json)."""
         return {name: est.effective_params() for name, est in self.estimators.items()}
 
     def make_state(self, index: int) -> DemandState:
-        return DemandState(index, ring=deque(maxlen=self.block_size))
+        return DemandState(index, ring=deque(maxlen=self.horizon_tokens))
 
     def observe(self, view: PolicyView, state: DemandState, query: torch.Tensor,
                 position: int) -> None:
         state.ring.append((position, query))
+        while state.pending and state.pending[0]["position"] + self.horizon_tokens - 1 <= position:
+            row = state.pending.pop(0)
+            future = self._window(state, row["position"], row["position"] + self.horizon_tokens)
+            row.update(self._targets("future", future, view.keys(end=row["candidates"])))
+            row["future_change"] = row["r_future"] - row["r_current"]
+            row["future_change_q"] = row["r_future_q"] - row["r_current_q"]
+            row["future_change_last"] = row["r_future"] - row["r_current_last"]
 
     def on_boundary(self, view: PolicyView) -> Decision:
         state: DemandState = view.state
-        b = self.block_size
         position = view.num_computed  # the token about to be decoded
-        candidates = view.physical_len - b
+        candidates = view.physical_len - self.exclude_tokens
+        decision = view.num_pages >= self.start_pages
         row = {"request": state.index, "boundary": len(state.rows), "position": position,
                "output_tokens": view.logical_len - view.num_prompt_tokens,
-               "pages": view.num_pages, "candidates": candidates}
+               "pages": view.num_pages, "candidates": candidates, "decision": decision}
         nan_signals = {name: math.nan for name in self.variants} | {"r_S": math.nan, "r_L": math.nan}
         row.update(nan_signals if candidates <= 0 else self._signals(view))
-        keys = view.keys(end=max(candidates, 0))
-        current = self._window(state, candidates, candidates + b)
-        row.update(self._targets("current", current, keys, candidates))
-        if state.rows:  # the previous boundary's next page is the page that just filled
-            prev = state.rows[-1]
-            future = self._window(state, prev["position"], prev["position"] + b)
-            prev.update(self._targets("future", future, keys, prev["candidates"]))
-            prev["future_change"] = prev["r_future"] - prev["r_current"]
-            prev["future_change_q"] = prev["r_future_q"] - prev["r_current_q"]
-            prev["future_change_last"] = prev["r_future"] - prev["r_current_last"]
-        row.update(r_future=math.nan, r_future_q=math.nan, future_queries=0,
-                   future_change=math.nan, future_change_q=math.nan,
+        row.update(current_queries=0, r_current=math.nan, r_current_q=math.nan,
+                   r_current_last=math.nan, future_queries=0, r_future=math.nan,
+                   r_future_q=math.nan, future_change=math.nan, future_change_q=math.nan,
                    future_change_last=math.nan)
+        if decision and candidates > 0:
+            current = self._window(state, position - self.horizon_tokens, position)
+            row.update(self._targets("current", current, view.keys(end=candidates)))
+            state.pending.append(row)
         state.rows.append(row)
         return Decision.grow(delta=row[MAIN_SIGNAL], r_S=row["r_S"], r_L=row["r_L"])
 
     def _signals(self, view: PolicyView) -> dict:
         out = {}
         for name, estimator in self.estimators.items():
-            demand = estimator.demand(_EmaPairView(view, self.pairs[name]))
+            demand = estimator.demand(_EmaPairView(view, self.pairs[name]), self.exclude_tokens)
             out[name] = demand.delta
             if name == MAIN_SIGNAL:
                 out["r_S"], out["r_L"] = demand.r_short, demand.r_long
@@ -227,50 +281,60 @@ class DemandRecorder(DecodeTap):
     def _window(state: DemandState, start: int, end: int) -> list[torch.Tensor]:
         return [q for pos, q in state.ring if start <= pos < end]
 
-    def _targets(self, which: str, queries: list[torch.Tensor], keys: torch.Tensor,
-                 candidates: int) -> dict:
-        out = {f"{which}_queries": len(queries), f"r_{which}": math.nan, f"r_{which}_q": math.nan}
-        if which == "current":
-            out["r_current_last"] = math.nan
-        if queries and candidates > 0:
-            agg, per_query, last = window_ratios(torch.stack(queries), keys[:, :, :candidates],
-                                                 self.top_p)
+    def _targets(self, which: str, queries: list[torch.Tensor], keys: torch.Tensor) -> dict:
+        out: dict = {f"{which}_queries": len(queries)}
+        if queries:
+            agg, per_query, last = window_ratios(torch.stack(queries), keys, self.top_p)
             out[f"r_{which}"], out[f"r_{which}_q"] = agg, per_query
             if which == "current":
                 out["r_current_last"] = last
         return out
 
 
-COLUMNS = ("request", "boundary", "position", "output_tokens", "pages", "candidates")
+COLUMNS = ("request", "boundary", "position", "output_tokens", "pages", "candidates", "decision")
 
 
-def demand_frame(states: list[DemandState], block_size: int) -> pd.DataFrame:
-    """One row per boundary of every request; `complete` marks rows whose current and future
-    windows both hold block_size decode queries (the rows the statistics use)."""
+def demand_frame(states: list[DemandState], horizon: int) -> pd.DataFrame:
+    """One row per boundary of every request; `complete` marks the decision rows whose current and
+    future windows both hold `horizon` decode queries (the rows the statistics use)."""
     frame = pd.DataFrame([row for state in states for row in state.rows])
     if frame.empty:
         return frame
-    frame["complete"] = (frame["current_queries"] == block_size) & \
-        (frame["future_queries"] == block_size) & frame[MAIN_SIGNAL].notna()
+    frame["complete"] = frame["decision"] & (frame["current_queries"] == horizon) & \
+        (frame["future_queries"] == horizon) & frame[MAIN_SIGNAL].notna()
     first = list(COLUMNS)
     return frame[first + [c for c in frame.columns if c not in first]]
 
 
 @dataclass(frozen=True)
 class DemandConfig:
+    """The study's knobs (module docstring); the defaults are the paper's setting."""
+
     top_p: float = 0.99
+    horizon_tokens: int = PAPER_HORIZON_TOKENS
+    exclude_tokens: int = PAPER_EXCLUDE_TOKENS
+    initial_capacity: int | None = None
     max_num_seqs: int = 32
+    variants: dict | None = None  # None: DEFAULT_VARIANTS
+    resamples: int = RESAMPLES  # bootstrap resamples of every interval
+
+    def recorder(self) -> DemandRecorder:
+        variants = {k: dict(v) for k, v in (self.variants or DEFAULT_VARIANTS).items()}
+        return DemandRecorder(top_p=self.top_p, horizon_tokens=self.horizon_tokens,
+                              exclude_tokens=self.exclude_tokens, variants=variants,
+                              initial_capacity=self.initial_capacity)
 
 
 def run_demand(model: str, prompt_ids: list[list[int]], max_tokens: int, block_size: int,
                temperature: float = 0.0, seed: int = 0, config: DemandConfig = DemandConfig(),
-               show_progress: bool = True, llm=None) -> tuple[pd.DataFrame, list]:
+               show_progress: bool = True, llm=None,
+               ignore_eos: bool = False) -> tuple[pd.DataFrame, list]:
     """FullKV generation of every prompt with the probe; returns (per-boundary frame, outputs).
     llm: an existing LLM built with a `DemandRecorder` policy (tests)."""
     probe, outputs = generate_with_probe(
-        "demand", DemandRecorder, lambda: DemandRecorder(top_p=config.top_p), model, prompt_ids,
-        max_tokens, block_size, config.max_num_seqs, temperature, seed, show_progress, llm)
-    frame = demand_frame(probe.states, probe.block_size)
+        "demand", DemandRecorder, config.recorder, model, prompt_ids, max_tokens, block_size,
+        config.max_num_seqs, temperature, seed, show_progress, llm, ignore_eos)
+    frame = demand_frame(probe.states, probe.horizon_tokens)
     frame.attrs["variants"] = probe.variant_params()  # the betas each signal actually used
     return frame, outputs
 
@@ -280,55 +344,116 @@ def predictor_columns(frame: pd.DataFrame) -> list[str]:
     return signals + [c for c in LEVEL_PREDICTORS if c in frame.columns]
 
 
-def summarize_demand(frame: pd.DataFrame, resamples: int = RESAMPLES, seed: int = 0) -> dict:
-    """Pooled Spearman rho (and sign agreement for the trend signals) between each predictor and
-    the future demand change over the complete rows, each with a 95% cluster-bootstrap interval
-    over requests (analysis/bootstrap.py: boundaries of one request are not independent draws).
+def chance_sign_agreement(x: pd.Series, y: pd.Series) -> float:
+    """Sign agreement two independent signals with these marginal sign rates would reach:
+    p_x p_y + (1 - p_x)(1 - p_y), over the pairs `sign_agreement` counts (both non-zero)."""
+    a, b = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    keep = np.isfinite(a) & np.isfinite(b) & (a != 0) & (b != 0)
+    if not keep.any():
+        return math.nan
+    px, py = float((a[keep] > 0).mean()), float((b[keep] > 0).mean())
+    return px * py + (1 - px) * (1 - py)
 
-    Also rho of every delta signal and of the target with the position in the sequence: a signal
-    that only tracks how far decoding has progressed shows rho(delta, position) near 1 (the
-    diagnosis of the first CPU run, whose long summary had not left its initial value)."""
+
+def centred_sign_agreement(x: pd.Series, y: pd.Series) -> float:
+    """Sign agreement of x - median(x) with y: what is left once a constant offset of x is gone."""
+    a = np.asarray(x, dtype=float)
+    finite = np.isfinite(a)
+    if not finite.any():
+        return math.nan
+    return sign_agreement(a - np.median(a[finite]), y)
+
+
+def positive_share(values) -> float:
+    """Share of the finite values that are > 0 (NaN when none is finite)."""
+    a = np.asarray(values, dtype=float)
+    a = a[np.isfinite(a)]
+    return float((a > 0).mean()) if a.size else math.nan
+
+
+def _positive(column: str):
+    return lambda f: positive_share(f[column])
+
+
+def summarize_demand(frame: pd.DataFrame, resamples: int = RESAMPLES, seed: int = 0) -> dict:
+    """Pooled Spearman rho (and, for the trend signals, sign agreement, its chance level and the
+    agreement after centring on the median) between each predictor and each target over the
+    complete decision rows, each with a 95% cluster-bootstrap interval over requests
+    (analysis/bootstrap.py: boundaries of one request are not independent draws).
+
+    Also delta's sign rates (the offset): positive share at every boundary with a signal, at
+    decision boundaries, and the change's positive share; and rho of every delta signal and of
+    the target with the position (a signal that only tracks how far decoding has progressed
+    shows rho(delta, position) near 1)."""
     rows = (frame[frame["complete"]] if len(frame) else frame).reset_index(drop=True)
-    target = "future_change"
     stats = {}
     for col in predictor_columns(frame):
-        for name, tgt in (("spearman", target), ("spearman_perquery_target", "future_change_q"),
-                          ("spearman_last_query_target", "future_change_last")):
-            stats[f"{col}/{name}"] = lambda f, c=col, t=tgt: spearman(f[c], f[t])
+        for target in TARGETS:
+            stats[f"{col}/spearman:{target}"] = \
+                lambda f, c=col, t=target: spearman(f[c], f[t])
         if col.startswith("delta"):
-            stats[f"{col}/sign_agreement"] = lambda f, c=col: sign_agreement(f[c], f[target])
-    for col in [c for c in predictor_columns(frame) if c.startswith("delta")] + [target]:
+            stats[f"{col}/sign_agreement"] = lambda f, c=col: sign_agreement(f[c], f[MAIN_TARGET])
+            stats[f"{col}/chance_sign_agreement"] = \
+                lambda f, c=col: chance_sign_agreement(f[c], f[MAIN_TARGET])
+            stats[f"{col}/centred_sign_agreement"] = \
+                lambda f, c=col: centred_sign_agreement(f[c], f[MAIN_TARGET])
+            stats[f"{col}/positive_fraction"] = _positive(col)
+    for col in [c for c in predictor_columns(frame) if c.startswith("delta")] + [MAIN_TARGET]:
         stats[f"position/{col}"] = lambda f, c=col: spearman(f[c], f["position"])
-    stats["delta_positive_fraction"] = lambda f: float((f[MAIN_SIGNAL] > 0).mean())
-    stats["change_positive_fraction"] = lambda f: float((f[target] > 0).mean())
-    intervals = cluster_bootstrap(rows, "request", stats, resamples=resamples, seed=seed) \
-        if len(rows) else {}
+    stats["change_positive_fraction"] = _positive(MAIN_TARGET)
+    intervals = cluster_bootstrap(rows, "request", stats, resamples=resamples, seed=seed,
+                                  as_arrays=True) if len(rows) else {}
     pooled: dict = {}
     for key, interval in intervals.items():
         group, name = key.split("/") if "/" in key else (None, key)
         if group is not None and group != "position":
-            pooled.setdefault(group, {})[name] = interval.to_dict()
+            name = "spearman" if name == f"spearman:{MAIN_TARGET}" else name
+            pooled.setdefault(group, {})[name.replace(":", "_")] = interval.to_dict()
     per_request = {}
     for request, g in rows.groupby("request"):
         per_request[int(request)] = {
             "n": int(len(g)),
-            "spearman_delta": finite_or_none(spearman(g[MAIN_SIGNAL], g[target])),
-            "sign_agreement_delta": finite_or_none(sign_agreement(g[MAIN_SIGNAL], g[target])),
+            "spearman_delta": finite_or_none(spearman(g[MAIN_SIGNAL], g[MAIN_TARGET])),
+            "sign_agreement_delta": finite_or_none(sign_agreement(g[MAIN_SIGNAL], g[MAIN_TARGET])),
         }
 
     def get(key: str) -> dict | None:
         return intervals[key].to_dict() if key in intervals else None
 
-    return {"boundaries": int(len(frame)), "complete": int(len(rows)),
+    return {"boundaries": int(len(frame)),
+            "decision_boundaries": int(frame["decision"].sum()) if len(frame) else 0,
+            "complete": int(len(rows)),
             "requests": int(rows["request"].nunique()) if len(rows) else 0,
-            "target": "future_change = r_future - r_current (window working-set ratios on C_t)",
+            "target": TARGETS[MAIN_TARGET][0],
+            "targets": {name: {"description": d, "shares_term_with_delta": shared}
+                        for name, (d, shared) in TARGETS.items()},
             "intervals": "95% percentile bootstrap over requests (whole requests resampled)",
             "pooled": pooled, "per_request": per_request,
             "spearman_position": {key.split("/", 1)[1]: value.to_dict()
                                   for key, value in intervals.items()
                                   if key.startswith("position/")},
-            "delta_positive_fraction": get("delta_positive_fraction"),
+            "offset": sign_rates(frame, resamples, seed),
             "change_positive_fraction": get("change_positive_fraction")}
+
+
+def sign_rates(frame: pd.DataFrame, resamples: int = RESAMPLES, seed: int = 0) -> dict:
+    """delta's positive share at every boundary with a signal, at decision boundaries and at the
+    complete rows, beside the change's (complete rows), each with its interval over requests."""
+    if not len(frame):
+        return {}
+    signal = frame[frame[MAIN_SIGNAL].notna()].reset_index(drop=True)
+    stats = {
+        "delta_positive_all_boundaries": _positive(MAIN_SIGNAL),
+        "delta_positive_decision_boundaries":
+            lambda f: _positive(MAIN_SIGNAL)(f[f["decision"]]) if f["decision"].any() else math.nan,
+        "delta_positive_complete_rows":
+            lambda f: _positive(MAIN_SIGNAL)(f[f["complete"]]) if f["complete"].any() else math.nan,
+        "change_positive_complete_rows":
+            lambda f: _positive(MAIN_TARGET)(f[f["complete"]]) if f["complete"].any() else math.nan,
+    }
+    intervals = cluster_bootstrap(signal, "request", stats, resamples=resamples, seed=seed,
+                                  as_arrays=True) if len(signal) else {}
+    return {k: v.to_dict() for k, v in intervals.items()}
 
 
 def plot_demand(frame: pd.DataFrame, summary: dict, path: Path) -> None:
@@ -349,9 +474,12 @@ def plot_demand(frame: pd.DataFrame, summary: dict, path: Path) -> None:
     left.set_title(f"GrowPage delta_t vs future demand change ({len(rows)} boundaries, "
                    f"{summary['requests']} requests)\nSpearman rho = "
                    f"{fmt_interval(main.get('spearman'))}\nsign agreement = "
-                   f"{fmt_interval(main.get('sign_agreement'))}  (95% CI over requests)", fontsize=9)
-    left.set_xlabel("delta_t = r_S - r_L at the page boundary")
-    left.set_ylabel("r_future - r_current (next page vs current page)")
+                   f"{fmt_interval(main.get('sign_agreement'))} (chance "
+                   f"{fmt_interval(main.get('chance_sign_agreement'))}; centred "
+                   f"{fmt_interval(main.get('centred_sign_agreement'))})  (95% CI over requests)",
+                   fontsize=9)
+    left.set_xlabel("delta_t = r_S - r_L at the decision boundary")
+    left.set_ylabel("r_future - r_current (next vs last horizon of tokens)")
     names = list(summary["pooled"])
     entries = [summary["pooled"][n]["spearman"] for n in names]
     ypos = np.arange(len(names))
@@ -376,20 +504,28 @@ def plot_demand(frame: pd.DataFrame, summary: dict, path: Path) -> None:
     plt.close(fig)
 
 
-def demand_study(model: str, prompt_ids: list[list[int]], settings: RunSettings, out: Path,
-                 config: DemandConfig = DemandConfig(), show_progress: bool = True) -> dict:
-    """Run, then write demand.csv, demand.png, summary.json and config.json under `out`."""
+def write_demand_outputs(frame: pd.DataFrame, out: Path, config: dict) -> dict:
+    """Write demand.csv, demand.png, summary.json and config.json under `out`; returns the
+    summary. config: what config.json records besides the variants (the run's settings)."""
+    if frame.empty or not frame["complete"].any():
+        raise RuntimeError(
+            f"no decision boundary has complete windows ({len(frame)} boundaries): each needs "
+            "GrowPage's start, --exclude-tokens of history and --horizon-tokens of decode queries "
+            "before and after it; raise --max-tokens (or --ignore-eos) or lower the horizon")
     out.mkdir(parents=True, exist_ok=True)
-    frame, _ = run_demand(model, prompt_ids, settings.max_tokens, settings.block_size,
-                          settings.temperature, settings.seed, config, show_progress)
-    if frame.empty:
-        raise RuntimeError("no page boundary was reached: raise --max-tokens or lower --block-size")
     frame.to_csv(out / "demand.csv", index=False, float_format="%.6g")
-    summary = summarize_demand(frame)
+    summary = summarize_demand(frame, resamples=config.get("resamples", RESAMPLES))
     plot_demand(frame, summary, out / "demand.png")
     write_json(out / "summary.json", summary)
-    write_json(out / "config.json", {**settings.__dict__, "top_p": config.top_p,
-                                     "max_num_seqs": config.max_num_seqs,
-                                     "variants": DEFAULT_VARIANTS,
-                                     "variant_params": frame.attrs.get("variants")})
+    write_json(out / "config.json", {**config, "variant_params": frame.attrs.get("variants")})
     return summary
+
+
+def demand_study(model: str, prompt_ids: list[list[int]], settings: RunSettings, out: Path,
+                 config: DemandConfig = DemandConfig(), show_progress: bool = True) -> dict:
+    """Run on the model, then write the outputs (`write_demand_outputs`)."""
+    frame, _ = run_demand(model, prompt_ids, settings.max_tokens, settings.block_size,
+                          settings.temperature, settings.seed, config, show_progress,
+                          ignore_eos=settings.ignore_eos)
+    return write_demand_outputs(frame, out, {**settings.__dict__, **config.__dict__,
+                                             "variants": config.variants or DEFAULT_VARIANTS})

@@ -21,9 +21,16 @@ summaries (a full prefill does not), so a branch that hit the cache would start 
 summaries than the natural run.
 
 Choices where the paper is silent:
-- The window N defaults to one page (b tokens): exactly the tokens decoded before the next capacity
-  boundary in either branch (both leave b free slots), so no later decision mixes into the
-  comparison. With N > b, later boundaries follow GrowPage's own rule in both branches.
+- The window N defaults to four pages (4 b tokens; at b = 16, 64 tokens): one page is only 16
+  tokens here, whose NLL barely registers one compression, where the paper scores the tokens of
+  its 256-token page. Within the first page no later decision mixes into the comparison (both
+  branches leave b free slots); after it, later boundaries follow GrowPage's own rule in both.
+- The cumulative cost of earlier compressions: the grow branch at k replays the natural run's
+  decisions before k and then loses nothing new, so nll_grow - nll_full (`cumulative_cost`) is
+  what the earlier Compress & Holds already cost on the same window; `earlier_compressions`
+  counts them, and the summary splits the cost by whether there were any. Over each whole output,
+  the natural run's NLL minus FullKV's (`natural_excess`) is the cost of all of GrowPage's
+  compressions.
 - The window starts with the first token whose prediction can see the decision: at a boundary the
   engine is about to process position m (its KV goes into the freed or new slot), and the logits of
   that step predict output token o = m + 1 - prompt_len; the window is outputs [o, o + N).
@@ -77,6 +84,7 @@ REPLAY_GROWPAGE_DEFAULTS: dict = {"protected_recent": 8}
 # A branch replays the natural run exactly when it recomputes the same delta (a mean of Top-p counts:
 # any changed count moves it by far more than this).
 DELTA_REPLAY_TOLERANCE = 1e-6
+WINDOW_PAGES = 4  # the default window, in pages (module docstring)
 
 
 @dataclass(frozen=True)
@@ -146,7 +154,7 @@ class ForcedGrowPage(GrowPage):
 
 @dataclass(frozen=True)
 class ReplayConfig:
-    """window: tokens scored after each decision (None: one page). max_boundaries: demand
+    """window: tokens scored after each decision (None: WINDOW_PAGES pages). max_boundaries: demand
     boundaries per request to branch at (None: all), evenly spaced. growpage: GrowPage knobs.
     ignore_eos: let the reference run to max_tokens. max_num_seqs: requests decoded together."""
 
@@ -240,7 +248,7 @@ def run_replay(model: str, prompt_ids: list[list[int]], max_tokens: int, block_s
     from engine.llm import LLM
     from engine.sampling import SamplingParams
 
-    window = config.window or block_size
+    window = config.window or WINDOW_PAGES * block_size
     longest = max(len(p) for p in prompt_ids) + max_tokens + window
     full = LLM(model, block_size=block_size, policy="full", max_num_seqs=config.max_num_seqs,
                enable_prefix_caching=False,
@@ -291,13 +299,23 @@ def run_replay(model: str, prompt_ids: list[list[int]], max_tokens: int, block_s
             branches = llm.generate(prompts, params, on_step=on_step)
         if policy.plans:
             raise RuntimeError(f"{len(policy.plans)} branch plans were not consumed")
-    rows = [_row(b, references, natural, branches[2 * i], branches[2 * i + 1], window)
+    rows = [{**_row(b, references, natural, branches[2 * i], branches[2 * i + 1], window),
+             "earlier_compressions": sum(actions[(b.request, i)] is Action.COMPRESS
+                                         for i in range(b.index)),
+             "natural_excess": _excess(natural[b.request], references[b.request])}
             for i, b in enumerate(selected)]
     columns = ["request", "boundary", "position", "output_index", "pages", "delta", "r_S", "r_L",
                "natural_action", "nll_full", "nll_grow", "nll_compress", "benefit",
-               "nll_natural", "delta_branch", "window", "clean"]
+               "nll_natural", "cumulative_cost", "earlier_compressions", "natural_excess",
+               "delta_branch", "window", "clean"]
     frame = pd.DataFrame(rows, columns=columns)
     return ReplayResult(frame, references, natural, boundaries, policy.effective_params())
+
+
+def _excess(natural, reference) -> float:
+    """Mean NLL per output token of the natural GrowPage run minus FullKV's, whole output."""
+    n = len(reference.token_logprobs)
+    return window_nll(natural.token_logprobs, 0, n) - window_nll(reference.token_logprobs, 0, n)
 
 
 def _teacher(tokens: list[int], count: int):
@@ -325,6 +343,7 @@ def _row(b: Boundary, references, natural, grow, compress, window: int) -> dict:
         "nll_full": window_nll(references[b.request].token_logprobs, o, window),
         "nll_grow": nll_grow, "nll_compress": nll_compress, "benefit": nll_compress - nll_grow,
         "nll_natural": window_nll(natural[b.request].token_logprobs, o, window),
+        "cumulative_cost": nll_grow - window_nll(references[b.request].token_logprobs, o, window),
         "delta_branch": delta_branch,
         "window": window, "clean": clean,
     }
@@ -367,6 +386,12 @@ def summarize_replay(frame: pd.DataFrame, tau: float = 0.0, bins: int = 4,
         "spearman_delta_position": lambda f: spearman(f["delta"], f["position"]),
         "spearman_benefit_position": lambda f: spearman(f["benefit"], f["position"]),
         "natural_grow_fraction": lambda f: mean(f["natural_action"] == "grow"),
+        "cumulative_cost": lambda f: mean(f["cumulative_cost"]),
+        "cumulative_cost_after_compressions":
+            lambda f: mean(f.loc[f["earlier_compressions"] > 0, "cumulative_cost"]),
+        "cumulative_cost_without_compressions":
+            lambda f: mean(f.loc[f["earlier_compressions"] == 0, "cumulative_cost"]),
+        "natural_excess": lambda f: mean(f.drop_duplicates("request")["natural_excess"]),
     }
     labels = sorted(set(rows["bin"])) if len(rows) else []
     for k in labels:

@@ -416,12 +416,14 @@ def grow_kind(decision: Decision) -> str:
 
 def compaction_counter(event: CapacityEvent) -> str:
     """The counter a finished compaction adds to: its action ("compress" / "shrink") for a capacity
-    decision (a boundary, or a periodic schedule's firing); "fallback_compaction" for a fallback
-    (the fallback itself was counted when it replaced the GROW); "prefill_compress" after a prefill
-    (prompt compression, re-admission). So counts["compress"] holds decisions only (Table 9)."""
+    decision at a boundary; "periodic_compress" for a periodic schedule's firing (Kara's KvLLM),
+    the name the evals' event counts use too (docs/metrics.md); "fallback_compaction" for a
+    fallback (the fallback itself was counted when it replaced the GROW); "prefill_compress" after
+    a prefill (prompt compression, re-admission). So counts["compress"] holds boundary decisions
+    only (Table 9)."""
     trigger = event.info.get("trigger", "boundary")
     if event.fallback:
         return "fallback_compaction"
-    if trigger == "prefill":
-        return f"prefill_{event.action}"
+    if trigger in ("prefill", "periodic"):
+        return f"{trigger}_{event.action}"
     return event.action

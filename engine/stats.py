@@ -26,9 +26,10 @@
   (grow + grow fallbacks) / (grow + grow fallbacks + compress + shrink). GrowPage-Fixed thus shows
   grow 0 and ratio 0.0, and GrowPage's Table 9 row 9,500 / (9,500 + 21,203) = 30.9% is this
   arithmetic with its 597 fallbacks inside the 9,500 grow decisions. The engine's `counts` name
-  compactions that are not decisions apart: "fallback_compaction" (the compaction a fallback ran)
-  and "prefill_compress" (prompt compression, re-admission); "compress" and "grow" hold decisions
-  only.
+  compactions that are not decisions apart: "fallback_compaction" (the compaction a fallback ran),
+  "prefill_compress" (prompt compression, re-admission) and "periodic_compress" (a periodic
+  schedule's firing, Kara's KvLLM; the same name as in the evals' event counts); "compress" and
+  "grow" hold boundary decisions only.
 - Compactions (`compactions`): every compaction that ran (a capacity decision's, a fallback's, a
   prompt compression, a periodic firing): what `kvarena generate` prints as "compress events".
 - KV kept (`final_kv_len`): the KV slots a request holds when it finishes, mean over requests, beside

@@ -332,9 +332,12 @@ def _print_summary(outcome) -> None:
     if m.get("fid_delta_nll") is not None and m.get("fid_agreement") is not None:
         fid = (f", vs FullKV: dNLL {m['fid_delta_nll']:.3f} nats/token, "
                f"agreement {100 * m['fid_agreement']:.1f}%")
+    # the policy's capacity events (allocate is page allocation, no decision): shows it acted
+    acted = {k: v for k, v in (m.get("events") or {}).items() if v and k != "allocate"}
+    events = (", events: " + " ".join(f"{k} {v}" for k, v in sorted(acted.items()))) if acted else ""
     console.print(f"[green]{outcome.task}/{outcome.label}[/]: pass@1 {pass1} over "
                   f"{m.get('samples_done')} samples ({outcome.ran} run now, {outcome.resumed} resumed"
-                  f"{extra}{skipped}), TPS {tps}{fid} -> {outcome.path}")
+                  f"{extra}{skipped}), TPS {tps}{fid}{events} -> {outcome.path}")
 
 
 def leaderboard_command(

@@ -25,9 +25,11 @@ had, so they compare only loosely across rows; the benchmarks (results/benchmark
 configurations side by side and are where speed is compared.
 
 Averages ("Avg") run over the five reasoning tasks of Table 1 (gsm8k, math500, amc23, aime24,
-livecodebench: the tasks with a ``Task.table1_column``, in that order) that a row has; a row
-missing one of the tasks another row has is marked with ``†`` in the markdown. Other tasks
-(niah, mixed) get their own columns and stay out of averages.
+livecodebench: the tasks with a ``Task.table1_column``, in that order) that the leaderboard holds;
+the column's title names them, and a row missing one of them has a blank Avg (an average over other
+tasks would not compare). Other tasks (niah, mixed) get their own columns and stay out of averages.
+Speed: a task whose runs were timed by more than one invocation (`invocation_key`: command line,
+code and machine) has its TPS / total time / TPOT cells marked ``‡``, not comparable across rows.
 A value from a run that has not finished all its samples is marked ``*``.
 
 Provenance: every run's config.json records the commit, uncommitted-change fingerprint and
@@ -136,10 +138,12 @@ def half_table(runs: Sequence[RunResult], key: str, scale: float) -> dict[tuple[
             if run is not None and not run.metrics.get("complete", True):
                 partial.add(t)
         present = [t for t in tasks if t in averaged and row[t] is not None]
-        row["Avg"] = _mean([row[t] for t in present])
-        row["_hw"]["Avg"] = mean_half_width([row["_hw"][t] for t in present])
-        row["_partial"] = partial
         row["_missing"] = {t for t in tasks if t in averaged and row[t] is None}
+        # Avg only over the same tasks for every row: blank where the row lacks one of them.
+        row["Avg"] = None if row["_missing"] else _mean([row[t] for t in present])
+        row["_hw"]["Avg"] = None if row["_missing"] else mean_half_width(
+            [row["_hw"][t] for t in present])
+        row["_partial"] = partial
         out[(model, label)] = row
     return out
 
@@ -159,30 +163,77 @@ def _halves(runs: Sequence[RunResult], name: str) -> list[tuple[str, str, float,
     return [h for h in halves if any(r.metrics.get(h[1]) is not None for r in runs)]
 
 
+def avg_title(tasks: Sequence[str]) -> str:
+    """The Avg column's title, naming the tasks it averages."""
+    averaged = [task_title(t) for t in tasks if t in set(table1_tasks())]
+    return f"Avg ({', '.join(averaged)})" if averaged else "Avg"
+
+
+# Run-level speed metrics: comparable across rows only when the runs were timed together.
+SPEED_KEYS = ("tps", "total_time_s", "tpot_ms")
+
+
+def invocation_key(run: RunResult) -> tuple:
+    """What identifies the invocation that timed a run: its command line and provenance key; a
+    resumed run whose samples come from several invocations gets a key of its own."""
+    prov = run.config.get("provenance") or {}
+    if prov.get("earlier"):
+        return ("resumed", str(run.path))
+    return (prov.get("command"), *provenance_key(prov))
+
+
+def incomparable_speed_tasks(runs: Sequence[RunResult]) -> set[str]:
+    """Tasks whose runs were timed by more than one invocation: their speed columns compare
+    runs timed at different machine loads, and are flagged."""
+    keys: dict[str, set] = {}
+    for r in runs:
+        if r.metrics.get("tps") is not None:
+            keys.setdefault(r.task, set()).add(invocation_key(r))
+    return {task for task, k in keys.items() if len(k) > 1}
+
+
 def table_markdown(runs: Sequence[RunResult], name: str,
-                   prov: dict[tuple[str, str], str] | None = None) -> str:
+                   prov: dict[tuple[str, str], str] | None = None,
+                   settings: dict[tuple[str, str], str] | None = None) -> str:
     halves = _halves(runs, name)
     tasks = order_tasks({r.task for r in runs})
     columns = [(title, t) for title, *_ in halves for t in tasks + ["Avg"]]
-    header = (["model", "method"] + [f"{task_title(t)} {title}" for title, t in columns]
-              + (["prov"] if prov else []))
+    header = (["model", "method"]
+              + [f"{avg_title(tasks) if t == 'Avg' else task_title(t)} {title}"
+                 for title, t in columns] + (["prov"] if prov else []))
     rows = []
     tables = [half_table(runs, key, scale) for _, key, scale, _ in halves]
+    apart = incomparable_speed_tasks(runs)
     for model, label in _row_order(runs):
         cells = []
-        for (_, _, _, dec), table in zip(halves, tables):
+        for (_, key, _, dec), table in zip(halves, tables):
             row = table[(model, label)]
             for t in tasks + ["Avg"]:
                 text = _fmt(row[t], dec, row["_hw"][t])
                 if t in row["_partial"]:
                     text += "*"
-                if t == "Avg" and row["_missing"] and row["Avg"] is not None:
-                    text += "†"
+                if key in SPEED_KEYS and row[t] is not None and (
+                        t in apart or (t == "Avg" and apart)):
+                    text += "‡"
                 cells.append(text)
         if prov:
             cells.append(prov[(model, label)])
-        rows.append([model, label, *cells])
+        method = label + (f" ({settings[(model, label)]})" if settings and
+                          (model, label) in settings else "")
+        rows.append([model, method, *cells])
     return markdown_table(header, rows)
+
+
+def row_settings(runs: Sequence[RunResult]) -> dict[tuple[str, str], str]:
+    """{(model, label): "schedule, kept share"} for rows whose policy records a schedule (Kara):
+    what a matched-budget comparison needs to pair them."""
+    out = {}
+    for r in runs:
+        params = r.config.get("policy_params") or {}
+        if "schedule" in params and params.get("steady_kept_share") is not None:
+            out[(r.model, r.label)] = (f"{params['schedule']}, kept "
+                                       f"{float(params['steady_kept_share']):.2f}")
+    return out
 
 
 def write_table_csv(runs: Sequence[RunResult], name: str, path: Path) -> Path:
@@ -195,7 +246,8 @@ def write_table_csv(runs: Sequence[RunResult], name: str, path: Path) -> Path:
     header = ["model", "method"]
     for (title, *_), hw in zip(halves, with_hw):
         for t in tasks + ["Avg"]:
-            header += [f"{title} {task_title(t)}"] + ([f"{title} {task_title(t)} ±"] if hw else [])
+            name = avg_title(tasks) if t == "Avg" else task_title(t)
+            header += [f"{title} {name}"] + ([f"{title} {name} ±"] if hw else [])
     rows = []
     for model, label in _row_order(runs):
         cells = []
@@ -416,17 +468,23 @@ def render_markdown(runs: Sequence[RunResult], ids: dict[tuple, str] | None = No
     ids = ids or provenance_ids(runs)
     prov = row_provenance(runs, ids)
     notes = ("Values: `value ± h`, h = half-width of the 95% interval (bootstrap over problems, "
-             "samples nested in problems); Avg: mean over the Table-1 reasoning tasks a row has "
-             "(gsm8k, math500, amc23, aime24, livecodebench), its ± combining the tasks' as "
-             "independent; † = the row lacks one of them; * = run not finished (partial samples). "
+             "samples nested in problems); Avg: mean over the Table-1 reasoning tasks named in its "
+             "header, its ± combining the tasks' as independent, blank (-) for a row that lacks one "
+             "of them; * = run not finished (partial samples). ‡ = speed (TPS, total time, TPOT) "
+             "of a task whose rows were timed by different invocations (other loads, other code "
+             "or machine): those rows are not comparable. Kara rows name their schedule and kept "
+             "share (engine/policies/kara.py). "
              "GSM8K pass@1 is strict extraction (boxed / `#### N` / \"The answer is N\"); the "
              "flexible (last-number) reading is `pass@1_flexible` in runs.csv. TPS and total time "
              "are run-level (no interval): each run was timed alone under whatever load the "
              "machine had; compare speed in the benchmarks, which time configurations side by "
              "side.")
-    parts = ["## Accuracy and throughput (GrowPage Table 1 shape)", table_markdown(runs, "table1", prov),
-             "## Total time and TPOT (GrowPage Table 7 shape)", table_markdown(runs, "table7", prov)]
+    settings = row_settings(runs)
+    parts = ["## Accuracy and throughput (GrowPage Table 1 shape)",
+             table_markdown(runs, "table1", prov, settings),
+             "## Total time and TPOT (GrowPage Table 7 shape)",
+             table_markdown(runs, "table7", prov, settings)]
     if _halves(runs, "memory"):
-        parts += ["## Memory and fidelity to FullKV", table_markdown(runs, "memory", prov)]
+        parts += ["## Memory and fidelity to FullKV", table_markdown(runs, "memory", prov, settings)]
     parts += [notes, "Provenance (`prov`):\n\n" + provenance_legend(runs, ids)]
     return "\n\n".join(parts)

@@ -688,6 +688,8 @@ def _generate(settings: EvalSettings, config: dict, plan: Plan, todo: list[R.Sam
     config["engine"] = {"device": llm.config.device, "num_pages": llm.runner.num_pages,
                         "max_model_len": llm.runner.max_model_len}
     config["last_invocation"] = _now()
+    # the machine's load when this invocation started: speed compares only at similar load
+    config["load_average_start"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     config["provenance"] = invocation_provenance(path)
     R.write_json(path / R.CONFIG_FILE, config)
     # The segment exists (with its engine settings) before its first sample line, failed ones too.

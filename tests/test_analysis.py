@@ -241,8 +241,13 @@ def expected_boundaries(prompt_len: int, output_tokens: int, block: int) -> list
     return [m for m in range(prompt_len, prompt_len + output_tokens - 1) if m % block == 0]
 
 
+# The tiny study: horizon and exclusion of one page, GrowPage's control from 3 pages.
+TINY_DEMAND = dict(horizon_tokens=BLOCK, exclude_tokens=BLOCK, initial_capacity=3 * BLOCK)
+
+
 def test_demand_study_records_one_row_per_boundary(tiny_dir):
-    llm = LLM(str(tiny_dir), block_size=BLOCK, kv_cache_tokens=512, policy=DemandRecorder())
+    llm = LLM(str(tiny_dir), block_size=BLOCK, kv_cache_tokens=512,
+              policy=DemandRecorder(**TINY_DEMAND))
     frame, outs = run_demand(str(tiny_dir), PROMPTS, 30, BLOCK, show_progress=False, llm=llm)
     for r, (prompt, out) in enumerate(zip(PROMPTS, outs)):
         rows = frame[frame["request"] == r]
@@ -253,8 +258,12 @@ def test_demand_study_records_one_row_per_boundary(tiny_dir):
                                                                 BLOCK)
         assert rows["boundary"].tolist() == list(range(len(rows)))
         assert (rows["candidates"] == rows["position"] - BLOCK).all()
-        # the last boundary's next page never completed; earlier complete rows have both windows
-        assert rows["future_queries"].iloc[-1] == 0 and not rows["complete"].iloc[-1]
+        # decisions from GrowPage's start on; below it no target is computed
+        assert (rows["decision"] == (rows["pages"] >= 3)).all()
+        assert rows.loc[~rows["decision"], "r_current"].isna().all()
+        assert not rows.loc[~rows["decision"], "complete"].any()
+        # the last boundary's next window never completed; earlier complete rows have both
+        assert rows["future_queries"].iloc[-1] < BLOCK and not rows["complete"].iloc[-1]
         done = rows[rows["complete"]]
         assert len(done) > 0
         assert np.allclose(done["future_change"], done["r_future"] - done["r_current"])
@@ -264,11 +273,51 @@ def test_demand_study_records_one_row_per_boundary(tiny_dir):
     assert all(e["action"] == "grow" for out in outs for e in out.events)
 
 
+def test_demand_windows_span_the_horizon_on_the_candidates_left_by_the_exclusion():
+    """Horizon and exclusion in tokens (not pages): the current window is the `horizon` queries
+    before the boundary, the future one the `horizon` from it on, both over C_t = all slots but the
+    last `exclude`, recomputed here directly from the queries and keys."""
+    from analysis.demand_control import SyntheticView
+    from analysis.demand_study import window_ratios
+    from engine.policies.base import EngineSpec
+
+    block, horizon, exclude, total = 4, 10, 6, 60
+    recorder = DemandRecorder(horizon_tokens=horizon, exclude_tokens=exclude, initial_capacity=8,
+                              variants={"delta": {"beta_short": 0.5, "beta_long": 0.9}})
+    recorder.prepare(block)
+    recorder.bind(EngineSpec(block, 2, 2, 1, 4, 1000, 4096))
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(2, 1, total, 4, generator=gen)
+    queries = torch.randn(total, 2, 2, 4, generator=gen)
+    state = recorder.new_state()
+    view = SyntheticView(state, keys, 3, block, recorder.signals().ema_betas)
+    view.length = 2
+    for position in range(2, total - 1):
+        if position >= 3 and position % block == 0:
+            recorder.on_boundary(view)
+        view.step(queries[position])
+        recorder.observe(view, state, queries[position], position)
+    frame = pd.DataFrame(state.rows)
+    done = frame[(frame["future_queries"] == horizon) & (frame["current_queries"] == horizon)]
+    assert len(done) >= 5
+    for _, row in done.iterrows():
+        m, c = int(row["position"]), int(row["candidates"])
+        assert c == m - exclude
+        current = window_ratios(queries[m - horizon:m], keys[:, :, :c], recorder.top_p)
+        future = window_ratios(queries[m:m + horizon], keys[:, :, :c], recorder.top_p)
+        assert row["r_current"] == pytest.approx(current[0])
+        assert row["r_current_last"] == pytest.approx(current[2])
+        assert row["r_future"] == pytest.approx(future[0])
+        assert row["r_future_q"] == pytest.approx(future[1])
+
+
 def test_demand_signal_is_growpages_own_delta(tiny_dir):
     """GrowPage with tau = -1 always grows (a FullKV cache) and logs delta at every boundary past
     its initial capacity: the probe's delta must be the same number at the same positions."""
     prompt = PROMPTS[0]
-    probe = LLM(str(tiny_dir), block_size=BLOCK, kv_cache_tokens=512, policy=DemandRecorder())
+    probe = LLM(str(tiny_dir), block_size=BLOCK, kv_cache_tokens=512, policy=DemandRecorder(
+        horizon_tokens=BLOCK, exclude_tokens=BLOCK, initial_capacity=2 * BLOCK,
+        variants={"delta": {}}))
     frame, _ = run_demand(str(tiny_dir), [prompt], 30, BLOCK, show_progress=False, llm=probe)
     growpage = GrowPage(tau=-1.0, initial_capacity=2 * BLOCK, protected_recent=2)
     out = LLM(str(tiny_dir), block_size=BLOCK, kv_cache_tokens=512, policy=growpage).generate(
@@ -281,28 +330,34 @@ def test_demand_signal_is_growpages_own_delta(tiny_dir):
         assert by_position.loc[position, "r_S"] == pytest.approx(info["r_S"], abs=1e-12)
 
 
-def test_demand_probe_uses_growpages_own_preset_betas():
+def test_demand_probe_main_signal_has_the_papers_betas_and_table2_rows():
     probe = DemandRecorder()
     probe.prepare(16)
-    policy = GrowPage()
+    assert probe.horizon_tokens == probe.exclude_tokens == 256  # the paper's page of tokens
+    betas = {name: est.betas for name, est in probe.estimators.items()}
+    assert betas["delta"] == (0.9, 0.999)
+    assert betas["delta_bS0"] == (0.0, 0.999) and betas["delta_bL099"] == (0.9, 0.99)
+    assert betas["delta_bS099"] == (0.99, 0.999) and betas["delta_bS0_bL099"] == (0.0, 0.99)
+    policy = GrowPage(preset="ratio")
     policy.prepare(16)
-    main = probe.estimators["delta"]
-    assert main.betas == policy.betas  # GrowPage as registered, never overridden by the study
-    assert policy.betas[1] == pytest.approx(1 - 1 / (1000 / 256 * 16))  # 1000 tokens in pages
-    assert probe.estimators["delta_paper_betas"].betas == (0.9, 0.999)
-    assert probe.estimators["delta_bS0"].betas == (0.0, policy.betas[1])
+    assert betas["delta_ratio"] == policy.betas
     ema = probe.signals().ema_betas
     for name, (short, long) in probe.pairs.items():
         assert (ema[short], ema[long]) == probe.estimators[name].betas
     assert len(ema) == len(set(ema))
+    with pytest.raises(ValueError, match="horizon_tokens"):
+        DemandRecorder(horizon_tokens=0)
 
 
 def test_demand_study_writes_csv_png_and_summary(tiny_dir, tmp_path):
-    settings = RunSettings(str(tiny_dir), BLOCK, 30, 2, 0.0, 0, False)
-    summary = demand_study(str(tiny_dir), PROMPTS, settings, tmp_path, show_progress=False)
+    from analysis.demand_study import DemandConfig
+
+    settings = RunSettings(str(tiny_dir), BLOCK, 30, 2, 0.6, 0, False)
+    summary = demand_study(str(tiny_dir), PROMPTS, settings, tmp_path,
+                           DemandConfig(**TINY_DEMAND, resamples=200), show_progress=False)
     frame = pd.read_csv(tmp_path / "demand.csv")
     for col in ("request", "boundary", "position", "candidates", "delta", "r_S", "r_L",
-                "delta_bS0", "delta_paper_betas", "delta_entropy", "r_current", "r_future",
+                "delta_bS0", "delta_auto", "delta_ratio", "delta_entropy", "r_current", "r_future",
                 "future_change", "complete"):
         assert col in frame.columns
     assert (tmp_path / "demand.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -310,7 +365,61 @@ def test_demand_study_writes_csv_png_and_summary(tiny_dir, tmp_path):
     assert set(summary["pooled"]) >= {"delta", "delta_bS0", "r_S", "r_current"}
     rho = summary["pooled"]["delta"]["spearman"]
     assert rho["clusters"] == summary["requests"] == frame.loc[frame["complete"], "request"].nunique()
+    assert [n for n, t in summary["targets"].items() if t["shares_term_with_delta"]] == \
+        ["future_change_last"]
+    offset = summary["offset"]
+    signal = frame[frame["delta"].notna()]
+    assert offset["delta_positive_all_boundaries"]["estimate"] == pytest.approx(
+        (signal["delta"] > 0).mean())
+    assert offset["delta_positive_decision_boundaries"]["estimate"] == pytest.approx(
+        (signal.loc[signal["decision"], "delta"] > 0).mean())
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["temperature"] == 0.6 and config["horizon_tokens"] == BLOCK
+    assert config["variant_params"]["delta"]["beta_long"] == 0.999
 
+
+
+CONTROL_CONFIG = dict(horizon_tokens=16, exclude_tokens=8, initial_capacity=32, resamples=200,
+                      variants={"delta": {"beta_short": 0.5, "beta_long": 0.95},
+                                "delta_bS0": {"beta_short": 0.0, "beta_long": 0.95}})
+
+
+@pytest.mark.parametrize("amplitude", [0.4, 0.0])
+def test_positive_control_recovers_the_known_future_demand(amplitude):
+    """The demand pipeline on a synthetic process whose demand oscillates slowly finds a high rho
+    (and a sign agreement well above chance); with a constant latent (amplitude 0, nothing to
+    predict) it finds none, so the control can fail."""
+    from analysis.demand_control import SyntheticProcess, run_control
+    from analysis.demand_study import DemandConfig, summarize_demand
+
+    frame, settings = run_control(SyntheticProcess(requests=6, amplitude=amplitude),
+                                  DemandConfig(**CONTROL_CONFIG))
+    assert settings["period"] == int(8 * (20 + 16))  # 8 x (tau_L + horizon)
+    summary = summarize_demand(frame, resamples=200)
+    main = summary["pooled"]["delta"]
+    rows = frame[frame["complete"]]
+    assert summary["requests"] == 6 and len(rows) > 60
+    assert rows["pages"].min() >= 2  # GrowPage's start: 32 tokens = 2 pages of 16
+    if amplitude:
+        assert main["spearman"]["estimate"] > 0.6 and main["spearman"]["low"] > 0.4
+        assert main["sign_agreement"]["estimate"] > main["chance_sign_agreement"]["estimate"] + 0.15
+        assert spearman(rows["future_change"], rows["latent_change"]) > 0.8
+    else:
+        assert abs(main["spearman"]["estimate"]) < 0.3
+
+
+def test_control_study_writes_the_studys_outputs(tmp_path):
+    from analysis.demand_control import SyntheticProcess, control_study
+    from analysis.demand_study import DemandConfig
+
+    summary = control_study(SyntheticProcess(requests=3, periods=0.5), DemandConfig(
+        **CONTROL_CONFIG), tmp_path)
+    for name in ("demand.csv", "demand.png", "summary.json", "config.json"):
+        assert (tmp_path / name).stat().st_size > 0
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["control"]["spearman_target_vs_latent"] == summary["control"][
+        "spearman_target_vs_latent"]
+    assert json.loads((tmp_path / "config.json").read_text())["control"] == "synthetic"
 
 
 def test_demand_summary_bootstraps_over_requests():
@@ -323,7 +432,7 @@ def test_demand_summary_bootstraps_over_requests():
         "request": np.repeat(np.arange(6), 10), "position": np.tile(np.arange(10) * 16, 6),
         "delta": delta, "delta_bS0": gen.normal(size=n), "r_S": gen.random(n),
         "r_current": gen.random(n), "future_change": delta + 0.5 * gen.normal(size=n),
-        "complete": True})
+        "complete": True, "decision": True})
     frame["future_change_q"] = frame["future_change"]
     frame["future_change_last"] = -frame["future_change"]
     frame.loc[frame.index[-1], "complete"] = False  # left out of every statistic
@@ -334,11 +443,19 @@ def test_demand_summary_bootstraps_over_requests():
     assert main["spearman"]["estimate"] == pytest.approx(spearman(done["delta"],
                                                                   done["future_change"]))
     assert main["spearman"]["clusters"] == 6 and main["spearman"]["low"] > 0.3
-    assert main["spearman_last_query_target"]["estimate"] == pytest.approx(
+    assert main["spearman_future_change_last"]["estimate"] == pytest.approx(
         -main["spearman"]["estimate"])
     assert main["sign_agreement"]["estimate"] == pytest.approx(
         sign_agreement(done["delta"], done["future_change"]))
     assert "sign_agreement" not in summary["pooled"]["r_S"]
+    from analysis.demand_study import chance_sign_agreement
+
+    p_d, p_c = (done["delta"] > 0).mean(), (done["future_change"] > 0).mean()
+    assert main["chance_sign_agreement"]["estimate"] == pytest.approx(
+        p_d * p_c + (1 - p_d) * (1 - p_c))
+    assert chance_sign_agreement(pd.Series([1.0, 2.0]), pd.Series([-1.0, -2.0])) == 0.0
+    assert main["centred_sign_agreement"]["estimate"] == pytest.approx(
+        sign_agreement(done["delta"] - done["delta"].median(), done["future_change"]))
     assert summary["spearman_position"]["delta"]["estimate"] == pytest.approx(
         spearman(done["delta"], done["position"]))
 
@@ -372,11 +489,20 @@ def test_forced_decision_overrides_growpage_and_shows_in_the_events(tiny_dir, ta
 
 
 def test_replay_nll_full_is_fullkv_teacher_forcing_and_branches_are_clean(tiny_dir):
-    config = ReplayConfig(growpage=dict(TINY_GROWPAGE), max_num_seqs=8)
+    config = ReplayConfig(growpage=dict(TINY_GROWPAGE), max_num_seqs=8, window=BLOCK)
     result = run_replay(str(tiny_dir), REPLAY_PROMPTS, 30, BLOCK, config=config,
                         show_progress=False)
     rows = result.rows
     assert len(rows) >= 6 and rows["clean"].all()
+    # the cost of earlier compressions: none before any compression, NLL_grow - NLL_full always
+    assert np.allclose(rows["cumulative_cost"], rows["nll_grow"] - rows["nll_full"])
+    untouched = rows[rows["earlier_compressions"] == 0]
+    assert len(untouched) and np.allclose(untouched["cumulative_cost"], 0.0, atol=1e-4)
+    for r, ref in enumerate(result.references):
+        n = len(ref.token_ids)
+        excess = (window_nll(result.natural[r].token_logprobs, 0, n)
+                  - window_nll(ref.token_logprobs, 0, n))
+        assert np.allclose(rows.loc[rows["request"] == r, "natural_excess"], excess)
     # every usable demand boundary was branched at (no --max-boundaries)
     assert len(rows) == sum(b.output_index + BLOCK <= len(result.references[b.request].token_ids)
                             for b in result.boundaries)
@@ -405,12 +531,14 @@ def test_replay_nll_full_is_fullkv_teacher_forcing_and_branches_are_clean(tiny_d
 
 def test_replay_study_writes_csv_png_and_summary(tiny_dir, tmp_path):
     settings = RunSettings(str(tiny_dir), BLOCK, 24, 2, 0.0, 0, False)
-    config = ReplayConfig(growpage=dict(TINY_GROWPAGE), max_boundaries=2, max_num_seqs=8)
+    config = ReplayConfig(growpage=dict(TINY_GROWPAGE), max_boundaries=2, max_num_seqs=8,
+                          window=BLOCK)
     summary = replay_study(str(tiny_dir), PROMPTS, settings, tmp_path, config, show_progress=False)
     frame = pd.read_csv(tmp_path / "replay.csv")
     assert list(frame.columns) == ["request", "boundary", "position", "output_index", "pages",
                                    "delta", "r_S", "r_L", "natural_action", "nll_full",
                                    "nll_grow", "nll_compress", "benefit", "nll_natural",
+                                   "cumulative_cost", "earlier_compressions", "natural_excess",
                                    "delta_branch", "window", "clean"]
     assert frame.groupby("request").size().max() <= 2
     assert (tmp_path / "replay.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -437,7 +565,8 @@ def test_pool_tokens_leaves_room_for_every_request():
 
 @pytest.mark.parametrize("command, extra, files", [
     ("sparsity", ["--max-tokens", "10"], ["sparsity.csv", "sparsity.png", "summary.json"]),
-    ("demand", ["--max-tokens", "24"], ["demand.csv", "demand.png", "summary.json"]),
+    ("demand", ["--max-tokens", "30", "--horizon-tokens", "4", "--exclude-tokens", "4"],
+     ["demand.csv", "demand.png", "summary.json"]),
     ("replay", ["--max-tokens", "24", "--max-boundaries", "2", "-a", "initial_capacity=8",
                 "-a", "protected_recent=2"], ["replay.csv", "replay.png", "summary.json"]),
 ])

@@ -166,9 +166,15 @@ def test_mixed_quick(tiny_model):
     for label in (f"zipage-{b}", "growpage-fixed"):
         assert rows[label]["grow_decisions"] == 0 and rows[label]["grow_ratio"] in (None, 0.0)
         assert rows[label]["allocate"] > 0
-    # GrowPage starts at its own 9 pages, not at B
-    start = 9 * mixed.QUICK.block_size
-    assert rows["growpage (tau=0)"]["avg_kv_budget"] >= start
+    # GrowPage's control starts at its own 9 pages, Fixed's at B = 16: a request of n pages meets
+    # max(0, n - start) decisions, so GrowPage decides more often than Fixed (and the same count
+    # as Random and Inverse, which share its start)
+    def decisions(label):
+        r = rows[label]
+        return r["grow_decisions"] + r["compress"] + r["shrink"]
+    assert decisions("growpage (tau=0)") > decisions("growpage-fixed") > 0
+    assert decisions("growpage (tau=0)") == decisions("growpage-random") == decisions(
+        "growpage-inverse (tau=0)")
     for d in result.table("deltas").rows:
         assert d["policy"] in labels and d["decisions"] > 0 and 0.0 <= d["above_tau"] <= 1.0
         quantiles = [d[k] for k in mixed.QUANTILE_KEYS]
@@ -203,6 +209,14 @@ def test_mixed_tau_sweep_rows_and_no_tie_to_b():
     start = dict((label, a) for label, _, a in mixed.configs(mixed.MixedScale(start_pages=5)))
     assert start["growpage (tau=0)"]["initial_capacity"] == 5 * 16
     assert "initial_capacity" not in start["growpage-fixed"]
+    sweep = dict((label, a) for label, _, a in mixed.configs(mixed.MixedScale(start_sweep=(6, 9, 12))))
+    assert [sweep[mixed.start_label(p)]["initial_capacity"] for p in (6, 9, 12)] == [96, 144, 192]
+    median = dict((label, a) for label, _, a in mixed.configs(mixed.MixedScale(threshold="median")))
+    assert median["growpage (tau=0, median threshold)"]["threshold"] == "median"
+    assert "threshold" not in median["growpage-random"] and "threshold" not in median[
+        "growpage-fixed"]
+    with pytest.raises(ValueError, match="threshold"):
+        mixed.MixedScale(threshold="mean")
     with pytest.raises(ValueError, match="protected_recent"):
         mixed.MixedScale(protected_recent=16)
 

@@ -760,22 +760,39 @@ def test_engine_runs_every_variant_by_name(tiny_dir, name):
 
 from engine.policies.growpage import (  # noqa: E402
     PAPER_BETA_LONG,
-    PAPER_INITIAL_PAGES,
     preset_betas,
+    time_constants,
 )
 from engine.stats import primary_decisions  # noqa: E402
 
 
-def test_default_start_is_the_whole_page_bound_table9_gives():
-    # Table 9: Fixed 0 + 22,285 decisions from 16 pages, GrowPage 9,500 + 21,203 from P0.
-    requests, fixed, growpage = 1280, 0 + 22285, 9500 + 21203
-    bound_pages = 16 - (growpage - fixed) / requests  # P0 <= 9.42 (growpage.py docstring)
-    assert bound_pages == pytest.approx(9.42, abs=0.005)
-    assert PAPER_INITIAL_PAGES == math.floor(bound_pages)
-    for b in (4, 32, 256):  # the same page count at every block size
-        policy = bound(GrowPage(protected_recent=2), block_size=b)
-        assert policy.initial_pages == PAPER_INITIAL_PAGES
-    assert 9500 / growpage == pytest.approx(0.309, abs=5e-4)  # the printed grow ratio
+@pytest.mark.parametrize("tau", [-1.0, 1.0])  # every decision a grow / a Compress & Hold
+def test_engine_decisions_per_request_are_pages_past_the_start(tiny_dir, tau):
+    """The law both start estimates in growpage.py's docstring rest on: a request of n pages
+    (FullKV's count for prompt + output) whose control starts at P0 meets max(0, n - P0) decisions,
+    whatever the decisions are, and a later start means fewer decisions."""
+    per_start = {}
+    for start in (2, 3, 5):
+        llm, outs = run(tiny_dir, GrowPage(tau=tau, initial_capacity=start * BLOCK,
+                                           protected_recent=4), max_tokens=40,
+                        kv_cache_tokens=64 * BLOCK)
+        counts = []
+        for prompt, out in zip(PROMPTS, outs):
+            n = -(-(len(prompt) + out.num_output_tokens - 1) // BLOCK)  # slots the last step needs
+            decisions = [e for e in out.events if e["action"] in ("grow", "compress")]
+            assert len(decisions) == max(0, n - start)
+            assert all(e["pages_before"] >= start for e in decisions)
+            counts.append(len(decisions))
+        per_start[start] = sum(counts)
+    assert per_start[2] > per_start[3] > per_start[5]
+
+
+def test_default_start_is_the_same_page_count_at_every_block_size():
+    pages = {b: bound(GrowPage(protected_recent=2), block_size=b).initial_pages for b in (4, 32, 256)}
+    assert len(set(pages.values())) == 1
+    for b in (4, 32, 256):  # and initial_capacity in tokens overrides it
+        assert bound(GrowPage(protected_recent=2, initial_capacity=3 * b),
+                     block_size=b).initial_pages == 3
 
 
 def test_fixed_cap_is_its_budget_not_growpages_start():
@@ -787,6 +804,45 @@ def test_fixed_cap_is_its_budget_not_growpages_start():
     for key in ("initial_capacity", "max_capacity"):
         with pytest.raises(ConfigError, match="budget"):
             GrowPageFixed(**{key: 64})
+
+
+def test_ratio_preset_keeps_the_papers_long_short_ratio_at_every_block_size():
+    paper = time_constants((0.9, 0.999))
+    assert paper[1] / paper[0] == pytest.approx(100)
+    for b in (4, 8, 16, 32, 64, 128, 256):
+        short, long = time_constants(preset_betas("ratio", b))
+        assert long / short == pytest.approx(100)
+        assert short >= 1.0 and long / b >= 1000 / 256 - 1e-9  # the long one spans >= 3.9 pages
+    assert preset_betas("ratio", 16) == (0.0, pytest.approx(0.99))
+    assert preset_betas("ratio", 32) == (pytest.approx(0.2), pytest.approx(0.992))
+    assert preset_betas("ratio", 256) == (0.9, 0.999)
+    auto = time_constants(preset_betas("auto", 16))
+    assert auto[1] / auto[0] == pytest.approx(6.25)  # what "auto" loses (Table 2's point)
+
+
+def test_median_threshold_centres_delta_on_the_requests_earlier_deltas():
+    """threshold="median" (not the paper's): a delta stream with a constant positive offset makes
+    the paper's rule grow at every decision, the median rule only above the running median."""
+    stream = [0.05, 0.02, 0.08, 0.03, 0.07, 0.01, 0.06]
+
+    def decide(policy):
+        values = iter(stream)
+        policy.demand = lambda view: Demand(next(values), 0.0, 10)
+        state = GrowPageState(active=True)
+        return [policy.on_boundary(boundary_view(pages, state=state)).action
+                for pages in range(3, 3 + len(stream))], state
+
+    fixed, _ = decide(bound(GrowPage(protected_recent=2, initial_capacity=8)))
+    assert all(a is Action.GROW for a in fixed)
+    centred, state = decide(bound(GrowPage(protected_recent=2, initial_capacity=8,
+                                           threshold="median")))
+    assert state.deltas == stream
+    expected = [Action.GROW] + [
+        Action.GROW if d > statistics.median(stream[:i]) else Action.COMPRESS
+        for i, d in enumerate(stream) if i]
+    assert centred == expected and Action.COMPRESS in centred
+    with pytest.raises(ConfigError, match="threshold"):
+        GrowPage(threshold="mean")
 
 
 def test_preset_betas_keep_the_paper_time_constants_in_pages():

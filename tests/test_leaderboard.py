@@ -67,12 +67,34 @@ def test_markdown_shows_value_plus_minus_half_width(results_root, tmp_path):
     t7 = next(line for line in md.split("## Total time")[1].splitlines()
               if line.startswith("| tiny | full |"))
     cells = [c.strip() for c in t7.split("|")[3:-2]]
-    assert cells[:3] == ["4.0", "4.0", "4.0"] and all("±" in c for c in cells[3:])
+    # GSM8K's runs share one invocation; MATH500's come from three (commits A, B, unrecorded), so
+    # its speed cells (and the Avg over it) are flagged as not comparable.
+    assert cells[:3] == ["4.0", "4.0‡", "4.0‡"] and all("±" in c for c in cells[3:])
     # Run-level TPS: a plain number, said to be run-level.
     assert "| 200.0 |" in full and "run-level" in md
     # The run written without intervals got them from its samples.
     old = next(line for line in md.splitlines() if line.startswith("| tiny | zipage+budget=128 |"))
     assert "15.0 ± " in old
+
+
+def test_avg_names_its_tasks_and_is_blank_where_a_row_lacks_one(results_root, tmp_path):
+    write_run(results_root, "gsm8k", "snapkv", {"budget": 64}, 5, 64, PROV_A)  # no math500 run
+    write_run(results_root, "gsm8k", "kara", {}, 5, 90, PROV_A)
+    kara = R.run_dir(results_root, "tiny", "gsm8k", "kara") / R.CONFIG_FILE
+    config = json.loads(kara.read_text())
+    config["policy_params"] = {"schedule": "window_fill", "steady_kept_share": 0.5446}
+    R.write_json(kara, config)
+    md = build_leaderboard([results_root], tmp_path / "board").markdown
+    table1 = md.split("## Total time")[0]
+    header = next(line for line in table1.splitlines() if line.startswith("| model |"))
+    assert "Avg (GSM8K, MATH500) pass@1 (%)" in header
+    snap = next(line for line in table1.splitlines() if line.startswith("| tiny | snapkv"))
+    cells = [c.strip() for c in snap.split("|")[3:-2]]
+    assert cells[:3] == ["25.0 ± " + cells[0].split("± ")[1], "-", "-"]  # no MATH500: Avg blank
+    assert "| tiny | kara (window_fill, kept 0.54) |" in table1
+    # GSM8K's rows were all timed by one invocation: no flag on its TPS
+    full = next(line for line in table1.splitlines() if line.startswith("| tiny | full |"))
+    assert "| 200.0 |" in full
 
 
 def test_rows_of_other_commits_or_machines_are_marked(results_root, tmp_path):

@@ -21,31 +21,37 @@ Defaults: the paper's values are the field defaults; the fields tied to the pape
 | demand metric         | Top-p working set           | same                        | metric             |
 | protected recent      | 16 tokens                   | 16 tokens                   | protected_recent   |
 | local quota k_loc     | 64 (= b / 4)                | 8 (= b / 4)                 | k_loc              |
-| initial capacity      | 9 pages = 2304 (see below)  | 9 pages = 288               | initial_capacity   |
+| initial capacity      | not stated; 9 pages = 2304  | 9 pages = 288               | initial_capacity   |
 | maximum capacity      | none                        | none                        | max_capacity       |
 | candidate set C       | all but the last 256 slots  | all but the last 32 slots   | (one page, fixed)  |
 
-Initial capacity (derived from Table 9; the paper gives no number). GrowPage "invokes capacity
-control only when the current KV allocation is exhausted" and "does not use these predefined
-budgets" (Sec. 3.3, App. F.1): below its initial capacity a request simply receives pages (page
-allocation, not a capacity decision); from there on every boundary is a decision. Between two
-decisions a request decodes exactly one page (a grow adds an empty page, a Compress & Hold frees
-one page of slots), so a request of n pages (prompt + output) whose control starts at P0 pages
-meets max(0, n - P0) decisions. Table 9 (Qwen3-8B, AMC23, 1,280 requests):
-- GrowPage-Fixed starts (and stays) at its 4096-token cap, 16 pages: 0 grows + 22,285 Compress &
-  Hold = sum_i max(0, n_i - 16), i.e. 17.41 decisions per request;
-- GrowPage: 9,500 grows + 21,203 Compress & Hold = 30,703 = sum_i max(0, n_i - P0), 23.99 per
-  request (grow ratio 9,500 / 30,703 = 30.9%, as printed).
-Assumption: both runs write outputs of similar length (same model and prompts, Pass@1 within 1.5
-points). Then the difference 8,418 = sum_i min(max(0, n_i - P0), 16 - P0) <= 1,280 x (16 - P0),
-so P0 <= 16 - 6.58 = 9.42 pages, with equality when every request passes 16 pages. The default is
-the whole page count this gives, 9 pages (2,304 tokens at b = 256; 288 at b = 32), kept as a page
-count so every block size has the same number of pages. Cross-check with Table 8 (GrowPage's
-average budget 3,164 = 12.4 pages): a mean request of 16 + 17.41 = 33.4 pages starting at 9 pages
-with its 7.42 grows (9,500 / 1,280) spread evenly over its 24.4 decisions averages
-(9 x 9 + 24.4 x (9 + 7.42 / 2)) / 33.4 = 11.7 pages = 3,000 tokens of capacity (10 pages would give
-12.6 pages = 3,226). The start is a parameter of its own and is never a fixed baseline's budget
-(the evals give `budget` fields the task's budget, never `initial_capacity`).
+Initial capacity: the paper does not state it. GrowPage "invokes capacity control only when the
+current KV allocation is exhausted" and "does not use these predefined budgets" (Sec. 3.3,
+App. F.1): below its initial capacity P0 a request simply receives pages (page allocation, not a
+capacity decision); from there on every boundary is a decision. Between two decisions a request
+decodes exactly one page (a grow adds an empty page, a Compress & Hold frees one page of slots), so
+a request of n pages (prompt + output) whose control starts at P0 pages meets max(0, n - P0)
+decisions. Two readings of the paper's tables (Qwen3-8B, AMC23, 1,280 requests, b = 256) bound P0,
+and they disagree:
+- Table 9 bound. GrowPage-Fixed starts (and stays) at its 16-page cap: 22,285 Compress & Hold =
+  sum_i max(0, n_i - 16), 17.41 decisions a request; GrowPage: 9,500 + 21,203 = 30,703 =
+  sum_i max(0, n_i - P0), 23.99 a request. IF both runs wrote outputs of equal length, the
+  difference 8,418 = sum_i min(max(0, n_i - P0), 16 - P0) <= 1,280 x (16 - P0), so
+  P0 <= 16 - 6.58 = 9.42 pages.
+- Table 8's implied start. Output tokens = TPS x total time: GrowPage 2,261 x 1.42 h x 3,600 /
+  1,280 = 9,030 tokens a request, GrowPage-Fixed 1,874 x 1.59 h x 3,600 / 1,280 = 8,380, so the
+  outputs are NOT of equal length (GrowPage's 7.7% longer). In pages, plus about half a page for
+  rounding each request up and a prompt of under half a page: n = 35.3 + 0.5 + (0 .. 0.4) =
+  35.8 .. 36.2 for GrowPage, P0 ~ n - 23.99 = 11.8 .. 12.2; the same method on Fixed gives
+  32.7 + 0.5 + (0 .. 0.4) - 17.41 = 15.8 .. 16.2, recovering its known 16 (the mean-request
+  reading ignores requests that end below P0, which would lower the estimate a little).
+So the tables pin P0 only to roughly 9 - 12 pages (2,300 - 3,100 tokens). The default is 9 pages
+(2,304 tokens at b = 256, 288 at b = 32, 144 at b = 16), the Table 9 bound rounded down, kept as a
+page count so every block size has the same number of pages; it is the one start rule of the
+project's runs (benchmarks and reference runs use the policy default and choose the block size so
+that requests pass it). `kvarena bench mixed --start-sweep 6,9,12` measures how much it matters.
+The start is a parameter of its own and is never a fixed baseline's budget (the evals give
+`budget` fields the task's budget, never `initial_capacity`).
 
 EMA betas (`preset_betas`, `preset="auto"` by default). beta_L = 0.999 averages over 1 / (1 - beta) = 1000
 tokens, 3.9 pages at b = 256; at b = 32 the same beta spans 31 pages, longer than the CPU-scale
@@ -54,10 +60,26 @@ long time constant in pages: beta_L = 1 - 1 / (3.90625 x b) (0.999 at b = 256, 0
 at 16). beta_S keeps its 10-token time constant: scaled by pages it would be 1.25 tokens at b = 32
 (beta_S = 0.2) and below one token at b < 26 (no valid beta), i.e. the current query, the Table 2
 ablation (beta_S = 0) the paper finds less accurate; it smooths token-level query noise, which does
-not shrink with the page. "paper" uses (0.9, 0.999) at any block size; "pages" scales both
-(beta_S = max(0, 1 - 1 / (0.0390625 x b))), the literal reading. Explicit beta_short/beta_long win
-over the preset. The betas size the engine's EMA pool, so they are resolved in `prepare(block_size)`,
-which the engine calls before it reads `signals()`.
+not shrink with the page. "auto" loses Table 2's point, though: the paper's long/short time-constant
+ratio is 100 (1000 / 10 tokens), "auto"'s is 6.25 at b = 16 and 12.5 at b = 32, close to the
+(0.9, 0.99) ablation (ratio 10) the paper finds worse. "ratio" keeps the ratio of 100 at every
+block size: tau_S = max(1, 10 b / 256) tokens (the short constant in pages, never under one token)
+and tau_L = 100 tau_S, i.e. (0, 0.99) at b = 16 (tau_L = 100 tokens = 6.25 pages), (0.2, 0.992) at
+b = 32, the paper's pair at b = 256; below b = 26 its short summary is the current query, so no
+preset keeps the ratio, the long constant in pages and a smoothed short summary at once at
+b = 16. "paper" uses (0.9, 0.999) at any block size (ratio 100, tau_L = 62 pages at b = 16);
+"pages" scales both (beta_S = max(0, 1 - 1 / (0.0390625 x b)), ratio 100 where b >= 26, 62.5 at
+b = 16). Explicit beta_short/beta_long win over the preset. The betas size the engine's EMA pool,
+so they are resolved in `prepare(block_size)`, which the engine calls before it reads `signals()`.
+
+Threshold (`threshold`). The paper grows iff delta > tau with tau = 0. On the embedded CPU model
+delta carries a positive offset (results/analysis/README.md: delta > 0 at most decision
+boundaries while the future change is positive at about half), so GrowPage grows at nearly every
+decision and behaves like FullKV after its start, and Random/Inverse/Fixed cannot be told apart.
+threshold="median" is NOT in the paper and is off by default: each decision compares
+delta - median(the request's earlier deltas) with tau (the first decision, with no history,
+compares delta itself), which removes a constant offset so the ablations can be compared at this
+scale. The event records keep the raw delta and add `delta_centred`.
 
 Choices where the paper is silent (each also noted where it is implemented):
 - Capacities are counted in allocated slots (pages x b). A request's capacity (the Table 8
@@ -96,6 +118,7 @@ Variants (App. H.1) live in growpage_variants.py and differ only in their `Capac
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 from typing import ClassVar, Protocol
 
@@ -125,10 +148,17 @@ from engine.policies.demand import (
 
 PAPER_BLOCK_SIZE = 256
 PAPER_K_LOC = 64
-PAPER_INITIAL_PAGES = 9  # Table 9: P0 <= 9.42 pages (module docstring); 2304 tokens at b = 256
+# Not stated by the paper: Table 9 gives P0 <= 9.42 pages if outputs were of equal length, Table 8's
+# output lengths imply about 12 (module docstring); 9 pages = 2304 tokens at b = 256.
+DEFAULT_INITIAL_PAGES = 9
 PAPER_BETA_SHORT = 0.9   # 10-token time constant
 PAPER_BETA_LONG = 0.999  # 1000 tokens = 3.90625 pages of 256
-BETA_PRESETS = ("auto", "paper", "pages")
+PAPER_TIME_RATIO = 100  # tau_L / tau_S = 1000 / 10 tokens (Table 2's default pair)
+BETA_PRESETS = ("auto", "paper", "pages", "ratio")
+# How delta is compared with tau. "fixed" is the paper's rule (delta > tau). "median" is NOT the
+# paper's: the rule reads delta minus the running median of the request's earlier deltas, which
+# removes a constant offset of delta (module docstring, "Threshold").
+THRESHOLDS = ("fixed", "median")
 
 
 def preset_betas(preset: str, block_size: int) -> tuple[float, float]:
@@ -137,18 +167,31 @@ def preset_betas(preset: str, block_size: int) -> tuple[float, float]:
     "paper": (0.9, 0.999). "auto": beta_L keeps the paper's time constant in pages,
     1 - 1 / (pages x b) with pages = 1000 / 256; beta_S stays 0.9. "pages": both time constants in
     pages (beta_S clipped at 0, the current query, where its time constant is under one token).
+    "ratio": the long/short time-constant ratio of the paper (100) at every block size, with the
+    short constant in pages but never under one token: tau_S = max(1, 10 b / 256) tokens,
+    tau_L = 100 tau_S ((0, 0.99) at b = 16, (0.2, 0.992) at 32, the paper's at 256).
     """
     if preset not in BETA_PRESETS:
         raise ConfigError(f"growpage: unknown preset {preset!r}; valid: {list(BETA_PRESETS)}")
     if preset == "paper" or block_size == PAPER_BLOCK_SIZE:
         return PAPER_BETA_SHORT, PAPER_BETA_LONG
 
-    def in_pages(beta: float) -> float:
-        pages = 1.0 / (1.0 - beta) / PAPER_BLOCK_SIZE
-        return max(0.0, round(1.0 - 1.0 / (pages * block_size), 12))
+    def from_tokens(tokens: float) -> float:
+        return max(0.0, round(1.0 - 1.0 / tokens, 12))
 
+    def in_pages(beta: float) -> float:
+        return from_tokens(1.0 / (1.0 - beta) / PAPER_BLOCK_SIZE * block_size)
+
+    if preset == "ratio":
+        short_tokens = max(1.0, 1.0 / (1.0 - PAPER_BETA_SHORT) / PAPER_BLOCK_SIZE * block_size)
+        return from_tokens(short_tokens), from_tokens(PAPER_TIME_RATIO * short_tokens)
     short = in_pages(PAPER_BETA_SHORT) if preset == "pages" else PAPER_BETA_SHORT
     return short, in_pages(PAPER_BETA_LONG)
+
+
+def time_constants(betas: tuple[float, float]) -> tuple[float, float]:
+    """(tau_S, tau_L) in tokens, 1 / (1 - beta): the span each summary averages over."""
+    return tuple(1.0 / (1.0 - b) for b in betas)
 
 
 # -- Compress & Hold selection (pure) ---------------------------------------------------------
@@ -263,12 +306,14 @@ class GrowPageState:
     capacity_pages: pages granted by the latest decision; what a re-admission is compressed back to.
     preempted: set by `on_preempt`, cleared when the re-admitted request is compressed back.
     last_demand: the latest demand numbers, attached to a fallback's event record.
+    deltas: every delta this request's decisions computed, oldest first (threshold="median").
     """
 
     active: bool = False
     capacity_pages: int = 0
     preempted: bool = False
     last_demand: dict = field(default_factory=dict)
+    deltas: list = field(default_factory=list)
 
 
 @register_policy
@@ -282,12 +327,15 @@ class GrowPage(KVPolicy):
     preset: "auto" | "paper" | "pages" (module docstring, "EMA betas"); fills the betas left None.
     top_p: coverage p of the working set K (Eq. 7).
     tau: demand threshold; GROW iff delta > tau (App. D.1 sweeps -0.003..0.003).
+    threshold: "fixed" (the paper: delta is compared with tau as it is) or "median" (NOT the
+        paper's rule, off by default: the rule reads delta minus the running median of the
+        request's earlier deltas, removing a constant offset; module docstring, "Threshold").
     metric: "top_p" (K / |C|) or "entropy" (exp(H) / |C|, the Table 2 ablation).
     k_loc: block-local retention quota per page; None = b / 4 (64 at b = 256, App. D.2).
     protected_recent: most recent slots never evicted by a compaction.
     initial_capacity: tokens (a multiple of b) where capacity control starts; below it a boundary
-        allocates a page without a decision. None = 9 pages (Table 9, module docstring). Never a
-        fixed baseline's budget.
+        allocates a page without a decision. None = 9 pages (the paper does not state it; module
+        docstring). Never a fixed baseline's budget.
     max_capacity: tokens (a multiple of b) a request never grows past; None = unbounded.
     layer_chunk: layers scored per pass (bounds the temporary [layers, heads, n] score tensors).
     """
@@ -299,6 +347,7 @@ class GrowPage(KVPolicy):
     preset: str = "auto"
     top_p: float = 0.99
     tau: float = 0.0
+    threshold: str = "fixed"
     metric: str = "top_p"
     k_loc: int | None = None
     protected_recent: int = 16
@@ -319,6 +368,9 @@ class GrowPage(KVPolicy):
             self._check_betas(self.beta_short, self.beta_long)
         if not 0.0 < self.top_p <= 1.0:
             raise ConfigError(f"{self.name}: top_p must be in (0, 1], got {self.top_p}")
+        if self.threshold not in THRESHOLDS:
+            raise ConfigError(f"{self.name}: unknown threshold {self.threshold!r}; "
+                              f"valid: {list(THRESHOLDS)}")
         if self.metric not in DEMAND_METRICS:
             raise ConfigError(
                 f"{self.name}: unknown metric {self.metric!r}; valid: {sorted(DEMAND_METRICS)}"
@@ -372,7 +424,7 @@ class GrowPage(KVPolicy):
         if self.k_loc_slots > b:
             raise ConfigError(f"{self.name}: k_loc {self.k_loc} exceeds block_size {b}")
         self.initial_pages = self._pages("initial_capacity", self.initial_capacity,
-                                         PAPER_INITIAL_PAGES)
+                                         DEFAULT_INITIAL_PAGES)
         if self.initial_pages < 2:
             raise ConfigError(f"{self.name}: initial_capacity must be at least 2 pages "
                               f"({2 * b} tokens) so Compress & Hold keeps a page of history")
@@ -398,7 +450,8 @@ class GrowPage(KVPolicy):
         return {
             "block_size": b, "preset": self.preset, "beta_short": self.betas[0],
             "beta_long": self.betas[1],
-            "top_p": self.top_p, "tau": self.tau, "metric": self.metric,
+            "top_p": self.top_p, "tau": self.tau, "threshold": self.threshold,
+            "metric": self.metric,
             "k_loc": self.k_loc_slots, "protected_recent": self.protected_recent,
             "initial_capacity": self.initial_pages * b,
             "max_capacity": None if self.growth_cap_pages is None else self.growth_cap_pages * b,
@@ -441,8 +494,11 @@ class GrowPage(KVPolicy):
         if self.rule.needs_demand:
             demand = self.demand(view)
             state.last_demand = demand.info()
+            delta = demand.delta - self._offset(state)
+            state.deltas.append(demand.delta)
+            if self.threshold != "fixed":
+                state.last_demand["delta_centred"] = delta
             info.update(state.last_demand)
-            delta = demand.delta
         action = self.rule.decide(delta)
         if action is Action.GROW and self.growth_cap_pages is not None \
                 and pages + 1 > self.growth_cap_pages:
@@ -454,6 +510,13 @@ class GrowPage(KVPolicy):
         if action is Action.SHRINK:
             return self._shrink(state, pages, info)
         return self._hold(state, pages, info)
+
+    def _offset(self, state: GrowPageState) -> float:
+        """What the rule subtracts from delta: 0 ("fixed"), or the median of the request's
+        earlier deltas ("median"; 0 at its first decision, which has none)."""
+        if self.threshold == "fixed" or not state.deltas:
+            return 0.0
+        return float(statistics.median(state.deltas))
 
     def fallback(self, view: PolicyView) -> Decision | None:
         """A Grow decision could not be safely satisfied (the pool is at its free-page watermark):
@@ -527,9 +590,10 @@ class GrowPage(KVPolicy):
         positions = torch.full((2,), view.num_computed, dtype=torch.long, device=q.device)
         return view.apply_rope(calibrated, positions).float()
 
-    def demand(self, view: PolicyView) -> Demand:
-        """The demand trend over C = all physical slots but the most recent page (Eq. 7-8)."""
-        candidates = view.physical_len - self.block_size
+    def demand(self, view: PolicyView, exclude: int | None = None) -> Demand:
+        """The demand trend over C = all physical slots but the most recent `exclude` (None: one
+        page, Eq. 7-8; the demand study sets it in tokens, as the paper's 256)."""
+        candidates = view.physical_len - (self.block_size if exclude is None else exclude)
         if candidates <= 0:
             return Demand(0.0, 0.0, 0)
         queries = self.summary_queries(view)

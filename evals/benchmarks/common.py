@@ -279,7 +279,8 @@ def run_engine(model: str, prompts: Sequence[list[int]], params, *, label: str,
 
 
 # Engine counters of finished compactions (engine.scheduler.compaction_counter).
-COMPACTION_COUNTERS = ("compress", "shrink", "fallback_compaction", "prefill_compress", "prefill_shrink")
+COMPACTION_COUNTERS = ("compress", "shrink", "fallback_compaction", "prefill_compress", "prefill_shrink",
+                       "periodic_compress", "periodic_shrink")
 
 
 def count(stats, *keys: str) -> int:
@@ -383,7 +384,7 @@ def policy_metrics(run: EngineRun, reference: EngineRun | None = None) -> dict:
         "avg_kv_budget": s.avg_kv_budget,
         "grow": count(s, "grow"), "compress": count(s, "compress"), "shrink": count(s, "shrink"),
         "fallback": count(s, "fallback"), "preemption": count(s, "preemption"),
-        "compress_events": count(s, "compress", "shrink"),
+        "compress_events": count(s, "compress", "shrink", "periodic_compress", "periodic_shrink"),
         # Every compaction, decision or not (prompt compression, fallback compactions).
         "compactions": count(s, *COMPACTION_COUNTERS),
         "grow_ratio": s.grow_ratio,

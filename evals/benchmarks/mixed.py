@@ -9,9 +9,10 @@ would need to keep every request resident at full length, so the run is memory-b
 
 Page counts as in the paper (App. H.1, Tables 8-9): B = 16 pages (the paper's 4096 at b = 256) is
 GrowPage-Fixed's budget and Zipage's (Zipage also runs at 2B); GrowPage, -Random, -Inverse and
--Shrink start at their own initial capacity, 9 pages (growpage.py derives it from Table 9), never at
-B. To keep those page counts meaningful at CPU-scale output lengths the page is smaller than the
-CPU preset's 32: b = 16, so B = 256 tokens and GrowPage starts at 144. Requests are then about
+-Shrink start at their own initial capacity, 9 pages (the paper does not state it: growpage.py shows
+Table 9's bound of 9.4 and Table 8's implied 12; `start_sweep` measures 6 / 9 / 12), never at B.
+To keep those page counts meaningful at CPU-scale output lengths the page is smaller than the CPU
+preset's 32: b = 16, so B = 256 tokens and GrowPage starts at 144. Requests are then about
 12 / 22 / 42 pages long (GSM8K / AMC23 / AIME24-like: 0.75 / 1.4 / 2.6 B, against roughly 0.4 / 2.1 /
 3.4 B in the paper, whose AMC23 requests average 16 + 22,285 / 1,280 = 33 pages). The GrowPage
 family protects 8 recent slots (`protected_recent`, below the 16-slot page; the CPU preset's 16
@@ -79,8 +80,12 @@ class MixedScale:
     """counts / max_tokens: per kind, in KINDS order. budget: B in tokens (None: 16 pages).
     protected_recent: the GrowPage family's protected slots (below block_size). start_pages:
     an explicit initial capacity for GrowPage, -Random, -Inverse, -Shrink (None: the policy's
-    own, 9 pages), never derived from B. repeats: runs of the target triple (Zipage-B,
-    GrowPage-Fixed, GrowPage), the later ones rotating which goes first."""
+    own, 9 pages), never derived from B. start_sweep: extra GrowPage rows at these starts (pages;
+    the paper does not state its start, growpage.py: its tables put it at roughly 9 - 12).
+    threshold: GrowPage's "fixed" (the paper) or "median" (NOT the paper's: delta centred on the
+    request's running median, which removes the offset delta shows at CPU scale) for every variant
+    that reads delta. repeats: runs of the target triple (Zipage-B, GrowPage-Fixed, GrowPage),
+    the later ones rotating which goes first."""
 
     counts: tuple[int, int, int] = (8, 8, 6)
     max_tokens: tuple[int, int, int] = (96, 256, 576)
@@ -92,6 +97,8 @@ class MixedScale:
     block_size: int = 16
     protected_recent: int = 8
     start_pages: int | None = None
+    start_sweep: tuple[int, ...] = ()
+    threshold: str = "fixed"
     max_num_seqs: int = 64
     seed: int = 0
     repeats: int = 3
@@ -111,6 +118,10 @@ class MixedScale:
                              f"got {self.protected_recent}")
         if self.start_pages is not None and self.start_pages < 2:
             raise ValueError(f"start_pages must be at least 2, got {self.start_pages}")
+        if any(p < 2 for p in self.start_sweep):
+            raise ValueError(f"start_sweep pages must be at least 2, got {self.start_sweep}")
+        if self.threshold not in ("fixed", "median"):
+            raise ValueError(f"threshold must be 'fixed' or 'median', got {self.threshold!r}")
 
     @property
     def b(self) -> int:
@@ -135,8 +146,14 @@ def mixed_workload(builder: PromptBuilder, scale: MixedScale) -> tuple[list, lis
     return prompts, [n for _, _, n in queue], [kind for kind, _, _ in queue]
 
 
-def tau_label(policy: str, tau: float) -> str:
-    return f"{policy} (tau={tau:g})" if policy in TAU_POLICIES else policy
+def tau_label(policy: str, tau: float, threshold: str = "fixed") -> str:
+    if policy not in TAU_POLICIES:
+        return policy
+    return f"{policy} (tau={tau:g}{', median threshold' if threshold != 'fixed' else ''})"
+
+
+def start_label(pages: int) -> str:
+    return f"growpage (start={pages} pages)"
 
 
 def configs(scale: MixedScale, random_compress: float = PAPER_RANDOM_COMPRESS
@@ -146,11 +163,15 @@ def configs(scale: MixedScale, random_compress: float = PAPER_RANDOM_COMPRESS
     out = [("full", "full", {}), (f"zipage-{b}", "zipage", {"budget": b}),
            (f"zipage-{2 * b}", "zipage", {"budget": 2 * b})]
     for policy in ("growpage", *VARIANTS):
-        out.append((tau_label(policy, scale.tau), policy,
+        out.append((tau_label(policy, scale.tau, scale.threshold), policy,
                     growpage_args(policy, scale, scale.tau, random_compress)))
     for tau in scale.tau_sweep:
-        out.append((tau_label("growpage", tau), "growpage",
+        out.append((tau_label("growpage", tau, scale.threshold), "growpage",
                     growpage_args("growpage", scale, tau, random_compress)))
+    for pages in scale.start_sweep:
+        args = growpage_args("growpage", scale, scale.tau, random_compress)
+        out.append((start_label(pages), "growpage",
+                    {**args, "initial_capacity": pages * scale.block_size}))
     return out
 
 
@@ -166,6 +187,8 @@ def growpage_args(policy: str, scale: MixedScale, tau: float,
         args["initial_capacity"] = scale.start_pages * scale.block_size
     if policy in TAU_POLICIES:
         args["tau"] = tau
+        if scale.threshold != "fixed":
+            args["threshold"] = scale.threshold
     if policy == "growpage-shrink" and tau < -0.005:
         args["shrink_threshold"] = tau
     if policy == "growpage-random":
@@ -225,7 +248,7 @@ def run_mixed(model: str = "default", *, quick: bool = False, scale: MixedScale 
                           policy_args=args, kv_cache_tokens=pool_pages * bs, block_size=bs,
                           max_num_seqs=scale.max_num_seqs)
 
-    gp_label = tau_label("growpage", scale.tau)
+    gp_label = tau_label("growpage", scale.tau, scale.threshold)
     rows, delta_rows, reference, used = [], [], None, {}
     random_compress = PAPER_RANDOM_COMPRESS
     for label, policy, args in configs(scale):
@@ -353,7 +376,7 @@ def mixed_targets(scale: MixedScale, by: dict, repeats: list[dict]) -> list[Targ
 
 def target_triple(scale: MixedScale) -> tuple[str, str, str]:
     """Labels of the TPS comparisons: (Zipage-B, GrowPage-Fixed, GrowPage at scale.tau)."""
-    return f"zipage-{scale.b}", "growpage-fixed", tau_label("growpage", scale.tau)
+    return f"zipage-{scale.b}", "growpage-fixed", tau_label("growpage", scale.tau, scale.threshold)
 
 
 def repeat_runs(triple: tuple[str, str, str], first: dict[str, dict], repeats: int,
@@ -392,6 +415,11 @@ def mixed_command(
                                           "[default: 16 pages]. GrowPage's start is not B."),
     start_pages: int = typer.Option(None, help="Initial capacity of GrowPage, -Random, -Inverse, "
                                                "-Shrink in pages [default: the policy's, 9]."),
+    start_sweep: str = typer.Option("", help="Extra GrowPage rows at these starts in pages, e.g. "
+                                    "6,9,12 (the paper does not state its start)."),
+    threshold: str = typer.Option("fixed", help="'median' (NOT the paper's rule): delta centred "
+                                  "on each request's running median, for GrowPage, -Inverse, "
+                                  "-Shrink."),
     pool_fraction: float = typer.Option(None, help="Pool size as a share of FullKV's full need."),
     counts: str = typer.Option("", help="Requests per kind gsm8k,amc23,aime24 [default: 8,8,6]."),
     max_tokens: str = typer.Option("", help="Output tokens per kind gsm8k,amc23,aime24 "
@@ -409,7 +437,8 @@ def mixed_command(
                                        start_pages=start_pages).items() if v is not None}
     try:
         scale = replace(base, tau=tau, tau_sweep=parse_floats(tau_sweep, "--tau-sweep"),
-                        **overrides)
+                        start_sweep=tuple(parse_ints(start_sweep, "--start-sweep")),
+                        threshold=threshold, **overrides)
     except ValueError as err:  # counts of the wrong length, repeats < 1, pool_fraction out of range
         raise typer.BadParameter(str(err)) from err
     run_bench_command(run_mixed, ctx=ctx, threads=threads, out_dir=out_dir, quick=quick,
