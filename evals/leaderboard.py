@@ -424,7 +424,7 @@ def complete_intervals(run: RunResult) -> None:
 
 def build_leaderboard(dirs: Sequence[str | Path], out: str | Path) -> Leaderboard:
     """Collect every run under ``dirs`` and write the tables and figures into ``out``."""
-    from evals.plots import niah_heatmap, quality_memory_plot
+    from evals.plots import niah_grid, niah_heatmap, quality_memory_plot
     from evals.runner import niah_records
 
     runs = find_runs(dirs)
@@ -455,11 +455,16 @@ def build_leaderboard(dirs: Sequence[str | Path], out: str | Path) -> Leaderboar
         files["fidelity_memory.png"] = quality_memory_plot(
             fidelity, out / "fidelity_memory.png", ylabel="delta-NLL vs FullKV (nats/token)",
             title="Drift from FullKV vs average KV budget (95% intervals; 0 = FullKV)")
+    grids: dict[str, dict[str, list]] = {}
     for r in runs:
         grid = niah_records(r.samples()) if r.task == "niah" else []
         if grid:
             name = f"niah_{slug(r.model)}_{slug(r.label)}.png"
             files[name] = niah_heatmap(grid, out / name, title=f"{r.label} ({r.model})")
+            grids.setdefault(r.model, {})[r.label] = grid
+    for model, panels in sorted(grids.items()):  # every policy of the task on one shared scale
+        name = f"niah_{slug(model)}.png"
+        files[name] = niah_grid(panels, out / name, title=f"NIAH retrieval score by policy ({model})")
     tasks = order_tasks({r.task for r in runs})
     return Leaderboard(runs, tasks, _row_order(runs), files, md)
 
