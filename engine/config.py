@@ -29,7 +29,11 @@ CPU_KV_CACHE_TOKENS = 16384
 LOAD_FORMATS = ("auto", "dummy")
 
 # Whether decode steps run as one compiled graph (engine/decode_graph.py) unless `compile` is
-# given. Chosen by measurement on a quiet machine (compile time included); until then eager.
+# given. Measured side by side on the 2-core CPU (scripts/compile_ab.py, SmolLM2-135M fp32, 2
+# threads, load 1.3-1.7): batch 1 19.1 vs 19.4 tok/s eager, batch 32 132.8 vs 128.6, identical
+# greedy tokens, and a first compile of 23 s: no gain worth the compile, so eager. On a GPU the
+# compiled step's launches per layer drop from 26-36 to 10 (results/benchmarks/launches.md), but
+# its CUDA graphs have not run on a GPU yet, so `compile=True` there is opt-in until they have.
 COMPILE_DEFAULT = False
 
 
