@@ -351,7 +351,7 @@ def test_packed_cpu_weights_compute_what_the_dense_weights_do(model_dir):
         assert all((h is not None) == packed for h in handles)
         assert all(h.is_mkldnn for h in handles if h is not None)
         rows = []
-        llm.runner.logits_hook = lambda items, lg: rows.append(lg.clone())
+        llm.runner.logits_hook = lambda items, lg, rows=rows: rows.append(lg.clone())
         outs = llm.generate(PROMPTS, GREEDY)
         logits[packed] = ([o.token_ids for o in outs], torch.cat(rows))
     assert logits[True][0] == logits[False][0]
