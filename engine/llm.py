@@ -143,7 +143,7 @@ class LLM:
                 threads.adapt()
                 items = scheduler.schedule()
                 steps.append(StepRecord(len(scheduler.running), scheduler.bm.num_used,
-                                        sum(not it.prefill for it in items)))
+                                        sum(not it.prefill for it in items), threads.current()))
                 if items:
                     start = time.perf_counter()
                     tokens = self.runner.run(items)

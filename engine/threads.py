@@ -133,6 +133,13 @@ def set_threads(threads: int, adaptive: bool = True) -> int:
     return threads
 
 
+def current() -> int:
+    """torch's intra-op threads now."""
+    import torch
+
+    return torch.get_num_threads()
+
+
 def adapt() -> None:
     """One engine step's chance for the governor to act (cheap: a clock read between samples)."""
     GOVERNOR.tick()
