@@ -70,6 +70,9 @@ class EngineConfig:
     compile: run decode steps as one compiled graph (torch.compile; on CUDA one captured CUDA
         graph per batch-size bucket; engine/decode_graph.py); False is eager (vLLM's
         enforce_eager), for debugging. Prefill and mixed steps are always eager.
+    cpu_packed_weights: on CPU in float32, give the projections and the LM head oneDNN-packed
+        copies of their weights (engine/models/packed_linear.py: decode steps ~25% faster, at the
+        cost of a second copy of those weights); ignored elsewhere.
     """
 
     model: str = DEFAULT_MODEL
@@ -91,6 +94,7 @@ class EngineConfig:
     load_format: str = "auto"
     trace_kept: bool = False
     compile: bool = COMPILE_DEFAULT
+    cpu_packed_weights: bool = True
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
@@ -107,8 +111,9 @@ class EngineConfig:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device not in ("cpu", "cuda", "meta") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device must be 'auto', 'cpu', 'cuda' or 'meta', got {self.device!r}")
-        if not isinstance(self.compile, bool):
-            raise ConfigError(f"compile must be True or False, got {self.compile!r}")
+        for name in ("compile", "cpu_packed_weights"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.block_size is None:
             self.block_size = GPU_BLOCK_SIZE if self.is_cuda else CPU_BLOCK_SIZE
         _require_positive("block_size", self.block_size)

@@ -11,6 +11,7 @@ import time
 from typing import Callable, Iterator
 from typing import Sequence as Seq
 
+from engine import threads
 from engine.block_manager import BlockManager
 from engine.config import ConfigError, EngineConfig
 from engine.kept_trace import KeptTrace
@@ -139,9 +140,10 @@ class LLM:
         forward = 0.0
         try:
             while scheduler.has_unfinished():
+                threads.adapt()
                 items = scheduler.schedule()
                 steps.append(StepRecord(len(scheduler.running), scheduler.bm.num_used,
-                                        sum(not it.prefill for it in items)))
+                                        sum(not it.prefill for it in items), threads.current()))
                 if items:
                     start = time.perf_counter()
                     tokens = self.runner.run(items)

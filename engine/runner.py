@@ -54,7 +54,7 @@ class ModelRunner:
         self.model = build_model(self.hf_config, self.max_model_len, self.device, self.dtype)
         tensors = (random_tensors(self.model, config.seed, self.device) if config.load_format == "dummy"
                    else iter_safetensors(model_dir))
-        load_weights(self.model, tensors, self.device, self.dtype)
+        load_weights(self.model, tensors, self.device, self.dtype, config.cpu_packed_weights)
         cfg = self.hf_config
         self.num_layers = cfg.num_hidden_layers
         self.num_q_heads = cfg.num_attention_heads
@@ -92,7 +92,7 @@ class ModelRunner:
         model's `state_dict().items()`, so the engine and that model compute with the same
         weights (the GPU check compares them on random 8B-shaped weights)."""
         self.model = build_model(self.hf_config, self.max_model_len, self.device, self.dtype)
-        load_weights(self.model, tensors, self.device, self.dtype)
+        load_weights(self.model, tensors, self.device, self.dtype, self.config.cpu_packed_weights)
         self._rebuild_graph()
 
     def _query_pool(self, signals: SignalSpec) -> QueryStatePool:

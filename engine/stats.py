@@ -107,6 +107,7 @@ class StepRecord:
     running: int
     pages_used: int
     decodes: int
+    threads: int = 1  # torch's intra-op threads for the step (engine/threads.py's governor)
 
 
 @dataclass
@@ -131,6 +132,7 @@ class RunStats:
     compactions: int = 0
     final_kv_len: float | None = None  # mean over requests of RequestOutput.final_kv_len
     kv_context: float | None = None
+    mean_threads: float | None = None  # torch threads per step, averaged over steps
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -188,6 +190,7 @@ def run_stats(outputs: list[RequestOutput], steps: list[StepRecord], events: lis
         peak_pages=max((s.pages_used for s in steps), default=0),
         mean_pages=statistics.fmean(s.pages_used for s in steps) if steps else 0.0,
         num_steps=len(steps), forward_seconds=forward_seconds,
+        mean_threads=statistics.fmean(s.threads for s in steps) if steps else None,
         compaction_seconds=compaction_seconds, counts=counts,
         grow_ratio=decisions["grow"] / n_decisions if n_decisions else None,
         stage_seconds=dict(stages), compactions=sum(is_compaction(e.action) for e in events),

@@ -1,28 +1,38 @@
-"""CPU thread setup: OpenMP's wait policy (before torch loads) and torch's thread count.
+"""CPU threads: OpenMP's wait policy (before torch loads), torch's thread count, and a governor
+that keeps that count at the cores other processes leave free.
 
 Why: torch's CPU kernels run on GNU OpenMP (libgomp, bundled with the torch wheel; matmuls go
-through MKL's GNU threading layer and oneDNN, on the same thread team). libgomp's default wait
-policy lets a thread that reaches a barrier, or finishes a parallel region, spin for up to 300,000
-iterations before it sleeps. A decode step is a long chain of short parallel regions (a few
-matmuls per layer) separated by serial Python and small ops, so the second thread is almost never
-asleep: it spins between regions and holds a core. On a machine where other processes want the
-cores, that spinning thread competes with our own main thread and with them; a thread that waits
-on one the OS has descheduled spins away its time slice. Measured on the shared 2-core machine
-with one CPU-bound competitor (the engine's batch-1 decode, 2 threads): 32 tokens took 13.0-14.6
-CPU seconds with the default policy against 2.1-2.5 with `OMP_WAIT_POLICY=PASSIVE`
-(docs/architecture.md, "CPU threads", has the experiment). vLLM's CPU backend avoids the same
-trap differently: its model worker's OpenMP threads are bound one per core
-(`VLLM_CPU_OMP_THREADS_BIND=auto`), one core is reserved for its scheduler process (on 2 cores: a
-single compute thread, so nothing waits on a peer), and its scheduler process drops torch to one
-thread for that reason (`vllm.utils.torch_utils.set_torch_threads_for_runtime`).
+through MKL's GNU threading layer and oneDNN, on the same thread team). A decode step is a long
+chain of short parallel regions (a few matmuls per layer) separated by serial Python and small
+ops. Between regions, a thread that finished waits for the next one: libgomp lets it spin for up
+to 300,000 iterations (its default), or sleeps it at once (`OMP_WAIT_POLICY=PASSIVE`).
+
+Two measurements on the 2-core machine pull opposite ways (docs/architecture.md "CPU threads"
+has the tables):
+- Quiet machine: sleeping costs a wake-up at every region. SmolLM2 fp32, 2 threads: batch 1
+  13.8-19.3 tok/s PASSIVE against 20.4-24.9 spinning; batch 32 105-112 against 126-148.
+- One CPU-bound competitor: a spinning thread that waits on a peer the OS has descheduled spins
+  its time slice away. Batch 1 14.7 tok/s PASSIVE against 6.7 with a 10,000-iteration spin and
+  3.5 with 100,000; batch 32 75 against 60 and 25.
+- One thread beside that competitor has no peer to wait on: 13.4 and 66 tok/s, as PASSIVE's.
+
+So: spin briefly (`GOMP_SPINCOUNT=10000`, which bounds the loss while the governor reacts), and
+run as many threads as there are cores nobody else wants. `ThreadGovernor` samples, every
+`interval_s` of engine steps, the runnable tasks of the machine that are not this process's own
+(`/proc/stat` procs_running minus this process's threads in state R) and sets torch's threads to
+the usable CPUs minus the median of the last samples (at least 1, at most the limit set by
+`set_threads`). vLLM's CPU backend reaches the same place differently: on 2 cores it binds a
+single compute thread and reserves the other core for its scheduler.
 
 What this module does:
-- `apply_openmp_defaults()` sets `OMP_WAIT_POLICY=PASSIVE` in the environment unless the user set
-  it. libgomp reads the variable once, when torch loads it, so this must run before `import torch`:
+- `apply_openmp_defaults()` sets OPENMP_DEFAULTS the user has not set (neither variable given).
+  libgomp reads them once, when torch loads it, so this must run before `import torch`:
   `engine/__init__.py` calls it, so importing anything from `engine` first is enough (the CLI does
   so before anything else). It records whether it came in time (`openmp_state()`).
 - `set_threads(n)` sets torch's intra-op threads, capped at the CPUs this process may use (its
-  affinity mask and cgroup CPU quota; `os.cpu_count()` sees neither).
+  affinity mask and cgroup CPU quota; `os.cpu_count()` sees neither), and makes n the governor's
+  limit; `adaptive=False` pins the count instead.
+- `adapt()`, called once per engine step (engine/llm.py), lets the governor act.
 
 Threads are not bound to cores: on a shared machine a bound thread cannot move to a core another
 process has left, and an unbound thread can.
@@ -33,8 +43,10 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
+from typing import Callable
 
-OPENMP_DEFAULTS = {"OMP_WAIT_POLICY": "PASSIVE"}
+OPENMP_DEFAULTS = {"GOMP_SPINCOUNT": "10000"}
 
 # The variables apply_openmp_defaults() set (the user had not), and whether torch was still
 # unloaded when it ran (None: it has not run).
@@ -50,8 +62,9 @@ def apply_openmp_defaults() -> bool:
     global _in_time
     if _in_time is None:
         _in_time = "torch" not in sys.modules
+        user_set = any(key in os.environ for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"))
         for key, value in OPENMP_DEFAULTS.items():
-            if key not in os.environ:
+            if not user_set:
                 os.environ[key] = value
                 _applied[key] = value
     return _in_time
@@ -66,7 +79,8 @@ def applied_defaults() -> dict[str, str]:
 def openmp_state() -> dict:
     """What a result records about the OpenMP setup of this process."""
     return {"OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "(unset)"),
-            "omp_policy_applied_before_torch": _in_time}
+            "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "(unset)"),
+            "omp_policy_applied_before_torch": _in_time, "threads": GOVERNOR.state()}
 
 
 def cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> float | None:
@@ -100,9 +114,10 @@ def usable_cpus() -> int:
     return max(1, count or 1)
 
 
-def set_threads(threads: int) -> int:
-    """torch's intra-op threads: `threads`, capped at usable_cpus() (a warning says so).
-    Returns the count set. Raises ValueError for threads < 1."""
+def set_threads(threads: int, adaptive: bool = True) -> int:
+    """torch's intra-op threads: `threads`, capped at usable_cpus() (a warning says so), and the
+    governor's limit (`adaptive=False`: the count stays). Returns the count set. Raises
+    ValueError for threads < 1."""
     if threads < 1:
         raise ValueError(f"--threads must be >= 1, got {threads}")
     apply_openmp_defaults()
@@ -114,4 +129,91 @@ def set_threads(threads: int) -> int:
                     threads, usable, usable)
         threads = usable
     torch.set_num_threads(threads)
+    GOVERNOR.reset(threads, usable, enabled=adaptive)
     return threads
+
+
+def current() -> int:
+    """torch's intra-op threads now."""
+    import torch
+
+    return torch.get_num_threads()
+
+
+def adapt() -> None:
+    """One engine step's chance for the governor to act (cheap: a clock read between samples)."""
+    GOVERNOR.tick()
+
+
+def runnable_others() -> int | None:
+    """Runnable tasks on the machine that are not this process's threads: /proc/stat's
+    procs_running minus this process's threads in state R. None where /proc cannot tell."""
+    try:
+        with open("/proc/stat") as f:
+            running = next(int(line.split()[1]) for line in f if line.startswith("procs_running"))
+        ours = 0
+        for task in os.listdir("/proc/self/task"):
+            with open(f"/proc/self/task/{task}/stat") as f:
+                ours += f.read().rsplit(")", 1)[1].split()[0] == "R"
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+    return max(0, running - ours)
+
+
+class ThreadGovernor:
+    """Keeps torch's intra-op threads at min(limit, usable - others), where others is the
+    median runnable-others count of the last `window` samples, one sample per `interval_s`
+    (module docstring). `sample` and `clock` are injectable for tests."""
+
+    def __init__(self, interval_s: float = 0.1, window: int = 5,
+                 sample: Callable[[], int | None] = runnable_others,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.interval_s, self.window = interval_s, window
+        self.sample, self.clock = sample, clock
+        self.enabled = False
+        self.limit = self.usable = self.current = 1
+        self.changes = 0
+        self.lowest = 1
+        self._samples: list[int] = []
+        self._next = 0.0
+
+    def reset(self, limit: int, usable: int, enabled: bool = True) -> None:
+        self.enabled = enabled and limit > 1
+        self.limit = self.current = self.lowest = limit
+        self.usable = usable
+        self.changes = 0
+        self._samples = []
+        self._next = 0.0
+
+    def tick(self) -> None:
+        if not self.enabled:
+            return
+        now = self.clock()
+        if now < self._next:
+            return
+        self._next = now + self.interval_s
+        others = self.sample()
+        if others is None:  # no /proc: keep the count
+            self.enabled = False
+            return
+        self._samples = (self._samples + [others])[-self.window:]
+        if len(self._samples) < self.window:  # a lone spike decides nothing
+            return
+        busy = sorted(self._samples)[len(self._samples) // 2]
+        wanted = max(1, min(self.limit, self.usable - busy))
+        if wanted != self.current:
+            import torch
+
+            torch.set_num_threads(wanted)
+            self.current = wanted
+            self.changes += 1
+            self.lowest = min(self.lowest, wanted)
+
+    def state(self) -> dict:
+        """What a result records: the limit, the count now, the fewest used and how often it
+        changed (enabled False: the count was pinned or never set through set_threads)."""
+        return {"adaptive": self.enabled, "limit": self.limit, "current": self.current,
+                "lowest": self.lowest, "changes": self.changes}
+
+
+GOVERNOR = ThreadGovernor()

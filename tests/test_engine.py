@@ -337,6 +337,27 @@ def test_fused_projections_keep_checkpoint_parameters(model_dir):
             mlp.gate_up_weight.untyped_storage().data_ptr()
 
 
+def test_packed_cpu_weights_compute_what_the_dense_weights_do(model_dir):
+    """On CPU fp32 every projection and the LM head get a oneDNN-packed copy (the default), used
+    by the forward pass; turning packing off leaves none, and both give the same greedy tokens
+    with logits equal to rounding (the transformers parity test above runs packed)."""
+    logits = {}
+    for packed in (True, False):
+        llm = LLM(str(model_dir), block_size=4, kv_cache_tokens=256, cpu_packed_weights=packed)
+        model = llm.runner.model
+        handles = [model.head_packed] + [t for layer in model.model.layers for t in (
+            layer.self_attn.qkv_packed, layer.self_attn.o_packed, layer.mlp.gate_up_packed,
+            layer.mlp.down_packed)]
+        assert all((h is not None) == packed for h in handles)
+        assert all(h.is_mkldnn for h in handles if h is not None)
+        rows = []
+        llm.runner.logits_hook = lambda items, lg, rows=rows: rows.append(lg.clone())
+        outs = llm.generate(PROMPTS, GREEDY)
+        logits[packed] = ([o.token_ids for o in outs], torch.cat(rows))
+    assert logits[True][0] == logits[False][0]
+    torch.testing.assert_close(logits[True][1], logits[False][1], atol=1e-4, rtol=0)
+
+
 def test_fp32_rms_norm_equals_the_upcasting_formula():
     from engine.models.llama import RMSNorm
 

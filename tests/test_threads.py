@@ -1,6 +1,6 @@
-"""engine/threads.py: OpenMP's wait policy set before torch loads (checked in fresh interpreters,
-since this test process loaded torch in conftest), the user's own value kept, and torch's thread
-count capped at the CPUs the process may use."""
+"""engine/threads.py: OpenMP's bounded spin set before torch loads (checked in fresh interpreters,
+since this test process loaded torch in conftest), the user's own values kept, torch's thread
+count capped at the CPUs the process may use, and the governor that follows the free cores."""
 
 from __future__ import annotations
 
@@ -17,12 +17,13 @@ from engine import threads
 
 REPO = Path(__file__).resolve().parents[1]
 PROBE = ("import json, os, sys\n{first}\nimport torch\nfrom engine import threads\n"
-         "print(json.dumps({{'policy': os.environ.get('OMP_WAIT_POLICY'), "
+         "print(json.dumps({{'spin': os.environ.get('GOMP_SPINCOUNT'), "
          "'state': threads.openmp_state(), 'applied': threads.applied_defaults()}}))\n")
+OPENMP_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
 
 
 def probe(first: str, **env: str) -> dict:
-    clean = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    clean = {k: v for k, v in os.environ.items() if k not in OPENMP_VARS}
     out = subprocess.run([sys.executable, "-c", PROBE.format(first=first)], cwd=REPO, text=True,
                          capture_output=True, env={**clean, "PYTHONPATH": str(REPO), **env},
                          check=True)
@@ -30,15 +31,19 @@ def probe(first: str, **env: str) -> dict:
 
 
 @pytest.mark.parametrize("first", ["import engine", "import cli"])
-def test_wait_policy_is_set_before_torch_loads(first):
+def test_bounded_spin_is_set_before_torch_loads(first):
     got = probe(first)
-    assert got["policy"] == "PASSIVE" and got["applied"] == {"OMP_WAIT_POLICY": "PASSIVE"}
-    assert got["state"] == {"OMP_WAIT_POLICY": "PASSIVE", "omp_policy_applied_before_torch": True}
+    assert got["spin"] == "10000" and got["applied"] == {"GOMP_SPINCOUNT": "10000"}
+    state = got["state"]
+    assert state["GOMP_SPINCOUNT"] == "10000" and state["OMP_WAIT_POLICY"] == "(unset)"
+    assert state["omp_policy_applied_before_torch"] is True
 
 
-def test_users_policy_is_kept_and_late_import_is_reported():
-    got = probe("import engine", OMP_WAIT_POLICY="ACTIVE")
-    assert got["policy"] == "ACTIVE" and got["applied"] == {}
+@pytest.mark.parametrize("var, value", [("OMP_WAIT_POLICY", "PASSIVE"), ("GOMP_SPINCOUNT", "5")])
+def test_users_openmp_settings_are_kept_and_late_import_is_reported(var, value):
+    got = probe("import engine", **{var: value})
+    assert got["applied"] == {} and got["state"][var] == value
+    assert got["spin"] == (value if var == "GOMP_SPINCOUNT" else None)
     late = probe("import torch")
     assert late["state"]["omp_policy_applied_before_torch"] is False
 
@@ -65,3 +70,72 @@ def test_cgroup_quota(tmp_path):
     (v1 / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
     assert threads.cgroup_cpu_quota(str(v1)) == 2.0
     assert 1 <= threads.usable_cpus() <= (os.cpu_count() or 1)
+
+
+class Machine:
+    """A fake clock and runnable-others count for the governor."""
+
+    def __init__(self) -> None:
+        self.now, self.others = 0.0, 0
+
+    def step(self, governor: threads.ThreadGovernor, n: int = 1) -> None:
+        for _ in range(n):
+            self.now += governor.interval_s
+            governor.tick()
+
+
+@pytest.fixture
+def governed(monkeypatch):
+    machine = Machine()
+    gov = threads.ThreadGovernor(sample=lambda: machine.others, clock=lambda: machine.now)
+    set_to = []
+    monkeypatch.setattr(torch, "set_num_threads", set_to.append)
+    gov.reset(limit=2, usable=2)
+    return machine, gov, set_to
+
+
+def test_governor_leaves_the_cores_other_processes_take(governed):
+    machine, gov, set_to = governed
+    machine.step(gov, 10)
+    assert gov.current == 2 and set_to == []  # quiet: the limit
+    machine.others = 1
+    machine.step(gov, gov.window // 2)
+    assert gov.current == 2  # a minority of the window decides nothing
+    machine.step(gov, gov.window)
+    assert gov.current == 1 and set_to == [1]
+    machine.others = 3
+    machine.step(gov, gov.window)
+    assert gov.current == 1  # never below one thread
+    machine.others = 0
+    machine.step(gov, gov.window)
+    assert gov.current == 2 and set_to == [1, 2]
+    assert gov.state() == {"adaptive": True, "limit": 2, "current": 2, "lowest": 1, "changes": 2}
+
+
+def test_governor_samples_once_per_interval(governed):
+    machine, gov, _ = governed
+    calls = []
+    gov.sample = lambda: calls.append(machine.now) or 0
+    for _ in range(50):
+        machine.now += gov.interval_s / 10
+        gov.tick()
+    assert len(calls) == 5
+
+
+def test_governor_off_when_pinned_single_or_blind(governed):
+    machine, gov, set_to = governed
+    machine.others = 1
+    gov.reset(limit=2, usable=2, enabled=False)
+    machine.step(gov, 10)
+    gov.reset(limit=1, usable=2)
+    machine.step(gov, 10)
+    assert set_to == [] and not gov.state()["adaptive"]
+    gov.reset(limit=2, usable=2)
+    gov.sample = lambda: None  # no /proc: the count stays as set
+    machine.step(gov, 10)
+    assert set_to == [] and not gov.enabled
+
+
+def test_runnable_others_reads_this_machine():
+    others = threads.runnable_others()
+    assert others is None or others >= 0

@@ -12,6 +12,10 @@ whose per-call overhead is a visible share of the step (issue: single stream vs 
 fewer, larger calls help; each output element is still the same dot product, so results match the
 unfused layers (tests/test_engine.py checks it). The rotary cos/sin rows are gathered once per
 forward pass instead of twice per layer.
+
+On CPU in float32, `CausalLM.pack_weights` then gives every projection and the LM head a
+oneDNN-packed copy of its weight, which the forward pass uses (engine/models/packed_linear.py
+has why and the figures).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from engine.attention import ForwardContext, attend
+from engine.models import packed_linear
 from engine.models.rope import Rope, RopeRows
 
 
@@ -66,6 +71,8 @@ class Attention(nn.Module):
         self.qk_norm = flags.qk_norm
         self.qkv_weight: torch.Tensor | None = None  # set by fuse()
         self.qkv_bias: torch.Tensor | None = None
+        self.qkv_packed: torch.Tensor | None = None  # set by pack()
+        self.o_packed: torch.Tensor | None = None
 
     def fuse(self) -> None:
         """q/k/v weights (and biases) -> one [q + 2 kv, hidden] tensor; the projections' parameters
@@ -73,11 +80,16 @@ class Attention(nn.Module):
         self.qkv_weight = _fuse([self.q_proj, self.k_proj, self.v_proj], "weight")
         self.qkv_bias = _fuse([self.q_proj, self.k_proj, self.v_proj], "bias")
 
+    def pack(self) -> None:
+        """oneDNN-packed copies of the fused q/k/v and the output projection (module docstring)."""
+        self.qkv_packed = packed_linear.pack(_fused(self.qkv_weight))
+        self.o_packed = packed_linear.pack(self.o_proj.weight)
+
     def forward(self, x: torch.Tensor, rope: RopeRows, ctx: ForwardContext):
         """x: [T, hidden], rope: the step's cos/sin rows -> [T, hidden]."""
         T = x.shape[0]
         H, KH, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = F.linear(x, _fused(self.qkv_weight), self.qkv_bias)
+        qkv = packed_linear.linear(x, _fused(self.qkv_weight), self.qkv_packed, self.qkv_bias)
         v = qkv[:, (H + KH) * d:].view(T, KH, d)
         if self.qk_norm:
             q = self.q_norm(qkv[:, :H * d].view(T, H, d))
@@ -91,7 +103,7 @@ class Attention(nn.Module):
             qk = rope.rotate(qk)
             q, k = qk[:, :H], qk[:, H:]
         out = attend(self.layer_idx, q_pre, q, k, v, ctx)
-        return F.linear(out.reshape(T, -1), self.o_proj.weight)
+        return packed_linear.linear(out.reshape(T, -1), self.o_proj.weight, self.o_packed)
 
 
 class MLP(nn.Module):
@@ -102,14 +114,22 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(h, i, bias=False)
         self.down_proj = nn.Linear(i, h, bias=False)
         self.gate_up_weight: torch.Tensor | None = None  # set by fuse()
+        self.gate_up_packed: torch.Tensor | None = None  # set by pack()
+        self.down_packed: torch.Tensor | None = None
 
     def fuse(self) -> None:
         """gate/up weights -> one [2 * intermediate, hidden] tensor (module docstring)."""
         self.gate_up_weight = _fuse([self.gate_proj, self.up_proj], "weight")
 
+    def pack(self) -> None:
+        """oneDNN-packed copies of the fused gate/up and the down projection."""
+        self.gate_up_packed = packed_linear.pack(_fused(self.gate_up_weight))
+        self.down_packed = packed_linear.pack(self.down_proj.weight)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = F.linear(x, _fused(self.gate_up_weight)).chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj.weight)
+        gate, up = packed_linear.linear(x, _fused(self.gate_up_weight),
+                                        self.gate_up_packed).chunk(2, dim=-1)
+        return packed_linear.linear(F.silu(gate) * up, self.down_proj.weight, self.down_packed)
 
 
 class DecoderLayer(nn.Module):
@@ -158,6 +178,7 @@ class CausalLM(nn.Module):
         self.tied = bool(getattr(config, "tie_word_embeddings", False))
         if not self.tied:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.head_packed: torch.Tensor | None = None  # set by pack_weights()
 
     @classmethod
     def arch_flags(cls, config) -> ArchFlags:
@@ -173,9 +194,21 @@ class CausalLM(nn.Module):
             layer.self_attn.fuse()
             layer.mlp.fuse()
 
+    def pack_weights(self) -> None:
+        """oneDNN-packed copies of every projection and of the LM head, used by the forward
+        pass from now on (module docstring); call after fuse_projections(), on CPU float32."""
+        for layer in self.model.layers:
+            layer.self_attn.pack()
+            layer.mlp.pack()
+        self.head_packed = packed_linear.pack(self._head_weight())
+
+    def _head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.tied else self.lm_head.weight
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.tied else self.lm_head.weight
-        return hidden @ weight.t()
+        if self.head_packed is not None:
+            return packed_linear.linear(hidden, self._head_weight(), self.head_packed)
+        return hidden @ self._head_weight().t()
 
 
 class LlamaForCausalLM(CausalLM):

@@ -8,15 +8,15 @@ against vLLM's CPU backend run from another venv), launches (kernel launches per
 step, eager vs compiled), step (the decode step of random 8B-shaped models against transformers and
 the bandwidth floor, with the GPU checks).
 
-OpenMP wait policy: importing `engine` sets OMP_WAIT_POLICY=PASSIVE before torch loads, unless
-the user set it (engine/threads.py says why); the machine facts of every result record the policy
-and whether it was in place before torch loaded.
+OpenMP: importing `engine` sets a bounded spin (GOMP_SPINCOUNT) before torch loads unless the user
+set the wait policy, and the engine's thread governor follows the free cores (engine/threads.py
+says why); the machine facts of every result record both and the governor's state.
 
 The command modules are imported in the order `kvarena bench --help` lists them.
 """
 # ruff: isort: skip_file
 
-import engine  # noqa: F401  (first: sets OpenMP's wait policy before anything loads torch)
+import engine  # noqa: F401  (first: sets OpenMP's spin before anything loads torch)
 
 import typer
 

@@ -372,7 +372,7 @@ def policy_metrics(run: EngineRun, reference: EngineRun | None = None) -> dict:
     tps_cpu: output tokens per second of process CPU time (all threads). On a shared machine the
         wall clock also counts time other processes held the cores; CPU time counts only this
         process's work, so its ratios are the steadier ones (spinning threads would inflate it,
-        which is one reason engine/threads.py sets OMP_WAIT_POLICY=PASSIVE).
+        which is one reason engine/threads.py bounds OpenMP's spin).
     """
     s = run.stats
     physical = [v for v in (mean_physical_len(o) for o in run.outputs) if v is not None]

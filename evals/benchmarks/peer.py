@@ -318,10 +318,12 @@ def compare(name: str, prompts: list, max_tokens: list, vllm: Peer, model_dir, e
                "kvarena_tps": k.stats.output_tokens / k.wall,
                "vllm_tps": sum(map(len, v["tokens"])) / v["wall_s"],
                "kvarena_cpu_s": k.cpu, "vllm_cpu_s": v["cpu_s"],
-               "ratio_cpu": ratio(v["cpu_s"], k.cpu), "vllm_idle_cpu_s": idle}
+               "ratio_cpu": ratio(v["cpu_s"], k.cpu), "vllm_idle_cpu_s": idle,
+               "kvarena_threads": k.stats.mean_threads}
         row["ratio"] = ratio(row["kvarena_tps"], row["vllm_tps"])
         rows.append(row)
-        log(f"{name} repeat {rep + 1}: kvarena {row['kvarena_tps']:.1f} tok/s, {k.cpu:.1f} CPU s; "
+        log(f"{name} repeat {rep + 1}: kvarena {row['kvarena_tps']:.1f} tok/s, {k.cpu:.1f} CPU s, "
+            f"{k.stats.mean_threads:.2f} threads a step; "
             f"vLLM {row['vllm_tps']:.1f} tok/s, {v['cpu_s']:.1f} CPU s; kvarena / vLLM "
             f"{row['ratio']:.2f} ({row['ratio_cpu']:.2f} by CPU time)")
         best_k = k if best_k is None or k.wall < best_k.wall else best_k
@@ -387,14 +389,17 @@ def tables(sides: list, ratios: list, repeats: list, peer: PeerSettings) -> list
          Column("first", "ran first"), Column("kvarena_load", "load before kvarena"),
          Column("kvarena_tps", "kvarena tok/s", ".1f"), Column("kvarena_cpu_s", "kvarena CPU s",
                                                                ".2f"),
+         Column("kvarena_threads", "kvarena threads", ".2f"),
          Column("vllm_load", "load before vLLM"), Column("vllm_tps", "vLLM tok/s", ".1f"),
          Column("vllm_cpu_s", "vLLM CPU s", ".2f"), Column("ratio", "kvarena / vLLM", ".2f"),
          Column("ratio_cpu", "by CPU time", ".2f"),
          Column("vllm_idle_cpu_s", "vLLM idle CPU s", ".2f")],
         repeats,
         "load: the 1, 5 and 15-minute load averages just before that side started (with "
-        f"--contend {peer.contend} competing processes running). vLLM idle CPU s: the vLLM "
-        "processes' CPU time while kvarena's side ran.")
+        f"--contend {peer.contend} competing processes running). kvarena threads: torch's "
+        "threads per engine step, averaged (engine/threads.py's governor lowers them while other "
+        "processes take cores). vLLM idle CPU s: the vLLM processes' CPU time while kvarena's "
+        "side ran.")
     return [side_table, ratio_table, repeat_table]
 
 
