@@ -73,7 +73,7 @@ def split_policy_args(items: list[str], policies: list[str]) -> dict[str, dict[s
     """``key=value`` goes to every listed policy that has the field (to the only policy when
     there is one, which then reports an unknown key itself); ``policy:key=value`` to that policy."""
     from engine.policies.base import parse_policy_args, policy_fields, policy_registry
-    from evals.runner import EvalError
+    from evals.run.settings import EvalError
 
     registry = policy_registry()
     unknown = [p for p in policies if p not in registry]
@@ -106,7 +106,7 @@ def split_policy_args(items: list[str], policies: list[str]) -> dict[str, dict[s
 def parse_task_args(items: list[str]) -> dict:
     """``key=value`` task options; values are JSON when they parse (numbers, true/false), a
     comma-separated list becomes a tuple, anything else stays a string."""
-    from evals.runner import EvalError
+    from evals.run.settings import EvalError
 
     out = {}
     for item in items:
@@ -189,7 +189,7 @@ def _base_settings(task_args: list[str], **fields):
     """The command's options as one ``EvalSettings`` (keyword arguments named as its fields; the
     ``--task-arg`` strings parsed into ``task_options``). Each run of the plan is a copy with its
     own task, policy and policy arguments (``dataclasses.replace``)."""
-    from evals.runner import EvalSettings
+    from evals.run.settings import EvalSettings
 
     return EvalSettings(task="", task_options=parse_task_args(task_args), **fields)
 
@@ -276,7 +276,8 @@ def eval_command(
     (written as samples finish; re-running resumes) and metrics."""
     from engine.config import ConfigError
     from evals.results import ResultsError
-    from evals.runner import EvalError, run_eval
+    from evals.run.runner import run_eval
+    from evals.run.settings import EvalError
 
     set_threads(threads)
     outcomes = []
@@ -415,8 +416,8 @@ def sweep_command(
     a set of budgets; CSV and a histogram PNG per task."""
     from engine.config import ConfigError
     from evals.results import ResultsError
-    from evals.runner import EvalError
-    from evals.sweep import run_sweep
+    from evals.run.settings import EvalError
+    from evals.run.sweep import run_sweep
 
     set_threads(threads)
     try:
@@ -459,12 +460,12 @@ def sweep_command(
 
 
 def _distributed():
-    """evals.distributed, or a usage error when Ray is not installed."""
+    """evals.run.distributed, or a usage error when Ray is not installed."""
     try:
         import ray  # noqa: F401
     except ImportError:
         fail("--workers/--ray-address need Ray: pip install -e '.[ray]'")
-    from evals import distributed
+    from evals.run import distributed
 
     return distributed
 

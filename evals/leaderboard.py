@@ -7,7 +7,7 @@
   per task and averages.
 - Memory and fidelity: the average KV budget per task (nominal, and allocated where recorded), and,
   where the runs measured it, drift from FullKV (mean delta-NLL per token, token agreement;
-  evals.fidelity).
+  evals.run.fidelity).
 - ``runs.csv``: every run's metrics in long form (one row per model x task x label), with the
   interval bounds, the provenance and the run's path relative to the results root it was found
   under.
@@ -64,7 +64,7 @@ from evals.tasks import table1_tasks, task_title
 # (GrowPage Table 8's "Avg. KV Budget": a fixed budget's nominal value, GrowPage's capacity;
 # engine/stats.py). The memory table also shows the slots actually held (avg_kv_allocated).
 KV_BUDGET_KEY = "avg_kv_budget"
-# Policy arguments that set a fixed KV budget (evals.runner.BUDGET_FIELDS): runs differing only
+# Policy arguments that set a fixed KV budget (evals.run.settings.BUDGET_FIELDS): runs differing only
 # in them are one policy at several budgets, one series in the figures.
 BUDGET_ARGS = ("budget", "initial_capacity")
 
@@ -425,7 +425,7 @@ def complete_intervals(run: RunResult) -> None:
 def build_leaderboard(dirs: Sequence[str | Path], out: str | Path) -> Leaderboard:
     """Collect every run under ``dirs`` and write the tables and figures into ``out``."""
     from evals.plots import niah_grid, niah_heatmap, quality_memory_plot
-    from evals.runner import niah_records
+    from evals.run.records import niah_records
 
     runs = find_runs(dirs)
     if not runs:

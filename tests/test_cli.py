@@ -14,7 +14,7 @@ from cli import app
 from engine.policies.base import policy_fields, policy_registry
 from engine.policies.fixed_budget import FixedBudgetPolicy
 from engine.policies.snapkv import SnapKV
-from evals.sweep import fixed_budget_policies
+from evals.run.sweep import fixed_budget_policies
 from evals.tasks import TASKS, get_task
 
 POLICIES = policy_registry()  # every registered policy, built-ins included

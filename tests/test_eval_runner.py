@@ -12,8 +12,10 @@ from typer.testing import CliRunner
 
 from evals import results as R
 from evals.leaderboard import build_leaderboard
-from evals.runner import EvalError, EvalHooks, EvalSettings, event_counts, resolve_policy_args, run_eval
-from evals.sweep import analyze_sweep, min_sufficient_budget, run_sweep
+from evals.run.records import event_counts
+from evals.run.runner import run_eval
+from evals.run.settings import EvalError, EvalHooks, EvalSettings, resolve_policy_args
+from evals.run.sweep import analyze_sweep, min_sufficient_budget, run_sweep
 from tiny_models import make_tiny_llama_dir
 
 DATA = Path(__file__).parent / "fixtures" / "data"
@@ -179,13 +181,13 @@ def test_budget_comes_from_the_task_unless_given():
 
 
 def test_engine_reuse_across_policies_changes_nothing(model_dir, tmp_path):
-    from evals import runner
+    from evals.run import engines
 
     kw = dict(limit=2, samples=2, temperature=0.7, kv_budget=ZIPAGE_BUDGET,
               policy_args={"protected_recent": 2,  # GrowPage protects fewer slots than a page
                            "initial_capacity": 8})  # capacity control starts within 12 tokens
     hooks = StopAfter(10**9)
-    runner._ENGINES.clear()
+    engines.clear()
     run_eval(settings(model_dir, tmp_path / "shared", policy="growpage", **kw), hooks)
     # another policy with other signals (Zipage's per-slot scores) shares the loaded weights too
     run_eval(settings(model_dir, tmp_path / "shared", policy="zipage", limit=2, samples=2,
@@ -193,7 +195,7 @@ def test_engine_reuse_across_policies_changes_nothing(model_dir, tmp_path):
     shared = run_eval(settings(model_dir, tmp_path / "shared", policy="growpage-random", **kw), hooks)
     # one load for all three runs and their FullKV reference passes
     assert sum("loading " in m for m in hooks.messages) == 1, hooks.messages
-    runner._ENGINES.clear()
+    engines.clear()
     fresh = run_eval(settings(model_dir, tmp_path / "fresh", policy="growpage-random", **kw))
     assert [r["output"] for r in lines(shared.path)] == [r["output"] for r in lines(fresh.path)]
     assert shared.metrics["events"] == fresh.metrics["events"]
@@ -401,7 +403,8 @@ _KILLER = """
 import json, os, signal, sys
 import torch
 torch.set_num_threads(1)
-from evals.runner import EvalHooks, EvalSettings, run_eval
+from evals.run.runner import run_eval
+from evals.run.settings import EvalHooks, EvalSettings
 
 class KillAfter(EvalHooks):
     seen = 0
@@ -446,7 +449,7 @@ def test_kill_9_totals_cover_every_written_sample(model_dir, tmp_path):
 
 
 def test_data_source_records_no_path_of_the_machine(tmp_path, monkeypatch):
-    from evals.runner import _source
+    from evals.run.plan import data_source
 
     real = tmp_path / "shared" / "data"
     (real / "gsm8k").mkdir(parents=True)
@@ -456,12 +459,12 @@ def test_data_source_records_no_path_of_the_machine(tmp_path, monkeypatch):
     (work / "data").symlink_to(real)
     monkeypatch.chdir(work)
     # Below the working directory: relative, and the link is not followed.
-    assert _source("data/gsm8k/test.jsonl") == "data/gsm8k/test.jsonl"
-    assert _source(str(work / "data")) == "data"
+    assert data_source("data/gsm8k/test.jsonl") == "data/gsm8k/test.jsonl"
+    assert data_source(str(work / "data")) == "data"
     # Elsewhere: absolute, so a run resumed from another directory still matches.
-    assert _source(str(real)) == str(real)
+    assert data_source(str(real)) == str(real)
     # A hub id is not a path.
-    assert _source("openai/gsm8k") == "openai/gsm8k"
+    assert data_source("openai/gsm8k") == "openai/gsm8k"
 
 
 # ------------------------------------------------------------------------------ hostile trees
@@ -485,13 +488,13 @@ def _cli_args(model_dir, out, *extra) -> list[str]:
 def _no_model(monkeypatch):
     """Fail the test if the model (or only its engine) loads."""
     import engine.models.loader as loader
-    from evals import runner
+    from evals.run import engines
 
     def no_loading(*a, **k):
         raise AssertionError("the model loaded before the run was refused")
 
     monkeypatch.setattr(loader, "resolve_model", no_loading)
-    monkeypatch.setattr(runner, "_engine", no_loading)
+    monkeypatch.setattr(engines, "engine_for", no_loading)
 
 
 _HOLDER = """
@@ -604,7 +607,7 @@ def test_a_huge_question_is_refused_without_tokenizing_it_whole(model_dir, tmp_p
     from transformers import PreTrainedTokenizerBase
 
     from engine.models.loader import load_tokenizer
-    from evals.runner import longest_token_chars
+    from evals.run.plan import longest_token_chars
 
     data = tmp_path / "gsm8k.jsonl"
     rows = [{"question": "What is 2 + 3?", "answer": "#### 5"},
@@ -711,7 +714,8 @@ _SIGNALS = """
 import json, os, signal, sys, time
 import torch
 torch.set_num_threads(1)
-from evals.runner import EvalHooks, EvalSettings, run_eval
+from evals.run.runner import run_eval
+from evals.run.settings import EvalHooks, EvalSettings
 
 mode = sys.argv[2]
 
@@ -784,7 +788,7 @@ def test_the_stop_message_counts_dropped_samples_and_sigterm_exits_143(tmp_path)
     import typer
 
     from evals.cli import _interrupted
-    from evals.runner import EvalOutcome
+    from evals.run.settings import EvalOutcome
 
     outcome = EvalOutcome(tmp_path, "full", "gsm8k", {"samples_done": 4}, interrupted=True,
                           dropped=2, stop_signal="SIGTERM")
@@ -818,9 +822,9 @@ def test_bad_rows_are_rejected_before_the_model_loads(model_dir, tmp_path, monke
                                '{"question": "lone \\ud800", "answer": "#### 1"}',
                                json.dumps({"question": 7, "answer": "#### 1"}),
                                json.dumps({"question": "What is 4 + 4?", "answer": "#### 8"})]) + "\n")
-    from evals import runner
+    from evals.run import engines
 
-    monkeypatch.setattr(runner, "_engine", lambda *a, **k: pytest.fail("the engine loaded"))
+    monkeypatch.setattr(engines, "engine_for", lambda *a, **k: pytest.fail("the engine loaded"))
     hooks = StopAfter(10**9)
     outcome = run_eval(settings(model_dir, tmp_path / "out", data=str(data), only_keys=frozenset(),
                                 **NO_FIDELITY), hooks)  # plan only: no engine
