@@ -285,7 +285,9 @@ def _generate(settings: EvalSettings, config: dict, rendered: list[Rendered], pa
     streamed = False
     try:
         runnable = _admit(rendered, llm, writer, segment, outcome, hooks, matched)
-        if runnable and fid is not None:
+        if runnable and fid is not None:  # a FullKV run records log-probs (its reference)
+            params = fid.run_params([r.params for r in runnable])
+            runnable = [dataclasses.replace(r, params=p) for r, p in zip(runnable, params)]
             fid.requests = fidelity.requests_for(runnable)
             fid.forced_pass(llm, fid.requests)
         if runnable:
