@@ -24,6 +24,7 @@ from evals.cli_common import (
     set_threads,
     task_names,
 )
+from evals.run.settings import RUNS_DIR
 
 # -- shared options ------------------------------------------------------------------------------
 
@@ -53,7 +54,8 @@ KvBudgetOpt = typer.Option(None, "--kv-budget", help="Fixed KV budget for fixed-
 KvCacheOpt = typer.Option(None, "--kv-cache-tokens", help="KV pool size in tokens.")
 BlockOpt = typer.Option(None, "--block-size", help="Tokens per KV page (default: the preset's).")
 SeqsOpt = typer.Option(64, "--max-num-seqs", help="Most requests resident at once.")
-OutOpt = typer.Option("results", "--out", "-o", metavar="DIR", help="Results root directory.")
+OutOpt = typer.Option(RUNS_DIR, "--out", "-o", metavar="DIR",
+                      help="Results root directory (results/ holds the tracked reference runs).")
 GradeWorkersOpt = typer.Option(1, "--grading-workers", help="Math grading processes / code threads.")
 WorkersOpt = typer.Option(None, "--workers", help="Run on N engine workers as Ray actors, sharded by "
                           "(problem, sample) into the same results tree ('auto': one per GPU); "
@@ -272,7 +274,7 @@ def eval_command(
     workers: Optional[str] = WorkersOpt,
     ray_address: Optional[str] = RayAddressOpt,
 ):
-    """Evaluate policies on tasks: results/<model>/<task>/<policy>/ with config, per-sample JSONL
+    """Evaluate policies on tasks: runs/<model>/<task>/<policy>/ with config, per-sample JSONL
     (written as samples finish; re-running resumes) and metrics."""
     from engine.config import ConfigError
     from evals.results import ResultsError

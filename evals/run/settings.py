@@ -22,6 +22,9 @@ DEFAULT_MODEL = "smollm2-135m-instruct"
 # Policy fields that take the task's fixed KV budget, in order of preference (module docstring).
 BUDGET_FIELDS = ("budget",)
 
+# The default results root: new runs, untracked (results/ holds the tracked reference runs).
+RUNS_DIR = "runs"
+
 # Upper bounds of the integer settings: counts past int32 are no run this engine can hold (the
 # engine's memory error would come only after the model loaded).
 MAX_COUNT = 2**31 - 1
@@ -88,7 +91,7 @@ class EvalSettings:
     block_size: int | None = None
     max_num_seqs: int = 64
     compile: bool | None = None
-    out: str = "results"
+    out: str = RUNS_DIR
     grading_workers: int = 1
     grading_timeout_s: float = 10.0
     fidelity: bool = True
