@@ -846,3 +846,30 @@ def test_a_compressing_policy_that_never_compressed_is_reported(model_dir, tmp_p
     run_eval(settings(model_dir, tmp_path / "small", policy="zipage", limit=1, max_tokens=24,
                       kv_budget=ZIPAGE_BUDGET, fidelity=False), hooks)
     assert not any("never compressed" in m for m in hooks.messages), hooks.messages
+
+
+def test_run_labels_carry_the_effective_budget_however_it_was_set(tmp_path):
+    """``--kv-budget 96`` and ``-a budget=96`` name one directory, ``snapkv+budget=96``; a rerun at
+    64 gets its own; the task preset's budget (and a policy without a fixed budget) keeps the bare
+    label; a directory written before budgets joined labels, holding this very run, is resumed."""
+    from evals.run.plan import resolve_target
+    from evals.run.settings import DEFAULT_MODEL
+    from evals.tasks import get_task
+
+    def label(**kw):
+        return resolve_target(EvalSettings(task="gsm8k", out=str(tmp_path), preset="cpu", **kw)).label
+
+    assert label(policy="snapkv", kv_budget=96) == label(policy="snapkv", policy_args={"budget": 96}) \
+        == "snapkv+budget=96"
+    assert label(policy="snapkv", kv_budget=64) == "snapkv+budget=64"
+    assert label(policy="snapkv", kv_budget=100) == "snapkv+budget=96"  # whole pages of 32
+    preset = get_task("gsm8k").defaults("cpu").kv_budget
+    assert label(policy="snapkv") == label(policy="snapkv", kv_budget=preset) == "snapkv"
+    assert label(policy="snapkv", policy_args={"budget_ratio": 0.3}, kv_budget=96) \
+        == "snapkv+budget_ratio=0.3"
+    assert label(policy="full", kv_budget=96) == "full"
+    assert label(policy="growpage", kv_budget=96) == "growpage"
+    earlier = R.run_dir(tmp_path, DEFAULT_MODEL, "gsm8k", "snapkv")
+    R.write_json(earlier / R.CONFIG_FILE, {"label": "snapkv", "policy_args": {"budget": 128}})
+    assert label(policy="snapkv", kv_budget=128) == "snapkv"        # resumed where it is
+    assert label(policy="snapkv", kv_budget=96) == "snapkv+budget=96"  # another budget: its own

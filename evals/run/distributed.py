@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from evals import results as R
+from evals.run.plan import resolve_target
 from evals.run.runner import run_eval
 from evals.run.settings import EvalError, EvalHooks, EvalOutcome, EvalSettings
 
@@ -113,8 +114,7 @@ def run_distributed(settings_list: Sequence[EvalSettings], workers: int | str = 
     runs = [_Run(s) for s in settings_list]
     with contextlib.ExitStack() as held:  # one writer per run directory for the whole invocation
         for run in runs:
-            path = R.run_dir(run.settings.out, run.settings.model, run.settings.task,
-                             R.run_label(run.settings.policy, run.settings.policy_args))
+            path = resolve_target(run.settings).path
             try:
                 R.check_writable(path)
             except OSError as e:
@@ -303,8 +303,7 @@ def _shard_root(run: _Run, job: Job) -> Path:
 
 def _shard_run_path(settings: EvalSettings, shard_root: Path) -> Path:
     """Where a worker's run_eval writes under ``shard_root`` (the runner's own layout)."""
-    return R.run_dir(shard_root, settings.model, settings.task,
-                     R.run_label(settings.policy, settings.policy_args))
+    return resolve_target(dataclasses.replace(settings, out=str(shard_root))).path
 
 
 def _merge(run: _Run, job: Job, shard: dict, hooks: EvalHooks) -> None:
@@ -400,8 +399,7 @@ def read_shard(run_path: Path) -> dict:
 
 def _merge_leftovers(settings: EvalSettings, hooks: EvalHooks) -> None:
     """Merge the shards an earlier, stopped invocation left under the run directory."""
-    path = R.run_dir(settings.out, settings.model, settings.task,
-                     R.run_label(settings.policy, settings.policy_args))
+    path = resolve_target(settings).path
     root = path / SHARDS_DIR
     if not root.is_dir():
         return

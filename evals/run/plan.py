@@ -23,8 +23,78 @@ from pathlib import Path
 from typing import Any, Mapping, Sequence
 
 from evals import results as R
+from evals.jsonio import to_jsonable
 from evals.problem import DataUnavailableError, Problem, ProblemSet
-from evals.run.settings import EvalError, EvalHooks, EvalSettings
+from evals.run.settings import (
+    EvalError,
+    EvalHooks,
+    EvalSettings,
+    budget_field,
+    default_preset,
+    resolve_policy_args,
+)
+
+
+@dataclass
+class Target:
+    """What a run resolves to before it reads any file: the task and its preset defaults
+    (evals.tasks.base.TaskDefaults), block size and fixed KV budget, the policy arguments it uses,
+    its label and directory, and the finished Kara run its budgets match (evals.matched_budget)."""
+
+    task: Any
+    preset: str
+    defaults: Any
+    block_size: int
+    budget: int | None
+    policy_args: dict
+    label: str
+    path: Path
+    matched: Any = None
+
+
+def resolve_target(settings: EvalSettings) -> Target:
+    """The run's ``Target``. Its label is the policy and the user's arguments plus the fixed budget
+    where that is not the task preset's (evals.results.budget_label_args), then Kara's run for a
+    matched budget. A directory written before the budget joined the label, holding this very run
+    (the same policy arguments), keeps being used, so an earlier tree resumes where it is."""
+    task = load_task(settings)
+    preset = settings.preset or default_preset()
+    defaults = task.defaults(preset)
+    block_size = settings.block_size or defaults.block_size
+    budget = settings.kv_budget or defaults.kv_budget
+    task_args = task.policy_args_for(settings.policy)
+    policy_args = resolve_policy_args(settings.policy, settings.policy_args, budget, block_size, task_args)
+    default_args = resolve_policy_args(settings.policy, settings.policy_args, defaults.kv_budget,
+                                       block_size, task_args)
+    field = budget_field(settings.policy)
+    named = R.budget_label_args(field, policy_args, settings.policy_args, default_args.get(field))
+    labels = [R.run_label(settings.policy, {**settings.policy_args, **named}),
+              R.run_label(settings.policy, settings.policy_args)]  # the second: earlier trees
+    matched = None
+    if settings.match_budget_to is not None:  # Kara's comparison protocol (evals.matched_budget)
+        from evals import matched_budget
+
+        matched = matched_budget.load(settings.match_budget_to)
+        matched.check_run(settings.model, settings.task, settings.policy)
+        labels = [matched.run_label(label) for label in labels]
+    label = _existing_label(settings, labels, policy_args)
+    return Target(task, preset, defaults, block_size, budget, policy_args, label,
+                  R.run_dir(settings.out, settings.model, settings.task, label), matched)
+
+
+def _existing_label(settings: EvalSettings, labels: Sequence[str], policy_args: Mapping[str, Any]) -> str:
+    """``labels[0]``, unless only the earlier label ``labels[1]`` names a directory whose
+    config.json holds these policy arguments (a tree written before budgets joined labels)."""
+    label, earlier = labels
+    path = R.run_dir(settings.out, settings.model, settings.task, label)
+    old = R.run_dir(settings.out, settings.model, settings.task, earlier) / R.CONFIG_FILE
+    if earlier == label or path.exists() or not old.is_file():
+        return label
+    try:
+        stored = R.read_config(old).get("policy_args")
+    except (OSError, R.ResultsError):
+        return label
+    return earlier if to_jsonable(stored) == to_jsonable(dict(policy_args)) else label
 
 
 @dataclass

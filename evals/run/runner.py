@@ -63,13 +63,14 @@ from evals.run import engines, fidelity
 from evals.run.grader import BackgroundGrader
 from evals.run.plan import (
     Rendered,
+    Target,
     data_source,
     failed_to_retry,
     load_problems,
-    load_task,
     make_plan,
     model_context,
     render_requests,
+    resolve_target,
     unfit_reason,
 )
 from evals.run.records import failed_record, finalize, invocation_provenance, output_record
@@ -78,8 +79,6 @@ from evals.run.settings import (
     EvalHooks,
     EvalOutcome,
     EvalSettings,
-    default_preset,
-    resolve_policy_args,
 )
 
 
@@ -89,22 +88,8 @@ def run_eval(settings: EvalSettings, hooks: EvalHooks | None = None) -> EvalOutc
     invocation writes it), holds broken files or its data file changed, and
     R.ResultsWriteError when a results file cannot be written."""
     hooks = hooks or EvalHooks()
-    task = load_task(settings)
-    preset = settings.preset or default_preset()
-    defaults = task.defaults(preset)
-    block_size = settings.block_size or defaults.block_size
-    budget = settings.kv_budget or defaults.kv_budget
-    policy_args = resolve_policy_args(settings.policy, settings.policy_args, budget, block_size,
-                                      task.policy_args_for(settings.policy))
-    label = R.run_label(settings.policy, settings.policy_args)
-    matched = None
-    if settings.match_budget_to is not None:  # Kara's comparison protocol (evals.matched_budget)
-        from evals import matched_budget
-
-        matched = matched_budget.load(settings.match_budget_to)
-        matched.check_run(settings.model, settings.task, settings.policy)
-        label = matched.run_label(label)
-    path = R.run_dir(settings.out, settings.model, settings.task, label)
+    target = resolve_target(settings)
+    path = target.path
     try:  # before anything heavy loads: a run that cannot write its results must not start
         R.check_writable(path)
     except (OSError, ValueError) as e:
@@ -113,8 +98,7 @@ def run_eval(settings: EvalSettings, hooks: EvalHooks | None = None) -> EvalOutc
         raise EvalError(f"results directory {path} cannot be written ({e}); pass a writable "
                         f"--out") from None
     with R.RunLock(path), interrupts.StopSignals() as stops:
-        outcome = _run_locked(settings, hooks, task, preset, defaults, block_size, budget,
-                              policy_args, label, path, matched)
+        outcome = _run_locked(settings, hooks, target)
         if stops.again.is_set() or stops.signal:  # a signal while the run was finishing
             outcome.interrupted = True
         outcome.stop_signal = outcome.stop_signal or stops.signal
@@ -131,27 +115,25 @@ def run_many(settings_list: Sequence[EvalSettings], hooks: EvalHooks | None = No
     return outcomes
 
 
-def _run_locked(settings: EvalSettings, hooks: EvalHooks, task, preset: str, defaults,
-                block_size: int, budget, policy_args: dict, label: str, path: Path,
-                matched=None) -> EvalOutcome:
+def _run_locked(settings: EvalSettings, hooks: EvalHooks, target: Target) -> EvalOutcome:
     """run_eval's work once the run directory is locked."""
     from engine.config import ConfigError
     from engine.models.loader import ModelLoadError, load_tokenizer, resolve_model
 
     # The directory's files first (cheap, and a broken one stops the run before anything loads).
+    path, label, matched, defaults = target.path, target.label, target.matched, target.defaults
     stored, segments, loaded = _read_run_dir(path, hooks)
     try:
         model_dir = resolve_model(settings.model)
         tokenizer = load_tokenizer(model_dir)
     except ModelLoadError as e:
         raise EvalError(str(e)) from None
-    problems = load_problems(task, settings, tokenizer, hooks)
+    problems = load_problems(target.task, settings, tokenizer, hooks)
     n_samples = settings.samples or defaults.samples
     plan = make_plan(problems, n_samples)
     max_tokens = settings.max_tokens or defaults.max_tokens
     temperature = defaults.temperature if settings.temperature is None else settings.temperature
-    config = _run_config(settings, label, problems, policy_args, preset, defaults, block_size, budget,
-                         n_samples, len(plan.keys), max_tokens, temperature)
+    config = _run_config(settings, target, problems, n_samples, len(plan.keys), max_tokens, temperature)
     if matched is not None:
         config["match_budget_to"] = matched.describe()
     if stored is not None:
@@ -172,7 +154,7 @@ def _run_locked(settings: EvalSettings, hooks: EvalHooks, task, preset: str, def
     if settings.only_keys is not None:
         todo = [k for k in todo if k in settings.only_keys]
     if matched is not None:
-        matched.check_samples(todo, settings.policy, policy_args)
+        matched.check_samples(todo, settings.policy, target.policy_args)
     outcome = EvalOutcome(path, label, settings.task, {}, resumed=len(plan.keys) - len(todo),
                           skipped_rows=config["skipped_rows"])
     hooks.on_start(label, settings.task, len(plan.keys), len(todo), path)
@@ -181,8 +163,7 @@ def _run_locked(settings: EvalSettings, hooks: EvalHooks, task, preset: str, def
         rendered = render_requests(settings, plan, todo, tokenizer, model_context(model_dir),
                                    temperature, max_tokens)
         try:
-            _generate(settings, config, rendered, path, block_size, policy_args, hooks, outcome,
-                      segment, matched)
+            _generate(settings, config, rendered, target, hooks, outcome, segment)
         except ConfigError as e:
             raise EvalError(str(e)) from None
         except (MemoryError, RuntimeError) as e:
@@ -214,24 +195,23 @@ def _read_run_dir(path: Path, hooks: EvalHooks):
     return stored, segments, loaded
 
 
-def _run_config(settings: EvalSettings, label: str, problems, policy_args: dict, preset: str,
-                defaults, block_size: int, budget, n_samples: int, planned: int, max_tokens: int,
-                temperature: float) -> dict:
+def _run_config(settings: EvalSettings, target: Target, problems, n_samples: int, planned: int,
+                max_tokens: int, temperature: float) -> dict:
     """config.json's settings of a run (its identity, R.IDENTITY, and what describes it)."""
     return {
-        "label": label, "model": R.model_slug(settings.model), "model_spec": settings.model,
+        "label": target.label, "model": R.model_slug(settings.model), "model_spec": settings.model,
         "task": settings.task, "task_options": _jsonable(settings.task_options),
         "data": settings.data, "data_source": data_source(problems.source),
         "data_sha256": data_fingerprint(problems.files),
-        "policy": settings.policy, "policy_args": policy_args,
-        "user_policy_args": dict(settings.policy_args), "preset": preset,
+        "policy": settings.policy, "policy_args": target.policy_args,
+        "user_policy_args": dict(settings.policy_args), "preset": target.preset,
         "max_tokens": max_tokens, "temperature": temperature, "seed": settings.seed,
-        "thinking": settings.thinking, "block_size": block_size,
+        "thinking": settings.thinking, "block_size": target.block_size,
         "samples": n_samples, "limit": settings.limit, "problems": len(problems),
-        "samples_planned": planned, "kv_budget": budget,
+        "samples_planned": planned, "kv_budget": target.budget,
         "kv_cache_tokens": settings.kv_cache_tokens, "max_num_seqs": settings.max_num_seqs,
         "fidelity": settings.fidelity, "trace_kept": settings.trace_kept,
-        "task_defaults": dataclasses.asdict(defaults),
+        "task_defaults": dataclasses.asdict(target.defaults),
         "skipped_rows": [dataclasses.asdict(s) for s in problems.skipped],
     }
 
@@ -264,13 +244,13 @@ def _segment_settings(settings: EvalSettings, llm) -> dict:
 
 
 
-def _generate(settings: EvalSettings, config: dict, rendered: list[Rendered], path: Path,
-              block_size: int, policy_args: dict, hooks: EvalHooks, outcome: EvalOutcome,
-              segment: int, matched=None) -> None:
+def _generate(settings: EvalSettings, config: dict, rendered: list[Rendered], target: Target,
+              hooks: EvalHooks, outcome: EvalOutcome, segment: int) -> None:
     """One segment: the FullKV reference (fidelity), the engine, the failed samples' lines, the
     policy's forced pass, then the timed generation (``_stream``); a stop before generation still
     records the segment."""
-    kwargs = engines.engine_kwargs(settings, policy_args, block_size)
+    path = target.path
+    kwargs = engines.engine_kwargs(settings, target.policy_args, target.block_size)
     fid = None
     if settings.fidelity:  # the FullKV reference first, on the engine the run then reuses
         fid = fidelity.start(settings, config, fidelity.requests_for(rendered), kwargs, hooks)
@@ -284,7 +264,7 @@ def _generate(settings: EvalSettings, config: dict, rendered: list[Rendered], pa
     writer = R.SampleWriter(path / R.SAMPLES_FILE)
     streamed = False
     try:
-        runnable = _admit(rendered, llm, writer, segment, outcome, hooks, matched)
+        runnable = _admit(rendered, llm, writer, segment, outcome, hooks, target.matched)
         if runnable and fid is not None:  # a FullKV run records log-probs (its reference)
             params = fid.run_params([r.params for r in runnable])
             runnable = [dataclasses.replace(r, params=p) for r, p in zip(runnable, params)]

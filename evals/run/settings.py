@@ -179,6 +179,11 @@ def budget_field(policy: str) -> str | None:
     return next((f for f in BUDGET_FIELDS if f in fields), None)
 
 
+def page_budget(budget: int, block_size: int) -> int:
+    """A fixed KV budget (tokens) rounded down to whole pages of ``block_size``, at least one."""
+    return max(block_size, budget // block_size * block_size)
+
+
 def resolve_policy_args(policy: str, user_args: Mapping[str, Any], budget: int | None,
                         block_size: int, task_args: Mapping[str, Any] | None = None) -> dict:
     """The policy arguments a run uses: the task's defaults for this policy (``task_args``,
@@ -191,7 +196,7 @@ def resolve_policy_args(policy: str, user_args: Mapping[str, Any], budget: int |
     args = {**(task_args or {}), **user_args}
     name = budget_field(policy)
     if name and name not in args and "budget_ratio" not in args and budget is not None:
-        args[name] = max(block_size, budget // block_size * block_size)
+        args[name] = page_budget(budget, block_size)
     try:
         instance = build_policy(policy, args)
     except ConfigError as e:
