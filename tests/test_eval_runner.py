@@ -222,12 +222,13 @@ def test_every_task_format_two_policies_and_the_leaderboard(model_dir, tmp_path)
                     "budget": ZIPAGE_BUDGET}
                 assert m["events"]["compress"] > 0 and m["events"]["prefill_compress"] > 0
                 assert max(r["peak_kv_capacity"] for r in recs) <= ZIPAGE_BUDGET + 4
-    assert (out / "tiny-llama" / "niah" / "zipage" / R.NIAH_HEATMAP_FILE).exists()
+    zipage = f"zipage+budget={ZIPAGE_BUDGET}"  # --kv-budget, not the task preset's: in the label
+    assert (out / "tiny-llama" / "niah" / zipage / R.NIAH_HEATMAP_FILE).exists()
 
     board = build_leaderboard([out], tmp_path / "board")
     with open(board.files["table1.csv"]) as f:
         table = list(csv.DictReader(f))
-    assert [r["method"] for r in table] == ["full", "zipage"]
+    assert [r["method"] for r in table] == ["full", zipage]
     avg = "Avg (GSM8K, MATH500, AMC23, AIME24, LiveCode)"  # the Avg column names its tasks
     for title in ("GSM8K", "MATH500", "AMC23", "AIME24", "LiveCode", "NIAH", avg):
         assert f"pass@1 (%) {title}" in table[0] and f"TPS (tok/s) {title}" in table[0]
@@ -237,11 +238,11 @@ def test_every_task_format_two_policies_and_the_leaderboard(model_dir, tmp_path)
     with open(board.files["runs.csv"]) as f:
         runs = list(csv.DictReader(f))
     assert len(runs) == 12
-    assert {r["path"] for r in runs} >= {"tiny-llama/gsm8k/full", "tiny-llama/niah/zipage"}
+    assert {r["path"] for r in runs} >= {"tiny-llama/gsm8k/full", f"tiny-llama/niah/{zipage}"}
     md = board.files["leaderboard.md"].read_text()
-    assert "| tiny-llama | full |" in md and "| tiny-llama | zipage |" in md and "TPOT" in md
+    assert "| tiny-llama | full |" in md and f"| tiny-llama | {zipage} |" in md and "TPOT" in md
     assert " ± " in md.split("| tiny-llama | full |")[1].splitlines()[0]
-    for name in ("quality_memory.png", "niah_tiny-llama_full.png", "niah_tiny-llama_zipage.png"):
+    for name in ("quality_memory.png", "niah_tiny-llama_full.png", f"niah_tiny-llama_{R.slug(zipage)}.png"):
         assert board.files[name].read_bytes()[:4] == b"\x89PNG"
 
 
