@@ -50,7 +50,8 @@ PresetOpt = typer.Option(None, "--preset", help="Task defaults: paper or cpu (de
 ThinkingOpt = typer.Option(None, "--thinking/--no-thinking", help="Qwen3 thinking mode "
                            "(default: the chat template's).")
 KvBudgetOpt = typer.Option(None, "--kv-budget", help="Fixed KV budget for fixed-budget policies "
-                           "(default: the task preset's; a policy argument wins).")
+                           "(default: the task preset's; a policy argument wins; one other than "
+                           "the preset's joins the run label, e.g. snapkv+budget=96).")
 KvCacheOpt = typer.Option(None, "--kv-cache-tokens", help="KV pool size in tokens.")
 BlockOpt = typer.Option(None, "--block-size", help="Tokens per KV page (default: the preset's).")
 SeqsOpt = typer.Option(64, "--max-num-seqs", help="Most requests resident at once.")
