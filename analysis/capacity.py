@@ -44,7 +44,7 @@ import pandas as pd
 from analysis.bootstrap import cluster_bootstrap, fmt_interval
 from analysis.common import spearman, use_agg_backend, write_json
 
-UNSOLVED = "Unsolved"  # evals.sweep.UNSOLVED (kept in sync by a test)
+UNSOLVED = "Unsolved"  # evals.run.sweep.UNSOLVED (kept in sync by a test)
 # Per-sample capacity fields of samples.jsonl, in order of preference: the slots a request held,
 # averaged over its decode steps (App. I: "its average allocated KV capacity over the decoding
 # trajectory"), then the policy's KV budget averaged the same way (for GrowPage: its initial

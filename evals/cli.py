@@ -24,6 +24,7 @@ from evals.cli_common import (
     set_threads,
     task_names,
 )
+from evals.run.settings import RUNS_DIR
 
 # -- shared options ------------------------------------------------------------------------------
 
@@ -49,11 +50,13 @@ PresetOpt = typer.Option(None, "--preset", help="Task defaults: paper or cpu (de
 ThinkingOpt = typer.Option(None, "--thinking/--no-thinking", help="Qwen3 thinking mode "
                            "(default: the chat template's).")
 KvBudgetOpt = typer.Option(None, "--kv-budget", help="Fixed KV budget for fixed-budget policies "
-                           "(default: the task preset's; a policy argument wins).")
+                           "(default: the task preset's; a policy argument wins; one other than "
+                           "the preset's joins the run label, e.g. snapkv+budget=96).")
 KvCacheOpt = typer.Option(None, "--kv-cache-tokens", help="KV pool size in tokens.")
 BlockOpt = typer.Option(None, "--block-size", help="Tokens per KV page (default: the preset's).")
 SeqsOpt = typer.Option(64, "--max-num-seqs", help="Most requests resident at once.")
-OutOpt = typer.Option("results", "--out", "-o", metavar="DIR", help="Results root directory.")
+OutOpt = typer.Option(RUNS_DIR, "--out", "-o", metavar="DIR",
+                      help="Results root directory (results/ holds the tracked reference runs).")
 GradeWorkersOpt = typer.Option(1, "--grading-workers", help="Math grading processes / code threads.")
 WorkersOpt = typer.Option(None, "--workers", help="Run on N engine workers as Ray actors, sharded by "
                           "(problem, sample) into the same results tree ('auto': one per GPU); "
@@ -73,7 +76,7 @@ def split_policy_args(items: list[str], policies: list[str]) -> dict[str, dict[s
     """``key=value`` goes to every listed policy that has the field (to the only policy when
     there is one, which then reports an unknown key itself); ``policy:key=value`` to that policy."""
     from engine.policies.base import parse_policy_args, policy_fields, policy_registry
-    from evals.runner import EvalError
+    from evals.run.settings import EvalError
 
     registry = policy_registry()
     unknown = [p for p in policies if p not in registry]
@@ -106,7 +109,7 @@ def split_policy_args(items: list[str], policies: list[str]) -> dict[str, dict[s
 def parse_task_args(items: list[str]) -> dict:
     """``key=value`` task options; values are JSON when they parse (numbers, true/false), a
     comma-separated list becomes a tuple, anything else stays a string."""
-    from evals.runner import EvalError
+    from evals.run.settings import EvalError
 
     out = {}
     for item in items:
@@ -189,7 +192,7 @@ def _base_settings(task_args: list[str], **fields):
     """The command's options as one ``EvalSettings`` (keyword arguments named as its fields; the
     ``--task-arg`` strings parsed into ``task_options``). Each run of the plan is a copy with its
     own task, policy and policy arguments (``dataclasses.replace``)."""
-    from evals.runner import EvalSettings
+    from evals.run.settings import EvalSettings
 
     return EvalSettings(task="", task_options=parse_task_args(task_args), **fields)
 
@@ -272,11 +275,12 @@ def eval_command(
     workers: Optional[str] = WorkersOpt,
     ray_address: Optional[str] = RayAddressOpt,
 ):
-    """Evaluate policies on tasks: results/<model>/<task>/<policy>/ with config, per-sample JSONL
+    """Evaluate policies on tasks: runs/<model>/<task>/<policy>/ with config, per-sample JSONL
     (written as samples finish; re-running resumes) and metrics."""
     from engine.config import ConfigError
     from evals.results import ResultsError
-    from evals.runner import EvalError, run_eval
+    from evals.run.runner import run_eval
+    from evals.run.settings import EvalError
 
     set_threads(threads)
     outcomes = []
@@ -415,8 +419,8 @@ def sweep_command(
     a set of budgets; CSV and a histogram PNG per task."""
     from engine.config import ConfigError
     from evals.results import ResultsError
-    from evals.runner import EvalError
-    from evals.sweep import run_sweep
+    from evals.run.settings import EvalError
+    from evals.run.sweep import run_sweep
 
     set_threads(threads)
     try:
@@ -459,12 +463,12 @@ def sweep_command(
 
 
 def _distributed():
-    """evals.distributed, or a usage error when Ray is not installed."""
+    """evals.run.distributed, or a usage error when Ray is not installed."""
     try:
         import ray  # noqa: F401
     except ImportError:
         fail("--workers/--ray-address need Ray: pip install -e '.[ray]'")
-    from evals import distributed
+    from evals.run import distributed
 
     return distributed
 

@@ -40,7 +40,7 @@ def policy_names() -> list[str]:
 
 def fixed_budget_policy_names() -> list[str]:
     """Registered policies with one fixed per-request budget (what `kvarena sweep` sweeps)."""
-    from evals.sweep import fixed_budget_policies
+    from evals.run.sweep import fixed_budget_policies
 
     return list(fixed_budget_policies())
 
@@ -89,7 +89,7 @@ def describe_registries() -> dict[str, dict]:
     "presets": {"paper" | "cpu": TaskDefaults as a dict}}}.
     """
     from engine.policies.base import policy_registry
-    from evals.sweep import fixed_budget_policies
+    from evals.run.sweep import fixed_budget_policies
     from evals.tasks import SCALES, TASKS, task_title
 
     registry = policy_registry()

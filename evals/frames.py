@@ -5,7 +5,7 @@
     metrics_frame(outcomes)      # one row per run: label, task, policy, model, every metric
     samples_frame(outcomes)      # one row per sample line of samples.jsonl, with the run's label
 
-Each function takes ``EvalOutcome`` objects (what ``evals.runner.run_eval`` returns) or run
+Each function takes ``EvalOutcome`` objects (what ``evals.run.runner.run_eval`` returns) or run
 directories (``<out>/<model>/<task>/<label>/``), one or a list, and reads the files the run wrote
 (``config.json``, ``metrics.json``, ``samples.jsonl``), so a finished run can be read back later
 without running anything. Metric names are docs/metrics.md's; an interval ``<name>_ci`` stays one

@@ -1,4 +1,4 @@
-"""Stopping a run: Ctrl-C (SIGINT) and SIGTERM while an evaluation runs (``evals.runner``).
+"""Stopping a run: Ctrl-C (SIGINT) and SIGTERM while an evaluation runs (``evals.run.runner``).
 
 The first signal stops the engine: it raises ``KeyboardInterrupt`` (``Terminated`` for SIGTERM,
 a subclass) in the main thread, as Ctrl-C always did, and the runner grades the samples that had

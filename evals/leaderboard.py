@@ -7,7 +7,7 @@
   per task and averages.
 - Memory and fidelity: the average KV budget per task (nominal, and allocated where recorded), and,
   where the runs measured it, drift from FullKV (mean delta-NLL per token, token agreement;
-  evals.fidelity).
+  evals.run.fidelity).
 - ``runs.csv``: every run's metrics in long form (one row per model x task x label), with the
   interval bounds, the provenance and the run's path relative to the results root it was found
   under.
@@ -40,6 +40,8 @@ what each letter is. Rows with different letters were produced by different code
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -51,6 +53,7 @@ from evals.provenance import describe_key, provenance_key
 from evals.results import (
     SAMPLES_FILE,
     RunResult,
+    budget_label_args,
     find_runs,
     flexible_extraction,
     per_sample_intervals,
@@ -64,7 +67,7 @@ from evals.tasks import table1_tasks, task_title
 # (GrowPage Table 8's "Avg. KV Budget": a fixed budget's nominal value, GrowPage's capacity;
 # engine/stats.py). The memory table also shows the slots actually held (avg_kv_allocated).
 KV_BUDGET_KEY = "avg_kv_budget"
-# Policy arguments that set a fixed KV budget (evals.runner.BUDGET_FIELDS): runs differing only
+# Policy arguments that set a fixed KV budget (evals.run.settings.BUDGET_FIELDS): runs differing only
 # in them are one policy at several budgets, one series in the figures.
 BUDGET_ARGS = ("budget", "initial_capacity")
 
@@ -422,12 +425,49 @@ def complete_intervals(run: RunResult) -> None:
         run.metrics.setdefault(k, v)
 
 
+def named_budget(run: RunResult) -> dict:
+    """``{field: budget}`` of a run whose fixed KV budget is not its task preset's, as a new run's
+    label would name it (evals.results.budget_label_args); ``{}`` otherwise, and for a run whose
+    budgets were matched per sample to a Kara run."""
+    from evals.run.settings import BUDGET_FIELDS, page_budget
+
+    c = run.config
+    args = c.get("policy_args") or {}
+    field = next((f for f in BUDGET_FIELDS if f in args), None)
+    preset, block = (c.get("task_defaults") or {}).get("kv_budget"), c.get("block_size")
+    if field is None or c.get("match_budget_to") or not block:
+        return {}
+    default = None if preset is None else page_budget(int(preset), int(block))
+    return budget_label_args(field, args, {}, default)
+
+
+def one_budget_per_row(runs: Sequence[RunResult]) -> list[RunResult]:
+    """The runs, a row (model, label) that would hold several fixed KV budgets split by budget.
+
+    New runs carry a budget other than the task preset's in their label; directories written before
+    that (``--kv-budget 96`` and ``64`` both under ``snapkv/``, on two tasks) do not. A run of such a
+    row whose budget is not its task's default is shown under the label a new run would get
+    (``snapkv+budget=96``); the directory keeps its name. Rows of one budget stay as they are."""
+    budgets: dict[tuple[str, str], set[str]] = {}
+    for r in runs:
+        budgets.setdefault((r.model, r.label), set()).add(json.dumps(named_budget(r), sort_keys=True))
+    out = []
+    for r in runs:
+        named = named_budget(r)
+        if named and len(budgets[(r.model, r.label)]) > 1:
+            user = r.config.get("user_policy_args") or {}
+            label = run_label(str(r.config.get("policy") or r.label), {**user, **named})
+            r = dataclasses.replace(r, config={**r.config, "label": label})
+        out.append(r)
+    return out
+
+
 def build_leaderboard(dirs: Sequence[str | Path], out: str | Path) -> Leaderboard:
     """Collect every run under ``dirs`` and write the tables and figures into ``out``."""
     from evals.plots import niah_grid, niah_heatmap, quality_memory_plot
-    from evals.runner import niah_records
+    from evals.run.records import niah_records
 
-    runs = find_runs(dirs)
+    runs = one_budget_per_row(find_runs(dirs))
     if not runs:
         raise FileNotFoundError(f"no result directories (config.json + metrics.json) under "
                                 f"{[str(d) for d in dirs]}; run `kvarena eval` first")

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from evals import results as R
-from evals.runner import EvalError
+from evals.run.settings import EvalError
 
 FIELD = "final_kv_len"  # the per-sample record field holding Kara's realised compressed length
 

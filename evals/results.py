@@ -18,10 +18,13 @@ Layout of one run (one model x task x policy configuration)::
                         holds it (pid, host, command, start); never deleted (see ``RunLock``)
 
 ``<label>`` is the policy name plus the policy arguments given on the command line, sorted,
-e.g. ``full``, ``zipage``, ``zipage+budget=256``, ``growpage-shrink+min_capacity=128+tau=0.001``.
-Values filled in from the task's defaults (the fixed KV budget) are not part of the label, so one
-policy keeps one label across tasks whose budgets differ (as Zipage does in GrowPage's Table 1);
-``config.json`` holds the values actually used.
+e.g. ``full``, ``zipage``, ``zipage+budget=256``, ``growpage-shrink+min_capacity=128+tau=0.001``,
+plus the fixed KV budget the run uses wherever that is not the task preset's default
+(``budget_label_args``): ``--kv-budget 96`` and ``-a budget=96`` both write ``snapkv+budget=96``,
+so one label never holds two budgets. The task preset's own budget is not part of the label, so
+one policy keeps one label across tasks whose default budgets differ (as Zipage does in GrowPage's
+Table 1); ``config.json`` holds the values actually used. Directories written before the budget
+joined the label keep their names (``evals.run.plan.resolve_target`` resumes them there).
 
 Resume: a sample is identified by ``(uid, sample index)``. A run that finds ``samples.jsonl``
 skips the samples already there. The settings that change what a sample produces (``IDENTITY``)
@@ -155,6 +158,20 @@ def run_label(policy: str, args: Mapping[str, Any]) -> str:
     """``policy`` plus ``+key=value`` for each given argument, sorted (see module docstring)."""
     parts = [policy] + [f"{k}={format_value(v)}" for k, v in sorted(args.items())]
     return slug("+".join(parts))
+
+
+def budget_label_args(field: str | None, policy_args: Mapping[str, Any], user_args: Mapping[str, Any],
+                      default: Any) -> dict:
+    """``{field: budget}`` when a run's label must name its fixed KV budget, else ``{}``.
+
+    field: the policy's budget field (None: it takes no fixed budget); policy_args: the arguments
+    the run uses; user_args: those the user gave (a budget among them is in the label already);
+    default: the budget the run would use without ``--kv-budget`` (the task preset's, in whole
+    pages; None where the policy falls back on its own default)."""
+    if field is None or field in user_args or field not in policy_args:
+        return {}
+    value = policy_args[field]
+    return {} if value == default else {field: value}
 
 
 def run_dir(out: str | Path, model: str, task: str, label: str) -> Path:

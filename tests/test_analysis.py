@@ -621,10 +621,10 @@ def _write_run(root, label: str, task: str, records: list[dict], seed: int = 0, 
 
 def _sweep_tree(root, correct: dict[str, dict[int, list[bool]]], budgets=(64, 128, 256),
                 task="amc23"):
-    """A real sweep output (evals.sweep.analyze_sweep) over synthetic budget runs.
+    """A real sweep output (evals.run.sweep.analyze_sweep) over synthetic budget runs.
     correct: uid -> budget -> per-sample correctness."""
-    from evals.runner import EvalOutcome, EvalSettings
-    from evals.sweep import analyze_sweep
+    from evals.run.settings import EvalOutcome, EvalSettings
+    from evals.run.sweep import analyze_sweep
 
     outcomes = []
     for b in budgets:
@@ -658,7 +658,7 @@ SWEEP_CORRECT = {
 
 def test_capacity_study_joins_sweep_classes_with_growpage_capacity(tmp_path):
     from analysis.capacity import UNSOLVED, capacity_study
-    from evals.sweep import UNSOLVED as SWEEP_UNSOLVED
+    from evals.run.sweep import UNSOLVED as SWEEP_UNSOLVED
 
     assert UNSOLVED == SWEEP_UNSOLVED
     sweep = _sweep_tree(tmp_path, SWEEP_CORRECT)

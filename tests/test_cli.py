@@ -14,7 +14,7 @@ from cli import app
 from engine.policies.base import policy_fields, policy_registry
 from engine.policies.fixed_budget import FixedBudgetPolicy
 from engine.policies.snapkv import SnapKV
-from evals.sweep import fixed_budget_policies
+from evals.run.sweep import fixed_budget_policies
 from evals.tasks import TASKS, get_task
 
 POLICIES = policy_registry()  # every registered policy, built-ins included
@@ -222,3 +222,18 @@ def test_eval_prints_each_message_once_per_command():
         hooks.on_message("niah: no --data given")
     hooks.on_message("loading model with policy zipage")
     assert buffer.getvalue().count("no --data") == 1 and "policy zipage" in buffer.getvalue()
+
+
+def test_new_runs_go_to_the_untracked_runs_folder():
+    """eval, sweep and bench write below runs/ unless told otherwise (results/ is the tracked
+    reference tree), and git ignores runs/."""
+    from evals.benchmarks.common import RESULTS_DIR
+    from evals.run.settings import RUNS_DIR, EvalSettings
+
+    assert EvalSettings(task="gsm8k").out == RUNS_DIR == "runs"
+    assert RESULTS_DIR == Path(RUNS_DIR) / "benchmarks"
+    for command, option in (("eval", "--out"), ("sweep", "--out"), ("bench memory", "--out-dir")):
+        line = next(ln for ln in invoke(*command.split(), "--help").splitlines() if option in ln)
+        assert re.search(r"\[default: runs(/benchmarks)?\]", line), (command, line)
+    ignored = (Path(__file__).resolve().parent.parent / ".gitignore").read_text().splitlines()
+    assert "/runs/" in ignored

@@ -1,4 +1,4 @@
-"""Evaluations on Ray workers (evals/distributed.py) against the single-process runner, on CPU with a
+"""Evaluations on Ray workers (evals/run/distributed.py) against the single-process runner, on CPU with a
 tiny model and a local Ray instance.
 
 With greedy decoding the sample lines and metrics of a two-worker run equal a single-process run,
@@ -22,8 +22,9 @@ import pytest
 ray = pytest.importorskip("ray", reason="Ray is the optional extra .[ray] (make setup installs it)")
 
 from evals import results as R  # noqa: E402
-from evals.distributed import SHARDS_DIR, merge_shard, read_shard, run_distributed  # noqa: E402
-from evals.runner import EvalHooks, EvalSettings, run_eval  # noqa: E402
+from evals.run.distributed import SHARDS_DIR, merge_shard, read_shard, run_distributed  # noqa: E402
+from evals.run.runner import run_eval  # noqa: E402
+from evals.run.settings import EvalHooks, EvalSettings  # noqa: E402
 from tiny_models import make_tiny_llama_dir  # noqa: E402
 
 DATA = Path(__file__).resolve().parents[1] / "evals" / "data" / "gsm8k_mini.jsonl"
@@ -185,7 +186,7 @@ def test_merging_is_idempotent_and_never_overwrites_a_finished_sample(model_dir,
 
 def test_a_worker_that_dies_is_a_clear_error_and_keeps_its_samples(local_ray, model_dir, tmp_path,
                                                                     monkeypatch):
-    import evals.distributed as D
+    import evals.run.distributed as D
 
     class Dying(D.EvalWorker):
         def run(self, settings, keys, shard_out):

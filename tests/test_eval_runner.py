@@ -12,8 +12,10 @@ from typer.testing import CliRunner
 
 from evals import results as R
 from evals.leaderboard import build_leaderboard
-from evals.runner import EvalError, EvalHooks, EvalSettings, event_counts, resolve_policy_args, run_eval
-from evals.sweep import analyze_sweep, min_sufficient_budget, run_sweep
+from evals.run.records import event_counts
+from evals.run.runner import run_eval
+from evals.run.settings import EvalError, EvalHooks, EvalSettings, resolve_policy_args
+from evals.run.sweep import analyze_sweep, min_sufficient_budget, run_sweep
 from tiny_models import make_tiny_llama_dir
 
 DATA = Path(__file__).parent / "fixtures" / "data"
@@ -179,13 +181,13 @@ def test_budget_comes_from_the_task_unless_given():
 
 
 def test_engine_reuse_across_policies_changes_nothing(model_dir, tmp_path):
-    from evals import runner
+    from evals.run import engines
 
     kw = dict(limit=2, samples=2, temperature=0.7, kv_budget=ZIPAGE_BUDGET,
               policy_args={"protected_recent": 2,  # GrowPage protects fewer slots than a page
                            "initial_capacity": 8})  # capacity control starts within 12 tokens
     hooks = StopAfter(10**9)
-    runner._ENGINES.clear()
+    engines.clear()
     run_eval(settings(model_dir, tmp_path / "shared", policy="growpage", **kw), hooks)
     # another policy with other signals (Zipage's per-slot scores) shares the loaded weights too
     run_eval(settings(model_dir, tmp_path / "shared", policy="zipage", limit=2, samples=2,
@@ -193,7 +195,7 @@ def test_engine_reuse_across_policies_changes_nothing(model_dir, tmp_path):
     shared = run_eval(settings(model_dir, tmp_path / "shared", policy="growpage-random", **kw), hooks)
     # one load for all three runs and their FullKV reference passes
     assert sum("loading " in m for m in hooks.messages) == 1, hooks.messages
-    runner._ENGINES.clear()
+    engines.clear()
     fresh = run_eval(settings(model_dir, tmp_path / "fresh", policy="growpage-random", **kw))
     assert [r["output"] for r in lines(shared.path)] == [r["output"] for r in lines(fresh.path)]
     assert shared.metrics["events"] == fresh.metrics["events"]
@@ -220,12 +222,13 @@ def test_every_task_format_two_policies_and_the_leaderboard(model_dir, tmp_path)
                     "budget": ZIPAGE_BUDGET}
                 assert m["events"]["compress"] > 0 and m["events"]["prefill_compress"] > 0
                 assert max(r["peak_kv_capacity"] for r in recs) <= ZIPAGE_BUDGET + 4
-    assert (out / "tiny-llama" / "niah" / "zipage" / R.NIAH_HEATMAP_FILE).exists()
+    zipage = f"zipage+budget={ZIPAGE_BUDGET}"  # --kv-budget, not the task preset's: in the label
+    assert (out / "tiny-llama" / "niah" / zipage / R.NIAH_HEATMAP_FILE).exists()
 
     board = build_leaderboard([out], tmp_path / "board")
     with open(board.files["table1.csv"]) as f:
         table = list(csv.DictReader(f))
-    assert [r["method"] for r in table] == ["full", "zipage"]
+    assert [r["method"] for r in table] == ["full", zipage]
     avg = "Avg (GSM8K, MATH500, AMC23, AIME24, LiveCode)"  # the Avg column names its tasks
     for title in ("GSM8K", "MATH500", "AMC23", "AIME24", "LiveCode", "NIAH", avg):
         assert f"pass@1 (%) {title}" in table[0] and f"TPS (tok/s) {title}" in table[0]
@@ -235,11 +238,11 @@ def test_every_task_format_two_policies_and_the_leaderboard(model_dir, tmp_path)
     with open(board.files["runs.csv"]) as f:
         runs = list(csv.DictReader(f))
     assert len(runs) == 12
-    assert {r["path"] for r in runs} >= {"tiny-llama/gsm8k/full", "tiny-llama/niah/zipage"}
+    assert {r["path"] for r in runs} >= {"tiny-llama/gsm8k/full", f"tiny-llama/niah/{zipage}"}
     md = board.files["leaderboard.md"].read_text()
-    assert "| tiny-llama | full |" in md and "| tiny-llama | zipage |" in md and "TPOT" in md
+    assert "| tiny-llama | full |" in md and f"| tiny-llama | {zipage} |" in md and "TPOT" in md
     assert " ± " in md.split("| tiny-llama | full |")[1].splitlines()[0]
-    for name in ("quality_memory.png", "niah_tiny-llama_full.png", "niah_tiny-llama_zipage.png"):
+    for name in ("quality_memory.png", "niah_tiny-llama_full.png", f"niah_tiny-llama_{R.slug(zipage)}.png"):
         assert board.files[name].read_bytes()[:4] == b"\x89PNG"
 
 
@@ -401,7 +404,8 @@ _KILLER = """
 import json, os, signal, sys
 import torch
 torch.set_num_threads(1)
-from evals.runner import EvalHooks, EvalSettings, run_eval
+from evals.run.runner import run_eval
+from evals.run.settings import EvalHooks, EvalSettings
 
 class KillAfter(EvalHooks):
     seen = 0
@@ -446,7 +450,7 @@ def test_kill_9_totals_cover_every_written_sample(model_dir, tmp_path):
 
 
 def test_data_source_records_no_path_of_the_machine(tmp_path, monkeypatch):
-    from evals.runner import _source
+    from evals.run.plan import data_source
 
     real = tmp_path / "shared" / "data"
     (real / "gsm8k").mkdir(parents=True)
@@ -456,12 +460,12 @@ def test_data_source_records_no_path_of_the_machine(tmp_path, monkeypatch):
     (work / "data").symlink_to(real)
     monkeypatch.chdir(work)
     # Below the working directory: relative, and the link is not followed.
-    assert _source("data/gsm8k/test.jsonl") == "data/gsm8k/test.jsonl"
-    assert _source(str(work / "data")) == "data"
+    assert data_source("data/gsm8k/test.jsonl") == "data/gsm8k/test.jsonl"
+    assert data_source(str(work / "data")) == "data"
     # Elsewhere: absolute, so a run resumed from another directory still matches.
-    assert _source(str(real)) == str(real)
+    assert data_source(str(real)) == str(real)
     # A hub id is not a path.
-    assert _source("openai/gsm8k") == "openai/gsm8k"
+    assert data_source("openai/gsm8k") == "openai/gsm8k"
 
 
 # ------------------------------------------------------------------------------ hostile trees
@@ -485,13 +489,13 @@ def _cli_args(model_dir, out, *extra) -> list[str]:
 def _no_model(monkeypatch):
     """Fail the test if the model (or only its engine) loads."""
     import engine.models.loader as loader
-    from evals import runner
+    from evals.run import engines
 
     def no_loading(*a, **k):
         raise AssertionError("the model loaded before the run was refused")
 
     monkeypatch.setattr(loader, "resolve_model", no_loading)
-    monkeypatch.setattr(runner, "_engine", no_loading)
+    monkeypatch.setattr(engines, "engine_for", no_loading)
 
 
 _HOLDER = """
@@ -604,7 +608,7 @@ def test_a_huge_question_is_refused_without_tokenizing_it_whole(model_dir, tmp_p
     from transformers import PreTrainedTokenizerBase
 
     from engine.models.loader import load_tokenizer
-    from evals.runner import longest_token_chars
+    from evals.run.plan import longest_token_chars
 
     data = tmp_path / "gsm8k.jsonl"
     rows = [{"question": "What is 2 + 3?", "answer": "#### 5"},
@@ -711,7 +715,8 @@ _SIGNALS = """
 import json, os, signal, sys, time
 import torch
 torch.set_num_threads(1)
-from evals.runner import EvalHooks, EvalSettings, run_eval
+from evals.run.runner import run_eval
+from evals.run.settings import EvalHooks, EvalSettings
 
 mode = sys.argv[2]
 
@@ -784,7 +789,7 @@ def test_the_stop_message_counts_dropped_samples_and_sigterm_exits_143(tmp_path)
     import typer
 
     from evals.cli import _interrupted
-    from evals.runner import EvalOutcome
+    from evals.run.settings import EvalOutcome
 
     outcome = EvalOutcome(tmp_path, "full", "gsm8k", {"samples_done": 4}, interrupted=True,
                           dropped=2, stop_signal="SIGTERM")
@@ -818,9 +823,9 @@ def test_bad_rows_are_rejected_before_the_model_loads(model_dir, tmp_path, monke
                                '{"question": "lone \\ud800", "answer": "#### 1"}',
                                json.dumps({"question": 7, "answer": "#### 1"}),
                                json.dumps({"question": "What is 4 + 4?", "answer": "#### 8"})]) + "\n")
-    from evals import runner
+    from evals.run import engines
 
-    monkeypatch.setattr(runner, "_engine", lambda *a, **k: pytest.fail("the engine loaded"))
+    monkeypatch.setattr(engines, "engine_for", lambda *a, **k: pytest.fail("the engine loaded"))
     hooks = StopAfter(10**9)
     outcome = run_eval(settings(model_dir, tmp_path / "out", data=str(data), only_keys=frozenset(),
                                 **NO_FIDELITY), hooks)  # plan only: no engine
@@ -842,3 +847,30 @@ def test_a_compressing_policy_that_never_compressed_is_reported(model_dir, tmp_p
     run_eval(settings(model_dir, tmp_path / "small", policy="zipage", limit=1, max_tokens=24,
                       kv_budget=ZIPAGE_BUDGET, fidelity=False), hooks)
     assert not any("never compressed" in m for m in hooks.messages), hooks.messages
+
+
+def test_run_labels_carry_the_effective_budget_however_it_was_set(tmp_path):
+    """``--kv-budget 96`` and ``-a budget=96`` name one directory, ``snapkv+budget=96``; a rerun at
+    64 gets its own; the task preset's budget (and a policy without a fixed budget) keeps the bare
+    label; a directory written before budgets joined labels, holding this very run, is resumed."""
+    from evals.run.plan import resolve_target
+    from evals.run.settings import DEFAULT_MODEL
+    from evals.tasks import get_task
+
+    def label(**kw):
+        return resolve_target(EvalSettings(task="gsm8k", out=str(tmp_path), preset="cpu", **kw)).label
+
+    assert label(policy="snapkv", kv_budget=96) == label(policy="snapkv", policy_args={"budget": 96}) \
+        == "snapkv+budget=96"
+    assert label(policy="snapkv", kv_budget=64) == "snapkv+budget=64"
+    assert label(policy="snapkv", kv_budget=100) == "snapkv+budget=96"  # whole pages of 32
+    preset = get_task("gsm8k").defaults("cpu").kv_budget
+    assert label(policy="snapkv") == label(policy="snapkv", kv_budget=preset) == "snapkv"
+    assert label(policy="snapkv", policy_args={"budget_ratio": 0.3}, kv_budget=96) \
+        == "snapkv+budget_ratio=0.3"
+    assert label(policy="full", kv_budget=96) == "full"
+    assert label(policy="growpage", kv_budget=96) == "growpage"
+    earlier = R.run_dir(tmp_path, DEFAULT_MODEL, "gsm8k", "snapkv")
+    R.write_json(earlier / R.CONFIG_FILE, {"label": "snapkv", "policy_args": {"budget": 128}})
+    assert label(policy="snapkv", kv_budget=128) == "snapkv"        # resumed where it is
+    assert label(policy="snapkv", kv_budget=96) == "snapkv+budget=96"  # another budget: its own

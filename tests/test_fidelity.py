@@ -1,4 +1,4 @@
-"""Fidelity to FullKV (evals.fidelity) on a tiny random Llama (tests/tiny_models.py) with the GSM8K
+"""Fidelity to FullKV (evals.run.fidelity) on a tiny random Llama (tests/tiny_models.py) with the GSM8K
 fixture: the statistics, FullKV against itself, a budget larger than every sequence, drift at a
 tiny budget, the reference cache (reuse across policies and on resume) and sampled decoding."""
 
@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from evals import fidelity as F
 from evals import results as R
-from evals.runner import EvalHooks, EvalSettings, run_eval
+from evals.run import fidelity as F
+from evals.run.runner import run_eval
+from evals.run.settings import EvalHooks, EvalSettings
 from tiny_models import make_tiny_llama_dir
 
 DATA = Path(__file__).parent / "fixtures" / "data" / "gsm8k" / "test.jsonl"
@@ -108,6 +109,8 @@ def test_fullkv_forced_pass_reproduces_the_reference(model_dir, tmp_path):
     """The forced-pass machinery itself: FullKV forced on its own reference gets the reference's
     log-likelihoods back (scored to the end, EOS included)."""
     from engine.llm import LLM
+    from engine.models.loader import load_tokenizer
+    from evals.run.plan import render_requests
 
     full = run(model_dir, tmp_path)
     config = R.read_json(full.path / R.CONFIG_FILE)
@@ -115,7 +118,10 @@ def test_fullkv_forced_pass_reproduces_the_reference(model_dir, tmp_path):
     fid.is_full = False  # run the forced pass a FullKV run skips by construction
     llm = LLM(str(model_dir), policy="full", block_size=4, kv_cache_tokens=1024)
     settings = EvalSettings(task="gsm8k", model=str(model_dir), data=str(DATA), limit=3)
-    reqs = F._rendered_requests(settings, full_plan(settings), [(u, 0) for u in uids(full)], 0.0, 40)
+    tokenizer = load_tokenizer(str(model_dir))
+    todo = [(u, 0) for u in uids(full)]
+    reqs = F.requests_for(render_requests(settings, full_plan(settings), todo, tokenizer,
+                                          llm.runner.max_model_len, 0.0, 40))
     fid.forced_pass(llm, reqs)
     for q in reqs:
         ref = fid.reference.get(q.uid, q.sample, q.sha)
@@ -130,7 +136,7 @@ def uids(outcome) -> list[str]:
 
 def full_plan(settings):
     from engine.models.loader import load_tokenizer
-    from evals.runner import load_task, make_plan
+    from evals.run.plan import load_task, make_plan
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the fixture's malformed rows (tested in test_eval_runner)
@@ -160,9 +166,9 @@ def test_tiny_budget_drifts(model_dir, tmp_path):
 
 
 def test_reference_is_cached_and_reused(model_dir, tmp_path):
-    from evals import runner
+    from evals.run import engines
 
-    runner._ENGINES.clear()
+    engines.clear()
     hooks = Messages()
     run(model_dir, tmp_path, policy="zipage", policy_args={"budget": 24}, hooks=hooks)
     first = reference_lines(tmp_path)

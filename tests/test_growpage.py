@@ -974,9 +974,9 @@ def test_engine_config_rejects_a_bad_watermark():
 
 
 def test_growpage_start_is_never_tied_to_a_baseline_budget():
-    from evals import sweep
     from evals.benchmarks import mixed
-    from evals.runner import resolve_policy_args
+    from evals.run import sweep
+    from evals.run.settings import resolve_policy_args
 
     for name in ("growpage", "growpage-random", "growpage-inverse", "growpage-shrink"):
         assert resolve_policy_args(name, {}, 512, 32) == {}

@@ -888,7 +888,7 @@ def test_kvllm_through_engine_compresses_trailing_windows_once_per_period(llama_
 
 
 def test_niah_task_runs_kara_with_prompt_compression():
-    from evals.runner import resolve_policy_args
+    from evals.run.settings import resolve_policy_args
     from evals.tasks import get_task
 
     niah, gsm8k = get_task("niah"), get_task("gsm8k")
@@ -905,7 +905,8 @@ def test_niah_eval_compresses_kara_prompts(llama_dir, tmp_path):
     import json
     from pathlib import Path
 
-    from evals.runner import EvalSettings, run_eval
+    from evals.run.runner import run_eval
+    from evals.run.settings import EvalSettings
 
     data = Path(__file__).parent / "fixtures" / "data" / "niah"
     outcome = run_eval(EvalSettings(

@@ -155,3 +155,23 @@ def test_fidelity_and_allocated_columns_appear_when_measured(tmp_path):
     line = next(x for x in board.markdown.split("## Memory")[1].splitlines()
                 if x.startswith("| tiny | zipage |"))
     assert "0.790 ± " in line  # 0.4 x mean(1 + i % 3) over 40 samples = 0.4 x 79/40
+
+
+def test_a_row_never_mixes_fixed_budgets(tmp_path):
+    """Directories written before budgets joined labels (``--kv-budget 96`` on gsm8k and ``64`` on
+    math500, both under ``snapkv/``) are shown as the rows new runs would get; a row whose runs
+    share one budget (or use their task preset's) keeps its label."""
+    root = tmp_path / "results"
+    for task, budget in (("gsm8k", 96), ("math500", 64)):
+        write_run(root, task, "snapkv", {}, 5, budget, PROV_A)
+        write_run(root, task, "zipage", {}, 5, 512, PROV_A)
+        for policy, value in (("snapkv", budget), ("zipage", 512)):
+            path = R.run_dir(root, "tiny", task, policy) / R.CONFIG_FILE
+            config = R.read_json(path)
+            R.write_json(path, {**config, "policy_args": {"budget": value}, "block_size": 32,
+                                "task_defaults": {"kv_budget": 512}})
+    board = build_leaderboard([root], tmp_path / "board")
+    rows = [line.split("|")[2].strip() for line in board.markdown.split("## Total time")[0].splitlines()
+            if line.startswith("| tiny |")]
+    assert rows == ["snapkv+budget=64", "snapkv+budget=96", "zipage"]
+    assert sorted(p.name for p in (root / "tiny" / "gsm8k").iterdir()) == ["snapkv", "zipage"]

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from evals import results as R
-from evals.runner import EvalError, EvalSettings, run_eval
+from evals.run.runner import run_eval
+from evals.run.settings import EvalError, EvalSettings
 from tiny_models import make_tiny_llama_dir
 
 DATA = Path(__file__).parent / "fixtures" / "data" / "gsm8k" / "test.jsonl"

@@ -25,14 +25,14 @@ def tiny_dir(tmp_path_factory):
 
 
 def test_readme_python_snippets_run(tiny_dir, tmp_path, monkeypatch, capsys):
-    from evals import runner
+    from evals.run import engines
 
     blocks = python_blocks(ROOT / "README.md")
     assert len(blocks) >= 2 and any("use_policy" in b for b in blocks) \
         and any("run_eval" in b for b in blocks)
     monkeypatch.chdir(tmp_path)  # relative out= paths land in the test's directory
     (tmp_path / "evals").symlink_to(ROOT / "evals")  # the built-in data files the snippets read
-    monkeypatch.setattr(runner, "_ENGINES", {})  # no engine from another test is reused
+    monkeypatch.setattr(engines, "ENGINES", {})  # no engine from another test is reused
     for block in blocks:
         assert '"default"' in block, block  # every snippet names its model, so it is substituted
         exec(compile(block.replace('"default"', repr(str(tiny_dir))), "README.md", "exec"), {})

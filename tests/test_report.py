@@ -16,11 +16,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from evals import fidelity as F
 from evals import traces as T
 from evals.report import Limits, build_data, build_report
 from evals.report.page import SECTIONS, render
-from evals.runner import EvalSettings, run_eval
+from evals.run import fidelity as F
+from evals.run.runner import run_eval
+from evals.run.settings import EvalSettings
 from tiny_models import make_tiny_llama_dir
 
 FIXTURES = Path(__file__).parent / "fixtures" / "data"

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from evals.sandbox import Job, Sandbox, SandboxConfig, capabilities, live_processes_of
+from evals.grading.sandbox import Job, Sandbox, SandboxConfig, capabilities, live_processes_of
 
 WALL = 1.0
 # A failing program must end within its wall limit plus harness start-up and clean-up.
@@ -553,7 +553,7 @@ def test_uids_skip_busy_ones_and_never_kill_a_host_process():
 
 _OTHER_GRADER = """
 import sys
-from evals.sandbox import Job, Sandbox, SandboxConfig
+from evals.grading.sandbox import Job, Sandbox, SandboxConfig
 r = Sandbox(SandboxConfig(wall_s=8, uid_base=int(sys.argv[1]))).run(
     Job(source="import os, time\\nprint(os.getuid(), flush=True)\\ntime.sleep(3)\\n"))
 print(r.status, r.uid)
@@ -683,7 +683,7 @@ def test_keyrings_are_fresh():
 def _fake_cgroup_tree(tmp_path, monkeypatch, version: int, alone: bool):
     """A plain directory laid out like a cgroup hierarchy, for the file protocol of a backend
     this machine may not have (the kernel's side is what the root-only tests above exercise)."""
-    from evals import sandbox_cgroup
+    from evals.grading import sandbox_cgroup
 
     root = tmp_path / "cgroup"
     grader = root / "grader"
@@ -731,7 +731,7 @@ def test_cgroup_v1_protocol(tmp_path, monkeypatch):
 
 
 def test_stale_cgroups_of_dead_graders_are_swept(tmp_path):
-    from evals import sandbox_cgroup
+    from evals.grading import sandbox_cgroup
 
     dead = subprocess.Popen(["true"])
     dead.wait()  # its pid now names no process
@@ -744,7 +744,7 @@ def test_stale_cgroups_of_dead_graders_are_swept(tmp_path):
 
 _DYING_GRADER = """
 import sys
-from evals.sandbox import Job, Sandbox, SandboxConfig
+from evals.grading.sandbox import Job, Sandbox, SandboxConfig
 Sandbox(SandboxConfig(wall_s=60, uid_base=int(sys.argv[1]))).run(
     Job(source="import os, time\\nif os.fork() == 0:\\n    os.setsid()\\ntime.sleep(60)\\n"))
 """

@@ -2,10 +2,10 @@
 facts, engine runs and the output-fidelity metrics.
 
 A benchmark's core function returns a `BenchResult` (one or more `Table`s, the workload scale, the
-targets it checks); the typer command renders it and writes `results/benchmarks/<name>.{json,md}`.
-Every number compared in a benchmark is measured in the same process, one configuration after
-another, so a ratio is what the benchmark reports; absolute tokens/s on a shared 2-core machine are
-noise-prone and are shown for context only.
+targets it checks); the typer command renders it and writes `runs/benchmarks/<name>.{json,md}`
+(``--out-dir``). Every number compared in a benchmark is measured in the same process, one
+configuration after another, so a ratio is what the benchmark reports; absolute tokens/s on a
+shared 2-core machine are noise-prone and are shown for context only.
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ from engine.threads import openmp_state, set_threads
 from evals import provenance
 from evals.tables import markdown_table, md_cell
 
-RESULTS_DIR = Path("results/benchmarks")
+# The default output directory: untracked (the reference copies in results/benchmarks/ are written
+# with --out-dir results/benchmarks).
+RESULTS_DIR = Path("runs/benchmarks")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@
 
 A sample is correct only if every test passes.  By default the first failing test stops
 the sample (as LiveCodeBench does); the remaining tests are reported as ``skipped``.  Each
-test runs in its own sandboxed process (``evals.sandbox``), so one test's crash or timeout
+test runs in its own sandboxed process (``evals.grading.sandbox``), so one test's crash or timeout
 cannot affect the next.
 """
 
@@ -24,8 +24,8 @@ from typing import Any, ClassVar
 
 from evals.grading.base import Grader, register_grader
 from evals.grading.extract import last_code_block
+from evals.grading.sandbox import ExecResult, Job, Sandbox, SandboxConfig
 from evals.problem import GradeResult, Problem
-from evals.sandbox import ExecResult, Job, Sandbox, SandboxConfig
 
 
 def _is_int(token: str) -> bool:

@@ -8,7 +8,7 @@ Sections (keys of the dict):
   with the FullKV run of its model and task (:func:`comparability`);
 - ``samples``: per run, its samples: the free generation's tokens as text pieces, first
   divergence from FullKV's reference, and per reference token the forced pass's delta-NLL
-  (evals.fidelity's ``forced_logprobs.jsonl``); ``references`` holds the reference pieces once;
+  (evals.run.fidelity's ``forced_logprobs.jsonl``); ``references`` holds the reference pieces once;
 - ``niah``: per (model, NIAH task) one grid: every policy's score per (length, depth) cell;
 - ``kept``: per run and sample, kept-position masks per compaction (``--trace-kept``,
   evals.traces) with the prompt spans (the needle) to mark, for the runs with NIAH cells;
@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from evals import fidelity
 from evals.leaderboard import (
     complete_intervals,
     order_tasks,
@@ -37,6 +36,7 @@ from evals.leaderboard import (
 )
 from evals.provenance import describe_key
 from evals.results import RunResult, find_runs
+from evals.run import fidelity
 from evals.tasks import task_title
 from evals.traces import read_traces
 

@@ -71,6 +71,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from evals import results as R
+from evals.run import engines
 
 WINDOW = 32
 REFERENCE_DIR = "_reference"
@@ -238,7 +239,7 @@ class Request:
 
 
 class _Prefixed:
-    """Forwards the runner's hooks' messages with a prefix (engine loads for the reference)."""
+    """Forwards the run's hooks' messages with a prefix (engine loads for the reference)."""
 
     def __init__(self, hooks, prefix: str):
         self.hooks, self.prefix = hooks, prefix
@@ -280,11 +281,9 @@ class Fidelity:
         todo = self.missing(requests)
         if self.is_full or not todo:
             return
-        from evals import runner
-
         kwargs = {**engine_kwargs, "policy": FULL_POLICY, "policy_args": {}}
         hooks.on_message(f"FullKV reference: {len(todo)} sample(s) missing in {self.reference.path}")
-        llm = runner._engine(model, kwargs, _Prefixed(hooks, "FullKV reference: "))
+        llm = engines.engine_for(model, kwargs, _Prefixed(hooks, "FullKV reference: "))
         self.generate_reference(llm, todo)
 
     def generate_reference(self, llm, requests: Sequence[Request]) -> None:
@@ -441,45 +440,19 @@ def _with_logprobs(params):
     return params if params.logprobs else dataclasses.replace(params, logprobs=True)
 
 
-def requests_for(keys: Sequence[tuple], prompts: Sequence[list], params: Sequence[Any]) -> list[Request]:
-    """The runner's (problem, sample, seed) keys, prompt ids and sampling parameters as Requests."""
-    return [Request(problem.uid, j, seed, list(ids), p)
-            for (problem, j, seed), ids, p in zip(keys, prompts, params)]
+def requests_for(rendered: Sequence[Any]) -> list[Request]:
+    """The run's rendered requests (evals.run.plan.Rendered, from ``render_requests``) as Requests,
+    those with their prompt tokenized in full only (a longer one is a failed sample of the run)."""
+    return [Request(r.problem.uid, r.sample, r.seed, list(r.ids), r.params)
+            for r in rendered if r.ids is not None]
 
 
-def start(settings, config: Mapping[str, Any], plan, todo, engine_kwargs: Mapping[str, Any],
-          temperature: float, max_tokens: int, hooks: Any) -> Fidelity:
-    """The fidelity measurement of a run invocation, with its reference complete for ``todo``
-    (generated here, before the policy's engine loads, unless the run is FullKV's own)."""
+def start(settings, config: Mapping[str, Any], requests: Sequence[Request],
+          engine_kwargs: Mapping[str, Any], hooks: Any) -> Fidelity:
+    """The fidelity measurement of a run invocation (evals.run.settings.EvalSettings ``settings``),
+    with its reference complete for ``requests`` (generated here, before the policy's engine
+    loads, unless the run is FullKV's own)."""
     fid = Fidelity(settings.out, config, settings.policy, engine_kwargs["policy_args"])
     if not fid.is_full:
-        requests = _rendered_requests(settings, plan, todo, temperature, max_tokens)
         fid.ensure_reference(requests, settings.model, engine_kwargs, hooks)
     return fid
-
-
-def _rendered_requests(settings, plan, todo, temperature: float, max_tokens: int) -> list[Request]:
-    """The run's requests for ``todo``, rendered exactly as evals.runner renders them."""
-    from engine.models.loader import load_tokenizer, resolve_model
-    from engine.sampling import SamplingParams
-    from evals.runner import _prompt_ids, _task_for, longest_token_chars, model_context
-    from evals.tasks import render_prompt
-
-    model_dir = resolve_model(settings.model)
-    tokenizer = load_tokenizer(model_dir)
-    context = model_context(model_dir)
-    bound = longest_token_chars(tokenizer) * context
-    tasks: dict[str, Any] = {}
-    requests = []
-    for uid, j in todo:
-        problem = plan.problems[uid]
-        if problem.task not in tasks:
-            tasks[problem.task] = _task_for(problem, settings)
-        text = render_prompt(tokenizer, tasks[problem.task].messages(problem), thinking=settings.thinking)
-        _, ids = _prompt_ids(tokenizer, text, context, bound)  # a huge prompt is not tokenized whole
-        if ids is None:
-            continue  # longer than any context: the run records it as a failed sample
-        seed = settings.seed + j
-        requests.append(Request(uid, j, seed, ids, SamplingParams(temperature=temperature,
-                                                                  max_tokens=max_tokens, seed=seed)))
-    return requests

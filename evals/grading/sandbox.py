@@ -27,7 +27,7 @@ once and reported by :func:`capabilities`:
    read-only before the program starts.  Disk use is at most ``4 * tmpfs_mb`` of memory plus
    its two capture files (``max_file_mb`` each, RLIMIT_FSIZE), all freed after the run.
 3. **One memory bound** (root with a writable cgroup hierarchy, ``memory_cgroup=True``): the
-   program and all its processes share a cgroup (:mod:`evals.sandbox_cgroup`) limited to
+   program and all its processes share a cgroup (:mod:`evals.grading.sandbox_cgroup`) limited to
    ``memory_mb`` and ``max_processes`` (+2 for the harness and init), which counts tmpfs,
    SysV shm and ``memfd_create`` pages too; an OOM kill there is status ``memory``.  Without
    one the bound is per process (RLIMIT_AS), ``memfd_create`` is refused by a seccomp filter
@@ -439,7 +439,7 @@ class _Slot:
 
 def _cgroup_backend():
     """The machine's cgroup backend (found once), or None."""
-    from evals import sandbox_cgroup
+    from evals.grading import sandbox_cgroup
 
     with _cgroup_lock:
         if not _cgroup_cache:
@@ -635,7 +635,7 @@ class Sandbox:
                 if slot.uid is not None:
                     os.chown(host_workdir, slot.uid, slot.uid)
                 if caps.memory_bound != "per-process":
-                    from evals import sandbox_cgroup
+                    from evals.grading import sandbox_cgroup
 
                     cgroup = _cgroup_backend().create(
                         sandbox_cgroup.new_name(), cfg.memory_mb, cfg.max_processes + 2  # + harness, init

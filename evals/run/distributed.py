@@ -4,7 +4,7 @@
     outcomes = run_distributed(settings_list, workers="auto", address="auto")  # a running cluster
 
 One writer, many engines. The driver (this process) owns every run directory; workers never write
-into it. For each run (one task x one policy, ``evals.runner.run_eval``):
+into it. For each run (one task x one policy, ``evals.run.runner.run_eval``):
 
 1. Leftover shards of an earlier invocation (``<run>/.workers/<job>/``, see 4) are merged first,
    so what a killed worker had finished is never run again.
@@ -54,7 +54,9 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from evals import results as R
-from evals.runner import EvalError, EvalHooks, EvalOutcome, EvalSettings, run_eval
+from evals.run.plan import resolve_target
+from evals.run.runner import run_eval
+from evals.run.settings import EvalError, EvalHooks, EvalOutcome, EvalSettings
 
 SHARDS_DIR = ".workers"
 # Most keys in one job, in units of max_num_seqs: enough to keep an engine's batch full.
@@ -112,8 +114,7 @@ def run_distributed(settings_list: Sequence[EvalSettings], workers: int | str = 
     runs = [_Run(s) for s in settings_list]
     with contextlib.ExitStack() as held:  # one writer per run directory for the whole invocation
         for run in runs:
-            path = R.run_dir(run.settings.out, run.settings.model, run.settings.task,
-                             R.run_label(run.settings.policy, run.settings.policy_args))
+            path = resolve_target(run.settings).path
             try:
                 R.check_writable(path)
             except OSError as e:
@@ -152,9 +153,9 @@ def _run_all(runs: list[_Run], workers: int | str, address: str | None, hooks: E
 def run_sweeps_distributed(bases: Sequence[EvalSettings], budgets: Sequence[int], rule: str,
                            workers: int | str = "auto", address: str | None = None,
                            hooks: EvalHooks | None = None, threads: int = 2) -> list:
-    """``evals.sweep.run_sweep`` for several tasks at once: every (task, budget) run is queued
+    """``evals.run.sweep.run_sweep`` for several tasks at once: every (task, budget) run is queued
     together on the workers, then each task's sweep is analysed as ``run_sweep`` does."""
-    from evals.sweep import analyze_sweep, budget_settings, check_sweep
+    from evals.run.sweep import analyze_sweep, budget_settings, check_sweep
 
     plans = [(base, check_sweep(base, budgets, rule)) for base in bases]
     settings = [budget_settings(base, b) for base, bs in plans for b in bs]
@@ -302,8 +303,7 @@ def _shard_root(run: _Run, job: Job) -> Path:
 
 def _shard_run_path(settings: EvalSettings, shard_root: Path) -> Path:
     """Where a worker's run_eval writes under ``shard_root`` (the runner's own layout)."""
-    return R.run_dir(shard_root, settings.model, settings.task,
-                     R.run_label(settings.policy, settings.policy_args))
+    return resolve_target(dataclasses.replace(settings, out=str(shard_root))).path
 
 
 def _merge(run: _Run, job: Job, shard: dict, hooks: EvalHooks) -> None:
@@ -357,10 +357,10 @@ def merge_shard(path: Path, shard: dict, source: str) -> list[dict]:
     return written
 
 
-# Per-sample files beside samples.jsonl that `kvarena report` reads (evals.traces, evals.fidelity):
+# Per-sample files beside samples.jsonl that `kvarena report` reads (evals.traces, evals.run.fidelity):
 # a shard's lines for the samples merged are appended to the run's.
 def _side_files() -> tuple[str, ...]:
-    from evals.fidelity import FORCED_FILE
+    from evals.run.fidelity import FORCED_FILE
     from evals.traces import TRACES_FILE
 
     return (TRACES_FILE, FORCED_FILE)
@@ -399,8 +399,7 @@ def read_shard(run_path: Path) -> dict:
 
 def _merge_leftovers(settings: EvalSettings, hooks: EvalHooks) -> None:
     """Merge the shards an earlier, stopped invocation left under the run directory."""
-    path = R.run_dir(settings.out, settings.model, settings.task,
-                     R.run_label(settings.policy, settings.policy_args))
+    path = resolve_target(settings).path
     root = path / SHARDS_DIR
     if not root.is_dir():
         return

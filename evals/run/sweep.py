@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from evals import results as R
-from evals.runner import EvalError, EvalHooks, EvalOutcome, EvalSettings, budget_field, run_eval
+from evals.run.runner import run_eval
+from evals.run.settings import EvalError, EvalHooks, EvalOutcome, EvalSettings, budget_field
 from evals.tables import write_csv
 
 SUFFICIENCY_RULES: dict[str, Callable[[int, int], bool]] = {
@@ -66,7 +67,7 @@ class SweepResult:
 
 def fixed_budget_policies() -> dict[str, str]:
     """Registered policies whose per-request capacity is one fixed number, and the field that
-    holds it (``evals.runner.budget_field``: a dataclass field named in ``BUDGET_FIELDS``).
+    holds it (``evals.run.settings.budget_field``: a dataclass field named in ``BUDGET_FIELDS``).
     GrowPage (and its Random / Inverse / Shrink variants) has no such field: its initial capacity
     is where capacity control starts, not a budget, so it is never swept here."""
     from engine.policies.base import policy_registry

@@ -1,0 +1,189 @@
+"""What a run writes about its samples: the lines of ``samples.jsonl`` (a finished request, a
+failed sample), the event counts they carry, and what is recomputed from the files afterwards
+(``metrics.json``, config.json's engine-settings summary, the NIAH heatmap) -- plus the
+provenance an invocation records in config.json.
+
+A sample line (``output_record``)::
+
+    uid, sample, task, seed, segment, gold, meta    the key and what the problem says
+    status "ok" | "failed", output, prompt_tokens, output_tokens, finish_reason,
+    first_token_s, finish_s, tpot_s, avg_kv_budget, avg_kv_allocated, avg_kv_kept,
+    final_kv_len, peak_kv_capacity, preemptions, events, decisions, stage_seconds,
+    extracted, correct, score, reason, details      (the grader's, evals.run.grader)
+    fid_*                                           (evals.run.fidelity.FIELDS)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from evals import results as R
+from evals.problem import Problem
+
+# Meta values larger than this (JSON characters) stay out of sample lines (contexts, tests).
+_META_MAX_CHARS = 200
+
+
+def small_meta(meta: Mapping[str, Any]) -> dict:
+    """The problem meta values worth keeping in a sample line (short ones: NIAH's length and
+    depth, a code task's platform), not contexts or test suites."""
+    import json
+
+    out = {}
+    for k, v in meta.items():
+        try:
+            if len(json.dumps(v)) <= _META_MAX_CHARS:
+                out[k] = v
+        except (TypeError, ValueError):
+            continue
+    return out
+
+
+def event_counts(events: Sequence[Mapping[str, Any]]) -> tuple[dict, dict, dict]:
+    """(counts by kind, boundary decisions by action, stage seconds) of one request's events.
+
+    Kinds (``results.EVENT_KINDS``): ``grow``, ``compress``, ``shrink`` at capacity boundaries;
+    ``allocate`` (a page received without a capacity decision, engine/scheduler.py);
+    ``fallback`` (a compression because GROW found no free page); ``prefill_compress`` and
+    ``periodic_compress`` (compactions decided after a prefill -- prompt compression or
+    re-admission -- and by a periodic schedule); ``preempt``. Boundary decisions are the grow /
+    compress / shrink answers at capacity boundaries, a fallback counted as the grow decision it
+    replaced (Table 9's primary decisions, engine/stats.py; the denominator of the grow ratio)."""
+    kinds: dict[str, int] = {}
+    decisions: dict[str, int] = {}
+    stages: dict[str, float] = {}
+    for e in events:
+        action = str(e.get("action"))
+        trigger = (e.get("info") or {}).get("trigger", "boundary")
+        if e.get("fallback"):
+            kind = "fallback"
+        elif action in ("compress", "shrink") and trigger in ("prefill", "periodic"):
+            kind = f"{trigger}_compress"
+        else:
+            kind = action
+        kinds[kind] = kinds.get(kind, 0) + 1
+        if trigger == "boundary" and action in ("grow", "compress", "shrink"):
+            decisions[action] = decisions.get(action, 0) + 1
+        elif e.get("fallback") and (e.get("info") or {}).get("primary") == "grow":
+            decisions["grow"] = decisions.get("grow", 0) + 1  # the grow decision it replaced
+        for k, v in (e.get("stages") or {}).items():
+            stages[k] = stages.get(k, 0.0) + float(v)
+    return kinds, decisions, stages
+
+
+def base_record(problem: Problem, sample: int, seed: int, segment: int) -> dict:
+    return {"uid": problem.uid, "sample": sample, "task": problem.task, "seed": seed,
+            "segment": segment, "gold": problem.gold, "meta": small_meta(problem.meta)}
+
+
+def output_record(problem: Problem, sample: int, seed: int, segment: int, out: Any) -> dict:
+    """A finished request as a sample line (grading fields are filled in by the grader)."""
+    kinds, decisions, stages = event_counts(out.events)
+    trace = out.capacity_trace
+    return {
+        **base_record(problem, sample, seed, segment),
+        "status": "ok",
+        "output": out.text,
+        "prompt_tokens": out.num_prompt_tokens,
+        "output_tokens": out.num_output_tokens,
+        "finish_reason": out.finish_reason,
+        "first_token_s": out.first_token_time,
+        "finish_s": out.finish_time,
+        "tpot_s": out.tpot,
+        "avg_kv_budget": out.avg_kv_budget,
+        "avg_kv_allocated": out.avg_kv_allocated,
+        "avg_kv_kept": out.avg_kv_kept,
+        "final_kv_len": out.final_kv_len,
+        "peak_kv_capacity": max(trace) if trace else None,
+        "preemptions": out.num_preemptions,
+        "events": kinds,
+        "decisions": decisions,
+        "stage_seconds": stages,
+    }
+
+
+def failed_record(problem: Problem, sample: int, seed: int, segment: int, prompt_tokens: int,
+                  reason: str) -> dict:
+    return {
+        **base_record(problem, sample, seed, segment),
+        "status": "failed", "error": reason, "output": "", "prompt_tokens": prompt_tokens,
+        "output_tokens": 0, "finish_reason": "failed", "extracted": None, "correct": False,
+        "score": 0.0, "reason": "failed", "details": {}, **fidelity_none(),
+    }
+
+
+def fidelity_none() -> dict:
+    from evals.run.fidelity import empty_fields
+
+    return empty_fields()
+
+
+def finalize(path: Path, keys: Sequence[R.SampleKey]) -> dict:
+    """Recompute metrics.json from the files (and the NIAH heatmap, if the samples have a grid)."""
+    records_by_key = R.load_samples(path / R.SAMPLES_FILE, repair=False).records
+    records = [records_by_key[k] for k in keys if k in records_by_key]
+    segments = R.read_segments(path / R.SEGMENTS_FILE)
+    metrics = R.compute_metrics(records, segments, len(keys))
+    describe_engine_settings(path, records, segments)
+    grid = niah_records(records)
+    if grid:
+        from evals.plots import niah_heatmap
+
+        config = R.read_config(path / R.CONFIG_FILE) if (path / R.CONFIG_FILE).exists() else {}
+        metrics["niah_mean_score"] = sum(r["score"] for r in grid) / len(grid)
+        niah_heatmap(grid, path / R.NIAH_HEATMAP_FILE, title=config.get("label", path.name))
+    R.write_json(path / R.METRICS_FILE, metrics)
+    R.set_modes(path)
+    return metrics
+
+
+def describe_engine_settings(path: Path, records: Sequence[Mapping[str, Any]],
+                             segments: Sequence[Mapping[str, Any]]) -> None:
+    """config.json's engine fields describe the samples held (R.engine_settings_summary): the one
+    setting they all came from, or ``"mixed"`` with ``engine_settings`` listing each."""
+    if not (path / R.CONFIG_FILE).exists() or not records:
+        return
+    config = R.read_config(path / R.CONFIG_FILE)
+    summary = R.engine_settings_summary(records, segments)
+    config["engine_settings"] = summary
+    if summary["mixed"]:
+        for name in ("kv_cache_tokens", "max_num_seqs", "engine"):
+            config[name] = R.MIXED
+    elif not summary["settings"][0].get("unknown"):
+        one = summary["settings"][0]
+        config["kv_cache_tokens"], config["max_num_seqs"] = one["kv_cache_tokens"], one["max_num_seqs"]
+        config["engine"] = {k: one[k] for k in ("device", "num_pages", "max_model_len")}
+    R.write_json(path / R.CONFIG_FILE, config)
+
+
+def niah_records(records: Sequence[Mapping[str, Any]]) -> list[dict]:
+    """(context_length, depth_percent, score) rows of the samples that carry a NIAH grid cell."""
+    rows = []
+    for r in records:
+        meta = r.get("meta") or {}
+        if "context_length" in meta and "depth_percent" in meta:
+            rows.append({"context_length": meta["context_length"], "depth_percent": meta["depth_percent"],
+                         "score": float(r.get("score") or 0.0)})
+    return rows
+
+
+
+def invocation_provenance(path: Path) -> dict:
+    """This invocation's git commit (and uncommitted-change fingerprint), library versions,
+    machine and command line (evals.provenance). A resumed run whose earlier invocations ran on
+    other code or another machine lists those under ``"earlier"``, so its samples are known to
+    be mixed."""
+    from evals.provenance import provenance_key, run_provenance
+
+    current = run_provenance()
+    config_path = path / R.CONFIG_FILE
+    old = R.read_config(config_path).get("provenance") if config_path.exists() else None
+    history = [{k: v for k, v in old.items() if k != "earlier"}, *(old.get("earlier") or [])] if old else []
+    earlier, seen = [], {provenance_key(current)}
+    for prev in history:
+        if provenance_key(prev) not in seen:
+            seen.add(provenance_key(prev))
+            earlier.append(prev)
+    return {**current, "earlier": earlier} if earlier else current
+
