@@ -59,6 +59,27 @@ def test_baseline_gets_karas_realised_length_per_sample(model_dir, kara_run, tmp
     assert config["match_budget_to"]["policy"] == "kara"
 
 
+def test_the_fidelity_pass_scores_at_the_matched_budget(model_dir, kara_run, tmp_path, monkeypatch):
+    """The teacher-forced pass that scores fidelity runs each request at its own matched budget,
+    as the run itself does, not at the policy's fixed one."""
+    from engine.llm import LLM
+
+    forced_budgets = []
+    stream = LLM.stream
+
+    def spy(self, prompts, params=None, on_step=None):
+        if isinstance(params, list) and params and params[0].forced_tokens:
+            forced_budgets.extend(p.kv_budget for p in params)
+        return stream(self, prompts, params, on_step)
+
+    monkeypatch.setattr(LLM, "stream", spy)
+    outcome = run_eval(settings(model_dir, tmp_path, policy="snapkv", policy_args={"window": 4},
+                                match_budget_to=str(kara_run), fidelity=True))
+    kara = records(kara_run)
+    assert sorted(forced_budgets) == sorted(r["final_kv_len"] for r in kara.values())
+    assert all(r["fid_delta_nll"] is not None for r in records(outcome.path).values())
+
+
 def test_matched_budget_errors_come_before_the_run(model_dir, kara_run, tmp_path):
     def fails(match, **kw):
         with pytest.raises(EvalError, match=match):

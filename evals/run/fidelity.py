@@ -326,7 +326,7 @@ class Fidelity:
             # ignore_eos: a reference that ends with EOS is scored up to and including it.
             params.append(SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
                                          seed=p.seed, max_tokens=len(ref), forced_tokens=tuple(ref),
-                                         logprobs=True, ignore_eos=True))
+                                         kv_budget=p.kv_budget, logprobs=True, ignore_eos=True))
         run_policy = llm.policy
         llm.use_policy(self.policy, **self.policy_args)
         start = time.perf_counter()
