@@ -758,12 +758,12 @@ def test_engine_runs_every_variant_by_name(tiny_dir, name):
 
 # -- issue 10: start capacity, accounting, budget readings, preset betas, watermark ------------
 
+from engine.events import primary_decisions  # noqa: E402
 from engine.policies.growpage import (  # noqa: E402
     PAPER_BETA_LONG,
     preset_betas,
     time_constants,
 )
-from engine.stats import primary_decisions  # noqa: E402
 
 
 @pytest.mark.parametrize("tau", [-1.0, 1.0])  # every decision a grow / a Compress & Hold
@@ -891,12 +891,16 @@ def test_kv_budget_readings_per_policy():
 
 def test_primary_decisions_count_fallbacks_as_the_grows_they_replaced():
     # Table 9's GrowPage row: 9,500 grow decisions of which 597 fell back, 21,203 Compress & Hold.
-    events = ([("grow", "boundary", None)] * (9500 - 597)
-              + [("compress", "fallback", "grow")] * 597
-              + [("compress", "boundary", None)] * 21203
-              + [("allocate", "boundary", None)] * 5000     # below the start: no decision
-              + [("compress", "prefill", None)] * 7         # re-admission: no decision
-              + [("compress", "fallback", "allocate")] * 3)  # a fixed budget's opt-in fallback
+    def event(action, trigger, primary=None):
+        info = {"trigger": trigger, **({"primary": primary} if primary else {})}
+        return {"action": action, "fallback": trigger == "fallback", "info": info}
+
+    events = ([event("grow", "boundary")] * (9500 - 597)
+              + [event("compress", "fallback", "grow")] * 597
+              + [event("compress", "boundary")] * 21203
+              + [event("allocate", "boundary")] * 5000     # below the start: no decision
+              + [event("compress", "prefill")] * 7         # re-admission: no decision
+              + [event("compress", "fallback", "allocate")] * 3)  # a fixed budget's opt-in fallback
     d = primary_decisions(events)
     assert (d["grow"], d["compress"], d["shrink"]) == (9500, 21203, 0)
     assert d["grow"] / sum(d.values()) == pytest.approx(0.309, abs=5e-4)
