@@ -15,7 +15,6 @@ from engine.policies.demand import (
     Demand,
     calibrate_rms,
     demand_trend,
-    ema_update,
     entropy_ratio,
     group_attention_probs,
     top_p_ratio,
@@ -35,6 +34,7 @@ from engine.policies.growpage_variants import (
     InverseRule,
     ShrinkRule,
 )
+from engine.query_state import ema_update
 
 # -- helpers ----------------------------------------------------------------------------------
 
