@@ -888,9 +888,12 @@ def test_kvllm_through_engine_compresses_trailing_windows_once_per_period(llama_
 
 
 def test_niah_task_runs_kara_with_prompt_compression():
+    from engine.policies.base import policy_lineage
     from evals.runner import resolve_policy_args
     from evals.tasks import get_task
 
+    assert policy_lineage("kara-wo-t2c") == ("kara-wo-t2c", "kara")   # by name, variant first
+    assert policy_lineage("kara") == ("kara",) and policy_lineage("no-such") == ("no-such",)
     niah, gsm8k = get_task("niah"), get_task("gsm8k")
     for name in ("kara", "kara-wo-biattn", "kara-wo-t2c"):      # variants inherit the entry
         assert niah.policy_args_for(name) == {"compress_prompt": True}

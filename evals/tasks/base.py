@@ -196,14 +196,12 @@ class Task(ABC):
     # -------------------------------------------------------------- defaults
 
     def policy_args_for(self, policy: str) -> dict:
-        """This task's default arguments for ``policy``. A registered variant (a subclass, e.g.
-        Kara's ablations) inherits its base policy's entry unless it has its own."""
-        from engine.policies.base import policy_registry
+        """This task's default arguments for ``policy``. A registered variant (e.g. Kara's
+        ablations) inherits its base policy's entry unless it has its own (the registry's
+        ``policy_lineage``, by name)."""
+        from engine.policies.base import policy_lineage
 
-        registry = policy_registry()
-        cls = registry.get(policy)
-        for klass in cls.__mro__ if cls is not None else ():
-            name = getattr(klass, "name", None)
+        for name in policy_lineage(policy):
             if name in self.policy_defaults:
                 return dict(self.policy_defaults[name])
         return {}
