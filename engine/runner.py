@@ -147,6 +147,20 @@ class ModelRunner:
     def num_pages(self) -> int:
         return self.kv.k.shape[2]
 
+    # -- the scheduler's door to the pools ------------------------------------------------------
+    def bind_query_slot(self) -> int | None:
+        """A query-signal slot for a request that starts running, or None when the policy reads
+        no query signals."""
+        return self.queries.bind() if self.queries.active else None
+
+    def release_query_slot(self, slot: int) -> None:
+        self.queries.release(slot)
+
+    def kv_cache(self) -> KVCache:
+        """The KV pages (and per-slot scores) a compaction rewrites in place. Read it when the
+        compaction runs: `use_signals` may replace it between runs."""
+        return self.kv
+
     # -- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, items: list[WorkItem]) -> list[int]:

@@ -172,8 +172,7 @@ class Scheduler:
             return None
         self.waiting.popleft()
         seq.status = SeqStatus.RUNNING
-        if self.runner.queries.active:
-            seq.query_slot = self.runner.queries.bind()
+        seq.query_slot = self.runner.bind_query_slot()
         self.running.append(seq)
         return item
 
@@ -281,9 +280,9 @@ class Scheduler:
         if timer is not None:
             job.timer.stages.update(timer.stages)
         if self.worker is not None:
-            self.worker.submit(job, self.policy, view, self.runner.kv)
+            self.worker.submit(job, self.policy, view, self.runner.kv_cache())
             return False
-        execute(job, self.policy, view, self.runner.kv)
+        execute(job, self.policy, view, self.runner.kv_cache())
         self._finish_job(job)
         return seq.physical_len < seq.num_pages * self.bm.block_size
 
@@ -393,7 +392,7 @@ class Scheduler:
 
     def _release_slot(self, seq: Sequence) -> None:
         if seq.query_slot is not None:
-            self.runner.queries.release(seq.query_slot)
+            self.runner.release_query_slot(seq.query_slot)
             seq.query_slot = None
 
     def _record(self, event: CapacityEvent, seq: Sequence) -> None:
