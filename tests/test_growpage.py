@@ -24,7 +24,8 @@ from engine.policies.growpage import (
     GrowPage,
     GrowPageState,
     TrendRule,
-    compress_and_hold_select,
+    keep_to_slots,
+    local_global_keep,
 )
 from engine.policies.growpage_variants import (
     GrowPageFixed,
@@ -426,17 +427,26 @@ def naive_select(scores, target, b, k_loc, protected):
 def test_compress_and_hold_select_against_naive(n, target, b, k_loc, protected):
     g = torch.Generator().manual_seed(n * 1000 + target)
     scores = torch.rand(2, 3, n, generator=g)
-    got = compress_and_hold_select(scores, target, b, k_loc, protected)
+    got = select_like_growpage(scores, target, b, k_loc, protected)
     want = naive_select(scores, target, b, k_loc, protected)
     assert got.shape == (2, 3, target) and got.dtype == torch.int64
     assert torch.equal(got, want)
     assert (got.diff(dim=-1) > 0).all()
 
 
+def select_like_growpage(scores, target, b, k_loc, protected):
+    """The two calls `GrowPage.select` makes on its candidate scores [L, H, n]: the candidates'
+    keep-mask (the protected tail's scores are not read), then the kept slots with the tail."""
+    R = min(protected, target)
+    keep = local_global_keep(scores[..., : scores.shape[-1] - R], target - R, b, k_loc)
+    assert keep.dtype == torch.bool and (keep.sum(-1) == target - R).all()
+    return keep_to_slots(keep, R)
+
+
 def test_select_keeps_local_quota_even_for_low_scores():
     scores = torch.zeros(1, 1, 16)
     scores[..., 8:12] = 1.0  # all mass in page 2
-    keep = compress_and_hold_select(scores, 12, 4, 1, 2)[0, 0].tolist()
+    keep = select_like_growpage(scores, 12, 4, 1, 2)[0, 0].tolist()
     for page in range(3):  # pages 0..2 keep at least one slot each
         assert any(page * 4 <= s < page * 4 + 4 for s in keep)
     assert {8, 9, 10, 11, 14, 15} <= set(keep)

@@ -211,12 +211,6 @@ def test_without_token2chunk_keeps_best_singles_same_count():
         assert sel.keep[r].tolist() == naive_topk(scores[r].tolist(), 24)
 
 
-def test_window_keep_set_appends_buffer():
-    kept = torch.tensor([[0, 3], [1, 2]])
-    assert t2c.window_keep_set(kept, window_len=7, buffer_len=3).tolist() == [
-        [0, 3, 4, 5, 6], [1, 2, 4, 5, 6]]
-
-
 # -- policy on fake views -----------------------------------------------------------------------
 
 POOL = 512
