@@ -2,8 +2,9 @@
 forward pass and samples.
 
 KV pool sizing: on CPU the pool is sized explicitly (kv_cache_tokens, or kv_cache_bytes, with a CPU
-default); on CUDA with neither given, it takes `gpu_memory_utilization` of device memory minus what
-the weights and a warm-up forward use.
+default); on CUDA with neither given, it takes 0.9 x (`gpu_memory_utilization` x device memory -
+memory in use once the weights are loaded): the tenth left over is for activations, which no
+forward pass measures beforehand.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Per-request outputs and run statistics, with the metric definitions of docs/metrics.md:
 
-- TPS: total output tokens / wall time from the start of decoding until every request completes.
+- TPS: total output tokens / wall time of the run: from its first step (the prompts' prefill
+  included) until every request completes (`LLM.stream`).
 - TPOT per request: (finish time - first token time) / (output tokens - 1); the mean is reported.
 - Average KV budget (`avg_kv_budget`, GrowPage's Table 8 "Avg. KV Budget" and App. I's per-request
   capacity): the policy's KV budget (`KVPolicy.kv_budget`) averaged over a request's decode steps,

@@ -267,7 +267,8 @@ class KVPolicy:
         return None
 
     def max_pages(self, view: PolicyView) -> int | None:
-        """Most pages a request may hold (None: unbounded). Used for invariant checks."""
+        """Most pages a request may hold (None: unbounded). The engine does not call it; the tests
+        check a request's pages against it."""
         return None
 
     @property

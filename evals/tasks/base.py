@@ -77,8 +77,8 @@ class TaskDefaults:
 
 
 # The CPU preset divides every length-like default by 8 (block 256 -> 32, budget 4096 -> 512,
-# 8192 -> 1024, output 16384 -> 2048) and caps outputs at 2048 tokens: the DESIGN "Scale"
-# preset (block 32, budgets 256-1024, outputs 1-2k) for a 135M model on 2 cores.
+# 8192 -> 1024, output 16384 -> 2048) and caps outputs at 2048 tokens: a preset (block 32,
+# budgets 256-1024, outputs 1-2k) for a 135M model on 2 cores.
 CPU_DIVISOR = 8
 CPU_MAX_TOKENS_CAP = 2048
 # Every preset's kv_budget is None or in this range (tests/test_tasks.py checks each registered
