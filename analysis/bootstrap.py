@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Hashable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import pandas as pd
@@ -134,11 +134,6 @@ def bootstrap_mean(values: Sequence[float], resamples: int = RESAMPLES, level: f
     frame["cluster"] = np.arange(len(frame))
     return cluster_bootstrap(frame, "cluster", {"mean": lambda f: float(f["value"].mean())},
                              resamples, level, seed)["mean"]
-
-
-def interval_table(intervals: Mapping[Hashable, Interval]) -> dict:
-    """JSON form: name -> Interval.to_dict()."""
-    return {str(k): v.to_dict() for k, v in intervals.items()}
 
 
 def fmt_interval(entry: Mapping | None, digits: int = 3) -> str:

@@ -48,8 +48,8 @@ from analysis.demand_study import (
     write_demand_outputs,
 )
 from engine.policies.base import EngineSpec
-from engine.policies.demand import ema_update
 from engine.policies.growpage import time_constants
+from engine.query_state import ema_update
 
 
 @dataclass(frozen=True)

@@ -4,8 +4,9 @@ requests, never allocated per step").
 - recent: ring buffer of the last n pre-RoPE queries of every layer, [layers, slots, n, q_heads, d],
   with their logical positions [slots, n] (-1 = empty). Zipage/SnapKV rotate them at read time.
 - ema: one EMA of the pre-RoPE *decode* query per beta, [layers, slots, len(betas), q_heads, d]
-  (GrowPage's dual-timescale summaries). A newly bound slot is initialised from its first decode
-  query, overwriting whatever the previous owner left (no clearing needed).
+  (GrowPage's dual-timescale summaries, Eq. 6; `ema_update` is the rule). A newly bound slot is
+  initialised from its first decode query, overwriting whatever the previous owner left (no
+  clearing needed).
 
 A slot is bound when a request starts running and released at finish or preemption. One extra
 *scratch* slot (index `num_slots`) is never bound: a compiled decode step has a fixed number of
@@ -16,12 +17,49 @@ queries there instead of being filtered out on the host.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
 from engine.kernels._common import upload
 from engine.policies.base import SignalSpec
-from engine.policies.demand import ema_update
+
+
+def ema_update(
+    ema: torch.Tensor,
+    q: torch.Tensor,
+    betas: Sequence[float] | torch.Tensor,
+    init_mask: torch.Tensor | bool,
+) -> torch.Tensor:
+    """One decode step of the dual-timescale summaries (Eq. 6), in place.
+
+    ema: [..., num_betas, q_heads, head_dim], e.g. the pool slice of the decoding requests
+        (`pool[layer, slot_ids]` gathered, or `pool[layer]` itself); updated in place and returned.
+        Keep it float32: with beta = 0.999 a bf16 EMA cannot absorb (1 - beta) * q increments.
+    q: [..., q_heads, head_dim] the current query after q-norm and before RoPE (leading dims as
+        ema's, without the betas axis). Any float dtype; it is cast to ema's dtype.
+    betas: num_betas decay factors, (beta_S, beta_L) for GrowPage.
+    init_mask: bool, or a bool tensor with ema's leading dims `[...]`: True where the slot was just
+        bound to a request, so every summary is set to q, overwriting stale values (even NaN/inf
+        garbage from an uninitialised pool, since this selects rather than blends).
+
+    Returns ema (the same tensor): ema[..., i, :, :] = init ? q : betas[i] * ema + (1 - betas[i]) * q.
+    """
+    if ema.dim() < 3 or ema.shape[:-3] + ema.shape[-2:] != q.shape:
+        raise ValueError(
+            f"ema_update: ema {tuple(ema.shape)} must be q {tuple(q.shape)} with a betas axis "
+            "inserted before the last two dims"
+        )
+    beta = torch.as_tensor(betas, dtype=ema.dtype, device=ema.device).reshape(-1, 1, 1)
+    if beta.shape[0] != ema.shape[-3]:
+        raise ValueError(f"ema_update: {beta.shape[0]} betas for {ema.shape[-3]} summaries")
+    q = q.to(ema.dtype).unsqueeze(-3)
+    updated = ema * beta + (1.0 - beta) * q
+    mask = torch.as_tensor(init_mask, device=ema.device, dtype=torch.bool)
+    mask = mask.reshape(mask.shape + (1, 1, 1))
+    ema.copy_(torch.where(mask, q.expand_as(ema), updated))
+    return ema
+
 
 
 @dataclass

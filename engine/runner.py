@@ -2,8 +2,9 @@
 forward pass and samples.
 
 KV pool sizing: on CPU the pool is sized explicitly (kv_cache_tokens, or kv_cache_bytes, with a CPU
-default); on CUDA with neither given, it takes `gpu_memory_utilization` of device memory minus what
-the weights and a warm-up forward use.
+default); on CUDA with neither given, it takes 0.9 x (`gpu_memory_utilization` x device memory -
+memory in use once the weights are loaded): the tenth left over is for activations, which no
+forward pass measures beforehand.
 """
 
 from __future__ import annotations
@@ -146,6 +147,20 @@ class ModelRunner:
     @property
     def num_pages(self) -> int:
         return self.kv.k.shape[2]
+
+    # -- the scheduler's door to the pools ------------------------------------------------------
+    def bind_query_slot(self) -> int | None:
+        """A query-signal slot for a request that starts running, or None when the policy reads
+        no query signals."""
+        return self.queries.bind() if self.queries.active else None
+
+    def release_query_slot(self, slot: int) -> None:
+        self.queries.release(slot)
+
+    def kv_cache(self) -> KVCache:
+        """The KV pages (and per-slot scores) a compaction rewrites in place. Read it when the
+        compaction runs: `use_signals` may replace it between runs."""
+        return self.kv
 
     # -- one step ------------------------------------------------------------------------------
     @torch.inference_mode()

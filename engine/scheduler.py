@@ -13,7 +13,7 @@ only while the pool keeps a free-page watermark after it, `config.grow_watermark
 (vLLM's scheduler keeps 1% of the blocks free the same way), else it "cannot be safely satisfied"
 (GrowPage Sec. 4.2) and falls back. Any other GROW is *page allocation* (FullKV, a fixed budget or
 GrowPage below its cap or start): it takes any free page. Counters and events name them "grow" and
-"allocate"; only "grow" enters the grow ratio (engine/stats.py).
+"allocate"; only "grow" enters the grow ratio (engine/events.py).
 
 A request that can never fit (prompt longer than the model context, or more pages than the pool)
 is rejected when added; a lone request that outgrows the whole pool with no way to compress finishes
@@ -29,6 +29,7 @@ from typing import Callable
 from engine.block_manager import BlockManager
 from engine.compaction import CompactionWorker, PolicyError, execute, finalize, plan
 from engine.config import ConfigError, EngineConfig
+from engine.events import compaction_counter
 from engine.policies.base import Action, Decision, KVPolicy, StageTimer
 from engine.policy_view import SeqView
 from engine.runner import ModelRunner, WorkItem
@@ -171,8 +172,7 @@ class Scheduler:
             return None
         self.waiting.popleft()
         seq.status = SeqStatus.RUNNING
-        if self.runner.queries.active:
-            seq.query_slot = self.runner.queries.bind()
+        seq.query_slot = self.runner.bind_query_slot()
         self.running.append(seq)
         return item
 
@@ -280,9 +280,9 @@ class Scheduler:
         if timer is not None:
             job.timer.stages.update(timer.stages)
         if self.worker is not None:
-            self.worker.submit(job, self.policy, view, self.runner.kv)
+            self.worker.submit(job, self.policy, view, self.runner.kv_cache())
             return False
-        execute(job, self.policy, view, self.runner.kv)
+        execute(job, self.policy, view, self.runner.kv_cache())
         self._finish_job(job)
         return seq.physical_len < seq.num_pages * self.bm.block_size
 
@@ -392,7 +392,7 @@ class Scheduler:
 
     def _release_slot(self, seq: Sequence) -> None:
         if seq.query_slot is not None:
-            self.runner.queries.release(seq.query_slot)
+            self.runner.release_query_slot(seq.query_slot)
             seq.query_slot = None
 
     def _record(self, event: CapacityEvent, seq: Sequence) -> None:
@@ -413,17 +413,3 @@ def grow_kind(decision: Decision) -> str:
         return label
     return "grow" if "delta" in decision.info else "allocate"
 
-
-def compaction_counter(event: CapacityEvent) -> str:
-    """The counter a finished compaction adds to: its action ("compress" / "shrink") for a capacity
-    decision at a boundary; "periodic_compress" for a periodic schedule's firing (Kara's KvLLM),
-    the name the evals' event counts use too (docs/metrics.md); "fallback_compaction" for a
-    fallback (the fallback itself was counted when it replaced the GROW); "prefill_compress" after
-    a prefill (prompt compression, re-admission). So counts["compress"] holds boundary decisions
-    only (Table 9)."""
-    trigger = event.info.get("trigger", "boundary")
-    if event.fallback:
-        return "fallback_compaction"
-    if trigger in ("prefill", "periodic"):
-        return f"{trigger}_{event.action}"
-    return event.action

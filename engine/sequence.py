@@ -33,7 +33,7 @@ class CapacityEvent:
 
     time: float
     seq_id: int
-    action: str  # grow | compress | shrink | preempt | prefill_compress | periodic_compress
+    action: str  # grow | allocate | compress | shrink | preempt (what it counts as: engine/events.py)
     logical_len: int
     physical_before: int
     physical_after: int

@@ -1,6 +1,7 @@
 """Per-request outputs and run statistics, with the metric definitions of docs/metrics.md:
 
-- TPS: total output tokens / wall time from the start of decoding until every request completes.
+- TPS: total output tokens / wall time of the run: from its first step (the prompts' prefill
+  included) until every request completes (`LLM.stream`).
 - TPOT per request: (finish time - first token time) / (output tokens - 1); the mean is reported.
 - Average KV budget (`avg_kv_budget`, GrowPage's Table 8 "Avg. KV Budget" and App. I's per-request
   capacity): the policy's KV budget (`KVPolicy.kv_budget`) averaged over a request's decode steps,
@@ -18,18 +19,15 @@
   budgets (PyramidKV, AdaKV) pages are sized by the largest head, so allocated minus kept counts
   the write-page headroom plus the holes of the heads that keep fewer tokens.
 - C: mean number of requests resident (running) per decode step.
-- Events (Table 9): "grow" (a capacity decision to grow that got its page), "compress", "shrink"
-  (capacity decisions at boundaries), "fallback" (a grow decision the pool could not safely
-  satisfy, answered by a compression), "preemption", and "allocate" (page allocation without a
-  decision: FullKV, a fixed budget or GrowPage below its cap or start; never a decision). The grow
-  ratio is computed over the primary decisions before fallback handling, as Table 9's caption says:
-  (grow + grow fallbacks) / (grow + grow fallbacks + compress + shrink). GrowPage-Fixed thus shows
-  grow 0 and ratio 0.0, and GrowPage's Table 9 row 9,500 / (9,500 + 21,203) = 30.9% is this
-  arithmetic with its 597 fallbacks inside the 9,500 grow decisions. The engine's `counts` name
-  compactions that are not decisions apart: "fallback_compaction" (the compaction a fallback ran),
-  "prefill_compress" (prompt compression, re-admission) and "periodic_compress" (a periodic
-  schedule's firing, Kara's KvLLM; the same name as in the evals' event counts); "compress" and
-  "grow" hold boundary decisions only.
+- Events (Table 9): what each capacity event counts as (its kind, the engine counter it adds to,
+  whether it is a primary decision) is engine/events.py's one rule. `counts` are the scheduler's
+  counters: "grow", "allocate", "fallback" (a grow decision the pool could not safely satisfy),
+  "preemption", and one counter per finished compaction (`events.compaction_counter`), so
+  "compress" and "shrink" hold boundary decisions only. The grow ratio is computed over the primary
+  decisions before fallback handling, as Table 9's caption says: (grow + grow fallbacks) / (grow +
+  grow fallbacks + compress + shrink). GrowPage-Fixed thus shows grow 0 and ratio 0.0, and
+  GrowPage's Table 9 row 9,500 / (9,500 + 21,203) = 30.9% is this arithmetic with its 597
+  fallbacks inside the 9,500 grow decisions.
 - Compactions (`compactions`): every compaction that ran (a capacity decision's, a fallback's, a
   prompt compression, a periodic firing): what `kvarena generate` prints as "compress events".
 - KV kept (`final_kv_len`): the KV slots a request holds when it finishes, mean over requests, beside
@@ -46,6 +44,7 @@ import statistics
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
+from engine.events import is_compaction, primary_decisions
 from engine.sequence import CapacityEvent, Sequence
 
 
@@ -176,8 +175,7 @@ def run_stats(outputs: list[RequestOutput], steps: list[StepRecord], events: lis
     stages: Counter[str] = Counter()
     for e in events:
         stages.update(e.stages)
-    decisions = primary_decisions(
-        (e.action, e.info.get("trigger", "boundary"), e.info.get("primary")) for e in events)
+    decisions = primary_decisions(events)
     n_decisions = sum(decisions.values())
     counts = {k: int(v) for k, v in counters.items()}
     return RunStats(
@@ -205,11 +203,6 @@ def _mean(values: list[float]) -> float | None:
     return statistics.fmean(values) if values else None
 
 
-def is_compaction(action: str) -> bool:
-    """Whether a capacity event's action is a compaction (KV slots rewritten, some dropped)."""
-    return action in ("compress", "shrink")
-
-
 def never_compressed(policy, compactions: int, kv_context: float | None = None) -> str | None:
     """The warning for a run in which a compressing policy (``policy.compresses``) ran no
     compaction, or None when it compressed or never compresses by design (FullKV).
@@ -229,17 +222,3 @@ def never_compressed(policy, compactions: int, kv_context: float | None = None) 
         reach += f", budget {budget})" if budget is not None else ")"
     return (f"policy {name} never compressed in this run{reach}: every request fit, so the run "
             f"is FullKV's; use longer prompts or more output tokens, or a smaller budget")
-
-
-def primary_decisions(events) -> Counter:
-    """Table 9's primary capacity decisions (before fallback handling) from (action, trigger,
-    primary) triples: boundary grows, compressions and shrinks, plus each fallback compression that
-    replaced a grow decision (trigger "fallback", primary "grow") counted as the grow it was.
-    Allocation ("allocate"), prefill, periodic and re-admission compressions are not decisions."""
-    out: Counter[str] = Counter({"grow": 0, "compress": 0, "shrink": 0})
-    for action, trigger, primary in events:
-        if trigger == "boundary" and action in ("grow", "compress", "shrink"):
-            out[action] += 1
-        elif trigger == "fallback" and primary == "grow":
-            out["grow"] += 1
-    return out

@@ -16,6 +16,7 @@ from typing import Any, NoReturn
 
 import typer
 from rich.console import Console
+from typer.core import TyperArgument, TyperCommand, TyperGroup
 
 from engine.config import DEFAULT_MODEL
 
@@ -139,13 +140,19 @@ _METAVARS = {bool: "", int: "N", float: "NUMBER", str: "TEXT", Path: "PATH"}
 
 
 def name_metavars(app: typer.Typer) -> None:
-    """Give every option of ``app``'s commands (sub-apps included) a metavar that reads as a word,
-    from its type (``_METAVARS``; a flag shows none); options that set ``metavar`` keep theirs.
-    (typer shows an argument's Python type whatever its metavar.) Call once, after every command
+    """Make ``app``'s help read as words, for its commands and sub-apps alike: every option gets a
+    metavar from its type (``_METAVARS``; a flag shows none) unless it sets its own; ``--help``
+    shows none; an argument shows its value's word (``TEXT``, ``PATH``) instead of the Python type
+    typer prints for it whatever its metavar (``_WordCommand``). Call once, after every command
     is registered."""
     import typing
 
+    for group in _apps(app):
+        if group.info.cls is None or isinstance(group.info.cls, typer.models.DefaultPlaceholder):
+            group.info.cls = _WordGroup
     for command in _commands(app):
+        if command.cls in (None, TyperCommand):  # typer's default: no class of the command's own
+            command.cls = _WordCommand
         hints = typing.get_type_hints(command.callback)
         for name, param in inspect.signature(command.callback).parameters.items():
             info = param.default
@@ -154,6 +161,48 @@ def name_metavars(app: typer.Typer) -> None:
             word = _METAVARS.get(_bare(hints.get(name)))
             if word is not None:
                 info.metavar = word
+
+
+class _WordArgument(TyperArgument):
+    """An argument whose help column shows its value's word (``_METAVARS``: TEXT, PATH, N), where
+    typer shows the Python type (`<list[str]>`); a type without a word keeps typer's."""
+
+    def display_type_rich(self, ctx) -> str | None:
+        word = _METAVARS.get(_bare(self.type_descriptor.annotation))
+        return word if word else super().display_type_rich(ctx)
+
+
+class _WordHelp:
+    """Help in words for a typer command or group: `--help` shows no value (typer shows `<bool>`
+    for it) and arguments are `_WordArgument`s. typer builds arguments itself, with no hook for
+    their class, so the command swaps the class of the ones it was given."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        for param in self.params:
+            if type(param) is TyperArgument:
+                param.__class__ = _WordArgument
+
+    def get_help_option(self, ctx):
+        option = super().get_help_option(ctx)
+        if option is not None:
+            option.metavar = ""
+        return option
+
+
+class _WordCommand(_WordHelp, TyperCommand):
+    pass
+
+
+class _WordGroup(_WordHelp, TyperGroup):
+    pass
+
+
+def _apps(app: typer.Typer):
+    yield app
+    for group in app.registered_groups:
+        if group.typer_instance is not None:
+            yield from _apps(group.typer_instance)
 
 
 def _commands(app: typer.Typer):

@@ -51,6 +51,7 @@ from typing import Any, Sequence
 from evals.intervals import half_width, mean_half_width
 from evals.provenance import describe_key, provenance_key
 from evals.results import (
+    EVENT_KINDS,
     SAMPLES_FILE,
     RunResult,
     budget_label_args,
@@ -284,8 +285,7 @@ RUN_COLUMNS = ("model", "task", "method", "policy", "policy_args", "samples_done
                "fid_delta_nll_hi", "fid_worst_window", "fid_worst_window_lo", "fid_worst_window_hi",
                "fid_agreement", "fid_agreement_lo", "fid_agreement_hi", "fid_first_divergence",
                "fid_first_divergence_lo", "fid_first_divergence_hi", "mean_resident", "grow_ratio",
-               "grow", "compress", "shrink", "fallback", "preempt", "prefill_compress",
-               "periodic_compress", "allocate", "max_tokens", "temperature", "preset", "block_size",
+               *EVENT_KINDS, "max_tokens", "temperature", "preset", "block_size",
                "kv_budget", "prov", "git_commit", "git_dirty", "machine", "path")
 
 

@@ -72,6 +72,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+from engine.events import EVENT_KINDS
 from evals.grading.metrics import FLEXIBLE_CORRECT, FLEXIBLE_EXTRACTED, summarize
 from evals.intervals import DEFAULT_SPEC, BootstrapSpec, mean_and_interval
 from evals.jsonio import FILE_MODE, dumps_line, json_default, open_append, set_mode, write_json  # noqa: F401
@@ -92,9 +93,7 @@ NIAH_HEATMAP_FILE = "niah_heatmap.png"
 IDENTITY = ("model", "task", "task_options", "data_source", "policy", "policy_args", "preset",
             "max_tokens", "temperature", "seed", "thinking", "block_size")
 
-# Event kinds counted per sample (CapacityEvent.action values, plus fallback compressions).
-EVENT_KINDS = ("grow", "compress", "shrink", "fallback", "preempt", "prefill_compress",
-               "periodic_compress", "allocate")
+# Event kinds counted per sample: engine.events.EVENT_KINDS (imported above), the engine's one list.
 
 
 class ResultsError(ValueError):

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from engine.events import event_counts
 from evals import results as R
 from evals.leaderboard import build_leaderboard
-from evals.run.records import event_counts
 from evals.run.runner import run_eval
 from evals.run.settings import EvalError, EvalHooks, EvalSettings, resolve_policy_args
 from evals.run.sweep import analyze_sweep, min_sufficient_budget, run_sweep

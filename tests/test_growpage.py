@@ -15,7 +15,6 @@ from engine.policies.demand import (
     Demand,
     calibrate_rms,
     demand_trend,
-    ema_update,
     entropy_ratio,
     group_attention_probs,
     top_p_ratio,
@@ -25,7 +24,8 @@ from engine.policies.growpage import (
     GrowPage,
     GrowPageState,
     TrendRule,
-    compress_and_hold_select,
+    keep_to_slots,
+    local_global_keep,
 )
 from engine.policies.growpage_variants import (
     GrowPageFixed,
@@ -35,6 +35,7 @@ from engine.policies.growpage_variants import (
     InverseRule,
     ShrinkRule,
 )
+from engine.query_state import ema_update
 
 # -- helpers ----------------------------------------------------------------------------------
 
@@ -426,17 +427,26 @@ def naive_select(scores, target, b, k_loc, protected):
 def test_compress_and_hold_select_against_naive(n, target, b, k_loc, protected):
     g = torch.Generator().manual_seed(n * 1000 + target)
     scores = torch.rand(2, 3, n, generator=g)
-    got = compress_and_hold_select(scores, target, b, k_loc, protected)
+    got = select_like_growpage(scores, target, b, k_loc, protected)
     want = naive_select(scores, target, b, k_loc, protected)
     assert got.shape == (2, 3, target) and got.dtype == torch.int64
     assert torch.equal(got, want)
     assert (got.diff(dim=-1) > 0).all()
 
 
+def select_like_growpage(scores, target, b, k_loc, protected):
+    """The two calls `GrowPage.select` makes on its candidate scores [L, H, n]: the candidates'
+    keep-mask (the protected tail's scores are not read), then the kept slots with the tail."""
+    R = min(protected, target)
+    keep = local_global_keep(scores[..., : scores.shape[-1] - R], target - R, b, k_loc)
+    assert keep.dtype == torch.bool and (keep.sum(-1) == target - R).all()
+    return keep_to_slots(keep, R)
+
+
 def test_select_keeps_local_quota_even_for_low_scores():
     scores = torch.zeros(1, 1, 16)
     scores[..., 8:12] = 1.0  # all mass in page 2
-    keep = compress_and_hold_select(scores, 12, 4, 1, 2)[0, 0].tolist()
+    keep = select_like_growpage(scores, 12, 4, 1, 2)[0, 0].tolist()
     for page in range(3):  # pages 0..2 keep at least one slot each
         assert any(page * 4 <= s < page * 4 + 4 for s in keep)
     assert {8, 9, 10, 11, 14, 15} <= set(keep)
@@ -758,12 +768,12 @@ def test_engine_runs_every_variant_by_name(tiny_dir, name):
 
 # -- issue 10: start capacity, accounting, budget readings, preset betas, watermark ------------
 
+from engine.events import primary_decisions  # noqa: E402
 from engine.policies.growpage import (  # noqa: E402
     PAPER_BETA_LONG,
     preset_betas,
     time_constants,
 )
-from engine.stats import primary_decisions  # noqa: E402
 
 
 @pytest.mark.parametrize("tau", [-1.0, 1.0])  # every decision a grow / a Compress & Hold
@@ -891,12 +901,16 @@ def test_kv_budget_readings_per_policy():
 
 def test_primary_decisions_count_fallbacks_as_the_grows_they_replaced():
     # Table 9's GrowPage row: 9,500 grow decisions of which 597 fell back, 21,203 Compress & Hold.
-    events = ([("grow", "boundary", None)] * (9500 - 597)
-              + [("compress", "fallback", "grow")] * 597
-              + [("compress", "boundary", None)] * 21203
-              + [("allocate", "boundary", None)] * 5000     # below the start: no decision
-              + [("compress", "prefill", None)] * 7         # re-admission: no decision
-              + [("compress", "fallback", "allocate")] * 3)  # a fixed budget's opt-in fallback
+    def event(action, trigger, primary=None):
+        info = {"trigger": trigger, **({"primary": primary} if primary else {})}
+        return {"action": action, "fallback": trigger == "fallback", "info": info}
+
+    events = ([event("grow", "boundary")] * (9500 - 597)
+              + [event("compress", "fallback", "grow")] * 597
+              + [event("compress", "boundary")] * 21203
+              + [event("allocate", "boundary")] * 5000     # below the start: no decision
+              + [event("compress", "prefill")] * 7         # re-admission: no decision
+              + [event("compress", "fallback", "allocate")] * 3)  # a fixed budget's opt-in fallback
     d = primary_decisions(events)
     assert (d["grow"], d["compress"], d["shrink"]) == (9500, 21203, 0)
     assert d["grow"] / sum(d.values()) == pytest.approx(0.309, abs=5e-4)

@@ -211,12 +211,6 @@ def test_without_token2chunk_keeps_best_singles_same_count():
         assert sel.keep[r].tolist() == naive_topk(scores[r].tolist(), 24)
 
 
-def test_window_keep_set_appends_buffer():
-    kept = torch.tensor([[0, 3], [1, 2]])
-    assert t2c.window_keep_set(kept, window_len=7, buffer_len=3).tolist() == [
-        [0, 3, 4, 5, 6], [1, 2, 4, 5, 6]]
-
-
 # -- policy on fake views -----------------------------------------------------------------------
 
 POOL = 512
@@ -888,9 +882,12 @@ def test_kvllm_through_engine_compresses_trailing_windows_once_per_period(llama_
 
 
 def test_niah_task_runs_kara_with_prompt_compression():
+    from engine.policies.base import policy_lineage
     from evals.run.settings import resolve_policy_args
     from evals.tasks import get_task
 
+    assert policy_lineage("kara-wo-t2c") == ("kara-wo-t2c", "kara")   # by name, variant first
+    assert policy_lineage("kara") == ("kara",) and policy_lineage("no-such") == ("no-such",)
     niah, gsm8k = get_task("niah"), get_task("gsm8k")
     for name in ("kara", "kara-wo-biattn", "kara-wo-t2c"):      # variants inherit the entry
         assert niah.policy_args_for(name) == {"compress_prompt": True}

@@ -267,7 +267,8 @@ class KVPolicy:
         return None
 
     def max_pages(self, view: PolicyView) -> int | None:
-        """Most pages a request may hold (None: unbounded). Used for invariant checks."""
+        """Most pages a request may hold (None: unbounded). The engine does not call it; the tests
+        check a request's pages against it."""
         return None
 
     @property
@@ -298,6 +299,18 @@ def policy_registry() -> dict[str, type[KVPolicy]]:
     import engine.policies  # noqa: F401  (the package's modules register the built-ins)
 
     return POLICIES
+
+
+def policy_lineage(name: str) -> tuple[str, ...]:
+    """The registered names a policy answers to, most specific first: its own, then those of the
+    registered policies it is a variant of (Kara's ablations: ("kara-wo-t2c", "kara")). Callers
+    that keep settings by policy name (a task's defaults) match against it instead of the
+    classes. An unregistered name is only itself."""
+    registry = policy_registry()
+    cls = registry.get(name)
+    if cls is None:
+        return (name,)
+    return tuple(k.name for k in cls.__mro__ if registry.get(getattr(k, "name", "")) is k)
 
 
 def policy_fields(cls: type[KVPolicy]) -> dict[str, dataclasses.Field]:

@@ -2,8 +2,9 @@
 
 The pieces, in the order a capacity boundary uses them:
 
-1. `ema_update` keeps the short/long query summaries (Eq. 6) in the engine's query-state pool on
-   every decode step; a freshly bound slot is initialised from its first query.
+1. The engine's query-state pool keeps the short/long query summaries (Eq. 6) on every decode
+   step, for any policy that asks for them (`SignalSpec.ema_betas`; `engine.query_state.ema_update`);
+   a freshly bound slot is initialised from its first query.
 2. `calibrate_rms` rescales each summary to the per-head RMS of the current query (Eq. 12), because
    averaging shrinks the norm of the summaries and would flatten their attention distributions.
 3. (RoPE at the current position is applied by the caller through the engine's view.)
@@ -21,48 +22,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable
 
 import torch
 
 # Index of each timescale along the "views" axis of the pool and of every tensor below.
 SHORT, LONG = 0, 1
-
-
-def ema_update(
-    ema: torch.Tensor,
-    q: torch.Tensor,
-    betas: Sequence[float] | torch.Tensor,
-    init_mask: torch.Tensor | bool,
-) -> torch.Tensor:
-    """One decode step of the dual-timescale summaries (Eq. 6), in place.
-
-    ema: [..., num_betas, q_heads, head_dim], e.g. the pool slice of the decoding requests
-        (`pool[layer, slot_ids]` gathered, or `pool[layer]` itself); updated in place and returned.
-        Keep it float32: with beta = 0.999 a bf16 EMA cannot absorb (1 - beta) * q increments.
-    q: [..., q_heads, head_dim] the current query after q-norm and before RoPE (leading dims as
-        ema's, without the betas axis). Any float dtype; it is cast to ema's dtype.
-    betas: num_betas decay factors, (beta_S, beta_L) for GrowPage.
-    init_mask: bool, or a bool tensor with ema's leading dims `[...]`: True where the slot was just
-        bound to a request, so every summary is set to q, overwriting stale values (even NaN/inf
-        garbage from an uninitialised pool, since this selects rather than blends).
-
-    Returns ema (the same tensor): ema[..., i, :, :] = init ? q : betas[i] * ema + (1 - betas[i]) * q.
-    """
-    if ema.dim() < 3 or ema.shape[:-3] + ema.shape[-2:] != q.shape:
-        raise ValueError(
-            f"ema_update: ema {tuple(ema.shape)} must be q {tuple(q.shape)} with a betas axis "
-            "inserted before the last two dims"
-        )
-    beta = torch.as_tensor(betas, dtype=ema.dtype, device=ema.device).reshape(-1, 1, 1)
-    if beta.shape[0] != ema.shape[-3]:
-        raise ValueError(f"ema_update: {beta.shape[0]} betas for {ema.shape[-3]} summaries")
-    q = q.to(ema.dtype).unsqueeze(-3)
-    updated = ema * beta + (1.0 - beta) * q
-    mask = torch.as_tensor(init_mask, device=ema.device, dtype=torch.bool)
-    mask = mask.reshape(mask.shape + (1, 1, 1))
-    ema.copy_(torch.where(mask, q.expand_as(ema), updated))
-    return ema
 
 
 def calibrate_rms(summaries: torch.Tensor, q: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -249,23 +249,6 @@ def keep_to_slots(keep: torch.Tensor, num_protected: int) -> torch.Tensor:
     return full.nonzero()[:, -1].reshape(layers, heads, count)
 
 
-def compress_and_hold_select(
-    scores: torch.Tensor, target_len: int, block_size: int, k_loc: int, num_protected: int
-) -> torch.Tensor:
-    """Slots to keep when compacting a sequence of n physical slots to `target_len`.
-
-    scores: [layers, kv_heads, n] per-slot importance (GrowPage: max(a_S, a_L)); the scores of the
-        last min(num_protected, target_len) slots are ignored, those slots are always kept.
-    Returns [layers, kv_heads, target_len] int64, ascending per row.
-    """
-    n = scores.shape[-1]
-    if not 0 < target_len <= n:
-        raise ValueError(f"target_len {target_len} must be within [1, {n}] physical slots")
-    protected = min(num_protected, target_len)
-    keep = local_global_keep(scores[..., : n - protected], target_len - protected, block_size, k_loc)
-    return keep_to_slots(keep, protected)
-
-
 # -- capacity rules ---------------------------------------------------------------------------
 
 

@@ -193,11 +193,3 @@ def select_window(scores: torch.Tensor, ratio: float, max_gap: int, chunk_budget
         zeros = torch.zeros(scores.shape[0], dtype=torch.int64, device=scores.device)
         return Selection(top_positions(scores, total), zeros, zeros + (total - k))
     return token2chunk(scores, top_positions(scores, k), max_gap, chunk_budget)
-
-
-def window_keep_set(kept: torch.Tensor, window_len: int, buffer_len: int) -> torch.Tensor:
-    """Eq. 9: Î ∪ U, window-relative: kept [R, n] -> [R, n + buffer_len], ascending."""
-    if not 0 <= buffer_len < window_len:
-        raise ValueError(f"buffer_len must be in [0, {window_len}), got {buffer_len}")
-    buffer = torch.arange(window_len - buffer_len, window_len, device=kept.device)
-    return torch.cat([kept, buffer.expand(kept.shape[0], buffer_len)], dim=1)

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
+from engine.events import COMPACTION_COUNTERS
 from engine.threads import openmp_state, set_threads
 from evals import provenance
 from evals.tables import markdown_table, md_cell
@@ -280,11 +281,6 @@ def run_engine(model: str, prompts: Sequence[list[int]], params, *, label: str,
         gc.collect()
 
 
-# Engine counters of finished compactions (engine.scheduler.compaction_counter).
-COMPACTION_COUNTERS = ("compress", "shrink", "fallback_compaction", "prefill_compress", "prefill_shrink",
-                       "periodic_compress", "periodic_shrink")
-
-
 def count(stats, *keys: str) -> int:
     return sum(int(stats.counts.get(k, 0)) for k in keys)
 
@@ -386,7 +382,7 @@ def policy_metrics(run: EngineRun, reference: EngineRun | None = None) -> dict:
         "avg_kv_budget": s.avg_kv_budget,
         "grow": count(s, "grow"), "compress": count(s, "compress"), "shrink": count(s, "shrink"),
         "fallback": count(s, "fallback"), "preemption": count(s, "preemption"),
-        "compress_events": count(s, "compress", "shrink", "periodic_compress", "periodic_shrink"),
+        "compress_events": count(s, "compress", "shrink", "periodic_compress"),
         # Every compaction, decision or not (prompt compression, fallback compactions).
         "compactions": count(s, *COMPACTION_COUNTERS),
         "grow_ratio": s.grow_ratio,

@@ -1,5 +1,5 @@
 """What a run writes about its samples: the lines of ``samples.jsonl`` (a finished request, a
-failed sample), the event counts they carry, and what is recomputed from the files afterwards
+failed sample) with the event counts they carry (engine.events), and what is recomputed from the files afterwards
 (``metrics.json``, config.json's engine-settings summary, the NIAH heatmap) -- plus the
 provenance an invocation records in config.json.
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from engine.events import event_counts
 from evals import results as R
 from evals.problem import Problem
 
@@ -38,38 +39,6 @@ def small_meta(meta: Mapping[str, Any]) -> dict:
         except (TypeError, ValueError):
             continue
     return out
-
-
-def event_counts(events: Sequence[Mapping[str, Any]]) -> tuple[dict, dict, dict]:
-    """(counts by kind, boundary decisions by action, stage seconds) of one request's events.
-
-    Kinds (``results.EVENT_KINDS``): ``grow``, ``compress``, ``shrink`` at capacity boundaries;
-    ``allocate`` (a page received without a capacity decision, engine/scheduler.py);
-    ``fallback`` (a compression because GROW found no free page); ``prefill_compress`` and
-    ``periodic_compress`` (compactions decided after a prefill -- prompt compression or
-    re-admission -- and by a periodic schedule); ``preempt``. Boundary decisions are the grow /
-    compress / shrink answers at capacity boundaries, a fallback counted as the grow decision it
-    replaced (Table 9's primary decisions, engine/stats.py; the denominator of the grow ratio)."""
-    kinds: dict[str, int] = {}
-    decisions: dict[str, int] = {}
-    stages: dict[str, float] = {}
-    for e in events:
-        action = str(e.get("action"))
-        trigger = (e.get("info") or {}).get("trigger", "boundary")
-        if e.get("fallback"):
-            kind = "fallback"
-        elif action in ("compress", "shrink") and trigger in ("prefill", "periodic"):
-            kind = f"{trigger}_compress"
-        else:
-            kind = action
-        kinds[kind] = kinds.get(kind, 0) + 1
-        if trigger == "boundary" and action in ("grow", "compress", "shrink"):
-            decisions[action] = decisions.get(action, 0) + 1
-        elif e.get("fallback") and (e.get("info") or {}).get("primary") == "grow":
-            decisions["grow"] = decisions.get("grow", 0) + 1  # the grow decision it replaced
-        for k, v in (e.get("stages") or {}).items():
-            stages[k] = stages.get(k, 0.0) + float(v)
-    return kinds, decisions, stages
 
 
 def base_record(problem: Problem, sample: int, seed: int, segment: int) -> dict:

@@ -77,8 +77,8 @@ class TaskDefaults:
 
 
 # The CPU preset divides every length-like default by 8 (block 256 -> 32, budget 4096 -> 512,
-# 8192 -> 1024, output 16384 -> 2048) and caps outputs at 2048 tokens: the DESIGN "Scale"
-# preset (block 32, budgets 256-1024, outputs 1-2k) for a 135M model on 2 cores.
+# 8192 -> 1024, output 16384 -> 2048) and caps outputs at 2048 tokens: a preset (block 32,
+# budgets 256-1024, outputs 1-2k) for a 135M model on 2 cores.
 CPU_DIVISOR = 8
 CPU_MAX_TOKENS_CAP = 2048
 # Every preset's kv_budget is None or in this range (tests/test_tasks.py checks each registered
@@ -196,14 +196,12 @@ class Task(ABC):
     # -------------------------------------------------------------- defaults
 
     def policy_args_for(self, policy: str) -> dict:
-        """This task's default arguments for ``policy``. A registered variant (a subclass, e.g.
-        Kara's ablations) inherits its base policy's entry unless it has its own."""
-        from engine.policies.base import policy_registry
+        """This task's default arguments for ``policy``. A registered variant (e.g. Kara's
+        ablations) inherits its base policy's entry unless it has its own (the registry's
+        ``policy_lineage``, by name)."""
+        from engine.policies.base import policy_lineage
 
-        registry = policy_registry()
-        cls = registry.get(policy)
-        for klass in cls.__mro__ if cls is not None else ():
-            name = getattr(klass, "name", None)
+        for name in policy_lineage(policy):
             if name in self.policy_defaults:
                 return dict(self.policy_defaults[name])
         return {}
