@@ -426,3 +426,104 @@ def test_compaction_rejects_bad_head_keeps(tiny_model):
 
     with pytest.raises(PolicyError, match="ascending"):
         run(tiny_model, Descending(budget=24, window=8, floor_alpha=1.0), prompts([60]))
+
+
+# -- PyramidKV end to end against an independent masked forward ----------------------------------
+
+
+def _masked_reference(model_dir, ids, prompt_len, kept):
+    """Transformers' forward over `ids` (prompt + generated tokens) with, per (layer, KV head), a
+    mask written from scratch: prompt queries attend causally (the prompt is prefilled whole, then
+    compressed), a generated token's query sees only the positions `kept[l][h]` plus the generated
+    tokens up to itself. Returns (logits [len(ids), vocab] float64, the prompt's last-queries
+    attention probabilities per layer [q_heads, n, n] from the causal prefill)."""
+    from transformers import AttentionInterface, AutoModelForCausalLM
+
+    total = len(ids)
+    probs = {}
+
+    def kept_mask_attention(module, query, key, value, attention_mask, scaling, dropout=0.0,
+                            **kwargs):
+        layer = module.layer_idx
+        hq, hkv = query.shape[1], key.shape[1]
+        group = hq // hkv
+        allowed = torch.zeros(hkv, total, total, dtype=torch.bool)
+        for h in range(hkv):
+            for q in range(total):
+                if q < prompt_len:
+                    allowed[h, q, : q + 1] = True
+                else:
+                    allowed[h, q, kept[layer][h]] = True
+                    allowed[h, q, prompt_len: q + 1] = True
+        allowed = allowed.repeat_interleave(group, dim=0)[None]
+        logits = (query.double() @ key.double().repeat_interleave(group, 1).transpose(2, 3)) * scaling
+        p = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
+        probs[layer] = p[0, :, :prompt_len, :prompt_len]
+        out = p @ value.double().repeat_interleave(group, 1)
+        return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+    AttentionInterface.register("kvarena-test-kept-mask", kept_mask_attention)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                              attn_implementation="kvarena-test-kept-mask")
+    with torch.no_grad():
+        logits = hf(torch.tensor([ids])).logits[0].double()
+    return logits, probs
+
+
+def naive_snapkv_keep(probs, prompt_len, window, kernel, budget, group):
+    """SnapKV's kept positions of one layer from its prefill probabilities `[q_heads, n, n]`:
+    window queries summed, max-pooled per query head before the window, GQA group mean, top
+    (budget - window) plus the window. Returns one sorted list per KV head."""
+    region = prompt_len - window
+    per_q = []
+    for h in range(probs.shape[0]):
+        row = [float(probs[h, prompt_len - window:, t].sum()) for t in range(prompt_len)]
+        per_q.append(naive_pool(row[:region], kernel, "max") + row[region:])
+    out = []
+    for j in range(probs.shape[0] // group):
+        row = [sum(per_q[h][t] for h in range(j * group, (j + 1) * group)) / group
+               for t in range(prompt_len)]
+        out.append(naive_topk(row, budget, [t >= region for t in range(prompt_len)]))
+    return out
+
+
+def test_engine_pyramidkv_keeps_each_layers_budget_and_decodes_over_exactly_it(tmp_path):
+    """The whole path on a 5-layer tiny model: the positions every layer keeps (kept trace) are
+    SnapKV's top picks at that layer's pyramid budget (naive loop over transformers' own prefill
+    probabilities), each layer's count is its budget, and every generated token's logits equal a
+    from-scratch forward in which layer l, head h sees exactly those positions plus the generated
+    tokens: the per-layer budgets reach decode attention, holes stay masked."""
+    from engine.llm import LLM
+    from engine.sampling import SamplingParams
+    from tiny_models import make_tiny_llama_dir
+
+    model_dir = str(make_tiny_llama_dir(tmp_path, num_hidden_layers=5))
+    (prompt,) = prompts([75], seed=5)
+    budget, window, steps = 24, 4, 10
+    llm = LLM(model_dir, device="cpu", block_size=BS, kv_cache_tokens=BS * 32, policy="pyramidkv",
+              policy_args=dict(budget=budget, window=window), trace_kept=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=steps, ignore_eos=True, logprobs=True)
+    (out,) = llm.generate([prompt], greedy)
+    (rec,) = out.kept
+    budgets = pyramid_layer_budgets(budget, window, 5, len(prompt), 20)
+    assert budgets == [43, 34, 24, 14, 5]  # a = 20: 39, 29.5, 20, 10.5, 1 by largest remainder
+    assert rec.positions.shape == (5, 2, budgets[0])
+    kept = [[[int(p) for p in rec.positions[layer, h] if p >= 0] for h in range(2)]
+            for layer in range(5)]
+    assert [[len(row) for row in layer] for layer in kept] == [[b, b] for b in budgets]
+    assert out.avg_kv_kept is not None and out.avg_kv_kept < out.avg_kv_allocated
+
+    ids = prompt + out.token_ids[:-1]
+    logits, probs = _masked_reference(model_dir, ids, len(prompt), kept)
+    for layer in range(5):
+        assert kept[layer] == naive_snapkv_keep(probs[layer], len(prompt), window, 7,
+                                                budgets[layer], group=2)
+    ref = torch.log_softmax(logits[len(prompt) - 1:], dim=-1)
+    assert out.token_ids == ref.argmax(-1).tolist()
+    chosen = ref.gather(-1, torch.tensor(out.token_ids)[:, None])[:, 0]
+    assert torch.allclose(torch.tensor(out.token_logprobs, dtype=torch.float64), chosen,
+                          atol=1e-4)
+    # The check can fail: a forward in which every layer keeps layer 0's positions differs.
+    wide = [kept[0]] * 5
+    other, _ = _masked_reference(model_dir, ids, len(prompt), wide)
+    assert not torch.allclose(torch.log_softmax(other[len(prompt) - 1:], -1), ref, atol=1e-3)

@@ -46,10 +46,14 @@ Defaults (paper/code -> here):
 | knob     | PyramidKV / KVCache-Factory                      | kvarena default             |
 |----------|--------------------------------------------------|-----------------------------|
 | budget   | max_capacity_prompts 512 (run_longbench default)| None -> 8 pages (SnapKV's)  |
-| window   | 8 (run_longbench `window_sizes`)                 | 8                           |
+| window   | 8 (run_longbench and run_needle_in_haystack)     | 8                           |
 | beta     | 20 (paper; `PyramidKVCluster`)                   | 20                          |
 | pooling  | maxpool, kernel 7 (run_longbench)                | max, 7                      |
 | trigger  | prompt only                                      | prompt only                 |
+
+The window is the code's for PyramidKV (its needle script gives SnapKV 32, as kvarena's SnapKV
+default does), so at one budget the `pyramidkv` and `snapkv` rows differ in the window as well as
+in the budgets; `window=32` or SnapKV's `window=8` compares the allocation alone.
 """
 
 from __future__ import annotations
