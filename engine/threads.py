@@ -20,9 +20,12 @@ So: spin briefly (`GOMP_SPINCOUNT=10000`, which bounds the loss while the govern
 run as many threads as there are cores nobody else wants. `ThreadGovernor` samples, every
 `interval_s` of engine steps, the runnable tasks of the machine that are not this process's own
 (`/proc/stat` procs_running minus this process's threads in state R) and sets torch's threads to
-the usable CPUs minus the median of the last samples (at least 1, at most the limit set by
-`set_threads`). vLLM's CPU backend reaches the same place differently: on 2 cores it binds a
-single compute thread and reserves the other core for its scheduler.
+the machine's CPUs minus the median of the last samples (at least 1, at most the limit set by
+`set_threads`, itself capped at the CPUs this process may use). procs_running counts the whole
+machine (in a container, the host), so the free cores are the machine's, not this process's
+share: on a 64-core host with 60 busy tasks, a process allowed 8 CPUs runs 4 threads. vLLM's CPU
+backend reaches the same place differently: on 2 cores it binds a single compute thread and
+reserves the other core for its scheduler.
 
 What this module does:
 - `apply_openmp_defaults()` sets OPENMP_DEFAULTS the user has not set (neither variable given).
@@ -129,7 +132,7 @@ def set_threads(threads: int, adaptive: bool = True) -> int:
                     threads, usable, usable)
         threads = usable
     torch.set_num_threads(threads)
-    GOVERNOR.reset(threads, usable, enabled=adaptive)
+    GOVERNOR.reset(threads, os.cpu_count() or usable, enabled=adaptive)
     return threads
 
 
@@ -161,7 +164,7 @@ def runnable_others() -> int | None:
 
 
 class ThreadGovernor:
-    """Keeps torch's intra-op threads at min(limit, usable - others), where others is the
+    """Keeps torch's intra-op threads at min(limit, cpus - others): cpus the machine's, others the
     median runnable-others count of the last `window` samples, one sample per `interval_s`
     (module docstring). `sample` and `clock` are injectable for tests."""
 
@@ -171,16 +174,17 @@ class ThreadGovernor:
         self.interval_s, self.window = interval_s, window
         self.sample, self.clock = sample, clock
         self.enabled = False
-        self.limit = self.usable = self.current = 1
+        self.limit = self.cpus = self.current = 1
         self.changes = 0
         self.lowest = 1
         self._samples: list[int] = []
         self._next = 0.0
 
-    def reset(self, limit: int, usable: int, enabled: bool = True) -> None:
+    def reset(self, limit: int, cpus: int, enabled: bool = True) -> None:
+        """limit: the most threads (set_threads' count); cpus: the machine's CPUs."""
         self.enabled = enabled and limit > 1
         self.limit = self.current = self.lowest = limit
-        self.usable = usable
+        self.cpus = cpus
         self.changes = 0
         self._samples = []
         self._next = 0.0
@@ -200,7 +204,7 @@ class ThreadGovernor:
         if len(self._samples) < self.window:  # a lone spike decides nothing
             return
         busy = sorted(self._samples)[len(self._samples) // 2]
-        wanted = max(1, min(self.limit, self.usable - busy))
+        wanted = max(1, min(self.limit, self.cpus - busy))
         if wanted != self.current:
             import torch
 

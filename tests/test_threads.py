@@ -90,7 +90,7 @@ def governed(monkeypatch):
     gov = threads.ThreadGovernor(sample=lambda: machine.others, clock=lambda: machine.now)
     set_to = []
     monkeypatch.setattr(torch, "set_num_threads", set_to.append)
-    gov.reset(limit=2, usable=2)
+    gov.reset(limit=2, cpus=2)
     return machine, gov, set_to
 
 
@@ -125,15 +125,27 @@ def test_governor_samples_once_per_interval(governed):
 def test_governor_off_when_pinned_single_or_blind(governed):
     machine, gov, set_to = governed
     machine.others = 1
-    gov.reset(limit=2, usable=2, enabled=False)
+    gov.reset(limit=2, cpus=2, enabled=False)
     machine.step(gov, 10)
-    gov.reset(limit=1, usable=2)
+    gov.reset(limit=1, cpus=2)
     machine.step(gov, 10)
     assert set_to == [] and not gov.state()["adaptive"]
-    gov.reset(limit=2, usable=2)
+    gov.reset(limit=2, cpus=2)
     gov.sample = lambda: None  # no /proc: the count stays as set
     machine.step(gov, 10)
     assert set_to == [] and not gov.enabled
+
+
+def test_governor_counts_the_machines_free_cores_not_its_share(governed):
+    """A process allowed 8 of 64 CPUs keeps 8 threads while 56 others run, 4 when 60 do."""
+    machine, gov, set_to = governed
+    gov.reset(limit=8, cpus=64)
+    machine.others = 56
+    machine.step(gov, gov.window)
+    assert gov.current == 8 and set_to == []
+    machine.others = 60
+    machine.step(gov, gov.window)
+    assert gov.current == 4 and set_to == [4]
 
 
 def test_runnable_others_reads_this_machine():
