@@ -890,9 +890,10 @@ def test_niah_task_runs_kara_with_prompt_compression():
     assert policy_lineage("kara") == ("kara",) and policy_lineage("no-such") == ("no-such",)
     niah, gsm8k = get_task("niah"), get_task("gsm8k")
     for name in ("kara", "kara-wo-biattn", "kara-wo-t2c"):      # variants inherit the entry
-        assert niah.policy_args_for(name) == {"compress_prompt": True}
-    assert niah.policy_args_for("snapkv") == {} and gsm8k.policy_args_for("kara") == {}
-    task_args = niah.policy_args_for("kara")
+        assert niah.policy_args_for(policy_lineage(name)) == {"compress_prompt": True}
+    assert niah.policy_args_for(policy_lineage("snapkv")) == {}
+    assert gsm8k.policy_args_for(policy_lineage("kara")) == {}
+    task_args = niah.policy_args_for(policy_lineage("kara"))
     assert resolve_policy_args("kara", {}, None, 32, task_args) == {"compress_prompt": True}
     assert resolve_policy_args("kara", {"compress_prompt": "false"}, None, 32, task_args) == {
         "compress_prompt": False}                              # the user's argument wins

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
+from engine.policies.base import policy_lineage
 from evals import results as R
 from evals.jsonio import to_jsonable
 from evals.problem import DataUnavailableError, Problem, ProblemSet
@@ -62,7 +63,7 @@ def resolve_target(settings: EvalSettings) -> Target:
     defaults = task.defaults(preset)
     block_size = settings.block_size or defaults.block_size
     budget = settings.kv_budget or defaults.kv_budget
-    task_args = task.policy_args_for(settings.policy)
+    task_args = task.policy_args_for(policy_lineage(settings.policy))
     policy_args = resolve_policy_args(settings.policy, settings.policy_args, budget, block_size, task_args)
     default_args = resolve_policy_args(settings.policy, settings.policy_args, defaults.kv_budget,
                                        block_size, task_args)

@@ -1,7 +1,7 @@
 """What a run writes about its samples: the lines of ``samples.jsonl`` (a finished request, a
-failed sample) with the event counts they carry (engine.events), and what is recomputed from the files afterwards
-(``metrics.json``, config.json's engine-settings summary, the NIAH heatmap) -- plus the
-provenance an invocation records in config.json.
+failed sample) with the event counts they carry (engine.events), and what is recomputed from
+the files afterwards (``metrics.json``, config.json's engine-settings summary, the NIAH
+heatmap) -- plus the provenance an invocation records in config.json.
 
 A sample line (``output_record``)::
 

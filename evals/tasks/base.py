@@ -195,13 +195,12 @@ class Task(ABC):
 
     # -------------------------------------------------------------- defaults
 
-    def policy_args_for(self, policy: str) -> dict:
-        """This task's default arguments for ``policy``. A registered variant (e.g. Kara's
-        ablations) inherits its base policy's entry unless it has its own (the registry's
-        ``policy_lineage``, by name)."""
-        from engine.policies.base import policy_lineage
-
-        for name in policy_lineage(policy):
+    def policy_args_for(self, lineage: Sequence[str]) -> dict:
+        """This task's default arguments for a policy, given its lineage by name, most specific
+        first (the registry's ``policy_lineage``, e.g. ``("kara-wo-t2c", "kara")``): a variant
+        inherits its base policy's entry unless it has its own. The caller asks the registry, so
+        a task knows policies only by name."""
+        for name in lineage:
             if name in self.policy_defaults:
                 return dict(self.policy_defaults[name])
         return {}
