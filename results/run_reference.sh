@@ -64,7 +64,7 @@ for task in $TASKS; do
     run_task "$task" $POLICIES
     run_task "$task" $KARA_ABLATIONS
     if [ "$task" != niah ]; then
-        run_task "$task" $KARA_MATCHED --match-budget-to "$OUT/$MODEL_DIR/$task/kara"
+        run_task "$task" $KARA_MATCHED --match-budget-to "$OUT/$MODEL_DIR/$task/kara+schedule=window_fill"
     fi
 done
 $KV leaderboard $OUT --out $OUT/leaderboard
