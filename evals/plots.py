@@ -227,12 +227,17 @@ def budget_histogram(classes: Sequence[str], counts: Sequence[int], path: str | 
 
 
 def _save(fig, path: str | Path, tight: bool = True, **savefig) -> Path:
-    """Write ``fig`` as ``path`` (PNG) and as an SVG beside it; returns the PNG path."""
+    """Write ``fig`` as ``path`` (PNG) and as an SVG beside it; returns the PNG path. The SVG
+    carries no date and fixed element ids, so the same figure gives the same file (tracked
+    reference figures change only when their content does)."""
+    import matplotlib
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if tight:
         fig.tight_layout()
     fig.savefig(path, dpi=120, **savefig)
-    fig.savefig(path.with_suffix(".svg"), **savefig)
+    with matplotlib.rc_context({"svg.hashsalt": "kvarena"}):
+        fig.savefig(path.with_suffix(".svg"), metadata={"Date": None}, **savefig)
     _pyplot().close(fig)
     return path
