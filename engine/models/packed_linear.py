@@ -1,13 +1,14 @@
 """CPU projections through oneDNN with weights packed once at load time.
 
-Why: a decode step on CPU is mostly thin matmuls, x [B, hidden] (B = the decode batch, 1-64)
-times weight [out, hidden]. `F.linear` sends them to MKL's sgemm, which repacks the weight into
-its own blocked layout on every call: at B = 32 that reached 93-101 GFLOP/s on the layer shapes
-and 54 GFLOP/s on SmolLM2's [49152, 576] LM head, against 113-146 and 118 GFLOP/s for oneDNN with
-the weight reordered once (`torch.ops.mkldnn._reorder_linear_weight`, the packing inductor's CPU
-freezing pass uses). Per SmolLM2 decode step at B = 32 (30 layers + head, 2 threads, weights in
-cache): 103 ms of matmul against 67 ms; in the engine, decode steps at B = 32 fell from 197-227 to
-146-158 ms. vLLM's CPU backend packs its weights for oneDNN the same way.
+Why: a decode step on CPU is mostly thin matmuls, x [B, hidden] (B = the decode batch, 1-64) times
+weight [out, hidden]. `F.linear` sends them to MKL's sgemm, which (like any blocked gemm)
+rearranges the weight into its panel layout inside every call: at B = 32 that reached 93-101
+GFLOP/s on the layer shapes and 54 GFLOP/s on SmolLM2's [49152, 576] LM head, against 113-146 and
+118 GFLOP/s for oneDNN with the weight reordered once (`torch.ops.mkldnn._reorder_linear_weight`,
+the packing inductor's CPU freezing pass uses). Per SmolLM2 decode step at B = 32 (30 layers +
+head, 2 threads, weights in cache): 103 ms of matmul against 67 ms; in the engine, decode steps at
+B = 32 fell from 197-227 to 146-158 ms. vLLM's CPU backend packs its weights for oneDNN the same
+way.
 
 What it costs: the packed tensors are a second copy of the projection weights (the dense
 parameters stay, so state_dict, checkpoint names and `load_state` are unchanged): about the size
@@ -19,8 +20,8 @@ same kernel (the compiled one through the registered op `torch.ops.kvarena.packe
 inductor cannot lower the packed tensor itself), so the two modes still agree exactly.
 
 `available(device, dtype)`: packing applies (CPU, float32, oneDNN built in). oneDNN's bf16 reorder
-needs AVX512-BW/VL/DQ or AVX-NE-CONVERT, which this torch build does not detect on every CPU that
-computes bf16, so bf16 keeps `F.linear`.
+needs AVX512-BW/VL/DQ or AVX-NE-CONVERT, which the 2-core test machine does not expose (torch sees
+AVX2 there; results/benchmarks/peer.md), so bf16 keeps `F.linear`.
 """
 
 from __future__ import annotations
