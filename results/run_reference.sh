@@ -41,7 +41,7 @@ KARA_ABLATIONS="--policy kara-wo-biattn --policy kara-wo-t2c"
 # the accuracy setting) realised on it (evals/matched_budget.py). MODEL is the results tree's model
 # directory.
 MODEL_DIR=${MODEL_DIR:-smollm2-135m-instruct}
-KARA_MATCHED="--policy snapkv --policy chunkkv --policy streamingllm"
+KARA_MATCHED="--policy snapkv --policy chunkkv --policy streamingllm --policy pyramidkv --policy adakv"
 # One torch thread per process: the reference was run on 2 cores shared with ~10 other jobs, where
 # a second thread spends its time waiting for the first (set THREADS=2 on an idle machine).
 COMMON="--data $DATA --kv-budget 128 --seed 0 --out $OUT --no-leaderboard --threads ${THREADS:-1}"
