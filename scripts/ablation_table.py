@@ -9,7 +9,8 @@ per-sample `samples.jsonl` that `kvarena eval` writes. Per run it prints, as a m
 - grow share: grow decisions / (grow + Compress & Hold + shrink decisions), pooled over samples
   (page allocations below the start are no decisions), and the decisions per sample;
 - kept KV: `avg_kv_kept` (slots holding a kept token, averaged over decode steps) and
-  `final_kv_len` of `kv_context` (slots held at the end, of the context's tokens);
+  `final_kv_len` of the context (slots held at the end, of prompt + output tokens; the policies'
+  sampled outputs differ in length, so kept KV is read beside it);
 - fidelity: `fid_delta_nll` (nats/token of FullKV's continuation over FullKV's own) and
   `fid_agreement` (share of positions equal to FullKV's free generation);
 - the paired difference of each run's delta-NLL and agreement from run `--against` on the same
@@ -48,12 +49,21 @@ def load_run(path: Path) -> pd.DataFrame:
                 "uid": rec["uid"], "sample": rec["sample"],
                 **{k: int(decisions.get(k, 0)) for k in DECISIONS},
                 "avg_kv_kept": rec.get("avg_kv_kept", rec.get("avg_kv_allocated")),
-                "final_kv_len": rec.get("final_kv_len"), "kv_context": rec.get("kv_context"),
+                "final_kv_len": rec.get("final_kv_len"), "kv_context": _context(rec),
                 "fid_delta_nll": rec.get("fid_delta_nll"), "fid_agreement": rec.get("fid_agreement"),
             })
     if not rows:
         raise ValueError(f"{path}: no finished sample in samples.jsonl")
     return pd.DataFrame(rows)
+
+
+def _context(rec: dict) -> int | None:
+    """The sample's context in tokens (prompt + output): the KV a FullKV run would hold."""
+    if rec.get("kv_context") is not None:
+        return rec["kv_context"]
+    if rec.get("prompt_tokens") is None or rec.get("output_tokens") is None:
+        return None
+    return rec["prompt_tokens"] + rec["output_tokens"]
 
 
 def grow_share(f: pd.DataFrame) -> float:
@@ -82,8 +92,13 @@ def paired_intervals(frame: pd.DataFrame, against: pd.DataFrame) -> dict:
 
 
 def table(root: Path, against: str | None) -> str:
-    runs = {p.name: load_run(p) for p in sorted(root.iterdir())
-            if p.is_dir() and not p.name.startswith("_") and (p / "samples.jsonl").exists()}
+    runs = {}
+    for path in sorted(root.iterdir()):
+        if path.is_dir() and not path.name.startswith("_") and (path / "samples.jsonl").exists():
+            try:
+                runs[path.name] = load_run(path)
+            except ValueError as exc:  # a run that has not finished a sample yet
+                print(f"skipped: {exc}", file=sys.stderr)
     if not runs:
         raise ValueError(f"{root}: no run folder with samples.jsonl")
     if against is not None and against not in runs:
