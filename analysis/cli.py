@@ -101,7 +101,8 @@ def replay(
         help="GrowPage knob key=value (repeatable); the replay sets protected_recent=8 (half a "
              "16-token page), the rest are GrowPage's own defaults and preset."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Reference runs to --max-tokens."),
-    temperature: float = TemperatureOpt,
+    temperature: float = typer.Option(0.6, "--temperature", help="Reference decoding (paper: "
+                                      "0.6, App. F.1; 0 = greedy)."),
     seed: int = SeedOpt,
     chat: bool = ChatOpt,
     out: Optional[Path] = OutOpt,
@@ -110,15 +111,22 @@ def replay(
     """Counterfactual Compress & Hold vs Grow by One Page: NLL of the next reference tokens."""
 
     def study():
-        from analysis.replay import REPLAY_GROWPAGE_DEFAULTS, ReplayConfig, replay_study
+        from analysis.replay import (
+            REPLAY_GROWPAGE_DEFAULTS,
+            ReplayConfig,
+            replay_study,
+            resolved_window,
+        )
         from engine.policies.base import build_policy, parse_policy_args
 
         args = {**REPLAY_GROWPAGE_DEFAULTS, **parse_policy_args(policy_arg)}
         typed = build_policy("growpage", args)  # validates names and coerces CLI strings
         growpage = {k: getattr(typed, k) for k in args}
+        per_request = f"-k{max_boundaries}" if max_boundaries else ""
+        suffix = f"-w{resolved_window(window, block_size)}{per_request}-temp{temperature:g}"
         prompt_ids, settings, path = _prepare("replay", model, prompts_file, num_prompts,
                                               max_tokens, block_size, temperature, seed, chat,
-                                              out, threads)
+                                              out, threads, suffix=suffix)
         config = ReplayConfig(window=window, max_boundaries=max_boundaries, growpage=growpage,
                               ignore_eos=ignore_eos)
         return replay_study(model, prompt_ids, settings, path, config), path

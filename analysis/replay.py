@@ -1,9 +1,9 @@
 """Counterfactual compress-vs-grow NLL replay (GrowPage Sec. 5.3, "Capacity Expansion Benefit
 Analysis", Figure 7).
 
-1. Reference: FullKV decodes each prompt (greedy, or sampled with a per-request seed) and records
-   the log-probability of every output token; this token sequence is the shared future of every
-   branch, and its NLL is the floor.
+1. Reference: FullKV decodes each prompt (sampled with a per-request seed, at 0.6 by default in the
+   CLI as in the paper's App. F.1, or greedy) and records the log-probability of every output
+   token; this token sequence is the shared future of every branch, and its NLL is the floor.
 2. Natural run: GrowPage, teacher-forced on the reference (`SamplingParams(forced_tokens=...)`), so
    its capacity boundaries and decisions are those GrowPage makes on that trajectory. Every boundary
    where GrowPage estimates demand (capacity control is on) is a *demand boundary* k, with its
@@ -85,6 +85,11 @@ REPLAY_GROWPAGE_DEFAULTS: dict = {"protected_recent": 8}
 # any changed count moves it by far more than this).
 DELTA_REPLAY_TOLERANCE = 1e-6
 WINDOW_PAGES = 4  # the default window, in pages (module docstring)
+
+
+def resolved_window(window: int | None, block_size: int) -> int:
+    """Tokens scored after each decision: `window`, or WINDOW_PAGES pages when None."""
+    return window or WINDOW_PAGES * block_size
 
 
 @dataclass(frozen=True)
@@ -248,7 +253,7 @@ def run_replay(model: str, prompt_ids: list[list[int]], max_tokens: int, block_s
     from engine.llm import LLM
     from engine.sampling import SamplingParams
 
-    window = config.window or WINDOW_PAGES * block_size
+    window = resolved_window(config.window, block_size)
     longest = max(len(p) for p in prompt_ids) + max_tokens + window
     full = LLM(model, block_size=block_size, policy="full", max_num_seqs=config.max_num_seqs,
                enable_prefix_caching=False,
@@ -473,7 +478,8 @@ def replay_study(model: str, prompt_ids: list[list[int]], settings: RunSettings,
     summary["reference_output_tokens"] = [len(r.token_ids) for r in result.references]
     plot_replay(result.rows, summary, out / "replay.png", tau)
     write_json(out / "summary.json", summary)
-    write_json(out / "config.json", {**settings.__dict__, "window": config.window or settings.block_size,
+    window = resolved_window(config.window, settings.block_size)
+    write_json(out / "config.json", {**settings.__dict__, "window": window,
                                      "max_boundaries": config.max_boundaries,
                                      "growpage": config.growpage,
                                      "growpage_params": result.policy_params,

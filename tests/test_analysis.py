@@ -588,6 +588,28 @@ def test_analyze_commands_write_their_outputs(tiny_dir, tmp_path, command, extra
     assert config["num_prompts"] == 2 and config["block_size"] == BLOCK
 
 
+def test_replay_defaults_sample_score_four_pages_and_name_the_directory_by_them(
+        tiny_dir, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from analysis.cli import _model_tag, analyze_app
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("add two numbers\nexplain paged attention\n")
+    monkeypatch.chdir(tmp_path)  # the default output directory is relative to the working one
+    result = CliRunner().invoke(analyze_app, [
+        "replay", "--model", str(tiny_dir), "--prompts-file", str(prompts), "--block-size",
+        str(BLOCK), "--threads", "1", "--max-tokens", "40", "--max-boundaries", "2",
+        "-a", "initial_capacity=8", "-a", "protected_recent=2"])
+    assert result.exit_code == 0, result.output
+    out = (tmp_path / "results" / "analysis"
+           / f"replay-{_model_tag(str(tiny_dir))}-b{BLOCK}-t40-n2-w{4 * BLOCK}-k2-temp0.6")
+    config = json.loads((out / "config.json").read_text())
+    assert config["window"] == 4 * BLOCK and config["temperature"] == 0.6
+    frame = pd.read_csv(out / "replay.csv")
+    assert (frame["window"] == 4 * BLOCK).all()
+
+
 def test_analyze_rejects_bad_input_with_a_clear_message(tiny_dir, tmp_path):
     from typer.testing import CliRunner
 
