@@ -8,7 +8,8 @@ statistics (engine.stats). `stream()` yields outputs as requests finish (for res
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
 from typing import Sequence as Seq
 
 from engine import threads
@@ -78,6 +79,25 @@ class LLM:
         with the same words."""
         r = self.runner
         return prompt_unfit(n_tokens, r.max_model_len, r.num_pages, r.block_size)
+
+    @contextmanager
+    def watching_logits(self, hook: Callable[[list, Any], None]) -> Iterator[None]:
+        """Within the block, `hook(items, logits)` sees every step's sampled rows (the work items
+        and their logits [rows, vocab], valid during the call only) after any hook already set;
+        the previous hook is back afterwards, also on an error."""
+        runner = self.runner
+        previous = runner.logits_hook
+
+        def chained(items, logits):
+            if previous is not None:
+                previous(items, logits)
+            hook(items, logits)
+
+        runner.logits_hook = chained
+        try:
+            yield
+        finally:
+            runner.logits_hook = previous
 
     def _bind(self, policy: KVPolicy) -> None:
         r = self.runner

@@ -173,13 +173,8 @@ class KvarenaLM(TemplateLM):
             params.append(SamplingParams(temperature=0.0, max_tokens=len(forced),
                                          forced_tokens=tuple(forced), logprobs=True))
         greedy = _GreedyProbe(params)
-        runner = self.llm.runner
-        previous = runner.logits_hook
-        runner.logits_hook = greedy.chain(previous)
-        try:
+        with self.llm.watching_logits(greedy.observe):
             outputs = self._run(request_type, prompts, params)
-        finally:
-            runner.logits_hook = previous
         results = []
         for i, (request, out, p) in enumerate(zip(requests, outputs, params)):
             n = len(p.forced_tokens)
@@ -318,17 +313,14 @@ class _GreedyProbe:
         self.index = {id(p): i for i, p in enumerate(params)}
         self.hits: dict[int, dict[int, bool]] = {i: {} for i in range(len(params))}
 
-    def chain(self, previous):
-        def hook(items, logits):
-            if previous is not None:
-                previous(items, logits)
-            top = logits.argmax(dim=-1).tolist()
-            for row, item in enumerate(items):
-                i = self.index.get(id(item.seq.params))
-                k = item.seq.num_output_tokens
-                if i is not None and k < len(item.seq.params.forced_tokens):
-                    self.hits[i][k] = top[row] == item.seq.params.forced_tokens[k]
-        return hook
+    def observe(self, items, logits) -> None:
+        """An `LLM.watching_logits` hook: items of a step and their logits [rows, vocab]."""
+        top = logits.argmax(dim=-1).tolist()
+        for row, item in enumerate(items):
+            i = self.index.get(id(item.seq.params))
+            k = item.seq.num_output_tokens
+            if i is not None and k < len(item.seq.params.forced_tokens):
+                self.hits[i][k] = top[row] == item.seq.params.forced_tokens[k]
 
     def all_greedy(self, i: int, n: int) -> bool:
         hits = self.hits[i]

@@ -423,3 +423,19 @@ def test_why_unfit_is_the_rule_the_scheduler_applies(llama_dir):
     with pytest.raises(ConfigError, match="more KV pages than the whole pool"):
         llm.generate([list(range(1, 17))], SamplingParams(temperature=0.0, max_tokens=2))
     assert "model context" in llm.why_unfit(llm.runner.max_model_len)
+
+
+def test_watching_logits_chains_and_restores_the_hook(llama_dir):
+    """LLM.watching_logits: inside the block both the earlier hook and the new one see every
+    sampled row; after it (also after an error) only the earlier one does."""
+    llm = LLM(str(llama_dir), block_size=4, kv_cache_tokens=256)
+    first, second = [], []
+    llm.runner.logits_hook = lambda items, logits: first.append(len(items))
+    with llm.watching_logits(lambda items, logits: second.append(logits.shape[0])):
+        llm.generate(PROMPTS[:2], GREEDY)
+    assert sum(second) == sum(first) == 2 * GREEDY.max_tokens
+    with pytest.raises(RuntimeError, match="boom"):
+        with llm.watching_logits(lambda items, logits: None):
+            raise RuntimeError("boom")
+    llm.generate(PROMPTS[:1], GREEDY)
+    assert sum(first) == 3 * GREEDY.max_tokens and sum(second) == 2 * GREEDY.max_tokens
