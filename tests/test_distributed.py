@@ -126,6 +126,11 @@ def test_two_workers_equal_a_single_process_run_and_resume(local_ray, model_dir,
         assert not (two.path / SHARDS_DIR).exists() or not any((two.path / SHARDS_DIR).iterdir())
         wall = R.read_json(two.path / R.CONFIG_FILE)["distributed"]
         assert wall["workers"] == 2 and wall["samples"] == 8 and wall["tps"] > 0
+        # the workers' prompts are merged too: every sample's prompt is in the run's file
+        from evals.run.prompts import read_prompts
+
+        assert read_prompts(two.path) == read_prompts(one.path)
+        assert all(r["prompt_sha"] in read_prompts(two.path) for r in b.values())
     assert any("on 2 worker(s)" in line for line in hooks.lines)
     # compressing policy really compressed, on the workers too
     assert sum(r["events"].get("compress", 0) for r in samples_of(spread[1].path).values()) > 0

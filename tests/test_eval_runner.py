@@ -874,3 +874,21 @@ def test_run_labels_carry_the_effective_budget_however_it_was_set(tmp_path):
     R.write_json(earlier / R.CONFIG_FILE, {"label": "snapkv", "policy_args": {"budget": 128}})
     assert label(policy="snapkv", kv_budget=128) == "snapkv"        # resumed where it is
     assert label(policy="snapkv", kv_budget=96) == "snapkv+budget=96"  # another budget: its own
+
+
+def test_samples_name_the_rendered_prompt_they_ran(model_dir, tmp_path):
+    """prompts.jsonl holds each distinct rendered prompt once; every sample line names its prompt
+    by hash, and a resumed run adds only the new problems' prompts."""
+    from evals.run.prompts import PROMPTS_FILE, prompt_sha, read_prompts
+
+    outcome = run_eval(settings(model_dir, tmp_path, policy="full", limit=2, samples=2,
+                                fidelity=False))
+    assert len((outcome.path / PROMPTS_FILE).read_text().splitlines()) == 2  # one per problem
+    prompts = read_prompts(outcome.path)
+    records = lines(outcome.path)
+    assert len(records) == 4
+    for rec in records:
+        text = prompts[rec["prompt_sha"]]
+        assert prompt_sha(text) == rec["prompt_sha"] and "?" in text
+    run_eval(settings(model_dir, tmp_path, policy="full", limit=3, samples=2, fidelity=False))
+    assert len((outcome.path / PROMPTS_FILE).read_text().splitlines()) == 3

@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from evals import results as R
+from evals.run import prompts
 from evals.run.plan import resolve_target
 from evals.run.runner import run_eval
 from evals.run.settings import EvalError, EvalHooks, EvalOutcome, EvalSettings
@@ -354,6 +355,7 @@ def merge_shard(path: Path, shard: dict, source: str) -> list[dict]:
             writer.write(rec)
             written.append(rec)
     _merge_side_files(path, shard.get("side_files") or {}, {(r["uid"], int(r["sample"])) for r in written})
+    prompts.merge_prompts(path, shard.get("prompts") or "")
     return written
 
 
@@ -386,15 +388,17 @@ def _merge_side_files(path: Path, files: dict, keys: set) -> None:
 
 
 def read_shard(run_path: Path) -> dict:
-    """A shard run directory as ``{"config", "segments", "records"}`` (a killed worker's progress
-    file sealed into a segment line first)."""
+    """A shard run directory as ``{"config", "segments", "records", "side_files", "prompts"}``
+    (a killed worker's progress file sealed into a segment line first)."""
     R.seal_progress(run_path)
     config = R.read_json(run_path / R.CONFIG_FILE) if (run_path / R.CONFIG_FILE).exists() else {}
     side = {name: (run_path / name).read_text(encoding="utf-8") for name in _side_files()
             if (run_path / name).exists()}
+    prompts_file = run_path / prompts.PROMPTS_FILE
     return {"config": config, "segments": R.read_segments(run_path / R.SEGMENTS_FILE),
             "records": list(R.load_samples(run_path / R.SAMPLES_FILE).records.values()),
-            "side_files": side}
+            "side_files": side,
+            "prompts": prompts_file.read_text(encoding="utf-8") if prompts_file.exists() else ""}
 
 
 def _merge_leftovers(settings: EvalSettings, hooks: EvalHooks) -> None:

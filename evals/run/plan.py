@@ -230,6 +230,8 @@ class Rendered:
     ids: the prompt's token ids, [n_tokens]; None when only a prefix was tokenized (``prompt_ids``:
     the prompt is longer than any context, and ``n_tokens`` is a lower bound).
     params: its sampling parameters (engine.sampling.SamplingParams; seed ``settings.seed + sample``).
+    text: the rendered prompt the ids come from (written to the run's prompts.jsonl,
+    evals.run.prompts).
     """
 
     problem: Problem
@@ -238,6 +240,7 @@ class Rendered:
     n_tokens: int
     ids: list | None
     params: Any
+    text: str = ""
 
 
 def render_requests(settings: EvalSettings, plan: Plan, todo: Sequence[R.SampleKey], tokenizer,
@@ -264,5 +267,5 @@ def render_requests(settings: EvalSettings, plan: Plan, todo: Sequence[R.SampleK
         n, ids = prompt_ids(tokenizer, text, context, bound)
         seed = settings.seed + j
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
-        rendered.append(Rendered(problem, j, seed, n, ids, params))
+        rendered.append(Rendered(problem, j, seed, n, ids, params, text))
     return rendered

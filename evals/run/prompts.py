@@ -1,0 +1,72 @@
+"""The rendered prompts of an eval run: ``prompts.jsonl`` in the run directory, one line per
+distinct prompt, as lm-eval's samples keep the arguments a request was made with.
+
+A line is ``{"uid", "prompt_sha", "prompt_tokens", "prompt"}``: the problem, a short hash of the
+exact text the engine tokenized (the task's messages through the chat template), its token count
+and the text. Each sample line of ``samples.jsonl`` carries the ``prompt_sha`` of the prompt it
+ran, so a sample's prompt is ``read_prompts(run_dir)[record["prompt_sha"]]``. Samples of one
+problem share one line; a prompt that changed between segments (another chat template, thinking
+on) gets a line of its own under a new hash, so each sample still points at what it ran.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Iterable
+
+from evals import results as R
+from evals.jsonio import open_append
+
+PROMPTS_FILE = "prompts.jsonl"
+
+
+def prompt_sha(text: str) -> str:
+    """The first 16 hex digits of the text's SHA-256."""
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def read_prompts(run_dir: Path) -> dict[str, str]:
+    """{prompt_sha: prompt text} of a run directory ({} without the file)."""
+    path = Path(run_dir) / PROMPTS_FILE
+    if not path.exists():
+        return {}
+    return {row["prompt_sha"]: row["prompt"] for row in parse_lines(path.read_text(encoding="utf-8"))}
+
+
+def parse_lines(text: str) -> list[dict]:
+    """The readable lines of a prompts.jsonl text (a torn last line is skipped)."""
+    rows = []
+    for line in text.splitlines():
+        try:
+            row = json.loads(line)
+            if isinstance(row.get("prompt_sha"), str) and isinstance(row.get("prompt"), str):
+                rows.append(row)
+        except (ValueError, AttributeError):
+            continue
+    return rows
+
+
+def merge_prompts(run_dir: Path, text: str) -> None:
+    """Append the prompts of another run directory's prompts.jsonl text (a worker's shard,
+    evals.run.distributed) that ``run_dir`` does not hold yet."""
+    write_new_prompts(run_dir, ((r.get("uid"), r["prompt"], r.get("prompt_tokens"))
+                                for r in parse_lines(text)))
+
+
+def write_new_prompts(run_dir: Path, rows: Iterable[tuple[str, str, int]]) -> None:
+    """Append the (uid, text, prompt_tokens) rows whose prompt the file does not hold yet."""
+    path = Path(run_dir) / PROMPTS_FILE
+    known = set(read_prompts(run_dir))
+    new = []
+    for uid, text, n_tokens in rows:
+        sha = prompt_sha(text)
+        if sha not in known:
+            new.append(R.encode_line({"uid": uid, "prompt_sha": sha, "prompt_tokens": n_tokens,
+                                      "prompt": text}))
+            known.add(sha)
+    if new:
+        R.repair_tail(path)  # a line torn by a kill is cut before more are appended
+        with open_append(path) as f:
+            f.write(b"".join(new))
