@@ -878,8 +878,10 @@ def test_run_labels_carry_the_effective_budget_however_it_was_set(tmp_path):
 
 def test_samples_name_the_rendered_prompt_they_ran(model_dir, tmp_path):
     """prompts.jsonl holds each distinct rendered prompt once; every sample line names its prompt
-    by hash, and a resumed run adds only the new problems' prompts."""
-    from evals.run.prompts import PROMPTS_FILE, prompt_sha, read_prompts
+    by the hash of its token ids (the key the FullKV reference and the forced pass use), and a
+    resumed run adds only the new problems' prompts."""
+    from engine.models.loader import load_tokenizer
+    from evals.run.prompts import PROMPTS_FILE, prompt_hash, read_prompts
 
     outcome = run_eval(settings(model_dir, tmp_path, policy="full", limit=2, samples=2,
                                 fidelity=False))
@@ -887,8 +889,11 @@ def test_samples_name_the_rendered_prompt_they_ran(model_dir, tmp_path):
     prompts = read_prompts(outcome.path)
     records = lines(outcome.path)
     assert len(records) == 4
+    tokenizer = load_tokenizer(model_dir)
     for rec in records:
         text = prompts[rec["prompt_sha"]]
-        assert prompt_sha(text) == rec["prompt_sha"] and "?" in text
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert prompt_hash(ids) == rec["prompt_sha"] and len(ids) == rec["prompt_tokens"]
+        assert "?" in text
     run_eval(settings(model_dir, tmp_path, policy="full", limit=3, samples=2, fidelity=False))
     assert len((outcome.path / PROMPTS_FILE).read_text().splitlines()) == 3

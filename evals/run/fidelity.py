@@ -72,6 +72,7 @@ import numpy as np
 
 from evals import results as R
 from evals.run import engines
+from evals.run.prompts import prompt_hash
 
 WINDOW = 32
 REFERENCE_DIR = "_reference"
@@ -152,10 +153,6 @@ def sample_fields(ref: Mapping[str, Any], tokens: Sequence[int],
 
 
 # ------------------------------------------------------------------------------ reference cache
-
-
-def prompt_hash(ids: Sequence[int]) -> str:
-    return hashlib.sha1(json.dumps(list(ids)).encode()).hexdigest()[:16]
 
 
 def reference_key(config: Mapping[str, Any]) -> tuple[str, dict]:

@@ -26,6 +26,7 @@ from engine.policies.base import policy_lineage
 from evals import results as R
 from evals.jsonio import to_jsonable
 from evals.problem import DataUnavailableError, Problem, ProblemSet
+from evals.run.prompts import prompt_hash
 from evals.run.settings import (
     EvalError,
     EvalHooks,
@@ -241,6 +242,11 @@ class Rendered:
     ids: list | None
     params: Any
     text: str = ""
+
+    @property
+    def prompt_sha(self) -> str | None:
+        """The prompt's key (evals.run.prompts.prompt_hash of its ids); None without ids."""
+        return None if self.ids is None else prompt_hash(self.ids)
 
 
 def render_requests(settings: EvalSettings, plan: Plan, todo: Sequence[R.SampleKey], tokenizer,

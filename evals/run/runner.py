@@ -261,7 +261,8 @@ def _generate(settings: EvalSettings, config: dict, rendered: list[Rendered], ta
              "samples": 0, "output_tokens": 0, "stats": None, "failed": 0,
              "settings": _segment_settings(settings, llm)}
     R.write_progress(path, empty)
-    prompts.write_new_prompts(path, ((r.problem.uid, r.text, r.n_tokens) for r in rendered))
+    prompts.write_new_prompts(path, ((r.problem.uid, r.prompt_sha, r.text, r.n_tokens)
+                                     for r in rendered))
     writer = R.SampleWriter(path / R.SAMPLES_FILE)
     streamed = False
     try:
@@ -329,7 +330,7 @@ def _admit(rendered: Sequence[Rendered], llm, writer: R.SampleWriter, segment: i
         reason = unfit_reason(llm, r.n_tokens, at_least=r.ids is None)
         if reason:
             writer.write({**failed_record(r.problem, r.sample, r.seed, segment, r.n_tokens, reason),
-                          "prompt_sha": prompts.prompt_sha(r.text)})
+                          "prompt_sha": r.prompt_sha})
             outcome.failed += 1
             hooks.on_message(f"{r.problem.uid} sample {r.sample}: {reason}; recorded as failed")
             continue
@@ -363,7 +364,7 @@ def _stream(llm, runnable: Sequence[Rendered], writer: R.SampleWriter, segment: 
                 raise grader.error
             r = runnable[out.index]
             record = output_record(r.problem, r.sample, r.seed, segment, out)
-            record["prompt_sha"] = prompts.prompt_sha(r.text)
+            record["prompt_sha"] = r.prompt_sha
             record.update(fid.fields(fid.requests[out.index], out) if fid else fidelity.empty_fields())
             traces.write(trace_line(r.problem.uid, r.sample, segment, out, r.ids, r.problem.meta,
                                     llm.tokenizer.decode))
