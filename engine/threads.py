@@ -65,11 +65,10 @@ def apply_openmp_defaults() -> bool:
     global _in_time
     if _in_time is None:
         _in_time = "torch" not in sys.modules
-        user_set = any(key in os.environ for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT"))
-        for key, value in OPENMP_DEFAULTS.items():
-            if not user_set:
-                os.environ[key] = value
-                _applied[key] = value
+        # The user's wait policy or spin count, either one, decides the spinning: ours stay out.
+        if not any(key in os.environ for key in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")):
+            os.environ.update(OPENMP_DEFAULTS)
+            _applied.update(OPENMP_DEFAULTS)
     return _in_time
 
 

@@ -206,9 +206,7 @@ class CausalLM(nn.Module):
         return self.model.embed_tokens.weight if self.tied else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.head_packed is not None:
-            return packed_linear.linear(hidden, self._head_weight(), self.head_packed)
-        return hidden @ self._head_weight().t()
+        return packed_linear.linear(hidden, self._head_weight(), self.head_packed)
 
 
 class LlamaForCausalLM(CausalLM):
