@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.kernels import cpu_native
 from engine.kernels import ops as _ops  # noqa: F401  (registers torch.ops.kvarena.*)
 from engine.kernels._common import use_triton
 from engine.kernels.paged_attention import (
@@ -63,6 +64,9 @@ class ForwardContext:
     store_plan, decode_plan: on CPU, the torch twins' checks and index tensors, built by the
         first layer and reused by the others: every layer has the same shapes, slots, tables and
         lengths, and at batch 1 this per-layer index work was a visible share of a decode step.
+    native: on CPU in float32, store and decode through the C kernels that read the pages in
+        place (engine/kernels/cpu_native.py; EngineConfig.cpu_native_attention); prefill chunks
+        keep the torch twin.
     """
 
     kv: KVCache
@@ -83,6 +87,7 @@ class ForwardContext:
     fused_decode: bool = False
     store_plan: StorePlan | None = None
     decode_plan: DecodePlan | None = None
+    native: bool = False
 
 
 def attend(layer: int, q_pre: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -95,7 +100,8 @@ def attend(layer: int, q_pre: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     if ctx.fused_decode:
         return torch.ops.kvarena.store_and_decode(q, k, v, ctx.kv.k, ctx.kv.v, ctx.slot_mapping,
                                                   ctx.decode_block_tables,
-                                                  ctx.decode_context_lens, layer, ctx.scale)
+                                                  ctx.decode_context_lens, layer, ctx.scale,
+                                                  ctx.native)
     k_cache, v_cache = ctx.kv.k[layer], ctx.kv.v[layer]
     if ctx.slot_mapping is not None:
         _store(k, v, k_cache, v_cache, ctx)
@@ -121,6 +127,9 @@ def _store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     if use_triton(k_cache):
         store_kv(k, v, k_cache, v_cache, ctx.slot_mapping)
         return
+    if ctx.native and cpu_native.applies(k, k_cache, v_cache):
+        cpu_native.store(k, v, k_cache, v_cache, ctx.slot_mapping)
+        return
     if ctx.store_plan is None:
         ctx.store_plan = plan_store_kv_torch(k, v, k_cache, v_cache, ctx.slot_mapping)
     store_kv_planned(k, v, k_cache, v_cache, ctx.store_plan)
@@ -133,6 +142,9 @@ def _decode(layer: int, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if use_triton(q):
         return paged_decode_attention(q, k_cache, v_cache, ctx.decode_block_tables,
                                       ctx.decode_context_lens, ctx.scale, holes)
+    if ctx.native and cpu_native.applies(q, k_cache, v_cache):
+        return cpu_native.decode(q, k_cache, v_cache, ctx.decode_block_tables,
+                                 ctx.decode_context_lens, ctx.scale, holes)
     if ctx.decode_plan is None:
         ctx.decode_plan = plan_decode_torch(q, k_cache, v_cache, ctx.decode_block_tables,
                                             ctx.decode_context_lens)

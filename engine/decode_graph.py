@@ -84,11 +84,13 @@ class DecodeGraph:
 
     model: the engine's CausalLM; kv: its KVCache; queries: its QueryStatePool; max_rows: the
     largest bucket (max_num_seqs); max_blocks: block-table width. compile=False runs the same
-    graph function eagerly (the meta-device host-sync test; debugging)."""
+    graph function eagerly (the meta-device host-sync test; debugging). native: attention
+    through the CPU C kernels where they apply (ForwardContext.native)."""
 
     def __init__(self, model, kv: KVCache, queries: QueryStatePool, scale: float, max_rows: int,
-                 max_blocks: int, device, compile: bool = True):
+                 max_blocks: int, device, compile: bool = True, native: bool = False):
         self.model, self.kv, self.queries, self.scale = model, kv, queries, scale
+        self.native = native
         self.device = torch.device(device)
         self.buckets = batch_buckets(max_rows)
         self.max_rows, self.max_blocks = max_rows, max_blocks
@@ -167,7 +169,7 @@ class DecodeGraph:
         """[B] rows -> logits [B, vocab]; the function torch.compile traces."""
         ctx = ForwardContext(self.kv, self.scale, slot_mapping, num_decode=input_ids.shape[0],
                              decode_block_tables=block_tables, decode_context_lens=context_lens,
-                             fused_decode=True)
+                             fused_decode=True, native=self.native)
         if self.queries.active:
             ctx.capture = DecodeCapture(self.queries, recent_slot, ring, ema_slot, ema_init)
         hidden = self.model(input_ids, positions, ctx)

@@ -7,7 +7,7 @@ forward pass through them as single opaque nodes instead of breaking the graph a
     torch.ops.kvarena.paged_prefill_attention(q, k_cache, v_cache, block_tables, base_lens,
                                               q_lens, layer, scale) -> out
     torch.ops.kvarena.store_and_decode(q, key, value, k_cache, v_cache, slot_mapping,
-                                       block_tables, context_lens, layer, scale) -> out
+                                       block_tables, context_lens, layer, scale, native) -> out
 
 `store_and_decode` is what a compiled decode step calls: the store and the attention of one
 layer as one op, so each layer mutates the caches exactly once. With a separate store and a
@@ -21,7 +21,8 @@ The caches are the whole KV tensors ``[layers, kv_heads, num_pages, block_size, 
 mutates a graph input itself, not a view of it, which inductor writes in place (no copy of the
 cache). Every other argument has the shape of the kernel it wraps (paged_attention.py,
 store_kv.py). Each op dispatches like the kernels do: Triton on CUDA tensors, the torch twin
-otherwise; the fake implementations give the output's shape and dtype for tracing (and run the
+otherwise (store_and_decode with ``native`` on CPU float32: the C kernels of cpu_native.py);
+the fake implementations give the output's shape and dtype for tracing (and run the
 whole op on ``meta`` tensors, which the host-sync test uses).
 
 Eager forward passes call the kernels directly (engine/attention.py): a custom op costs a
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import torch
 
+from engine.kernels import cpu_native
 from engine.kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 from engine.kernels.store_kv import store_kv as _store_kv
 
@@ -70,16 +72,22 @@ def _(q, k_cache, v_cache, block_tables, context_lens, layer, scale):
 @torch.library.custom_op("kvarena::store_and_decode", mutates_args=("k_cache", "v_cache"))
 def store_and_decode(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+                     context_lens: torch.Tensor, layer: int, scale: float,
+                     native: bool = False) -> torch.Tensor:
     """store_kv, then paged_decode_attention, of one layer (module docstring: why one op).
     q: [B, q_heads, d]; key, value: [B, kv_heads, d] -> [B, q_heads, d]."""
-    _store_kv(key, value, k_cache[layer], v_cache[layer], slot_mapping)
-    return paged_decode_attention(q, k_cache[layer], v_cache[layer], block_tables, context_lens,
+    k_layer, v_layer = k_cache[layer], v_cache[layer]
+    if native and cpu_native.applies(q, k_layer, v_layer):
+        cpu_native.store(key, value, k_layer, v_layer, slot_mapping)
+        return cpu_native.decode(q, k_layer, v_layer, block_tables, context_lens, scale)
+    _store_kv(key, value, k_layer, v_layer, slot_mapping)
+    return paged_decode_attention(q, k_layer, v_layer, block_tables, context_lens,
                                   scale).contiguous()
 
 
 @store_and_decode.register_fake
-def _(q, key, value, k_cache, v_cache, slot_mapping, block_tables, context_lens, layer, scale):
+def _(q, key, value, k_cache, v_cache, slot_mapping, block_tables, context_lens, layer, scale,
+      native=False):
     return _contiguous_like(q)
 
 

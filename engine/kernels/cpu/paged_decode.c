@@ -1,0 +1,176 @@
+/* The CPU decode step's paged kernels for float32, reading the KV pages in place.
+
+   engine/kernels/cpu_native.py builds this file once per machine and calls it through ctypes;
+   its docstring has the shapes, why it exists and the figures. Layouts (all float32, C order):
+
+     cache (one layer):  [kv_heads, num_pages * block_size, head_dim]   (flat slot = page * bs + off)
+     key, value rows:    row t, head h at  key + t * key_stride + h * head_dim
+     q:                  row b, head h at  q + b * q_stride + h * head_dim
+     out:                [B, q_heads, head_dim], contiguous
+     tables:             [B, table_stride] int64 page ids (-1 past a row's pages)
+     lens:               [B] int64 slots each row attends (0: a padded row, zero output)
+     holes:              [B, kv_heads, 2] int64 (start, end) of skipped slots, or NULL
+
+   Every index read from the tables, lengths, holes and slot mapping is checked before it is
+   used; a bad one stops the kernel with an error code (KV_* below) instead of reading or writing
+   out of bounds, and the caller raises. Compiled with OpenMP: the process's runtime is torch's
+   own (same soname, already loaded), so the threads are torch's, set by torch.set_num_threads. */
+
+#include <math.h>
+#include <stdint.h>
+
+enum { KV_OK = 0, KV_BAD_PAGE = 1, KV_BAD_LENGTH = 2, KV_BAD_SLOT = 3, KV_BAD_HOLE = 4,
+       KV_BAD_SHAPE = 5 };
+
+/* Scores of masked slots: finite (the file is built with -ffast-math, which assumes no
+   infinities), far below any real score, so exp() of it relative to a real maximum is 0. */
+#define MASKED (-1.0e30f)
+#define MAX_BLOCK 1024
+#define MAX_GROUP 64
+#define MAX_GROUP_DIM 8192
+
+int kv_store(const float *key, const float *value, int64_t key_stride, int64_t value_stride,
+             float *k_cache, float *v_cache, const int64_t *slots, int64_t rows,
+             int64_t kv_heads, int64_t head_dim, int64_t num_slots) {
+    for (int64_t t = 0; t < rows; t++) {
+        int64_t s = slots[t];
+        if (s < -1 || s >= num_slots) return KV_BAD_SLOT;
+    }
+    for (int64_t t = 0; t < rows; t++) {
+        int64_t s = slots[t];
+        if (s < 0) continue;
+        for (int64_t h = 0; h < kv_heads; h++) {
+            float *kd = k_cache + (h * num_slots + s) * head_dim;
+            float *vd = v_cache + (h * num_slots + s) * head_dim;
+            const float *ks = key + t * key_stride + h * head_dim;
+            const float *vs = value + t * value_stride + h * head_dim;
+            for (int64_t d = 0; d < head_dim; d++) {
+                kd[d] = ks[d];
+                vd[d] = vs[d];
+            }
+        }
+    }
+    return KV_OK;
+}
+
+/* One (row, kv head): the group's query heads against that head's visible slots, page by page
+   with a running maximum (online softmax), so no buffer grows with the context. Masked slots
+   (the hole) score MASKED and weigh exp(MASKED - top) = 0, so the loops have no branches and
+   vectorize (expf through glibc's vector variants under -ffast-math). */
+static inline __attribute__((always_inline)) int
+attend_head(const float *restrict q, int64_t group, const int64_t head_dim,
+            const float *restrict keys, const float *restrict values,
+            const int64_t *restrict table, int64_t len, int64_t block, int64_t num_pages,
+            int64_t hole_start, int64_t hole_end, float scale, float *restrict out) {
+    float acc[MAX_GROUP_DIM], top[MAX_GROUP], total[MAX_GROUP], scores[MAX_BLOCK];
+    for (int64_t i = 0; i < group * head_dim; i++) acc[i] = 0.0f;
+    for (int64_t g = 0; g < group; g++) {
+        top[g] = MASKED;
+        total[g] = 0.0f;
+    }
+    int64_t pages = (len + block - 1) / block;
+    for (int64_t p = 0; p < pages; p++) {
+        int64_t page = table[p];
+        if (page < 0 || page >= num_pages) return KV_BAD_PAGE;
+        int64_t first = p * block;
+        int64_t n = len - first < block ? len - first : block;
+        const float *kp = keys + page * block * head_dim;
+        const float *vp = values + page * block * head_dim;
+        for (int64_t g = 0; g < group; g++) {
+            const float *qg = q + g * head_dim;
+            float page_top = MASKED;
+            for (int64_t j = 0; j < n; j++) {
+                const float *kj = kp + j * head_dim;
+                float dot = 0.0f;
+                for (int64_t d = 0; d < head_dim; d++) dot += qg[d] * kj[d];
+                int64_t slot = first + j;
+                float s = (slot >= hole_start && slot < hole_end) ? MASKED : dot * scale;
+                scores[j] = s; /* consumed below, before the group's next head */
+                page_top = s > page_top ? s : page_top;
+            }
+            if (page_top <= MASKED) continue; /* every slot of the page is in the hole */
+            float new_top = page_top > top[g] ? page_top : top[g];
+            float keep = expf(top[g] - new_top);
+            float page_total = 0.0f;
+            for (int64_t j = 0; j < n; j++) {
+                scores[j] = expf(scores[j] - new_top);
+                page_total += scores[j];
+            }
+            float *ag = acc + g * head_dim;
+            for (int64_t d = 0; d < head_dim; d++) ag[d] *= keep;
+            for (int64_t j = 0; j < n; j++) {
+                const float *vj = vp + j * head_dim;
+                float w = scores[j];
+                for (int64_t d = 0; d < head_dim; d++) ag[d] += w * vj[d];
+            }
+            total[g] = total[g] * keep + page_total;
+            top[g] = new_top;
+        }
+    }
+    for (int64_t g = 0; g < group; g++) {
+        /* Nothing visible (a padded row, or a head whose hole covers every slot): zeros. */
+        float inv = total[g] > 0.0f ? 1.0f / total[g] : 0.0f;
+        for (int64_t d = 0; d < head_dim; d++) out[g * head_dim + d] = acc[g * head_dim + d] * inv;
+    }
+    return KV_OK;
+}
+
+/* attend_head with head_dim a constant for the common sizes, so its loops unroll fully. */
+static int attend_head_any(const float *q, int64_t group, int64_t head_dim, const float *keys,
+                           const float *values, const int64_t *table, int64_t len, int64_t block,
+                           int64_t num_pages, int64_t hole_start, int64_t hole_end, float scale,
+                           float *out) {
+#define ATTEND(D) attend_head(q, group, D, keys, values, table, len, block, num_pages, \
+                              hole_start, hole_end, scale, out)
+    switch (head_dim) {
+    case 64: return ATTEND(64);
+    case 128: return ATTEND(128);
+    default: return ATTEND(head_dim);
+    }
+#undef ATTEND
+}
+
+int kv_decode(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+              const int64_t *tables, int64_t table_stride, const int64_t *lens,
+              const int64_t *holes, float *out, int64_t batch, int64_t q_heads, int64_t kv_heads,
+              int64_t head_dim, int64_t block, int64_t num_pages, float scale) {
+    int64_t group = q_heads / kv_heads;
+    if (group > MAX_GROUP || group * head_dim > MAX_GROUP_DIM || block > MAX_BLOCK)
+        return KV_BAD_SHAPE;
+    int64_t work = 0;
+    for (int64_t b = 0; b < batch; b++) {
+        if (lens[b] < 0 || lens[b] > table_stride * block) return KV_BAD_LENGTH;
+        work += lens[b];
+        if (holes == 0) continue;
+        for (int64_t h = 0; h < kv_heads; h++) {
+            const int64_t *hole = holes + (b * kv_heads + h) * 2;
+            /* As the twins check: a hole covers stored slots only, never the newest one. */
+            if (hole[0] < 0 || hole[1] < hole[0] || (hole[1] > hole[0] && hole[1] > lens[b] - 1))
+                return KV_BAD_HOLE;
+        }
+    }
+    int64_t slots = num_pages * block;
+    int error = KV_OK;
+    /* Threads only pay for themselves past a few thousand slot-heads (a batch-1 step's
+       attention is microseconds of work against a fork-join of the same order). */
+#pragma omp parallel for collapse(2) schedule(dynamic, 1) if (work * kv_heads > 256)
+    for (int64_t b = 0; b < batch; b++) {
+        for (int64_t h = 0; h < kv_heads; h++) {
+            int64_t start = 0, end = 0;
+            if (holes != 0) {
+                start = holes[(b * kv_heads + h) * 2];
+                end = holes[(b * kv_heads + h) * 2 + 1];
+            }
+            int rc = attend_head_any(q + b * q_stride + h * group * head_dim, group, head_dim,
+                                     k_cache + h * slots * head_dim,
+                                     v_cache + h * slots * head_dim, tables + b * table_stride,
+                                     lens[b], block, num_pages, start, end, scale,
+                                     out + (b * q_heads + h * group) * head_dim);
+            if (rc != KV_OK) {
+#pragma omp atomic write
+                error = rc;
+            }
+        }
+    }
+    return error;
+}

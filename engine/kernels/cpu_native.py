@@ -1,0 +1,177 @@
+"""The CPU decode step's store and paged attention in C, reading the KV pages in place.
+
+Why: the torch twins (paged_attention.py, store_kv.py) gather every page a decode batch attends
+into a dense copy with ``index_select`` and hand it to SDPA, once per layer per step. At batch 32
+and ~400 slots that copy is ~19 MB of keys and values a layer, as much memory traffic per step
+as the model's weights, read twice; and a compiled step, whose attention op cannot share one
+index plan across layers, also paid the twin's checks and mask building in every layer (~0.3 ms
+a layer at batch 1, ~17 ms of a ~52 ms step). `paged_decode.c` walks each row's block table and
+reads the keys and values where they lie: one pass, an online softmax page by page, one OpenMP
+task per (row, kv head) on torch's own threads. Measured figures: results/benchmarks/peer.md.
+
+    store(key, value, k_cache_l, v_cache_l, slot_mapping)
+        key, value [T, kv_heads, head_dim] (rows may be strided; heads contiguous) into
+        k/v_cache_l [kv_heads, num_blocks, block_size, head_dim] at slot_mapping [T] (-1: skip).
+    decode(q, k_cache_l, v_cache_l, block_tables, context_lens, scale, holes=None) -> out
+        q [B, q_heads, head_dim]; block_tables [B, max_blocks] (-1 padded); context_lens [B];
+        holes [B, kv_heads, 2] or None; out [B, q_heads, head_dim]: paged_decode_attention's
+        contract (paged_attention.py), with the same zeros for rows or heads that see nothing.
+
+`applies(...)` says when these run: CPU float32 tensors, contiguous caches and head axes, and the
+library built. It is built once per machine and source (``$KVARENA_CACHE/native/<key>/``) with the
+C compiler (``$CC`` or ``cc``); without one, or if the build fails, `available()` is False, a
+warning says why once, and the torch twins run as before. ``KVARENA_NATIVE=0`` turns it off.
+
+Indices are checked inside the kernel (pages, lengths, holes, slots), so bad metadata raises
+`ValueError` instead of reading or writing outside the caches, with no host sync beyond the
+call itself. The numerics are fp32 with a different summation order from SDPA's (built with
+-ffast-math; max |difference| ~1e-6 on unit-scale inputs, tests/test_cpu_native.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("cpu") / "paged_decode.c"
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared")
+ENV_SWITCH = "KVARENA_NATIVE"
+ERRORS = {1: "a block table names a page outside the cache (or -1 inside a row's length)",
+          2: "a context length is negative or exceeds its block table's capacity",
+          3: "a slot_mapping entry is outside the cache",
+          4: "a hole is not a (start, end) range with 0 <= start <= end <= the newest slot",
+          5: "q_heads / kv_heads, head_dim or block_size exceed the kernel's limits"}
+
+_lib: ctypes.CDLL | None = None
+_tried = False
+_I64, _F32, _PTR = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+def available() -> bool:
+    """Whether the library is built and loaded (builds it on the first call)."""
+    global _lib, _tried
+    if not _tried:
+        _tried = True
+        if os.environ.get(ENV_SWITCH, "1") != "0":
+            _lib = _load()
+    return _lib is not None
+
+
+def applies(q: torch.Tensor, k_cache_l: torch.Tensor, v_cache_l: torch.Tensor) -> bool:
+    """Whether `decode`/`store` serve these tensors (module docstring)."""
+    return (q.device.type == "cpu" and q.dtype == torch.float32
+            and k_cache_l.dtype == torch.float32 and v_cache_l.dtype == torch.float32
+            and k_cache_l.is_contiguous() and v_cache_l.is_contiguous() and available())
+
+
+def store(key, value, k_cache_l, v_cache_l, slot_mapping) -> None:
+    """Module docstring: rows of key/value into their slots (in place)."""
+    kv_heads, pages, block, head_dim = k_cache_l.shape
+    key, value = _rows(key), _rows(value)
+    slots = _int64(slot_mapping)
+    rc = _lib.kv_store(key.data_ptr(), value.data_ptr(), key.stride(0), value.stride(0),
+                       k_cache_l.data_ptr(), v_cache_l.data_ptr(), slots.data_ptr(),
+                       key.shape[0], kv_heads, head_dim, pages * block)
+    _raise_on(rc)
+
+
+def decode(q, k_cache_l, v_cache_l, block_tables, context_lens, scale, holes=None):
+    """Module docstring: [B, q_heads, head_dim] -> [B, q_heads, head_dim]."""
+    batch, q_heads, head_dim = q.shape
+    kv_heads, pages, block, _ = k_cache_l.shape
+    if q_heads % kv_heads or k_cache_l.shape[3] != head_dim or tuple(v_cache_l.shape) != \
+            tuple(k_cache_l.shape):
+        raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(k_cache_l.shape)} / "
+                         f"{tuple(v_cache_l.shape)} (q_heads a multiple of kv_heads, one head_dim)")
+    q = _rows(q)
+    tables, lens = _int64(block_tables), _int64(context_lens)
+    hole_ptr = None
+    if holes is not None:
+        holes = _int64(holes)
+        hole_ptr = holes.data_ptr()
+    out = torch.empty(batch, q_heads, head_dim)
+    rc = _lib.kv_decode(q.data_ptr(), q.stride(0), k_cache_l.data_ptr(), v_cache_l.data_ptr(),
+                        tables.data_ptr(), tables.shape[1], lens.data_ptr(), hole_ptr,
+                        out.data_ptr(), batch, q_heads, kv_heads, head_dim, block, pages,
+                        float(scale))
+    _raise_on(rc)
+    return out
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """[T, heads, head_dim] with heads and head_dim contiguous (the row stride is passed)."""
+    head_dim = x.shape[2]
+    if x.stride(2) == 1 and x.stride(1) == head_dim:
+        return x
+    return x.contiguous()
+
+
+def _int64(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dtype == torch.int64 and x.is_contiguous() else x.to(torch.int64).contiguous()
+
+
+def _raise_on(rc: int) -> None:
+    if rc:
+        raise ValueError(f"paged decode kernel: {ERRORS.get(rc, f'error {rc}')}")
+
+
+# ----------------------------------------------------------------------------- build and load
+
+def _load() -> ctypes.CDLL | None:
+    try:
+        path = _build()
+        lib = ctypes.CDLL(str(path))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        warnings.warn(f"kvarena: the CPU paged-attention kernel is unavailable ({e}); decode "
+                      f"steps use the torch twins (slower)", RuntimeWarning, stacklevel=3)
+        return None
+    lib.kv_store.restype = ctypes.c_int
+    lib.kv_store.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]
+    lib.kv_decode.restype = ctypes.c_int
+    lib.kv_decode.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR,
+                              _I64, _I64, _I64, _I64, _I64, _I64, _F32]
+    return lib
+
+
+def _build() -> Path:
+    """The library for this source, compiler, flags and CPU, built unless already cached."""
+    from engine.models.loader import cache_root
+
+    compiler = os.environ.get("CC") or "cc"
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C compiler {compiler!r} on PATH")
+    key = hashlib.sha256()
+    for part in (SOURCE.read_bytes(), compiler.encode(), " ".join(FLAGS).encode(), _cpu_flags()):
+        key.update(part)
+    target = cache_root() / "native" / key.hexdigest()[:16] / "libkvarena_cpu.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_suffix(f".{os.getpid()}.tmp")
+    done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(partial), "-lm"],
+                          capture_output=True, text=True, timeout=120)
+    if done.returncode != 0:
+        raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-400:]}")
+    os.replace(partial, target)  # atomic: concurrent builders never load a half-written file
+    print(f"kvarena: built the CPU paged-attention kernel ({target})", file=sys.stderr)
+    return target
+
+
+def _cpu_flags() -> bytes:
+    """The CPU's feature flags (-march=native builds for them; a shared cache must not hand the
+    library to a CPU without them)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line.encode()
+    except OSError:
+        pass
+    return b""

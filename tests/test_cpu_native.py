@@ -1,0 +1,160 @@
+"""The CPU C kernels (engine/kernels/cpu_native.py) against the fp64 loop references and the
+torch twins, their index checks, the fallback without a compiler, and the engine with them on
+and off."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.kernels import cpu_native
+from engine.kernels.paged_attention import paged_decode_attention_torch
+from test_kernels import (
+    DECODE_HOLES,
+    _decode_case,
+    _holes,
+    _store_case,
+    assert_close,
+    naive_decode,
+    naive_decode_holes,
+    naive_store,
+)
+from tiny_models import make_tiny_llama_dir
+
+# Only a machine without a C compiler skips these; where one exists, a failed build fails them.
+needs_kernel = pytest.mark.skipif(not cpu_native.available() and shutil.which("cc") is None,
+                                  reason="no C compiler here (the fallback is tested below)")
+F32 = torch.float32
+ROOT = Path(__file__).resolve().parents[1]
+
+
+# (q_heads, kv_heads, head_dim, block_size): the two specialised head sizes, MHA, a group of 3
+# (SmolLM2's), odd sizes that take the generic loop, and block sizes up to a whole page of 64.
+SHAPES = [(4, 2, 16, 8), (9, 3, 64, 32), (8, 8, 128, 16), (6, 3, 24, 6), (4, 1, 64, 64)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "q{}-kv{}-d{}-bs{}".format(*s))
+def test_decode_matches_the_loop_reference_and_the_twin(shape):
+    q_heads, kv_heads, head_dim, block = shape
+    case = _decode_case(F32, (q_heads, kv_heads), seed=7, block_size=block, head_dim=head_dim,
+                        lens=(3 * block + 1, 0, block, 1, 2 * block - 1))
+    out = cpu_native.decode(*case)
+    assert out.shape == case[0].shape and out.dtype == F32
+    assert_close(out, naive_decode(*case), F32)
+    assert_close(out, paged_decode_attention_torch(*case), F32)
+    assert out[1].abs().max() == 0  # a padded row (length 0) is zeros
+
+
+@needs_kernel
+def test_decode_holes_match_the_masked_loop():
+    case = _decode_case(F32, (4, 2), seed=40)
+    holes = _holes(2, DECODE_HOLES)
+    out = cpu_native.decode(*case, holes)
+    assert_close(out, naive_decode_holes(*case, holes), F32)
+    assert_close(out, paged_decode_attention_torch(*case, holes), F32)
+    # The holes change the answer (the check could fail); empty holes change nothing.
+    assert not torch.allclose(out.double(), naive_decode(*case), atol=1e-3)
+    assert torch.equal(cpu_native.decode(*case, torch.zeros_like(holes)), cpu_native.decode(*case))
+
+
+@needs_kernel
+def test_decode_reads_strided_query_rows():
+    # q as the model hands it: a slice of the fused q/k heads, rows strided.
+    q, k_cache, v_cache, tables, lens, scale = _decode_case(F32, (4, 2), seed=8)
+    fused = torch.cat([q, torch.randn(q.shape[0], 2, q.shape[2])], dim=1)
+    out = cpu_native.decode(fused[:, :4], k_cache, v_cache, tables, lens, scale)
+    assert torch.equal(out, cpu_native.decode(q.contiguous(), k_cache, v_cache, tables, lens, scale))
+
+
+@needs_kernel
+def test_store_matches_the_loop_with_strided_rows_and_skips():
+    key, value, k_cache, v_cache, slots = _store_case(F32)
+    assert not key.is_contiguous()
+    want_k, want_v = naive_store(key, value, k_cache, v_cache, slots)
+    cpu_native.store(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
+@needs_kernel
+def test_bad_indices_raise_before_anything_is_read_or_written():
+    q, k_cache, v_cache, tables, lens, scale = _decode_case(F32, (4, 2), seed=9)
+    pages = k_cache.shape[1]
+    bad = tables.clone()
+    bad[0, 0] = pages  # one past the last page
+    with pytest.raises(ValueError, match="page outside the cache"):
+        cpu_native.decode(q, k_cache, v_cache, bad, lens, scale)
+    bad[0, 0] = -1  # padding inside the row's length
+    with pytest.raises(ValueError, match="page outside the cache"):
+        cpu_native.decode(q, k_cache, v_cache, bad, lens, scale)
+    with pytest.raises(ValueError, match="exceeds its block table"):
+        cpu_native.decode(q, k_cache, v_cache, tables, lens + 100, scale)
+    holes = _holes(2, [[(5, 3)], [(0, 0)], [(0, 0)], [(0, 0)]])
+    with pytest.raises(ValueError, match="hole"):
+        cpu_native.decode(q, k_cache, v_cache, tables, lens, scale, holes)
+    holes = _holes(2, [[(0, 37)], [(0, 0)], [(0, 0)], [(0, 0)]])  # covers the newest slot
+    with pytest.raises(ValueError, match="hole"):
+        cpu_native.decode(q, k_cache, v_cache, tables, lens, scale, holes)
+    with pytest.raises(ValueError, match="multiple"):
+        cpu_native.decode(q[:, :3], k_cache, v_cache, tables, lens, scale)
+    key, value, k_cache, v_cache, slots = _store_case(F32)
+    before = k_cache.clone()
+    with pytest.raises(ValueError, match="slot_mapping"):
+        cpu_native.store(key, value, k_cache, v_cache, torch.tensor([0, 1, 2, 3, 4, 10**6]))
+    assert torch.equal(k_cache, before)  # checked before the first write
+
+
+@needs_kernel
+def test_applies_only_to_cpu_float32_contiguous_caches():
+    q, k_cache, v_cache, *_ = _decode_case(F32, (4, 2), seed=10)
+    assert cpu_native.applies(q, k_cache, v_cache)
+    assert not cpu_native.applies(q.half(), k_cache.half(), v_cache.half())
+    assert not cpu_native.applies(q, k_cache.transpose(1, 2), v_cache)
+    assert not cpu_native.applies(q.to("meta"), k_cache.to("meta"), v_cache.to("meta"))
+
+
+def test_without_a_compiler_the_twins_run_after_one_warning(tmp_path):
+    code = ("import warnings, torch\n"
+            "from engine.kernels import cpu_native\n"
+            "with warnings.catch_warnings(record=True) as caught:\n"
+            "    warnings.simplefilter('always')\n"
+            "    print(cpu_native.available(), cpu_native.available())\n"
+            "print(len(caught), caught[0].message)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CC": "no-such-compiler",
+           "KVARENA_CACHE": str(tmp_path)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr
+    first, second = done.stdout.splitlines()
+    assert first == "False False"
+    assert second.startswith("1 ") and "no C compiler 'no-such-compiler'" in second
+
+
+# PyramidKV's per-layer budgets give decode attention per-head holes (the kernel's masked path;
+# with compile on, the steps that have holes run eager, the others through the graph).
+@pytest.mark.parametrize("policy", [("full", {}), ("pyramidkv", dict(budget=16, window=4))],
+                         ids=lambda p: p[0])
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+@needs_kernel
+def test_engine_tokens_and_logprobs_equal_with_the_kernels_on_and_off(tmp_path, compile, policy):
+    from engine.llm import LLM
+    from engine.sampling import SamplingParams
+
+    assert cpu_native.available()  # else both runs would be the twins'
+    model = make_tiny_llama_dir(tmp_path / "m", num_hidden_layers=3)
+    prompts = [list(range(3, 43)), [4, 4, 8], [(7 * i) % 300 + 3 for i in range(27)]]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=True)
+    runs = {}
+    for native in (True, False):
+        llm = LLM(str(model), block_size=4, kv_cache_tokens=512, compile=compile,
+                  policy=policy[0], policy_args=policy[1], cpu_native_attention=native)
+        runs[native] = llm.generate(prompts, params)
+    for on, off in zip(runs[True], runs[False]):
+        assert on.token_ids == off.token_ids
+        assert on.token_logprobs == pytest.approx(off.token_logprobs, abs=1e-4)
+    if policy[0] != "full":
+        assert any(e["action"] == "compress" for o in runs[True] for e in o.events)
