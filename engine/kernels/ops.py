@@ -1,5 +1,6 @@
-"""The paged kernels as registered ``torch.library`` custom ops, so ``torch.compile`` traces a
-forward pass through them as single opaque nodes instead of breaking the graph around them.
+"""The paged kernels as registered operators (engine/kernels/library.py), so ``torch.compile``
+traces a forward pass through them as single opaque nodes instead of breaking the graph around
+them.
 
     torch.ops.kvarena.store_kv(key, value, k_cache, v_cache, slot_mapping, layer)
     torch.ops.kvarena.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens,
@@ -25,7 +26,7 @@ otherwise (store_and_decode with ``native`` on CPU float32: the C kernels of cpu
 the fake implementations give the output's shape and dtype for tracing (and run the
 whole op on ``meta`` tensors, which the host-sync test uses).
 
-Eager forward passes call the kernels directly (engine/attention.py): a custom op costs a
+Eager forward passes call the kernels directly (engine/attention.py): an operator costs a
 dispatcher round trip per call, and the eager CPU path shares one index plan across layers.
 
 Outputs are contiguous whatever the kernel returned (a no-op for decode), so the fake
@@ -37,43 +38,26 @@ from __future__ import annotations
 import torch
 
 from engine.kernels import cpu_native
+from engine.kernels.library import define
 from engine.kernels.paged_attention import paged_decode_attention, paged_prefill_attention
 from engine.kernels.store_kv import store_kv as _store_kv
 
 
-@torch.library.custom_op("kvarena::store_kv", mutates_args=("k_cache", "v_cache"))
-def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor, layer: int) -> None:
+def _store(key, value, k_cache, v_cache, slot_mapping, layer) -> None:
     """key, value: [T, kv_heads, head_dim] into layer `layer` of the caches at slot_mapping [T]
     (-1: not written)."""
     _store_kv(key, value, k_cache[layer], v_cache[layer], slot_mapping)
 
 
-@store_kv.register_fake
-def _(key, value, k_cache, v_cache, slot_mapping, layer) -> None:
-    return None
-
-
-@torch.library.custom_op("kvarena::paged_decode_attention", mutates_args=())
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     block_tables: torch.Tensor, context_lens: torch.Tensor, layer: int,
-                     scale: float) -> torch.Tensor:
+def _decode(q, k_cache, v_cache, block_tables, context_lens, layer, scale) -> torch.Tensor:
     """q: [B, q_heads, head_dim] -> [B, q_heads, head_dim]; block_tables [B, max_blocks] (-1
     padded), context_lens [B] (0: a padded row, zero output)."""
     return paged_decode_attention(q, k_cache[layer], v_cache[layer], block_tables, context_lens,
                                   scale).contiguous()
 
 
-@decode_attention.register_fake
-def _(q, k_cache, v_cache, block_tables, context_lens, layer, scale):
-    return _contiguous_like(q)
-
-
-@torch.library.custom_op("kvarena::store_and_decode", mutates_args=("k_cache", "v_cache"))
-def store_and_decode(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                     context_lens: torch.Tensor, layer: int, scale: float,
-                     native: bool = False) -> torch.Tensor:
+def _store_and_decode(q, key, value, k_cache, v_cache, slot_mapping, block_tables, context_lens,
+                      layer, scale, native=False) -> torch.Tensor:
     """store_kv, then paged_decode_attention, of one layer (module docstring: why one op).
     q: [B, q_heads, d]; key, value: [B, kv_heads, d] -> [B, q_heads, d]."""
     k_layer, v_layer = k_cache[layer], v_cache[layer]
@@ -85,25 +69,34 @@ def store_and_decode(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_
                                   scale).contiguous()
 
 
-@store_and_decode.register_fake
-def _(q, key, value, k_cache, v_cache, slot_mapping, block_tables, context_lens, layer, scale,
-      native=False):
-    return _contiguous_like(q)
-
-
-@torch.library.custom_op("kvarena::paged_prefill_attention", mutates_args=())
-def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      block_tables: torch.Tensor, base_lens: torch.Tensor, q_lens: torch.Tensor,
-                      layer: int, scale: float) -> torch.Tensor:
+def _prefill(q, k_cache, v_cache, block_tables, base_lens, q_lens, layer, scale) -> torch.Tensor:
     """q: [B, Lq_max, q_heads, head_dim] -> the same shape (rows past q_lens are zeros)."""
     return paged_prefill_attention(q, k_cache[layer], v_cache[layer], block_tables, base_lens,
                                    q_lens, scale).contiguous()
 
 
-@prefill_attention.register_fake
-def _(q, k_cache, v_cache, block_tables, base_lens, q_lens, layer, scale):
+def _contiguous_like(q: torch.Tensor, *_args, **_kwargs) -> torch.Tensor:
+    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+
+
+def _fake_store_and_decode(q, *_args, **_kwargs) -> torch.Tensor:
     return _contiguous_like(q)
 
 
-def _contiguous_like(q: torch.Tensor) -> torch.Tensor:
-    return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+store_kv = define(
+    "store_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+    "Tensor slot_mapping, int layer) -> ()",
+    _store, lambda *args: None)
+decode_attention = define(
+    "paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+    "Tensor context_lens, int layer, float scale) -> Tensor",
+    _decode, _contiguous_like)
+store_and_decode = define(
+    "store_and_decode(Tensor q, Tensor key, Tensor value, Tensor(a!) k_cache, "
+    "Tensor(b!) v_cache, Tensor slot_mapping, Tensor block_tables, Tensor context_lens, "
+    "int layer, float scale, bool native=False) -> Tensor",
+    _store_and_decode, _fake_store_and_decode)
+prefill_attention = define(
+    "paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+    "Tensor base_lens, Tensor q_lens, int layer, float scale) -> Tensor",
+    _prefill, _contiguous_like)

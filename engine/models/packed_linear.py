@@ -30,6 +30,8 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
+from engine.kernels.library import define
+
 # The row count oneDNN's reorder tunes the packed layout for: the decode batch of the CPU
 # benchmarks. Any row count computes correctly with it; 1, 32 and 512 rows were within noise of
 # each other's best hint at every layer shape measured.
@@ -59,13 +61,10 @@ def _onednn(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) ->
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-@torch.library.custom_op("kvarena::packed_linear", mutates_args=())
-def packed_linear(x: torch.Tensor, packed: torch.Tensor,
-                  bias: torch.Tensor | None) -> torch.Tensor:
-    """The packed kernel as one opaque node of a compiled graph: x [T, in] -> [T, out]."""
-    return _onednn(x, packed, bias)
-
-
-@packed_linear.register_fake
-def _(x, packed, bias):
+def _fake(x, packed, bias):
     return x.new_empty((x.shape[0], packed.shape[0]))
+
+
+# The packed kernel as one opaque node of a compiled graph: x [T, in] -> [T, out].
+packed_linear = define("packed_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor",
+                       _onednn, _fake)
