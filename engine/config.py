@@ -73,9 +73,10 @@ class EngineConfig:
     cpu_packed_weights: on CPU in float32, give the projections and the LM head oneDNN-packed
         copies of their weights (engine/models/packed_linear.py: decode steps ~25% faster, at the
         cost of a second copy of those weights); ignored elsewhere.
-    cpu_native_attention: on CPU in float32, decode steps store and attend through C kernels
-        that read the KV pages in place (engine/kernels/cpu_native.py), built on first use with
-        the C compiler; without one the torch twins run. False: always the torch twins.
+    cpu_native_kernels: on CPU in float32, decode steps store and attend through C kernels
+        that read the KV pages in place, and eager passes run each layer's norms, RoPE and
+        SiLU-mul as single C calls (engine/kernels/cpu_native.py), built on first use with the C
+        compiler; without one the torch ops run. False: always the torch ops.
     """
 
     model: str = DEFAULT_MODEL
@@ -98,7 +99,7 @@ class EngineConfig:
     trace_kept: bool = False
     compile: bool = COMPILE_DEFAULT
     cpu_packed_weights: bool = True
-    cpu_native_attention: bool = True
+    cpu_native_kernels: bool = True
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
@@ -115,7 +116,7 @@ class EngineConfig:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device not in ("cpu", "cuda", "meta") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device must be 'auto', 'cpu', 'cuda' or 'meta', got {self.device!r}")
-        for name in ("compile", "cpu_packed_weights", "cpu_native_attention"):
+        for name in ("compile", "cpu_packed_weights", "cpu_native_kernels"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.block_size is None:

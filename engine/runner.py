@@ -77,7 +77,7 @@ class ModelRunner:
         max_blocks = min(-(-self.max_model_len // self.block_size), self.num_pages)
         graph = DecodeGraph(self.model, self.kv, self.queries, self.scale, self.config.max_num_seqs,
                             max_blocks, self.device, compile=self.device.type != "meta",
-                            native=self.config.cpu_native_attention)
+                            native=self.config.cpu_native_kernels)
         if self.config.is_cuda:
             graph.capture()
         return graph
@@ -277,7 +277,7 @@ class ModelRunner:
         decode = [it for it in items if it.num_tokens == 1]
         chunks = [it for it in items if it.num_tokens > 1]
         ctx = ForwardContext(self.kv, self.scale, slot_mapping, num_decode=len(decode),
-                             native=self.config.cpu_native_attention)
+                             native=self.config.cpu_native_kernels)
         if decode:
             ctx.decode_block_tables = _tables([it.seq.block_table for it in decode], dev)
             ctx.decode_context_lens = upload([_base(it, base_override) + 1 for it in decode], dev)

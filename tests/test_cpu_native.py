@@ -109,6 +109,36 @@ def test_bad_indices_raise_before_anything_is_read_or_written():
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows", [1, 200], ids=["decode", "prefill"])  # 200 x 576: threaded
+def test_norm_rope_and_silu_mul_match_torch(rows):
+    from engine.models.rope import Rope
+
+    gen = torch.Generator().manual_seed(11)
+    x, delta, weight = (torch.randn(rows, 576, generator=gen) for _ in range(3))
+    weight = weight[0].contiguous()
+    expected = torch.rms_norm(x + delta, (576,), weight, 1e-5)
+    residual = x.clone()
+    torch.testing.assert_close(cpu_native.rms_norm(residual, weight, 1e-5, delta=delta), expected)
+    assert torch.equal(residual, x + delta)  # the residual add happened in place
+    torch.testing.assert_close(cpu_native.rms_norm(x.clone(), weight, 1e-5),
+                               torch.rms_norm(x, (576,), weight, 1e-5))
+
+    class Config:
+        rope_theta, rope_scaling = 10000.0, {"rope_type": "llama3", "factor": 8.0,
+                                             "original_max_position_embeddings": 64}
+
+    rope = Rope(64, 512, Config(), "cpu").rows(torch.randint(0, 512, (rows,), generator=gen))
+    qkv = torch.randn(rows, 15 * 64, generator=gen)
+    qk = qkv[:, :12 * 64].view(rows, 12, 64)  # strided rows, as the fused projection gives them
+    torch.testing.assert_close(cpu_native.rope(qk, rope.cos, rope.sin), rope.rotate(qk))
+    gate_up = torch.randn(rows, 2 * 1536, generator=gen) * 4
+    gate, up = gate_up.chunk(2, dim=-1)
+    torch.testing.assert_close(cpu_native.silu_mul(gate_up), torch.nn.functional.silu(gate) * up)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        cpu_native.silu_mul(gate_up.half())
+
+
+@needs_kernel
 def test_applies_only_to_cpu_float32_contiguous_caches():
     q, k_cache, v_cache, *_ = _decode_case(F32, (4, 2), seed=10)
     assert cpu_native.applies(q, k_cache, v_cache)
@@ -151,7 +181,7 @@ def test_engine_tokens_and_logprobs_equal_with_the_kernels_on_and_off(tmp_path, 
     runs = {}
     for native in (True, False):
         llm = LLM(str(model), block_size=4, kv_cache_tokens=512, compile=compile,
-                  policy=policy[0], policy_args=policy[1], cpu_native_attention=native)
+                  policy=policy[0], policy_args=policy[1], cpu_native_kernels=native)
         runs[native] = llm.generate(prompts, params)
     for on, off in zip(runs[True], runs[False]):
         assert on.token_ids == off.token_ids

@@ -1,13 +1,18 @@
-"""The CPU decode step's store and paged attention in C, reading the KV pages in place.
+"""CPU float32 kernels in C: the decode step's store and paged attention, reading the KV pages
+in place, and the small per-layer ops of an eager pass (RMSNorm with the residual add, RoPE,
+SiLU-mul).
 
 Why: the torch twins (paged_attention.py, store_kv.py) gather every page a decode batch attends
 into a dense copy with ``index_select`` and hand it to SDPA, once per layer per step. At batch 32
 and ~400 slots that copy is ~19 MB of keys and values a layer, as much memory traffic per step
 as the model's weights, read twice; and a compiled step, whose attention op cannot share one
-index plan across layers, also paid the twin's checks and mask building in every layer (~0.3 ms
-a layer at batch 1, ~17 ms of a ~52 ms step). `paged_decode.c` walks each row's block table and
-reads the keys and values where they lie: one pass, an online softmax page by page, one OpenMP
-task per (row, kv head) on torch's own threads. Measured figures: results/benchmarks/peer.md.
+index plan across layers, also paid the twin's checks and mask building in every layer (in a
+profile of a batch-1 compiled step, 17 ms of 52). `paged_decode.c` walks each row's block table
+and reads the keys and values where they lie: one pass, an online softmax page by page, one
+OpenMP task per (row, kv head) on torch's own threads. One layer's decode attention, SmolLM2's
+heads (9 q / 3 kv, head_dim 64), block 32, 2 threads: 32 rows x 384 slots 3.5-4.0 ms with the
+twin, 0.37 ms here; 1 row x 300 slots 0.20 ms against 0.03 ms. Engine figures:
+results/benchmarks/peer.md.
 
     store(key, value, k_cache_l, v_cache_l, slot_mapping)
         key, value [T, kv_heads, head_dim] (rows may be strided; heads contiguous) into
@@ -17,10 +22,20 @@ task per (row, kv head) on torch's own threads. Measured figures: results/benchm
         holes [B, kv_heads, 2] or None; out [B, q_heads, head_dim]: paged_decode_attention's
         contract (paged_attention.py), with the same zeros for rows or heads that see nothing.
 
-`applies(...)` says when these run: CPU float32 tensors, contiguous caches and head axes, and the
-library built. It is built once per machine and source (``$KVARENA_CACHE/native/<key>/``) with the
-C compiler (``$CC`` or ``cc``); without one, or if the build fails, `available()` is False, a
-warning says why once, and the torch twins run as before. ``KVARENA_NATIVE=0`` turns it off.
+    rms_norm(x, weight, eps, delta=None), rope(x, cos, sin), silu_mul(gate_up)
+        One call each where torch runs several ops (rms_norm alone is a handful of aten kernels,
+        RoPE a cat, two multiplies and an add), each with its dispatch and its OpenMP
+        fork-join. At batch 1 the C calls took ~4 ms off a step (SmolLM2, 2 threads, one
+        process alternating the two settings: fastest step 41.4 -> 36.9 ms, 10th percentile
+        49.3 -> 46.0 ms; medians within the machine's noise).
+        The model calls them in eager passes (engine/models/llama.py); a compiled graph fuses
+        the same ops itself (`fuses(x)` is False while compiling).
+
+`applies(...)` says when the attention kernels run: CPU float32 tensors, contiguous caches and
+head axes, and the library built. It is built once per machine and source
+(``$KVARENA_CACHE/native/<key>/``) with the C compiler (``$CC`` or ``cc``); without one, or if the
+build fails, `available()` is False, a warning says why once, and the torch ops run as before.
+``KVARENA_NATIVE=0`` turns it off.
 
 Indices are checked inside the kernel (pages, lengths, holes, slots), so bad metadata raises
 `ValueError` instead of reading or writing outside the caches, with no host sync beyond the
@@ -72,12 +87,51 @@ def applies(q: torch.Tensor, k_cache_l: torch.Tensor, v_cache_l: torch.Tensor) -
             and k_cache_l.is_contiguous() and v_cache_l.is_contiguous() and available())
 
 
+def fuses(x: torch.Tensor) -> bool:
+    """Whether the small-op kernels below serve x (CPU float32, the library built) in an eager
+    forward pass (a compiled graph fuses them itself and cannot trace a ctypes call)."""
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and available()
+            and not torch.compiler.is_compiling())
+
+
+def rms_norm(x, weight, eps: float, delta=None) -> torch.Tensor:
+    """x [T, dim] -> RMSNorm(x) * weight [T, dim]; with delta [T, dim], first x += delta in place
+    (the residual add fused into the norm)."""
+    rows, dim = x.shape
+    _require_contiguous(x, weight, *(() if delta is None else (delta,)))
+    out = torch.empty_like(x)
+    _library().kv_add_rms_norm(x.data_ptr(), None if delta is None else delta.data_ptr(),
+                         weight.data_ptr(), out.data_ptr(), rows, dim, float(eps))
+    return out
+
+
+def rope(x, cos, sin) -> torch.Tensor:
+    """x [T, heads, d] (rows may be strided) rotated by the rows' cos/sin [T, 1, d] (rope.py's
+    RopeRows) -> [T, heads, d] contiguous."""
+    rows, heads, head_dim = x.shape
+    x = _rows(x)
+    _require_contiguous(cos, sin)
+    out = torch.empty(rows, heads, head_dim)
+    _library().kv_rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+                 rows, heads, head_dim)
+    return out
+
+
+def silu_mul(gate_up) -> torch.Tensor:
+    """gate_up [T, 2 * inter] -> silu(gate) * up [T, inter]."""
+    rows, width = gate_up.shape
+    _require_contiguous(gate_up)
+    out = gate_up.new_empty(rows, width // 2)
+    _library().kv_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
+    return out
+
+
 def store(key, value, k_cache_l, v_cache_l, slot_mapping) -> None:
     """Module docstring: rows of key/value into their slots (in place)."""
     kv_heads, pages, block, head_dim = k_cache_l.shape
     key, value = _rows(key), _rows(value)
     slots = _int64(slot_mapping)
-    rc = _lib.kv_store(key.data_ptr(), value.data_ptr(), key.stride(0), value.stride(0),
+    rc = _library().kv_store(key.data_ptr(), value.data_ptr(), key.stride(0), value.stride(0),
                        k_cache_l.data_ptr(), v_cache_l.data_ptr(), slots.data_ptr(),
                        key.shape[0], kv_heads, head_dim, pages * block)
     _raise_on(rc)
@@ -98,7 +152,7 @@ def decode(q, k_cache_l, v_cache_l, block_tables, context_lens, scale, holes=Non
         holes = _int64(holes)
         hole_ptr = holes.data_ptr()
     out = torch.empty(batch, q_heads, head_dim)
-    rc = _lib.kv_decode(q.data_ptr(), q.stride(0), k_cache_l.data_ptr(), v_cache_l.data_ptr(),
+    rc = _library().kv_decode(q.data_ptr(), q.stride(0), k_cache_l.data_ptr(), v_cache_l.data_ptr(),
                         tables.data_ptr(), tables.shape[1], lens.data_ptr(), hole_ptr,
                         out.data_ptr(), batch, q_heads, kv_heads, head_dim, block, pages,
                         float(scale))
@@ -112,6 +166,20 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     if x.stride(2) == 1 and x.stride(1) == head_dim:
         return x
     return x.contiguous()
+
+
+def _library() -> ctypes.CDLL:
+    if not available():
+        raise RuntimeError("the CPU kernels are not available (a warning said why, or "
+                           f"{ENV_SWITCH}=0 turned them off)")
+    return _lib
+
+
+def _require_contiguous(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if not t.is_contiguous() or t.dtype != torch.float32:
+            raise ValueError(f"expected contiguous float32 tensors, got {t.dtype} with strides "
+                             f"{t.stride()} for shape {tuple(t.shape)}")
 
 
 def _int64(x: torch.Tensor) -> torch.Tensor:
@@ -130,7 +198,7 @@ def _load() -> ctypes.CDLL | None:
         path = _build()
         lib = ctypes.CDLL(str(path))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        warnings.warn(f"kvarena: the CPU paged-attention kernel is unavailable ({e}); decode "
+        warnings.warn(f"kvarena: the CPU kernels are unavailable ({e}); decode "
                       f"steps use the torch twins (slower)", RuntimeWarning, stacklevel=3)
         return None
     lib.kv_store.restype = ctypes.c_int
@@ -138,6 +206,12 @@ def _load() -> ctypes.CDLL | None:
     lib.kv_decode.restype = ctypes.c_int
     lib.kv_decode.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR,
                               _I64, _I64, _I64, _I64, _I64, _I64, _F32]
+    lib.kv_add_rms_norm.restype = None
+    lib.kv_add_rms_norm.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32]
+    lib.kv_rope.restype = None
+    lib.kv_rope.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64]
+    lib.kv_silu_mul.restype = None
+    lib.kv_silu_mul.argtypes = [_PTR, _PTR, _I64, _I64]
     return lib
 
 
@@ -161,7 +235,7 @@ def _build() -> Path:
     if done.returncode != 0:
         raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-400:]}")
     os.replace(partial, target)  # atomic: concurrent builders never load a half-written file
-    print(f"kvarena: built the CPU paged-attention kernel ({target})", file=sys.stderr)
+    print(f"kvarena: built the CPU kernels ({target})", file=sys.stderr)
     return target
 
 

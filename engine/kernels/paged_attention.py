@@ -1,7 +1,8 @@
 """Attention of new queries against keys/values stored in the paged KV cache.
 
 Two entry points, each with a Triton version (used for CUDA tensors) and a torch twin of the
-same signature (used on CPU and as the test oracle):
+same signature (used on CPU and as the test oracle; an engine's fp32 CPU decode steps use the C
+kernel of cpu_native.py instead, which reads the pages in place):
 
 ``paged_decode_attention(q, k_cache_l, v_cache_l, block_tables, context_lens, scale,
 holes=None) -> out``

@@ -15,7 +15,9 @@ forward pass instead of twice per layer.
 
 On CPU in float32, `CausalLM.pack_weights` then gives every projection and the LM head a
 oneDNN-packed copy of its weight, which the forward pass uses (engine/models/packed_linear.py
-has why and the figures).
+has why and the figures). An eager CPU float32 pass with `ForwardContext.native` also runs each
+layer's small ops as single C calls (engine/kernels/cpu_native.py): the residual add fused into
+the next RMSNorm, RoPE of q and k, and SiLU-mul; the same arithmetic in another summation order.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from engine.attention import ForwardContext, attend
+from engine.kernels import cpu_native
 from engine.models import packed_linear
 from engine.models.rope import Rope, RopeRows
 
@@ -89,18 +92,22 @@ class Attention(nn.Module):
         """x: [T, hidden], rope: the step's cos/sin rows -> [T, hidden]."""
         T = x.shape[0]
         H, KH, d = self.num_heads, self.num_kv_heads, self.head_dim
+        rotate = rope.rotate
+        if ctx.native and cpu_native.fuses(x):
+            def rotate(t):
+                return cpu_native.rope(t, rope.cos, rope.sin)
         qkv = packed_linear.linear(x, _fused(self.qkv_weight), self.qkv_packed, self.qkv_bias)
         v = qkv[:, (H + KH) * d:].view(T, KH, d)
         if self.qk_norm:
             q = self.q_norm(qkv[:, :H * d].view(T, H, d))
             k = self.k_norm(qkv[:, H * d:(H + KH) * d].view(T, KH, d))
             q_pre = q  # "after query normalisation, before RoPE": what GrowPage summarises
-            q, k = rope.rotate(q), rope.rotate(k)
+            q, k = rotate(q), rotate(k)
         else:
             # q and k rotated in one pass over their adjacent heads.
             qk = qkv[:, :(H + KH) * d].view(T, H + KH, d)
             q_pre = qk[:, :H]
-            qk = rope.rotate(qk)
+            qk = rotate(qk)
             q, k = qk[:, :H], qk[:, H:]
         out = attend(self.layer_idx, q_pre, q, k, v, ctx)
         return packed_linear.linear(out.reshape(T, -1), self.o_proj.weight, self.o_packed)
@@ -126,10 +133,15 @@ class MLP(nn.Module):
         self.gate_up_packed = packed_linear.pack(_fused(self.gate_up_weight))
         self.down_packed = packed_linear.pack(self.down_proj.weight)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = packed_linear.linear(x, _fused(self.gate_up_weight),
-                                        self.gate_up_packed).chunk(2, dim=-1)
-        return packed_linear.linear(F.silu(gate) * up, self.down_proj.weight, self.down_packed)
+    def forward(self, x: torch.Tensor, native: bool = False) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden]; native: SiLU-mul as one C call (module docstring)."""
+        gate_up = packed_linear.linear(x, _fused(self.gate_up_weight), self.gate_up_packed)
+        if native:
+            act = cpu_native.silu_mul(gate_up)
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = F.silu(gate) * up
+        return packed_linear.linear(act, self.down_proj.weight, self.down_packed)
 
 
 class DecoderLayer(nn.Module):
@@ -141,8 +153,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, rope: RopeRows, ctx):
+        if ctx.native and cpu_native.fuses(x):
+            return self._forward_native(x, rope, ctx)
         x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def _forward_native(self, x, rope: RopeRows, ctx):
+        """The same layer with the CPU small-op kernels (module docstring); x [T, hidden], a
+        fresh tensor of this pass, takes the attention residual in place."""
+        first, second = self.input_layernorm, self.post_attention_layernorm
+        h = cpu_native.rms_norm(x, first.weight, first.eps)
+        h = cpu_native.rms_norm(x, second.weight, second.eps, delta=self.self_attn(h, rope, ctx))
+        return x + self.mlp(h, native=True)
 
 
 class DecoderModel(nn.Module):

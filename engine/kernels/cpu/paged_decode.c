@@ -174,3 +174,58 @@ int kv_decode(const float *q, int64_t q_stride, const float *k_cache, const floa
     }
     return error;
 }
+
+/* ------------------------------------------------------------------------------------------
+   The small per-layer ops of a CPU float32 forward pass, each one call instead of several
+   aten ops (cpu_native.py: why). Rows are [rows, dim] with the given row strides. */
+
+static inline void norm_row(const float *restrict x, const float *restrict weight, int64_t dim,
+                            float eps, float *restrict out) {
+    float squares = 0.0f;
+    for (int64_t i = 0; i < dim; i++) squares += x[i] * x[i];
+    float inv = 1.0f / sqrtf(squares / (float)dim + eps);
+    for (int64_t i = 0; i < dim; i++) out[i] = (x[i] * inv) * weight[i];
+}
+
+/* out = RMSNorm(x) * weight; with delta, first x += delta in place (the residual add). */
+void kv_add_rms_norm(float *x, const float *delta, const float *weight, float *out, int64_t rows,
+                     int64_t dim, float eps) {
+#pragma omp parallel for schedule(static) if (rows * dim > 65536)
+    for (int64_t t = 0; t < rows; t++) {
+        float *xt = x + t * dim;
+        if (delta != 0) {
+            const float *dt = delta + t * dim;
+            for (int64_t i = 0; i < dim; i++) xt[i] += dt[i];
+        }
+        norm_row(xt, weight, dim, eps, out + t * dim);
+    }
+}
+
+/* Rotate-half RoPE: out[t, h, i] = x[t, h, i] * cos[t, i] + x[t, h, i +- d/2] * sin[t, i], where
+   sin carries the pairing's sign in its first half (rope.py's RopeRows). x rows strided, heads
+   contiguous; cos/sin [rows, head_dim]; out [rows, heads, head_dim] contiguous. */
+void kv_rope(const float *x, int64_t x_stride, const float *cos, const float *sin, float *out,
+             int64_t rows, int64_t heads, int64_t head_dim) {
+    int64_t half = head_dim / 2;
+#pragma omp parallel for schedule(static) if (rows * heads * head_dim > 65536)
+    for (int64_t t = 0; t < rows; t++) {
+        const float *c = cos + t * head_dim, *s = sin + t * head_dim;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *xh = x + t * x_stride + h * head_dim;
+            float *oh = out + (t * heads + h) * head_dim;
+            for (int64_t i = 0; i < half; i++) oh[i] = xh[i] * c[i] + xh[i + half] * s[i];
+            for (int64_t i = half; i < head_dim; i++)
+                oh[i] = xh[i] * c[i] + xh[i - half] * s[i];
+        }
+    }
+}
+
+/* out[t, i] = silu(gate_up[t, i]) * gate_up[t, inter + i]; gate_up [rows, 2 * inter]. */
+void kv_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t inter) {
+#pragma omp parallel for schedule(static) if (rows * inter > 65536)
+    for (int64_t t = 0; t < rows; t++) {
+        const float *g = gate_up + t * 2 * inter, *u = g + inter;
+        float *o = out + t * inter;
+        for (int64_t i = 0; i < inter; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
