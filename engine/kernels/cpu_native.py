@@ -101,7 +101,7 @@ def rms_norm(x, weight, eps: float, delta=None) -> torch.Tensor:
     _require_contiguous(x, weight, *(() if delta is None else (delta,)))
     out = torch.empty_like(x)
     _library().kv_add_rms_norm(x.data_ptr(), None if delta is None else delta.data_ptr(),
-                         weight.data_ptr(), out.data_ptr(), rows, dim, float(eps))
+                               weight.data_ptr(), out.data_ptr(), rows, dim, float(eps))
     return out
 
 
@@ -112,8 +112,8 @@ def rope(x, cos, sin) -> torch.Tensor:
     x = _rows(x)
     _require_contiguous(cos, sin)
     out = torch.empty(rows, heads, head_dim)
-    _library().kv_rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
-                 rows, heads, head_dim)
+    _library().kv_rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(),
+                       out.data_ptr(), rows, heads, head_dim)
     return out
 
 
@@ -132,17 +132,16 @@ def store(key, value, k_cache_l, v_cache_l, slot_mapping) -> None:
     key, value = _rows(key), _rows(value)
     slots = _int64(slot_mapping)
     rc = _library().kv_store(key.data_ptr(), value.data_ptr(), key.stride(0), value.stride(0),
-                       k_cache_l.data_ptr(), v_cache_l.data_ptr(), slots.data_ptr(),
-                       key.shape[0], kv_heads, head_dim, pages * block)
+                             k_cache_l.data_ptr(), v_cache_l.data_ptr(), slots.data_ptr(),
+                             key.shape[0], kv_heads, head_dim, pages * block)
     _raise_on(rc)
 
 
 def decode(q, k_cache_l, v_cache_l, block_tables, context_lens, scale, holes=None):
     """Module docstring: [B, q_heads, head_dim] -> [B, q_heads, head_dim]."""
     batch, q_heads, head_dim = q.shape
-    kv_heads, pages, block, _ = k_cache_l.shape
-    if q_heads % kv_heads or k_cache_l.shape[3] != head_dim or tuple(v_cache_l.shape) != \
-            tuple(k_cache_l.shape):
+    kv_heads, pages, block, cache_head_dim = k_cache_l.shape
+    if q_heads % kv_heads or cache_head_dim != head_dim or v_cache_l.shape != k_cache_l.shape:
         raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(k_cache_l.shape)} / "
                          f"{tuple(v_cache_l.shape)} (q_heads a multiple of kv_heads, one head_dim)")
     q = _rows(q)
@@ -152,10 +151,10 @@ def decode(q, k_cache_l, v_cache_l, block_tables, context_lens, scale, holes=Non
         holes = _int64(holes)
         hole_ptr = holes.data_ptr()
     out = torch.empty(batch, q_heads, head_dim)
-    rc = _library().kv_decode(q.data_ptr(), q.stride(0), k_cache_l.data_ptr(), v_cache_l.data_ptr(),
-                        tables.data_ptr(), tables.shape[1], lens.data_ptr(), hole_ptr,
-                        out.data_ptr(), batch, q_heads, kv_heads, head_dim, block, pages,
-                        float(scale))
+    rc = _library().kv_decode(q.data_ptr(), q.stride(0), k_cache_l.data_ptr(),
+                              v_cache_l.data_ptr(), tables.data_ptr(), tables.shape[1],
+                              lens.data_ptr(), hole_ptr, out.data_ptr(), batch, q_heads, kv_heads,
+                              head_dim, block, pages, float(scale))
     _raise_on(rc)
     return out
 
@@ -188,7 +187,7 @@ def _int64(x: torch.Tensor) -> torch.Tensor:
 
 def _raise_on(rc: int) -> None:
     if rc:
-        raise ValueError(f"paged decode kernel: {ERRORS.get(rc, f'error {rc}')}")
+        raise ValueError(f"CPU paged kernel: {ERRORS.get(rc, f'error {rc}')}")
 
 
 # ----------------------------------------------------------------------------- build and load
@@ -198,8 +197,8 @@ def _load() -> ctypes.CDLL | None:
         path = _build()
         lib = ctypes.CDLL(str(path))
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        warnings.warn(f"kvarena: the CPU kernels are unavailable ({e}); decode "
-                      f"steps use the torch twins (slower)", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"kvarena: the CPU kernels are unavailable ({e}); the torch ops run "
+                      f"instead (slower)", RuntimeWarning, stacklevel=3)
         return None
     lib.kv_store.restype = ctypes.c_int
     lib.kv_store.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]

@@ -64,9 +64,8 @@ def _store_and_decode(q, key, value, k_cache, v_cache, slot_mapping, block_table
     if native and cpu_native.applies(q, k_layer, v_layer):
         cpu_native.store(key, value, k_layer, v_layer, slot_mapping)
         return cpu_native.decode(q, k_layer, v_layer, block_tables, context_lens, scale)
-    _store_kv(key, value, k_layer, v_layer, slot_mapping)
-    return paged_decode_attention(q, k_layer, v_layer, block_tables, context_lens,
-                                  scale).contiguous()
+    _store(key, value, k_cache, v_cache, slot_mapping, layer)
+    return _decode(q, k_cache, v_cache, block_tables, context_lens, layer, scale)
 
 
 def _prefill(q, k_cache, v_cache, block_tables, base_lens, q_lens, layer, scale) -> torch.Tensor:
@@ -77,10 +76,6 @@ def _prefill(q, k_cache, v_cache, block_tables, base_lens, q_lens, layer, scale)
 
 def _contiguous_like(q: torch.Tensor, *_args, **_kwargs) -> torch.Tensor:
     return torch.empty(q.shape, dtype=q.dtype, device=q.device)
-
-
-def _fake_store_and_decode(q, *_args, **_kwargs) -> torch.Tensor:
-    return _contiguous_like(q)
 
 
 store_kv = define(
@@ -95,7 +90,7 @@ store_and_decode = define(
     "store_and_decode(Tensor q, Tensor key, Tensor value, Tensor(a!) k_cache, "
     "Tensor(b!) v_cache, Tensor slot_mapping, Tensor block_tables, Tensor context_lens, "
     "int layer, float scale, bool native=False) -> Tensor",
-    _store_and_decode, _fake_store_and_decode)
+    _store_and_decode, _contiguous_like)
 prefill_attention = define(
     "paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
     "Tensor base_lens, Tensor q_lens, int layer, float scale) -> Tensor",
