@@ -173,7 +173,7 @@ class DecodeGraph:
         if self.queries.active:
             ctx.capture = DecodeCapture(self.queries, recent_slot, ring, ema_slot, ema_init)
         hidden = self.model(input_ids, positions, ctx)
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden, native=self.native)
 
     def _call(self, bucket: int) -> torch.Tensor:
         global _reported_compile

@@ -225,7 +225,7 @@ class ModelRunner:
         hidden = self.model(input_ids, positions, ctx)
         if not sample_rows.numel():
             return None
-        return self.model.compute_logits(hidden[sample_rows])
+        return self.model.compute_logits(hidden[sample_rows], native=ctx.native)
 
     def _graph_forward(self, items: list[WorkItem]) -> torch.Tensor | None:
         """`forward` through the DecodeGraph: one metadata copy, the graph, the sampled rows."""

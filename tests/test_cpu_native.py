@@ -139,6 +139,52 @@ def test_norm_rope_and_silu_mul_match_torch(rows):
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4])
+def test_thin_linear_matches_f_linear(rows):
+    gen = torch.Generator().manual_seed(12)
+    # (out, in): a model's projection (threaded), and sizes that leave remainders of the
+    # four-row weight tiles and of the eight-lane vectors.
+    for out_features, in_features in ((960, 576), (7, 13), (1, 5)):
+        wide = torch.randn(rows, in_features + 3, generator=gen)
+        x = wide[:, :in_features]  # strided rows, as a slice of a fused projection gives them
+        weight = torch.randn(out_features, in_features, generator=gen)
+        bias = torch.randn(out_features, generator=gen)
+        exact = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
+        # fp32 sums of up to 576 unit-scale products (|y| ~ 24): a few ulps of difference
+        close = dict(rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(cpu_native.linear(x, weight, bias), exact.float(), **close)
+        torch.testing.assert_close(cpu_native.linear(x, weight), (exact - bias.double()).float(),
+                                   **close)
+        # columns that are not contiguous are copied first
+        every_other = wide[:, ::2]
+        narrow = torch.randn(out_features, every_other.shape[1], generator=gen)
+        torch.testing.assert_close(cpu_native.linear(every_other, narrow),
+                                   torch.nn.functional.linear(every_other, narrow), **close)
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu_native.linear(torch.randn(2, 8), torch.randn(3, 9))
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu_native.linear(torch.randn(2, 8), torch.randn(3, 8), torch.randn(4))
+
+
+@needs_kernel
+def test_thin_linear_serves_only_thin_cpu_float32_batches_and_passes_opcheck():
+    from engine.models import packed_linear
+
+    x, weight = torch.randn(cpu_native.THIN_ROWS, 16), torch.randn(8, 16)
+    assert cpu_native.streams(x, weight) and cpu_native.streams(x[:1], weight)
+    assert not cpu_native.streams(torch.randn(cpu_native.THIN_ROWS + 1, 16), weight)
+    assert not cpu_native.streams(x.half(), weight.half())
+    assert not cpu_native.streams(x, weight.t().contiguous().t())
+    assert not cpu_native.streams(x.to("meta"), weight.to("meta"))
+    # the thin op of a compiled graph: the kernel, and a fake that agrees with it
+    bias = torch.randn(8)
+    torch.testing.assert_close(packed_linear.thin_linear(x, weight, bias),
+                               cpu_native.linear(x, weight, bias), rtol=0, atol=0)
+    torch.library.opcheck(torch.ops.kvarena.thin_linear.default, (x, weight, bias),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+@needs_kernel
 def test_applies_only_to_cpu_float32_contiguous_caches():
     q, k_cache, v_cache, *_ = _decode_case(F32, (4, 2), seed=10)
     assert cpu_native.applies(q, k_cache, v_cache)
@@ -170,19 +216,26 @@ def test_without_a_compiler_the_twins_run_after_one_warning(tmp_path):
                          ids=lambda p: p[0])
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 @needs_kernel
-def test_engine_tokens_and_logprobs_equal_with_the_kernels_on_and_off(tmp_path, compile, policy):
+def test_engine_tokens_and_logprobs_equal_with_the_kernels_on_and_off(tmp_path, monkeypatch,
+                                                                     compile, policy):
     from engine.llm import LLM
     from engine.sampling import SamplingParams
 
     assert cpu_native.available()  # else both runs would be the twins'
+    thin_calls = []
+    kernel = cpu_native.linear
+    monkeypatch.setattr(cpu_native, "linear", lambda *a: thin_calls.append(1) or kernel(*a))
     model = make_tiny_llama_dir(tmp_path / "m", num_hidden_layers=3)
     prompts = [list(range(3, 43)), [4, 4, 8], [(7 * i) % 300 + 3 for i in range(27)]]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=True)
     runs = {}
     for native in (True, False):
+        thin_calls.clear()
         llm = LLM(str(model), block_size=4, kv_cache_tokens=512, compile=compile,
                   policy=policy[0], policy_args=policy[1], cpu_native_kernels=native)
         runs[native] = llm.generate(prompts, params)
+        # decode batches of 3 rows take the thin projections, eager and compiled alike
+        assert bool(thin_calls) == native
     for on, off in zip(runs[True], runs[False]):
         assert on.token_ids == off.token_ids
         assert on.token_logprobs == pytest.approx(off.token_logprobs, abs=1e-4)

@@ -56,9 +56,13 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("cpu") / "paged_decode.c"
+SOURCES = tuple(Path(__file__).with_name("cpu") / name
+                for name in ("paged_decode.c", "thin_linear.c"))
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared")
 ENV_SWITCH = "KVARENA_NATIVE"
+# The most rows `linear` takes: above them oneDNN's blocked kernel (packed_linear.py) is as fast
+# (module docstring: the figures).
+THIN_ROWS = 4
 ERRORS = {1: "a block table names a page outside the cache (or -1 inside a row's length)",
           2: "a context length is negative or exceeds its block table's capacity",
           3: "a slot_mapping entry is outside the cache",
@@ -123,6 +127,31 @@ def silu_mul(gate_up) -> torch.Tensor:
     _require_contiguous(gate_up)
     out = gate_up.new_empty(rows, width // 2)
     _library().kv_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, width // 2)
+    return out
+
+
+def streams(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `linear` serves x [T, in] @ weight [out, in]^T: at most THIN_ROWS CPU float32
+    rows, a contiguous weight, the library built (compiled graphs too: the caller goes through
+    the registered operator there, engine/models/packed_linear.py)."""
+    return (x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= THIN_ROWS
+            and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and weight.device.type == "cpu" and weight.is_contiguous() and available())
+
+
+def linear(x, weight, bias=None) -> torch.Tensor:
+    """x [T, in] (rows may be strided) @ weight [out, in]^T (+ bias [out]) -> [T, out]."""
+    rows, width = x.shape
+    if weight.shape[1] != width or (bias is not None and bias.shape != weight.shape[:1]):
+        raise ValueError(f"x {tuple(x.shape)} does not fit weight {tuple(weight.shape)}"
+                         + ("" if bias is None else f" and bias {tuple(bias.shape)}"))
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    _require_contiguous(weight, *(() if bias is None else (bias,)))
+    out = x.new_empty(rows, weight.shape[0])
+    _library().kv_linear(x.data_ptr(), x.stride(0), weight.data_ptr(),
+                         None if bias is None else bias.data_ptr(), out.data_ptr(), rows, width,
+                         weight.shape[0])
     return out
 
 
@@ -211,6 +240,8 @@ def _load() -> ctypes.CDLL | None:
     lib.kv_rope.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64]
     lib.kv_silu_mul.restype = None
     lib.kv_silu_mul.argtypes = [_PTR, _PTR, _I64, _I64]
+    lib.kv_linear.restype = None
+    lib.kv_linear.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64]
     return lib
 
 
@@ -222,14 +253,15 @@ def _build() -> Path:
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C compiler {compiler!r} on PATH")
     key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), compiler.encode(), " ".join(FLAGS).encode(), _cpu_flags()):
+    for part in (*(s.read_bytes() for s in SOURCES), compiler.encode(), " ".join(FLAGS).encode(),
+                 _cpu_flags()):
         key.update(part)
     target = cache_root() / "native" / key.hexdigest()[:16] / "libkvarena_cpu.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     partial = target.with_suffix(f".{os.getpid()}.tmp")
-    done = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(partial), "-lm"],
+    done = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(partial), "-lm"],
                           capture_output=True, text=True, timeout=120)
     if done.returncode != 0:
         raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-400:]}")

@@ -96,7 +96,8 @@ class Attention(nn.Module):
         if ctx.native and cpu_native.fuses(x):
             def rotate(t):
                 return cpu_native.rope(t, rope.cos, rope.sin)
-        qkv = packed_linear.linear(x, _fused(self.qkv_weight), self.qkv_packed, self.qkv_bias)
+        qkv = packed_linear.linear(x, _fused(self.qkv_weight), self.qkv_packed, self.qkv_bias,
+                                   ctx.native)
         v = qkv[:, (H + KH) * d:].view(T, KH, d)
         if self.qk_norm:
             q = self.q_norm(qkv[:, :H * d].view(T, H, d))
@@ -110,7 +111,8 @@ class Attention(nn.Module):
             qk = rotate(qk)
             q, k = qk[:, :H], qk[:, H:]
         out = attend(self.layer_idx, q_pre, q, k, v, ctx)
-        return packed_linear.linear(out.reshape(T, -1), self.o_proj.weight, self.o_packed)
+        return packed_linear.linear(out.reshape(T, -1), self.o_proj.weight, self.o_packed,
+                                    native=ctx.native)
 
 
 class MLP(nn.Module):
@@ -134,14 +136,15 @@ class MLP(nn.Module):
         self.down_packed = packed_linear.pack(self.down_proj.weight)
 
     def forward(self, x: torch.Tensor, native: bool = False) -> torch.Tensor:
-        """x: [T, hidden] -> [T, hidden]; native: SiLU-mul as one C call (module docstring)."""
-        gate_up = packed_linear.linear(x, _fused(self.gate_up_weight), self.gate_up_packed)
-        if native:
+        """x: [T, hidden] -> [T, hidden]; native: the CPU C kernels (module docstring)."""
+        gate_up = packed_linear.linear(x, _fused(self.gate_up_weight), self.gate_up_packed,
+                                       native=native)
+        if native and cpu_native.fuses(x):
             act = cpu_native.silu_mul(gate_up)
         else:
             gate, up = gate_up.chunk(2, dim=-1)
             act = F.silu(gate) * up
-        return packed_linear.linear(act, self.down_proj.weight, self.down_packed)
+        return packed_linear.linear(act, self.down_proj.weight, self.down_packed, native=native)
 
 
 class DecoderLayer(nn.Module):
@@ -156,7 +159,7 @@ class DecoderLayer(nn.Module):
         if ctx.native and cpu_native.fuses(x):
             return self._forward_native(x, rope, ctx)
         x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x), native=ctx.native)
 
     def _forward_native(self, x, rope: RopeRows, ctx):
         """The same layer with the CPU small-op kernels (module docstring); x [T, hidden], a
@@ -227,8 +230,9 @@ class CausalLM(nn.Module):
     def _head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.tied else self.lm_head.weight
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return packed_linear.linear(hidden, self._head_weight(), self.head_packed)
+    def compute_logits(self, hidden: torch.Tensor, native: bool = False) -> torch.Tensor:
+        """hidden [N, hidden] -> [N, vocab]; native: ForwardContext.native."""
+        return packed_linear.linear(hidden, self._head_weight(), self.head_packed, native=native)
 
 
 class LlamaForCausalLM(CausalLM):

@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
+from engine.kernels import cpu_native
 from engine.kernels.library import define
 
 # The row count oneDNN's reorder tunes the packed layout for: the decode batch of the CPU
@@ -48,8 +49,14 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
-           bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [T, in] -> [T, out]: the packed kernel when `packed` is given, else F.linear."""
+           bias: torch.Tensor | None = None, native: bool = False) -> torch.Tensor:
+    """x: [T, in] -> [T, out]. With `native`, a thin batch (at most cpu_native.THIN_ROWS rows)
+    streams the dense weight through the C kernel (module docstring); otherwise the packed
+    kernel when `packed` is given, else F.linear."""
+    if native and cpu_native.streams(x, weight):
+        if torch.compiler.is_compiling():
+            return thin_linear(x, weight, bias)
+        return cpu_native.linear(x, weight, bias)
     if packed is None:
         return F.linear(x, weight, bias)
     if torch.compiler.is_compiling():
@@ -61,10 +68,13 @@ def _onednn(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) ->
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def _fake(x, packed, bias):
-    return x.new_empty((x.shape[0], packed.shape[0]))
+def _fake(x, packed_or_weight, bias):
+    return x.new_empty((x.shape[0], packed_or_weight.shape[0]))
 
 
 # The packed kernel as one opaque node of a compiled graph: x [T, in] -> [T, out].
 packed_linear = define("packed_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor",
                        _onednn, _fake)
+# The C kernel for thin batches, likewise: x [T <= THIN_ROWS, in] -> [T, out].
+thin_linear = define("thin_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
+                     lambda x, weight, bias: cpu_native.linear(x, weight, bias), _fake)

@@ -96,10 +96,11 @@ def workloads(builder: PromptBuilder, scale: ThroughputScale) -> dict[str, tuple
 
 def weight_stream_floor(num_params: int, repeats: int = 5) -> dict:
     """Seconds to stream `num_params` fp32 values once, with the threads torch has: the fastest
-    of `repeats` (after a warm-up) over three ways of reading a [num_params / 576, 576] fp32
+    of `repeats` (after a warm-up) over the ways of reading a [num_params / 576, 576] fp32
     matrix (576: the embedded model's hidden size): F.linear of one row (MKL's matvec), the same
-    product through oneDNN's packed kernel (engine/models/packed_linear.py) where it applies, and
-    a plain sum. A batch-1 decode step reads every weight once (the tied embedding as the LM
+    product through oneDNN's packed kernel (engine/models/packed_linear.py) where it applies, the
+    engine's C kernel for thin batches (engine/kernels/cpu_native.py) where it is built, and a
+    plain sum. A batch-1 decode step reads every weight once (the tied embedding as the LM
     head), so the fastest read is its memory-bandwidth floor. MKL's matvec alone is not: on the
     2-core machine it streamed 12.7 GB/s where the sum and the packed kernel reached 28.
     `method` names the read that set the floor."""
@@ -108,6 +109,7 @@ def weight_stream_floor(num_params: int, repeats: int = 5) -> dict:
     import torch
     import torch.nn.functional as F
 
+    from engine.kernels import cpu_native
     from engine.models import packed_linear
 
     cols = 576
@@ -117,6 +119,8 @@ def weight_stream_floor(num_params: int, repeats: int = 5) -> dict:
     if packed_linear.available(weight.device, weight.dtype):
         packed = packed_linear.pack(weight)
         reads["oneDNN packed"] = lambda: packed_linear.linear(row, weight, packed)
+    if cpu_native.streams(row, weight):
+        reads["C thin kernel"] = lambda: cpu_native.linear(row, weight)
     best = {"wall": float("inf")}
     for method, read in reads.items():
         read()

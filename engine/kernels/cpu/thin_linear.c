@@ -1,0 +1,77 @@
+/* Thin float32 projections, y = x W^T (+ bias), for the few rows of a small decode batch.
+
+   engine/kernels/cpu_native.py builds this file with paged_decode.c into one library; its
+   docstring has why (a batch-1 step streams every weight once, and oneDNN's packed kernel
+   streamed the small per-layer matrices well below the memory's rate) and the figures.
+
+     x     [T, K], row t at x + t * x_stride (the K values contiguous)
+     w     [N, K] contiguous, the dense nn.Linear weight (out_features x in_features)
+     bias  [N] or NULL
+     y     [T, N] contiguous
+
+   Each thread takes a contiguous share of the weight's rows, reads each row once from memory
+   and holds it in L1 while every x row meets it: ROWS weight rows at a time against two x
+   rows at a time, 8 + ROWS + 1 vector registers (x86-64 AVX2 has 16). Each output is one dot
+   product summed in eight lanes, then across them (the summation order differs from MKL's and
+   oneDNN's; built with -ffast-math). */
+
+#include <stdint.h>
+#include <string.h>
+
+typedef float v8 __attribute__((vector_size(32)));
+
+#define ROWS 4
+
+static inline v8 load8(const float *p) {
+    v8 v;
+    memcpy(&v, p, sizeof v); /* unaligned load */
+    return v;
+}
+
+/* y[t0 + t, n + r] for t < xr (1 or 2) and r < wr (1 or ROWS). */
+static inline __attribute__((always_inline)) void
+tile(const float *restrict x, int64_t x_stride, const float *restrict w, int64_t K,
+     const float *bias, float *restrict y, int64_t N, int64_t n, int64_t t0, const int xr,
+     const int wr) {
+    v8 acc[2][ROWS];
+    for (int t = 0; t < xr; t++)
+        for (int r = 0; r < wr; r++) acc[t][r] = (v8){0};
+    const int64_t k8 = K & ~(int64_t)7;
+    for (int64_t k = 0; k < k8; k += 8) {
+        v8 wv[ROWS];
+        for (int r = 0; r < wr; r++) wv[r] = load8(w + (n + r) * K + k);
+        for (int t = 0; t < xr; t++) {
+            v8 xv = load8(x + (t0 + t) * x_stride + k);
+            for (int r = 0; r < wr; r++) acc[t][r] += wv[r] * xv;
+        }
+    }
+    for (int t = 0; t < xr; t++) {
+        const float *xt = x + (t0 + t) * x_stride;
+        for (int r = 0; r < wr; r++) {
+            float s = 0.0f;
+            for (int i = 0; i < 8; i++) s += acc[t][r][i];
+            for (int64_t k = k8; k < K; k++) s += w[(n + r) * K + k] * xt[k];
+            y[(t0 + t) * N + n + r] = bias != 0 ? s + bias[n + r] : s;
+        }
+    }
+}
+
+/* Weight rows n .. n + wr - 1 against every x row. */
+static inline __attribute__((always_inline)) void
+weight_rows(const float *x, int64_t x_stride, const float *w, int64_t K, const float *bias,
+            float *y, int64_t T, int64_t N, int64_t n, const int wr) {
+    int64_t t = 0;
+    for (; t + 2 <= T; t += 2) tile(x, x_stride, w, K, bias, y, N, n, t, 2, wr);
+    if (t < T) tile(x, x_stride, w, K, bias, y, N, n, t, 1, wr);
+}
+
+void kv_linear(const float *x, int64_t x_stride, const float *w, const float *bias, float *y,
+               int64_t T, int64_t K, int64_t N) {
+    const int64_t tiles = N / ROWS;
+    /* One thread for weights under 128 KB, where a fork-join's microseconds are a large share
+       (the bound is untuned; every projection of the models served is larger). */
+#pragma omp parallel for schedule(static) if (N * K > 32768)
+    for (int64_t i = 0; i < tiles; i++)
+        weight_rows(x, x_stride, w, K, bias, y, T, N, i * ROWS, ROWS);
+    for (int64_t n = tiles * ROWS; n < N; n++) weight_rows(x, x_stride, w, K, bias, y, T, N, n, 1);
+}
