@@ -1,6 +1,6 @@
 """CPU float32 kernels in C: the decode step's store and paged attention, reading the KV pages
-in place, and the small per-layer ops of an eager pass (RMSNorm with the residual add, RoPE,
-SiLU-mul).
+in place, the projections of thin batches, and the small per-layer ops of an eager pass (RMSNorm
+with the residual add, RoPE, SiLU-mul).
 
 Why: the torch twins (paged_attention.py, store_kv.py) gather every page a decode batch attends
 into a dense copy with ``index_select`` and hand it to SDPA, once per layer per step. At batch 32
@@ -30,6 +30,11 @@ results/benchmarks/peer.md.
         49.3 -> 46.0 ms; medians within the machine's noise).
         The model calls them in eager passes (engine/models/llama.py); a compiled graph fuses
         the same ops itself (`fuses(x)` is False while compiling).
+
+    linear(x, weight, bias=None) -> out
+        x [T, in] @ weight [out, in]^T (+ bias) for T <= THIN_ROWS (`streams(x, weight)`): the
+        projections of a small decode batch, each weight streamed once (cpu/thin_linear.c;
+        engine/models/packed_linear.py has why and the figures).
 
 `applies(...)` says when the attention kernels run: CPU float32 tensors, contiguous caches and
 head axes, and the library built. It is built once per machine and source
