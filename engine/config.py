@@ -74,7 +74,7 @@ class EngineConfig:
         copies of their weights (engine/models/packed_linear.py: decode steps ~25% faster, at the
         cost of a second copy of those weights); ignored elsewhere.
     cpu_native_kernels: on CPU in float32, decode steps store and attend through C kernels
-        that read the KV pages in place, batches of up to 4 rows run their projections and LM
+        that read the KV pages in place, batches of up to 8 rows run their projections and LM
         head through a C kernel that streams the dense weights (eager and compiled), and eager
         passes run each layer's norms, RoPE and SiLU-mul as single C calls
         (engine/kernels/cpu_native.py), built on first use with the C compiler; without one the

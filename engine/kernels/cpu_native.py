@@ -65,9 +65,9 @@ SOURCES = tuple(Path(__file__).with_name("cpu") / name
                 for name in ("paged_decode.c", "thin_linear.c"))
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared")
 ENV_SWITCH = "KVARENA_NATIVE"
-# The most rows `linear` takes: above them oneDNN's blocked kernel (packed_linear.py) is as fast
-# (module docstring: the figures).
-THIN_ROWS = 4
+# The most rows `linear` takes: from 12 rows on oneDNN's blocked kernel (packed_linear.py) was
+# faster (engine/models/packed_linear.py: the figures).
+THIN_ROWS = 8
 ERRORS = {1: "a block table names a page outside the cache (or -1 inside a row's length)",
           2: "a context length is negative or exceeds its block table's capacity",
           3: "a slot_mapping entry is outside the cache",

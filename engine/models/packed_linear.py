@@ -21,21 +21,26 @@ another order (max |difference| ~1e-4 on unit-scale inputs). Eager and compiled 
 same kernel (the compiled one through the registered op `torch.ops.kvarena.packed_linear`, since
 inductor cannot lower the packed tensor itself), so the two modes still agree exactly.
 
-Thin batches (at most cpu_native.THIN_ROWS = 4 rows, with `native`: EngineConfig.
+Thin batches (at most cpu_native.THIN_ROWS = 8 rows, with `native`: EngineConfig.
 cpu_native_kernels) skip oneDNN: engine/kernels/cpu/thin_linear.c streams the dense weight once,
 each thread a contiguous share of its rows. At batch 1 a decode step is bound by reading the
 weights (0.54 GB in fp32 for SmolLM2), and oneDNN's packed kernel read the step's small matrices
 (1.3-7 MB) at 15-22 GB/s where a plain sum reads 25-31. A chain of a step's 121 projections
-(SmolLM2's shapes, 2 threads, one process alternating the three, fastest of 8):
+(SmolLM2's shapes, 2 threads; for each row count one process alternating the three; best and
+median of 10, ms):
 
-    rows   C kernel   oneDNN packed   sum of the same weights
-    1      19-21 ms   24-25 ms        17.5-18 ms
-    2      23 ms      25 ms
-    4      28 ms      32 ms
-    8      36 ms      38 ms           (within noise: the C kernel stops at 4 rows)
+    rows   C kernel      oneDNN packed   sum of the same weights
+    1      19.3 / 20.8   25.6 / 27.4     18.7 / 20.7
+    2      25.6 / 26.9   27.3 / 32.7
+    4      31.9 / 34.1   33.9 / 40.0
+    8      43.8 / 46.9   47.8 / 55.5
+    12     45.8 / 50.2   43.8 / 46.0     (so the C kernel stops at 8 rows)
+    16     69.5 / 71.9   55.2 / 62.7
 
 In the engine at batch 1 (one process alternating the two, 64 tokens): median step 32.7 ms with
-oneDNN, 26.7 ms with the C kernel. The compiled step calls it through the registered operator
+oneDNN, 26.7 ms with the C kernel's first form (four-row tiles at batch 1 too); against that
+form, the row-by-row batch-1 path took the median from 31.4-32.2 to 27.5-29.3 ms (two such
+runs). The compiled step calls it through the registered operator
 `torch.ops.kvarena.thin_linear`, so eager and compiled steps still agree exactly; against oneDNN
 each output is the same dot product summed in another order.
 
