@@ -234,8 +234,9 @@ def test_engine_tokens_and_logprobs_equal_with_the_kernels_on_and_off(tmp_path, 
         llm = LLM(str(model), block_size=4, kv_cache_tokens=512, compile=compile,
                   policy=policy[0], policy_args=policy[1], cpu_native_kernels=native)
         runs[native] = llm.generate(prompts, params)
-        # decode batches of 3 rows take the thin projections, eager and compiled alike
-        assert bool(thin_calls) == native
+        # decode batches of 3 rows take the thin projections, eager and compiled alike: at
+        # least the 12 projections (3 layers x 4) of each of the 11 decode steps
+        assert len(thin_calls) >= 11 * 12 if native else not thin_calls
     for on, off in zip(runs[True], runs[False]):
         assert on.token_ids == off.token_ids
         assert on.token_logprobs == pytest.approx(off.token_logprobs, abs=1e-4)

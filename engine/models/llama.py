@@ -15,9 +15,11 @@ forward pass instead of twice per layer.
 
 On CPU in float32, `CausalLM.pack_weights` then gives every projection and the LM head a
 oneDNN-packed copy of its weight, which the forward pass uses (engine/models/packed_linear.py
-has why and the figures). An eager CPU float32 pass with `ForwardContext.native` also runs each
-layer's small ops as single C calls (engine/kernels/cpu_native.py): the residual add fused into
-the next RMSNorm, RoPE of q and k, and SiLU-mul; the same arithmetic in another summation order.
+has why and the figures). With `ForwardContext.native`, a pass of up to 8 rows (a small decode
+batch) projects through a C kernel over the dense weights instead (the same file says why), and
+an eager pass also runs each layer's small ops as single C calls (engine/kernels/cpu_native.py):
+the residual add fused into the next RMSNorm, RoPE of q and k, and SiLU-mul; the same arithmetic
+in another summation order.
 """
 
 from __future__ import annotations
@@ -97,7 +99,7 @@ class Attention(nn.Module):
             def rotate(t):
                 return cpu_native.rope(t, rope.cos, rope.sin)
         qkv = packed_linear.linear(x, _fused(self.qkv_weight), self.qkv_packed, self.qkv_bias,
-                                   ctx.native)
+                                   native=ctx.native)
         v = qkv[:, (H + KH) * d:].view(T, KH, d)
         if self.qk_norm:
             q = self.q_norm(qkv[:, :H * d].view(T, H, d))
