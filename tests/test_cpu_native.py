@@ -109,6 +109,35 @@ def test_bad_indices_raise_before_anything_is_read_or_written():
 
 
 @needs_kernel
+def test_shapes_dtypes_and_devices_that_would_read_out_of_bounds_raise():
+    q, k_cache, v_cache, tables, lens, scale = _decode_case(F32, (4, 2), seed=9)
+    with pytest.raises(ValueError, match="CPU float32"):
+        cpu_native.decode(q.half(), k_cache, v_cache, tables, lens, scale)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        cpu_native.decode(q, k_cache.half(), v_cache.half(), tables, lens, scale)
+    with pytest.raises(ValueError, match="do not fit"):
+        cpu_native.decode(q, k_cache, v_cache, tables[:-1], lens, scale)
+    with pytest.raises(ValueError, match="do not fit"):
+        cpu_native.decode(q, k_cache, v_cache, tables, lens[:-1], scale)
+    with pytest.raises(ValueError, match="do not fit"):
+        cpu_native.decode(q, k_cache, v_cache, tables, lens, scale,
+                          torch.zeros(q.shape[0], 1, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match="CPU index"):
+        cpu_native.decode(q, k_cache, v_cache, tables.to("meta"), lens, scale)
+    key, value, k_cache, v_cache, slots = _store_case(F32)
+    with pytest.raises(ValueError, match="do not fit"):
+        cpu_native.store(key, value, k_cache, v_cache, slots[:-1])
+    with pytest.raises(ValueError, match="do not fit"):
+        cpu_native.store(key[:, :1], value[:, :1], k_cache, v_cache, slots)
+    with pytest.raises(ValueError, match="caches differ"):
+        cpu_native.store(key, value, k_cache, v_cache[:, :1].contiguous(), slots)
+    with pytest.raises(ValueError, match="CPU float32"):
+        cpu_native.linear(torch.randn(2, 8).half(), torch.randn(3, 8))
+    with pytest.raises(ValueError, match="CPU float32"):
+        cpu_native.rope(torch.randn(2, 3, 8).half(), torch.randn(2, 1, 8), torch.randn(2, 1, 8))
+
+
+@needs_kernel
 @pytest.mark.parametrize("rows", [1, 200], ids=["decode", "prefill"])  # 200 x 576: threaded
 def test_norm_rope_and_silu_mul_match_torch(rows):
     from engine.models.rope import Rope

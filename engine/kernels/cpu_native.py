@@ -152,6 +152,7 @@ def linear(x, weight, bias=None) -> torch.Tensor:
                          + ("" if bias is None else f" and bias {tuple(bias.shape)}"))
     if x.stride(1) != 1:
         x = x.contiguous()
+    _require_cpu_float32(x)
     _require_contiguous(weight, *(() if bias is None else (bias,)))
     out = x.new_empty(rows, weight.shape[0])
     _library().kv_linear(x.data_ptr(), x.stride(0), weight.data_ptr(),
@@ -163,6 +164,12 @@ def linear(x, weight, bias=None) -> torch.Tensor:
 def store(key, value, k_cache_l, v_cache_l, slot_mapping) -> None:
     """Module docstring: rows of key/value into their slots (in place)."""
     kv_heads, pages, block, head_dim = k_cache_l.shape
+    _require_caches(k_cache_l, v_cache_l)
+    rows = key.shape[0]
+    if key.shape != (rows, kv_heads, head_dim) or value.shape != key.shape \
+            or slot_mapping.shape != (rows,):
+        raise ValueError(f"key {tuple(key.shape)}, value {tuple(value.shape)} and slot_mapping "
+                         f"{tuple(slot_mapping.shape)} do not fit caches {tuple(k_cache_l.shape)}")
     key, value = _rows(key), _rows(value)
     slots = _int64(slot_mapping)
     rc = _library().kv_store(key.data_ptr(), value.data_ptr(), key.stride(0), value.stride(0),
@@ -178,6 +185,13 @@ def decode(q, k_cache_l, v_cache_l, block_tables, context_lens, scale, holes=Non
     if q_heads % kv_heads or cache_head_dim != head_dim or v_cache_l.shape != k_cache_l.shape:
         raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(k_cache_l.shape)} / "
                          f"{tuple(v_cache_l.shape)} (q_heads a multiple of kv_heads, one head_dim)")
+    _require_caches(k_cache_l, v_cache_l)
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch \
+            or context_lens.shape != (batch,) \
+            or (holes is not None and holes.shape != (batch, kv_heads, 2)):
+        raise ValueError(f"block_tables {tuple(block_tables.shape)}, context_lens "
+                         f"{tuple(context_lens.shape)} or holes do not fit {batch} query rows and "
+                         f"{kv_heads} kv heads")
     q = _rows(q)
     tables, lens = _int64(block_tables), _int64(context_lens)
     hole_ptr = None
@@ -195,6 +209,7 @@ def decode(q, k_cache_l, v_cache_l, block_tables, context_lens, scale, holes=Non
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
     """[T, heads, head_dim] with heads and head_dim contiguous (the row stride is passed)."""
+    _require_cpu_float32(x)
     head_dim = x.shape[2]
     if x.stride(2) == 1 and x.stride(1) == head_dim:
         return x
@@ -208,14 +223,32 @@ def _library() -> ctypes.CDLL:
     return _lib
 
 
+# The C code reads raw pointers: a tensor of another dtype or device would be read out of bounds,
+# so every door checks what it passes.
+def _require_cpu_float32(*tensors: torch.Tensor) -> None:
+    for t in tensors:
+        if t.dtype != torch.float32 or t.device.type != "cpu":
+            raise ValueError(f"expected CPU float32 tensors, got {t.dtype} on {t.device} for "
+                             f"shape {tuple(t.shape)}")
+
+
 def _require_contiguous(*tensors: torch.Tensor) -> None:
     for t in tensors:
-        if not t.is_contiguous() or t.dtype != torch.float32:
-            raise ValueError(f"expected contiguous float32 tensors, got {t.dtype} with strides "
-                             f"{t.stride()} for shape {tuple(t.shape)}")
+        if not t.is_contiguous() or t.dtype != torch.float32 or t.device.type != "cpu":
+            raise ValueError(f"expected contiguous float32 tensors on the CPU, got {t.dtype} on "
+                             f"{t.device} with strides {t.stride()} for shape {tuple(t.shape)}")
+
+
+def _require_caches(k_cache_l: torch.Tensor, v_cache_l: torch.Tensor) -> None:
+    _require_contiguous(k_cache_l, v_cache_l)
+    if v_cache_l.shape != k_cache_l.shape:
+        raise ValueError(f"key and value caches differ: {tuple(k_cache_l.shape)} / "
+                         f"{tuple(v_cache_l.shape)}")
 
 
 def _int64(x: torch.Tensor) -> torch.Tensor:
+    if x.device.type != "cpu":
+        raise ValueError(f"expected CPU index tensors, got one on {x.device}")
     return x if x.dtype == torch.int64 and x.is_contiguous() else x.to(torch.int64).contiguous()
 
 
