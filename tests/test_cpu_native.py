@@ -135,6 +135,12 @@ def test_shapes_dtypes_and_devices_that_would_read_out_of_bounds_raise():
         cpu_native.linear(torch.randn(2, 8).half(), torch.randn(3, 8))
     with pytest.raises(ValueError, match="CPU float32"):
         cpu_native.rope(torch.randn(2, 3, 8).half(), torch.randn(2, 1, 8), torch.randn(2, 1, 8))
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu_native.rope(torch.randn(2, 3, 8), torch.randn(1, 1, 8), torch.randn(1, 1, 8))
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu_native.rms_norm(torch.randn(2, 8), torch.randn(4), 1e-5)
+    with pytest.raises(ValueError, match="does not fit"):
+        cpu_native.rms_norm(torch.randn(2, 8), torch.randn(8), 1e-5, delta=torch.randn(1, 8))
 
 
 @needs_kernel

@@ -107,6 +107,9 @@ def rms_norm(x, weight, eps: float, delta=None) -> torch.Tensor:
     """x [T, dim] -> RMSNorm(x) * weight [T, dim]; with delta [T, dim], first x += delta in place
     (the residual add fused into the norm)."""
     rows, dim = x.shape
+    if weight.shape != (dim,) or (delta is not None and delta.shape != x.shape):
+        raise ValueError(f"x {tuple(x.shape)} does not fit weight {tuple(weight.shape)}"
+                         + ("" if delta is None else f" and delta {tuple(delta.shape)}"))
     _require_contiguous(x, weight, *(() if delta is None else (delta,)))
     out = torch.empty_like(x)
     _library().kv_add_rms_norm(x.data_ptr(), None if delta is None else delta.data_ptr(),
@@ -118,6 +121,9 @@ def rope(x, cos, sin) -> torch.Tensor:
     """x [T, heads, d] (rows may be strided) rotated by the rows' cos/sin [T, 1, d] (rope.py's
     RopeRows) -> [T, heads, d] contiguous."""
     rows, heads, head_dim = x.shape
+    if cos.shape != (rows, 1, head_dim) or sin.shape != cos.shape:
+        raise ValueError(f"x {tuple(x.shape)} does not fit cos {tuple(cos.shape)} / sin "
+                         f"{tuple(sin.shape)} (expected [rows, 1, head_dim])")
     x = _rows(x)
     _require_contiguous(cos, sin)
     out = torch.empty(rows, heads, head_dim)
