@@ -70,15 +70,17 @@ class EngineConfig:
     compile: run decode steps as one compiled graph (torch.compile; on CUDA one captured CUDA
         graph per batch-size bucket; engine/decode_graph.py); False is eager (vLLM's
         enforce_eager), for debugging. Prefill and mixed steps are always eager.
-    cpu_packed_weights: on CPU in float32, give the projections and the LM head oneDNN-packed
-        copies of their weights (engine/models/packed_linear.py: decode steps ~25% faster, at the
-        cost of a second copy of those weights); ignored elsewhere.
+    cpu_packed_weights: on CPU in float32, give the projections and the LM head packed copies
+        of their weights, made once at load (engine/models/packed_linear.py): column panels for
+        the C panel kernel with cpu_native_kernels, else oneDNN's layout; at the cost of a
+        second copy of those weights; ignored elsewhere.
     cpu_native_kernels: on CPU in float32, decode steps store and attend through C kernels
-        that read the KV pages in place, batches of up to 8 rows run their projections and LM
-        head through a C kernel that streams the dense weights (eager and compiled), and eager
-        passes run each layer's norms, RoPE and SiLU-mul as single C calls
-        (engine/kernels/cpu_native.py), built on first use with the C compiler; without one the
-        torch ops run. False: always the torch ops (and oneDNN's packed kernel).
+        that read the KV pages in place, the projections and LM head run through a C kernel over
+        the packed panels (eager and compiled; without packing, batches of up to 8 rows stream
+        the dense weights through a thin C kernel), and eager passes run each layer's norms,
+        RoPE and SiLU-mul as single C calls (engine/kernels/cpu_native.py), built on first use
+        with the C compiler; without one the torch ops run. False: always the torch ops (and
+        oneDNN's packed kernel).
     """
 
     model: str = DEFAULT_MODEL

@@ -55,7 +55,8 @@ class ModelRunner:
         self.model = build_model(self.hf_config, self.max_model_len, self.device, self.dtype)
         tensors = (random_tensors(self.model, config.seed, self.device) if config.load_format == "dummy"
                    else iter_safetensors(model_dir))
-        load_weights(self.model, tensors, self.device, self.dtype, config.cpu_packed_weights)
+        load_weights(self.model, tensors, self.device, self.dtype, config.cpu_packed_weights,
+                     config.cpu_native_kernels)
         cfg = self.hf_config
         self.num_layers = cfg.num_hidden_layers
         self.num_q_heads = cfg.num_attention_heads
@@ -94,7 +95,8 @@ class ModelRunner:
         model's `state_dict().items()`, so the engine and that model compute with the same
         weights (the GPU check compares them on random 8B-shaped weights)."""
         self.model = build_model(self.hf_config, self.max_model_len, self.device, self.dtype)
-        load_weights(self.model, tensors, self.device, self.dtype, self.config.cpu_packed_weights)
+        load_weights(self.model, tensors, self.device, self.dtype, self.config.cpu_packed_weights,
+                     self.config.cpu_native_kernels)
         self._rebuild_graph()
 
     def _query_pool(self, signals: SignalSpec) -> QueryStatePool:

@@ -220,6 +220,58 @@ def test_thin_linear_serves_only_thin_cpu_float32_batches_and_passes_opcheck():
 
 
 @needs_kernel
+# 1-7: one short row group; 13: groups of 5, 4, 4; 32: the decode benchmark's batch; 200: two
+# row blocks (the kernel takes 192 rows a pass)
+@pytest.mark.parametrize("rows", [1, 2, 5, 7, 13, 32, 200])
+def test_panel_linear_matches_f_linear(rows):
+    gen = torch.Generator().manual_seed(13)
+    # (out, in): a model's projection (threaded), and sizes whose last panel is partly padding
+    for out_features, in_features in ((960, 576), (40, 13), (1, 5)):
+        wide = torch.randn(rows, in_features + 3, generator=gen)
+        x = wide[:, :in_features]  # strided rows, as a slice of a fused projection gives them
+        weight = torch.randn(out_features, in_features, generator=gen)
+        bias = torch.randn(out_features, generator=gen)
+        panels = cpu_native.pack_panels(weight)
+        assert panels.shape == (-(-out_features // 16), in_features, 16)
+        assert torch.equal(panels.transpose(1, 2).reshape(-1, in_features)[:out_features], weight)
+        assert not panels.transpose(1, 2).reshape(-1, in_features)[out_features:].any()
+        exact = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
+        close = dict(rtol=1e-5, atol=1e-4)  # fp32 sums of up to 576 unit-scale products
+        torch.testing.assert_close(cpu_native.panel_linear(x, panels, out_features, bias),
+                                   exact.float(), **close)
+        torch.testing.assert_close(cpu_native.panel_linear(x, panels, out_features),
+                                   (exact - bias.double()).float(), **close)
+        # a row's result does not depend on the rows beside it (module docstring of the C file)
+        torch.testing.assert_close(cpu_native.panel_linear(x[-1:], panels, out_features),
+                                   cpu_native.panel_linear(x, panels, out_features)[-1:],
+                                   rtol=0, atol=0)
+
+
+@needs_kernel
+def test_panel_linear_checks_its_inputs_and_passes_opcheck():
+    from engine.models import packed_linear
+
+    weight, bias = torch.randn(20, 8), torch.randn(20)
+    panels = cpu_native.pack_panels(weight)
+    for args in ((torch.randn(2, 9), panels, 20), (torch.randn(2, 8), panels, 33),
+                 (torch.randn(2, 8), panels[:1], 20), (torch.randn(2, 8), panels, 20, bias[:4])):
+        with pytest.raises(ValueError, match="does not fit"):
+            cpu_native.panel_linear(*args)
+    with pytest.raises(ValueError, match="float32"):
+        cpu_native.panel_linear(torch.randn(2, 8).half(), panels, 20)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        cpu_native.pack_panels(weight.t().contiguous().t())
+    # the engine's door: panels go to this kernel whatever the row count or `native`
+    x = torch.randn(11, 8)
+    for native in (False, True):
+        torch.testing.assert_close(packed_linear.linear(x, weight, panels, bias, native=native),
+                                   cpu_native.panel_linear(x, panels, 20, bias), rtol=0, atol=0)
+    # the panel op of a compiled graph: the kernel, and a fake that agrees with it
+    torch.library.opcheck(torch.ops.kvarena.panel_linear.default, (x, panels, 20, bias),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
+@needs_kernel
 def test_applies_only_to_cpu_float32_contiguous_caches():
     q, k_cache, v_cache, *_ = _decode_case(F32, (4, 2), seed=10)
     assert cpu_native.applies(q, k_cache, v_cache)
@@ -257,23 +309,33 @@ def test_engine_tokens_and_logprobs_equal_with_the_kernels_on_and_off(tmp_path, 
     from engine.sampling import SamplingParams
 
     assert cpu_native.available()  # else both runs would be the twins'
-    thin_calls = []
-    kernel = cpu_native.linear
-    monkeypatch.setattr(cpu_native, "linear", lambda *a: thin_calls.append(1) or kernel(*a))
+    calls = {"linear": [], "panel_linear": []}
+    for name, spied in calls.items():
+        kernel = getattr(cpu_native, name)
+        monkeypatch.setattr(cpu_native, name,
+                            lambda *a, kernel=kernel, spied=spied: spied.append(1) or kernel(*a))
     model = make_tiny_llama_dir(tmp_path / "m", num_hidden_layers=3)
     prompts = [list(range(3, 43)), [4, 4, 8], [(7 * i) % 300 + 3 for i in range(27)]]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=True)
+    # the packed weights' panel kernel; the thin kernel over unpacked weights; neither
+    settings = {"panels": dict(cpu_native_kernels=True),
+                "thin": dict(cpu_native_kernels=True, cpu_packed_weights=False),
+                "off": dict(cpu_native_kernels=False)}
     runs = {}
-    for native in (True, False):
-        thin_calls.clear()
+    for name, kwargs in settings.items():
+        for spied in calls.values():
+            spied.clear()
         llm = LLM(str(model), block_size=4, kv_cache_tokens=512, compile=compile,
-                  policy=policy[0], policy_args=policy[1], cpu_native_kernels=native)
-        runs[native] = llm.generate(prompts, params)
-        # decode batches of 3 rows take the thin projections, eager and compiled alike: at
-        # least the 12 projections (3 layers x 4) of each of the 11 decode steps
-        assert len(thin_calls) >= 11 * 12 if native else not thin_calls
-    for on, off in zip(runs[True], runs[False]):
-        assert on.token_ids == off.token_ids
-        assert on.token_logprobs == pytest.approx(off.token_logprobs, abs=1e-4)
+                  policy=policy[0], policy_args=policy[1], **kwargs)
+        runs[name] = llm.generate(prompts, params)
+        # eager and compiled alike, at least the 12 projections (3 layers x 4) and the LM head
+        # of each of the 11 decode steps of 3 rows go through the kernel named
+        used = {"panels": "panel_linear", "thin": "linear"}.get(name)
+        for kernel, spied in calls.items():
+            assert len(spied) >= 11 * 13 if kernel == used else not spied, (name, kernel)
+    for name in ("panels", "thin"):
+        for on, off in zip(runs[name], runs["off"]):
+            assert on.token_ids == off.token_ids
+            assert on.token_logprobs == pytest.approx(off.token_logprobs, abs=1e-4)
     if policy[0] != "full":
-        assert any(e["action"] == "compress" for o in runs[True] for e in o.events)
+        assert any(e["action"] == "compress" for o in runs["panels"] for e in o.events)

@@ -338,24 +338,35 @@ def test_fused_projections_keep_checkpoint_parameters(model_dir):
 
 
 def test_packed_cpu_weights_compute_what_the_dense_weights_do(model_dir):
-    """On CPU fp32 every projection and the LM head get a oneDNN-packed copy (the default), used
-    by the forward pass; turning packing off leaves none, and both give the same greedy tokens
+    """On CPU fp32 every projection and the LM head get a packed copy (the default), used by the
+    forward pass: column panels for the C kernel with the native kernels on, oneDNN's packed
+    tensor with them off; turning packing off leaves none. All three give the same greedy tokens
     with logits equal to rounding (the transformers parity test above runs packed)."""
+    from engine.kernels import cpu_native
+
     logits = {}
-    for packed in (True, False):
-        llm = LLM(str(model_dir), block_size=4, kv_cache_tokens=256, cpu_packed_weights=packed)
+    settings = {"panels": dict(cpu_packed_weights=True), "dense": dict(cpu_packed_weights=False),
+                "oneDNN": dict(cpu_packed_weights=True, cpu_native_kernels=False)}
+    for name, kwargs in settings.items():
+        llm = LLM(str(model_dir), block_size=4, kv_cache_tokens=256, **kwargs)
         model = llm.runner.model
         handles = [model.head_packed] + [t for layer in model.model.layers for t in (
             layer.self_attn.qkv_packed, layer.self_attn.o_packed, layer.mlp.gate_up_packed,
             layer.mlp.down_packed)]
-        assert all((h is not None) == packed for h in handles)
-        assert all(h.is_mkldnn for h in handles if h is not None)
+        if name == "dense":
+            assert all(h is None for h in handles)
+        elif name == "oneDNN":
+            assert all(h.is_mkldnn for h in handles)
+        else:
+            assert cpu_native.available()
+            assert all(h.dim() == 3 and h.shape[2] == cpu_native.PANEL for h in handles)
         rows = []
         llm.runner.logits_hook = lambda items, lg, rows=rows: rows.append(lg.clone())
         outs = llm.generate(PROMPTS, GREEDY)
-        logits[packed] = ([o.token_ids for o in outs], torch.cat(rows))
-    assert logits[True][0] == logits[False][0]
-    torch.testing.assert_close(logits[True][1], logits[False][1], atol=1e-4, rtol=0)
+        logits[name] = ([o.token_ids for o in outs], torch.cat(rows))
+    for name in ("panels", "oneDNN"):
+        assert logits[name][0] == logits["dense"][0]
+        torch.testing.assert_close(logits[name][1], logits["dense"][1], atol=1e-4, rtol=0)
 
 
 def test_fp32_rms_norm_equals_the_upcasting_formula():

@@ -1,5 +1,6 @@
 """CPU float32 kernels in C: the decode step's store and paged attention, reading the KV pages
-in place, the projections of thin batches, and the small per-layer ops of an eager pass (RMSNorm
+in place, the projections (over packed column panels, or thin batches over the dense weights),
+and the small per-layer ops of an eager pass (RMSNorm
 with the residual add, RoPE, SiLU-mul).
 
 Why: the torch twins (paged_attention.py, store_kv.py) gather every page a decode batch attends
@@ -31,10 +32,15 @@ results/benchmarks/peer.md.
         The model calls them in eager passes (engine/models/llama.py); a compiled graph fuses
         the same ops itself (`fuses(x)` is False while compiling).
 
+    pack_panels(weight) -> panels; panel_linear(x, panels, out_features, bias=None) -> out
+        x [T, in] @ weight [out, in]^T (+ bias) for any T over the weight's column panels
+        [ceil(out / PANEL), in, PANEL], packed once at load: the engine's CPU projections and
+        LM head (cpu/panel_gemm.c, a 6 x 16 register tile; engine/models/packed_linear.py has
+        why and the figures).
     linear(x, weight, bias=None) -> out
-        x [T, in] @ weight [out, in]^T (+ bias) for T <= THIN_ROWS (`streams(x, weight)`): the
-        projections of a small decode batch, each weight streamed once (cpu/thin_linear.c;
-        engine/models/packed_linear.py has why and the figures).
+        The same product for T <= THIN_ROWS (`streams(x, weight)`) over the dense weight, each
+        weight streamed once (cpu/thin_linear.c): the projections of a small decode batch when
+        the weights are not packed.
 
 `applies(...)` says when the attention kernels run: CPU float32 tensors, contiguous caches and
 head axes, and the library built. It is built once per machine and source
@@ -62,12 +68,14 @@ from pathlib import Path
 import torch
 
 SOURCES = tuple(Path(__file__).with_name("cpu") / name
-                for name in ("paged_decode.c", "thin_linear.c"))
+                for name in ("paged_decode.c", "thin_linear.c", "panel_gemm.c"))
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared")
 ENV_SWITCH = "KVARENA_NATIVE"
-# The most rows `linear` takes: from 12 rows on oneDNN's blocked kernel (packed_linear.py) was
-# faster (engine/models/packed_linear.py: the figures).
+# The most rows `linear` takes: from 12 rows on oneDNN's blocked kernel was faster
+# (engine/models/packed_linear.py: the figures).
 THIN_ROWS = 8
+# Output columns per panel of `pack_panels` (cpu/panel_gemm.c: two AVX2 vectors).
+PANEL = 16
 ERRORS = {1: "a block table names a page outside the cache (or -1 inside a row's length)",
           2: "a context length is negative or exceeds its block table's capacity",
           3: "a slot_mapping entry is outside the cache",
@@ -164,6 +172,37 @@ def linear(x, weight, bias=None) -> torch.Tensor:
     _library().kv_linear(x.data_ptr(), x.stride(0), weight.data_ptr(),
                          None if bias is None else bias.data_ptr(), out.data_ptr(), rows, width,
                          weight.shape[0])
+    return out
+
+
+def pack_panels(weight) -> torch.Tensor:
+    """weight [out, in] -> its column panels [ceil(out / PANEL), in, PANEL] (zeros past out),
+    the layout `panel_linear` reads (cpu/panel_gemm.c)."""
+    _require_contiguous(weight)
+    out_features, width = weight.shape
+    panels = weight.new_empty(-(-out_features // PANEL), width, PANEL)
+    _library().kv_pack_panels(weight.data_ptr(), panels.data_ptr(), out_features, width)
+    return panels
+
+
+def panel_linear(x, panels, out_features: int, bias=None) -> torch.Tensor:
+    """x [T, in] (rows may be strided) @ the packed weight [out_features, in]^T (+ bias
+    [out_features]) -> [T, out_features]; panels from `pack_panels`."""
+    rows, width = x.shape
+    if panels.dim() != 3 or panels.shape[1:] != (width, PANEL) \
+            or panels.shape[0] != -(-out_features // PANEL) \
+            or (bias is not None and bias.shape != (out_features,)):
+        raise ValueError(f"x {tuple(x.shape)} does not fit panels {tuple(panels.shape)} for "
+                         f"{out_features} outputs"
+                         + ("" if bias is None else f" and bias {tuple(bias.shape)}"))
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    _require_cpu_float32(x)
+    _require_contiguous(panels, *(() if bias is None else (bias,)))
+    out = x.new_empty(rows, out_features)
+    _library().kv_panel_linear(x.data_ptr(), x.stride(0), panels.data_ptr(),
+                               None if bias is None else bias.data_ptr(), out.data_ptr(), rows,
+                               width, out_features)
     return out
 
 
@@ -286,6 +325,10 @@ def _load() -> ctypes.CDLL | None:
     lib.kv_silu_mul.argtypes = [_PTR, _PTR, _I64, _I64]
     lib.kv_linear.restype = None
     lib.kv_linear.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64]
+    lib.kv_pack_panels.restype = None
+    lib.kv_pack_panels.argtypes = [_PTR, _PTR, _I64, _I64]
+    lib.kv_panel_linear.restype = None
+    lib.kv_panel_linear.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64]
     return lib
 
 

@@ -28,10 +28,12 @@ def build_model(config, max_len: int, device, dtype) -> CausalLM:
     return model
 
 
-def load_weights(model: CausalLM, tensors, device, dtype, pack: bool = False) -> None:
+def load_weights(model: CausalLM, tensors, device, dtype, pack: bool = False,
+                 native: bool = False) -> None:
     """Fill a meta-initialised model from (name, tensor) pairs; every parameter must be present.
     Then fuses q/k/v and gate/up (engine/models/llama.py's docstring) and, with `pack` where
-    packing applies (CPU float32), packs the projections for oneDNN (engine/models/packed_linear.py)."""
+    packing applies (CPU float32), packs the projections: for the C panel kernel with `native`,
+    else for oneDNN (engine/models/packed_linear.py)."""
     params = dict(model.named_parameters())
     loaded = {}
     for name, tensor in tensors:
@@ -51,7 +53,7 @@ def load_weights(model: CausalLM, tensors, device, dtype, pack: bool = False) ->
     model.load_state_dict(loaded, strict=True, assign=True)
     model.fuse_projections()
     if pack and packed_linear.available(torch.device(device), dtype):
-        model.pack_weights()
+        model.pack_weights(native)
     model.eval()
 
 

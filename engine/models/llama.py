@@ -14,10 +14,11 @@ unfused layers (tests/test_engine.py checks it). The rotary cos/sin rows are gat
 forward pass instead of twice per layer.
 
 On CPU in float32, `CausalLM.pack_weights` then gives every projection and the LM head a
-oneDNN-packed copy of its weight, which the forward pass uses (engine/models/packed_linear.py
-has why and the figures). With `ForwardContext.native`, a pass of up to 8 rows (a small decode
-batch) projects through a C kernel over the dense weights instead (the same file says why), and
-an eager pass also runs each layer's small ops as single C calls (engine/kernels/cpu_native.py):
+packed copy of its weight, which the forward pass uses: column panels for the C panel kernel
+when the C kernels are on, else oneDNN's layout (engine/models/packed_linear.py has why and the
+figures). Without packing, with `ForwardContext.native`, a pass of up to 8 rows projects through
+a C kernel over the dense weights. With `native` an eager pass also runs each layer's small ops
+as single C calls (engine/kernels/cpu_native.py):
 the residual add fused into the next RMSNorm, RoPE of q and k, and SiLU-mul; the same arithmetic
 in another summation order.
 """
@@ -85,10 +86,10 @@ class Attention(nn.Module):
         self.qkv_weight = _fuse([self.q_proj, self.k_proj, self.v_proj], "weight")
         self.qkv_bias = _fuse([self.q_proj, self.k_proj, self.v_proj], "bias")
 
-    def pack(self) -> None:
-        """oneDNN-packed copies of the fused q/k/v and the output projection (module docstring)."""
-        self.qkv_packed = packed_linear.pack(_fused(self.qkv_weight))
-        self.o_packed = packed_linear.pack(self.o_proj.weight)
+    def pack(self, native: bool = False) -> None:
+        """Packed copies of the fused q/k/v and the output projection (module docstring)."""
+        self.qkv_packed = packed_linear.pack(_fused(self.qkv_weight), native)
+        self.o_packed = packed_linear.pack(self.o_proj.weight, native)
 
     def forward(self, x: torch.Tensor, rope: RopeRows, ctx: ForwardContext):
         """x: [T, hidden], rope: the step's cos/sin rows -> [T, hidden]."""
@@ -132,10 +133,10 @@ class MLP(nn.Module):
         """gate/up weights -> one [2 * intermediate, hidden] tensor (module docstring)."""
         self.gate_up_weight = _fuse([self.gate_proj, self.up_proj], "weight")
 
-    def pack(self) -> None:
-        """oneDNN-packed copies of the fused gate/up and the down projection."""
-        self.gate_up_packed = packed_linear.pack(_fused(self.gate_up_weight))
-        self.down_packed = packed_linear.pack(self.down_proj.weight)
+    def pack(self, native: bool = False) -> None:
+        """Packed copies of the fused gate/up and the down projection."""
+        self.gate_up_packed = packed_linear.pack(_fused(self.gate_up_weight), native)
+        self.down_packed = packed_linear.pack(self.down_proj.weight, native)
 
     def forward(self, x: torch.Tensor, native: bool = False) -> torch.Tensor:
         """x: [T, hidden] -> [T, hidden]; native: the CPU C kernels (module docstring)."""
@@ -221,13 +222,14 @@ class CausalLM(nn.Module):
             layer.self_attn.fuse()
             layer.mlp.fuse()
 
-    def pack_weights(self) -> None:
-        """oneDNN-packed copies of every projection and of the LM head, used by the forward
-        pass from now on (module docstring); call after fuse_projections(), on CPU float32."""
+    def pack_weights(self, native: bool = False) -> None:
+        """Packed copies of every projection and of the LM head, used by the forward pass from
+        now on (module docstring): column panels for the C kernel with `native`, else oneDNN's;
+        call after fuse_projections(), on CPU float32."""
         for layer in self.model.layers:
-            layer.self_attn.pack()
-            layer.mlp.pack()
-        self.head_packed = packed_linear.pack(self._head_weight())
+            layer.self_attn.pack(native)
+            layer.mlp.pack(native)
+        self.head_packed = packed_linear.pack(self._head_weight(), native)
 
     def _head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.tied else self.lm_head.weight

@@ -99,8 +99,8 @@ def weight_stream_floor(num_params: int, repeats: int = 5) -> dict:
     of `repeats` (after a warm-up) over the ways of reading a [num_params / 576, 576] fp32
     matrix (576: the embedded model's hidden size): F.linear of one row (MKL's matvec), the same
     product through oneDNN's packed kernel (engine/models/packed_linear.py) where it applies, the
-    engine's C kernel for thin batches (engine/kernels/cpu_native.py) where it is built, and a
-    plain sum. A batch-1 decode step reads every weight once (the tied embedding as the LM
+    engine's C kernels (engine/kernels/cpu_native.py: the thin one over the dense weight, the
+    panel one over its packed copy) where they are built, and a plain sum. A batch-1 decode step reads every weight once (the tied embedding as the LM
     head), so the fastest read is its memory-bandwidth floor. MKL's matvec alone is not: on the
     2-core machine it streamed 12.7 GB/s where the sum and the packed kernel reached 28.
     `method` names the read that set the floor."""
@@ -118,9 +118,12 @@ def weight_stream_floor(num_params: int, repeats: int = 5) -> dict:
     reads = {"F.linear": lambda: F.linear(row, weight), "sum": weight.sum}
     if packed_linear.available(weight.device, weight.dtype):
         packed = packed_linear.pack(weight)
-        reads["oneDNN packed"] = lambda: packed_linear.linear(row, weight, packed)
+        if packed is not None:
+            reads["oneDNN packed"] = lambda: packed_linear.linear(row, weight, packed)
     if cpu_native.streams(row, weight):
         reads["C thin kernel"] = lambda: cpu_native.linear(row, weight)
+        panels = cpu_native.pack_panels(weight)
+        reads["C panel kernel"] = lambda: cpu_native.panel_linear(row, panels, weight.shape[0])
     best = {"wall": float("inf")}
     for method, read in reads.items():
         read()
