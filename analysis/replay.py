@@ -375,17 +375,23 @@ def summarize_replay(frame: pd.DataFrame, tau: float = 0.0, bins: int = 4,
     rows["bin"] = delta_bin_labels(rows["delta"], bins) if len(rows) else []
     gt, le = f"benefit_delta_gt_{tau:g}", f"benefit_delta_le_{tau:g}"
 
-    def mean(series) -> float:
-        return float(series.mean()) if len(series) else math.nan
+    def mean(values) -> float:
+        return float(np.mean(values)) if len(values) else math.nan
 
+    def per_request(f, column: str):
+        """column's value at each request's first row (one per request, however often drawn)."""
+        return f[column][np.unique(f["request"], return_index=True)[1]]
+
+    # Statistics of `Columns` (name -> numpy array; analysis/bootstrap.py), so each of the 2,000
+    # resamples slices arrays instead of building a DataFrame.
     stats = {
         "nll_full": lambda f: mean(f["nll_full"]), "nll_grow": lambda f: mean(f["nll_grow"]),
         "nll_compress": lambda f: mean(f["nll_compress"]), "benefit": lambda f: mean(f["benefit"]),
         "benefit_positive_fraction": lambda f: mean(f["benefit"] > 0),
-        gt: lambda f: mean(f.loc[f["delta"] > tau, "benefit"]),
-        le: lambda f: mean(f.loc[f["delta"] <= tau, "benefit"]),
-        "benefit_gap_gt_minus_le": lambda f: mean(f.loc[f["delta"] > tau, "benefit"])
-        - mean(f.loc[f["delta"] <= tau, "benefit"]),
+        gt: lambda f: mean(f["benefit"][f["delta"] > tau]),
+        le: lambda f: mean(f["benefit"][f["delta"] <= tau]),
+        "benefit_gap_gt_minus_le": lambda f: mean(f["benefit"][f["delta"] > tau])
+        - mean(f["benefit"][f["delta"] <= tau]),
         "spearman_delta_benefit": lambda f: spearman(f["delta"], f["benefit"]),
         "pearson_delta_benefit": lambda f: pearson(f["delta"], f["benefit"]),
         "spearman_delta_position": lambda f: spearman(f["delta"], f["position"]),
@@ -393,16 +399,16 @@ def summarize_replay(frame: pd.DataFrame, tau: float = 0.0, bins: int = 4,
         "natural_grow_fraction": lambda f: mean(f["natural_action"] == "grow"),
         "cumulative_cost": lambda f: mean(f["cumulative_cost"]),
         "cumulative_cost_after_compressions":
-            lambda f: mean(f.loc[f["earlier_compressions"] > 0, "cumulative_cost"]),
+            lambda f: mean(f["cumulative_cost"][f["earlier_compressions"] > 0]),
         "cumulative_cost_without_compressions":
-            lambda f: mean(f.loc[f["earlier_compressions"] == 0, "cumulative_cost"]),
-        "natural_excess": lambda f: mean(f.drop_duplicates("request")["natural_excess"]),
+            lambda f: mean(f["cumulative_cost"][f["earlier_compressions"] == 0]),
+        "natural_excess": lambda f: mean(per_request(f, "natural_excess")),
     }
     labels = sorted(set(rows["bin"])) if len(rows) else []
     for k in labels:
-        stats[f"bin{k}"] = lambda f, k=k: mean(f.loc[f["bin"] == k, "benefit"])
-    intervals = cluster_bootstrap(rows, "request", stats, resamples=resamples, seed=seed) \
-        if len(rows) else {}
+        stats[f"bin{k}"] = lambda f, k=k: mean(f["benefit"][f["bin"] == k])
+    intervals = cluster_bootstrap(rows, "request", stats, resamples=resamples, seed=seed,
+                                  as_arrays=True) if len(rows) else {}
 
     def get(key: str) -> dict | None:
         return intervals[key].to_dict() if key in intervals else None

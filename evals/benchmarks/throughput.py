@@ -290,7 +290,7 @@ def run_throughput(model: str = "default", *, quick: bool = False,
          Column("hf_cpu_ms", "HF CPU ms/token", ".1f")],
         [floor] if "engine_ms" in floor else [],
         "floor: the fastest of 5 reads (each of F.linear of one fp32 row, oneDNN's packed kernel, "
-        "the engine's C kernel for thin batches where it is built, and a plain sum) of a matrix "
+        "the engine's C kernels, thin and panel, where they are built, and a plain sum) of a matrix "
         "holding as many values as the model has parameters (the tied embedding counted once: it "
         "is read as the LM head), with the benchmark's threads: "
         "the time to stream the weights once, which a batch-1 step "
