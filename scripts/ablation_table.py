@@ -29,6 +29,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from analysis.bootstrap import cluster_bootstrap
@@ -66,29 +67,38 @@ def _context(rec: dict) -> int | None:
     return rec["prompt_tokens"] + rec["output_tokens"]
 
 
-def grow_share(f: pd.DataFrame) -> float:
-    total = f[list(DECISIONS)].to_numpy().sum()
-    return float(f["grow"].sum() / total) if total else float("nan")
+def grow_share(f) -> float:
+    """f: a DataFrame or `Columns` (analysis/bootstrap.py) with the DECISIONS counts."""
+    total = sum(float(np.sum(f[d])) for d in DECISIONS)
+    return float(np.sum(f["grow"]) / total) if total else float("nan")
 
 
+def _mean(values) -> float:
+    """The mean over the values that are not NaN (as pandas' mean), NaN if none is."""
+    values = np.asarray(values, dtype=np.float64)
+    values = values[~np.isnan(values)]
+    return float(values.mean()) if values.size else float("nan")
+
+
+# The statistics read `Columns` (numpy arrays per column), so each of the bootstrap's 2,000
+# resamples slices arrays instead of building a DataFrame.
 def run_intervals(frame: pd.DataFrame) -> dict:
     stats = {
         "grow_share": grow_share,
-        "decisions": lambda f: float(f[list(DECISIONS)].sum(axis=1).mean()),
-        "avg_kv_kept": lambda f: float(f["avg_kv_kept"].mean()),
-        "final_kv_len": lambda f: float(f["final_kv_len"].mean()),
-        "kv_context": lambda f: float(f["kv_context"].mean()),
-        "fid_delta_nll": lambda f: float(f["fid_delta_nll"].mean()),
-        "fid_agreement": lambda f: float(f["fid_agreement"].mean()),
+        "decisions": lambda f: _mean(sum(f[d] for d in DECISIONS)),
+        **{k: (lambda f, k=k: _mean(f[k]))
+           for k in ("avg_kv_kept", "final_kv_len", "kv_context", "fid_delta_nll",
+                     "fid_agreement")},
     }
-    return cluster_bootstrap(frame, "uid", stats)
+    return cluster_bootstrap(frame, "uid", stats, as_arrays=True)
 
 
 def paired_intervals(frame: pd.DataFrame, against: pd.DataFrame) -> dict:
     both = frame.merge(against, on=["uid", "sample"], suffixes=("", "_ref"))
-    stats = {f"diff_{k}": (lambda f, k=k: float((f[k] - f[f"{k}_ref"]).mean()))
+    stats = {f"diff_{k}": (lambda f, k=k: _mean(np.asarray(f[k], dtype=np.float64)
+                                               - np.asarray(f[f"{k}_ref"], dtype=np.float64)))
              for k in ("fid_delta_nll", "fid_agreement")}
-    return cluster_bootstrap(both, "uid", stats)
+    return cluster_bootstrap(both, "uid", stats, as_arrays=True)
 
 
 def table(root: Path, against: str | None) -> str:
