@@ -1,7 +1,6 @@
 """CPU float32 kernels in C: the decode step's store and paged attention, reading the KV pages
 in place, the projections (over packed column panels, or thin batches over the dense weights),
-and the small per-layer ops of an eager pass (RMSNorm
-with the residual add, RoPE, SiLU-mul).
+and the small per-layer ops of an eager pass (RMSNorm with the residual add, RoPE, SiLU-mul).
 
 Why: the torch twins (paged_attention.py, store_kv.py) gather every page a decode batch attends
 into a dense copy with ``index_select`` and hand it to SDPA, once per layer per step. At batch 32

@@ -2,7 +2,7 @@
 
    engine/kernels/cpu_native.py builds this file with the others into one library;
    engine/models/packed_linear.py has why (oneDNN's packed kernel ran these thin matmuls at
-   65-75% of the two cores' peak) and the figures.
+   55-67% of the two cores' fp32 peak) and the figures.
 
      w       [N, K] contiguous, the dense nn.Linear weight (out_features x in_features)
      panels  [P, K, 16], P = ceil(N / 16): panel p holds output columns 16p .. 16p + 15, one
@@ -81,7 +81,8 @@ tile(const float *restrict x, int64_t x_stride, const float *restrict panel, int
         float out[PANEL];
         store8(out, acc[m][0]);
         store8(out + 8, acc[m][1]);
-        for (int c = 0; n0 + c < N; c++) y[m * N + n0 + c] = out[c] + (bias != 0 ? bias[n0 + c] : 0.0f);
+        for (int c = 0; n0 + c < N; c++)
+            y[m * N + n0 + c] = out[c] + (bias != 0 ? bias[n0 + c] : 0.0f);
     }
 }
 
