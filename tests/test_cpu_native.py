@@ -173,28 +173,38 @@ def test_norm_rope_and_silu_mul_match_torch(rows):
         cpu_native.silu_mul(gate_up.half())
 
 
+def _linear_cases(rows: int, shapes, gen):
+    """(x [rows, in] with strided rows, as a slice of a fused projection gives them, weight
+    [out, in], bias [out], the fp64 product, the wider tensor x is a slice of) per (out, in)."""
+    for out_features, in_features in shapes:
+        wide = torch.randn(rows, in_features + 3, generator=gen)
+        x = wide[:, :in_features]
+        weight = torch.randn(out_features, in_features, generator=gen)
+        bias = torch.randn(out_features, generator=gen)
+        yield x, weight, bias, torch.nn.functional.linear(x.double(), weight.double(),
+                                                          bias.double()), wide
+
+
+# fp32 sums of up to 576 unit-scale products (|y| ~ 24): a few ulps of difference
+LINEAR_CLOSE = dict(rtol=1e-5, atol=1e-4)
+
+
 @needs_kernel
 @pytest.mark.parametrize("rows", [1, 2, 3, 8])  # 1: the row-by-row path; odd and even pairs
 def test_thin_linear_matches_f_linear(rows):
-    gen = torch.Generator().manual_seed(12)
     # (out, in): a model's projection (threaded), and sizes that leave remainders of the
     # four-row weight tiles and of the eight-lane vectors.
-    for out_features, in_features in ((960, 576), (7, 13), (1, 5)):
-        wide = torch.randn(rows, in_features + 3, generator=gen)
-        x = wide[:, :in_features]  # strided rows, as a slice of a fused projection gives them
-        weight = torch.randn(out_features, in_features, generator=gen)
-        bias = torch.randn(out_features, generator=gen)
-        exact = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
-        # fp32 sums of up to 576 unit-scale products (|y| ~ 24): a few ulps of difference
-        close = dict(rtol=1e-5, atol=1e-4)
-        torch.testing.assert_close(cpu_native.linear(x, weight, bias), exact.float(), **close)
+    gen = torch.Generator().manual_seed(12)
+    for x, weight, bias, exact, wide in _linear_cases(rows, ((960, 576), (7, 13), (1, 5)), gen):
+        out_features = weight.shape[0]
+        torch.testing.assert_close(cpu_native.linear(x, weight, bias), exact.float(), **LINEAR_CLOSE)
         torch.testing.assert_close(cpu_native.linear(x, weight), (exact - bias.double()).float(),
-                                   **close)
+                                   **LINEAR_CLOSE)
         # columns that are not contiguous are copied first
         every_other = wide[:, ::2]
         narrow = torch.randn(out_features, every_other.shape[1], generator=gen)
         torch.testing.assert_close(cpu_native.linear(every_other, narrow),
-                                   torch.nn.functional.linear(every_other, narrow), **close)
+                                   torch.nn.functional.linear(every_other, narrow), **LINEAR_CLOSE)
     with pytest.raises(ValueError, match="does not fit"):
         cpu_native.linear(torch.randn(2, 8), torch.randn(3, 9))
     with pytest.raises(ValueError, match="does not fit"):
@@ -224,23 +234,18 @@ def test_thin_linear_serves_only_thin_cpu_float32_batches_and_passes_opcheck():
 # row blocks (the kernel takes 192 rows a pass)
 @pytest.mark.parametrize("rows", [1, 2, 5, 7, 13, 32, 200])
 def test_panel_linear_matches_f_linear(rows):
-    gen = torch.Generator().manual_seed(13)
     # (out, in): a model's projection (threaded), and sizes whose last panel is partly padding
-    for out_features, in_features in ((960, 576), (40, 13), (1, 5)):
-        wide = torch.randn(rows, in_features + 3, generator=gen)
-        x = wide[:, :in_features]  # strided rows, as a slice of a fused projection gives them
-        weight = torch.randn(out_features, in_features, generator=gen)
-        bias = torch.randn(out_features, generator=gen)
+    gen = torch.Generator().manual_seed(13)
+    for x, weight, bias, exact, _ in _linear_cases(rows, ((960, 576), (40, 13), (1, 5)), gen):
+        out_features, in_features = weight.shape
         panels = cpu_native.pack_panels(weight)
         assert panels.shape == (-(-out_features // 16), in_features, 16)
         assert torch.equal(panels.transpose(1, 2).reshape(-1, in_features)[:out_features], weight)
         assert not panels.transpose(1, 2).reshape(-1, in_features)[out_features:].any()
-        exact = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
-        close = dict(rtol=1e-5, atol=1e-4)  # fp32 sums of up to 576 unit-scale products
         torch.testing.assert_close(cpu_native.panel_linear(x, panels, out_features, bias),
-                                   exact.float(), **close)
+                                   exact.float(), **LINEAR_CLOSE)
         torch.testing.assert_close(cpu_native.panel_linear(x, panels, out_features),
-                                   (exact - bias.double()).float(), **close)
+                                   (exact - bias.double()).float(), **LINEAR_CLOSE)
         # a row's result does not depend on the rows beside it (module docstring of the C file)
         torch.testing.assert_close(cpu_native.panel_linear(x[-1:], panels, out_features),
                                    cpu_native.panel_linear(x, panels, out_features)[-1:],
