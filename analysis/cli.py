@@ -245,6 +245,8 @@ def demand(
                                 "the same pipeline on a synthetic attention process whose future "
                                 "demand is known (no model is loaded)."),
     requests: int = typer.Option(16, "--control-requests", help="Requests of the control."),
+    resamples: int = typer.Option(2000, "--resamples", help="Bootstrap resamples of every "
+                                  "interval (fewer: a quicker, coarser look)."),
     top_p: float = TopPOpt,
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Decode every prompt to "
                                     "--max-tokens (the windows need long outputs)."),
@@ -261,12 +263,14 @@ def demand(
         fail(f"--control must be 'none' or 'synthetic', got {control!r}")
     if horizon_tokens < 1 or exclude_tokens < 1:
         fail("--horizon-tokens and --exclude-tokens must be >= 1")
+    if resamples < 1:
+        fail(f"--resamples must be >= 1, got {resamples}")
 
     def study():
         from analysis.demand_study import DemandConfig, demand_study
 
         config = DemandConfig(top_p=top_p, horizon_tokens=horizon_tokens,
-                              exclude_tokens=exclude_tokens)
+                              exclude_tokens=exclude_tokens, resamples=resamples)
         if control == "synthetic":
             import torch
 

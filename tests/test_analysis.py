@@ -565,8 +565,8 @@ def test_pool_tokens_leaves_room_for_every_request():
 
 @pytest.mark.parametrize("command, extra, files", [
     ("sparsity", ["--max-tokens", "10"], ["sparsity.csv", "sparsity.png", "summary.json"]),
-    ("demand", ["--max-tokens", "30", "--horizon-tokens", "4", "--exclude-tokens", "4"],
-     ["demand.csv", "demand.png", "summary.json"]),
+    ("demand", ["--max-tokens", "30", "--horizon-tokens", "4", "--exclude-tokens", "4",
+                "--resamples", "200"], ["demand.csv", "demand.png", "summary.json"]),
     ("replay", ["--max-tokens", "24", "--max-boundaries", "2", "-a", "initial_capacity=8",
                 "-a", "protected_recent=2"], ["replay.csv", "replay.png", "summary.json"]),
 ])
@@ -586,6 +586,10 @@ def test_analyze_commands_write_their_outputs(tiny_dir, tmp_path, command, extra
         assert (out / name).stat().st_size > 0
     config = json.loads((out / "config.json").read_text())
     assert config["num_prompts"] == 2 and config["block_size"] == BLOCK
+    if command == "demand":  # --resamples reaches every interval
+        summary = json.loads((out / "summary.json").read_text())
+        assert config["resamples"] == 200
+        assert summary["pooled"]["delta"]["spearman"]["resamples"] == 200
 
 
 def test_replay_defaults_sample_score_four_pages_and_name_the_directory_by_them(
