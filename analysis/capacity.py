@@ -227,15 +227,15 @@ def summarize_capacity(frame: pd.DataFrame, budgets: list[int], seed: int = 0,
     for name in class_order(budgets):
         values = frame.loc[frame["b_star"] == name, "capacity"].to_numpy(dtype=float)
         med = cluster_bootstrap(pd.DataFrame({"v": values, "c": np.arange(values.size)}), "c",
-                                {"median": lambda f: float(np.median(f["v"])) if len(f) else math.nan},
-                                seed=seed)["median"]
+                                {"median": lambda f: float(np.median(f["v"])) if len(f["v"])
+                                 else math.nan}, seed=seed, as_arrays=True)["median"]
         members = samples[samples["uid"].isin(frame.loc[frame["b_star"] == name, "uid"])]
         classes[name] = {"n": int(values.size), "mean": class_mean(members, seed),
                          "median": med.to_dict()}
     others = [c for c in frame.columns if c in DEFAULT_CAPACITY_FIELDS]
     rhos = cluster_bootstrap(solved, "uid", {
         col: lambda f, c=col: spearman(f["b_star_tokens"], f[c]) for col in ["capacity", *others]},
-        seed=seed)
+        seed=seed, as_arrays=True)  # numpy columns per resample (analysis/bootstrap.py)
     return {"problems": int(len(frame)), "solved": int(len(solved)),
             "unsolved": int(len(frame) - len(solved)), "classes": classes,
             "spearman_bstar_capacity": rhos["capacity"].to_dict(),
