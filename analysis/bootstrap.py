@@ -132,8 +132,14 @@ def bootstrap_mean(values: Sequence[float], resamples: int = RESAMPLES, level: f
     """Percentile interval of the mean of independent values (one value per cluster)."""
     frame = pd.DataFrame({"value": np.asarray(values, dtype=float)})
     frame["cluster"] = np.arange(len(frame))
-    return cluster_bootstrap(frame, "cluster", {"mean": lambda f: float(f["value"].mean())},
-                             resamples, level, seed)["mean"]
+    return cluster_bootstrap(frame, "cluster", {"mean": lambda f: _mean_skipping_nan(f["value"])},
+                             resamples, level, seed, as_arrays=True)["mean"]
+
+
+def _mean_skipping_nan(values: np.ndarray) -> float:
+    """The mean of the values that are not NaN, as pandas' mean; NaN if none is."""
+    kept = values[~np.isnan(values)]
+    return float(kept.mean()) if kept.size else math.nan
 
 
 def fmt_interval(entry: Mapping | None, digits: int = 3) -> str:

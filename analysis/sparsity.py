@@ -203,7 +203,7 @@ def summarize_sparsity(frame: pd.DataFrame, smooth: int = 16, resamples: int = R
                              seed=seed).to_dict() for i in range(len(layer_cols))]
     trend = cluster_bootstrap(frame.reset_index(drop=True), "request", {
         "spearman": lambda f: spearman(f["step"], f["dp_ratio_mean"])},
-        resamples=resamples, seed=seed)["spearman"] if len(frame) else None
+        resamples=resamples, seed=seed, as_arrays=True)["spearman"] if len(frame) else None
     for v in per_request.values():
         v.pop("layer_ratio")
     return {"requests": len(per_request), "smooth_steps": smooth,
