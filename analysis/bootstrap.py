@@ -132,12 +132,15 @@ def bootstrap_mean(values: Sequence[float], resamples: int = RESAMPLES, level: f
     """Percentile interval of the mean of independent values (one value per cluster)."""
     frame = pd.DataFrame({"value": np.asarray(values, dtype=float)})
     frame["cluster"] = np.arange(len(frame))
-    return cluster_bootstrap(frame, "cluster", {"mean": lambda f: _mean_skipping_nan(f["value"])},
+    return cluster_bootstrap(frame, "cluster", {"mean": lambda f: mean_skipping_nan(f["value"])},
                              resamples, level, seed, as_arrays=True)["mean"]
 
 
-def _mean_skipping_nan(values: np.ndarray) -> float:
-    """The mean of the values that are not NaN, as pandas' mean; NaN if none is."""
+def mean_skipping_nan(values) -> float:
+    """The mean of the values that are not NaN (None counts as NaN), as pandas' Series.mean
+    gives it; NaN if none is. values: [n] numbers or booleans (a boolean mean is a share).
+    Statistics over `Columns` use it to keep the DataFrame statistics' meaning."""
+    values = np.asarray(values, dtype=np.float64)
     kept = values[~np.isnan(values)]
     return float(kept.mean()) if kept.size else math.nan
 

@@ -60,7 +60,7 @@ from typing import ClassVar
 import numpy as np
 import pandas as pd
 
-from analysis.bootstrap import RESAMPLES, cluster_bootstrap, fmt_interval
+from analysis.bootstrap import RESAMPLES, cluster_bootstrap, fmt_interval, mean_skipping_nan
 from analysis.common import (
     RunSettings,
     finite_or_none,
@@ -375,12 +375,12 @@ def summarize_replay(frame: pd.DataFrame, tau: float = 0.0, bins: int = 4,
     rows["bin"] = delta_bin_labels(rows["delta"], bins) if len(rows) else []
     gt, le = f"benefit_delta_gt_{tau:g}", f"benefit_delta_le_{tau:g}"
 
-    def mean(values) -> float:
-        return float(np.mean(values)) if len(values) else math.nan
+    mean = mean_skipping_nan
 
     def per_request(f, column: str):
-        """column's value at each request's first row (one per request, however often drawn)."""
-        return f[column][np.unique(f["request"], return_index=True)[1]]
+        """column's value at each request's first row, in row order (one per request, however
+        often drawn), as DataFrame.drop_duplicates("request") keeps them."""
+        return f[column][np.sort(np.unique(f["request"], return_index=True)[1])]
 
     # Statistics of `Columns` (name -> numpy array; analysis/bootstrap.py), so each of the 2,000
     # resamples slices arrays instead of building a DataFrame.

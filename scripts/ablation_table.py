@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analysis.bootstrap import cluster_bootstrap
+from analysis.bootstrap import cluster_bootstrap, mean_skipping_nan
 
 DECISIONS = ("grow", "compress", "shrink")
 
@@ -73,20 +73,13 @@ def grow_share(f) -> float:
     return float(np.sum(f["grow"]) / total) if total else float("nan")
 
 
-def _mean(values) -> float:
-    """The mean over the values that are not NaN (as pandas' mean), NaN if none is."""
-    values = np.asarray(values, dtype=np.float64)
-    values = values[~np.isnan(values)]
-    return float(values.mean()) if values.size else float("nan")
-
-
 # The statistics read `Columns` (numpy arrays per column), so each of the bootstrap's 2,000
 # resamples slices arrays instead of building a DataFrame.
 def run_intervals(frame: pd.DataFrame) -> dict:
     stats = {
         "grow_share": grow_share,
-        "decisions": lambda f: _mean(sum(f[d] for d in DECISIONS)),
-        **{k: (lambda f, k=k: _mean(f[k]))
+        "decisions": lambda f: mean_skipping_nan(sum(f[d] for d in DECISIONS)),
+        **{k: (lambda f, k=k: mean_skipping_nan(f[k]))
            for k in ("avg_kv_kept", "final_kv_len", "kv_context", "fid_delta_nll",
                      "fid_agreement")},
     }
@@ -95,7 +88,7 @@ def run_intervals(frame: pd.DataFrame) -> dict:
 
 def paired_intervals(frame: pd.DataFrame, against: pd.DataFrame) -> dict:
     both = frame.merge(against, on=["uid", "sample"], suffixes=("", "_ref"))
-    stats = {f"diff_{k}": (lambda f, k=k: _mean(np.asarray(f[k], dtype=np.float64)
+    stats = {f"diff_{k}": (lambda f, k=k: mean_skipping_nan(np.asarray(f[k], dtype=np.float64)
                                                - np.asarray(f[f"{k}_ref"], dtype=np.float64)))
              for k in ("fid_delta_nll", "fid_agreement")}
     return cluster_bootstrap(both, "uid", stats, as_arrays=True)
