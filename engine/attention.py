@@ -65,9 +65,10 @@ class ForwardContext:
         first layer and reused by the others: every layer has the same shapes, slots, tables and
         lengths, and at batch 1 this per-layer index work was a visible share of a decode step.
     native: on CPU in float32, store and decode through the C kernels that read the pages in
-        place, the projections of passes of up to 8 rows and the layers' small ops in C too
-        (engine/kernels/cpu_native.py; EngineConfig.cpu_native_kernels); prefill chunks keep the
-        torch twin's attention.
+        place, the projections of unpacked passes of up to 8 rows and the layers' small ops in C
+        too (engine/kernels/cpu_native.py; EngineConfig.cpu_native_kernels; packed weights pick
+        their kernel at load, engine/models/packed_linear.py); prefill chunks keep the torch
+        twin's attention.
     """
 
     kv: KVCache

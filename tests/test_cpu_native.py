@@ -124,6 +124,8 @@ def test_shapes_dtypes_and_devices_that_would_read_out_of_bounds_raise():
                           torch.zeros(q.shape[0], 1, 2, dtype=torch.long))
     with pytest.raises(ValueError, match="CPU index"):
         cpu_native.decode(q, k_cache, v_cache, tables.to("meta"), lens, scale)
+    with pytest.raises(ValueError, match="caches differ"):
+        cpu_native.decode(q, k_cache, v_cache[:, :1].contiguous(), tables, lens, scale)
     key, value, k_cache, v_cache, slots = _store_case(F32)
     with pytest.raises(ValueError, match="do not fit"):
         cpu_native.store(key, value, k_cache, v_cache, slots[:-1])

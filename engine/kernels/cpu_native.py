@@ -163,9 +163,7 @@ def linear(x, weight, bias=None) -> torch.Tensor:
     if weight.shape[1] != width or (bias is not None and bias.shape != weight.shape[:1]):
         raise ValueError(f"x {tuple(x.shape)} does not fit weight {tuple(weight.shape)}"
                          + ("" if bias is None else f" and bias {tuple(bias.shape)}"))
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    _require_cpu_float32(x)
+    x = _matrix_rows(x)
     _require_contiguous(weight, *(() if bias is None else (bias,)))
     out = x.new_empty(rows, weight.shape[0])
     _library().kv_linear(x.data_ptr(), x.stride(0), weight.data_ptr(),
@@ -194,9 +192,7 @@ def panel_linear(x, panels, out_features: int, bias=None) -> torch.Tensor:
         raise ValueError(f"x {tuple(x.shape)} does not fit panels {tuple(panels.shape)} for "
                          f"{out_features} outputs"
                          + ("" if bias is None else f" and bias {tuple(bias.shape)}"))
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    _require_cpu_float32(x)
+    x = _matrix_rows(x)
     _require_contiguous(panels, *(() if bias is None else (bias,)))
     out = x.new_empty(rows, out_features)
     _library().kv_panel_linear(x.data_ptr(), x.stride(0), panels.data_ptr(),
@@ -226,10 +222,10 @@ def decode(q, k_cache_l, v_cache_l, block_tables, context_lens, scale, holes=Non
     """Module docstring: [B, q_heads, head_dim] -> [B, q_heads, head_dim]."""
     batch, q_heads, head_dim = q.shape
     kv_heads, pages, block, cache_head_dim = k_cache_l.shape
-    if q_heads % kv_heads or cache_head_dim != head_dim or v_cache_l.shape != k_cache_l.shape:
-        raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(k_cache_l.shape)} / "
-                         f"{tuple(v_cache_l.shape)} (q_heads a multiple of kv_heads, one head_dim)")
     _require_caches(k_cache_l, v_cache_l)
+    if q_heads % kv_heads or cache_head_dim != head_dim:
+        raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(k_cache_l.shape)} "
+                         f"(q_heads a multiple of kv_heads, one head_dim)")
     if block_tables.dim() != 2 or block_tables.shape[0] != batch \
             or context_lens.shape != (batch,) \
             or (holes is not None and holes.shape != (batch, kv_heads, 2)):
@@ -249,6 +245,12 @@ def decode(q, k_cache_l, v_cache_l, block_tables, context_lens, scale, holes=Non
                               head_dim, block, pages, float(scale))
     _raise_on(rc)
     return out
+
+
+def _matrix_rows(x: torch.Tensor) -> torch.Tensor:
+    """[T, K] with each row's K values contiguous (the row stride is passed)."""
+    _require_cpu_float32(x)
+    return x if x.stride(1) == 1 else x.contiguous()
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:

@@ -18,9 +18,8 @@ packed copy of its weight, which the forward pass uses: column panels for the C 
 when the C kernels are on, else oneDNN's layout (engine/models/packed_linear.py has why and the
 figures). Without packing, with `ForwardContext.native`, a pass of up to 8 rows projects through
 a C kernel over the dense weights. With `native` an eager pass also runs each layer's small ops
-as single C calls (engine/kernels/cpu_native.py):
-the residual add fused into the next RMSNorm, RoPE of q and k, and SiLU-mul; the same arithmetic
-in another summation order.
+as single C calls (engine/kernels/cpu_native.py): the residual add fused into the next RMSNorm,
+RoPE of q and k, and SiLU-mul; the same arithmetic in another summation order.
 """
 
 from __future__ import annotations

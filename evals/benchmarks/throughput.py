@@ -102,8 +102,8 @@ def weight_stream_floor(num_params: int, repeats: int = 5) -> dict:
     engine's C kernels (engine/kernels/cpu_native.py: the thin one over the dense weight, the
     panel one over its packed copy) where they are built, and a plain sum. A batch-1 decode step
     reads every weight once (the tied embedding as the LM head), so the fastest read is its
-    memory-bandwidth floor. MKL's matvec alone is not: on the
-    2-core machine it streamed 12.7 GB/s where the sum and the packed kernel reached 28.
+    memory-bandwidth floor. MKL's matvec alone is not: on the 2-core machine it streamed
+    12.7 GB/s where the sum and the packed kernel reached 28.
     `method` names the read that set the floor."""
     import time
 
