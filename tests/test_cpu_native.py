@@ -23,7 +23,7 @@ from test_kernels import (
     naive_decode_holes,
     naive_store,
 )
-from tiny_models import make_tiny_llama_dir
+from tiny_models import make_tiny_llama_dir, make_tiny_qwen2_dir, make_tiny_qwen3_dir
 
 # Only a machine without a C compiler skips these; where one exists, a failed build fails them.
 needs_kernel = pytest.mark.skipif(not cpu_native.available() and shutil.which("cc") is None,
@@ -316,7 +316,7 @@ def test_engine_tokens_and_logprobs_equal_with_the_kernels_on_and_off(tmp_path, 
     from engine.sampling import SamplingParams
 
     assert cpu_native.available()  # else both runs would be the twins'
-    calls = {"linear": [], "panel_linear": []}
+    calls = {"linear": [], "panel_linear": [], "decode_layers": []}
     for name, spied in calls.items():
         kernel = getattr(cpu_native, name)
         monkeypatch.setattr(cpu_native, name,
@@ -336,13 +336,105 @@ def test_engine_tokens_and_logprobs_equal_with_the_kernels_on_and_off(tmp_path, 
                   policy=policy[0], policy_args=policy[1], **kwargs)
         runs[name] = llm.generate(prompts, params)
         # eager and compiled alike, at least the 12 projections (3 layers x 4) and the LM head
-        # of each of the 11 decode steps of 3 rows go through the kernel named
+        # of each of the 11 decode steps of 3 rows go through the kernel named; with panels an
+        # eager step without holes runs its 12 in the C decode stack (one call)
         used = {"panels": "panel_linear", "thin": "linear"}.get(name)
-        for kernel, spied in calls.items():
-            assert len(spied) >= 11 * 13 if kernel == used else not spied, (name, kernel)
+        stacked = len(calls["decode_layers"])
+        if name == "panels" and not compile:
+            # every decode step; PyramidKV's steps with holes run layer by layer
+            assert stacked == 11 if policy[0] == "full" else 0 < stacked < 11, stacked
+        else:
+            assert not stacked, name
+        for kernel in ("linear", "panel_linear"):
+            count = len(calls[kernel]) + (12 * stacked if kernel == used else 0)
+            assert count >= 11 * 13 if kernel == used else not calls[kernel], (name, kernel)
     for name in ("panels", "thin"):
         for on, off in zip(runs[name], runs["off"]):
             assert on.token_ids == off.token_ids
             assert on.token_logprobs == pytest.approx(off.token_logprobs, abs=1e-4)
     if policy[0] != "full":
         assert any(e["action"] == "compress" for o in runs["panels"] for e in o.events)
+
+
+# The C decode stack runs a decode step's every layer in one call; the same kernels in the same
+# order as the eager layers, so the two agree bit for bit. Qwen2 adds the q/k/v bias; Qwen3's q/k
+# norms are not in the stack, so its layers run as before.
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+@needs_kernel
+def test_decode_stack_equals_the_eager_layers_bit_for_bit(tmp_path, monkeypatch, family):
+    from engine.llm import LLM
+    from engine.models.llama import DecoderModel
+    from engine.sampling import SamplingParams
+
+    make = {"llama": make_tiny_llama_dir, "qwen2": make_tiny_qwen2_dir,
+            "qwen3": make_tiny_qwen3_dir}[family]
+    model = make(tmp_path / "m", num_hidden_layers=3)
+    stacked = []
+    kernel = cpu_native.decode_layers
+    monkeypatch.setattr(cpu_native, "decode_layers",
+                        lambda *a: stacked.append(a[0].shape[0]) or kernel(*a))
+    prompts = [list(range(3, 43)), [4, 4, 8], [(7 * i) % 300 + 3 for i in range(27)]]
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=True),
+              SamplingParams(temperature=0.6, max_tokens=12, ignore_eos=True, logprobs=True,
+                             seed=5)]
+    runs = []
+    for on in (True, False):
+        if not on:
+            monkeypatch.setattr(DecoderModel, "_stacked", lambda self, x, ctx: False)
+        stacked.clear()
+        llm = LLM(str(model), block_size=4, kv_cache_tokens=512)
+        runs.append([llm.generate(prompts, p) for p in params])
+        if on and family != "qwen3":
+            # 11 decode steps of the 3 rows for each sampling setting (the first token of each
+            # comes from the prefill, which the stack does not run)
+            assert stacked == [3] * 22
+        else:
+            assert not stacked
+    for with_stack, without in zip(*runs):
+        for a, b in zip(with_stack, without):
+            assert a.token_ids == b.token_ids
+            assert a.token_logprobs == b.token_logprobs
+
+
+@needs_kernel
+def test_decode_layers_checks_its_inputs():
+    torch.manual_seed(0)
+    hidden, q_heads, kv_heads, d, inter = 32, 4, 2, 8, 48
+
+    def layer():
+        return {"input_norm": torch.rand(hidden), "post_norm": torch.rand(hidden),
+                "qkv": cpu_native.pack_panels(torch.randn((q_heads + 2 * kv_heads) * d, hidden)),
+                "qkv_bias": None, "o": cpu_native.pack_panels(torch.randn(hidden, q_heads * d)),
+                "gate_up": cpu_native.pack_panels(torch.randn(2 * inter, hidden)),
+                "down": cpu_native.pack_panels(torch.randn(hidden, inter))}
+
+    for broken, match in (({"qkv_bias": torch.zeros(3)}, "qkv_bias is"),
+                          ({"o": torch.randn(hidden, q_heads * d)}, "o is"),
+                          ({"extra": None}, "layer 0 has")):
+        with pytest.raises(ValueError, match=match):
+            cpu_native.layer_stack([{**layer(), **broken}], q_heads, kv_heads, d, 1e-5)
+    with pytest.raises(ValueError, match="at least one layer"):
+        cpu_native.layer_stack([], q_heads, kv_heads, d, 1e-5)
+    stack = cpu_native.layer_stack([layer(), layer()], q_heads, kv_heads, d, 1e-5)
+    k_cache = torch.zeros(2, kv_heads, 3, 4, d)
+    v_cache = torch.zeros_like(k_cache)
+    cos, sin = torch.ones(2, 1, d), torch.zeros(2, 1, d)
+    tables, lens = torch.tensor([[0, 1], [2, -1]]), torch.tensor([5, 1])
+
+    def run(x=None, slots=(4, 8), k=k_cache, tables=tables, lens=lens, cos=cos):
+        x = torch.randn(2, hidden) if x is None else x
+        cpu_native.decode_layers(x, cos, sin, stack, k, v_cache, torch.tensor(slots), tables,
+                                 lens, 0.3)
+        return x
+
+    out = run()
+    assert out.isfinite().all() and k_cache[:, :, 1, 0].abs().sum() > 0  # slot 4: page 1
+    for kwargs, match in ((dict(x=torch.randn(2, hidden + 1)), "do not fit the 2-layer"),
+                          (dict(k=torch.zeros(1, kv_heads, 3, 4, d)), "caches differ"),
+                          (dict(cos=torch.ones(2, d)), "do not fit the 2-layer"),
+                          (dict(lens=torch.tensor([5])), "do not fit 2 rows"),
+                          (dict(slots=(4, 12)), "slot_mapping entry is outside"),
+                          (dict(tables=torch.tensor([[0, 7], [2, -1]])), "outside the cache"),
+                          (dict(lens=torch.tensor([9, 1])), "context length")):
+        with pytest.raises(ValueError, match=match):
+            run(**kwargs)

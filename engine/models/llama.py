@@ -19,7 +19,11 @@ when the C kernels are on, else oneDNN's layout (engine/models/packed_linear.py 
 figures). Without packing, with `ForwardContext.native`, a pass of up to 8 rows projects through
 a C kernel over the dense weights. With `native` an eager pass also runs each layer's small ops
 as single C calls (engine/kernels/cpu_native.py): the residual add fused into the next RMSNorm,
-RoPE of q and k, and SiLU-mul; the same arithmetic in another summation order.
+RoPE of q and k, and SiLU-mul; the same arithmetic in another summation order. With panels,
+`DecoderModel.stack_layers` hands the layers to one C call for an eager decode step
+(`cpu_native.decode_layers`): the same kernels in the same order, without the Python between
+them, when no layer has anything to hand out (query capture, per-head holes) and the layers
+have no q/k norms.
 """
 
 from __future__ import annotations
@@ -181,13 +185,47 @@ class DecoderModel(nn.Module):
             DecoderLayer(config, i, flags) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.flags = flags
+        self.stack: cpu_native.LayerStack | None = None  # set by stack_layers()
+
+    def stack_layers(self) -> None:
+        """The layers' norms and column panels as one C decode stack (module docstring), when
+        every projection has panels and the layers need nothing the C stack lacks (q/k norms)."""
+        attn = [layer.self_attn for layer in self.layers]
+        mlp = [layer.mlp for layer in self.layers]
+        packed = [t for a, m in zip(attn, mlp)
+                  for t in (a.qkv_packed, a.o_packed, m.gate_up_packed, m.down_packed)]
+        if self.flags.qk_norm or not all(t is not None and t.dim() == 3 for t in packed):
+            return
+        first = attn[0]
+        self.stack = cpu_native.layer_stack(
+            [{"input_norm": layer.input_layernorm.weight.detach(), "qkv": a.qkv_packed,
+              "qkv_bias": None if a.qkv_bias is None else a.qkv_bias.detach(), "o": a.o_packed,
+              "post_norm": layer.post_attention_layernorm.weight.detach(),
+              "gate_up": m.gate_up_packed, "down": m.down_packed}
+             for layer, a, m in zip(self.layers, attn, mlp)],
+            first.num_heads, first.num_kv_heads, first.head_dim, self.norm.eps)
 
     def forward(self, input_ids, positions, ctx, num_layers: int | None = None):
         x = self.embed_tokens(input_ids)
         rope = self.rope.rows(positions)  # gathered once, shared by every layer
+        if num_layers is None and self._stacked(x, ctx):
+            cpu_native.decode_layers(x, rope.cos, rope.sin, self.stack, ctx.kv.k, ctx.kv.v,
+                                     ctx.slot_mapping, ctx.decode_block_tables,
+                                     ctx.decode_context_lens, ctx.scale)
+            return self.norm(x)
         for layer in self.layers[:num_layers]:
             x = layer(x, rope, ctx)
         return x if num_layers is not None else self.norm(x)
+
+    def _stacked(self, x: torch.Tensor, ctx: ForwardContext) -> bool:
+        """Whether the C decode stack runs this pass: an eager CPU float32 pass of one-token items
+        only, with the C kernels on, storing every row, and nothing for a layer to hand out on
+        the way (query capture or collection, per-head holes)."""
+        return (self.stack is not None and ctx.native and cpu_native.fuses(x)
+                and ctx.num_decode == x.shape[0] > 0 and ctx.slot_mapping is not None
+                and not ctx.fused_decode and ctx.capture is None and ctx.collect is None
+                and ctx.decode_holes is None and cpu_native.applies(x, ctx.kv.k, ctx.kv.v))
 
 
 class CausalLM(nn.Module):
@@ -229,6 +267,7 @@ class CausalLM(nn.Module):
             layer.self_attn.pack(native)
             layer.mlp.pack(native)
         self.head_packed = packed_linear.pack(self._head_weight(), native)
+        self.model.stack_layers()
 
     def _head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.tied else self.lm_head.weight

@@ -1,0 +1,89 @@
+/* A decode step's whole decoder stack in one call: every layer's norms, projections, RoPE, KV
+   store and paged attention for rows that are one-token items, float32 on the CPU.
+
+   engine/kernels/cpu_native.py (`decode_layers`) calls it through ctypes; its docstring has why
+   and the figures. It runs the same C kernels, in the same order and on the same operands, as
+   an eager layer with the C kernels on (engine/models/llama.py, DecoderLayer._forward_native),
+   so the residual stream it leaves equals that path's bit for bit; only the Python between the
+   kernels is gone.
+
+     x:        [T, hidden], the embedded tokens; on return the residual stream after the last
+               layer (before the final norm), written in place
+     cos, sin: [T, head_dim], the rows' rotary tables (rope.py's RopeRows, sign in sin)
+     weights:  [layers, LAYER_FIELDS] int64 addresses (the enum below): RMSNorm weights [hidden],
+               column panels [ceil(out / 16), in, 16] (panel_gemm.c), the q/k/v bias or 0
+     k_cache, v_cache: [layers, kv_heads, num_pages * block, head_dim]
+     slots [T], tables [T, table_stride], lens [T]: kv_store's and kv_decode's (paged_decode.c)
+
+   Returns KV_OK or the first error code of kv_store / kv_decode (nothing past that layer ran). */
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { LN_IN, QKV, QKV_BIAS, O, LN_POST, GATE_UP, DOWN, LAYER_FIELDS };
+enum { NO_MEMORY = 6 };
+
+int kv_store(const float *key, const float *value, int64_t key_stride, int64_t value_stride,
+             float *k_cache, float *v_cache, const int64_t *slots, int64_t rows,
+             int64_t kv_heads, int64_t head_dim, int64_t num_slots);
+int kv_decode(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+              const int64_t *tables, int64_t table_stride, const int64_t *lens,
+              const int64_t *holes, float *out, int64_t batch, int64_t q_heads, int64_t kv_heads,
+              int64_t head_dim, int64_t block, int64_t num_pages, float scale);
+void kv_add_rms_norm(float *x, const float *delta, const float *weight, float *out, int64_t rows,
+                     int64_t dim, float eps);
+void kv_rope(const float *x, int64_t x_stride, const float *cos, const float *sin, float *out,
+             int64_t rows, int64_t heads, int64_t head_dim);
+void kv_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t inter);
+void kv_panel_linear(const float *x, int64_t x_stride, const float *panels, const float *bias,
+                     float *y, int64_t T, int64_t K, int64_t N);
+
+#define FIELD(layer, f) ((const float *)(intptr_t)weights[(layer) * LAYER_FIELDS + (f)])
+
+int kv_decode_layers(float *x, const float *cos, const float *sin, const int64_t *weights,
+                     int64_t layers, int64_t rows, int64_t hidden, int64_t q_heads,
+                     int64_t kv_heads, int64_t head_dim, int64_t inter, float eps,
+                     float *k_cache, float *v_cache, int64_t num_pages, int64_t block,
+                     const int64_t *slots, const int64_t *tables, int64_t table_stride,
+                     const int64_t *lens, float scale) {
+    const int64_t q_width = q_heads * head_dim, kv_width = kv_heads * head_dim;
+    const int64_t qkv_width = q_width + 2 * kv_width, qk_width = q_width + kv_width;
+    const int64_t layer_slots = kv_heads * num_pages * block * head_dim;
+    /* One scratch block for the step: h, qkv, rotated q|k, attention, o, gate|up, act, down. */
+    const int64_t widths[] = {hidden, qkv_width, qk_width, q_width, hidden, 2 * inter, inter,
+                              hidden};
+    int64_t total = 0;
+    for (size_t i = 0; i < sizeof widths / sizeof *widths; i++) total += rows * widths[i];
+    float *scratch = malloc((size_t)total * sizeof(float));
+    if (scratch == 0) return NO_MEMORY;
+    float *h = scratch, *qkv = h + rows * hidden, *qk = qkv + rows * qkv_width;
+    float *attn = qk + rows * qk_width, *o = attn + rows * q_width, *gate_up = o + rows * hidden;
+    float *act = gate_up + rows * 2 * inter, *down = act + rows * inter;
+    int rc = 0;
+    for (int64_t l = 0; l < layers; l++) {
+        float *k_layer = k_cache + l * layer_slots, *v_layer = v_cache + l * layer_slots;
+        /* The previous layer's MLP residual is added here, fused into this layer's first norm,
+           as the eager layer adds it before its norm. */
+        kv_add_rms_norm(x, l ? down : 0, FIELD(l, LN_IN), h, rows, hidden, eps);
+        kv_panel_linear(h, hidden, FIELD(l, QKV), FIELD(l, QKV_BIAS), qkv, rows, hidden,
+                        qkv_width);
+        /* q and k rotated in one pass over their adjacent heads; v is read from qkv in place */
+        kv_rope(qkv, qkv_width, cos, sin, qk, rows, q_heads + kv_heads, head_dim);
+        rc = kv_store(qk + q_width, qkv + qk_width, qk_width, qkv_width, k_layer, v_layer, slots,
+                      rows, kv_heads, head_dim, num_pages * block);
+        if (rc) break;
+        rc = kv_decode(qk, qk_width, k_layer, v_layer, tables, table_stride, lens, 0, attn, rows,
+                       q_heads, kv_heads, head_dim, block, num_pages, scale);
+        if (rc) break;
+        kv_panel_linear(attn, q_width, FIELD(l, O), 0, o, rows, q_width, hidden);
+        kv_add_rms_norm(x, o, FIELD(l, LN_POST), h, rows, hidden, eps);
+        kv_panel_linear(h, hidden, FIELD(l, GATE_UP), 0, gate_up, rows, hidden, 2 * inter);
+        kv_silu_mul(gate_up, act, rows, inter);
+        kv_panel_linear(act, inter, FIELD(l, DOWN), 0, down, rows, inter, hidden);
+    }
+    if (rc == 0 && layers > 0)
+        for (int64_t i = 0; i < rows * hidden; i++) x[i] += down[i];
+    free(scratch);
+    return rc;
+}
