@@ -426,3 +426,51 @@ def test_launches_per_layer_eager_and_compiled():
     assert row["compiled"] <= B.TARGET_PER_LAYER < row["eager"]
     assert row["custom"] == 2 and row["extern"] >= 4  # qkv, o, gate/up, down
     assert all(t.met for t in result.targets)
+
+
+def test_projections_quick_times_every_kernel_built_and_writes_its_tables(tmp_path):
+    from typer.testing import CliRunner
+
+    from cli import app
+    from engine.kernels import cpu_native
+    from evals.benchmarks import projections
+
+    result = projections.run_projections(**quiet)
+    built = list(projections.kernels())
+    assert built[-1] == "F.linear" and (cpu_native.available() == ("C panels" in built))
+    chain = result.table("chain")
+    floor, *timed = chain.rows
+    assert floor["kernel"] == "plain sum (floor)" and floor["vs_floor"] == 1.0
+    expected = [(rows, k) for rows in projections.QUICK.rows for k in built
+                if k != "C thin" or rows <= cpu_native.THIN_ROWS]
+    assert [(r["rows"], r["kernel"]) for r in timed] == expected
+    for r in timed:
+        assert 0 < r["best_ms"] <= r["median_ms"] and r["vs_floor"] > 0
+        assert r["gb_per_s"] == pytest.approx(result.scale["weight_gb"] / r["best_ms"] * 1e3,
+                                              rel=1e-2)
+    # quick: 2 layers x 4 shapes + the LM head
+    assert result.scale["weights"] == 9
+    shapes = result.table("shapes")
+    assert [r["shape"].split(" [")[0] for r in shapes.rows] == list(projections.QUICK.shapes())
+    for r in shapes.rows:
+        assert all(r[k] > 0 for k in built if projections.rows_ok(k, r["rows"]))
+    assert result.notes[0].startswith("max |kernel - F.linear|")
+
+    out = CliRunner().invoke(app, ["bench", "projections", "--quick", "--threads", "1",
+                                   "--out-dir", str(tmp_path)])
+    assert out.exit_code == 0, out.output
+    md = (tmp_path / "projections-quick.md").read_text()
+    assert "| rows | kernel | best ms |" in md and "GFLOP/s per weight shape" in md
+    bad = CliRunner().invoke(app, ["bench", "projections", "--rows", "0,2"])
+    assert bad.exit_code != 0 and "positive integers" in bad.output
+
+
+def test_projections_refuse_a_kernel_that_disagrees(monkeypatch):
+    import torch.nn.functional as F
+
+    from evals.benchmarks import projections
+
+    wrong = {"F.linear": (lambda w: None, lambda x, w, p: F.linear(x, w)),
+             "broken": (lambda w: None, lambda x, w, p: F.linear(x, w) + 0.01)}
+    with pytest.raises(RuntimeError, match="broken"):
+        projections.check_agreement(projections.QUICK.shapes(), wrong)
