@@ -170,6 +170,17 @@ class QueryStatePool:
             self.ema[layer, plan.ema_slots] = ema_update(
                 self.ema[layer, plan.ema_slots], q_pre[plan.ema_rows], self.betas, plan.ema_init)
 
+    def record_layers(self, q_pre: torch.Tensor) -> None:
+        """q_pre: [layers, T, q_heads, d], every layer's pre-RoPE queries of the step's rows at
+        once (the CPU decode stack's, engine/models/llama.py): the writes `record` makes layer
+        by layer, with the same values."""
+        plan = self.plan
+        if self.recent is not None and plan.recent_rows.numel():
+            self.recent[:, plan.recent_slots, plan.recent_ring] = q_pre[:, plan.recent_rows]
+        if self.ema is not None and plan.ema_rows.numel():
+            self.ema[:, plan.ema_slots] = ema_update(
+                self.ema[:, plan.ema_slots], q_pre[:, plan.ema_rows], self.betas, plan.ema_init)
+
     # -- reads ----------------------------------------------------------------------------------
     def recent_of(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(queries [layers, n', q_heads, d], positions [n']) oldest first, n' <= n filled."""

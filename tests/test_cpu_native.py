@@ -357,10 +357,17 @@ def test_engine_tokens_and_logprobs_equal_with_the_kernels_on_and_off(tmp_path, 
 
 # The C decode stack runs a decode step's every layer in one call; the same kernels in the same
 # order as the eager layers, so the two agree bit for bit. Qwen2 adds the q/k/v bias; Qwen3's q/k
-# norms are not in the stack, so its layers run as before.
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+# norms are not in the stack, so its layers run as before. GrowPage (EMA summaries) and Zipage
+# (recent-query ring) take their pre-RoPE queries out of the stack: their decisions and their
+# query pools must be the same too.
+@pytest.mark.parametrize("family, policy, args", [
+    ("llama", "full", {}), ("qwen2", "full", {}), ("qwen3", "full", {}),
+    ("llama", "growpage", {"protected_recent": 2, "initial_capacity": 16}),
+    ("llama", "zipage", {"budget": 16, "window": 4}),
+], ids=lambda v: v if isinstance(v, str) else "")
 @needs_kernel
-def test_decode_stack_equals_the_eager_layers_bit_for_bit(tmp_path, monkeypatch, family):
+def test_decode_stack_equals_the_eager_layers_bit_for_bit(tmp_path, monkeypatch, family, policy,
+                                                          args):
     from engine.llm import LLM
     from engine.models.llama import DecoderModel
     from engine.sampling import SamplingParams
@@ -376,23 +383,38 @@ def test_decode_stack_equals_the_eager_layers_bit_for_bit(tmp_path, monkeypatch,
     params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=True),
               SamplingParams(temperature=0.6, max_tokens=12, ignore_eos=True, logprobs=True,
                              seed=5)]
-    runs = []
+    runs, pools = [], []
     for on in (True, False):
         if not on:
             monkeypatch.setattr(DecoderModel, "_stacked", lambda self, x, ctx: False)
         stacked.clear()
-        llm = LLM(str(model), block_size=4, kv_cache_tokens=512)
+        llm = LLM(str(model), block_size=4, kv_cache_tokens=512, policy=policy,
+                  policy_args=args)
         runs.append([llm.generate(prompts, p) for p in params])
+        queries = llm.runner.queries
+        pools.append([t.clone() for t in (queries.recent, queries.ema) if t is not None])
         if on and family != "qwen3":
             # 11 decode steps of the 3 rows for each sampling setting (the first token of each
             # comes from the prefill, which the stack does not run)
             assert stacked == [3] * 22
         else:
             assert not stacked
+    assert bool(pools[0]) == (policy != "full")
+    for a, b in zip(*pools):
+        assert torch.equal(a, b)
     for with_stack, without in zip(*runs):
         for a, b in zip(with_stack, without):
             assert a.token_ids == b.token_ids
             assert a.token_logprobs == b.token_logprobs
+            assert _untimed(a.events) == _untimed(b.events)
+    if policy != "full":
+        assert any(e["action"] == "compress" for o in runs[0][0] for e in o.events)
+
+
+def _untimed(events: list[dict]) -> list[dict]:
+    """Events without what differs between two engines' runs: timestamps, stage seconds, ids."""
+    return [{k: v for k, v in e.items() if k not in ("time", "stages", "seq_id")}
+            for e in events]
 
 
 @needs_kernel
@@ -420,20 +442,23 @@ def test_decode_layers_checks_its_inputs():
     cos, sin = torch.ones(2, 1, d), torch.zeros(2, 1, d)
     tables, lens = torch.tensor([[0, 1], [2, -1]]), torch.tensor([5, 1])
 
-    def run(x=None, slots=(4, 8), k=k_cache, tables=tables, lens=lens, cos=cos):
+    def run(x=None, slots=(4, 8), k=k_cache, tables=tables, lens=lens, cos=cos, queries=None):
         x = torch.randn(2, hidden) if x is None else x
         cpu_native.decode_layers(x, cos, sin, stack, k, v_cache, torch.tensor(slots), tables,
-                                 lens, 0.3)
+                                 lens, 0.3, queries)
         return x
 
-    out = run()
+    queries = torch.full((2, 2, q_heads, d), float("nan"))
+    out = run(queries=queries)
     assert out.isfinite().all() and k_cache[:, :, 1, 0].abs().sum() > 0  # slot 4: page 1
+    assert queries.isfinite().all()  # every layer's queries written
     for kwargs, match in ((dict(x=torch.randn(2, hidden + 1)), "do not fit the 2-layer"),
                           (dict(k=torch.zeros(1, kv_heads, 3, 4, d)), "caches differ"),
                           (dict(cos=torch.ones(2, d)), "do not fit the 2-layer"),
                           (dict(lens=torch.tensor([5])), "do not fit 2 rows"),
                           (dict(slots=(4, 12)), "slot_mapping entry is outside"),
                           (dict(tables=torch.tensor([[0, 7], [2, -1]])), "outside the cache"),
-                          (dict(lens=torch.tensor([9, 1])), "context length")):
+                          (dict(lens=torch.tensor([9, 1])), "context length"),
+                          (dict(queries=torch.zeros(2, 2, q_heads + 1, d)), "queries")):
         with pytest.raises(ValueError, match=match):
             run(**kwargs)

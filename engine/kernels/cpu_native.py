@@ -51,8 +51,8 @@ results/benchmarks/peer.md.
         allocation, ctypes) was 18-19% of a step in a profile. SmolLM2, 2 threads, one process
         alternating the two (128 tokens, 3 runs each): batch 1 28.0-30.8 tok/s against 20.1-24.5,
         fastest step 22.4-24.0 ms against 28.6-33.0 ms; tokens identical. The model runs it
-        (engine/models/llama.py, DecoderModel.stack_layers) when nothing inside a layer is
-        needed outside it.
+        (engine/models/llama.py, DecoderModel.stack_layers) for steps without per-head holes;
+        `queries` takes every layer's pre-RoPE queries out for the policies' signals.
 
 `applies(...)` says when the attention kernels run: CPU float32 tensors, contiguous caches and
 head axes, and the library built. It is built once per machine and source
@@ -311,12 +311,13 @@ def layer_stack(layers: list[dict], q_heads: int, kv_heads: int, head_dim: int,
 
 
 def decode_layers(x, cos, sin, stack: LayerStack, k_cache, v_cache, slot_mapping, block_tables,
-                  context_lens, scale: float) -> None:
+                  context_lens, scale: float, queries=None) -> None:
     """Every layer of a decode step whose T rows are one-token items, in one call
     (cpu/decode_layers.c): x [T, hidden] (contiguous, this pass's own) becomes the residual
     stream after the last layer, before the final norm, in place; cos/sin [T, 1, head_dim];
     k/v_cache [layers, kv_heads, num_pages, block_size, head_dim] (each token's k and v stored
-    at slot_mapping [T]); block_tables [T, max_blocks], context_lens [T]: `decode`'s."""
+    at slot_mapping [T]); block_tables [T, max_blocks], context_lens [T]: `decode`'s; queries,
+    when given, [layers, T, q_heads, head_dim] takes every layer's pre-RoPE queries."""
     rows = x.shape[0]
     layers, kv_heads, pages, block, head_dim = k_cache.shape
     _require_contiguous(x, cos, sin)
@@ -333,12 +334,18 @@ def decode_layers(x, cos, sin, stack: LayerStack, k_cache, v_cache, slot_mapping
         raise ValueError(f"slot_mapping {tuple(slot_mapping.shape)}, block_tables "
                          f"{tuple(block_tables.shape)} or context_lens "
                          f"{tuple(context_lens.shape)} do not fit {rows} rows")
+    if queries is not None:
+        _require_contiguous(queries)
+        if queries.shape != (layers, rows, stack.q_heads, stack.head_dim):
+            raise ValueError(f"queries {tuple(queries.shape)} do not fit {layers} layers of "
+                             f"{rows} rows x {stack.q_heads} heads x {stack.head_dim}")
     slots, tables, lens = _int64(slot_mapping), _int64(block_tables), _int64(context_lens)
     rc = _library().kv_decode_layers(
         x.data_ptr(), cos.data_ptr(), sin.data_ptr(), stack.table.data_ptr(), layers, rows,
         stack.hidden, stack.q_heads, kv_heads, head_dim, stack.inter, stack.eps,
         k_cache.data_ptr(), v_cache.data_ptr(), pages, block, slots.data_ptr(), tables.data_ptr(),
-        tables.shape[1], lens.data_ptr(), float(scale))
+        tables.shape[1], lens.data_ptr(), float(scale),
+        None if queries is None else queries.data_ptr())
     _raise_on(rc)
 
 
@@ -431,7 +438,7 @@ def _load() -> ctypes.CDLL | None:
     lib.kv_panel_linear.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64]
     lib.kv_decode_layers.restype = ctypes.c_int
     lib.kv_decode_layers.argtypes = [_PTR, _PTR, _PTR, _PTR, *[_I64] * 7, _F32, _PTR, _PTR,
-                                     _I64, _I64, _PTR, _PTR, _I64, _PTR, _F32]
+                                     _I64, _I64, _PTR, _PTR, _I64, _PTR, _F32, _PTR]
     return lib
 
 

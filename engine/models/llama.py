@@ -22,8 +22,8 @@ as single C calls (engine/kernels/cpu_native.py): the residual add fused into th
 RoPE of q and k, and SiLU-mul; the same arithmetic in another summation order. With panels,
 `DecoderModel.stack_layers` hands the layers to one C call for an eager decode step
 (`cpu_native.decode_layers`): the same kernels in the same order, without the Python between
-them, when no layer has anything to hand out (query capture, per-head holes) and the layers
-have no q/k norms.
+them, with every layer's pre-RoPE queries copied out for the policies' signals, when the step
+has no per-head holes and the layers have no q/k norms.
 """
 
 from __future__ import annotations
@@ -210,9 +210,14 @@ class DecoderModel(nn.Module):
         x = self.embed_tokens(input_ids)
         rope = self.rope.rows(positions)  # gathered once, shared by every layer
         if num_layers is None and self._stacked(x, ctx):
-            cpu_native.decode_layers(x, rope.cos, rope.sin, self.stack, ctx.kv.k, ctx.kv.v,
+            stack = self.stack
+            queries = None if ctx.capture is None else x.new_empty(
+                len(self.layers), x.shape[0], stack.q_heads, stack.head_dim)
+            cpu_native.decode_layers(x, rope.cos, rope.sin, stack, ctx.kv.k, ctx.kv.v,
                                      ctx.slot_mapping, ctx.decode_block_tables,
-                                     ctx.decode_context_lens, ctx.scale)
+                                     ctx.decode_context_lens, ctx.scale, queries)
+            if queries is not None:
+                ctx.capture.record_layers(queries)
             return self.norm(x)
         for layer in self.layers[:num_layers]:
             x = layer(x, rope, ctx)
@@ -220,11 +225,12 @@ class DecoderModel(nn.Module):
 
     def _stacked(self, x: torch.Tensor, ctx: ForwardContext) -> bool:
         """Whether the C decode stack runs this pass: an eager CPU float32 pass of one-token items
-        only, with the C kernels on, storing every row, and nothing for a layer to hand out on
-        the way (query capture or collection, per-head holes)."""
+        only, with the C kernels on, storing every row, without per-head holes or post-RoPE
+        query collection (pre-RoPE queries for the policies' signals come out of the stack and
+        are recorded after it)."""
         return (self.stack is not None and ctx.native and cpu_native.fuses(x)
                 and ctx.num_decode == x.shape[0] > 0 and ctx.slot_mapping is not None
-                and not ctx.fused_decode and ctx.capture is None and ctx.collect is None
+                and not ctx.fused_decode and ctx.collect is None
                 and ctx.decode_holes is None and cpu_native.applies(x, ctx.kv.k, ctx.kv.v))
 
 

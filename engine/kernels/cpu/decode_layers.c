@@ -14,6 +14,8 @@
                column panels [ceil(out / 16), in, 16] (panel_gemm.c), the q/k/v bias or 0
      k_cache, v_cache: [layers, kv_heads, num_pages * block, head_dim]
      slots [T], tables [T, table_stride], lens [T]: kv_store's and kv_decode's (paged_decode.c)
+     queries:  NULL, or [layers, T, q_heads * head_dim]: every layer's pre-RoPE queries, copied
+               out for the policies' signals (engine/query_state.py records them after the call)
 
    Returns KV_OK or the first error code of kv_store / kv_decode (nothing past that layer ran). */
 
@@ -46,7 +48,7 @@ int kv_decode_layers(float *x, const float *cos, const float *sin, const int64_t
                      int64_t kv_heads, int64_t head_dim, int64_t inter, float eps,
                      float *k_cache, float *v_cache, int64_t num_pages, int64_t block,
                      const int64_t *slots, const int64_t *tables, int64_t table_stride,
-                     const int64_t *lens, float scale) {
+                     const int64_t *lens, float scale, float *queries) {
     const int64_t q_width = q_heads * head_dim, kv_width = kv_heads * head_dim;
     const int64_t qkv_width = q_width + 2 * kv_width, qk_width = q_width + kv_width;
     const int64_t layer_slots = kv_heads * num_pages * block * head_dim;
@@ -68,6 +70,10 @@ int kv_decode_layers(float *x, const float *cos, const float *sin, const int64_t
         kv_add_rms_norm(x, l ? down : 0, FIELD(l, LN_IN), h, rows, hidden, eps);
         kv_panel_linear(h, hidden, FIELD(l, QKV), FIELD(l, QKV_BIAS), qkv, rows, hidden,
                         qkv_width);
+        if (queries != 0)
+            for (int64_t t = 0; t < rows; t++)
+                memcpy(queries + (l * rows + t) * q_width, qkv + t * qkv_width,
+                       (size_t)q_width * sizeof(float));
         /* q and k rotated in one pass over their adjacent heads; v is read from qkv in place */
         kv_rope(qkv, qkv_width, cos, sin, qk, rows, q_heads + kv_heads, head_dim);
         rc = kv_store(qk + q_width, qkv + qk_width, qk_width, qkv_width, k_layer, v_layer, slots,
