@@ -25,7 +25,8 @@ reached 187-195 at 512 rows). GFLOP/s at 32 rows (2 threads, weights in cache, b
 
 A chain of a step's 121 projections (SmolLM2's shapes, each weight read from memory; one process
 alternating the kernels; best / median of 8, ms). From two rows on the panels are the fastest,
-at one row they tie with the thin kernel below:
+at one row they tie with the thin kernel below. `kvarena bench projections` times both tables
+(results/benchmarks/projections.md: a slower hour, the same order):
 
     rows   C panels      oneDNN packed   C thin (dense weight)
     1      19.3 / 21.3   27.6 / 32.6     21.5 / 22.8
