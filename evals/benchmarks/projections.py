@@ -149,6 +149,8 @@ def check_agreement(shapes: dict, found: dict) -> dict[str, float]:
 
 
 def chain_table(scale, weights, found, operands, gb, log) -> Table:
+    """The chain (module docstring): weights [out, in] in a step's order, operands[kernel] their
+    packed copies; a row per (row count, kernel) after the plain sum's."""
     import torch
 
     rows_out = []
@@ -182,6 +184,7 @@ def chain_table(scale, weights, found, operands, gb, log) -> Table:
 
 
 def shape_table(scale, shapes, found, log) -> Table:
+    """GFLOP/s of each kernel per weight shape at scale.shape_rows rows (module docstring)."""
     import torch
 
     rows_out = []
