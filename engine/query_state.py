@@ -163,23 +163,25 @@ class QueryStatePool:
 
     def record(self, layer: int, q_pre: torch.Tensor) -> None:
         """q_pre: [T, q_heads, d] pre-RoPE queries of this layer for the step's rows."""
-        plan = self.plan
-        if self.recent is not None and plan.recent_rows.numel():
-            self.recent[layer, plan.recent_slots, plan.recent_ring] = q_pre[plan.recent_rows]
-        if self.ema is not None and plan.ema_rows.numel():
-            self.ema[layer, plan.ema_slots] = ema_update(
-                self.ema[layer, plan.ema_slots], q_pre[plan.ema_rows], self.betas, plan.ema_init)
+        self._write(layer, q_pre)
 
     def record_layers(self, q_pre: torch.Tensor) -> None:
         """q_pre: [layers, T, q_heads, d], every layer's pre-RoPE queries of the step's rows at
         once (the CPU decode stack's, engine/models/llama.py): the writes `record` makes layer
         by layer, with the same values."""
+        self._write(slice(None), q_pre)
+
+    def _write(self, layers: int | slice, q_pre: torch.Tensor) -> None:
+        """The step's writes into one layer (an int; q_pre [T, q_heads, d]) or all of them
+        (slice(None); q_pre [layers, T, q_heads, d])."""
         plan = self.plan
         if self.recent is not None and plan.recent_rows.numel():
-            self.recent[:, plan.recent_slots, plan.recent_ring] = q_pre[:, plan.recent_rows]
+            self.recent[layers, plan.recent_slots, plan.recent_ring] = \
+                q_pre[..., plan.recent_rows, :, :]
         if self.ema is not None and plan.ema_rows.numel():
-            self.ema[:, plan.ema_slots] = ema_update(
-                self.ema[:, plan.ema_slots], q_pre[:, plan.ema_rows], self.betas, plan.ema_init)
+            self.ema[layers, plan.ema_slots] = ema_update(
+                self.ema[layers, plan.ema_slots], q_pre[..., plan.ema_rows, :, :], self.betas,
+                plan.ema_init)
 
     # -- reads ----------------------------------------------------------------------------------
     def recent_of(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -185,7 +185,6 @@ class DecoderModel(nn.Module):
             DecoderLayer(config, i, flags) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.flags = flags
         self.stack: cpu_native.LayerStack | None = None  # set by stack_layers()
 
     def stack_layers(self) -> None:
@@ -195,9 +194,9 @@ class DecoderModel(nn.Module):
         mlp = [layer.mlp for layer in self.layers]
         packed = [t for a, m in zip(attn, mlp)
                   for t in (a.qkv_packed, a.o_packed, m.gate_up_packed, m.down_packed)]
-        if self.flags.qk_norm or not all(t is not None and t.dim() == 3 for t in packed):
-            return
         first = attn[0]
+        if first.qk_norm or not all(t is not None and t.dim() == 3 for t in packed):
+            return
         self.stack = cpu_native.layer_stack(
             [{"input_norm": layer.input_layernorm.weight.detach(), "qkv": a.qkv_packed,
               "qkv_bias": None if a.qkv_bias is None else a.qkv_bias.detach(), "o": a.o_packed,
