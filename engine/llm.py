@@ -162,12 +162,15 @@ class LLM:
             while scheduler.has_unfinished():
                 threads.adapt()
                 items = scheduler.schedule()
-                steps.append(StepRecord(len(scheduler.running), scheduler.bm.num_used,
-                                        sum(not it.prefill for it in items), threads.current()))
+                prefills = sum(it.prefill for it in items)
+                step = StepRecord(len(scheduler.running), scheduler.bm.num_used,
+                                  len(items) - prefills, threads.current(), prefills)
+                steps.append(step)
                 if items:
                     start = time.perf_counter()
                     tokens = self.runner.run(items)
-                    forward += time.perf_counter() - start
+                    step.seconds = time.perf_counter() - start
+                    forward += step.seconds
                     scheduler.postprocess(items, tokens)
                 elif scheduler.worker is not None and scheduler.worker.busy:
                     scheduler.collect_compactions(wait=True)

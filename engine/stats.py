@@ -19,6 +19,9 @@
   budgets (PyramidKV, AdaKV) pages are sized by the largest head, so allocated minus kept counts
   the write-page headroom plus the holes of the heads that keep fewer tokens.
 - C: mean number of requests resident (running) per decode step.
+- Decode step time (`decode_step_median_s`, `decode_step_fastest_s`): the wall time of a step's
+  forward pass and sampling (`ModelRunner.run`; the scheduler's work around it is not in it),
+  over the steps that only decode: its median and its fastest.
 - Events (Table 9): what each capacity event counts as (its kind, the engine counter it adds to,
   whether it is a primary decision) is engine/events.py's one rule. `counts` are the scheduler's
   counters: "grow", "allocate", "fallback" (a grow decision the pool could not safely satisfy),
@@ -107,6 +110,8 @@ class StepRecord:
     pages_used: int
     decodes: int
     threads: int = 1  # torch's intra-op threads for the step (engine/threads.py's governor)
+    prefills: int = 0  # items of the step that prefill (a chunk of a prompt)
+    seconds: float = 0.0  # wall time of the step's forward pass and sampling (ModelRunner.run)
 
 
 @dataclass
@@ -132,6 +137,10 @@ class RunStats:
     final_kv_len: float | None = None  # mean over requests of RequestOutput.final_kv_len
     kv_context: float | None = None
     mean_threads: float | None = None  # torch threads per step, averaged over steps
+    # Over the steps that only decode (no prefill chunk beside them): the median and the
+    # fastest step's StepRecord.seconds; None without such steps.
+    decode_step_median_s: float | None = None
+    decode_step_fastest_s: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -172,6 +181,7 @@ def run_stats(outputs: list[RequestOutput], steps: list[StepRecord], events: lis
     allocated = [o.avg_kv_allocated for o in outputs if o.avg_kv_allocated is not None]
     kept = [o.avg_kv_kept for o in outputs if o.avg_kv_kept is not None]
     decode_steps = [s for s in steps if s.decodes]
+    decode_only = [s.seconds for s in decode_steps if not s.prefills]
     stages: Counter[str] = Counter()
     for e in events:
         stages.update(e.stages)
@@ -189,6 +199,8 @@ def run_stats(outputs: list[RequestOutput], steps: list[StepRecord], events: lis
         mean_pages=statistics.fmean(s.pages_used for s in steps) if steps else 0.0,
         num_steps=len(steps), forward_seconds=forward_seconds,
         mean_threads=statistics.fmean(s.threads for s in steps) if steps else None,
+        decode_step_median_s=statistics.median(decode_only) if decode_only else None,
+        decode_step_fastest_s=min(decode_only, default=None),
         compaction_seconds=compaction_seconds, counts=counts,
         grow_ratio=decisions["grow"] / n_decisions if n_decisions else None,
         stage_seconds=dict(stages), compactions=sum(is_compaction(e.action) for e in events),

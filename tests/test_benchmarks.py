@@ -76,6 +76,12 @@ def test_throughput_quick(tiny_model):
     one = [s for s in sides.rows if s["workload"] == "batch 1"]
     assert f["engine_ms"] == pytest.approx(1e3 * one[0]["wall_s"] / scale.single_tokens)
     assert f["engine_x_floor"] == pytest.approx(f["engine_ms"] / f["floor_ms"])
+    # the same statistic on both sides: decode steps against reads taken beside them
+    (st,) = result.table("floor_steps").rows
+    assert_finite_rows(result.table("floor_steps"))
+    assert 0 < st["read_fastest_ms"] <= st["read_median_ms"]
+    assert 0 < st["step_fastest_ms"] <= st["step_median_ms"]
+    assert st["step_x_read_median"] == pytest.approx(st["step_median_ms"] / st["read_median_ms"])
     for r in ratios.rows:
         eng, hf = [s for s in sides.rows if s["workload"] == r["workload"]]
         assert eng["useful_tokens"] == hf["useful_tokens"]
@@ -88,8 +94,22 @@ def test_throughput_quick(tiny_model):
         assert r["agreement"] == 1.0
         if r["workload"] in expected_useful:
             assert eng["useful_tokens"] == expected_useful[r["workload"]]
-    assert [t.value for t in result.targets] == [r["ratio"] for r in ratios.rows]
-    assert [t.threshold for t in result.targets] == [1.0, 1.0, 1.5]
+    assert [t.value for t in result.targets] == [r["ratio"] for r in ratios.rows] + [
+        f["engine_x_floor"], st["step_x_read_median"]]
+    assert [(t.comparison, t.threshold) for t in result.targets] == [
+        (">=", 1.0), (">=", 1.0), (">=", 1.5), ("<", 1.3), ("<", 1.3)]
+
+
+def test_steps_against_reads_compare_like_with_like():
+    # two samples of reads (s); three repeats' decode steps, one without a decode-only step
+    row = throughput.step_against_reads([[0.03, 0.01, 0.02], [0.05, 0.04, 0.06]],
+                                        [0.026, None, 0.024], [0.02, None, 0.022])
+    assert row["read_median_ms"] == pytest.approx(20) and row["read_fastest_ms"] == pytest.approx(10)
+    assert row["step_median_ms"] == pytest.approx(24) and row["step_fastest_ms"] == pytest.approx(20)
+    assert row["step_x_read_median"] == pytest.approx(1.2)
+    assert row["step_x_read_fastest"] == pytest.approx(2.0)
+    none = throughput.step_against_reads([[0.01]], [None], [None])
+    assert none["step_median_ms"] is None and none["step_x_read_median"] is None
 
 
 def test_throughput_repeats_keep_each_sides_fastest(tiny_model):
@@ -293,7 +313,8 @@ def test_cli_writes_json_and_markdown(tiny_model, tmp_path):
     assert out.exit_code == 0, out.output
     payload = json.loads((tmp_path / "throughput-quick.json").read_text())
     assert payload["name"] == "throughput" and "load_average_start" in payload["machine"]
-    assert [t["name"] for t in payload["tables"]] == ["sides", "ratios", "repeats", "floor"]
+    assert [t["name"] for t in payload["tables"]] == ["sides", "ratios", "repeats", "floor",
+                                                     "floor_steps"]
     md = (tmp_path / "throughput-quick.md").read_text()
     assert "kvarena bench throughput --model" in md and "--quick --threads 1" in md
     assert "| workload | engine TPS |" in md

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -253,6 +254,20 @@ def test_run_stats_follow_metric_definitions(llama_dir):
         assert o.tpot == pytest.approx((o.finish_time - o.first_token_time) / (o.num_output_tokens - 1))
         assert o.avg_kv_budget == pytest.approx(sum(o.capacity_trace) / len(o.capacity_trace))
         assert all(c % 4 == 0 for c in o.capacity_trace)
+    assert 0 < stats.decode_step_fastest_s <= stats.decode_step_median_s < stats.forward_seconds
+
+
+def test_decode_step_times_leave_out_steps_with_a_prefill():
+    from engine.stats import StepRecord, run_stats
+
+    steps = [StepRecord(1, 1, 0, prefills=1, seconds=9.0),  # a prompt's prefill
+             StepRecord(2, 2, 1, prefills=1, seconds=5.0),  # a decode beside a prefill chunk
+             *(StepRecord(2, 2, 2, seconds=t) for t in (0.3, 0.1, 0.2)),
+             StepRecord(0, 0, 0)]  # nothing scheduled
+    stats = run_stats([], steps, [], Counter(), 1.0, 14.6, 0.0)
+    assert (stats.decode_step_median_s, stats.decode_step_fastest_s) == (0.2, 0.1)
+    none = run_stats([], steps[:2], [], Counter(), 1.0, 14.0, 0.0)
+    assert none.decode_step_median_s is None and none.decode_step_fastest_s is None
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -6,7 +6,9 @@ the order alternates and each side's fastest repeat is kept):
 (0) batch 1: one request, 200 greedy tokens: a single stream's per-token latency (interactive
     generate, NIAH's long single prompts). Its floor is streaming every fp32 weight once per token;
     the bench measures that floor on the machine (a matvec over a tensor as large as the model's
-    weights, same threads) and prints the engine's and transformers' ms/token against it.
+    weights, same threads) and prints the engine's and transformers' ms/token against it; then,
+    with the floor read again beside every repeat, the engine's decode steps against those
+    reads by the same statistic (median against median, fastest against fastest).
 (a) uniform: N prompts of the same length, `ignore_eos`, the same number of new tokens; both sides
     run it as one batch (the engine admits every request at once: its pool holds them all).
 (b) heterogeneous: requests with varied prompt and output lengths, submitted in order. The engine
@@ -94,50 +96,104 @@ def workloads(builder: PromptBuilder, scale: ThroughputScale) -> dict[str, tuple
     return {name: loads[name] for name in scale.workloads}
 
 
-def weight_stream_floor(num_params: int, repeats: int = 5) -> dict:
-    """Seconds to stream `num_params` fp32 values once, with the threads torch has: the fastest
-    of `repeats` (after a warm-up) over the ways of reading a [num_params / 576, 576] fp32
-    matrix (576: the embedded model's hidden size): F.linear of one row (MKL's matvec), the same
-    product through oneDNN's packed kernel (engine/models/packed_linear.py) where it applies, the
-    engine's C kernels (engine/kernels/cpu_native.py: the thin one over the dense weight, the
-    panel one over its packed copy) where they are built, and a plain sum. A batch-1 decode step
-    reads every weight once (the tied embedding as the LM head), so the fastest read is its
+# Reads of the floor's fastest method taken before every batch-1 repeat and after the last, so
+# the floor is sampled in the same minutes as the engine's steps.
+FLOOR_SAMPLE = 10
+# The issue's bound on batch 1 against the floor (engine / floor).
+FLOOR_TARGET = 1.3
+
+
+class WeightStream:
+    """Reading `num_params` fp32 values once, with the threads torch has: a
+    [num_params / 576, 576] fp32 matrix (576: the embedded model's hidden size) and the ways of
+    reading it: F.linear of one row (MKL's matvec), the same product through oneDNN's packed
+    kernel (engine/models/packed_linear.py) where it applies, the engine's C kernels
+    (engine/kernels/cpu_native.py: the thin one over the dense weight, the panel one over its
+    packed copy) where they are built, and a plain sum. A batch-1 decode step reads every
+    weight once (the tied embedding as the LM head), so the fastest read is its
     memory-bandwidth floor. MKL's matvec alone is not: on the 2-core machine it streamed
     12.7 GB/s where the sum and the packed kernel reached 28.
-    `method` names the read that set the floor."""
-    import time
 
-    import torch
-    import torch.nn.functional as F
+    `fastest(repeats)` times every read and keeps the fastest (`method` names it); `sample(n)`
+    times n more reads of that method, for a floor taken beside the engine's steps (on this
+    machine one read's time swings by 20% or more from minute to minute)."""
 
-    from engine.kernels import cpu_native
-    from engine.models import packed_linear
+    def __init__(self, num_params: int):
+        import torch
+        import torch.nn.functional as F
 
-    cols = 576
-    weight = torch.randn(-(-num_params // cols), cols)
-    row = torch.randn(1, cols)
-    reads = {"F.linear": lambda: F.linear(row, weight), "sum": weight.sum}
-    if packed_linear.available(weight.device, weight.dtype):
-        packed = packed_linear.pack(weight)
-        if packed is not None:
-            reads["oneDNN packed"] = lambda: packed_linear.linear(row, weight, packed)
-    if cpu_native.streams(row, weight):
-        reads["C thin kernel"] = lambda: cpu_native.linear(row, weight)
-        panels = cpu_native.pack_panels(weight)
-        reads["C panel kernel"] = lambda: cpu_native.panel_linear(row, panels, weight.shape[0])
-    best = {"wall": float("inf")}
-    for method, read in reads.items():
-        read()
-        for _ in range(repeats):
-            t0, c0 = time.perf_counter(), time.process_time()
+        from engine.kernels import cpu_native
+        from engine.models import packed_linear
+
+        self.num_params = num_params
+        self.weight = weight = torch.randn(-(-num_params // 576), 576)
+        row = torch.randn(1, 576)
+        self.reads = {"F.linear": lambda: F.linear(row, weight), "sum": weight.sum}
+        if packed_linear.available(weight.device, weight.dtype):
+            packed = packed_linear.pack(weight)
+            if packed is not None:
+                self.reads["oneDNN packed"] = lambda: packed_linear.linear(row, weight, packed)
+        if cpu_native.streams(row, weight):
+            self.reads["C thin kernel"] = lambda: cpu_native.linear(row, weight)
+            panels = cpu_native.pack_panels(weight)
+            self.reads["C panel kernel"] = lambda: cpu_native.panel_linear(row, panels,
+                                                                           weight.shape[0])
+        self.method: str | None = None
+
+    def fastest(self, repeats: int = 5) -> dict:
+        """The fastest of `repeats` reads (after a warm-up) over every method: params, gb,
+        floor_ms, floor_cpu_ms (both threads' CPU time), gb_per_s and method."""
+        import time
+
+        best = {"wall": float("inf")}
+        for method, read in self.reads.items():
             read()
-            wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-            if wall < best["wall"]:
-                best = {"wall": wall, "cpu": cpu, "method": method}
-    gb = weight.numel() * 4 / 1e9
-    return {"params": num_params, "gb": gb, "floor_ms": 1e3 * best["wall"],
-            "floor_cpu_ms": 1e3 * best["cpu"], "gb_per_s": gb / best["wall"],
-            "method": best["method"]}
+            for _ in range(repeats):
+                t0, c0 = time.perf_counter(), time.process_time()
+                read()
+                wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+                if wall < best["wall"]:
+                    best = {"wall": wall, "cpu": cpu, "method": method}
+        self.method = best["method"]
+        gb = self.weight.numel() * 4 / 1e9
+        return {"params": self.num_params, "gb": gb, "floor_ms": 1e3 * best["wall"],
+                "floor_cpu_ms": 1e3 * best["cpu"], "gb_per_s": gb / best["wall"],
+                "method": best["method"]}
+
+    def sample(self, reads: int = FLOOR_SAMPLE) -> list[float]:
+        """Wall seconds of `reads` reads by the method `fastest` chose."""
+        import time
+
+        if self.method is None:
+            raise RuntimeError("WeightStream.sample() needs fastest() first")
+        read, times = self.reads[self.method], []
+        for _ in range(reads):
+            t0 = time.perf_counter()
+            read()
+            times.append(time.perf_counter() - t0)
+        return times
+
+
+def step_against_reads(reads: list[list[float]], step_medians: list[float | None],
+                       step_fastest: list[float | None]) -> dict:
+    """Batch-1 decode steps against floor reads taken beside them, like with like: each
+    repeat's median decode step (RunStats.decode_step_median_s) against each sample's median
+    read, the best of either kept (as the repeats keep each side's fastest run), and the fastest
+    step against the fastest read. Seconds in, ms out; None where no step only decoded."""
+    import statistics
+
+    read_median = min(statistics.median(sample) for sample in reads)
+    read_fastest = min(min(sample) for sample in reads)
+    medians = [m for m in step_medians if m is not None]
+    fastest = [f for f in step_fastest if f is not None]
+    step_median = min(medians) if medians else None
+    step_best = min(fastest) if fastest else None
+    return {"read_median_ms": 1e3 * read_median, "read_fastest_ms": 1e3 * read_fastest,
+            "step_median_ms": None if step_median is None else 1e3 * step_median,
+            "step_fastest_ms": None if step_best is None else 1e3 * step_best,
+            "step_x_read_median": None if step_median is None else ratio(step_median,
+                                                                         read_median),
+            "step_x_read_fastest": None if step_best is None else ratio(step_best, read_fastest)}
 
 
 def pool_tokens(prompts: list[list[int]], max_tokens: list[int], block_size: int) -> int:
@@ -161,11 +217,13 @@ def run_throughput(model: str = "default", *, quick: bool = False,
     hf_model = load_hf_model(model_dir)
     pad = pad_token_id(hf_model, tokenizer)
     # The floor only reads against the batch-1 workload: measure it only when that one runs.
-    floor = {}
+    floor, stream = {}, None
     if "batch 1" in loads:
-        floor = weight_stream_floor(sum(p.numel() for p in hf_model.parameters()))
+        stream = WeightStream(sum(p.numel() for p in hf_model.parameters()))
+        floor = stream.fastest()
         log(f"weight-stream floor: {floor['floor_ms']:.1f} ms per token ({floor['gb']:.2f} GB, "
             f"{floor['gb_per_s']:.1f} GB/s, {floor['method']})")
+    floor_reads, step_medians, step_fastest, steps_row = [], [], [], {}
     # Warm transformers up once (first-call allocations), outside the timed calls.
     first_prompt = next(iter(loads.values()))[0][0]
     run_static_batches(hf_model, [first_prompt[:8]], [2], 1, pad)
@@ -193,10 +251,15 @@ def run_throughput(model: str = "default", *, quick: bool = False,
             # Repeats alternate which side goes first (engine, HF, HF, engine, ...) and each
             # side keeps its fastest repeat (best of n): load from other processes only ever
             # slows a run down, and a load trend then favours neither side.
+            if name == "batch 1":
+                floor_reads.append(stream.sample())
             if rep % 2 == 0:
                 e, h = engine_side(), hf_side()
             else:
                 h, e = hf_side(), engine_side()
+            if name == "batch 1":
+                step_medians.append(e.stats.decode_step_median_s)
+                step_fastest.append(e.stats.decode_step_fastest_s)
             log(f"{name} repeat {rep + 1}: engine {e.wall:.1f} s wall / {e.cpu:.1f} s CPU, "
                 f"transformers {h.wall:.1f} s / {h.cpu:.1f} s: engine / HF "
                 f"{ratio(h.wall, e.wall):.2f} wall, {ratio(h.cpu, e.cpu):.2f} CPU")
@@ -232,6 +295,8 @@ def run_throughput(model: str = "default", *, quick: bool = False,
             floor.update(engine_x_floor=ratio(floor["engine_ms"], floor["floor_ms"]),
                          hf_x_floor=ratio(floor["hf_ms"], floor["floor_ms"]),
                          engine_cpu_x_floor=ratio(floor["engine_cpu_ms"], floor["floor_cpu_ms"]))
+            floor_reads.append(stream.sample())
+            steps_row = step_against_reads(floor_reads, step_medians, step_fastest)
         ratios.append({"workload": name, "engine_tps": eng_tps, "hf_tps": hf_tps,
                        "ratio": ratio(eng_tps, hf_tps), "target": target,
                        "engine_tps_cpu": eng_cpu_tps, "hf_tps_cpu": hf_cpu_tps,
@@ -297,14 +362,35 @@ def run_throughput(model: str = "default", *, quick: bool = False,
         "cannot beat. ms/token: the batch-1 side's wall time / its output tokens (prefill "
         "included); CPU ms/token counts both threads (so does the floor's CPU time, the steadier "
         "reading when other processes hold the cores).")
+    step_table = Table(
+        "floor_steps", "Batch 1: decode steps against floor reads taken beside them",
+        [Column("read_median_ms", "floor read median ms", ".1f"),
+         Column("step_median_ms", "engine decode step median ms", ".1f"),
+         Column("step_x_read_median", "step / read (medians)", ".2f"),
+         Column("read_fastest_ms", "fastest read ms", ".1f"),
+         Column("step_fastest_ms", "fastest decode step ms", ".1f"),
+         Column("step_x_read_fastest", "step / read (fastest)", ".2f")],
+        [steps_row] if steps_row else [],
+        f"The floor table above sets the fastest of 5 reads against the batch-1 side's mean "
+        f"per token over a whole run (prefill included): two different statistics of a "
+        f"machine whose speed swings from minute to minute. Here the same statistic on both "
+        f"sides: {FLOOR_SAMPLE} reads of the fastest method before every repeat and after the "
+        f"last, against the engine's decode steps (a step's forward pass and sampling, "
+        f"RunStats.decode_step_median_s; the prefill step and the scheduler's work between "
+        f"steps left out); each side's best repeat (of its medians), and the fastest of each.")
     targets = [Target.check(f"{r['workload']}: engine TPS / transformers TPS", r["ratio"], ">=",
                             r["target"]) for r in ratios]
+    if "engine_x_floor" in floor:
+        targets.append(Target.check("batch 1: engine ms/token / floor (fastest read)",
+                                    floor["engine_x_floor"], "<", FLOOR_TARGET))
+        targets.append(Target.check("batch 1: decode step / floor read (medians, side by side)",
+                                    steps_row.get("step_x_read_median"), "<", FLOOR_TARGET))
     scale_dict = {k: v for k, v in scale.__dict__.items()}
     scale_dict.update(model=str(model), block_size=block_size,
                       compile="engine default" if compile is None else compile)
     return BenchResult("throughput", "Engine vs transformers generate: throughput",
                        scale_dict, [side_table, ratio_table, repeat_table]
-                       + ([floor_table] if floor else []), targets)
+                       + ([floor_table, step_table] if steps_row else []), targets)
 
 
 @bench_app.command("throughput")
