@@ -257,6 +257,16 @@ class EngineRun:
         return [o.token_ids for o in self.outputs]
 
 
+def wall_times(fn: Callable[[], Any], calls: int) -> list[float]:
+    """Wall seconds of each of `calls` calls of fn, one after the other."""
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def run_engine(model: str, prompts: Sequence[list[int]], params, *, label: str,
                warmup: bool = True, **engine_kwargs) -> EngineRun:
     """Build an LLM, warm it up on a short prompt that shares no page with the workload, run the

@@ -33,7 +33,7 @@ from typing import Callable
 import typer
 
 from evals.benchmarks import bench_app
-from evals.benchmarks.common import BenchResult, Column, Table, run_bench_command
+from evals.benchmarks.common import BenchResult, Column, Table, run_bench_command, wall_times
 from evals.benchmarks.options import OutDirOpt, QuickOpt, ThreadsOpt, parse_ints
 
 KERNELS = ("C panels", "oneDNN packed", "C thin", "F.linear")
@@ -220,12 +220,7 @@ def shape_table(scale, shapes, found, log) -> Table:
 
 def _fastest(fn: Callable, repeats: int) -> float:
     fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+    return min(wall_times(fn, repeats))
 
 
 @bench_app.command("projections")
