@@ -224,10 +224,7 @@ class ModelRunner:
                 and all(it.seq.holes() is None for it in items):
             return self._graph_forward(items)
         input_ids, positions, ctx, sample_rows = self._prepare(items)
-        hidden = self.model(input_ids, positions, ctx)
-        if not sample_rows.numel():
-            return None
-        return self.model.compute_logits(hidden[sample_rows], native=ctx.native)
+        return self.model.sampled_logits(input_ids, positions, ctx, sample_rows)
 
     def _graph_forward(self, items: list[WorkItem]) -> torch.Tensor | None:
         """`forward` through the DecodeGraph: one metadata copy, the graph, the sampled rows."""

@@ -359,7 +359,8 @@ def test_engine_tokens_and_logprobs_equal_with_the_kernels_on_and_off(tmp_path, 
 # order as the eager layers, so the two agree bit for bit. Qwen2 adds the q/k/v bias; Qwen3's q/k
 # norms are not in the stack, so its layers run as before. GrowPage (EMA summaries) and Zipage
 # (recent-query ring) take their pre-RoPE queries out of the stack: their decisions and their
-# query pools must be the same too.
+# query pools must be the same too. The stack runs the final norm and the LM head as well, the
+# same kernels as the eager pass's final norm and compute_logits.
 @pytest.mark.parametrize("family, policy, args", [
     ("llama", "full", {}), ("qwen2", "full", {}), ("qwen3", "full", {}),
     ("llama", "growpage", {"protected_recent": 2, "initial_capacity": 16}),
@@ -377,8 +378,9 @@ def test_decode_stack_equals_the_eager_layers_bit_for_bit(tmp_path, monkeypatch,
     model = make(tmp_path / "m", num_hidden_layers=3)
     stacked = []
     kernel = cpu_native.decode_layers
+    # (rows, whether the call ran the LM head too) of each stacked step
     monkeypatch.setattr(cpu_native, "decode_layers",
-                        lambda *a: stacked.append(a[0].shape[0]) or kernel(*a))
+                        lambda *a: stacked.append((a[0].shape[0], a[-1])) or kernel(*a))
     prompts = [list(range(3, 43)), [4, 4, 8], [(7 * i) % 300 + 3 for i in range(27)]]
     params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=True),
               SamplingParams(temperature=0.6, max_tokens=12, ignore_eos=True, logprobs=True,
@@ -395,8 +397,9 @@ def test_decode_stack_equals_the_eager_layers_bit_for_bit(tmp_path, monkeypatch,
         pools.append([t.clone() for t in (queries.recent, queries.ema) if t is not None])
         if on and family != "qwen3":
             # 11 decode steps of the 3 rows for each sampling setting (the first token of each
-            # comes from the prefill, which the stack does not run)
-            assert stacked == [3] * 22
+            # comes from the prefill, which the stack does not run), the final norm and the LM
+            # head inside the call (without the stack: the same C kernels, one call each)
+            assert stacked == [(3, True)] * 22
         else:
             assert not stacked
     assert bool(pools[0]) == (policy != "full")
@@ -420,7 +423,7 @@ def _untimed(events: list[dict]) -> list[dict]:
 @needs_kernel
 def test_decode_layers_checks_its_inputs():
     torch.manual_seed(0)
-    hidden, q_heads, kv_heads, d, inter = 32, 4, 2, 8, 48
+    hidden, q_heads, kv_heads, d, inter, vocab = 32, 4, 2, 8, 48, 37  # 37: a partial last panel
 
     def layer():
         return {"input_norm": torch.rand(hidden), "post_norm": torch.rand(hidden),
@@ -429,29 +432,46 @@ def test_decode_layers_checks_its_inputs():
                 "gate_up": cpu_native.pack_panels(torch.randn(2 * inter, hidden)),
                 "down": cpu_native.pack_panels(torch.randn(hidden, inter))}
 
+    final_norm = torch.rand(hidden)
+    head = cpu_native.pack_panels(torch.randn(vocab, hidden))
     for broken, match in (({"qkv_bias": torch.zeros(3)}, "qkv_bias is"),
                           ({"o": torch.randn(hidden, q_heads * d)}, "o is"),
                           ({"extra": None}, "layer 0 has")):
         with pytest.raises(ValueError, match=match):
-            cpu_native.layer_stack([{**layer(), **broken}], q_heads, kv_heads, d, 1e-5)
+            cpu_native.layer_stack([{**layer(), **broken}], final_norm, q_heads, kv_heads, d,
+                                   1e-5)
     with pytest.raises(ValueError, match="at least one layer"):
-        cpu_native.layer_stack([], q_heads, kv_heads, d, 1e-5)
-    stack = cpu_native.layer_stack([layer(), layer()], q_heads, kv_heads, d, 1e-5)
+        cpu_native.layer_stack([], final_norm, q_heads, kv_heads, d, 1e-5)
+    for kwargs, match in ((dict(final_norm=torch.rand(hidden + 1)), "final norm is"),
+                          (dict(head=head, vocab=vocab + 16), "LM head is"),
+                          (dict(head=head), "need their vocab")):
+        with pytest.raises(ValueError, match=match):
+            cpu_native.layer_stack([layer()], **{"final_norm": final_norm, **kwargs},
+                                   q_heads=q_heads, kv_heads=kv_heads, head_dim=d, eps=1e-5)
+    layers = [layer(), layer()]
+    stack = cpu_native.layer_stack(layers, final_norm, q_heads, kv_heads, d, 1e-5, head, vocab)
     k_cache = torch.zeros(2, kv_heads, 3, 4, d)
     v_cache = torch.zeros_like(k_cache)
     cos, sin = torch.ones(2, 1, d), torch.zeros(2, 1, d)
     tables, lens = torch.tensor([[0, 1], [2, -1]]), torch.tensor([5, 1])
 
-    def run(x=None, slots=(4, 8), k=k_cache, tables=tables, lens=lens, cos=cos, queries=None):
+    def run(x=None, slots=(4, 8), k=k_cache, tables=tables, lens=lens, cos=cos, queries=None,
+            stack=stack, logits=False):
         x = torch.randn(2, hidden) if x is None else x
-        cpu_native.decode_layers(x, cos, sin, stack, k, v_cache, torch.tensor(slots), tables,
-                                 lens, 0.3, queries)
-        return x
+        return x, cpu_native.decode_layers(x, cos, sin, stack, k, v_cache, torch.tensor(slots),
+                                           tables, lens, 0.3, queries, logits)
 
     queries = torch.full((2, 2, q_heads, d), float("nan"))
-    out = run(queries=queries)
-    assert out.isfinite().all() and k_cache[:, :, 1, 0].abs().sum() > 0  # slot 4: page 1
+    x, normed = run(queries=queries)
+    assert normed.isfinite().all() and k_cache[:, :, 1, 0].abs().sum() > 0  # slot 4: page 1
     assert queries.isfinite().all()  # every layer's queries written
+    # the final norm and the LM head are the single kernels' on the residual stream, bit for bit
+    assert torch.equal(normed, cpu_native.rms_norm(x, final_norm, 1e-5))
+    x, logits = run(x=torch.randn(2, hidden), logits=True)
+    assert logits.shape == (2, vocab)
+    assert torch.equal(logits, cpu_native.panel_linear(cpu_native.rms_norm(x, final_norm, 1e-5),
+                                                       head, vocab))
+    headless = cpu_native.layer_stack(layers, final_norm, q_heads, kv_heads, d, 1e-5)
     for kwargs, match in ((dict(x=torch.randn(2, hidden + 1)), "do not fit the 2-layer"),
                           (dict(k=torch.zeros(1, kv_heads, 3, 4, d)), "caches differ"),
                           (dict(cos=torch.ones(2, d)), "do not fit the 2-layer"),
@@ -459,6 +479,7 @@ def test_decode_layers_checks_its_inputs():
                           (dict(slots=(4, 12)), "slot_mapping entry is outside"),
                           (dict(tables=torch.tensor([[0, 7], [2, -1]])), "outside the cache"),
                           (dict(lens=torch.tensor([9, 1])), "context length"),
-                          (dict(queries=torch.zeros(2, 2, q_heads + 1, d)), "queries")):
+                          (dict(queries=torch.zeros(2, 2, q_heads + 1, d)), "queries"),
+                          (dict(stack=headless, logits=True), "LM head's panels")):
         with pytest.raises(ValueError, match=match):
             run(**kwargs)

@@ -41,18 +41,26 @@ results/benchmarks/peer.md.
         weight streamed once (cpu/thin_linear.c): the projections of a small decode batch when
         the weights are not packed.
 
-    layer_stack(layers, q_heads, kv_heads, head_dim, eps) -> LayerStack;
+    layer_stack(layers, final_norm, q_heads, kv_heads, head_dim, eps, head=None) -> LayerStack;
     decode_layers(x, cos, sin, stack, k_cache, v_cache, slot_mapping, block_tables, context_lens,
-                  scale)
+                  scale, queries=None, logits=False) -> normed hidden, or logits
         A decode step's whole decoder stack in one call (cpu/decode_layers.c): for rows that are
-        one-token items, every layer's norms, panel projections, RoPE, store and attention, the
-        kernels above in the eager layer's order, so the result equals it bit for bit. An eager
+        one-token items, every layer's norms, panel projections, RoPE, store and attention, then
+        the final norm and (with `logits`) the LM head, the kernels above in the eager pass's
+        order, so the result equals it bit for bit. An eager
         layer makes ~10 C calls, and at batch 1 the Python between them (checks, views, tensor
         allocation, ctypes) was 18-19% of a step in a profile. SmolLM2, 2 threads, one process
         alternating the two (128 tokens, 3 runs each): batch 1 28.0-30.8 tok/s against 20.1-24.5,
         fastest step 22.4-24.0 ms against 28.6-33.0 ms; tokens identical. The model runs it
         (engine/models/llama.py, DecoderModel.stack_layers) for steps without per-head holes;
         `queries` takes every layer's pre-RoPE queries out for the policies' signals.
+        The final norm and the LM head joined the call later: after the step's 0.54-GB weight
+        stream a torch op runs cold (its code and data are out of every cache), and one row's
+        torch.rms_norm took 0.22-0.25 ms there (median of 200 batch-1 steps) against ~0.04 in a
+        loop; inside the call they reuse the layers' hot code. One process alternating the two
+        per step (SmolLM2 batch 1, ~500 steps a side, three runs): median step 18.48, 18.83 and
+        20.94 ms against 18.94, 19.20 and 21.52 ms with the torch norm and a second call for the
+        head (-2.4 to -3%); tenth percentile 0.23-0.43 ms lower.
 
 `applies(...)` says when the attention kernels run: CPU float32 tensors, contiguous caches and
 head axes, and the library built. It is built once per machine and source
@@ -267,23 +275,30 @@ def decode(q, k_cache_l, v_cache_l, block_tables, context_lens, scale, holes=Non
 @dataclass(frozen=True)
 class LayerStack:
     """A decoder's layers as `decode_layers` reads them: table [layers, len(LAYER_FIELDS)] int64,
-    the addresses of each layer's tensors (0 for no q/k/v bias); `tensors` keeps them alive."""
+    the addresses of each layer's tensors (0 for no q/k/v bias); the final norm's weight
+    [hidden]; the LM head's panels [ceil(vocab / PANEL), hidden, PANEL] for `vocab` outputs, or
+    None (vocab 0); `tensors` keeps them alive."""
 
     table: torch.Tensor
     tensors: tuple
+    final_norm: torch.Tensor
+    head: torch.Tensor | None
     hidden: int
     q_heads: int
     kv_heads: int
     head_dim: int
     inter: int
     eps: float
+    vocab: int = 0
 
 
-def layer_stack(layers: list[dict], q_heads: int, kv_heads: int, head_dim: int,
-                eps: float) -> LayerStack:
+def layer_stack(layers: list[dict], final_norm: torch.Tensor, q_heads: int, kv_heads: int,
+                head_dim: int, eps: float, head: torch.Tensor | None = None,
+                vocab: int | None = None) -> LayerStack:
     """layers: per layer, LAYER_FIELDS -> tensor: RMSNorm weights [hidden], `pack_panels` panels
     of q/k/v fused [q_heads * d + 2 * kv_heads * d, hidden], o [hidden, q_heads * d], gate/up
-    fused [2 * inter, hidden] and down [hidden, inter], and the q/k/v bias or None."""
+    fused [2 * inter, hidden] and down [hidden, inter], and the q/k/v bias or None;
+    final_norm [hidden]; head: the LM head's panels for `vocab` outputs, or None."""
     if not layers:
         raise ValueError("a layer stack needs at least one layer")
     hidden = layers[0]["input_norm"].shape[0]
@@ -300,24 +315,29 @@ def layer_stack(layers: list[dict], q_heads: int, kv_heads: int, head_dim: int,
             t = layer[name]
             if t is None and name == "qkv_bias":
                 continue
-            if tuple(t.shape) != expected[name]:
-                raise ValueError(f"layer {i}'s {name} is {tuple(t.shape)}, expected "
-                                 f"{expected[name]}")
-            _require_contiguous(t)
+            _require_shape(t, expected[name], f"layer {i}'s {name}")
             kept.append(t)
         rows.append([0 if layer[n] is None else layer[n].data_ptr() for n in LAYER_FIELDS])
-    return LayerStack(torch.tensor(rows, dtype=torch.int64), tuple(kept), hidden, q_heads,
-                      kv_heads, head_dim, inter, float(eps))
+    _require_shape(final_norm, (hidden,), "the final norm")
+    if head is not None:
+        if vocab is None:
+            raise ValueError("a head's panels need their vocab (out_features)")
+        _require_shape(head, _panels_shape(vocab, hidden), "the LM head")
+    return LayerStack(torch.tensor(rows, dtype=torch.int64), tuple(kept), final_norm, head,
+                      hidden, q_heads, kv_heads, head_dim, inter, float(eps),
+                      0 if head is None else vocab)
 
 
 def decode_layers(x, cos, sin, stack: LayerStack, k_cache, v_cache, slot_mapping, block_tables,
-                  context_lens, scale: float, queries=None) -> None:
-    """Every layer of a decode step whose T rows are one-token items, in one call
-    (cpu/decode_layers.c): x [T, hidden] (contiguous, this pass's own) becomes the residual
-    stream after the last layer, before the final norm, in place; cos/sin [T, 1, head_dim];
-    k/v_cache [layers, kv_heads, num_pages, block_size, head_dim] (each token's k and v stored
-    at slot_mapping [T]); block_tables [T, max_blocks], context_lens [T]: `decode`'s; queries,
-    when given, [layers, T, q_heads, head_dim] takes every layer's pre-RoPE queries."""
+                  context_lens, scale: float, queries=None, logits: bool = False) -> torch.Tensor:
+    """Every layer of a decode step whose T rows are one-token items, then the final norm, in one
+    call (cpu/decode_layers.c): x [T, hidden] (contiguous, this pass's own) becomes the residual
+    stream after the last layer, in place; cos/sin [T, 1, head_dim]; k/v_cache [layers,
+    kv_heads, num_pages, block_size, head_dim] (each token's k and v stored at slot_mapping
+    [T]); block_tables [T, max_blocks], context_lens [T]: `decode`'s; queries, when given,
+    [layers, T, q_heads, head_dim] takes every layer's pre-RoPE queries. Returns the normed
+    hidden states [T, hidden], or with `logits` (a stack with a head) the LM head's logits
+    [T, vocab]."""
     rows = x.shape[0]
     layers, kv_heads, pages, block, head_dim = k_cache.shape
     _require_contiguous(x, cos, sin)
@@ -339,14 +359,21 @@ def decode_layers(x, cos, sin, stack: LayerStack, k_cache, v_cache, slot_mapping
         if queries.shape != (layers, rows, stack.q_heads, stack.head_dim):
             raise ValueError(f"queries {tuple(queries.shape)} do not fit {layers} layers of "
                              f"{rows} rows x {stack.q_heads} heads x {stack.head_dim}")
+    if logits and stack.head is None:
+        raise ValueError("logits need a stack built with the LM head's panels")
     slots, tables, lens = _int64(slot_mapping), _int64(block_tables), _int64(context_lens)
+    normed = torch.empty_like(x)
+    out = x.new_empty(rows, stack.vocab) if logits else None
     rc = _library().kv_decode_layers(
         x.data_ptr(), cos.data_ptr(), sin.data_ptr(), stack.table.data_ptr(), layers, rows,
         stack.hidden, stack.q_heads, kv_heads, head_dim, stack.inter, stack.eps,
         k_cache.data_ptr(), v_cache.data_ptr(), pages, block, slots.data_ptr(), tables.data_ptr(),
         tables.shape[1], lens.data_ptr(), float(scale),
-        None if queries is None else queries.data_ptr())
+        None if queries is None else queries.data_ptr(), stack.final_norm.data_ptr(),
+        normed.data_ptr(), None if out is None else stack.head.data_ptr(), stack.vocab,
+        None if out is None else out.data_ptr())
     _raise_on(rc)
+    return normed if out is None else out
 
 
 def _panels_shape(out_features: int, width: int) -> tuple[int, int, int]:
@@ -389,6 +416,12 @@ def _require_contiguous(*tensors: torch.Tensor) -> None:
         if not t.is_contiguous() or t.dtype != torch.float32 or t.device.type != "cpu":
             raise ValueError(f"expected contiguous float32 tensors on the CPU, got {t.dtype} on "
                              f"{t.device} with strides {t.stride()} for shape {tuple(t.shape)}")
+
+
+def _require_shape(t: torch.Tensor, shape: tuple, what: str) -> None:
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{what} is {tuple(t.shape)}, expected {shape}")
+    _require_contiguous(t)
 
 
 def _require_caches(k_cache_l: torch.Tensor, v_cache_l: torch.Tensor) -> None:
@@ -438,7 +471,8 @@ def _load() -> ctypes.CDLL | None:
     lib.kv_panel_linear.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64]
     lib.kv_decode_layers.restype = ctypes.c_int
     lib.kv_decode_layers.argtypes = [_PTR, _PTR, _PTR, _PTR, *[_I64] * 7, _F32, _PTR, _PTR,
-                                     _I64, _I64, _PTR, _PTR, _I64, _PTR, _F32, _PTR]
+                                     _I64, _I64, _PTR, _PTR, _I64, _PTR, _F32, _PTR,
+                                     _PTR, _PTR, _PTR, _I64, _PTR]
     return lib
 
 

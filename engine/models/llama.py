@@ -19,11 +19,12 @@ when the C kernels are on, else oneDNN's layout (engine/models/packed_linear.py 
 figures). Without packing, with `ForwardContext.native`, a pass of up to 8 rows projects through
 a C kernel over the dense weights. With `native` an eager pass also runs each layer's small ops
 as single C calls (engine/kernels/cpu_native.py): the residual add fused into the next RMSNorm,
-RoPE of q and k, and SiLU-mul; the same arithmetic in another summation order. With panels,
-`DecoderModel.stack_layers` hands the layers to one C call for an eager decode step
-(`cpu_native.decode_layers`): the same kernels in the same order, without the Python between
-them, with every layer's pre-RoPE queries copied out for the policies' signals, when the step
-has no per-head holes and the layers have no q/k norms.
+RoPE of q and k, SiLU-mul and the final norm; the same arithmetic in another summation order.
+With panels, `DecoderModel.stack_layers` hands the layers, the final norm and the LM head to one
+C call for an eager decode step (`cpu_native.decode_layers`, through `CausalLM.sampled_logits`):
+the same kernels in the same order, without the Python between them, with every layer's
+pre-RoPE queries copied out for the policies' signals, when the step has no per-head holes and
+the layers have no q/k norms.
 """
 
 from __future__ import annotations
@@ -187,9 +188,10 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.stack: cpu_native.LayerStack | None = None  # set by stack_layers()
 
-    def stack_layers(self) -> None:
-        """The layers' norms and column panels as one C decode stack (module docstring), when
-        every projection has panels and the layers need nothing the C stack lacks (q/k norms)."""
+    def stack_layers(self, head: torch.Tensor | None = None, vocab: int = 0) -> None:
+        """The layers' norms and column panels, the final norm and the LM head's panels `head`
+        (for `vocab` outputs; None: no head) as one C decode stack (module docstring), when every
+        projection has panels and the layers need nothing the C stack lacks (q/k norms)."""
         attn = [layer.self_attn for layer in self.layers]
         mlp = [layer.mlp for layer in self.layers]
         packed = [t for a, m in zip(attn, mlp)
@@ -203,24 +205,47 @@ class DecoderModel(nn.Module):
               "post_norm": layer.post_attention_layernorm.weight.detach(),
               "gate_up": m.gate_up_packed, "down": m.down_packed}
              for layer, a, m in zip(self.layers, attn, mlp)],
-            first.num_heads, first.num_kv_heads, first.head_dim, self.norm.eps)
+            self.norm.weight.detach(), first.num_heads, first.num_kv_heads, first.head_dim,
+            self.norm.eps, head if head is not None and head.dim() == 3 else None, vocab)
 
     def forward(self, input_ids, positions, ctx, num_layers: int | None = None):
+        """input_ids, positions [T] -> the final norm's output [T, hidden] (the first
+        `num_layers` layers' output, without the norm, when given)."""
         x = self.embed_tokens(input_ids)
         rope = self.rope.rows(positions)  # gathered once, shared by every layer
         if num_layers is None and self._stacked(x, ctx):
-            stack = self.stack
-            queries = None if ctx.capture is None else x.new_empty(
-                len(self.layers), x.shape[0], stack.q_heads, stack.head_dim)
-            cpu_native.decode_layers(x, rope.cos, rope.sin, stack, ctx.kv.k, ctx.kv.v,
-                                     ctx.slot_mapping, ctx.decode_block_tables,
-                                     ctx.decode_context_lens, ctx.scale, queries)
-            if queries is not None:
-                ctx.capture.record_layers(queries)
-            return self.norm(x)
+            return self._run_stack(x, rope, ctx, logits=False)
         for layer in self.layers[:num_layers]:
             x = layer(x, rope, ctx)
-        return x if num_layers is not None else self.norm(x)
+        if num_layers is not None:
+            return x
+        if ctx.native and cpu_native.fuses(x):  # the stack's final norm, for equal results
+            return cpu_native.rms_norm(x, self.norm.weight, self.norm.eps)
+        return self.norm(x)
+
+    def decode_logits(self, input_ids, positions, ctx) -> torch.Tensor | None:
+        """A decode step's logits [T, vocab] from one C call (layers, final norm and LM head),
+        or None when the stack does not serve this pass or holds no head."""
+        if self.stack is None or self.stack.head is None:
+            return None
+        x = self.embed_tokens(input_ids)
+        if not self._stacked(x, ctx):
+            return None
+        return self._run_stack(x, self.rope.rows(positions), ctx, logits=True)
+
+    def _run_stack(self, x: torch.Tensor, rope: RopeRows, ctx: ForwardContext,
+                   logits: bool) -> torch.Tensor:
+        """x [T, hidden] through the C decode stack -> normed hidden [T, hidden], or logits
+        [T, vocab]; the pre-RoPE queries go to the policies' signals."""
+        stack = self.stack
+        queries = None if ctx.capture is None else x.new_empty(
+            len(self.layers), x.shape[0], stack.q_heads, stack.head_dim)
+        out = cpu_native.decode_layers(x, rope.cos, rope.sin, stack, ctx.kv.k, ctx.kv.v,
+                                       ctx.slot_mapping, ctx.decode_block_tables,
+                                       ctx.decode_context_lens, ctx.scale, queries, logits)
+        if queries is not None:
+            ctx.capture.record_layers(queries)
+        return out
 
     def _stacked(self, x: torch.Tensor, ctx: ForwardContext) -> bool:
         """Whether the C decode stack runs this pass: an eager CPU float32 pass of one-token items
@@ -257,6 +282,20 @@ class CausalLM(nn.Module):
     def forward(self, input_ids, positions, ctx, num_layers: int | None = None):
         return self.model(input_ids, positions, ctx, num_layers)
 
+    def sampled_logits(self, input_ids, positions, ctx, sample_rows) -> torch.Tensor | None:
+        """input_ids, positions [T], sample_rows [S] (ascending rows) -> logits [S, vocab] of
+        those rows, None when S = 0. A decode step whose every row samples runs its layers, final
+        norm and LM head in one C call where the stack serves it (DecoderModel.decode_logits);
+        the same arithmetic as the forward pass and compute_logits."""
+        if sample_rows.numel() == input_ids.numel():
+            logits = self.model.decode_logits(input_ids, positions, ctx)
+            if logits is not None:
+                return logits
+        hidden = self.forward(input_ids, positions, ctx)
+        if not sample_rows.numel():
+            return None
+        return self.compute_logits(hidden[sample_rows], native=ctx.native)
+
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up of every layer (module docstring); call after the weights are
         loaded. Idempotent."""
@@ -272,7 +311,7 @@ class CausalLM(nn.Module):
             layer.self_attn.pack(native)
             layer.mlp.pack(native)
         self.head_packed = packed_linear.pack(self._head_weight(), native)
-        self.model.stack_layers()
+        self.model.stack_layers(self.head_packed, self._head_weight().shape[0])
 
     def _head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.tied else self.lm_head.weight

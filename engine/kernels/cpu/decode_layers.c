@@ -1,5 +1,6 @@
 /* A decode step's whole decoder stack in one call: every layer's norms, projections, RoPE, KV
-   store and paged attention for rows that are one-token items, float32 on the CPU.
+   store and paged attention for rows that are one-token items, then the final norm and, when
+   given, the LM head, float32 on the CPU.
 
    engine/kernels/cpu_native.py (`decode_layers`) calls it through ctypes; its docstring has why
    and the figures. It runs the same C kernels, in the same order and on the same operands, as
@@ -9,6 +10,9 @@
 
      x:        [T, hidden], the embedded tokens; on return the residual stream after the last
                layer (before the final norm), written in place
+     final_norm: [hidden], the final RMSNorm's weight; normed [T, hidden] takes RMSNorm(x)
+     head:     NULL, or the LM head's column panels [ceil(vocab / 16), hidden, 16]; then logits
+               [T, vocab] takes normed @ head^T (the model's compute_logits, same kernel)
      cos, sin: [T, head_dim], the rows' rotary tables (rope.py's RopeRows, sign in sin)
      weights:  [layers, LAYER_FIELDS] int64 addresses (the enum below): RMSNorm weights [hidden],
                column panels [ceil(out / 16), in, 16] (panel_gemm.c), the q/k/v bias or 0
@@ -16,6 +20,10 @@
      slots [T], tables [T, table_stride], lens [T]: kv_store's and kv_decode's (paged_decode.c)
      queries:  NULL, or [layers, T, q_heads * head_dim]: every layer's pre-RoPE queries, copied
                out for the policies' signals (engine/query_state.py records them after the call)
+
+   The final norm and the head run here, not as torch calls after this one, because a step's
+   first ops after streaming 0.54 GB of weights run cold (engine/kernels/cpu_native.py has the
+   figures); inside the call they reuse the layers' hot code and data.
 
    Returns KV_OK or the first error code of kv_store / kv_decode (nothing past that layer ran). */
 
@@ -48,7 +56,9 @@ int kv_decode_layers(float *x, const float *cos, const float *sin, const int64_t
                      int64_t kv_heads, int64_t head_dim, int64_t inter, float eps,
                      float *k_cache, float *v_cache, int64_t num_pages, int64_t block,
                      const int64_t *slots, const int64_t *tables, int64_t table_stride,
-                     const int64_t *lens, float scale, float *queries) {
+                     const int64_t *lens, float scale, float *queries,
+                     const float *final_norm, float *normed, const float *head, int64_t vocab,
+                     float *logits) {
     const int64_t q_width = q_heads * head_dim, kv_width = kv_heads * head_dim;
     const int64_t qkv_width = q_width + 2 * kv_width, qk_width = q_width + kv_width;
     const int64_t layer_slots = kv_heads * num_pages * block * head_dim;
@@ -88,8 +98,11 @@ int kv_decode_layers(float *x, const float *cos, const float *sin, const int64_t
         kv_silu_mul(gate_up, act, rows, inter);
         kv_panel_linear(act, inter, FIELD(l, DOWN), 0, down, rows, inter, hidden);
     }
-    if (rc == 0 && layers > 0)
-        for (int64_t i = 0; i < rows * hidden; i++) x[i] += down[i];
+    if (rc == 0 && layers > 0) {
+        /* the last layer's MLP residual, fused into the final norm as into every layer's */
+        kv_add_rms_norm(x, down, final_norm, normed, rows, hidden, eps);
+        if (head != 0) kv_panel_linear(normed, hidden, head, 0, logits, rows, hidden, vocab);
+    }
     free(scratch);
     return rc;
 }
