@@ -60,7 +60,7 @@ results/benchmarks/peer.md.
         loop; inside the call they reuse the layers' hot code. One process alternating the two
         per step (SmolLM2 batch 1, ~500 steps a side, three runs): median step 18.48, 18.83 and
         20.94 ms against 18.94, 19.20 and 21.52 ms with the torch norm and a second call for the
-        head (-2.4 to -3%); tenth percentile 0.23-0.43 ms lower.
+        head (-1.9 to -2.7%); tenth percentile 0.23-0.43 ms lower.
 
 `applies(...)` says when the attention kernels run: CPU float32 tensors, contiguous caches and
 head axes, and the library built. It is built once per machine and source
