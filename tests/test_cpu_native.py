@@ -388,7 +388,7 @@ def test_decode_stack_equals_the_eager_layers_bit_for_bit(tmp_path, monkeypatch,
     runs, pools = [], []
     for on in (True, False):
         if not on:
-            monkeypatch.setattr(DecoderModel, "_stacked", lambda self, x, ctx: False)
+            monkeypatch.setattr(DecoderModel, "_stacked", lambda self, rows, ctx: False)
         stacked.clear()
         llm = LLM(str(model), block_size=4, kv_cache_tokens=512, policy=policy,
                   policy_args=args)

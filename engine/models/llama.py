@@ -213,7 +213,7 @@ class DecoderModel(nn.Module):
         `num_layers` layers' output, without the norm, when given)."""
         x = self.embed_tokens(input_ids)
         rope = self.rope.rows(positions)  # gathered once, shared by every layer
-        if num_layers is None and self._stacked(x, ctx):
+        if num_layers is None and self._stacked(x.shape[0], ctx):
             return self._run_stack(x, rope, ctx, logits=False)
         for layer in self.layers[:num_layers]:
             x = layer(x, rope, ctx)
@@ -226,12 +226,11 @@ class DecoderModel(nn.Module):
     def decode_logits(self, input_ids, positions, ctx) -> torch.Tensor | None:
         """A decode step's logits [T, vocab] from one C call (layers, final norm and LM head),
         or None when the stack does not serve this pass or holds no head."""
-        if self.stack is None or self.stack.head is None:
+        if self.stack is None or self.stack.head is None \
+                or not self._stacked(input_ids.shape[0], ctx):
             return None
-        x = self.embed_tokens(input_ids)
-        if not self._stacked(x, ctx):
-            return None
-        return self._run_stack(x, self.rope.rows(positions), ctx, logits=True)
+        return self._run_stack(self.embed_tokens(input_ids), self.rope.rows(positions), ctx,
+                               logits=True)
 
     def _run_stack(self, x: torch.Tensor, rope: RopeRows, ctx: ForwardContext,
                    logits: bool) -> torch.Tensor:
@@ -247,15 +246,17 @@ class DecoderModel(nn.Module):
             ctx.capture.record_layers(queries)
         return out
 
-    def _stacked(self, x: torch.Tensor, ctx: ForwardContext) -> bool:
-        """Whether the C decode stack runs this pass: an eager CPU float32 pass of one-token items
-        only, with the C kernels on, storing every row, without per-head holes or post-RoPE
-        query collection (pre-RoPE queries for the policies' signals come out of the stack and
-        are recorded after it)."""
-        return (self.stack is not None and ctx.native and cpu_native.fuses(x)
-                and ctx.num_decode == x.shape[0] > 0 and ctx.slot_mapping is not None
+    def _stacked(self, rows: int, ctx: ForwardContext) -> bool:
+        """Whether the C decode stack runs this pass of `rows` tokens: an eager CPU float32 pass
+        of one-token items only, with the C kernels on, storing every row, without per-head holes
+        or post-RoPE query collection (pre-RoPE queries for the policies' signals come out of the
+        stack and are recorded after it). The embedding's weight stands for the pass's hidden
+        states (same device and dtype), so the check runs before the lookup."""
+        w = self.embed_tokens.weight
+        return (self.stack is not None and ctx.native and cpu_native.fuses(w)
+                and ctx.num_decode == rows > 0 and ctx.slot_mapping is not None
                 and not ctx.fused_decode and ctx.collect is None
-                and ctx.decode_holes is None and cpu_native.applies(x, ctx.kv.k, ctx.kv.v))
+                and ctx.decode_holes is None and cpu_native.applies(w, ctx.kv.k, ctx.kv.v))
 
 
 class CausalLM(nn.Module):
