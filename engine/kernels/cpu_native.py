@@ -41,19 +41,20 @@ results/benchmarks/peer.md.
         weight streamed once (cpu/thin_linear.c): the projections of a small decode batch when
         the weights are not packed.
 
-    layer_stack(layers, final_norm, q_heads, kv_heads, head_dim, eps, head=None) -> LayerStack;
+    layer_stack(layers, final_norm, q_heads, kv_heads, head_dim, eps, head=None, vocab=None)
+        -> LayerStack;
     decode_layers(x, cos, sin, stack, k_cache, v_cache, slot_mapping, block_tables, context_lens,
                   scale, queries=None, logits=False) -> normed hidden, or logits
         A decode step's whole decoder stack in one call (cpu/decode_layers.c): for rows that are
         one-token items, every layer's norms, panel projections, RoPE, store and attention, then
         the final norm and (with `logits`) the LM head, the kernels above in the eager pass's
-        order, so the result equals it bit for bit. An eager
-        layer makes ~10 C calls, and at batch 1 the Python between them (checks, views, tensor
-        allocation, ctypes) was 18-19% of a step in a profile. SmolLM2, 2 threads, one process
-        alternating the two (128 tokens, 3 runs each): batch 1 28.0-30.8 tok/s against 20.1-24.5,
-        fastest step 22.4-24.0 ms against 28.6-33.0 ms; tokens identical. The model runs it
-        (engine/models/llama.py, DecoderModel.stack_layers) for steps without per-head holes;
-        `queries` takes every layer's pre-RoPE queries out for the policies' signals.
+        order, so the result equals it bit for bit. An eager layer makes ~10 C calls, and at batch
+        1 the Python between them (checks, views, tensor allocation, ctypes) was 18-19% of a step
+        in a profile. SmolLM2, 2 threads, one process alternating the two (128 tokens, 3 runs
+        each): batch 1 28.0-30.8 tok/s against 20.1-24.5, fastest step 22.4-24.0 ms against
+        28.6-33.0 ms; tokens identical. The model runs it (engine/models/llama.py,
+        DecoderModel.stack_layers) for steps without per-head holes; `queries` takes every layer's
+        pre-RoPE queries out for the policies' signals.
         The final norm and the LM head joined the call later: after the step's 0.54-GB weight
         stream a torch op runs cold (its code and data are out of every cache), and one row's
         torch.rms_norm took 0.22-0.25 ms there (median of 200 batch-1 steps) against ~0.04 in a
