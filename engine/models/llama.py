@@ -188,10 +188,10 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.stack: cpu_native.LayerStack | None = None  # set by stack_layers()
 
-    def stack_layers(self, head: torch.Tensor | None = None, vocab: int = 0) -> None:
+    def stack_layers(self, head: torch.Tensor, vocab: int) -> None:
         """The layers' norms and column panels, the final norm and the LM head's panels `head`
-        (for `vocab` outputs; None: no head) as one C decode stack (module docstring), when every
-        projection has panels and the layers need nothing the C stack lacks (q/k norms)."""
+        (for `vocab` outputs) as one C decode stack (module docstring), when every projection has
+        panels and the layers need nothing the C stack lacks (q/k norms)."""
         attn = [layer.self_attn for layer in self.layers]
         mlp = [layer.mlp for layer in self.layers]
         packed = [t for a, m in zip(attn, mlp)
@@ -206,15 +206,14 @@ class DecoderModel(nn.Module):
               "gate_up": m.gate_up_packed, "down": m.down_packed}
              for layer, a, m in zip(self.layers, attn, mlp)],
             self.norm.weight.detach(), first.num_heads, first.num_kv_heads, first.head_dim,
-            self.norm.eps, head if head is not None and head.dim() == 3 else None, vocab)
+            self.norm.eps, head, vocab)
 
     def forward(self, input_ids, positions, ctx, num_layers: int | None = None):
         """input_ids, positions [T] -> the final norm's output [T, hidden] (the first
-        `num_layers` layers' output, without the norm, when given)."""
+        `num_layers` layers' output, without the norm, when given). A decode step that the C
+        stack serves comes through `decode_logits` instead."""
         x = self.embed_tokens(input_ids)
         rope = self.rope.rows(positions)  # gathered once, shared by every layer
-        if num_layers is None and self._stacked(x.shape[0], ctx):
-            return self._run_stack(x, rope, ctx, logits=False)
         for layer in self.layers[:num_layers]:
             x = layer(x, rope, ctx)
         if num_layers is not None:
@@ -225,26 +224,21 @@ class DecoderModel(nn.Module):
 
     def decode_logits(self, input_ids, positions, ctx) -> torch.Tensor | None:
         """A decode step's logits [T, vocab] from one C call (layers, final norm and LM head),
-        or None when the stack does not serve this pass or holds no head."""
-        if self.stack is None or self.stack.head is None \
-                or not self._stacked(input_ids.shape[0], ctx):
+        with every layer's pre-RoPE queries recorded for the policies' signals; None when the
+        stack does not serve this pass."""
+        if not self._stacked(input_ids.shape[0], ctx):
             return None
-        return self._run_stack(self.embed_tokens(input_ids), self.rope.rows(positions), ctx,
-                               logits=True)
-
-    def _run_stack(self, x: torch.Tensor, rope: RopeRows, ctx: ForwardContext,
-                   logits: bool) -> torch.Tensor:
-        """x [T, hidden] through the C decode stack -> normed hidden [T, hidden], or logits
-        [T, vocab]; the pre-RoPE queries go to the policies' signals."""
+        x = self.embed_tokens(input_ids)
+        rope = self.rope.rows(positions)
         stack = self.stack
         queries = None if ctx.capture is None else x.new_empty(
             len(self.layers), x.shape[0], stack.q_heads, stack.head_dim)
-        out = cpu_native.decode_layers(x, rope.cos, rope.sin, stack, ctx.kv.k, ctx.kv.v,
-                                       ctx.slot_mapping, ctx.decode_block_tables,
-                                       ctx.decode_context_lens, ctx.scale, queries, logits)
+        logits = cpu_native.decode_layers(x, rope.cos, rope.sin, stack, ctx.kv.k, ctx.kv.v,
+                                          ctx.slot_mapping, ctx.decode_block_tables,
+                                          ctx.decode_context_lens, ctx.scale, queries, True)
         if queries is not None:
             ctx.capture.record_layers(queries)
-        return out
+        return logits
 
     def _stacked(self, rows: int, ctx: ForwardContext) -> bool:
         """Whether the C decode stack runs this pass of `rows` tokens: an eager CPU float32 pass
