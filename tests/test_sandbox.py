@@ -30,8 +30,12 @@ needs_root = pytest.mark.skipif(not ROOT, reason="filesystem isolation needs roo
 
 @pytest.fixture(scope="module")
 def sandbox():
+    # This test process's own uid range: a run's uid is free again once the run ends, and under
+    # two pytest workers a run of the other worker could take it before a test here checks that
+    # nothing of its run still lives as that uid. One fresh-clone CI run found a live process of
+    # the fork bomb's uid 0.2 s after its run; that race explains it.
     return Sandbox(SandboxConfig(wall_s=WALL, memory_mb=256, max_processes=16, max_file_mb=1, workers=2,
-                                 **FALLBACK_OK))
+                                 uid_base=_private_uid_base(), **FALLBACK_OK))
 
 
 def _run(sandbox, job):
