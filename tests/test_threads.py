@@ -151,3 +151,25 @@ def test_governor_counts_the_machines_free_cores_not_its_share(governed):
 def test_runnable_others_reads_this_machine():
     others = threads.runnable_others()
     assert others is None or others >= 0
+
+
+def test_runnable_others_keeps_a_worker_that_fell_asleep_mid_sample(monkeypatch):
+    """procs_running counted two of our threads (the main one and an OpenMP worker spinning after
+    a region), which was asleep by the time our threads were counted again: still ours, not a
+    competitor's."""
+    own = iter([2, 1])
+    monkeypatch.setattr(threads, "_own_running", lambda: next(own))
+    monkeypatch.setattr(threads, "_procs_running", lambda: 2)
+    assert threads.runnable_others() == 0
+    own = iter([1, 2])  # a worker woke between the counts: also ours
+    monkeypatch.setattr(threads, "_own_running", lambda: next(own))
+    monkeypatch.setattr(threads, "_procs_running", lambda: 3)
+    assert threads.runnable_others() == 1
+
+
+def test_runnable_others_is_none_without_proc(monkeypatch):
+    def missing():
+        raise FileNotFoundError("/proc/stat")
+
+    monkeypatch.setattr(threads, "_procs_running", missing)
+    assert threads.runnable_others() is None
