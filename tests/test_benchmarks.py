@@ -94,10 +94,17 @@ def test_throughput_quick(tiny_model):
         assert r["agreement"] == 1.0
         if r["workload"] in expected_useful:
             assert eng["useful_tokens"] == expected_useful[r["workload"]]
+    # each token against the reads beside it: one untimed run, its 7 decode tokens (8 new
+    # tokens, the first from the prefill step) in one bootstrap block, so no interval
+    (paired,) = result.table("floor_paired").rows
+    assert paired["run"] == "1" and paired["tokens"] == scale.single_tokens - 1
+    assert paired["threads"] == 1 and paired["ratio_median"] > 0
+    assert paired["ratio_low"] is None and paired["ratio_high"] is None
     assert [t.value for t in result.targets] == [r["ratio"] for r in ratios.rows] + [
-        f["engine_x_floor"], st["step_x_read_median"]]
+        f["engine_x_floor"], st["step_x_read_median"], None]
     assert [(t.comparison, t.threshold) for t in result.targets] == [
-        (">=", 1.0), (">=", 1.0), (">=", 1.5), ("<", 1.3), ("<", 1.3)]
+        (">=", 1.0), (">=", 1.0), (">=", 1.5), ("<", 1.3), ("<", 1.3), ("<", 1.3)]
+    assert not result.targets[-1].met
 
 
 def test_steps_against_reads_compare_like_with_like():
@@ -110,6 +117,46 @@ def test_steps_against_reads_compare_like_with_like():
     assert row["step_x_read_fastest"] == pytest.approx(2.0)
     none = throughput.step_against_reads([[0.01]], [None], [None])
     assert none["step_median_ms"] is None and none["step_x_read_median"] is None
+
+
+def test_interleaved_reads_pair_each_token_with_the_reads_beside_it(monkeypatch):
+    import time
+
+    clock = iter([0.0, 0.010,            # prefill step's callback: read 0, 10 ms
+                  0.030, 0.042,          # token 1 took 20 ms, read 1 12 ms
+                  0.072, 0.086])         # token 2 took 30 ms, read 2 14 ms
+    monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
+    reads = []
+    pairs = throughput.InterleavedReads(lambda: reads.append(1))
+    for _ in range(3):
+        pairs(0, 0)
+    assert len(reads) == 3
+    assert pairs.token_s == pytest.approx([0.020, 0.030])
+    assert pairs.pairs() == [pytest.approx((0.020, 0.011)), pytest.approx((0.030, 0.013))]
+
+
+def test_paired_floor_pools_runs_with_a_block_interval():
+    def run(tokens_s, reads_s):
+        r = throughput.InterleavedReads(lambda: None)
+        r.token_s, r.read_s = list(tokens_s), list(reads_s)
+        return r
+
+    n = 3 * throughput.PAIR_BLOCK
+    steady = run([0.024] * n, [0.020] * (n + 1))            # every token 1.2x its reads
+    drifting = run([0.012 + 0.0002 * i for i in range(n)],  # the machine slows, both sides alike
+                   [0.010 + 0.0002 * i / 1.2 for i in range(n + 1)])
+    rows = throughput.paired_floor([steady, drifting], [2.0, 1.5])
+    assert [r["run"] for r in rows] == ["1", "2", "all"]
+    assert [r["tokens"] for r in rows] == [n, n, 2 * n]
+    assert [r["threads"] for r in rows] == [2.0, 1.5, 1.75]
+    assert rows[0]["ratio_median"] == pytest.approx(1.2)
+    assert rows[0]["ratio_low"] == pytest.approx(1.2) and rows[0]["ratio_high"] == pytest.approx(1.2)
+    assert rows[0]["token_median_ms"] == pytest.approx(24) and rows[0]["read_median_ms"] == pytest.approx(20)
+    # the drifting run's per-token ratios stay near 1.2 while its tokens span 12-24 ms
+    assert 1.15 < rows[1]["ratio_low"] <= rows[1]["ratio_median"] <= rows[1]["ratio_high"] < 1.21
+    assert rows[2]["ratio_low"] <= rows[2]["ratio_median"] <= rows[2]["ratio_high"]
+    (single,) = throughput.paired_floor([steady], [None])  # one run: no pooled row
+    assert single["run"] == "1" and single["threads"] is None
 
 
 def test_throughput_repeats_keep_each_sides_fastest(tiny_model):
@@ -314,7 +361,7 @@ def test_cli_writes_json_and_markdown(tiny_model, tmp_path):
     payload = json.loads((tmp_path / "throughput-quick.json").read_text())
     assert payload["name"] == "throughput" and "load_average_start" in payload["machine"]
     assert [t["name"] for t in payload["tables"]] == ["sides", "ratios", "repeats", "floor",
-                                                     "floor_steps"]
+                                                     "floor_steps", "floor_paired"]
     md = (tmp_path / "throughput-quick.md").read_text()
     assert "kvarena bench throughput --model" in md and "--quick --threads 1" in md
     assert "| workload | engine TPS |" in md

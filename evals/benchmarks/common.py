@@ -268,9 +268,11 @@ def wall_times(fn: Callable[[], Any], calls: int) -> list[float]:
 
 
 def run_engine(model: str, prompts: Sequence[list[int]], params, *, label: str,
-               warmup: bool = True, **engine_kwargs) -> EngineRun:
+               warmup: bool = True, on_step: Callable[[int, int], None] | None = None,
+               **engine_kwargs) -> EngineRun:
     """Build an LLM, warm it up on a short prompt that shares no page with the workload, run the
-    workload, and free the engine (weights and KV pool) before returning. A compiling engine
+    workload (`on_step`: LLM.generate's, for the workload only), and free the engine (weights and
+    KV pool) before returning. A compiling engine
     warms up on two such prompts, so both of its compiled decode graphs (batch 1 and the
     batch buckets, engine/decode_graph.py) exist before the timed run."""
     from engine.llm import LLM
@@ -283,7 +285,7 @@ def run_engine(model: str, prompts: Sequence[list[int]], params, *, label: str,
             for batch in ([warm[:1], warm] if len(warm) > 1 else [warm]):
                 llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=3))
         start, cpu = time.perf_counter(), time.process_time()
-        outputs = llm.generate(list(prompts), params)
+        outputs = llm.generate(list(prompts), params, on_step=on_step)
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu
         return EngineRun(label, outputs, llm.last_stats, wall, cpu)
     finally:

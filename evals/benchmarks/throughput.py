@@ -8,7 +8,10 @@ the order alternates and each side's fastest repeat is kept):
     the bench measures that floor on the machine (a matvec over a tensor as large as the model's
     weights, same threads) and prints the engine's and transformers' ms/token against it; then,
     with the floor read again beside every repeat, the engine's decode steps against those
-    reads by the same statistic (median against median, fastest against fastest).
+    reads by the same statistic (median against median, fastest against fastest); and, in
+    untimed runs with a floor read after every engine step, each token against the reads just
+    before and after it (`InterleavedReads`: the pairing that the machine's drift between
+    minutes does not touch).
 (a) uniform: N prompts of the same length, `ignore_eos`, the same number of new tokens; both sides
     run it as one batch (the engine admits every request at once: its pool holds them all).
 (b) heterogeneous: requests with varied prompt and output lengths, submitted in order. The engine
@@ -194,6 +197,83 @@ def step_against_reads(reads: list[list[float]], step_medians: list[float | None
             "step_x_read_fastest": None if step_best is None else ratio(step_best, read_fastest)}
 
 
+# Consecutive tokens of one run resampled together by the interleaved pairing's bootstrap: the
+# machine's speed drifts over seconds, so neighbouring tokens' ratios are not independent draws.
+PAIR_BLOCK = 20
+
+
+class InterleavedReads:
+    """An engine run's `on_step` callback that reads the floor once after every engine step, so
+    each token's engine time has a floor read on either side of it, milliseconds apart.
+
+    token_s[i]: the engine's wall time for one token, from the end of one read to the start of
+    the next (the scheduler, the decode step with its sampling, the bookkeeping: everything the
+    engine does per token); read_s[i] and read_s[i + 1]: the reads just before and just after
+    it. The first read follows the prefill step, which has no read before it and is left out.
+    A step still starts after a full stream of other memory (the read instead of the previous
+    step), as every step of a plain run does."""
+
+    def __init__(self, read: Callable[[], object]):
+        self.read = read
+        self.token_s: list[float] = []
+        self.read_s: list[float] = []
+        self._end: float | None = None
+
+    def __call__(self, tokens: int, finished: int) -> None:
+        import time
+
+        start = time.perf_counter()
+        if self._end is not None:
+            self.token_s.append(start - self._end)
+        self.read()
+        self._end = time.perf_counter()
+        self.read_s.append(self._end - start)
+
+    def pairs(self) -> list[tuple[float, float]]:
+        """(a token's seconds, the mean seconds of the two reads beside it), for every token
+        with a read on either side."""
+        return [(t, (a + b) / 2) for t, a, b in zip(self.token_s, self.read_s, self.read_s[1:])]
+
+
+def paired_floor(runs: list[InterleavedReads], threads: list[float | None],
+                 seed: int = 0) -> list[dict]:
+    """Per interleaved run (threads: its steps' mean torch threads, RunStats.mean_threads), and
+    for all of them pooled when there are several: the median token and read (ms), and the
+    median of the per-token ratios with a 95% percentile interval from a block bootstrap
+    (blocks of PAIR_BLOCK consecutive tokens of one run, analysis/bootstrap.py's cluster
+    bootstrap; None with fewer than two blocks)."""
+    import statistics
+
+    import numpy as np
+    import pandas as pd
+
+    from analysis.bootstrap import cluster_bootstrap
+
+    frames = [pd.DataFrame({"token_ms": [1e3 * t for t, _ in run.pairs()],
+                            "read_ms": [1e3 * r for _, r in run.pairs()],
+                            "block": [f"{i}:{j // PAIR_BLOCK}" for j in range(len(run.pairs()))]})
+              for i, run in enumerate(runs)]
+    known = [t for t in threads if t is not None]
+    groups = [(str(i + 1), frame, threads[i]) for i, frame in enumerate(frames)]
+    if len(frames) > 1:
+        groups.append(("all", pd.concat(frames, ignore_index=True),
+                       statistics.fmean(known) if known else None))
+    rows = []
+    for name, frame, mean_threads in groups:
+        if frame.empty:
+            continue
+        frame["ratio"] = frame["token_ms"] / frame["read_ms"]
+        median = cluster_bootstrap(frame, "block",
+                                   {"ratio": lambda f: float(np.median(f["ratio"]))},
+                                   seed=seed, as_arrays=True)["ratio"]
+        rows.append({"run": name, "tokens": len(frame), "threads": mean_threads,
+                     "token_median_ms": statistics.median(frame["token_ms"]),
+                     "read_median_ms": statistics.median(frame["read_ms"]),
+                     "ratio_median": median.estimate, "ratio_low": median.low,
+                     "ratio_high": median.high})
+    return rows
+
+
 def pool_tokens(prompts: list[list[int]], max_tokens: list[int], block_size: int) -> int:
     """A KV pool that holds every request at its full length at once (plus one spare page)."""
     pages = sum(-(-(len(p) + n) // block_size) for p, n in zip(prompts, max_tokens))
@@ -221,7 +301,7 @@ def run_throughput(model: str = "default", *, quick: bool = False,
         floor = stream.fastest()
         log(f"weight-stream floor: {floor['floor_ms']:.1f} ms per token ({floor['gb']:.2f} GB, "
             f"{floor['gb_per_s']:.1f} GB/s, {floor['method']})")
-    floor_reads, step_medians, step_fastest, steps_row = [], [], [], {}
+    floor_reads, step_medians, step_fastest, steps_row, paired_rows = [], [], [], {}, []
     # Warm transformers up once (first-call allocations), outside the timed calls.
     first_prompt = next(iter(loads.values()))[0][0]
     run_static_batches(hf_model, [first_prompt[:8]], [2], 1, pad)
@@ -234,12 +314,14 @@ def run_throughput(model: str = "default", *, quick: bool = False,
         eng = hf = None
 
         # This iteration's workload is bound as defaults: the sides run inside the iteration.
-        def engine_side(name=name, prompts=prompts, params=params, max_tokens=max_tokens):
-            log(f"{name}: engine, {len(prompts)} requests")
+        def engine_side(name=name, prompts=prompts, params=params, max_tokens=max_tokens,
+                        on_step=None):
+            log(f"{name}: engine, {len(prompts)} requests"
+                + (", a floor read after every step" if on_step else ""))
             extra = {} if compile is None else {"compile": compile}
             return run_engine(model_dir, prompts, params, label="engine", block_size=block_size,
                               kv_cache_tokens=pool_tokens(prompts, max_tokens, block_size),
-                              max_num_seqs=max(64, len(prompts)), **extra)
+                              max_num_seqs=max(64, len(prompts)), on_step=on_step, **extra)
 
         def hf_side(name=name, prompts=prompts, max_tokens=max_tokens, hf_batch=hf_batch):
             log(f"{name}: transformers, static batches of {hf_batch}")
@@ -295,6 +377,11 @@ def run_throughput(model: str = "default", *, quick: bool = False,
                          engine_cpu_x_floor=ratio(floor["engine_cpu_ms"], floor["floor_cpu_ms"]))
             floor_reads.append(stream.sample())
             steps_row = step_against_reads(floor_reads, step_medians, step_fastest)
+            # Untimed runs, after the timed ones: each token against the reads beside it.
+            interleaved = [InterleavedReads(stream.reads[stream.method])
+                           for _ in range(scale.repeats)]
+            threads = [engine_side(on_step=pairs).stats.mean_threads for pairs in interleaved]
+            paired_rows = paired_floor(interleaved, threads, scale.seed)
             stream = None  # the floor's matrix is not needed by the other workloads
         ratios.append({"workload": name, "engine_tps": eng_tps, "hf_tps": hf_tps,
                        "ratio": ratio(eng_tps, hf_tps), "target": target,
@@ -377,6 +464,24 @@ def run_throughput(model: str = "default", *, quick: bool = False,
         f"last, against the engine's decode steps (a step's forward pass and sampling, "
         f"RunStats.decode_step_median_s; the prefill step and the scheduler's work between "
         f"steps left out); each side's best repeat (of its medians), and the fastest of each.")
+    paired_table = Table(
+        "floor_paired", "Batch 1: each token against the floor reads just before and after it",
+        [Column("run", "run"), Column("tokens", "tokens", "d"),
+         Column("threads", "threads (mean)", ".2f"),
+         Column("token_median_ms", "engine ms/token (median)", ".1f"),
+         Column("read_median_ms", "read ms beside it (median)", ".1f"),
+         Column("ratio_median", "token / read (median)", ".3f"),
+         Column("ratio_low", "95% low", ".3f"), Column("ratio_high", "95% high", ".3f")],
+        paired_rows,
+        f"The tables above compare a run with reads taken before and after it, seconds apart, "
+        f"on a machine whose median read moved by up to a third from one burst of 10 reads to "
+        f"the next (16.4-21.7 ms, one process). Here, in {scale.repeats} more (untimed) engine "
+        f"run(s), one read of the fastest method follows every engine step, so each token "
+        f"(the engine's whole time for it: scheduling, the decode step and sampling, the "
+        f"bookkeeping; the prefill step left out) lies between two reads milliseconds away, "
+        f"and its ratio is taken to their mean. Median of the per-token ratios; 95% percentile "
+        f"interval of a bootstrap over blocks of {PAIR_BLOCK} consecutive tokens (neighbouring "
+        f"tokens share the machine's speed).")
     targets = [Target.check(f"{r['workload']}: engine TPS / transformers TPS", r["ratio"], ">=",
                             r["target"]) for r in ratios]
     if "engine_x_floor" in floor:
@@ -384,12 +489,17 @@ def run_throughput(model: str = "default", *, quick: bool = False,
                                     floor["engine_x_floor"], "<", FLOOR_TARGET))
         targets.append(Target.check("batch 1: decode step / floor read (medians, side by side)",
                                     steps_row.get("step_x_read_median"), "<", FLOOR_TARGET))
+        pooled = paired_rows[-1] if paired_rows else {}  # "all", or the one run
+        targets.append(Target.check(
+            "batch 1: engine ms/token / the floor reads beside each token (median ratio, the "
+            "upper end of its 95% interval)", pooled.get("ratio_high"), "<", FLOOR_TARGET))
     scale_dict = {k: v for k, v in scale.__dict__.items()}
     scale_dict.update(model=str(model), block_size=block_size,
                       compile="engine default" if compile is None else compile)
     return BenchResult("throughput", "Engine vs transformers generate: throughput",
                        scale_dict, [side_table, ratio_table, repeat_table]
-                       + ([floor_table, step_table] if steps_row else []), targets)
+                       + ([floor_table, step_table, paired_table] if steps_row else []),
+                       targets)
 
 
 @bench_app.command("throughput")
