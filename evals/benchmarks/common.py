@@ -272,9 +272,9 @@ def run_engine(model: str, prompts: Sequence[list[int]], params, *, label: str,
                **engine_kwargs) -> EngineRun:
     """Build an LLM, warm it up on a short prompt that shares no page with the workload, run the
     workload (`on_step`: LLM.generate's, for the workload only), and free the engine (weights and
-    KV pool) before returning. A compiling engine
-    warms up on two such prompts, so both of its compiled decode graphs (batch 1 and the
-    batch buckets, engine/decode_graph.py) exist before the timed run."""
+    KV pool) before returning. A compiling engine warms up on two such prompts, so both of its
+    compiled decode graphs (batch 1 and the batch buckets, engine/decode_graph.py) exist before
+    the timed run."""
     from engine.llm import LLM
     from engine.sampling import SamplingParams
 

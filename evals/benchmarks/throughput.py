@@ -249,10 +249,12 @@ def paired_floor(runs: list[InterleavedReads], threads: list[float | None],
 
     from analysis.bootstrap import cluster_bootstrap
 
-    frames = [pd.DataFrame({"token_ms": [1e3 * t for t, _ in run.pairs()],
-                            "read_ms": [1e3 * r for _, r in run.pairs()],
-                            "block": [f"{i}:{j // PAIR_BLOCK}" for j in range(len(run.pairs()))]})
-              for i, run in enumerate(runs)]
+    frames = []
+    for i, run in enumerate(runs):
+        pairs = run.pairs()
+        frames.append(pd.DataFrame({"token_ms": [1e3 * t for t, _ in pairs],
+                                    "read_ms": [1e3 * r for _, r in pairs],
+                                    "block": [f"{i}:{j // PAIR_BLOCK}" for j in range(len(pairs))]}))
     known = [t for t in threads if t is not None]
     groups = [(str(i + 1), frame, threads[i]) for i, frame in enumerate(frames)]
     if len(frames) > 1:
