@@ -27,6 +27,7 @@ sized to hold the whole workload, so this measures batching, not memory pressure
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
@@ -148,8 +149,6 @@ class WeightStream:
     def fastest(self, repeats: int = 5) -> dict:
         """The fastest of `repeats` reads (after a warm-up) over every method: params, gb,
         floor_ms, floor_cpu_ms (both threads' CPU time), gb_per_s and method."""
-        import time
-
         best = {"wall": float("inf")}
         for method, read in self.reads.items():
             read()
@@ -220,8 +219,6 @@ class InterleavedReads:
         self._end: float | None = None
 
     def __call__(self, tokens: int, finished: int) -> None:
-        import time
-
         start = time.perf_counter()
         if self._end is not None:
             self.token_s.append(start - self._end)
