@@ -216,7 +216,7 @@ def test_layer_budgets_that_sum_wrong_fail_at_bind():
         pol.bind(_spec())
     pol = build_policy("pyramidkv", {"budget": 24, "window": 8, "layer_budgets": "30,18"})
     pol.bind(_spec())
-    assert pol.budgets_for(31) == [30, 18] and pol.budgets_for(30) is None
+    assert pol.budgets_for(31, 24) == [30, 18] and pol.budgets_for(30, 24) is None
 
 
 def _spec():

@@ -110,17 +110,18 @@ class AdaKV(PromptOnlyBudget, SnapKV):
         super().__post_init__()
 
     def after_prefill(self, view: PolicyView, final: bool) -> Decision | None:
-        if not final or view.physical_len <= self.budget:
+        budget = self.request_budget(view.state)
+        if not final or view.physical_len <= budget:
             return None
         # The largest head can take (1 - alpha) of the layer's whole selection plus its floor.
         selectable = view.physical_len - self.window
-        per_head = self.budget - self.window
+        per_head = budget - self.window
         heads = self.engine.num_kv_heads
         widest = math.ceil((1 - self.floor_alpha) * min(heads * per_head, selectable)
                            + self.floor_alpha * per_head) + 1
         target = min(view.physical_len, self.window + min(widest, selectable))
         return Decision.compress(target, keep_pages=math.ceil(target / self.block_size),
-                                 reason="prefill", budget=self.budget)
+                                 reason="prefill", budget=budget)
 
     def scores(self, view: PolicyView) -> torch.Tensor:
         """Ada-KV scores of the view's slots: float32 `[layers, kv_heads, physical_len]`, pooled
@@ -139,7 +140,8 @@ class AdaKV(PromptOnlyBudget, SnapKV):
             protected = protected_mask(score.shape[-1], self.window, device=score.device)
         with timer.stage("topk"):
             region = score.shape[-1] - self.window
-            counts = adaptive_head_budgets(score[..., :region], self.budget - self.window,
+            per_head = self.request_budget(view.state) - self.window
+            counts = adaptive_head_budgets(score[..., :region], per_head,
                                            self.floor_alpha) + self.window
             keep = keep_counts(score, counts, protected)
         width = keep.slots.shape[-1]

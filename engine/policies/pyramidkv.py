@@ -130,6 +130,9 @@ class PyramidKV(PromptOnlyBudget, SnapKV):
         super().bind(engine)
         if self.layer_budgets is None:
             return
+        if self.budget is None:
+            raise ConfigError(f"{self.name}: layer_budgets fix every request's budget; budget_ratio "
+                              f"cannot change it (give budget, or drop layer_budgets)")
         layers = engine.num_layers
         if len(self.layer_budgets) != layers:
             raise ConfigError(f"{self.name}: layer_budgets has {len(self.layer_budgets)} entries, "
@@ -140,23 +143,32 @@ class PyramidKV(PromptOnlyBudget, SnapKV):
                 f"budget = {layers} x {self.budget} = {layers * self.budget}")
 
     # -- budgets -------------------------------------------------------------------------------
-    def budgets_for(self, length: int) -> list[int] | None:
-        """Per-layer budgets for a prompt of `length` slots, or None when it stays whole."""
+    def resolve_budget(self, num_prompt_tokens: int, kv_budget: int | None) -> int | None:
+        """FixedBudgetPolicy's per-request budget; explicit `layer_budgets` fix the request's
+        total, so a request that brings its own budget is refused when it is added."""
+        if self.layer_budgets is not None and kv_budget is not None:
+            raise ConfigError(f"{self.name}: layer_budgets fix every request's budget; a request's "
+                              f"own budget ({kv_budget}) cannot change them")
+        return super().resolve_budget(num_prompt_tokens, kv_budget)
+
+    def budgets_for(self, length: int, budget: int) -> list[int] | None:
+        """Per-layer budgets for a prompt of `length` slots under the request's average per-layer
+        `budget` (window included), or None when it stays whole."""
         if self.layer_budgets is not None:
             return list(self.layer_budgets) if length > max(self.layer_budgets) else None
-        if length <= self.budget:
+        if length <= budget:
             return None
-        return pyramid_layer_budgets(self.budget, self.window, self.engine.num_layers, length,
-                                     self.beta)
+        return pyramid_layer_budgets(budget, self.window, self.engine.num_layers, length, self.beta)
 
     # -- capacity (PromptOnlyBudget: decode boundaries grow) -------------------------------------
     def after_prefill(self, view: PolicyView, final: bool) -> Decision | None:
-        budgets = self.budgets_for(view.physical_len) if final else None
+        budget = self.request_budget(view.state)
+        budgets = self.budgets_for(view.physical_len, budget) if final else None
         if budgets is None:
             return None
         target = max(budgets)
         return Decision.compress(target, keep_pages=math.ceil(target / self.block_size),
-                                 reason="prefill", budget=self.budget)
+                                 reason="prefill", budget=budget)
 
     # -- selection -----------------------------------------------------------------------------
     def select(self, view: PolicyView, target_len: int, timer: StageTimer) -> HeadKeep:
@@ -165,7 +177,7 @@ class PyramidKV(PromptOnlyBudget, SnapKV):
         with timer.stage("window_mask"):
             protected = protected_mask(score.shape[-1], self.window, device=score.device)
         with timer.stage("topk"):
-            budgets = self.budgets_for(view.physical_len)
+            budgets = self.budgets_for(view.physical_len, self.request_budget(view.state))
             counts = torch.tensor(budgets, dtype=torch.long)[:, None].expand(score.shape[:2])
             keep = keep_counts(score, counts, protected)
         if keep.slots.shape[-1] != target_len:
