@@ -68,6 +68,7 @@ class RequestOutput:
     avg_kv_kept: float | None = None
     final_kv_len: int | None = None  # KV slots the request held when it finished (its compressed length)
     capacity_trace: list[int] = field(repr=False, default_factory=list)
+    kept_trace: list[float] = field(repr=False, default_factory=list)  # kept slots per decode step
     events: list[dict] = field(repr=False, default_factory=list)
     token_logprobs: list[float] = field(repr=False, default_factory=list)
     kept: list = field(repr=False, default_factory=list)  # KeptRecords (EngineConfig.trace_kept)
@@ -92,6 +93,7 @@ class RequestOutput:
             avg_kv_kept=statistics.fmean(seq.kept_slots_trace) if seq.kept_slots_trace else None,
             final_kv_len=seq.physical_len,
             capacity_trace=list(trace),
+            kept_trace=list(seq.kept_slots_trace),
             events=[event_dict(e) for e in seq.events],
             token_logprobs=list(seq.token_logprobs),
             kept=list(seq.kept_trace.records) if seq.kept_trace is not None else [],

@@ -45,7 +45,8 @@ MaxTokensOpt = typer.Option(None, "--max-tokens", help="Most output tokens (defa
 SeedOpt = typer.Option(0, "--seed", help="Base seed; sample j of a problem uses seed + j.")
 TemperatureOpt = typer.Option(None, "--temperature", help="Sampling temperature; 0 = greedy "
                               "(default: the task preset's, 0.6 for reasoning tasks).")
-PresetOpt = typer.Option(None, "--preset", help="Task defaults: paper or cpu (default: cpu on CPU, "
+PresetOpt = typer.Option(None, "--preset", help="Task defaults: paper, cpu, or cpu-paper (the papers' "
+                         "page counts and compression ratios at block 16) (default: cpu on CPU, "
                          "paper on CUDA).")
 ThinkingOpt = typer.Option(None, "--thinking/--no-thinking", help="Qwen3 thinking mode "
                            "(default: the chat template's).")

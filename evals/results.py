@@ -238,8 +238,10 @@ SAMPLE_FIELDS: dict[str, tuple[Callable[[Any], bool], str, bool]] = {
     "uid": (lambda v: isinstance(v, str) and bool(v), "a non-empty string", True),
     "sample": (*_COUNT, True),
     "status": (lambda v: v in ("ok", "failed"), '"ok" or "failed"', False),
-    "correct": (lambda v: isinstance(v, bool), "true or false", False),
-    "score": (lambda v: _number(v) and 0.0 <= v <= 1.0, "a number in [0, 1]", False),
+    # null: a sample its task does not grade (evals.grading.likelihood_grader)
+    "correct": (lambda v: v is None or isinstance(v, bool), "true, false or null", False),
+    "score": (lambda v: v is None or (_number(v) and 0.0 <= v <= 1.0), "a number in [0, 1] or null",
+              False),
     "segment": (_opt(_count), "an integer >= 0 or null", False),
     "seed": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer", False),
     "output_tokens": (*_COUNT, False), "prompt_tokens": (*_COUNT, False),
@@ -672,7 +674,11 @@ def _canon(value: Any) -> Any:
 
 
 def grade_of(record: Mapping[str, Any]) -> GradeResult:
-    return GradeResult(correct=bool(record.get("correct")), score=float(record.get("score") or 0.0),
+    """A sample line's verdict; ``correct`` stays None for an ok sample its task does not grade
+    (evals.grading.likelihood_grader), so no accuracy counts it."""
+    ungraded = record.get("status") == "ok" and record.get("correct") is None
+    return GradeResult(correct=None if ungraded else bool(record.get("correct")),
+                       score=None if ungraded else float(record.get("score") or 0.0),
                        extracted=record.get("extracted"), reason=str(record.get("reason") or ""))
 
 

@@ -8,6 +8,8 @@ samples.jsonl keeps a request's event counts; this file keeps what happened when
 - ``capacity``: the allocated KV slots (pages x block_size) at each decode step, run-length
   encoded as ``[[slots, steps], ...]`` (GrowPage's capacity grows a page at a time, so a few
   runs describe hundreds of steps);
+- ``kept_slots``: the slots holding kept tokens at each decode step (the mean over layers and KV
+  heads), as run-length encoded successive differences (``delta_runs``);
 - ``events``: every capacity event (engine.sequence.CapacityEvent) as ``{"step", "action",
   "trigger", "fallback", "physical": [before, after], "pages": [before, after], "info"}``,
   ``step`` = the request's logical length at the event minus its prompt (the output position:
@@ -38,15 +40,28 @@ SPAN_KEYS = ("needle",)
 _INFO_MAX_CHARS = 120  # longer info values (none today) stay out of the line
 
 
-def run_length(values: Sequence[int]) -> list[list[int]]:
-    """[v, v, v, w] -> [[v, 3], [w, 1]]."""
-    out: list[list[int]] = []
+def run_length(values: Sequence[float]) -> list[list]:
+    """[v, v, v, w] -> [[v, 3], [w, 1]] (whole numbers written as integers)."""
+    out: list[list] = []
     for v in values:
+        v = int(v) if float(v).is_integer() else float(v)
         if out and out[-1][0] == v:
             out[-1][1] += 1
         else:
-            out.append([int(v), 1])
+            out.append([v, 1])
     return out
+
+
+def delta_runs(values: Sequence[float]) -> list[list[float]]:
+    """Successive differences, run-length encoded: a trace that grows one slot a step and drops at
+    compactions ([96, 97, 98, 64, 65]) is a few runs ([[96, 1], [1, 2], [-34, 1], [1, 1]]).
+    Values are rounded to 1/100 slot (a per-head mean); evals.positions.expand_deltas inverts it."""
+    steps, last = [], 0.0
+    for v in values:
+        v = round(float(v), 2)
+        steps.append(round(v - last, 2))
+        last = v
+    return run_length(steps)
 
 
 def expand_runs(runs: Iterable[Sequence[int]]) -> list[int]:
@@ -126,6 +141,7 @@ def trace_line(uid: str, sample: int, segment: int, out: Any, prompt_ids: Sequen
     line = {"uid": uid, "sample": sample, "segment": segment,
             "prompt_tokens": out.num_prompt_tokens, "tokens": list(out.token_ids),
             "capacity": run_length(out.capacity_trace),
+            "kept_slots": delta_runs(out.kept_trace),
             "events": [compact_event(e, out.num_prompt_tokens) for e in out.events],
             "spans": spans}
     if out.kept:

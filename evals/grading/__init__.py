@@ -1,10 +1,16 @@
 """Grading: answer extraction, graders (a registry by name), time-bounded batch grading, metrics.
 
 Registered graders (``GRADERS``): ``math`` (MATH500), ``gsm8k``, ``aime``, ``amc``,
-``code`` (LiveCodeBench, sandboxed), ``niah``.
+``code`` (LiveCodeBench, sandboxed), ``niah``, ``likelihood`` (no verdict: the long-document
+likelihood task).
 """
 
-from evals.grading import code_grader, math_grader, niah_grader  # noqa: F401  (registers graders)
+from evals.grading import (  # noqa: F401  (registers graders)
+    code_grader,
+    likelihood_grader,
+    math_grader,
+    niah_grader,
+)
 from evals.grading.base import GRADERS, Grader, get_grader, register_grader
 from evals.grading.batch import grade_many
 from evals.grading.code_grader import CodeGrader, json_values_equal, stdout_matches

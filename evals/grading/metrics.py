@@ -34,24 +34,31 @@ def summarize(
 ) -> dict:
     """Metrics over ``(problem uid, result)`` pairs, one pair per generated sample.
 
-    Returns ``samples``, ``problems``, ``accuracy`` (share of correct samples: the mean
-    pass@1 over all samples, as GrowPage reports), ``extraction_rate`` (share of samples
-    with an extracted answer/program), ``mean_score``, ``reasons`` (counts), and
+    Returns ``samples``, ``graded`` (those with a verdict: a likelihood task's have none),
+    ``problems``, ``accuracy`` (share of correct samples: the mean pass@1 over all graded
+    samples, as GrowPage reports), ``extraction_rate`` (share of graded samples with an
+    extracted answer/program), ``mean_score``, ``reasons`` (counts), and
     ``pass@k`` for each k in ``ks``, averaged over the problems that have at least k
-    samples (``pass@k_problems`` says how many did).
+    graded samples (``pass@k_problems`` says how many did); None where nothing was graded.
     """
     per_problem: dict[str, list[GradeResult]] = defaultdict(list)
+    reasons: Counter = Counter()
+    samples = 0
     for uid, result in records:
-        per_problem[uid].append(result)
+        samples += 1
+        reasons[result.reason] += 1
+        if result.correct is not None:  # None: a sample its task does not grade (likelihood)
+            per_problem[uid].append(result)
     results = [r for rs in per_problem.values() for r in rs]
     n = len(results)
     out: dict = {
-        "samples": n,
+        "samples": samples,
+        "graded": n,
         "problems": len(per_problem),
-        "accuracy": sum(r.correct for r in results) / n if n else 0.0,
-        "extraction_rate": sum(r.answered for r in results) / n if n else 0.0,
-        "mean_score": sum(r.score for r in results) / n if n else 0.0,
-        "reasons": dict(Counter(r.reason for r in results)),
+        "accuracy": sum(r.correct for r in results) / n if n else None,
+        "extraction_rate": sum(r.answered for r in results) / n if n else None,
+        "mean_score": sum(r.score for r in results) / n if n else None,
+        "reasons": dict(reasons),
     }
     for k in ks:
         eligible = [rs for rs in per_problem.values() if len(rs) >= k]

@@ -39,6 +39,12 @@ the forced pass costs one prefill plus one decode step per reference token for e
 FullKV (about one extra pass per sample). Each invocation's wall times go to
 ``fidelity_passes.jsonl`` in the run directory.
 
+A request that forces its own continuation (a task's token request: evals.tasks.longdoc) is
+its own forced pass: its reference is FullKV's forced pass over the same tokens (plus FullKV's
+free answer where the request asks for one), ``d_t`` runs over the forced tokens, and agreement
+and first divergence compare the free answers (None without one). FullKV's run writes its own
+log-probabilities too, so every run of such a task has the per-token NLL of every document.
+
 Per-token log-probabilities of the forced pass go to ``forced_logprobs.jsonl`` in the run
 directory (one line per sample and invocation: ``uid``, ``sample``, ``prompt_sha``, ``segment``,
 ``n`` and ``lp``, base64 of ``n`` little-endian float32), so ``kvarena report`` can shade each
@@ -311,7 +317,8 @@ class Fidelity:
         """The policy's teacher-forced decode of each request's reference, on ``llm`` (the run's
         engine) with a fresh policy instance and a fresh prefix cache, both replaced again
         afterwards so the timed run starts as it would without this pass. FullKV needs none."""
-        todo = [q for q in requests if self.reference.get(q.uid, q.sample, q.sha) is not None]
+        todo = [q for q in requests if self.reference.get(q.uid, q.sample, q.sha) is not None
+                and not q.params.forced_tokens]  # a forced request is its own forced pass
         if self.is_full or not todo:
             return
         from engine.sampling import SamplingParams
@@ -346,6 +353,8 @@ class Fidelity:
             ref = self.reference.add(q.uid, q.sample, q.sha, q.seed, out)
         if ref is None or not ref["tokens"]:
             return empty_fields()
+        if q.params.forced_tokens:
+            return self._forced_fields(q, ref, out)
         if self.is_full:
             return sample_fields(ref, out.token_ids, None)
         forced = self.forced.get((q.uid, q.sample, q.sha))
@@ -353,6 +362,25 @@ class Fidelity:
             return {**sample_fields(ref, out.token_ids, []), "fid_delta_nll": None,
                     "fid_worst_window": None}
         return sample_fields(ref, out.token_ids, forced)
+
+    def _forced_fields(self, q: Request, ref: Mapping[str, Any], out: Any) -> dict:
+        """The fields of a request that forces its own continuation (a long document): the run's
+        log-probabilities of the forced tokens are the forced pass (kept for
+        ``forced_logprobs.jsonl``), FullKV's forced pass over the same tokens the reference;
+        agreement and first divergence compare the free answer after them, if any, with
+        FullKV's (None without one)."""
+        n = len(q.params.forced_tokens)
+        own = [float(x) for x in out.token_logprobs[:n]]
+        self.forced[(q.uid, q.sample, q.sha)] = own
+        deltas = [0.0] * min(n, len(ref["logprobs"])) if self.is_full else delta_nll(own, ref["logprobs"][:n])
+        answer, ref_answer = list(out.token_ids[n:]), ref["tokens"][n:]
+        return {
+            "fid_delta_nll": float(np.mean(deltas)) if deltas else None,
+            "fid_worst_window": worst_window(deltas),
+            "fid_first_divergence": (None if not ref_answer else first_divergence(answer, ref_answer)),
+            "fid_agreement": agreement(answer, ref_answer) if ref_answer else None,
+            "fid_ref_tokens": len(ref["tokens"]),
+        }
 
     def write_forced(self, run_path: Path, segment: int) -> int:
         """Append this invocation's forced-pass log-probabilities to the run's

@@ -87,7 +87,9 @@ class BackgroundGrader:
             grades = grade_many([(p, rec["output"]) for p, rec in items], workers=self.workers,
                                 timeout_s=self.timeout_s, pool=self.pool)
             for (_, rec), g in zip(items, grades):
-                rec.update(extracted=g.extracted, correct=bool(g.correct), score=float(g.score),
+                rec.update(extracted=g.extracted,
+                           correct=None if g.correct is None else bool(g.correct),
+                           score=None if g.score is None else float(g.score),
                            reason=g.reason, details=small_meta(dict(g.details)))
         except Exception as e:  # grading broke down: keep the outputs, mark them
             for _, rec in items:

@@ -64,7 +64,7 @@ def resolve_target(settings: EvalSettings) -> Target:
     defaults = task.defaults(preset)
     block_size = settings.block_size or defaults.block_size
     budget = settings.kv_budget or defaults.kv_budget
-    task_args = task.policy_args_for(policy_lineage(settings.policy))
+    task_args = task.policy_args_for(policy_lineage(settings.policy), preset)
     policy_args = resolve_policy_args(settings.policy, settings.policy_args, budget, block_size, task_args)
     default_args = resolve_policy_args(settings.policy, settings.policy_args, defaults.kv_budget,
                                        block_size, task_args)
@@ -266,12 +266,48 @@ def render_requests(settings: EvalSettings, plan: Plan, todo: Sequence[R.SampleK
         problem = plan.problems[uid]
         if problem.task not in tasks:
             tasks[problem.task] = task_for(problem, settings)
+        seed = settings.seed + j
+        request = tasks[problem.task].token_request(problem)
+        if request is not None:
+            params = token_params(request, seed, temperature, max_tokens)
+            ids = list(request.prompt)
+            rendered.append(Rendered(problem, j, seed, len(ids), ids, params, tokenizer.decode(ids)))
+            continue
         try:
             text = render_prompt(tokenizer, tasks[problem.task].messages(problem), thinking=settings.thinking)
         except ValueError as e:
             raise EvalError(str(e)) from None
         n, ids = prompt_ids(tokenizer, text, context, bound)
-        seed = settings.seed + j
         params = SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed)
         rendered.append(Rendered(problem, j, seed, n, ids, params, text))
     return rendered
+
+
+def token_params(request, seed: int, temperature: float, max_tokens: int):
+    """The sampling parameters of a task's token request (evals.tasks.base.TokenRequest): its
+    continuation forced with every log-probability recorded, then ``max_tokens`` of free answer
+    where it asks for one."""
+    from engine.sampling import SamplingParams
+
+    forced = tuple(request.forced)
+    return SamplingParams(temperature=temperature, seed=seed, forced_tokens=forced, logprobs=True,
+                          max_tokens=len(forced) + (max_tokens if request.answer else 0))
+
+
+def check_forced(rendered: Sequence[Rendered], context: int, block_size: int) -> None:
+    """A forced request must fit the model's context whole (prompt, forced tokens and answer: the
+    engine would otherwise stop it short) and force at least one page, so a policy meets a page
+    boundary inside it. EvalError naming the first request that does not, before anything runs."""
+    for r in rendered:
+        forced = len(r.params.forced_tokens)
+        if not forced:
+            continue
+        total = r.n_tokens + r.params.max_tokens
+        if total > context:
+            raise EvalError(f"{r.problem.uid}: {total} tokens (prompt {r.n_tokens}, forced {forced}, "
+                            f"answer {r.params.max_tokens - forced}) exceed the model's context of "
+                            f"{context} tokens; ask for shorter documents")
+        if forced < block_size:
+            raise EvalError(f"{r.problem.uid}: {forced} forced tokens, fewer than one page of "
+                            f"{block_size}: the document must be longer than its prefix plus one "
+                            f"page")

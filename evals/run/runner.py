@@ -64,6 +64,7 @@ from evals.run.grader import BackgroundGrader
 from evals.run.plan import (
     Rendered,
     Target,
+    check_forced,
     data_source,
     failed_to_retry,
     load_problems,
@@ -160,8 +161,9 @@ def _run_locked(settings: EvalSettings, hooks: EvalHooks, target: Target) -> Eva
     hooks.on_start(label, settings.task, len(plan.keys), len(todo), path)
     if todo:
         segment = R.next_segment(path, loaded.records.values())
-        rendered = render_requests(settings, plan, todo, tokenizer, model_context(model_dir),
-                                   temperature, max_tokens)
+        context = model_context(model_dir)
+        rendered = render_requests(settings, plan, todo, tokenizer, context, temperature, max_tokens)
+        check_forced(rendered, context, target.block_size)
         try:
             _generate(settings, config, rendered, target, hooks, outcome, segment)
         except ConfigError as e:
@@ -365,6 +367,10 @@ def _stream(llm, runnable: Sequence[Rendered], writer: R.SampleWriter, segment: 
             r = runnable[out.index]
             record = output_record(r.problem, r.sample, r.seed, segment, out)
             record["prompt_sha"] = r.prompt_sha
+            forced = len(r.params.forced_tokens)
+            if forced:  # a token request (evals.tasks.longdoc): its output is the free answer
+                record.update(output=llm.tokenizer.decode(out.token_ids[forced:], skip_special_tokens=True),
+                              forced_tokens=forced)
             record.update(fid.fields(fid.requests[out.index], out) if fid else fidelity.empty_fields())
             traces.write(trace_line(r.problem.uid, r.sample, segment, out, r.ids, r.problem.meta,
                                     llm.tokenizer.decode))

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from evals.tasks.base import SCALES
+
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 # Policy fields that take the task's fixed KV budget, in order of preference (module docstring).
@@ -52,7 +54,7 @@ class EvalSettings:
     data: local data file/directory or hub id (None: the task's hub dataset or built-in data).
     limit: first N usable problems. samples: generations per problem.
     max_tokens, temperature (0 = greedy), seed (sample j uses seed + j).
-    preset: "paper" or "cpu" task defaults (None: cpu on CPU, paper on CUDA).
+    preset: "paper", "cpu" or "cpu-paper" task defaults (None: cpu on CPU, paper on CUDA).
     thinking: Qwen3's thinking switch (None: the chat template's default).
     kv_budget: fixed KV budget overriding the task default (see module docstring).
     match_budget_to: a finished Kara run directory: each sample's budget is the compressed length
@@ -114,8 +116,8 @@ class EvalSettings:
                             f"{self.temperature!r}")
         if not _int_in(self.seed, 0, MAX_SEED):
             raise EvalError(f"seed must be an integer in [0, {MAX_SEED}], got {self.seed!r}")
-        if self.preset is not None and self.preset not in ("paper", "cpu"):
-            raise EvalError(f"preset must be 'paper' or 'cpu', got {self.preset!r}")
+        if self.preset is not None and self.preset not in SCALES:
+            raise EvalError(f"preset must be one of {list(SCALES)}, got {self.preset!r}")
         if not (_real(self.grading_timeout_s) and self.grading_timeout_s > 0):
             raise EvalError(f"grading_timeout_s must be a finite number > 0, got {self.grading_timeout_s!r}")
         if not isinstance(self.out, (str, os.PathLike)) or not str(self.out).strip() or "\0" in str(self.out):

@@ -1,10 +1,21 @@
 """Benchmark tasks: a registry by name (``TASKS``, ``get_task``), prompts, per-task defaults.
 
-Registered: ``gsm8k``, ``math500``, ``amc23``, ``aime24``, ``livecodebench``, ``niah``, ``mixed``.
+Registered: ``gsm8k``, ``math500``, ``amc23``, ``aime24``, ``livecodebench``, ``niah``, ``mixed``,
+``longdoc``, ``longdoc-needle``.
 """
 
 # Importing a task module registers it.
-from evals.tasks import aime24, amc23, gsm8k, livecodebench, math500, mixed, niah  # noqa: F401
+from evals.tasks import (  # noqa: F401
+    aime24,
+    amc23,
+    gsm8k,
+    livecodebench,
+    longdoc,
+    longdoc_needle,
+    math500,
+    mixed,
+    niah,
+)
 from evals.tasks.base import (
     MATH_SYSTEM_PROMPT,
     SCALES,

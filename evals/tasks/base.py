@@ -39,7 +39,7 @@ from evals.problem import (
 
 MATH_SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
 
-SCALES = ("paper", "cpu")
+SCALES = ("paper", "cpu", "cpu-paper")
 
 # Data rows: the longest JSON line read by default (a math question is a few KB) and the deepest
 # nesting accepted (the formats nest three levels; a deeper row would only strain the loader).
@@ -88,15 +88,66 @@ CPU_MAX_TOKENS_CAP = 2048
 PRESET_KV_BUDGET_RANGE = (256, 8192)
 
 
-def cpu_preset(paper: TaskDefaults) -> TaskDefaults:
+def cpu_preset(paper: TaskDefaults, divisor: int = CPU_DIVISOR,
+               max_tokens_cap: int = CPU_MAX_TOKENS_CAP) -> TaskDefaults:
     """The CPU-scale preset derived from a paper-scale one (see ``CPU_DIVISOR``)."""
     return dataclasses.replace(
         paper,
-        samples=max(1, paper.samples // CPU_DIVISOR),
-        max_tokens=min(CPU_MAX_TOKENS_CAP, max(1, paper.max_tokens // CPU_DIVISOR)),
-        kv_budget=None if paper.kv_budget is None else max(1, paper.kv_budget // CPU_DIVISOR),
-        block_size=max(1, paper.block_size // CPU_DIVISOR),
+        samples=max(1, paper.samples // divisor),
+        max_tokens=min(max_tokens_cap, max(1, paper.max_tokens // divisor)),
+        kv_budget=None if paper.kv_budget is None else max(1, paper.kv_budget // divisor),
+        block_size=max(1, paper.block_size // divisor),
     )
+
+
+# The CPU preset at the papers' compression ratios (``--preset cpu-paper``): pages, budgets and
+# outputs of the paper preset divided by 16 (block 256 -> 16, budget 4096 -> 256, 8192 -> 512,
+# outputs 16384 -> 1024, 32768 -> 2048). A request then holds as many pages as in the papers and
+# meets as many page boundaries: GrowPage's Table 5 runs 16-32k-token outputs against a 4096-token
+# budget (4-8x), here 1-2k against 256. Policies whose papers give token-level constants get them
+# scaled the same way (``PRESET_POLICY_ARGS``).
+CPU_PAPER_DIVISOR = 16
+CPU_PAPER_MAX_TOKENS_CAP = 4096
+
+# Policy arguments a preset sets (by registered policy name; a task's own ``policy_defaults`` and
+# the user's arguments win). At cpu-paper (b = 16):
+# - GrowPage: 9 start pages stay 9 pages (144 tokens; the start is a page count, growpage.py);
+#   the paper protects 16 recent tokens at b = 256 (1/16 of a page), which scaled with the page
+#   is 1 token, and 16 tokens is a whole page at b = 16, which the policy refuses (a Compress &
+#   Hold must have history to select inside the page). The paper does not pin a value for this
+#   scale; the preset takes 8, half a page.
+# - Kara: the paper's |W| = 512, |U| = 64, alpha = 32 at b = 256, divided by 16: |W| = 32 (2
+#   pages, as in the paper), |U| = 4, alpha = 2, so the window keeps ceil(0.4 x 28) + 2 = 14 of
+#   its 28 compressible slots (0.50; the paper's 212 of 448 is 0.47); KvLLM's period follows as
+#   (floor(32 / 16) + 1) x 16 = 48 steps, 3 pages as the paper's 768. gamma = 8 is a phrase
+#   length, not a sequence scale, and stays.
+PRESET_POLICY_ARGS: Mapping[str, Mapping[str, Mapping[str, Any]]] = {
+    "cpu-paper": {
+        "growpage": {"protected_recent": 8},
+        "kara": {"window_tokens": 32, "buffer_tokens": 4, "chunk_budget": 2},
+    },
+}
+
+
+@dataclass(frozen=True)
+class TokenRequest:
+    """A request given as token ids rather than chat messages (``Task.token_request``).
+
+    prompt: the prefilled tokens; forced: the continuation teacher-forced one decode step per
+    token (``SamplingParams.forced_tokens``, each token's log-probability recorded); answer: the
+    model then generates freely, up to the run's ``max_tokens`` (else the request ends with its
+    last forced token).
+    """
+
+    prompt: tuple[int, ...]
+    forced: tuple[int, ...]
+    answer: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.prompt:
+            raise ValueError("a token request needs at least one prompt token")
+        if not (self.forced or self.answer):
+            raise ValueError("a token request needs forced tokens or an answer to generate")
 
 
 @dataclass(frozen=True)
@@ -186,6 +237,7 @@ class Task(ABC):
     local: ClassVar[LocalLayout]
     paper_defaults: ClassVar[TaskDefaults]
     cpu_defaults: ClassVar[TaskDefaults | None] = None
+    cpu_paper_defaults: ClassVar[TaskDefaults | None] = None
     # The longest data row read (bytes of one JSON line; larger rows are rejected per row
     # without being held in memory). A task whose rows carry test suites raises it.
     max_row_bytes: ClassVar[int] = MAX_ROW_BYTES
@@ -195,25 +247,39 @@ class Task(ABC):
 
     # -------------------------------------------------------------- defaults
 
-    def policy_args_for(self, lineage: Sequence[str]) -> dict:
+    def policy_args_for(self, lineage: Sequence[str], scale: str | None = None) -> dict:
         """This task's default arguments for a policy, given its lineage by name, most specific
         first (the registry's ``policy_lineage``, e.g. ``("kara-wo-t2c", "kara")``): a variant
-        inherits its base policy's entry unless it has its own. The caller asks the registry, so
-        a task knows policies only by name."""
-        for name in lineage:
-            if name in self.policy_defaults:
-                return dict(self.policy_defaults[name])
-        return {}
+        inherits its base policy's entry unless it has its own. The preset's arguments
+        (``PRESET_POLICY_ARGS``) come first and the task's own override them. The caller asks the
+        registry, so a task knows policies only by name."""
+        args: dict = {}
+        for table in (PRESET_POLICY_ARGS.get(scale or "", {}), self.policy_defaults):
+            for name in lineage:
+                if name in table:
+                    args.update(table[name])
+                    break
+        return args
 
     def defaults(self, scale: str = "cpu") -> TaskDefaults:
-        """Run defaults at ``scale``: ``"paper"`` (GrowPage Table 5) or ``"cpu"`` (small preset)."""
+        """Run defaults at ``scale``: ``"paper"`` (GrowPage Table 5), ``"cpu"`` (small preset) or
+        ``"cpu-paper"`` (the papers' page counts and compression ratios at b = 16)."""
         if scale == "paper":
             return self.paper_defaults
         if scale == "cpu":
             return self.cpu_defaults or cpu_preset(self.paper_defaults)
+        if scale == "cpu-paper":
+            return self.cpu_paper_defaults or cpu_preset(self.paper_defaults, CPU_PAPER_DIVISOR,
+                                                         CPU_PAPER_MAX_TOKENS_CAP)
         raise ValueError(f"unknown scale {scale!r}; valid scales: {list(SCALES)}")
 
     # -------------------------------------------------------------- prompts and grading
+
+    def token_request(self, problem: Problem) -> TokenRequest | None:
+        """The problem as token ids (a prompt and a teacher-forced continuation), for tasks that
+        measure likelihood rather than answers (``evals.tasks.longdoc``); None (the default): the
+        problem is asked through :meth:`messages` and the chat template."""
+        return None
 
     @abstractmethod
     def messages(self, problem: Problem) -> list[dict[str, str]]:

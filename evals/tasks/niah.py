@@ -49,6 +49,9 @@ class NIAH(Task):
     title = "NIAH"
     paper_defaults = TaskDefaults(samples=1, max_tokens=128, kv_budget=None, block_size=256, temperature=0.0)
     cpu_defaults = TaskDefaults(samples=1, max_tokens=64, kv_budget=None, block_size=32, temperature=0.0)
+    # An answer's length is no sequence scale: the cpu-paper preset changes only the page.
+    cpu_paper_defaults = TaskDefaults(samples=1, max_tokens=64, kv_budget=None, block_size=16,
+                                      temperature=0.0)
     # Kara's NIAH comparison (Fig. 6, "under KV cache compression") compresses the context: with
     # its reasoning default (prompt frozen) and a short answer Kara would never compress here.
     policy_defaults = {"kara": {"compress_prompt": True}}
