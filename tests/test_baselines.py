@@ -129,8 +129,10 @@ def naive_pool_max(row: list[float], kernel: int) -> list[float]:
     return [max(row[max(0, t - half):t + half + 1]) for t in range(len(row))]
 
 
-def naive_redundancy(keys_lh: torch.Tensor, threshold=0.5, temperature=1.0, block=None) -> list[float]:
-    """keys_lh: [T, d] of one (layer, head)."""
+def naive_redundancy(keys_lh: torch.Tensor, threshold=0.5, temperature=1.0, block=None,
+                     spare_first=False) -> list[float]:
+    """keys_lh: [T, d] of one (layer, head). spare_first: R-KV's code zeroes S[i, 0] for a key
+    without a similar key."""
     T = keys_lh.shape[0]
     kn = [keys_lh[t].double() / (keys_lh[t].double().norm() + 1e-8) for t in range(T)]
     sim = [[0.0 if i == j or (block and i // block != j // block) else float(kn[i] @ kn[j])
@@ -139,6 +141,8 @@ def naive_redundancy(keys_lh: torch.Tensor, threshold=0.5, temperature=1.0, bloc
         similar = [j for j in range(T) if sim[i][j] > threshold]
         if similar:
             sim[i][max(similar)] = 0.0
+        elif spare_first:
+            sim[i][0] = 0.0
     denom = T if block is None else block
     return softmax([sum(sim[i][j] for i in range(T)) / denom / temperature for j in range(T)])
 
@@ -190,6 +194,24 @@ def test_key_redundancy_matches_loops_all_pairs_and_per_page():
             for h in range(HKV):
                 want = naive_redundancy(k[layer, h], temperature=temp, block=block)
                 assert got[layer, h].tolist() == pytest.approx(want, abs=1e-6)
+
+
+def test_rkv_code_sink_reproduces_the_codes_column_zero_and_lowers_slot_zeros_redundancy():
+    k, _ = rand_case(12, seed=2)
+    k[:, :, 7] = k[:, :, 3] * 2.0
+    quirk = key_redundancy(k, spare_first=True)
+    for layer in range(L):
+        for h in range(HKV):
+            want = naive_redundancy(k[layer, h], spare_first=True)
+            assert quirk[layer, h].tolist() == pytest.approx(want, abs=1e-6)
+    # Keys 1..7 orthogonal, none similar to another; slot 0 a little like each (cosine 0.38 < 0.5,
+    # a sink's key): the code's rule drops that similarity, so slot 0 looks less redundant.
+    k = torch.zeros(L, HKV, D, D)
+    k[:, :, 1:, 1:] = torch.eye(D - 1)
+    k[:, :, 0, 1:] = 1.0
+    plain, quirk = key_redundancy(k), key_redundancy(k, spare_first=True)
+    assert (quirk[..., 0] < plain[..., 0]).all()
+    assert build_policy("rkv", {"code_sink": "true"}).code_sink is True
 
 
 def test_rkv_select_matches_importance_minus_redundancy_loop():

@@ -33,9 +33,13 @@ Defaults (paper/code -> here):
 
 Left open / departures: the paper writes lambda as a knob and its code defaults to 0.07 (G-KV's
 scripts run R-KV with 0.1); we take the code's value. R-KV's code zeroes similarity column 0 for a
-key without any similar key (an indexing artefact); scoring.key_redundancy spares only an actual
-similar key. The GQA handling (max over the group's logits before the softmax) is the code's;
-the paper does not discuss GQA.
+key without any similar key (an indexing artefact of its max over masked indices): slot 0's mean
+similarity then drops by the share of unmatched keys, its redundancy with it, and the first token
+(an attention sink) is implicitly protected. The paper describes no such rule, so by default
+scoring.key_redundancy spares only an actual similar key and slot 0 competes like any other
+(R-KV then keeps no sink unless its score earns one); `code_sink=True` reproduces the code.
+The GQA handling (max over the group's logits before the softmax) is the code's; the paper does
+not discuss GQA.
 """
 
 from __future__ import annotations
@@ -59,7 +63,8 @@ from engine.policies.scoring import (
 
 
 def rkv_scores(queries: torch.Tensor, keys: torch.Tensor, *, window: int, kernel: int = 7,
-               mix_lambda: float = 0.07, threshold: float = 0.5) -> torch.Tensor:
+               mix_lambda: float = 0.07, threshold: float = 0.5,
+               code_sink: bool = False) -> torch.Tensor:
     """R-KV's final scores Z of one request's slots.
 
     queries: `[layers, n, q_heads, head_dim]` (the window's, post-RoPE); keys:
@@ -70,7 +75,7 @@ def rkv_scores(queries: torch.Tensor, keys: torch.Tensor, *, window: int, kernel
     region = length - window
     importance = grouped_logit_probs(queries, keys, region, group_reduce="max").mean(dim=2)
     importance = pool1d(importance, kernel, "max")                                # [L, H, T-w]
-    redundancy = key_redundancy(keys, threshold=threshold)[..., :region]
+    redundancy = key_redundancy(keys, threshold=threshold, spare_first=code_sink)[..., :region]
     score = mix_redundancy(importance, redundancy, mix_lambda)
     inf = torch.full((*score.shape[:2], length - region), float("inf"), device=score.device)
     return torch.cat([score, inf], dim=-1)
@@ -87,6 +92,7 @@ class RKV(FixedBudgetPolicy):
     kernel_size: odd max-pool kernel over the importance (1 disables it).
     mix_lambda: weight of importance against redundancy, in [0, 1].
     threshold: cosine similarity above which two keys count as copies.
+    code_sink: R-KV's code's implicit protection of slot 0 (module docstring); off: the paper's rule.
     """
 
     name = "rkv"
@@ -96,6 +102,7 @@ class RKV(FixedBudgetPolicy):
     kernel_size: int = 7
     mix_lambda: float = 0.07
     threshold: float = 0.5
+    code_sink: bool = False
 
     def __post_init__(self) -> None:
         if self.window < 1:
@@ -120,7 +127,8 @@ class RKV(FixedBudgetPolicy):
         with timer.stage("score"):
             queries, _ = observation_queries(view, self.window)
             score = rkv_scores(queries, view.keys(), window=self.window, kernel=self.kernel_size,
-                               mix_lambda=self.mix_lambda, threshold=self.threshold)
+                               mix_lambda=self.mix_lambda, threshold=self.threshold,
+                               code_sink=self.code_sink)
         with timer.stage("window_mask"):
             protected = protected_mask(score.shape[-1], self.window, device=score.device)
         with timer.stage("topk"):

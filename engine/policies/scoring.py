@@ -161,7 +161,7 @@ def grouped_logit_probs(queries: torch.Tensor, keys: torch.Tensor, key_end: int,
 
 
 def key_redundancy(keys: torch.Tensor, *, threshold: float = 0.5, temperature: float = 1.0,
-                   block: int | None = None) -> torch.Tensor:
+                   block: int | None = None, spare_first: bool = False) -> torch.Tensor:
     """R-KV's redundancy score of every key (R-KV Sec. 3, `rkv/utils.py cal_similarity`).
 
     Per (layer, KV head): cosine similarity S[i, j] between the L2-normalised keys, diagonal
@@ -170,6 +170,9 @@ def key_redundancy(keys: torch.Tensor, *, threshold: float = 0.5, temperature: f
     redundancy of key j is softmax_j(mean_i S[i, j] / temperature). R-KV uses temperature 1;
     Zipage's redundancy term uses 0.4. Departure: R-KV's code also zeroes S[i, 0] when key i has
     no similar key (an artefact of its max over masked indices); here only a similar key is spared.
+    spare_first: reproduce that artefact of R-KV's code (S[i, 0] := 0 for a key i with no similar
+    key), which lowers slot 0's mean similarity and with it its redundancy, so the first token
+    (an attention sink) is kept more often.
     block: compare each key only with keys of its own page and divide by the page size instead of
     the length (Zipage's "lightning" variant, `lightning_redudancy_score.py`); None: all pairs.
 
@@ -194,6 +197,8 @@ def key_redundancy(keys: torch.Tensor, *, threshold: float = 0.5, temperature: f
         last = length - 1 - similar.flip(-1).to(torch.uint8).argmax(dim=-1)
         rows = idx.expand_as(last)
         sim[has.nonzero(as_tuple=True)[0], rows[has], last[has]] = 0.0
+        if spare_first:
+            sim[..., 0].masked_fill_(~has, 0.0)
         mean = sim.sum(dim=-2) / (length if block is None else block)
         out.append(torch.softmax(mean / temperature, dim=-1))
     return torch.stack(out)
