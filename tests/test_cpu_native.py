@@ -2,8 +2,10 @@
 torch twins, their index checks, the fallback without a compiler, and the engine with them on
 and off."""
 
+import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -302,6 +304,33 @@ def test_without_a_compiler_the_twins_run_after_one_warning(tmp_path):
     first, second = done.stdout.splitlines()
     assert first == "False False"
     assert second.startswith("1 ") and "no C compiler 'no-such-compiler'" in second
+
+
+def _fresh_python(code: str, **env: str) -> subprocess.CompletedProcess:
+    """Run code in a new interpreter (the library loads into a clean process) from the root."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), **env}, cwd=ROOT, timeout=300)
+
+
+@needs_kernel
+def test_loading_the_library_keeps_subnormals():
+    # Linked with -ffast-math, the library ran crtfastmath's initializer at load, which turns on
+    # flush-to-zero and denormals-are-zero for the process: torch's and numpy's arithmetic too.
+    # The values leave as raw bytes: under denormals-are-zero even repr() of one prints 0.0.
+    code = ("import json, struct, numpy, torch\n"
+            "from engine.kernels import cpu_native\n"
+            "def probe():\n"
+            "    values = ((torch.tensor(1e-40) * 1).item(), numpy.float32(1e-40) * 1,\n"
+            "              numpy.float64(1e-310) * 1)\n"
+            "    return [struct.pack('<d', v).hex() for v in values]\n"
+            "before = probe()\n"
+            "print(json.dumps([cpu_native.available(), before, probe()]))\n")
+    done = _fresh_python(code)
+    assert done.returncode == 0, done.stderr
+    loaded, before, after = json.loads(done.stdout.splitlines()[-1])
+    zero = struct.pack("<d", 0.0).hex()
+    assert loaded and zero not in before, done.stdout
+    assert after == before
 
 
 # PyramidKV's per-layer budgets give decode attention per-head holes (the kernel's masked path;

@@ -71,8 +71,10 @@ build fails, `available()` is False, a warning says why once, and the torch ops 
 
 Indices are checked inside the kernel (pages, lengths, holes, slots), so bad metadata raises
 `ValueError` instead of reading or writing outside the caches, with no host sync beyond the
-call itself. The numerics are fp32 with a different summation order from SDPA's (built with
--ffast-math; max |difference| ~1e-6 on unit-scale inputs, tests/test_cpu_native.py).
+call itself. The numerics are fp32 with a different summation order from SDPA's (compiled with
+-ffast-math; max |difference| ~1e-6 on unit-scale inputs, tests/test_cpu_native.py). The link
+leaves it out, so loading the library leaves the process's floating-point modes as they were
+(subnormals kept).
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,7 +95,11 @@ import torch
 SOURCES = tuple(Path(__file__).with_name("cpu") / name
                 for name in ("paged_decode.c", "thin_linear.c", "panel_gemm.c",
                              "decode_layers.c"))
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared")
+# -ffast-math compiles the sources only: linked with it, GCC adds crtfastmath.o, whose initializer
+# turns on flush-to-zero and denormals-are-zero for the whole process when the library loads
+# (torch's and numpy's subnormals would read and compute as 0).
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
+LINK_FLAGS = ("-shared", "-fopenmp")
 ENV_SWITCH = "KVARENA_NATIVE"
 # The most rows `linear` takes: from 12 rows on oneDNN's blocked kernel was faster
 # (engine/models/packed_linear.py: the figures).
@@ -485,21 +492,28 @@ def _build() -> Path:
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C compiler {compiler!r} on PATH")
     key = hashlib.sha256()
-    for part in (*(s.read_bytes() for s in SOURCES), compiler.encode(), " ".join(FLAGS).encode(),
-                 _cpu_flags()):
+    for part in (*(s.read_bytes() for s in SOURCES), compiler.encode(),
+                 " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(), _cpu_flags()):
         key.update(part)
     target = cache_root() / "native" / key.hexdigest()[:16] / "libkvarena_cpu.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_suffix(f".{os.getpid()}.tmp")
-    done = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(partial), "-lm"],
-                          capture_output=True, text=True, timeout=120)
-    if done.returncode != 0:
-        raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-400:]}")
-    os.replace(partial, target)  # atomic: concurrent builders never load a half-written file
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        # one object per source (compiled in the scratch folder), then the link without fast-math
+        _run([compiler, *COMPILE_FLAGS, "-c", *map(str, SOURCES)], scratch)
+        partial = Path(scratch) / target.name
+        _run([compiler, *LINK_FLAGS, *(f"{s.stem}.o" for s in SOURCES), "-o", str(partial),
+              "-lm"], scratch)
+        os.replace(partial, target)  # atomic: concurrent builders never load a half-written file
     print(f"kvarena: built the CPU kernels ({target})", file=sys.stderr)
     return target
+
+
+def _run(command: list[str], cwd: str) -> None:
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=cwd)
+    if done.returncode != 0:
+        raise RuntimeError(f"{command[0]} failed: {done.stderr.strip()[-400:]}")
 
 
 def _cpu_flags() -> bytes:
