@@ -333,6 +333,65 @@ def test_loading_the_library_keeps_subnormals():
     assert after == before
 
 
+# A fresh process asks for the library; it prints whether it loaded and the warnings it raised.
+AVAILABLE = ("import warnings\n"
+             "from engine.kernels import cpu_native\n"
+             "with warnings.catch_warnings(record=True) as caught:\n"
+             "    warnings.simplefilter('always')\n"
+             "    print(cpu_native.available(), cpu_native.available())\n"
+             "print(len(caught), *(w.message for w in caught))\n")
+
+
+def _shared_library(path: Path, source: str) -> Path:
+    """A valid shared library built from source: one that lacks the kernels' symbols."""
+    c_file = path.with_suffix(".c")
+    c_file.write_text(source)
+    subprocess.run(["cc", "-shared", "-fPIC", str(c_file), "-o", str(path)], check=True,
+                   timeout=120)
+    return path
+
+
+@needs_kernel
+def test_a_damaged_cached_library_is_rebuilt_not_loaded(tmp_path):
+    # Truncated, its mapping past the end of the file killed the process with SIGBUS; another
+    # valid library in its place raised AttributeError for the first missing symbol.
+    env = {"KVARENA_CACHE": str(tmp_path / "cache"), "CC": "cc"}
+    done = _fresh_python(AVAILABLE, **env)
+    assert done.returncode == 0 and done.stdout.splitlines() == ["True True", "0"], done
+    library, = (tmp_path / "cache" / "native").glob("*/libkvarena_cpu.so")
+    good = library.read_bytes()
+    foreign = _shared_library(tmp_path / "other.so", "int kv_other(void) { return 1; }\n")
+    for damaged in (good[:len(good) // 10], good[:len(good) // 2], foreign.read_bytes()):
+        library.write_bytes(damaged)  # in place, as a torn write or a full disk leaves it
+        done = _fresh_python(AVAILABLE, **env)
+        assert done.returncode == 0, (done.returncode, done.stderr)
+        assert done.stdout.splitlines() == ["True True", "0"], done  # rebuilt, no warning
+        assert library.read_bytes() != damaged
+    # A foreign library whose stamp vouches for it loads, lacks the symbols, and is rebuilt.
+    stamp = library.with_name(cpu_native.STAMP)
+    library.write_bytes(foreign.read_bytes())
+    stamp.write_text(json.dumps(cpu_native._stamp(library)))
+    done = _fresh_python(AVAILABLE, **env)
+    assert done.returncode == 0 and done.stdout.splitlines() == ["True True", "0"], done
+    assert cpu_native._verified(library, stamp) and library.read_bytes() != foreign.read_bytes()
+    # When the rebuild fails too, the torch ops run after one warning. The compiler is a `cc`
+    # that answers --version as the real one and fails to compile.
+    fake = tmp_path / "bin" / "cc"
+    fake.parent.mkdir()
+    fake.write_text(f'#!/bin/sh\n[ "$1" = --version ] && exec {shutil.which("cc")} "$@"\nexit 1\n')
+    fake.chmod(0o755)
+    env["PATH"] = f"{fake.parent}{os.pathsep}{os.environ['PATH']}"
+    for damaged, stamped in ((good[:len(good) // 10], False), (foreign.read_bytes(), True)):
+        library.write_bytes(damaged)
+        if stamped:
+            stamp.write_text(json.dumps(cpu_native._stamp(library)))
+        done = _fresh_python(AVAILABLE, **env)
+        assert done.returncode == 0, (done.returncode, done.stderr)
+        first, second = done.stdout.splitlines()
+        assert first == "False False" and second.startswith("1 "), done
+        assert "CPU kernels are unavailable (cc failed" in second
+
+
 # PyramidKV's per-layer budgets give decode attention per-head holes (the kernel's masked path;
 # with compile on, the steps that have holes run eager, the others through the graph).
 @pytest.mark.parametrize("policy", [("full", {}), ("pyramidkv", dict(budget=16, window=4))],

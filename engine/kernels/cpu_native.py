@@ -65,9 +65,10 @@ results/benchmarks/peer.md.
 
 `applies(...)` says when the attention kernels run: CPU float32 tensors, contiguous caches and
 head axes, and the library built. It is built once per machine and source
-(``$KVARENA_CACHE/native/<key>/``) with the C compiler (``$CC`` or ``cc``); without one, or if the
-build fails, `available()` is False, a warning says why once, and the torch ops run as before.
-``KVARENA_NATIVE=0`` turns it off.
+(``$KVARENA_CACHE/native/<key>/``) with the C compiler (``$CC`` or ``cc``), its size and SHA-256
+stamped beside it; a cached file that does not match its stamp, or does not load, is built
+again. Without a compiler, or if the build or the load fails, `available()` is False, a warning
+says why once, and the torch ops run as before. ``KVARENA_NATIVE=0`` turns it off.
 
 Indices are checked inside the kernel (pages, lengths, holes, slots), so bad metadata raises
 `ValueError` instead of reading or writing outside the caches, with no host sync beyond the
@@ -79,8 +80,10 @@ leaves it out, so loading the library leaves the process's floating-point modes 
 
 from __future__ import annotations
 
+import _ctypes
 import ctypes
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -114,6 +117,9 @@ ERRORS = {1: "a block table names a page outside the cache (or -1 inside a row's
           6: "no memory for the decode step's scratch buffers"}
 # A layer's tensors in `LayerStack.table`, in cpu/decode_layers.c's order.
 LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down")
+
+# The cache entry: the library and its stamp (`_build`).
+LIBRARY, STAMP = "libkvarena_cpu.so", "libkvarena_cpu.json"
 
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -453,13 +459,35 @@ def _raise_on(rc: int) -> None:
 # ----------------------------------------------------------------------------- build and load
 
 def _load() -> ctypes.CDLL | None:
+    """The library with its functions typed, or None after one warning saying why. A cached file
+    that passes its stamp but does not load, or lacks a function, is rebuilt once."""
     try:
-        path = _build()
-        lib = ctypes.CDLL(str(path))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        path, built = _build()
+        try:
+            return _open(path)
+        except (OSError, AttributeError):
+            if built:
+                raise
+        return _open(_build(rebuild=True)[0])
+    except (OSError, AttributeError, RuntimeError, subprocess.SubprocessError) as e:
         warnings.warn(f"kvarena: the CPU kernels are unavailable ({e}); the torch ops run "
                       f"instead (slower)", RuntimeWarning, stacklevel=3)
         return None
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    """dlopen path and type its functions; a library without them is closed again, or a rebuilt
+    file at the same path would resolve to its handle (the loader matches on the path)."""
+    lib = ctypes.CDLL(str(path))
+    try:
+        _declare(lib)
+    except AttributeError:
+        _ctypes.dlclose(lib._handle)
+        raise
+    return lib
+
+
+def _declare(lib: ctypes.CDLL) -> None:
     lib.kv_store.restype = ctypes.c_int
     lib.kv_store.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]
     lib.kv_decode.restype = ctypes.c_int
@@ -481,11 +509,13 @@ def _load() -> ctypes.CDLL | None:
     lib.kv_decode_layers.argtypes = [_PTR, _PTR, _PTR, _PTR, *[_I64] * 7, _F32, _PTR, _PTR,
                                      _I64, _I64, _PTR, _PTR, _I64, _PTR, _F32, _PTR,
                                      _PTR, _PTR, _PTR, _I64, _PTR]
-    return lib
 
 
-def _build() -> Path:
-    """The library for this source, compiler, flags and CPU, built unless already cached."""
+def _build(rebuild: bool = False) -> tuple[Path, bool]:
+    """The library for this source, compiler, flags and CPU, and whether it was built now: the
+    cached file when it matches its stamp (size and SHA-256, written beside it), else a new
+    build. A cached file that fails the check (cut short by a full disk or a torn copy) is never
+    mapped: a truncated ELF file killed the process with SIGBUS."""
     from engine.models.loader import cache_root
 
     compiler = os.environ.get("CC") or "cc"
@@ -495,19 +525,44 @@ def _build() -> Path:
     for part in (*(s.read_bytes() for s in SOURCES), compiler.encode(),
                  " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(), _cpu_flags()):
         key.update(part)
-    target = cache_root() / "native" / key.hexdigest()[:16] / "libkvarena_cpu.so"
-    if target.exists():
-        return target
+    target = cache_root() / "native" / key.hexdigest()[:16] / LIBRARY
+    stamp = target.with_name(STAMP)
+    if not rebuild and _verified(target, stamp):
+        return target, False
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         # one object per source (compiled in the scratch folder), then the link without fast-math
         _run([compiler, *COMPILE_FLAGS, "-c", *map(str, SOURCES)], scratch)
-        partial = Path(scratch) / target.name
+        partial = Path(scratch) / LIBRARY
         _run([compiler, *LINK_FLAGS, *(f"{s.stem}.o" for s in SOURCES), "-o", str(partial),
               "-lm"], scratch)
-        os.replace(partial, target)  # atomic: concurrent builders never load a half-written file
+        partial_stamp = Path(scratch) / STAMP
+        partial_stamp.write_text(json.dumps(_stamp(partial)))
+        # Each rename is atomic, so a reader sees whole files; one that comes between the two
+        # finds the new library beside the old stamp, which fails the check: it builds again.
+        os.replace(partial, target)
+        os.replace(partial_stamp, stamp)
     print(f"kvarena: built the CPU kernels ({target})", file=sys.stderr)
-    return target
+    return target, True
+
+
+def _stamp(path: Path) -> dict | None:
+    """path's size and SHA-256, or None if it cannot be read."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _verified(target: Path, stamp: Path) -> bool:
+    """Whether target is the file its stamp describes (False when either is missing)."""
+    try:
+        expected = json.loads(stamp.read_text())
+    except (OSError, ValueError):
+        return False
+    actual = _stamp(target)
+    return actual is not None and actual == expected
 
 
 def _run(command: list[str], cwd: str) -> None:
