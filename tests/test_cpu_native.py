@@ -4,6 +4,7 @@ and off."""
 
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -390,6 +391,43 @@ def test_a_damaged_cached_library_is_rebuilt_not_loaded(tmp_path):
         first, second = done.stdout.splitlines()
         assert first == "False False" and second.startswith("1 "), done
         assert "CPU kernels are unavailable (cc failed" in second
+
+
+@needs_kernel
+def test_the_library_reports_the_constants_this_module_uses():
+    assert cpu_native._abi(cpu_native._library()) == cpu_native._expected_abi()
+    header = cpu_native.HEADER.read_text()
+    assert f"#define KV_ABI_VERSION {cpu_native.ABI_VERSION}\n" in header
+    # every exported function's prototype is in the header, and in no source file
+    prototype = re.compile(r"^(?:int|void|int64_t) (kv_\w+)\([^{;]*\);", re.MULTILINE)
+    definition = re.compile(r"^(?:int|void|int64_t) (kv_\w+)\([^{;]*\) \{", re.MULTILINE)
+    defined = set()
+    for source in cpu_native.SOURCES:
+        text = source.read_text()
+        assert '#include "kvarena_native.h"' in text and not prototype.findall(text), source.name
+        defined.update(definition.findall(text))
+    assert set(prototype.findall(header)) == defined and "kv_abi" in defined
+
+
+@needs_kernel
+@pytest.mark.parametrize("change, match", [
+    (dict(ABI_VERSION=cpu_native.ABI_VERSION + 1),
+     f"interface is version {cpu_native.ABI_VERSION}, this module's {cpu_native.ABI_VERSION + 1}"),
+    (dict(PANEL=8), "KV_PANEL is 16 there, 8 here"),
+    (dict(LAYER_FIELDS=("qkv", "input_norm", *cpu_native.LAYER_FIELDS[2:])),
+     "KV_QKV is 1 there, 0 here; KV_INPUT_NORM is 0 there, 1 here"),
+], ids=["version", "panel", "fields"])
+def test_a_library_of_another_interface_leaves_the_torch_ops_after_one_warning(monkeypatch, change,
+                                                                              match):
+    assert cpu_native.available()
+    for name, value in change.items():
+        monkeypatch.setattr(cpu_native, name, value)
+    monkeypatch.setattr(cpu_native, "_lib", None)  # loaded again: the cached library, checked
+    monkeypatch.setattr(cpu_native, "_tried", False)
+    with pytest.warns(RuntimeWarning) as caught:
+        assert not cpu_native.available() and not cpu_native.available()
+    assert len(caught) == 1 and match in str(caught[0].message)
+    assert "the torch ops run instead" in str(caught[0].message)
 
 
 # PyramidKV's per-layer budgets give decode attention per-head holes (the kernel's masked path;

@@ -67,8 +67,10 @@ results/benchmarks/peer.md.
 head axes, and the library built. It is built once per machine and source
 (``$KVARENA_CACHE/native/<key>/``) with the C compiler (``$CC`` or ``cc``), its size and SHA-256
 stamped beside it; a cached file that does not match its stamp, or does not load, is built
-again. Without a compiler, or if the build or the load fails, `available()` is False, a warning
-says why once, and the torch ops run as before. ``KVARENA_NATIVE=0`` turns it off.
+again. At load the library reports the constants it shares with this module (cpu/kvarena_native.h:
+the interface version, return codes, panel width, layer table order), checked against ours.
+Without a compiler, or if the build, the load or that check fails, `available()` is False, a
+warning says why once, and the torch ops run as before. ``KVARENA_NATIVE=0`` turns it off.
 
 Indices are checked inside the kernel (pages, lengths, holes, slots), so bad metadata raises
 `ValueError` instead of reading or writing outside the caches, with no host sync beyond the
@@ -97,7 +99,9 @@ import torch
 
 SOURCES = tuple(Path(__file__).with_name("cpu") / name
                 for name in ("paged_decode.c", "thin_linear.c", "panel_gemm.c",
-                             "decode_layers.c"))
+                             "decode_layers.c", "abi.c"))
+# The prototypes, return codes and constants the sources share (and this file: ABI below).
+HEADER = Path(__file__).with_name("cpu") / "kvarena_native.h"
 # -ffast-math compiles the sources only: linked with it, GCC adds crtfastmath.o, whose initializer
 # turns on flush-to-zero and denormals-are-zero for the whole process when the library loads
 # (torch's and numpy's subnormals would read and compute as 0).
@@ -107,16 +111,23 @@ ENV_SWITCH = "KVARENA_NATIVE"
 # The most rows `linear` takes: from 12 rows on oneDNN's blocked kernel was faster
 # (engine/models/packed_linear.py: the figures).
 THIN_ROWS = 8
-# Output columns per panel of `pack_panels` (cpu/panel_gemm.c: two AVX2 vectors).
+# Output columns per panel of `pack_panels` (KV_PANEL: two AVX2 vectors).
 PANEL = 16
-ERRORS = {1: "a block table names a page outside the cache (or -1 inside a row's length)",
-          2: "a context length is negative or exceeds its block table's capacity",
-          3: "a slot_mapping entry is outside the cache",
-          4: "a hole is not a (start, end) range with 0 <= start <= end <= the newest slot",
-          5: "q_heads / kv_heads, head_dim or block_size exceed the kernel's limits",
-          6: "no memory for the decode step's scratch buffers"}
-# A layer's tensors in `LayerStack.table`, in cpu/decode_layers.c's order.
+# The kernels' return codes: their names in cpu/kvarena_native.h, and what each means.
+ERRORS = {1: ("KV_BAD_PAGE",
+              "a block table names a page outside the cache (or -1 inside a row's length)"),
+          2: ("KV_BAD_LENGTH", "a context length is negative or exceeds its block table's capacity"),
+          3: ("KV_BAD_SLOT", "a slot_mapping entry is outside the cache"),
+          4: ("KV_BAD_HOLE",
+              "a hole is not a (start, end) range with 0 <= start <= end <= the newest slot"),
+          5: ("KV_BAD_SHAPE", "q_heads / kv_heads, head_dim or block_size exceed the kernel's limits"),
+          6: ("KV_NO_MEMORY", "no memory for the decode step's scratch buffers")}
+# A layer's tensors in `LayerStack.table`, in cpu/kvarena_native.h's order (KV_INPUT_NORM ...).
 LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down")
+# The interface's version, KV_ABI_VERSION in cpu/kvarena_native.h: raised with it when a
+# signature in `_declare` or a constant above changes meaning. At load the library reports its
+# constants (kv_abi); any that differ from `_expected_abi()` leave the torch ops in its place.
+ABI_VERSION = 1
 
 # The cache entry: the library and its stamp (`_build`).
 LIBRARY, STAMP = "libkvarena_cpu.so", "libkvarena_cpu.json"
@@ -453,7 +464,7 @@ def _int64(x: torch.Tensor) -> torch.Tensor:
 
 def _raise_on(rc: int) -> None:
     if rc:
-        raise ValueError(f"CPU paged kernel: {ERRORS.get(rc, f'error {rc}')}")
+        raise ValueError(f"CPU paged kernel: {ERRORS[rc][1] if rc in ERRORS else f'error {rc}'}")
 
 
 # ----------------------------------------------------------------------------- build and load
@@ -470,6 +481,7 @@ def _load() -> ctypes.CDLL | None:
                 raise
         return _open(_build(rebuild=True)[0])
     except (OSError, AttributeError, RuntimeError, subprocess.SubprocessError) as e:
+        # RuntimeError: no compiler, a failed build, or another interface (`_check_abi`)
         warnings.warn(f"kvarena: the CPU kernels are unavailable ({e}); the torch ops run "
                       f"instead (slower)", RuntimeWarning, stacklevel=3)
         return None
@@ -484,10 +496,45 @@ def _open(path: Path) -> ctypes.CDLL:
     except AttributeError:
         _ctypes.dlclose(lib._handle)
         raise
+    _check_abi(_abi(lib))
     return lib
 
 
+def _expected_abi() -> dict[str, int]:
+    """The constants this file shares with cpu/kvarena_native.h, by their C names."""
+    return {"KV_ABI_VERSION": ABI_VERSION, "KV_OK": 0,
+            **{name: code for code, (name, _) in ERRORS.items()},
+            "KV_PANEL": PANEL, "KV_LAYER_FIELDS": len(LAYER_FIELDS),
+            **{f"KV_{field.upper()}": i for i, field in enumerate(LAYER_FIELDS)}}
+
+
+def _abi(lib: ctypes.CDLL) -> dict[str, int]:
+    """The constants the library reports (kv_abi), by name."""
+    count = lib.kv_abi(None, None, 0)
+    if not 0 < count <= 1024:
+        raise RuntimeError(f"the library reports {count} interface constants")
+    names, values = (ctypes.c_char_p * count)(), (_I64 * count)()
+    lib.kv_abi(names, values, count)
+    return {(name or b"").decode(errors="replace"): value for name, value in zip(names, values)}
+
+
+def _check_abi(reported: dict[str, int]) -> None:
+    """Raise RuntimeError unless the library's constants are the ones this file uses: a library
+    of another version, error codes or layouts would be called with the wrong arguments, or its
+    answers misread."""
+    expected = _expected_abi()
+    if reported.get("KV_ABI_VERSION") != ABI_VERSION:
+        raise RuntimeError(f"the library's interface is version {reported.get('KV_ABI_VERSION')}, "
+                           f"this module's {ABI_VERSION}")
+    wrong = [f"{name} is {reported.get(name, 'missing')} there, {value} here"
+             for name, value in expected.items() if reported.get(name) != value]
+    if wrong:
+        raise RuntimeError(f"the library's constants differ from this module's: {'; '.join(wrong)}")
+
+
 def _declare(lib: ctypes.CDLL) -> None:
+    lib.kv_abi.restype = _I64
+    lib.kv_abi.argtypes = [_PTR, _PTR, _I64]
     lib.kv_store.restype = ctypes.c_int
     lib.kv_store.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]
     lib.kv_decode.restype = ctypes.c_int
@@ -522,7 +569,7 @@ def _build(rebuild: bool = False) -> tuple[Path, bool]:
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C compiler {compiler!r} on PATH")
     key = hashlib.sha256()
-    for part in (*(s.read_bytes() for s in SOURCES), compiler.encode(),
+    for part in (*(s.read_bytes() for s in (*SOURCES, HEADER)), compiler.encode(),
                  " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(), _cpu_flags()):
         key.update(part)
     target = cache_root() / "native" / key.hexdigest()[:16] / LIBRARY
