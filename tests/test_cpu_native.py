@@ -4,6 +4,7 @@ and off."""
 
 import json
 import os
+import platform
 import re
 import shutil
 import struct
@@ -428,6 +429,39 @@ def test_a_library_of_another_interface_leaves_the_torch_ops_after_one_warning(m
         assert not cpu_native.available() and not cpu_native.available()
     assert len(caught) == 1 and match in str(caught[0].message)
     assert "the torch ops run instead" in str(caught[0].message)
+
+
+# /proc/cpuinfo as x86 and ARM Linux write it (abridged): the feature list is `flags` on one,
+# `Features` on the other.
+CPUINFO_X86 = ("processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Xeon\n"
+               "flags\t\t: fpu vme sse2 avx avx2 fma\nvmx flags\t: vnmi ept\n\n"
+               "processor\t: 1\nflags\t\t: fpu vme sse2 avx avx2 fma\n")
+CPUINFO_ARM = ("processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd evtstrm aes crc32 sve\n"
+               "CPU implementer\t: 0x41\nCPU architecture: 8\n")
+
+
+def test_the_build_key_follows_the_compiler_the_flags_and_the_cpu_features(monkeypatch):
+    features = cpu_native._cpu_features
+    assert features(CPUINFO_X86) == "fpu vme sse2 avx avx2 fma"
+    assert features(CPUINFO_ARM) == "fp asimd evtstrm aes crc32 sve"
+    assert features("processor\t: 0\n") == features("") == platform.machine()
+    key = cpu_native._key
+    without_sve = features(CPUINFO_ARM.replace(" sve", ""))
+    gcc12, gcc13 = b"cc (Debian 12.2.0-14) 12.2.0\n", b"cc (Debian 13.3.0-1) 13.3.0\n"
+    keys = {key(gcc12, features(CPUINFO_X86)), key(gcc12, features(CPUINFO_ARM)),
+            key(gcc12, without_sve), key(gcc13, without_sve)}
+    assert len(keys) == 4 and key(gcc12, without_sve) == key(gcc12, without_sve)
+    monkeypatch.setattr(cpu_native, "COMPILE_FLAGS", (*cpu_native.COMPILE_FLAGS, "-g"))
+    assert key(gcc13, without_sve) not in keys
+
+
+@needs_kernel
+def test_the_compiler_is_known_by_its_version_output():
+    identity = cpu_native._compiler_identity("cc")
+    version = subprocess.run(["cc", "--version"], capture_output=True, check=True).stdout
+    assert identity.startswith(version) and version
+    with pytest.raises(RuntimeError, match="no C compiler"):
+        cpu_native._compiler_identity("no-such-compiler")
 
 
 # PyramidKV's per-layer budgets give decode attention per-head holes (the kernel's masked path;

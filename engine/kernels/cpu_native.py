@@ -64,13 +64,14 @@ results/benchmarks/peer.md.
         head (-1.9 to -2.7%); tenth percentile 0.23-0.43 ms lower.
 
 `applies(...)` says when the attention kernels run: CPU float32 tensors, contiguous caches and
-head axes, and the library built. It is built once per machine and source
-(``$KVARENA_CACHE/native/<key>/``) with the C compiler (``$CC`` or ``cc``), its size and SHA-256
-stamped beside it; a cached file that does not match its stamp, or does not load, is built
-again. At load the library reports the constants it shares with this module (cpu/kvarena_native.h:
-the interface version, return codes, panel width, layer table order), checked against ours.
-Without a compiler, or if the build, the load or that check fails, `available()` is False, a
-warning says why once, and the torch ops run as before. ``KVARENA_NATIVE=0`` turns it off.
+head axes, and the library built. It is built once per source, compiler (``$CC`` or ``cc``,
+known by its --version output), flags and CPU features (``$KVARENA_CACHE/native/<key>/``), its
+size and SHA-256 stamped beside it; a cached file that does not match its stamp, or does not
+load, is built again. At load the library reports the constants it shares with this module
+(cpu/kvarena_native.h: the interface version, return codes, panel width, layer table order),
+checked against ours. Without a compiler, or if the build, the load or that check fails,
+`available()` is False, a warning says why once, and the torch ops run as before.
+``KVARENA_NATIVE=0`` turns it off.
 
 Indices are checked inside the kernel (pages, lengths, holes, slots), so bad metadata raises
 `ValueError` instead of reading or writing outside the caches, with no host sync beyond the
@@ -87,6 +88,7 @@ import ctypes
 import hashlib
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -559,20 +561,15 @@ def _declare(lib: ctypes.CDLL) -> None:
 
 
 def _build(rebuild: bool = False) -> tuple[Path, bool]:
-    """The library for this source, compiler, flags and CPU, and whether it was built now: the
-    cached file when it matches its stamp (size and SHA-256, written beside it), else a new
-    build. A cached file that fails the check (cut short by a full disk or a torn copy) is never
-    mapped: a truncated ELF file killed the process with SIGBUS."""
+    """The library for this source, compiler, flags and CPU (`_key`), and whether it was built
+    now: the cached file when it matches its stamp (size and SHA-256, written beside it), else a
+    new build. A cached file that fails the check (cut short by a full disk or a torn copy) is
+    never mapped: a truncated ELF file killed the process with SIGBUS."""
     from engine.models.loader import cache_root
 
     compiler = os.environ.get("CC") or "cc"
-    if shutil.which(compiler) is None:
-        raise RuntimeError(f"no C compiler {compiler!r} on PATH")
-    key = hashlib.sha256()
-    for part in (*(s.read_bytes() for s in (*SOURCES, HEADER)), compiler.encode(),
-                 " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(), _cpu_flags()):
-        key.update(part)
-    target = cache_root() / "native" / key.hexdigest()[:16] / LIBRARY
+    key = _key(_compiler_identity(compiler), _cpu_features())
+    target = cache_root() / "native" / key / LIBRARY
     stamp = target.with_name(STAMP)
     if not rebuild and _verified(target, stamp):
         return target, False
@@ -618,13 +615,39 @@ def _run(command: list[str], cwd: str) -> None:
         raise RuntimeError(f"{command[0]} failed: {done.stderr.strip()[-400:]}")
 
 
-def _cpu_flags() -> bytes:
-    """The CPU's feature flags (-march=native builds for them; a shared cache must not hand the
-    library to a CPU without them)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line.encode()
-    except OSError:
-        pass
-    return b""
+def _key(compiler: bytes, features: str) -> str:
+    """The cache key of a build: the sources and header, the compiler's identity, the flags, and
+    the CPU's features (-march=native builds for them: a shared cache must not hand the library
+    to a CPU without them)."""
+    key = hashlib.sha256()
+    for part in (*(s.read_bytes() for s in (*SOURCES, HEADER)), compiler,
+                 " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(), features.encode()):
+        key.update(len(part).to_bytes(8, "little") + part)  # lengths: no two splits hash alike
+    return key.hexdigest()[:16]
+
+
+def _compiler_identity(compiler: str) -> bytes:
+    """compiler's --version output: its identity, where its name (``cc``) may stand for another
+    compiler after an upgrade or on another PATH."""
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C compiler {compiler!r} on PATH")
+    done = subprocess.run([compiler, "--version"], capture_output=True, timeout=60)
+    if done.returncode != 0:
+        raise RuntimeError(f"{compiler} --version failed: "
+                           f"{done.stderr.decode(errors='replace').strip()[-400:]}")
+    return done.stdout + done.stderr
+
+
+def _cpu_features(cpuinfo: str | None = None) -> str:
+    """The CPU's feature list in /proc/cpuinfo (or the text given): the first `flags` line (x86)
+    or `Features` line (ARM); else the machine's name (platform.machine())."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    for line in cpuinfo.splitlines():
+        name, colon, value = line.partition(":")
+        if colon and name.strip() in ("flags", "Features"):
+            return " ".join(value.split())
+    return platform.machine()
