@@ -2,8 +2,12 @@
 torch twins, their index checks, the fallback without a compiler, and the engine with them on
 and off."""
 
+import json
 import os
+import platform
+import re
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -302,6 +306,162 @@ def test_without_a_compiler_the_twins_run_after_one_warning(tmp_path):
     first, second = done.stdout.splitlines()
     assert first == "False False"
     assert second.startswith("1 ") and "no C compiler 'no-such-compiler'" in second
+
+
+def _fresh_python(code: str, **env: str) -> subprocess.CompletedProcess:
+    """Run code in a new interpreter (the library loads into a clean process) from the root."""
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), **env}, cwd=ROOT, timeout=300)
+
+
+@needs_kernel
+def test_loading_the_library_keeps_subnormals():
+    # Linked with -ffast-math, the library ran crtfastmath's initializer at load, which turns on
+    # flush-to-zero and denormals-are-zero for the process: torch's and numpy's arithmetic too.
+    # The values leave as raw bytes: under denormals-are-zero even repr() of one prints 0.0.
+    code = ("import json, struct, numpy, torch\n"
+            "from engine.kernels import cpu_native\n"
+            "def probe():\n"
+            "    values = ((torch.tensor(1e-40) * 1).item(), numpy.float32(1e-40) * 1,\n"
+            "              numpy.float64(1e-310) * 1)\n"
+            "    return [struct.pack('<d', v).hex() for v in values]\n"
+            "before = probe()\n"
+            "print(json.dumps([cpu_native.available(), before, probe()]))\n")
+    done = _fresh_python(code)
+    assert done.returncode == 0, done.stderr
+    loaded, before, after = json.loads(done.stdout.splitlines()[-1])
+    zero = struct.pack("<d", 0.0).hex()
+    assert loaded and zero not in before, done.stdout
+    assert after == before
+
+
+# A fresh process asks for the library; it prints whether it loaded and the warnings it raised.
+AVAILABLE = ("import warnings\n"
+             "from engine.kernels import cpu_native\n"
+             "with warnings.catch_warnings(record=True) as caught:\n"
+             "    warnings.simplefilter('always')\n"
+             "    print(cpu_native.available(), cpu_native.available())\n"
+             "print(len(caught), *(w.message for w in caught))\n")
+
+
+def _shared_library(path: Path, source: str) -> Path:
+    """A valid shared library built from source: one that lacks the kernels' symbols."""
+    c_file = path.with_suffix(".c")
+    c_file.write_text(source)
+    subprocess.run(["cc", "-shared", "-fPIC", str(c_file), "-o", str(path)], check=True,
+                   timeout=120)
+    return path
+
+
+@needs_kernel
+def test_a_damaged_cached_library_is_rebuilt_not_loaded(tmp_path):
+    # Truncated, its mapping past the end of the file killed the process with SIGBUS; another
+    # valid library in its place raised AttributeError for the first missing symbol.
+    env = {"KVARENA_CACHE": str(tmp_path / "cache"), "CC": "cc"}
+    done = _fresh_python(AVAILABLE, **env)
+    assert done.returncode == 0 and done.stdout.splitlines() == ["True True", "0"], done
+    library, = (tmp_path / "cache" / "native").glob("*/libkvarena_cpu.so")
+    good = library.read_bytes()
+    foreign = _shared_library(tmp_path / "other.so", "int kv_other(void) { return 1; }\n")
+    for damaged in (good[:len(good) // 10], good[:len(good) // 2], foreign.read_bytes()):
+        library.write_bytes(damaged)  # in place, as a torn write or a full disk leaves it
+        done = _fresh_python(AVAILABLE, **env)
+        assert done.returncode == 0, (done.returncode, done.stderr)
+        assert done.stdout.splitlines() == ["True True", "0"], done  # rebuilt, no warning
+        assert library.read_bytes() != damaged
+    # A foreign library whose stamp vouches for it loads, lacks the symbols, and is rebuilt.
+    stamp = library.with_name(cpu_native.STAMP)
+    library.write_bytes(foreign.read_bytes())
+    stamp.write_text(json.dumps(cpu_native._stamp(library)))
+    done = _fresh_python(AVAILABLE, **env)
+    assert done.returncode == 0 and done.stdout.splitlines() == ["True True", "0"], done
+    assert cpu_native._verified(library, stamp) and library.read_bytes() != foreign.read_bytes()
+    # When the rebuild fails too, the torch ops run after one warning. The compiler is a `cc`
+    # that answers --version as the real one and fails to compile.
+    fake = tmp_path / "bin" / "cc"
+    fake.parent.mkdir()
+    fake.write_text(f'#!/bin/sh\n[ "$1" = --version ] && exec {shutil.which("cc")} "$@"\nexit 1\n')
+    fake.chmod(0o755)
+    env["PATH"] = f"{fake.parent}{os.pathsep}{os.environ['PATH']}"
+    for damaged, stamped in ((good[:len(good) // 10], False), (foreign.read_bytes(), True)):
+        library.write_bytes(damaged)
+        if stamped:
+            stamp.write_text(json.dumps(cpu_native._stamp(library)))
+        done = _fresh_python(AVAILABLE, **env)
+        assert done.returncode == 0, (done.returncode, done.stderr)
+        first, second = done.stdout.splitlines()
+        assert first == "False False" and second.startswith("1 "), done
+        assert "CPU kernels are unavailable (cc failed" in second
+
+
+@needs_kernel
+def test_the_library_reports_the_constants_this_module_uses():
+    assert cpu_native._abi(cpu_native._library()) == cpu_native._expected_abi()
+    header = cpu_native.HEADER.read_text()
+    assert f"#define KV_ABI_VERSION {cpu_native.ABI_VERSION}\n" in header
+    # every exported function's prototype is in the header, and in no source file
+    prototype = re.compile(r"^(?:int|void|int64_t) (kv_\w+)\([^{;]*\);", re.MULTILINE)
+    definition = re.compile(r"^(?:int|void|int64_t) (kv_\w+)\([^{;]*\) \{", re.MULTILINE)
+    defined = set()
+    for source in cpu_native.SOURCES:
+        text = source.read_text()
+        assert '#include "kvarena_native.h"' in text and not prototype.findall(text), source.name
+        defined.update(definition.findall(text))
+    assert set(prototype.findall(header)) == defined and "kv_abi" in defined
+
+
+@needs_kernel
+@pytest.mark.parametrize("change, match", [
+    (dict(ABI_VERSION=cpu_native.ABI_VERSION + 1),
+     f"interface is version {cpu_native.ABI_VERSION}, this module's {cpu_native.ABI_VERSION + 1}"),
+    (dict(PANEL=8), "KV_PANEL is 16 there, 8 here"),
+    (dict(LAYER_FIELDS=("qkv", "input_norm", *cpu_native.LAYER_FIELDS[2:])),
+     "KV_QKV is 1 there, 0 here; KV_INPUT_NORM is 0 there, 1 here"),
+], ids=["version", "panel", "fields"])
+def test_a_library_of_another_interface_leaves_the_torch_ops_after_one_warning(monkeypatch, change,
+                                                                              match):
+    assert cpu_native.available()
+    for name, value in change.items():
+        monkeypatch.setattr(cpu_native, name, value)
+    monkeypatch.setattr(cpu_native, "_lib", None)  # loaded again: the cached library, checked
+    monkeypatch.setattr(cpu_native, "_tried", False)
+    with pytest.warns(RuntimeWarning) as caught:
+        assert not cpu_native.available() and not cpu_native.available()
+    assert len(caught) == 1 and match in str(caught[0].message)
+    assert "the torch ops run instead" in str(caught[0].message)
+
+
+# /proc/cpuinfo as x86 and ARM Linux write it (abridged): the feature list is `flags` on one,
+# `Features` on the other.
+CPUINFO_X86 = ("processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Xeon\n"
+               "flags\t\t: fpu vme sse2 avx avx2 fma\nvmx flags\t: vnmi ept\n\n"
+               "processor\t: 1\nflags\t\t: fpu vme sse2 avx avx2 fma\n")
+CPUINFO_ARM = ("processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd evtstrm aes crc32 sve\n"
+               "CPU implementer\t: 0x41\nCPU architecture: 8\n")
+
+
+def test_the_build_key_follows_the_compiler_the_flags_and_the_cpu_features(monkeypatch):
+    features = cpu_native._cpu_features
+    assert features(CPUINFO_X86) == "fpu vme sse2 avx avx2 fma"
+    assert features(CPUINFO_ARM) == "fp asimd evtstrm aes crc32 sve"
+    assert features("processor\t: 0\n") == features("") == platform.machine()
+    key = cpu_native._key
+    without_sve = features(CPUINFO_ARM.replace(" sve", ""))
+    gcc12, gcc13 = b"cc (Debian 12.2.0-14) 12.2.0\n", b"cc (Debian 13.3.0-1) 13.3.0\n"
+    keys = {key(gcc12, features(CPUINFO_X86)), key(gcc12, features(CPUINFO_ARM)),
+            key(gcc12, without_sve), key(gcc13, without_sve)}
+    assert len(keys) == 4 and key(gcc12, without_sve) == key(gcc12, without_sve)
+    monkeypatch.setattr(cpu_native, "COMPILE_FLAGS", (*cpu_native.COMPILE_FLAGS, "-g"))
+    assert key(gcc13, without_sve) not in keys
+
+
+@needs_kernel
+def test_the_compiler_is_known_by_its_version_output():
+    identity = cpu_native._compiler_identity("cc")
+    version = subprocess.run(["cc", "--version"], capture_output=True, check=True).stdout
+    assert identity.startswith(version) and version
+    with pytest.raises(RuntimeError, match="no C compiler"):
+        cpu_native._compiler_identity("no-such-compiler")
 
 
 # PyramidKV's per-layer budgets give decode attention per-head holes (the kernel's masked path;

@@ -64,25 +64,35 @@ results/benchmarks/peer.md.
         head (-1.9 to -2.7%); tenth percentile 0.23-0.43 ms lower.
 
 `applies(...)` says when the attention kernels run: CPU float32 tensors, contiguous caches and
-head axes, and the library built. It is built once per machine and source
-(``$KVARENA_CACHE/native/<key>/``) with the C compiler (``$CC`` or ``cc``); without one, or if the
-build fails, `available()` is False, a warning says why once, and the torch ops run as before.
+head axes, and the library built. It is built once per source, compiler (``$CC`` or ``cc``,
+known by its --version output), flags and CPU features (``$KVARENA_CACHE/native/<key>/``), its
+size and SHA-256 stamped beside it; a cached file that does not match its stamp, or does not
+load, is built again. At load the library reports the constants it shares with this module
+(cpu/kvarena_native.h: the interface version, return codes, panel width, layer table order),
+checked against ours. Without a compiler, or if the build, the load or that check fails,
+`available()` is False, a warning says why once, and the torch ops run as before.
 ``KVARENA_NATIVE=0`` turns it off.
 
 Indices are checked inside the kernel (pages, lengths, holes, slots), so bad metadata raises
 `ValueError` instead of reading or writing outside the caches, with no host sync beyond the
-call itself. The numerics are fp32 with a different summation order from SDPA's (built with
--ffast-math; max |difference| ~1e-6 on unit-scale inputs, tests/test_cpu_native.py).
+call itself. The numerics are fp32 with a different summation order from SDPA's (compiled with
+-ffast-math; max |difference| ~1e-6 on unit-scale inputs, tests/test_cpu_native.py). The link
+leaves it out, so loading the library leaves the process's floating-point modes as they were
+(subnormals kept).
 """
 
 from __future__ import annotations
 
+import _ctypes
 import ctypes
 import hashlib
+import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
+import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -91,22 +101,38 @@ import torch
 
 SOURCES = tuple(Path(__file__).with_name("cpu") / name
                 for name in ("paged_decode.c", "thin_linear.c", "panel_gemm.c",
-                             "decode_layers.c"))
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared")
+                             "decode_layers.c", "abi.c"))
+# The prototypes, return codes and constants the sources share (and this file: ABI below).
+HEADER = Path(__file__).with_name("cpu") / "kvarena_native.h"
+# -ffast-math compiles the sources only: linked with it, GCC adds crtfastmath.o, whose initializer
+# turns on flush-to-zero and denormals-are-zero for the whole process when the library loads
+# (torch's and numpy's subnormals would read and compute as 0).
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
+LINK_FLAGS = ("-shared", "-fopenmp")
 ENV_SWITCH = "KVARENA_NATIVE"
 # The most rows `linear` takes: from 12 rows on oneDNN's blocked kernel was faster
 # (engine/models/packed_linear.py: the figures).
 THIN_ROWS = 8
-# Output columns per panel of `pack_panels` (cpu/panel_gemm.c: two AVX2 vectors).
+# Output columns per panel of `pack_panels` (KV_PANEL: two AVX2 vectors).
 PANEL = 16
-ERRORS = {1: "a block table names a page outside the cache (or -1 inside a row's length)",
-          2: "a context length is negative or exceeds its block table's capacity",
-          3: "a slot_mapping entry is outside the cache",
-          4: "a hole is not a (start, end) range with 0 <= start <= end <= the newest slot",
-          5: "q_heads / kv_heads, head_dim or block_size exceed the kernel's limits",
-          6: "no memory for the decode step's scratch buffers"}
-# A layer's tensors in `LayerStack.table`, in cpu/decode_layers.c's order.
+# The kernels' return codes: their names in cpu/kvarena_native.h, and what each means.
+ERRORS = {1: ("KV_BAD_PAGE",
+              "a block table names a page outside the cache (or -1 inside a row's length)"),
+          2: ("KV_BAD_LENGTH", "a context length is negative or exceeds its block table's capacity"),
+          3: ("KV_BAD_SLOT", "a slot_mapping entry is outside the cache"),
+          4: ("KV_BAD_HOLE",
+              "a hole is not a (start, end) range with 0 <= start <= end <= the newest slot"),
+          5: ("KV_BAD_SHAPE", "q_heads / kv_heads, head_dim or block_size exceed the kernel's limits"),
+          6: ("KV_NO_MEMORY", "no memory for the decode step's scratch buffers")}
+# A layer's tensors in `LayerStack.table`, in cpu/kvarena_native.h's order (KV_INPUT_NORM ...).
 LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down")
+# The interface's version, KV_ABI_VERSION in cpu/kvarena_native.h: raised with it when a
+# signature in `_declare` or a constant above changes meaning. At load the library reports its
+# constants (kv_abi); any that differ from `_expected_abi()` leave the torch ops in its place.
+ABI_VERSION = 1
+
+# The cache entry: the library and its stamp (`_build`).
+LIBRARY, STAMP = "libkvarena_cpu.so", "libkvarena_cpu.json"
 
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -440,19 +466,77 @@ def _int64(x: torch.Tensor) -> torch.Tensor:
 
 def _raise_on(rc: int) -> None:
     if rc:
-        raise ValueError(f"CPU paged kernel: {ERRORS.get(rc, f'error {rc}')}")
+        raise ValueError(f"CPU paged kernel: {ERRORS[rc][1] if rc in ERRORS else f'error {rc}'}")
 
 
 # ----------------------------------------------------------------------------- build and load
 
 def _load() -> ctypes.CDLL | None:
+    """The library with its functions typed, or None after one warning saying why. A cached file
+    that passes its stamp but does not load, or lacks a function, is rebuilt once."""
     try:
-        path = _build()
-        lib = ctypes.CDLL(str(path))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        path, built = _build()
+        try:
+            return _open(path)
+        except (OSError, AttributeError):
+            if built:
+                raise
+        return _open(_build(rebuild=True)[0])
+    except (OSError, AttributeError, RuntimeError, subprocess.SubprocessError) as e:
+        # RuntimeError: no compiler, a failed build, or another interface (`_check_abi`)
         warnings.warn(f"kvarena: the CPU kernels are unavailable ({e}); the torch ops run "
                       f"instead (slower)", RuntimeWarning, stacklevel=3)
         return None
+
+
+def _open(path: Path) -> ctypes.CDLL:
+    """dlopen path and type its functions; a library without them is closed again, or a rebuilt
+    file at the same path would resolve to its handle (the loader matches on the path)."""
+    lib = ctypes.CDLL(str(path))
+    try:
+        _declare(lib)
+    except AttributeError:
+        _ctypes.dlclose(lib._handle)
+        raise
+    _check_abi(_abi(lib))
+    return lib
+
+
+def _expected_abi() -> dict[str, int]:
+    """The constants this file shares with cpu/kvarena_native.h, by their C names."""
+    return {"KV_ABI_VERSION": ABI_VERSION, "KV_OK": 0,
+            **{name: code for code, (name, _) in ERRORS.items()},
+            "KV_PANEL": PANEL, "KV_LAYER_FIELDS": len(LAYER_FIELDS),
+            **{f"KV_{field.upper()}": i for i, field in enumerate(LAYER_FIELDS)}}
+
+
+def _abi(lib: ctypes.CDLL) -> dict[str, int]:
+    """The constants the library reports (kv_abi), by name."""
+    count = lib.kv_abi(None, None, 0)
+    if not 0 < count <= 1024:
+        raise RuntimeError(f"the library reports {count} interface constants")
+    names, values = (ctypes.c_char_p * count)(), (_I64 * count)()
+    lib.kv_abi(names, values, count)
+    return {(name or b"").decode(errors="replace"): value for name, value in zip(names, values)}
+
+
+def _check_abi(reported: dict[str, int]) -> None:
+    """Raise RuntimeError unless the library's constants are the ones this file uses: a library
+    of another version, error codes or layouts would be called with the wrong arguments, or its
+    answers misread."""
+    expected = _expected_abi()
+    if reported.get("KV_ABI_VERSION") != ABI_VERSION:
+        raise RuntimeError(f"the library's interface is version {reported.get('KV_ABI_VERSION')}, "
+                           f"this module's {ABI_VERSION}")
+    wrong = [f"{name} is {reported.get(name, 'missing')} there, {value} here"
+             for name, value in expected.items() if reported.get(name) != value]
+    if wrong:
+        raise RuntimeError(f"the library's constants differ from this module's: {'; '.join(wrong)}")
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    lib.kv_abi.restype = _I64
+    lib.kv_abi.argtypes = [_PTR, _PTR, _I64]
     lib.kv_store.restype = ctypes.c_int
     lib.kv_store.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]
     lib.kv_decode.restype = ctypes.c_int
@@ -474,41 +558,96 @@ def _load() -> ctypes.CDLL | None:
     lib.kv_decode_layers.argtypes = [_PTR, _PTR, _PTR, _PTR, *[_I64] * 7, _F32, _PTR, _PTR,
                                      _I64, _I64, _PTR, _PTR, _I64, _PTR, _F32, _PTR,
                                      _PTR, _PTR, _PTR, _I64, _PTR]
-    return lib
 
 
-def _build() -> Path:
-    """The library for this source, compiler, flags and CPU, built unless already cached."""
+def _build(rebuild: bool = False) -> tuple[Path, bool]:
+    """The library for this source, compiler, flags and CPU (`_key`), and whether it was built
+    now: the cached file when it matches its stamp (size and SHA-256, written beside it), else a
+    new build. A cached file that fails the check (cut short by a full disk or a torn copy) is
+    never mapped: a truncated ELF file killed the process with SIGBUS."""
     from engine.models.loader import cache_root
 
     compiler = os.environ.get("CC") or "cc"
+    key = _key(_compiler_identity(compiler), _cpu_features())
+    target = cache_root() / "native" / key / LIBRARY
+    stamp = target.with_name(STAMP)
+    if not rebuild and _verified(target, stamp):
+        return target, False
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        # one object per source (compiled in the scratch folder), then the link without fast-math
+        _run([compiler, *COMPILE_FLAGS, "-c", *map(str, SOURCES)], scratch)
+        partial = Path(scratch) / LIBRARY
+        _run([compiler, *LINK_FLAGS, *(f"{s.stem}.o" for s in SOURCES), "-o", str(partial),
+              "-lm"], scratch)
+        partial_stamp = Path(scratch) / STAMP
+        partial_stamp.write_text(json.dumps(_stamp(partial)))
+        # Each rename is atomic, so a reader sees whole files; one that comes between the two
+        # finds the new library beside the old stamp, which fails the check: it builds again.
+        os.replace(partial, target)
+        os.replace(partial_stamp, stamp)
+    print(f"kvarena: built the CPU kernels ({target})", file=sys.stderr)
+    return target, True
+
+
+def _stamp(path: Path) -> dict | None:
+    """path's size and SHA-256, or None if it cannot be read."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _verified(target: Path, stamp: Path) -> bool:
+    """Whether target is the file its stamp describes (False when either is missing)."""
+    try:
+        expected = json.loads(stamp.read_text())
+    except (OSError, ValueError):
+        return False
+    actual = _stamp(target)
+    return actual is not None and actual == expected
+
+
+def _run(command: list[str], cwd: str) -> None:
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=cwd)
+    if done.returncode != 0:
+        raise RuntimeError(f"{command[0]} failed: {done.stderr.strip()[-400:]}")
+
+
+def _key(compiler: bytes, features: str) -> str:
+    """The cache key of a build: the sources and header, the compiler's identity, the flags, and
+    the CPU's features (-march=native builds for them: a shared cache must not hand the library
+    to a CPU without them)."""
+    key = hashlib.sha256()
+    for part in (*(s.read_bytes() for s in (*SOURCES, HEADER)), compiler,
+                 " ".join(COMPILE_FLAGS + LINK_FLAGS).encode(), features.encode()):
+        key.update(len(part).to_bytes(8, "little") + part)  # lengths: no two splits hash alike
+    return key.hexdigest()[:16]
+
+
+def _compiler_identity(compiler: str) -> bytes:
+    """compiler's --version output: its identity, where its name (``cc``) may stand for another
+    compiler after an upgrade or on another PATH."""
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C compiler {compiler!r} on PATH")
-    key = hashlib.sha256()
-    for part in (*(s.read_bytes() for s in SOURCES), compiler.encode(), " ".join(FLAGS).encode(),
-                 _cpu_flags()):
-        key.update(part)
-    target = cache_root() / "native" / key.hexdigest()[:16] / "libkvarena_cpu.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_suffix(f".{os.getpid()}.tmp")
-    done = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(partial), "-lm"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run([compiler, "--version"], capture_output=True, timeout=60)
     if done.returncode != 0:
-        raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-400:]}")
-    os.replace(partial, target)  # atomic: concurrent builders never load a half-written file
-    print(f"kvarena: built the CPU kernels ({target})", file=sys.stderr)
-    return target
+        raise RuntimeError(f"{compiler} --version failed: "
+                           f"{done.stderr.decode(errors='replace').strip()[-400:]}")
+    return done.stdout + done.stderr
 
 
-def _cpu_flags() -> bytes:
-    """The CPU's feature flags (-march=native builds for them; a shared cache must not hand the
-    library to a CPU without them)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line.encode()
-    except OSError:
-        pass
-    return b""
+def _cpu_features(cpuinfo: str | None = None) -> str:
+    """The CPU's feature list in /proc/cpuinfo (or the text given): the first `flags` line (x86)
+    or `Features` line (ARM); else the machine's name (platform.machine())."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    for line in cpuinfo.splitlines():
+        name, colon, value = line.partition(":")
+        if colon and name.strip() in ("flags", "Features"):
+            return " ".join(value.split())
+    return platform.machine()

@@ -14,8 +14,9 @@
      head:     NULL, or the LM head's column panels [ceil(vocab / 16), hidden, 16]; then logits
                [T, vocab] takes normed @ head^T (the model's compute_logits, same kernel)
      cos, sin: [T, head_dim], the rows' rotary tables (rope.py's RopeRows, sign in sin)
-     weights:  [layers, LAYER_FIELDS] int64 addresses (the enum below): RMSNorm weights [hidden],
-               column panels [ceil(out / 16), in, 16] (panel_gemm.c), the q/k/v bias or 0
+     weights:  [layers, KV_LAYER_FIELDS] int64 addresses, in kvarena_native.h's order: RMSNorm
+               weights [hidden], column panels [ceil(out / 16), in, 16] (panel_gemm.c), the
+               q/k/v bias or 0
      k_cache, v_cache: [layers, kv_heads, num_pages * block, head_dim]
      slots [T], tables [T, table_stride], lens [T]: kv_store's and kv_decode's (paged_decode.c)
      queries:  NULL, or [layers, T, q_heads * head_dim]: every layer's pre-RoPE queries, copied
@@ -31,25 +32,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-enum { LN_IN, QKV, QKV_BIAS, O, LN_POST, GATE_UP, DOWN, LAYER_FIELDS };
-enum { NO_MEMORY = 6 };
+#include "kvarena_native.h"
 
-int kv_store(const float *key, const float *value, int64_t key_stride, int64_t value_stride,
-             float *k_cache, float *v_cache, const int64_t *slots, int64_t rows,
-             int64_t kv_heads, int64_t head_dim, int64_t num_slots);
-int kv_decode(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
-              const int64_t *tables, int64_t table_stride, const int64_t *lens,
-              const int64_t *holes, float *out, int64_t batch, int64_t q_heads, int64_t kv_heads,
-              int64_t head_dim, int64_t block, int64_t num_pages, float scale);
-void kv_add_rms_norm(float *x, const float *delta, const float *weight, float *out, int64_t rows,
-                     int64_t dim, float eps);
-void kv_rope(const float *x, int64_t x_stride, const float *cos, const float *sin, float *out,
-             int64_t rows, int64_t heads, int64_t head_dim);
-void kv_silu_mul(const float *gate_up, float *out, int64_t rows, int64_t inter);
-void kv_panel_linear(const float *x, int64_t x_stride, const float *panels, const float *bias,
-                     float *y, int64_t T, int64_t K, int64_t N);
-
-#define FIELD(layer, f) ((const float *)(intptr_t)weights[(layer) * LAYER_FIELDS + (f)])
+#define FIELD(layer, f) ((const float *)(intptr_t)weights[(layer) * KV_LAYER_FIELDS + (f)])
 
 int kv_decode_layers(float *x, const float *cos, const float *sin, const int64_t *weights,
                      int64_t layers, int64_t rows, int64_t hidden, int64_t q_heads,
@@ -68,7 +53,7 @@ int kv_decode_layers(float *x, const float *cos, const float *sin, const int64_t
     int64_t total = 0;
     for (size_t i = 0; i < sizeof widths / sizeof *widths; i++) total += rows * widths[i];
     float *scratch = malloc((size_t)total * sizeof(float));
-    if (scratch == 0) return NO_MEMORY;
+    if (scratch == 0) return KV_NO_MEMORY;
     float *h = scratch, *qkv = h + rows * hidden, *qk = qkv + rows * qkv_width;
     float *attn = qk + rows * qk_width, *o = attn + rows * q_width, *gate_up = o + rows * hidden;
     float *act = gate_up + rows * 2 * inter, *down = act + rows * inter;
@@ -77,8 +62,8 @@ int kv_decode_layers(float *x, const float *cos, const float *sin, const int64_t
         float *k_layer = k_cache + l * layer_slots, *v_layer = v_cache + l * layer_slots;
         /* The previous layer's MLP residual is added here, fused into this layer's first norm,
            as the eager layer adds it before its norm. */
-        kv_add_rms_norm(x, l ? down : 0, FIELD(l, LN_IN), h, rows, hidden, eps);
-        kv_panel_linear(h, hidden, FIELD(l, QKV), FIELD(l, QKV_BIAS), qkv, rows, hidden,
+        kv_add_rms_norm(x, l ? down : 0, FIELD(l, KV_INPUT_NORM), h, rows, hidden, eps);
+        kv_panel_linear(h, hidden, FIELD(l, KV_QKV), FIELD(l, KV_QKV_BIAS), qkv, rows, hidden,
                         qkv_width);
         if (queries != 0)
             for (int64_t t = 0; t < rows; t++)
@@ -92,11 +77,11 @@ int kv_decode_layers(float *x, const float *cos, const float *sin, const int64_t
         rc = kv_decode(qk, qk_width, k_layer, v_layer, tables, table_stride, lens, 0, attn, rows,
                        q_heads, kv_heads, head_dim, block, num_pages, scale);
         if (rc) break;
-        kv_panel_linear(attn, q_width, FIELD(l, O), 0, o, rows, q_width, hidden);
-        kv_add_rms_norm(x, o, FIELD(l, LN_POST), h, rows, hidden, eps);
-        kv_panel_linear(h, hidden, FIELD(l, GATE_UP), 0, gate_up, rows, hidden, 2 * inter);
+        kv_panel_linear(attn, q_width, FIELD(l, KV_O), 0, o, rows, q_width, hidden);
+        kv_add_rms_norm(x, o, FIELD(l, KV_POST_NORM), h, rows, hidden, eps);
+        kv_panel_linear(h, hidden, FIELD(l, KV_GATE_UP), 0, gate_up, rows, hidden, 2 * inter);
         kv_silu_mul(gate_up, act, rows, inter);
-        kv_panel_linear(act, inter, FIELD(l, DOWN), 0, down, rows, inter, hidden);
+        kv_panel_linear(act, inter, FIELD(l, KV_DOWN), 0, down, rows, inter, hidden);
     }
     if (rc == 0 && layers > 0) {
         /* the last layer's MLP residual, fused into the final norm as into every layer's */

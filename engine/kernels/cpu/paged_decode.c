@@ -12,15 +12,15 @@
      holes:              [B, kv_heads, 2] int64 (start, end) of skipped slots, or NULL
 
    Every index read from the tables, lengths, holes and slot mapping is checked before it is
-   used; a bad one stops the kernel with an error code (KV_* below) instead of reading or writing
-   out of bounds, and the caller raises. Compiled with OpenMP: the process's runtime is torch's
-   own (same soname, already loaded), so the threads are torch's, set by torch.set_num_threads. */
+   used; a bad one stops the kernel with an error code (KV_*, kvarena_native.h) instead of
+   reading or writing out of bounds, and the caller raises. Compiled with OpenMP: the process's
+   runtime is torch's own (same soname, already loaded), so the threads are torch's, set by
+   torch.set_num_threads. */
 
 #include <math.h>
 #include <stdint.h>
 
-enum { KV_OK = 0, KV_BAD_PAGE = 1, KV_BAD_LENGTH = 2, KV_BAD_SLOT = 3, KV_BAD_HOLE = 4,
-       KV_BAD_SHAPE = 5 };
+#include "kvarena_native.h"
 
 /* Scores of masked slots: finite (the file is built with -ffast-math, which assumes no
    infinities), far below any real score, so exp() of it relative to a real maximum is 0. */

@@ -23,32 +23,23 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef float v8 __attribute__((vector_size(32)));
+#include "kvarena_native.h"
 
-#define PANEL 16
 #define TILE_ROWS 6
 /* x rows per pass over the weight: 192 x K floats (442 KB at K = 576, 1.2 MB at K = 1536) stay
    in L2/L3 while each panel meets them (untuned beyond "prefill chunks were not slower"). */
 #define BLOCK_ROWS 192
-/* One thread for weights under 128 KB, as thin_linear.c. */
-#define PARALLEL_MIN 32768
 
-static inline v8 load8(const float *p) {
-    v8 v;
-    memcpy(&v, p, sizeof v); /* unaligned load */
-    return v;
-}
-
-static inline void store8(float *p, v8 v) { memcpy(p, &v, sizeof v); }
+static inline void store8(float *p, kv_v8 v) { memcpy(p, &v, sizeof v); }
 
 void kv_pack_panels(const float *w, float *panels, int64_t N, int64_t K) {
-    const int64_t P = (N + PANEL - 1) / PANEL;
-#pragma omp parallel for schedule(static) if (N * K > PARALLEL_MIN)
+    const int64_t P = (N + KV_PANEL - 1) / KV_PANEL;
+#pragma omp parallel for schedule(static) if (N * K > KV_PARALLEL_MIN)
     for (int64_t p = 0; p < P; p++)
         for (int64_t k = 0; k < K; k++)
-            for (int c = 0; c < PANEL; c++) {
-                const int64_t n = p * PANEL + c;
-                panels[(p * K + k) * PANEL + c] = n < N ? w[n * K + k] : 0.0f;
+            for (int c = 0; c < KV_PANEL; c++) {
+                const int64_t n = p * KV_PANEL + c;
+                panels[(p * K + k) * KV_PANEL + c] = n < N ? w[n * K + k] : 0.0f;
             }
 }
 
@@ -56,21 +47,21 @@ void kv_pack_panels(const float *w, float *panels, int64_t N, int64_t K) {
 static inline __attribute__((always_inline)) void
 tile(const float *restrict x, int64_t x_stride, const float *restrict panel, int64_t K,
      const float *bias, float *restrict y, int64_t N, int64_t n0, const int rows) {
-    v8 acc[TILE_ROWS][2];
-    for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = (v8){0};
+    kv_v8 acc[TILE_ROWS][2];
+    for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = (kv_v8){0};
     for (int64_t k = 0; k < K; k++) {
-        const v8 w0 = load8(panel + k * PANEL), w1 = load8(panel + k * PANEL + 8);
+        const kv_v8 w0 = kv_load8(panel + k * KV_PANEL), w1 = kv_load8(panel + k * KV_PANEL + 8);
         for (int m = 0; m < rows; m++) {
-            const v8 b = (v8){0} + x[m * x_stride + k];
+            const kv_v8 b = (kv_v8){0} + x[m * x_stride + k];
             acc[m][0] += b * w0;
             acc[m][1] += b * w1;
         }
     }
-    if (n0 + PANEL <= N) {
+    if (n0 + KV_PANEL <= N) {
         for (int m = 0; m < rows; m++) {
             if (bias != 0) {
-                acc[m][0] += load8(bias + n0);
-                acc[m][1] += load8(bias + n0 + 8);
+                acc[m][0] += kv_load8(bias + n0);
+                acc[m][1] += kv_load8(bias + n0 + 8);
             }
             store8(y + m * N + n0, acc[m][0]);
             store8(y + m * N + n0 + 8, acc[m][1]);
@@ -78,7 +69,7 @@ tile(const float *restrict x, int64_t x_stride, const float *restrict panel, int
         return;
     }
     for (int m = 0; m < rows; m++) { /* the last panel of an N that 16 does not divide */
-        float out[PANEL];
+        float out[KV_PANEL];
         store8(out, acc[m][0]);
         store8(out + 8, acc[m][1]);
         for (int c = 0; n0 + c < N; c++)
@@ -100,18 +91,18 @@ static void group(const float *x, int64_t x_stride, const float *panel, int64_t 
 
 void kv_panel_linear(const float *x, int64_t x_stride, const float *panels, const float *bias,
                      float *y, int64_t T, int64_t K, int64_t N) {
-    const int64_t P = (N + PANEL - 1) / PANEL;
+    const int64_t P = (N + KV_PANEL - 1) / KV_PANEL;
     for (int64_t t0 = 0; t0 < T; t0 += BLOCK_ROWS) {
         const int64_t rows = T - t0 < BLOCK_ROWS ? T - t0 : BLOCK_ROWS;
         const int64_t groups = (rows + TILE_ROWS - 1) / TILE_ROWS;
-#pragma omp parallel for schedule(static) if (N * K > PARALLEL_MIN)
+#pragma omp parallel for schedule(static) if (N * K > KV_PARALLEL_MIN)
         for (int64_t p = 0; p < P; p++) {
             int64_t t = t0;
             for (int64_t g = 0; g < groups; g++) {
                 /* the first rows % groups groups take one row more */
                 const int take = (int)(rows / groups + (g < rows % groups));
-                group(x + t * x_stride, x_stride, panels + p * K * PANEL, K, bias, y + t * N, N,
-                      p * PANEL, take);
+                group(x + t * x_stride, x_stride, panels + p * K * KV_PANEL, K, bias, y + t * N, N,
+                      p * KV_PANEL, take);
                 t += take;
             }
         }

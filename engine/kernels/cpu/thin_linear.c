@@ -19,35 +19,25 @@
    summation order differs from MKL's and oneDNN's; built with -ffast-math). */
 
 #include <stdint.h>
-#include <string.h>
 
-typedef float v8 __attribute__((vector_size(32)));
+#include "kvarena_native.h"
 
 #define ROWS 4
-/* One thread for weights under 128 KB, where a fork-join's microseconds are a large share (the
-   bound is untuned; every projection of the models served is larger). */
-#define PARALLEL_MIN 32768
-
-static inline v8 load8(const float *p) {
-    v8 v;
-    memcpy(&v, p, sizeof v); /* unaligned load */
-    return v;
-}
 
 /* y[t0 + t, n + r] for t < xr (1 or 2) and r < wr (1 or ROWS). */
 static inline __attribute__((always_inline)) void
 tile(const float *restrict x, int64_t x_stride, const float *restrict w, int64_t K,
      const float *bias, float *restrict y, int64_t N, int64_t n, int64_t t0, const int xr,
      const int wr) {
-    v8 acc[2][ROWS];
+    kv_v8 acc[2][ROWS];
     for (int t = 0; t < xr; t++)
-        for (int r = 0; r < wr; r++) acc[t][r] = (v8){0};
+        for (int r = 0; r < wr; r++) acc[t][r] = (kv_v8){0};
     const int64_t k8 = K & ~(int64_t)7;
     for (int64_t k = 0; k < k8; k += 8) {
-        v8 wv[ROWS];
-        for (int r = 0; r < wr; r++) wv[r] = load8(w + (n + r) * K + k);
+        kv_v8 wv[ROWS];
+        for (int r = 0; r < wr; r++) wv[r] = kv_load8(w + (n + r) * K + k);
         for (int t = 0; t < xr; t++) {
-            v8 xv = load8(x + (t0 + t) * x_stride + k);
+            kv_v8 xv = kv_load8(x + (t0 + t) * x_stride + k);
             for (int r = 0; r < wr; r++) acc[t][r] += wv[r] * xv;
         }
     }
@@ -73,16 +63,16 @@ weight_rows(const float *x, int64_t x_stride, const float *w, int64_t K, const f
 
 /* One weight row against one x row: a single sequential read of the row. */
 static inline float row_dot(const float *restrict w, const float *restrict x, int64_t K) {
-    v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+    kv_v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
     int64_t k = 0;
     for (; k + 32 <= K; k += 32) {
-        a0 += load8(w + k) * load8(x + k);
-        a1 += load8(w + k + 8) * load8(x + k + 8);
-        a2 += load8(w + k + 16) * load8(x + k + 16);
-        a3 += load8(w + k + 24) * load8(x + k + 24);
+        a0 += kv_load8(w + k) * kv_load8(x + k);
+        a1 += kv_load8(w + k + 8) * kv_load8(x + k + 8);
+        a2 += kv_load8(w + k + 16) * kv_load8(x + k + 16);
+        a3 += kv_load8(w + k + 24) * kv_load8(x + k + 24);
     }
-    for (; k + 8 <= K; k += 8) a0 += load8(w + k) * load8(x + k);
-    v8 a = (a0 + a1) + (a2 + a3);
+    for (; k + 8 <= K; k += 8) a0 += kv_load8(w + k) * kv_load8(x + k);
+    kv_v8 a = (a0 + a1) + (a2 + a3);
     float s = 0.0f;
     for (int i = 0; i < 8; i++) s += a[i];
     for (; k < K; k++) s += w[k] * x[k];
@@ -92,7 +82,7 @@ static inline float row_dot(const float *restrict w, const float *restrict x, in
 void kv_linear(const float *x, int64_t x_stride, const float *w, const float *bias, float *y,
                int64_t T, int64_t K, int64_t N) {
     if (T == 1) {
-#pragma omp parallel for schedule(static) if (N * K > PARALLEL_MIN)
+#pragma omp parallel for schedule(static) if (N * K > KV_PARALLEL_MIN)
         for (int64_t n = 0; n < N; n++) {
             float s = row_dot(w + n * K, x, K);
             y[n] = bias != 0 ? s + bias[n] : s;
@@ -100,7 +90,7 @@ void kv_linear(const float *x, int64_t x_stride, const float *w, const float *bi
         return;
     }
     const int64_t tiles = N / ROWS;
-#pragma omp parallel for schedule(static) if (N * K > PARALLEL_MIN)
+#pragma omp parallel for schedule(static) if (N * K > KV_PARALLEL_MIN)
     for (int64_t i = 0; i < tiles; i++)
         weight_rows(x, x_stride, w, K, bias, y, T, N, i * ROWS, ROWS);
     for (int64_t n = tiles * ROWS; n < N; n++) weight_rows(x, x_stride, w, K, bias, y, T, N, n, 1);
