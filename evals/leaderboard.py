@@ -76,8 +76,9 @@ BUDGET_ARGS = ("budget", "initial_capacity")
 TABLES = {
     "table1": (("pass@1 (%)", "pass@1", 100.0, 1), ("TPS (tok/s)", "tps", 1.0, 1)),
     "table7": (("total time (s)", "total_time_s", 1.0, 1), ("TPOT (ms/token)", "tpot_ms", 1.0, 1)),
-    "memory": (("avg KV budget (tokens)", KV_BUDGET_KEY, 1.0, 0),
-               ("avg KV allocated (tokens)", "avg_kv_allocated", 1.0, 0),
+    "memory": (("nominal KV budget (tokens)", "kv_budget_nominal", 1.0, 0),
+               ("KV allocated (tokens)", "avg_kv_allocated", 1.0, 0),
+               ("KV kept (tokens)", "avg_kv_kept", 1.0, 0),
                ("delta-NLL (nats/token)", "fid_delta_nll", 1.0, 3),
                ("token agreement (%)", "fid_agreement", 100.0, 1)),
 }
@@ -272,16 +273,19 @@ def _round(v: float | None, digits: int) -> Any:
 # ------------------------------------------------------------------------------ runs.csv
 
 
-CI_COLUMNS = ("pass@1", "pass@1_flexible", "tpot_ms", "avg_kv_budget", "avg_kv_allocated", "fid_delta_nll",
-              "fid_worst_window", "fid_agreement", "fid_first_divergence")
+CI_COLUMNS = ("pass@1", "pass@1_flexible", "tpot_ms", "avg_kv_budget", "kv_budget_nominal",
+              "avg_kv_allocated", "avg_kv_kept", "fid_delta_nll", "fid_worst_window", "fid_agreement",
+              "fid_first_divergence")
 
 RUN_COLUMNS = ("model", "task", "method", "policy", "policy_args", "samples_done", "samples_planned",
                "complete", "problems", "failed", "pass@1", "pass@1_lo", "pass@1_hi",
                "pass@1_flexible", "pass@1_flexible_lo", "pass@1_flexible_hi", "extraction_rate",
                "extraction_rate_flexible", "mean_score", "mean_output_tokens", "tps",
                "total_time_s", "tpot_ms", "tpot_ms_lo", "tpot_ms_hi", "avg_kv_budget",
-               "avg_kv_budget_lo", "avg_kv_budget_hi", "avg_kv_allocated", "avg_kv_allocated_lo",
-               "avg_kv_allocated_hi", "fid_delta_nll", "fid_delta_nll_lo",
+               "avg_kv_budget_lo", "avg_kv_budget_hi", "kv_budget_nominal", "kv_budget_nominal_lo",
+               "kv_budget_nominal_hi", "avg_kv_allocated", "avg_kv_allocated_lo",
+               "avg_kv_allocated_hi", "avg_kv_kept", "avg_kv_kept_lo", "avg_kv_kept_hi",
+               "fid_delta_nll", "fid_delta_nll_lo",
                "fid_delta_nll_hi", "fid_worst_window", "fid_worst_window_lo", "fid_worst_window_hi",
                "fid_agreement", "fid_agreement_lo", "fid_agreement_hi", "fid_first_divergence",
                "fid_first_divergence_lo", "fid_first_divergence_hi", "mean_resident", "grow_ratio",
@@ -388,19 +392,20 @@ def series_name(run: RunResult) -> str:
     return run_label(str(policy), args) if policy else run.label
 
 
-def memory_points(runs: Sequence[RunResult], key: str = "pass@1", scale: float = 100.0
-                  ) -> dict[str, list[dict]]:
+def memory_points(runs: Sequence[RunResult], key: str = "pass@1", scale: float = 100.0,
+                  x_key: str = KV_BUDGET_KEY) -> dict[str, list[dict]]:
     """{task title: points} for :func:`evals.plots.quality_memory_plot`: per run, ``y`` = the
-    metric ``key`` (times ``scale``), ``x`` = its average KV budget, both with their intervals."""
+    metric ``key`` (times ``scale``), ``x`` = the memory figure ``x_key`` (the average KV budget,
+    or the kept slots), both with their intervals."""
     panels: dict[str, list[dict]] = {}
     several_models = len({r.model for r in runs}) > 1
     for task in order_tasks({r.task for r in runs}):
         pts = []
         for r in sorted((r for r in runs if r.task == task), key=lambda r: (r.model, r.label)):
-            y, x = r.metrics.get(key), r.metrics.get(KV_BUDGET_KEY)
+            y, x = r.metrics.get(key), r.metrics.get(x_key)
             if y is None or x is None:
                 continue
-            y_ci, x_ci = r.metrics.get(f"{key}_ci"), r.metrics.get(f"{KV_BUDGET_KEY}_ci")
+            y_ci, x_ci = r.metrics.get(f"{key}_ci"), r.metrics.get(f"{x_key}_ci")
             name = series_name(r)
             pts.append({"series": f"{r.model}: {name}" if several_models else name,
                         "x": float(x), "y": float(y) * scale,
@@ -409,6 +414,31 @@ def memory_points(runs: Sequence[RunResult], key: str = "pass@1", scale: float =
         if pts:
             panels[task_title(task)] = pts
     return panels
+
+
+def position_series(runs: Sequence[RunResult]) -> dict[str, list[dict]]:
+    """{task title: series} for :func:`evals.plots.position_plot` from the runs whose metrics
+    carry ``by_position`` (evals.positions): per run, its buckets' delta-NLL with intervals."""
+    panels: dict[str, list[dict]] = {}
+    several_models = len({r.model for r in runs}) > 1
+    for task in order_tasks({r.task for r in runs}):
+        series = []
+        for r in sorted((r for r in runs if r.task == task), key=lambda r: (r.model, r.label)):
+            rows = [b for b in r.metrics.get("by_position") or [] if b.get("delta_nll") is not None]
+            if rows:
+                series.append({"series": f"{r.model}: {r.label}" if several_models else r.label,
+                               "buckets": rows})
+        if series:
+            panels[task_title(task)] = series
+    return panels
+
+
+def grid_task(task: str) -> bool:
+    """Whether a task's samples form a length x depth retrieval grid (NIAH and its kin)."""
+    from evals.tasks import TASKS
+
+    cls = TASKS.get(task)
+    return bool(cls is not None and cls.retrieval_grid)
 
 
 # ------------------------------------------------------------------------------ build
@@ -464,7 +494,7 @@ def one_budget_per_row(runs: Sequence[RunResult]) -> list[RunResult]:
 
 def build_leaderboard(dirs: Sequence[str | Path], out: str | Path) -> Leaderboard:
     """Collect every run under ``dirs`` and write the tables and figures into ``out``."""
-    from evals.plots import niah_grid, niah_heatmap, quality_memory_plot
+    from evals.plots import niah_grid, niah_heatmap, position_plot, quality_memory_plot
     from evals.run.records import niah_records
 
     runs = one_budget_per_row(find_runs(dirs))
@@ -490,21 +520,30 @@ def build_leaderboard(dirs: Sequence[str | Path], out: str | Path) -> Leaderboar
         files["quality_memory.png"] = quality_memory_plot(
             panels, out / "quality_memory.png",
             title="pass@1 vs average KV budget (95% intervals; one point per policy and budget)")
-    fidelity = memory_points(runs, "fid_delta_nll", 1.0)
+    fidelity = memory_points(runs, "fid_delta_nll", 1.0, x_key="avg_kv_kept")
     if fidelity:
         files["fidelity_memory.png"] = quality_memory_plot(
             fidelity, out / "fidelity_memory.png", ylabel="delta-NLL vs FullKV (nats/token)",
-            title="Drift from FullKV vs average KV budget (95% intervals; 0 = FullKV)")
-    grids: dict[str, dict[str, list]] = {}
+            xlabel="average KV kept (slots holding a kept token, per request)",
+            title="Drift from FullKV vs KV kept (95% intervals; 0 = FullKV)")
+    positions = position_series(runs)
+    if positions:
+        files["fidelity_position.png"] = position_plot(
+            positions, out / "fidelity_position.png",
+            title="Drift from FullKV by position in the document (95% intervals over documents)")
+    grids: dict[tuple[str, str], dict[str, list]] = {}
     for r in runs:
-        grid = niah_records(r.samples()) if r.task == "niah" else []
+        grid = niah_records(r.samples()) if grid_task(r.task) else []
         if grid:
-            name = f"niah_{slug(r.model)}_{slug(r.label)}.png"
+            prefix = "niah" if r.task == "niah" else slug(r.task)
+            name = f"{prefix}_{slug(r.model)}_{slug(r.label)}.png"
             files[name] = niah_heatmap(grid, out / name, title=f"{r.label} ({r.model})")
-            grids.setdefault(r.model, {})[r.label] = grid
-    for model, panels in sorted(grids.items()):  # every policy of the task on one shared scale
-        name = f"niah_{slug(model)}.png"
-        files[name] = niah_grid(panels, out / name, title=f"NIAH retrieval score by policy ({model})")
+            grids.setdefault((r.model, r.task), {})[r.label] = grid
+    for (model, task), panels in sorted(grids.items()):  # every policy on one shared scale
+        prefix = "niah" if task == "niah" else slug(task)
+        name = f"{prefix}_{slug(model)}.png"
+        files[name] = niah_grid(panels, out / name,
+                                title=f"{task_title(task)} retrieval score by policy ({model})")
     tasks = order_tasks({r.task for r in runs})
     return Leaderboard(runs, tasks, _row_order(runs), files, md)
 

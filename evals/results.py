@@ -899,6 +899,19 @@ class RunResult:
         return list(load_samples(self.path / SAMPLES_FILE, repair=False).records.values())
 
 
+def with_nominal_budget(metrics: dict, config: Mapping[str, Any]) -> dict:
+    """``metrics`` with ``kv_budget_nominal`` (and its interval): the average KV budget where the
+    run's policy has a nominal one (``KVPolicy.has_budget``: a fixed budget, GrowPage's
+    capacity), None where it has none (FullKV, prompt-only and retention policies, whose
+    ``avg_kv_budget`` is their allocated slots). Derived when read, so older trees get it too."""
+    from engine.policies.base import policy_registry
+
+    cls = policy_registry().get(str(config.get("policy")))
+    nominal = cls is not None and cls.has_budget
+    return {**metrics, "kv_budget_nominal": metrics.get("avg_kv_budget") if nominal else None,
+            "kv_budget_nominal_ci": metrics.get("avg_kv_budget_ci") if nominal else None}
+
+
 def find_runs(dirs: Sequence[str | Path]) -> list[RunResult]:
     """Every result directory (one holding config.json and metrics.json) at or below ``dirs``,
     in path order. A directory that does not exist is an error naming it."""
@@ -914,7 +927,8 @@ def find_runs(dirs: Sequence[str | Path]) -> list[RunResult]:
             if not (run / CONFIG_FILE).exists() or run.resolve() in found:
                 continue
             try:
-                found[run.resolve()] = RunResult(run, read_json(run / CONFIG_FILE), read_json(metrics_path))
+                config, metrics = read_json(run / CONFIG_FILE), read_json(metrics_path)
+                found[run.resolve()] = RunResult(run, config, with_nominal_budget(metrics, config))
             except ValueError:
                 continue  # a broken metrics file: the run can be re-run to rewrite it
     return sorted(found.values(), key=lambda r: str(r.path))

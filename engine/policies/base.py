@@ -213,6 +213,10 @@ class KVPolicy:
     # False for a policy that never compacts (FullKV): its GROWs are plain page allocation, so
     # the scheduler records no capacity event for them (engine/scheduler.py).
     compresses: ClassVar[bool] = True
+    # True for a policy with a nominal KV budget per request (`kv_budget` returns it: a fixed
+    # budget, GrowPage's capacity); False where it has none (FullKV, prompt-only and retention
+    # policies), whose budget column stays blank in tables (evals/leaderboard.py).
+    has_budget: ClassVar[bool] = False
     engine: EngineSpec | None = field(default=None, init=False, repr=False, compare=False)
 
     def prepare(self, block_size: int) -> None:

@@ -324,6 +324,7 @@ class GrowPage(KVPolicy):
     """
 
     name = "growpage"
+    has_budget = True
 
     beta_short: float | None = None
     beta_long: float | None = None

@@ -49,8 +49,9 @@ COLUMNS = (
     ("fid_worst_window", "worst window", 1.0, 3),
     ("fid_agreement", "agreement (%)", 100.0, 1),
     ("fid_first_divergence", "first divergence", 1.0, 1),
-    ("avg_kv_budget", "avg KV budget", 1.0, 0),
-    ("avg_kv_allocated", "avg KV allocated", 1.0, 0),
+    ("kv_budget_nominal", "nominal KV budget", 1.0, 0),
+    ("avg_kv_allocated", "KV allocated", 1.0, 0),
+    ("avg_kv_kept", "KV kept", 1.0, 0),
     ("tps", "TPS", 1.0, 1),
     ("grow_ratio", "grow ratio", 1.0, 3),
 )
@@ -60,8 +61,11 @@ COLUMN_HELP = {
     "fid_worst_window": "largest mean delta-NLL over 32 consecutive reference tokens (nats/token)",
     "fid_agreement": "share of FullKV's tokens the free generation reproduces at the same position",
     "fid_first_divergence": "first output position that differs from FullKV's, mean over diverging samples",
-    "avg_kv_budget": "the policy's KV budget per decode step, mean over requests (tokens)",
-    "avg_kv_allocated": "KV slots held per decode step, mean over requests (tokens)",
+    "kv_budget_nominal": "the policy's KV budget per decode step, mean over requests (tokens); "
+                         "blank for a policy without one (FullKV, prompt-only, retention ratios)",
+    "avg_kv_allocated": "KV slots held per decode step (whole pages), mean over requests (tokens)",
+    "avg_kv_kept": "KV slots holding a kept token per decode step, mean over layers, KV heads and "
+                   "requests (tokens)",
     "tps": "output tokens per second of the run, timed alone (no interval: run-level)",
     "grow_ratio": "grow decisions / all capacity decisions (GrowPage Table 9)",
 }
@@ -445,6 +449,32 @@ def provenance_section(prov: Mapping[str, list[str]], ids: Mapping[tuple, str]) 
 # ------------------------------------------------------------------------------ build
 
 
+def figures_section(runs: Sequence[RunResult]) -> list[dict]:
+    """The leaderboard's fidelity figures, drawn by evals.plots as SVG text for the page to show
+    as they are: drift from FullKV by position in the document (the long-document tasks) and
+    drift against the KV kept. [] when no run has the figures' data."""
+    import tempfile
+
+    from evals.leaderboard import memory_points, position_series
+    from evals.plots import position_plot, quality_memory_plot
+
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        positions = position_series(runs)
+        if positions:
+            title = "Drift from FullKV by position in the document (95% intervals over documents)"
+            png = position_plot(positions, Path(tmp) / "position.png", title=title)
+            out.append({"title": title, "svg": png.with_suffix(".svg").read_text(encoding="utf-8")})
+        kept = memory_points(runs, "fid_delta_nll", 1.0, x_key="avg_kv_kept")
+        if kept:
+            title = "Drift from FullKV vs KV kept (95% intervals; 0 = FullKV)"
+            png = quality_memory_plot(kept, Path(tmp) / "kept.png", title=title,
+                                      ylabel="delta-NLL vs FullKV (nats/token)",
+                                      xlabel="average KV kept (slots holding a kept token)")
+            out.append({"title": title, "svg": png.with_suffix(".svg").read_text(encoding="utf-8")})
+    return out
+
+
 def build_data(dirs: Sequence[str | Path], limits: Limits | None = None,
                pieces: Pieces | None = None) -> dict:
     """The report's data for every run at or below ``dirs`` (module docstring). Raises
@@ -503,6 +533,7 @@ def build_data(dirs: Sequence[str | Path], limits: Limits | None = None,
         "kept": kept_section([r for r in runs if any(row["run"] == run_id(r) for g in grids
                                                      for row in g["rows"])], traces, limits, notes),
         "capacity": capacity_section(runs, traces, limits, notes),
+        "figures": figures_section(runs),
         "provenance": provenance_section(prov, ids),
         "limits": vars(limits),
         "notes": notes.lines,

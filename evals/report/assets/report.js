@@ -613,9 +613,23 @@
     box.appendChild(runs);
   }
 
+  // The figures are matplotlib's own SVG (evals/report/data.py figures_section), shown as drawn.
+  function renderFigures() {
+    var box = document.getElementById("figures");
+    var figures = DATA.figures || [];
+    if (!figures.length) { box.appendChild(el("p", {cls: "empty", text: "No run has fidelity figures (runs with --no-fidelity, or none besides FullKV)."})); return; }
+    figures.forEach(function (f) {
+      var holder = el("div", {cls: "figure"});
+      holder.innerHTML = f.svg;
+      box.appendChild(el("h3", {text: f.title}));
+      box.appendChild(el("div", {cls: "scroll"}, [holder]));
+    });
+  }
+
   renderHeader();
   renderBoardControls();
   renderBoard();
+  renderFigures();
   renderSamplesControls();
   renderNiah();
   renderCapacityControls();
