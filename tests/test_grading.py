@@ -377,6 +377,31 @@ def test_summarize():
     assert by_task["aime24"]["accuracy"] == 1.0 and by_task["gsm8k"]["samples"] == 4
 
 
+def test_ungraded_results_count_in_no_metric():
+    infra = GradeResult(None, None, "x", "grading_infra")
+    records = [("gsm8k/1", _r(True)), ("gsm8k/1", infra), ("gsm8k/2", _r(False)), ("gsm8k/3", infra)]
+    s = summarize(records)
+    assert s["samples"] == 4 and s["problems"] == 3 and s["ungraded"] == 2
+    assert s["accuracy"] == pytest.approx(1 / 2) and s["pass@1"] == pytest.approx(1 / 2)
+    assert s["pass@1_problems"] == 2 and s["reasons"]["grading_infra"] == 2
+    nothing = summarize([("gsm8k/1", infra)])
+    assert nothing["ungraded"] == 1
+    assert all(nothing[k] is None for k in ("pass@1", "accuracy", "extraction_rate", "mean_score"))
+
+
+def test_grade_many_leaves_what_no_worker_could_grade_ungraded():
+    import functools
+
+    pairs = [(problem("gsm8k", "2"), "#### 2"),
+             (problem("niah", "lavender honey", needle="x lavender honey"), "It is lavender honey.")]
+    never_ready = functools.partial(_slow_start, 30.0)
+    with GradingPool(workers=1, start_timeout_s=0.5, initializer=never_ready) as pool:
+        math, niah = grade_many(pairs, pool=pool, timeout_s=1.0)
+    assert (math.correct, math.score, math.reason, math.graded) == (None, None, "grading_infra", False)
+    assert math.extracted == "2" and "could start" in math.details["error"]
+    assert niah.correct is True and niah.graded
+
+
 _NO_GUARD = """
 from evals.grading import grade_many
 from evals.problem import Problem
@@ -403,9 +428,11 @@ def test_grade_many_from_a_script_without_main_guard_says_so(tmp_path, guarded):
                           text=True, timeout=120)
     if guarded:
         assert proc.returncode == 0 and "graded [True, False]" in proc.stdout, proc.stderr[-2000:]
-    else:  # a clear error, not every answer graded wrong
+    else:  # a clear error, not every answer graded wrong, and no worker's traceback
         assert proc.returncode != 0 and "graded" not in proc.stdout
         assert "WorkerStartError" in proc.stderr and '__name__ == "__main__"' in proc.stderr
+        assert "re-ran the calling script's top-level code" in proc.stderr
+        assert proc.stderr.count("Traceback") == 1, proc.stderr
 
 
 _SLOW_MAIN = """

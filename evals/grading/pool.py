@@ -240,7 +240,7 @@ class GradingPool:
             if fatal and not self._started:
                 error = _start_error(w, why, reported)
                 self.close()
-                raise error
+                raise error from None
             self.start_failures += 1
             w.kill()
             self._pool.remove(w)
