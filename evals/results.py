@@ -44,9 +44,10 @@ not JSON is dropped and reported. A line that is JSON but holds what no run writ
 or a results file that is not a regular file stops the run with ``ResultsCorruptError`` naming
 the file and line (``validate_sample`` / ``validate_segment``). A sample
 recorded twice keeps its first line, unless that line is a failed sample (``status: "failed"``, an
-engine reason such as a prompt longer than the pool): a failed sample is retried by a resumed run
-whose engine settings differ from those of the segment that failed it (or with ``retry_failed``),
-and the retry's line replaces it.
+engine reason such as a prompt longer than the pool) or an ungraded one (``ungraded``: grading
+itself failed): a failed sample is retried by a resumed run whose engine settings differ from
+those of the segment that failed it (or with ``retry_failed``), an ungraded one by every resumed
+run, and the retry's line replaces it.
 
 Engine settings (KV pool size, concurrency, pages) may differ between invocations; each segment
 records its own, and config.json's ``kv_cache_tokens`` / ``max_num_seqs`` / ``engine`` describe
@@ -298,6 +299,12 @@ def validate_sample(record: Any, where: str) -> dict:
     return record
 
 
+def replaceable(record: Mapping[str, Any]) -> bool:
+    """A later line of the same sample replaces this one: a failed sample (an engine reason) or
+    an ungraded one, run again by a resumed run."""
+    return record.get("status") == "failed" or ungraded(record)
+
+
 def ungraded(record: Mapping[str, Any]) -> bool:
     """The sample line has no verdict: grading itself failed (``UNGRADED_REASONS``), so no metric
     counts it and a resumed run generates and grades it again."""
@@ -383,10 +390,10 @@ def load_samples(path: Path, repair: bool = True) -> LoadedSamples:
             continue
         validate_sample(rec, f"{path} line {n}")
         key = (rec["uid"], rec["sample"])
-        if key in loaded.records and loaded.records[key].get("status") != "failed":
+        if key in loaded.records and not replaceable(loaded.records[key]):
             loaded.duplicates += 1
             continue
-        loaded.records[key] = rec  # a retried failed sample: the later line wins
+        loaded.records[key] = rec  # a retried failed or ungraded sample: the later line wins
     return loaded
 
 
