@@ -28,12 +28,10 @@ RUN_COLUMNS = ("label", "task", "policy", "model")
 
 def metrics_frame(runs: Any) -> pd.DataFrame:
     """One row per run: ``RUN_COLUMNS``, then every key of its ``metrics.json``; the accuracy
-    columns (``GRADED_KEYS``) are floats, NaN where no sample was graded."""
-    from evals.leaderboard import GRADED_KEYS
-
+    columns (``R.GRADED_METRICS``) are floats, NaN where no sample was graded."""
     rows = [{**_run_columns(path), **R.read_json(path / R.METRICS_FILE)} for path in _paths(runs)]
     frame = pd.DataFrame(rows)
-    for name in GRADED_KEYS:
+    for name in R.GRADED_METRICS:
         if name in frame:
             frame[name] = pd.to_numeric(frame[name], errors="coerce").astype(float)
     return frame

@@ -56,6 +56,7 @@ from evals.intervals import half_width, mean_half_width
 from evals.provenance import describe_key, provenance_key
 from evals.results import (
     EVENT_KINDS,
+    GRADED_METRICS,
     SAMPLES_FILE,
     RunResult,
     budget_label_args,
@@ -75,10 +76,6 @@ KV_BUDGET_KEY = "avg_kv_budget"
 # Policy arguments that set a fixed KV budget (evals.run.settings.BUDGET_FIELDS): runs differing only
 # in them are one policy at several budgets, one series in the figures.
 BUDGET_ARGS = ("budget", "initial_capacity")
-
-# Metrics over the graded samples only (evals.results.compute_metrics): a cell of one also shows
-# how many samples of its run had no verdict.
-GRADED_KEYS = ("pass@1", "pass@1_flexible", "accuracy", "extraction_rate", "mean_score")
 
 # (column title, metric key, scale, decimals) of each table's halves.
 TABLES = {
@@ -230,7 +227,7 @@ def table_markdown(runs: Sequence[RunResult], name: str,
                 if key in SPEED_KEYS and row[t] is not None and (
                         t in apart or (t == "Avg" and apart)):
                     text += "‡"
-                if key in GRADED_KEYS and row["_ungraded"][t]:
+                if key in GRADED_METRICS and row["_ungraded"][t]:
                     text += f" ({row['_ungraded'][t]} ungraded)"
                 cells.append(text)
         if prov:
@@ -255,14 +252,14 @@ def row_settings(runs: Sequence[RunResult]) -> dict[tuple[str, str], str]:
 
 def write_table_csv(runs: Sequence[RunResult], name: str, path: Path) -> Path:
     """The table as CSV: each value, then ``... ±`` (its interval's half-width) where it has one,
-    and ``... ungraded`` (samples without a verdict) beside a GRADED_KEYS value where any run has
+    and ``... ungraded`` (samples without a verdict) beside a GRADED_METRICS value where any run has
     some."""
     halves = _halves(runs, name)
     tasks = order_tasks({r.task for r in runs})
     tables = [half_table(runs, key, scale) for _, key, scale, _ in halves]
     with_hw = [any(tables[i][k]["_hw"].get(t) is not None for k in tables[i] for t in tasks + ["Avg"])
                for i in range(len(halves))]
-    with_ungraded = [key in GRADED_KEYS and any(r.metrics.get("ungraded") for r in runs)
+    with_ungraded = [key in GRADED_METRICS and any(r.metrics.get("ungraded") for r in runs)
                      for _, key, _, _ in halves]
     header = ["model", "method"]
     for (title, *_), hw, ug in zip(halves, with_hw, with_ungraded):

@@ -836,6 +836,8 @@ PER_SAMPLE_METRICS: dict[str, tuple[Callable[[Mapping[str, Any]], Any], str, str
     "tpot_ms": (lambda r: None if r.get("tpot_s") is None else 1000.0 * float(r["tpot_s"]), "ok", "sample"),
     "avg_kv_budget": (lambda r: r.get("avg_kv_budget"), "ok", "sample"),
 }
+# Metrics over the graded samples only (None when none was; ``ungraded`` counts the others).
+GRADED_METRICS = ("pass@1", "pass@1_flexible", "accuracy", "extraction_rate", "mean_score")
 # Numeric per-sample fields with these prefixes get "<field>" (their mean over the finished
 # samples where the field applies, i.e. is not None) and "<field>_ci" automatically: fidelity to
 # FullKV (fid_*) and every definition of the average KV budget.

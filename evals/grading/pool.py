@@ -218,6 +218,7 @@ class GradingPool:
         reserved: dict[_Worker, int] = {}  # a fresh worker's call: one given a second run
         busy: dict[_Worker, tuple[int, float]] = {}
         runs = [0] * len(items)
+        failures: list[str] = []  # why workers did not start, in this call
 
         def call_failed(w: _Worker, i: int, timed_out: bool) -> None:
             """The worker overran or died in call ``i``: a fresh one runs it once more."""
@@ -242,6 +243,7 @@ class GradingPool:
                 self.close()
                 raise error from None
             self.start_failures += 1
+            failures.append(why)
             w.kill()
             self._pool.remove(w)
             if w in reserved:
@@ -263,9 +265,9 @@ class GradingPool:
                 busy[w] = (i, time.monotonic() + bound)
             starting = [w for w in self._pool if not w.ready]
             if not busy and not starting:  # no worker left to take the calls still waiting
+                why = failures[-1] if failures else "none was started"
                 for i in pending:
-                    results[i] = on_infra(items[i], f"no grading worker could start within "
-                                                    f"{self.start_timeout_s:g} s")
+                    results[i] = on_infra(items[i], f"no grading worker could start ({why})")
                 pending.clear()
                 continue
             deadlines = [d for _, d in busy.values()] + [w.start_deadline for w in starting]
