@@ -52,7 +52,8 @@ class Grader(ABC):
         """The full verdict on ``output``."""
 
     def timeout_result(self, output: str, problem: Problem, bound_s: float) -> GradeResult:
-        """The verdict when grading exceeded its time bound: incorrect, reason ``timeout``."""
+        """The verdict when grading exceeded its time bound (in a pool: twice, the second time in
+        a fresh worker): incorrect, reason ``timeout``."""
         return GradeResult(
             correct=False,
             score=0.0,
