@@ -162,8 +162,9 @@ class RichHooks:
         self._refresh()
 
     def on_sample(self, record: dict) -> None:
-        self.graded += 1
-        self.correct += bool(record.get("correct"))
+        if record.get("correct") is not None:  # an ungraded sample counts in no accuracy
+            self.graded += 1
+            self.correct += bool(record["correct"])
         self.progress.advance(self.task_id)
         self._refresh()
 
@@ -279,6 +280,7 @@ def eval_command(
     """Evaluate policies on tasks: runs/<model>/<task>/<policy>/ with config, per-sample JSONL
     (written as samples finish; re-running resumes) and metrics."""
     from engine.config import ConfigError
+    from evals.grading.pool import WorkerStartError
     from evals.results import ResultsError
     from evals.run.runner import run_eval
     from evals.run.settings import EvalError
@@ -312,6 +314,9 @@ def eval_command(
                     if outcome.interrupted:
                         break
                     _print_summary(outcome)
+    except WorkerStartError as e:
+        console.print(f"[bold red]error:[/] {e}", soft_wrap=True)
+        raise typer.Exit(UNGRADED_EXIT) from None
     except (EvalError, ConfigError) as e:
         fail(str(e))
     except (ResultsError, OSError) as e:
@@ -325,6 +330,24 @@ def eval_command(
         from evals.results import find_runs
 
         print(render_markdown(find_runs([o.path for o in outcomes])))
+    _exit_if_ungraded(outcomes)
+
+
+# `kvarena eval`'s exit status when grading left samples without a verdict (or could not start).
+UNGRADED_EXIT = 3
+
+
+def _exit_if_ungraded(outcomes) -> None:
+    """One line and exit 3 when any run holds samples grading could not judge: its figures are
+    over fewer samples than it ran, which a script must not take for a finished measurement."""
+    runs = [o for o in outcomes if o.metrics.get("ungraded")]
+    if runs:
+        n = sum(o.metrics["ungraded"] for o in runs)
+        console.print(f"[bold red]error:[/] {n} sample(s) in {len(runs)} run(s) have no verdict "
+                      f"because grading itself failed (a grading worker died or could not start); "
+                      f"their pass@1 is over the graded samples only. Run the same command again "
+                      f"to grade them.", soft_wrap=True)
+        raise typer.Exit(UNGRADED_EXIT)
 
 
 def _print_summary(outcome) -> None:
@@ -332,6 +355,7 @@ def _print_summary(outcome) -> None:
     pass1 = "-" if m.get("pass@1") is None else f"{100 * m['pass@1']:.1f}%"
     tps = "-" if m.get("tps") is None else f"{m['tps']:.1f}"
     extra = f", {m['failed']} failed" if m.get("failed") else ""
+    extra += f", {m['ungraded']} ungraded" if m.get("ungraded") else ""
     skipped = f", {len(outcome.skipped_rows)} malformed rows skipped" if outcome.skipped_rows else ""
     fid = ""
     if m.get("fid_delta_nll") is not None and m.get("fid_agreement") is not None:

@@ -30,7 +30,11 @@ the column's title names them, and a row missing one of them has a blank Avg (an
 tasks would not compare). Other tasks (niah, mixed) get their own columns and stay out of averages.
 Speed: a task whose runs were timed by more than one invocation (`invocation_key`: command line,
 code and machine) has its TPS / total time / TPOT cells marked ``‡``, not comparable across rows.
-A value from a run that has not finished all its samples is marked ``*``.
+A value from a run that has not finished all its samples is marked ``*``. Samples grading could not
+judge (``ungraded`` in metrics.json: a grading worker died or could not start) are in no accuracy
+figure: pass@1 is over the graded samples, blank where none was, and its cell says
+``(n ungraded)``; table1.csv has an ``ungraded`` column beside each pass@1 where any run has some,
+runs.csv always.
 
 Provenance: every run's config.json records the commit, uncommitted-change fingerprint and
 machine it ran on (evals.provenance). Distinct combinations get letters (A: the most common);
@@ -52,6 +56,7 @@ from evals.intervals import half_width, mean_half_width
 from evals.provenance import describe_key, provenance_key
 from evals.results import (
     EVENT_KINDS,
+    GRADED_METRICS,
     SAMPLES_FILE,
     RunResult,
     budget_label_args,
@@ -128,18 +133,20 @@ def _mean(values: Sequence[float | None]) -> float | None:
 
 def half_table(runs: Sequence[RunResult], key: str, scale: float) -> dict[tuple[str, str], dict]:
     """{(model, label): {task: value, "Avg": mean over Table-1 tasks present, "_hw": {task or
-    "Avg": half-width of the 95% interval}, "_partial": {...}, "_missing": {...}}}"""
+    "Avg": half-width of the 95% interval}, "_ungraded": {task or "Avg": samples without a
+    verdict}, "_partial": {...}, "_missing": {...}}}"""
     by = {(r.model, r.label, r.task): r for r in runs}
     tasks = order_tasks({r.task for r in runs})
     averaged = set(table1_tasks())
     out = {}
     for model, label in _row_order(runs):
-        row: dict[str, Any] = {"_hw": {}}
+        row: dict[str, Any] = {"_hw": {}, "_ungraded": {}}
         partial = set()
         for t in tasks:
             run = by.get((model, label, t))
             row[t] = _value(run, key, scale)
             row["_hw"][t] = _half_width(run, key, scale)
+            row["_ungraded"][t] = int((run.metrics.get("ungraded") or 0) if run is not None else 0)
             if run is not None and not run.metrics.get("complete", True):
                 partial.add(t)
         present = [t for t in tasks if t in averaged and row[t] is not None]
@@ -148,6 +155,7 @@ def half_table(runs: Sequence[RunResult], key: str, scale: float) -> dict[tuple[
         row["Avg"] = None if row["_missing"] else _mean([row[t] for t in present])
         row["_hw"]["Avg"] = None if row["_missing"] else mean_half_width(
             [row["_hw"][t] for t in present])
+        row["_ungraded"]["Avg"] = sum(row["_ungraded"][t] for t in tasks if t in averaged)
         row["_partial"] = partial
         out[(model, label)] = row
     return out
@@ -220,6 +228,8 @@ def table_markdown(runs: Sequence[RunResult], name: str,
                 if key in SPEED_KEYS and row[t] is not None and (
                         t in apart or (t == "Avg" and apart)):
                     text += "‡"
+                if key in GRADED_METRICS and row["_ungraded"][t]:
+                    text += f" ({row['_ungraded'][t]} ungraded)"
                 cells.append(text)
         if prov:
             cells.append(prov[(model, label)])
@@ -242,26 +252,33 @@ def row_settings(runs: Sequence[RunResult]) -> dict[tuple[str, str], str]:
 
 
 def write_table_csv(runs: Sequence[RunResult], name: str, path: Path) -> Path:
-    """The table as CSV: each value, then ``... ±`` (its interval's half-width) where it has one."""
+    """The table as CSV: each value, then ``... ±`` (its interval's half-width) where it has one,
+    and ``... ungraded`` (samples without a verdict) beside a GRADED_METRICS value where any run has
+    some."""
     halves = _halves(runs, name)
     tasks = order_tasks({r.task for r in runs})
     tables = [half_table(runs, key, scale) for _, key, scale, _ in halves]
     with_hw = [any(tables[i][k]["_hw"].get(t) is not None for k in tables[i] for t in tasks + ["Avg"])
                for i in range(len(halves))]
+    with_ungraded = [key in GRADED_METRICS and any(r.metrics.get("ungraded") for r in runs)
+                     for _, key, _, _ in halves]
     header = ["model", "method"]
-    for (title, *_), hw in zip(halves, with_hw):
+    for (title, *_), hw, ug in zip(halves, with_hw, with_ungraded):
         for t in tasks + ["Avg"]:
             name = avg_title(tasks) if t == "Avg" else task_title(t)
-            header += [f"{title} {name}"] + ([f"{title} {name} ±"] if hw else [])
+            header += ([f"{title} {name}"] + ([f"{title} {name} ±"] if hw else [])
+                       + ([f"{title} {name} ungraded"] if ug else []))
     rows = []
     for model, label in _row_order(runs):
         cells = []
-        for (_, _, _, dec), table, hw in zip(halves, tables, with_hw):
+        for (_, _, _, dec), table, hw, ug in zip(halves, tables, with_hw, with_ungraded):
             row = table[(model, label)]
             for t in tasks + ["Avg"]:
                 cells.append(_round(row[t], dec + 2))
                 if hw:
                     cells.append(_round(row["_hw"][t], dec + 2))
+                if ug:
+                    cells.append(row["_ungraded"][t])
         rows.append([model, label] + cells)
     return write_csv(path, rows, header)
 
@@ -278,7 +295,7 @@ CI_COLUMNS = ("pass@1", "pass@1_flexible", "tpot_ms", "avg_kv_budget", "kv_budge
               "fid_first_divergence")
 
 RUN_COLUMNS = ("model", "task", "method", "policy", "policy_args", "samples_done", "samples_planned",
-               "complete", "problems", "failed", "pass@1", "pass@1_lo", "pass@1_hi",
+               "complete", "problems", "failed", "ungraded", "pass@1", "pass@1_lo", "pass@1_hi",
                "pass@1_flexible", "pass@1_flexible_lo", "pass@1_flexible_hi", "extraction_rate",
                "extraction_rate_flexible", "mean_score", "mean_output_tokens", "tps",
                "total_time_s", "tpot_ms", "tpot_ms_lo", "tpot_ms_hi", "avg_kv_budget",
@@ -570,5 +587,9 @@ def render_markdown(runs: Sequence[RunResult], ids: dict[tuple, str] | None = No
              table_markdown(runs, "table7", prov, settings)]
     if _halves(runs, "memory"):
         parts += ["## Memory and fidelity to FullKV", table_markdown(runs, "memory", prov, settings)]
+    if any(r.metrics.get("ungraded") for r in runs):
+        notes += (" (n ungraded) = samples of the run without a verdict because grading itself "
+                  "failed (a grading worker died or could not start): its pass@1 is over the "
+                  "graded samples only, - when none was; rerun its command to grade them.")
     parts += [notes, "Provenance (`prov`):\n\n" + provenance_legend(runs, ids)]
     return "\n\n".join(parts)

@@ -4,8 +4,9 @@
 Sections (keys of the dict):
 
 - ``runs``: one entry per run (model x task x label): its metrics with their 95% intervals
-  (``[value, lo, hi]``), provenance letter, completeness, and the reasons it is *not comparable*
-  with the FullKV run of its model and task (:func:`comparability`);
+  (``[value, lo, hi]``; pass@1 is over the graded samples, null when none was, and ``ungraded``
+  counts the samples without a verdict), provenance letter, completeness, and the reasons it is
+  *not comparable* with the FullKV run of its model and task (:func:`comparability`);
 - ``samples``: per run, its samples: the free generation's tokens as text pieces, first
   divergence from FullKV's reference, and per reference token the forced pass's delta-NLL
   (evals.run.fidelity's ``forced_logprobs.jsonl``); ``references`` holds the reference pieces once;
@@ -35,7 +36,7 @@ from evals.leaderboard import (
     run_prov_ids,
 )
 from evals.provenance import describe_key
-from evals.results import RunResult, find_runs
+from evals.results import RunResult, find_runs, ungraded
 from evals.run import fidelity
 from evals.tasks import task_title
 from evals.traces import read_traces
@@ -176,11 +177,15 @@ def _figure(metrics: Mapping[str, Any], key: str, scale: float) -> list | None:
 
 def comparability(run: RunResult, full: RunResult | None) -> list[str]:
     """Why ``run`` does not compare with FullKV's run of its model and task (empty: it does):
-    not finished, no FullKV run, other generation settings (``COMPARED_SETTINGS``)."""
+    not finished, samples left without a verdict, no FullKV run, other generation settings
+    (``COMPARED_SETTINGS``)."""
     reasons = []
     m = run.metrics
     if not m.get("complete", True):
         reasons.append(f"not finished ({m.get('samples_done')} of {m.get('samples_planned')} samples)")
+    if m.get("ungraded"):
+        reasons.append(f"{m['ungraded']} of {m.get('samples_done')} samples ungraded (grading itself "
+                       f"failed): pass@1 is over the graded ones")
     if full is None:
         return reasons + ["no FullKV run of this model and task to compare with"]
     for key in COMPARED_SETTINGS if full is not run else ():
@@ -213,6 +218,7 @@ def _run_entry(run: RunResult, roots: Sequence[str | Path], prov: list[str], rea
         "path": relative_path(run, roots), "prov": "+".join(prov),
         "complete": bool(m.get("complete", True)), "samples_done": m.get("samples_done"),
         "samples_planned": m.get("samples_planned"), "failed": m.get("failed", 0),
+        "ungraded": m.get("ungraded") or 0,
         "figures": {key: _figure(m, key, scale) for key, _, scale, _ in COLUMNS
                     if key != "mean_score" or run.task == "niah"},  # elsewhere it is pass@1
         "events": m.get("events") or {}, "comparable": not reasons, "reasons": reasons,
@@ -267,7 +273,8 @@ def _sample_entries(run: RunResult, records: Sequence[dict], traces: Mapping, fo
             notes.add(f"Per-sample view: continuations are shown up to their first {cap} tokens.")
         out.append({
             "uid": key[0], "sample": key[1], "status": rec.get("status"),
-            "correct": rec.get("correct"), "score": rec.get("score"), "gold": rec.get("gold"),
+            "ungraded": ungraded(rec), "correct": rec.get("correct"), "score": rec.get("score"),
+            "gold": rec.get("gold"),
             "extracted": rec.get("extracted"), "meta": _short_meta(rec.get("meta") or {}),
             "output": rec.get("output", ""),
             "pieces": pieces(spec, trace["tokens"][:cap]) if trace else None,
@@ -306,7 +313,7 @@ def niah_grids(runs: Sequence[RunResult], records: Mapping[str, list[dict]]) -> 
         cells: dict[tuple[int, float], list[dict]] = {}
         for rec in records[run_id(run)]:
             cell = _cell(rec)
-            if cell is not None and rec.get("status") == "ok":
+            if cell is not None and rec.get("status") == "ok" and not ungraded(rec):
                 cells.setdefault(cell, []).append(rec)
         if not cells:
             continue
