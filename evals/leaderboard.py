@@ -433,6 +433,15 @@ def memory_points(runs: Sequence[RunResult], key: str = "pass@1", scale: float =
     return panels
 
 
+def fidelity_axis(runs: Sequence[RunResult]) -> tuple[str, str]:
+    """(metric, name) of the fidelity figure's memory axis: the KV kept (slots holding a kept
+    token: the field's compression axis), or the slots allocated for trees written before runs
+    recorded the kept slots."""
+    if any(r.metrics.get("avg_kv_kept") is not None for r in runs):
+        return "avg_kv_kept", "KV kept"
+    return "avg_kv_allocated", "KV allocated"
+
+
 def position_series(runs: Sequence[RunResult]) -> dict[str, list[dict]]:
     """{task title: series} for :func:`evals.plots.position_plot` from the runs whose metrics
     carry ``by_position`` (evals.positions): per run, its buckets' delta-NLL with intervals."""
@@ -537,12 +546,13 @@ def build_leaderboard(dirs: Sequence[str | Path], out: str | Path) -> Leaderboar
         files["quality_memory.png"] = quality_memory_plot(
             panels, out / "quality_memory.png",
             title="pass@1 vs average KV budget (95% intervals; one point per policy and budget)")
-    fidelity = memory_points(runs, "fid_delta_nll", 1.0, x_key="avg_kv_kept")
+    x_key, x_name = fidelity_axis(runs)
+    fidelity = memory_points(runs, "fid_delta_nll", 1.0, x_key=x_key)
     if fidelity:
         files["fidelity_memory.png"] = quality_memory_plot(
             fidelity, out / "fidelity_memory.png", ylabel="delta-NLL vs FullKV (nats/token)",
-            xlabel="average KV kept (slots holding a kept token, per request)",
-            title="Drift from FullKV vs KV kept (95% intervals; 0 = FullKV)")
+            xlabel=f"average {x_name} (tokens per request)",
+            title=f"Drift from FullKV vs {x_name} (95% intervals; 0 = FullKV)")
     positions = position_series(runs)
     if positions:
         files["fidelity_position.png"] = position_plot(

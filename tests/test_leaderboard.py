@@ -152,7 +152,7 @@ def test_fidelity_and_allocated_columns_appear_when_measured(tmp_path):
         R.write_json(path / R.METRICS_FILE, R.compute_metrics(recs, [], len(recs)))
     board = build_leaderboard([root], tmp_path / "board")
     assert "delta-NLL (nats/token)" in board.markdown and "fidelity_memory.png" in board.files
-    assert "NIAH avg KV allocated (tokens)" in board.markdown
+    assert "NIAH KV allocated (tokens)" in board.markdown
     line = next(x for x in board.markdown.split("## Memory")[1].splitlines()
                 if x.startswith("| tiny | zipage |"))
     assert "0.790 ± " in line  # 0.4 x mean(1 + i % 3) over 40 samples = 0.4 x 79/40

@@ -462,7 +462,7 @@ def figures_section(runs: Sequence[RunResult]) -> list[dict]:
     drift against the KV kept. [] when no run has the figures' data."""
     import tempfile
 
-    from evals.leaderboard import memory_points, position_series
+    from evals.leaderboard import fidelity_axis, memory_points, position_series
     from evals.plots import position_plot, quality_memory_plot
 
     out = []
@@ -472,12 +472,13 @@ def figures_section(runs: Sequence[RunResult]) -> list[dict]:
             title = "Drift from FullKV by position in the document (95% intervals over documents)"
             png = position_plot(positions, Path(tmp) / "position.png", title=title)
             out.append({"title": title, "svg": png.with_suffix(".svg").read_text(encoding="utf-8")})
-        kept = memory_points(runs, "fid_delta_nll", 1.0, x_key="avg_kv_kept")
+        x_key, x_name = fidelity_axis(runs)
+        kept = memory_points(runs, "fid_delta_nll", 1.0, x_key=x_key)
         if kept:
-            title = "Drift from FullKV vs KV kept (95% intervals; 0 = FullKV)"
+            title = f"Drift from FullKV vs {x_name} (95% intervals; 0 = FullKV)"
             png = quality_memory_plot(kept, Path(tmp) / "kept.png", title=title,
                                       ylabel="delta-NLL vs FullKV (nats/token)",
-                                      xlabel="average KV kept (slots holding a kept token)")
+                                      xlabel=f"average {x_name} (tokens per request)")
             out.append({"title": title, "svg": png.with_suffix(".svg").read_text(encoding="utf-8")})
     return out
 
