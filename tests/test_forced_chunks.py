@@ -5,9 +5,11 @@ For every registered policy (a policy registered later is covered by the same lo
 is scored under teacher forcing with chunking on and off on a tiny random Llama, with budgets small
 enough that every compressing policy compresses several times; tokens, finish reasons, capacity
 events (actions, lengths, decisions and their numbers), kept positions, the final KV length, the
-per-request statistics and the per-token log-probabilities (fp32, 1e-4) must agree. A policy that
-does not opt in (`KVPolicy.chunked_forcing`) must run one row per step with the switch on, so the
-switch changes nothing for it. Forced runs share steps with other requests, stop at max_tokens and
+per-request statistics and the per-token log-probabilities (fp32, 1e-4) must agree. One request,
+so that GrowPage-Random's shared random stream meets the boundaries in the same order (runs change
+that order across the requests of a batch). A policy that does not opt in
+(`KVPolicy.chunked_forcing`) must run one row per step with the switch on, so the switch changes
+nothing for it. Forced runs share steps with other requests, stop at max_tokens and
 hand over to sampling (the random stream included) as token by token does.
 """
 
