@@ -50,6 +50,7 @@ class WorkItem:
         return self.num_tokens if self.forced else 1
 
     def input_ids(self) -> list[int]:
+        """The token ids of the item's rows, in order."""
         seq, start = self.seq, self.seq.num_computed
         if not self.forced:
             return seq.token_ids[start:start + self.num_tokens]
@@ -218,11 +219,11 @@ class ModelRunner:
         logits: [R, vocab], `item.rows` rows per item -> (tokens [R] long, logprobs [R] fp32 or
         None when no row asks). A forced run's rows sample too, in order, so a request's random
         stream advances one draw per output token as it does token by token."""
-        rows = [(it.seq, it.seq.num_output_tokens + j) for it in sampled for j in range(it.rows)]
-        seqs = [s for s, _ in rows]
+        outputs = [(it.seq, it.seq.num_output_tokens + j) for it in sampled for j in range(it.rows)]
+        seqs = [s for s, _ in outputs]
         params = [s.params for s in seqs]
         tokens = sample_tensor(logits, params, [self._generator(s) for s in seqs])
-        forced = [(i, s.params.forced_tokens[k]) for i, (s, k) in enumerate(rows)
+        forced = [(i, s.params.forced_tokens[k]) for i, (s, k) in enumerate(outputs)
                   if k < len(s.params.forced_tokens)]
         if forced:
             rows, ids = torch.tensor(forced, dtype=torch.long).T.to(self.device)

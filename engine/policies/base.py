@@ -18,12 +18,6 @@ When the scheduler asks:
 - `periodic(step, views)`: once per scheduler step, for schedules that are not boundary-triggered
   (KvLLM's periodic policy). Returns (view, decision) pairs.
 - `kv_budget(state, num_pages)`: after every decode step (the request's budget, engine/stats.py).
-
-Forced runs (`chunked_forcing`): a policy that decides only at capacity boundaries may let the
-scheduler run a request's teacher-forced tokens up to its next page boundary as one step. Its
-hooks are then called exactly as token by token (the same boundaries, the same `kv_budget` calls),
-its recent queries and EMA summaries hold what the tokens' decode steps would have left, and only
-`periodic` sees fewer steps; a policy with a periodic schedule or per-step state leaves it False.
 - `select(view, target_len, timer)`: for a COMPRESS/SHRINK decision, the physical slots each
   (layer, KV head) keeps: `[layers, kv_heads, target_len]` int64, ascending in every row, all rows
   the same count (Compressed PagedAttention: one block table and one physical length per sequence).
@@ -33,6 +27,12 @@ its recent queries and EMA summaries hold what the tokens' decode steps would ha
   head's unused tail is a masked hole (docs/architecture.md, "Per-head budgets").
   Contract: `select` runs before any new KV is written for that sequence (a sequence being
   compacted is not scheduled), so the view's lengths are those the decision was made on.
+
+Forced runs (`chunked_forcing`): a policy that decides only at capacity boundaries may let the
+scheduler run a request's teacher-forced tokens up to its next page boundary as one step. Its
+hooks are then called exactly as token by token (the same boundaries, the same `kv_budget` calls),
+its recent queries and EMA summaries hold what the tokens' decode steps would have left, and only
+`periodic` sees fewer steps; a policy with a periodic schedule or per-step state leaves it False.
 
 Signals: a policy declares what it reads in `signals()`; the engine keeps them in preallocated slot
 pools bound to running requests (never allocated per step) and exposes them through the view.
