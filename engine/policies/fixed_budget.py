@@ -67,6 +67,9 @@ class FixedBudgetPolicy(KVPolicy):
 
     has_budget: ClassVar[bool] = True
     boundary_reason: ClassVar[str] = "budget"
+    # Every decision is a boundary's, a fallback's or a prompt's; scores are computed at
+    # compaction from the recent-query cache and the persisted per-slot score.
+    chunked_forcing = True
     protected_label: ClassVar[str] = "protected tokens"
 
     @property
