@@ -148,20 +148,8 @@ def quality_memory_plot(panels: Mapping[str, Sequence[Mapping[str, Any]]], path:
             ax.errorbar(xs, ys, xerr=_err(mine, "x"), yerr=_err(mine, "y"), color=color,
                         marker=marker, markersize=5, linewidth=0.8, elinewidth=0.8, capsize=2,
                         alpha=0.9, label=name)
-        ax.set_title(panel, fontsize=10)
-        ax.set_xlabel(xlabel, fontsize=8)
-        ax.set_ylabel(ylabel, fontsize=8)
-        ax.tick_params(labelsize=8)
-        ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(panels):]:
-        ax.set_visible(False)
-    handles = [plt.Line2D([], [], color=style[nm][0], marker=style[nm][1], linewidth=0.8, label=nm)
-               for nm in names]
-    if handles:
-        fig.legend(handles=handles, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8,
-                   title="policy", title_fontsize=8, frameon=False)
-    if title:
-        fig.suptitle(title, fontsize=11)
+        _label_axis(ax, panel, xlabel, ylabel)
+    _finish_panels(fig, axes, len(panels), names, style, title, linewidth=0.8)
     if any(dodge(pts) for pts in panels.values()):
         fig.text(0.5, -0.01, "Points of several policies at one budget are spread sideways "
                  "(dodged) so that none hides another; their budget is the one they share.",
@@ -202,21 +190,32 @@ def position_plot(panels: Mapping[str, Sequence[Mapping[str, Any]]], path: str |
         ax.set_xscale("log", base=2)
         ax.set_xticks(list(ticks), list(ticks.values()), fontsize=7)
         ax.minorticks_off()
-        ax.set_title(panel, fontsize=10)
-        ax.set_xlabel("position in the document (tokens)", fontsize=8)
-        ax.set_ylabel(ylabel, fontsize=8)
-        ax.tick_params(labelsize=8)
-        ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(panels):]:
+        _label_axis(ax, panel, "position in the document (tokens)", ylabel)
+    _finish_panels(fig, axes, len(panels), names, style, title, linewidth=1.0)
+    return _save(fig, path, bbox_inches="tight")
+
+
+def _label_axis(ax, title: str, xlabel: str, ylabel: str) -> None:
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel(xlabel, fontsize=8)
+    ax.set_ylabel(ylabel, fontsize=8)
+    ax.tick_params(labelsize=8)
+    ax.grid(alpha=0.3)
+
+
+def _finish_panels(fig, axes, used: int, names: Sequence[str], style: Mapping[str, tuple],
+                   title: str, linewidth: float) -> None:
+    """Hide the unused panels, name every series in one legend beside them, set the title."""
+    plt = _pyplot()
+    for ax in list(axes.flat)[used:]:
         ax.set_visible(False)
-    handles = [plt.Line2D([], [], color=style[nm][0], marker=style[nm][1], linewidth=1.0, label=nm)
-               for nm in names]
+    handles = [plt.Line2D([], [], color=style[nm][0], marker=style[nm][1], linewidth=linewidth,
+                          label=nm) for nm in names]
     if handles:
         fig.legend(handles=handles, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8,
                    title="policy", title_fontsize=8, frameon=False)
     if title:
         fig.suptitle(title, fontsize=11)
-    return _save(fig, path, bbox_inches="tight")
 
 
 def dodge(points: Sequence[Mapping[str, Any]], width: float = 0.025) -> dict[tuple[str, float], float]:
