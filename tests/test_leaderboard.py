@@ -231,3 +231,12 @@ def test_runs_with_ungraded_samples_say_so_everywhere(tmp_path):
     assert report["zipage"]["figures"]["pass@1"][0] == pytest.approx(50.0)
     assert not report["zipage"]["comparable"] and report["full"]["comparable"]
     assert report["zipage"]["reasons"][0].startswith("15 of 40 samples ungraded")
+
+
+def test_nominal_budget_is_blank_for_policies_without_one():
+    metrics = {"avg_kv_budget": 300.0, "avg_kv_budget_ci": [290.0, 310.0]}
+    for policy, nominal in (("full", None), ("kara", None), ("pyramidkv", None),
+                            ("snapkv", 300.0), ("growpage", 300.0)):
+        got = R.with_nominal_budget(metrics, {"policy": policy})
+        assert got["kv_budget_nominal"] == nominal, policy
+        assert got["avg_kv_budget"] == 300.0  # the allocated reading stays where it was
