@@ -388,13 +388,14 @@ class SampleWriter:
 
     A write that fails (disk full, an immutable file) is undone (the file is cut back to where
     the line began) and raises ``ResultsWriteError``; every later write raises it again, so a
-    run never goes on as if its samples were kept."""
+    run never goes on as if its samples were kept. The file is unbuffered: a buffer would keep
+    the failed line's unwritten tail and write it on close, after the cut, as a torn line."""
 
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
         repair_tail(path)  # run_eval reports a cut line; this guards every other writer
         self.path = path
-        self._file = open_append(path)
+        self._file = open_append(path, buffered=False)
         self._lock = threading.Lock()
         self.error: ResultsWriteError | None = None
         self.written = 0
@@ -422,17 +423,18 @@ class SampleWriter:
             self.written += 1
 
     def _append(self, data: bytes) -> None:
-        self._file.write(data)
-        self._file.flush()
+        view = memoryview(data)
+        while view:  # a raw write may take part of the line (a signal, a file size limit)
+            view = view[self._file.write(view):]
         os.fsync(self._file.fileno())
 
     def close(self) -> None:
         with self._lock:
             if not self._file.closed:
                 try:
-                    self._file.close()
+                    self._file.close()  # unbuffered: nothing is left to write
                 except OSError:
-                    pass  # the flush of an already failed write: the error is recorded
+                    pass  # every line written was fsynced
 
     def __enter__(self) -> "SampleWriter":
         return self
