@@ -642,6 +642,18 @@ def test_a_write_that_fails_part_way_leaves_no_bytes_of_its_line(tmp_path):
     assert [r["uid"] for r in rows] == ["a", "c"]
 
 
+def test_a_plan_too_large_to_hold_is_refused_before_any_key_is_made(monkeypatch):
+    from evals.problem import Problem
+    from evals.run import plan
+
+    problems = [Problem(f"mixed/{i}", "gsm8k", "q", "1", "math", samples=600_000) for i in range(3)]
+    with pytest.raises(EvalError) as e:
+        plan.make_plan(problems, 1)  # 1.8 million keys: refused before the first is made
+    assert str(e.value) == ("1800000 samples planned (3 problems) are more than the 1000000 one run "
+                            "can hold; lower --samples or --limit")
+    assert len(plan.make_plan(problems[:1], 1).keys) == 600_000
+
+
 def test_a_huge_question_is_refused_without_tokenizing_it_whole(model_dir, tmp_path, monkeypatch):
     from transformers import PreTrainedTokenizerBase
 
