@@ -901,9 +901,11 @@ class RunResult:
         return list(load_samples(self.path / SAMPLES_FILE, repair=False).records.values())
 
 
-def find_runs(dirs: Sequence[str | Path]) -> list[RunResult]:
+def find_runs(dirs: Sequence[str | Path], skipped: list[str] | None = None) -> list[RunResult]:
     """Every result directory (one holding config.json and metrics.json) at or below ``dirs``,
-    in path order. A directory that does not exist is an error naming it."""
+    in path order. A directory that does not exist is an error naming it. A run whose config.json
+    or metrics.json cannot be read or is not a JSON object is left out (re-running it rewrites
+    them), and described in ``skipped`` when given."""
     found: dict[Path, RunResult] = {}
     for d in dirs:
         root = Path(d)
@@ -915,8 +917,19 @@ def find_runs(dirs: Sequence[str | Path]) -> list[RunResult]:
             run = metrics_path.parent
             if not (run / CONFIG_FILE).exists() or run.resolve() in found:
                 continue
-            try:
-                found[run.resolve()] = RunResult(run, read_json(run / CONFIG_FILE), read_json(metrics_path))
-            except ValueError:
-                continue  # a broken metrics file: the run can be re-run to rewrite it
+            why, values = None, []
+            for path in (run / CONFIG_FILE, metrics_path):
+                try:
+                    values.append(read_json(path))
+                except (OSError, ValueError, RecursionError) as e:
+                    why = f"{path.name} cannot be read ({type(e).__name__}: {e})"
+                    break
+                if not isinstance(values[-1], dict):
+                    why = f"{path.name} holds a JSON {type(values[-1]).__name__}, not an object"
+                    break
+            if why:
+                if skipped is not None:
+                    skipped.append(f"{run}: {why}")
+                continue
+            found[run.resolve()] = RunResult(run, *values)
     return sorted(found.values(), key=lambda r: str(r.path))
