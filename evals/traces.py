@@ -212,19 +212,25 @@ def read_traces(run: Path, keys: Collection[tuple[str, int]] | None = None) -> d
 
 class TraceIndex:
     """A run's traces.jsonl without holding it: where each (uid, sample)'s last complete line
-    starts, read line by line; ``get`` parses one line when it is asked for. ``dropped`` counts
-    the lines that are not a trace (cut short, or inside a UTF-8 character, by a kill)."""
+    starts, read line by line; ``get`` parses one line when it is asked for. ``with_kept``: the
+    keys whose line has kept positions (``--trace-kept``). ``dropped`` counts the lines that are
+    not a trace (cut short, or inside a UTF-8 character, by a kill)."""
 
     def __init__(self, run: Path):
         self.path = Path(run) / TRACES_FILE
         self.offsets: dict[tuple[str, int], int] = {}
+        self.with_kept: set[tuple[str, int]] = set()
         self.dropped = 0
         for offset, line in iter_json_lines(self.path):
             key = line_key(line)
             if key is None:
                 self.dropped += 1
+                continue
+            self.offsets[key] = offset
+            if line.get("kept"):
+                self.with_kept.add(key)
             else:
-                self.offsets[key] = offset
+                self.with_kept.discard(key)
 
     def __bool__(self) -> bool:
         return bool(self.offsets)

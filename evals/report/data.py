@@ -490,7 +490,7 @@ def kept_section(runs: Sequence[_Run], limits: Limits, notes: _Notes) -> dict:
     for run in sorted(runs, key=lambda r: r.id):
         per = {}
         try:
-            for uid, sample in sorted(run.traces.keys() if run.traces else []):
+            for uid, sample in sorted(run.traces.with_kept if run.traces else ()):
                 t = run.traces.get((uid, sample)) or {}
                 kept = t.get("kept") or []
                 if not kept:
