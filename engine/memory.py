@@ -24,9 +24,6 @@ from engine.config import ConfigError
 # A decoder layer's modules and parameter objects on the host, whatever its size (about 90 kB
 # for the engine's Llama layer, rounded up).
 LAYER_OBJECT_BYTES = 128 * 1024
-# A request slot's host bookkeeping besides its query positions (8 bytes each): the ready flag
-# and its free-list entry.
-SLOT_HOST_BYTES = 48
 
 
 def machine_memory() -> int | None:

@@ -16,6 +16,7 @@ import torch
 from engine import memory
 from engine.attention import ForwardContext, KVCache
 from engine.config import CPU_KV_CACHE_TOKENS, ConfigError, EngineConfig
+from engine.decode_graph import FIELDS as DECODE_FIELDS
 from engine.decode_graph import DecodeGraph
 from engine.kernels._common import upload
 from engine.models import ARCHITECTURES, build_model, load_weights, packed_linear, random_tensors
@@ -123,13 +124,19 @@ class ModelRunner:
             kv = pages * self.bytes_per_page
             if signals.slot_scores:
                 kv += pages * self.block_size * self.num_layers * self.num_kv_heads * 4
+        emas = len(signals.ema_betas)
         on_device = {"weights": (params + packed) * elem, "KV pool": kv,
-                     "query pools": slots * query_row * (signals.recent_queries * elem
-                                                         + len(signals.ema_betas) * 4),
+                     "query pools": slots * query_row * (signals.recent_queries * elem + emas * 4),
                      "rotary tables": rope * 3 * 4}
         on_host = {"layer objects": self.num_layers * memory.LAYER_OBJECT_BYTES,
-                   "request slots": slots * (memory.SLOT_HOST_BYTES + 8 * max(1, signals.recent_queries)),
+                   "query positions": slots * (8 * signals.recent_queries + (1 if emas else 0)),
                    "rotary tables": rope * 3 * 8}
+        if cfg.compile:  # DecodeGraph's row fields and block tables, on the host and the device
+            width = -(-self.max_model_len // self.block_size)
+            tables = cfg.max_num_seqs * (len(DECODE_FIELDS) + min(width, pages or width)) * 8
+            on_host["decode step tables"] = tables
+            if self.device.type != "cpu":
+                on_device["decode step tables"] = tables
         return on_device, on_host
 
     def _query_pool(self, signals: SignalSpec) -> QueryStatePool:

@@ -67,7 +67,8 @@ def test_a_config_no_model_can_be_built_from_is_one_line(tiny, tmp_path, fields,
 
 @pytest.mark.parametrize("fields, kwargs, biggest", [
     ({"num_hidden_layers": 1_000_000}, {}, "weights"),
-    ({}, {"max_num_seqs": 10**9}, "request slots"),
+    ({}, {"max_num_seqs": 10**9, "policy": "snapkv"}, "query pools"),
+    ({}, {"max_num_seqs": 10**9, "compile": True}, "decode step tables"),
     ({}, {"kv_cache_tokens": 2 * 10**9}, "KV pool"),
     ({"max_position_embeddings": 10**11}, {"max_model_len": 10**9}, "rotary tables"),
 ])
@@ -82,6 +83,12 @@ def test_a_config_the_machine_cannot_hold_is_refused_before_allocating(
     text = _one_line(e)
     assert re.search(rf"need about [\d.]+ [KMGTP]iB of memory \({biggest} [\d.]+ [KMGTP]iB", text), text
     assert "but the machine has 16.0 GiB" in text
+
+
+def test_request_slots_cost_nothing_for_a_policy_without_signals(tiny, small_machine):
+    llm = LLM(str(tiny), **{**SMALL, "max_num_seqs": 10**9})
+    assert llm.runner.queries.recent_pos.numel() == llm.runner.queries.ema_ready.numel() == 0
+    assert len(llm.generate([1, 2, 3], SamplingParams(temperature=0, max_tokens=3))[0].token_ids) == 3
 
 
 def test_the_estimate_counts_what_the_engine_allocates(tiny, small_machine):
