@@ -11,6 +11,7 @@ block of 32 tokens and an explicitly sized pool (`kv_cache_tokens`), which docs/
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,16 @@ CPU_BLOCK_SIZE = 32
 GPU_BLOCK_SIZE = 256
 CPU_KV_CACHE_TOKENS = 16384
 LOAD_FORMATS = ("auto", "dummy")
+
+# Bounds of integer settings, shared by the engine and the eval command line (evals.run.settings).
+# Counts past int32 are no run this engine can hold. Base seeds are 32-bit: request i (sample j of
+# an eval) draws with seed + i, which then stays far inside a generator's 64-bit seed.
+MAX_COUNT = 2**31 - 1
+MAX_SEED = 2**32 - 1
+MAX_GENERATOR_SEED = 2**64 - 1  # torch.Generator.manual_seed's range
+# The CPU decode kernel keeps one page's scores on its stack (MAX_BLOCK in
+# engine/kernels/cpu/paged_decode.c) and refuses larger pages at every decode step.
+MAX_BLOCK_SIZE = 1024
 
 # Whether decode steps run as one compiled graph (engine/decode_graph.py) unless `compile` is
 # given. Measured side by side on the 2-core CPU (scripts/compile_ab.py, SmolLM2-135M fp32, 2
@@ -131,15 +142,19 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.block_size is None:
             self.block_size = GPU_BLOCK_SIZE if self.is_cuda else CPU_BLOCK_SIZE
-        _require_positive("block_size", self.block_size)
-        _require_positive("max_num_seqs", self.max_num_seqs)
-        _require_positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        _require_positive("block_size", self.block_size, MAX_BLOCK_SIZE,
+                          "the CPU decode kernel's page limit")
+        _require_positive("max_num_seqs", self.max_num_seqs, MAX_COUNT)
+        _require_positive("max_num_batched_tokens", self.max_num_batched_tokens, MAX_COUNT)
         if self.kv_cache_tokens is not None and self.kv_cache_bytes is not None:
             raise ConfigError("give kv_cache_tokens or kv_cache_bytes, not both")
-        for name in ("kv_cache_tokens", "kv_cache_bytes", "max_model_len"):
+        for name, top in (("kv_cache_tokens", MAX_COUNT), ("kv_cache_bytes", None),
+                          ("max_model_len", MAX_COUNT)):
             value = getattr(self, name)
             if value is not None:
-                _require_positive(name, value)
+                _require_positive(name, value, top)
+        if not is_int_in(self.seed, 0, MAX_SEED):
+            raise ConfigError(f"seed must be an integer in [0, {MAX_SEED}], got {self.seed!r}")
         if isinstance(self.grow_watermark, bool) or not isinstance(self.grow_watermark, (int, float)) \
                 or not 0.0 <= self.grow_watermark < 1.0:
             raise ConfigError(f"grow_watermark must be a share of the pool in [0, 1), "
@@ -171,6 +186,18 @@ class EngineConfig:
         return torch.bfloat16
 
 
-def _require_positive(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+def is_int_in(value: Any, low: int, high: int | None = None) -> bool:
+    """Whether ``value`` is an integer (not a bool) in [low, high] (no upper bound: None)."""
+    return (isinstance(value, int) and not isinstance(value, bool) and value >= low
+            and (high is None or value <= high))
+
+
+def is_finite(value: Any) -> bool:
+    """Whether ``value`` is a real number (not a bool) other than NaN and the infinities."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _require_positive(name: str, value: Any, top: int | None = None, why: str = "") -> None:
+    if not is_int_in(value, 1, top):
+        bound = "a positive integer" if top is None else f"an integer in [1, {top}]"
+        raise ConfigError(f"{name} must be {bound}{f' ({why})' if why else ''}, got {value!r}")

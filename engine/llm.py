@@ -7,6 +7,7 @@ statistics (engine.stats). `stream()` yields outputs as requests finish (for res
 
 from __future__ import annotations
 
+import operator
 import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
@@ -202,12 +203,30 @@ class LLM:
                    else list(prompt))
             if not ids:
                 raise ConfigError(f"prompt {i} is empty: a request needs at least one token")
+            ids = self._token_ids(ids, f"prompt {i}")
+            self._token_ids(p.forced_tokens, f"the forced tokens of prompt {i}")
             seed = p.seed if p.seed is not None else self.config.seed + i
             seq = Sequence(ids, p, seed)
             if self.config.trace_kept:
                 seq.kept_trace = KeptTrace()
             seqs.append(seq)
         return seqs
+
+    def _token_ids(self, ids: Seq[int], what: str) -> list[int]:
+        """``ids`` as ints; ConfigError unless each is an integer the model's embedding has a row
+        for (an id past it would fail deep in the forward pass as an IndexError)."""
+        vocab = int(self.runner.hf_config.vocab_size)
+        out = []
+        for t in ids:
+            try:
+                value = None if isinstance(t, bool) else operator.index(t)
+            except TypeError:
+                value = None
+            if value is None or not 0 <= value < vocab:
+                raise ConfigError(f"{what} holds token id {t!r}, outside the model's vocabulary of "
+                                  f"{vocab} ids (0 to {vocab - 1})")
+            out.append(value)
+        return out
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -95,15 +95,19 @@ class QueryStatePool:
         rows = num_slots + 1  # + the scratch slot (module docstring)
         self.recent = (torch.zeros(num_layers, rows, self.n, q_heads, head_dim,
                                    device=device, dtype=dtype) if self.n else None)
-        self.recent_pos = torch.full((num_slots, max(self.n, 1)), -1, dtype=torch.long)
+        # Host bookkeeping only for the signals kept: a policy without them costs nothing per slot.
+        self.recent_pos = torch.full((num_slots if self.n else 0, max(self.n, 1)), -1, dtype=torch.long)
         k = len(spec.ema_betas)
         self.betas = torch.tensor(spec.ema_betas, device=device, dtype=torch.float32)
         # fp32 whatever the model dtype: in bf16, beta_L = 0.999 rounds to 1 and the long summary
         # would freeze at its first value.
         self.ema = (torch.zeros(num_layers, rows, k, q_heads, head_dim, device=device,
                                 dtype=torch.float32) if k else None)
-        self.ema_ready = torch.zeros(num_slots, dtype=torch.bool)
-        self._free = list(range(num_slots - 1, -1, -1))
+        self.ema_ready = torch.zeros(num_slots if k else 0, dtype=torch.bool)
+        # Free slots: the released ones (last released, first bound), then those never bound, in
+        # order; a counter rather than a list of every slot, which would cost tens of bytes each.
+        self._released: list[int] = []
+        self._unused = 0
         self.plan: CapturePlan | None = None
 
     @property
@@ -112,15 +116,20 @@ class QueryStatePool:
 
     # -- slots --------------------------------------------------------------------------------
     def bind(self) -> int:
-        if not self._free:
+        if self._released:
+            slot = self._released.pop()
+        elif self._unused < self.num_slots:
+            slot, self._unused = self._unused, self._unused + 1
+        else:
             raise RuntimeError("no free query slot (more running requests than max_num_seqs)")
-        slot = self._free.pop()
-        self.ema_ready[slot] = False
-        self.recent_pos[slot] = -1
+        if self.ema is not None:
+            self.ema_ready[slot] = False
+        if self.n:
+            self.recent_pos[slot] = -1
         return slot
 
     def release(self, slot: int) -> None:
-        self._free.append(slot)
+        self._released.append(slot)
 
     # -- capture --------------------------------------------------------------------------------
     def prepare(self, items: list[tuple[int, int, int, int, bool]]) -> None:

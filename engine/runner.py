@@ -13,12 +13,16 @@ from dataclasses import dataclass
 
 import torch
 
+from engine import memory
 from engine.attention import ForwardContext, KVCache
 from engine.config import CPU_KV_CACHE_TOKENS, ConfigError, EngineConfig
+from engine.decode_graph import FIELDS as DECODE_FIELDS
 from engine.decode_graph import DecodeGraph
 from engine.kernels._common import upload
-from engine.models import build_model, load_weights, random_tensors
+from engine.models import ARCHITECTURES, build_model, load_weights, packed_linear, random_tensors
+from engine.models.llama import ArchFlags, head_dim_of
 from engine.models.loader import iter_safetensors, load_config
+from engine.models.shape import parameter_counts
 from engine.policies.base import SignalSpec
 from engine.query_state import QueryStatePool
 from engine.sampling import request_generator, sample_tensor, token_logprobs
@@ -71,19 +75,22 @@ class ModelRunner:
                 f"max_model_len {config.max_model_len} exceeds the model's limit {limit}"
             )
         self.max_model_len = config.max_model_len or limit
+        cfg = self.hf_config
+        self.num_layers = cfg.num_hidden_layers
+        self.num_q_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = head_dim_of(cfg)
+        self.scale = self.head_dim ** -0.5
+        self.block_size = config.block_size
+        # A pool sized from the GPU's free memory is sized once the weights are there.
+        pages = None if self._pool_from_free_memory() else self._num_pages()
+        memory.check_fits(self.device, *self.footprint(signals, pages))
         self.model = build_model(self.hf_config, self.max_model_len, self.device, self.dtype)
         tensors = (random_tensors(self.model, config.seed, self.device) if config.load_format == "dummy"
                    else iter_safetensors(model_dir))
         load_weights(self.model, tensors, self.device, self.dtype, config.cpu_packed_weights,
                      config.cpu_native_kernels)
-        cfg = self.hf_config
-        self.num_layers = cfg.num_hidden_layers
-        self.num_q_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads
-        self.head_dim = self.model.head_dim
-        self.scale = self.head_dim ** -0.5
-        self.block_size = config.block_size
-        self.kv = self._allocate_kv(signals.slot_scores)
+        self.kv = self._allocate_kv(signals.slot_scores, pages)
         # tests/analysis: called with (items, logits of sampled rows): each item owns `item.rows`
         # consecutive rows, row j scoring its output token seq.num_output_tokens + j; the logits
         # are valid during the call only (a compiled CUDA step reuses its output buffer).
@@ -119,6 +126,39 @@ class ModelRunner:
                      self.config.cpu_native_kernels)
         self._rebuild_graph()
 
+    def footprint(self, signals: SignalSpec, pages: int | None) -> tuple[dict[str, int], dict[str, int]]:
+        """The bytes this runner will allocate (engine.memory), by what they hold: (on its
+        device, on the host). ``pages``: the KV pool's (None: not counted)."""
+        cfg, hf = self.config, self.hf_config
+        elem = self.dtype.itemsize
+        arch = ARCHITECTURES.get(getattr(hf, "model_type", None))
+        flags = arch.arch_flags(hf) if arch is not None else ArchFlags()
+        params, projections = parameter_counts(hf, flags.qkv_bias, flags.qk_norm)
+        packs = cfg.cpu_packed_weights and packed_linear.available(self.device, self.dtype)
+        packed = projections if packs else 0
+        slots = cfg.max_num_seqs + 1
+        query_row = self.num_layers * self.num_q_heads * self.head_dim
+        rope = self.max_model_len * self.head_dim
+        kv = 0
+        if pages is not None:
+            kv = pages * self.bytes_per_page
+            if signals.slot_scores:
+                kv += pages * self.block_size * self.num_layers * self.num_kv_heads * 4
+        emas = len(signals.ema_betas)
+        on_device = {"weights": (params + packed) * elem, "KV pool": kv,
+                     "query pools": slots * query_row * (signals.recent_queries * elem + emas * 4),
+                     "rotary tables": rope * 3 * 4}
+        on_host = {"layer objects": self.num_layers * memory.LAYER_OBJECT_BYTES,
+                   "query positions": slots * (8 * signals.recent_queries + (1 if emas else 0)),
+                   "rotary tables": rope * 3 * 8}
+        if cfg.compile:  # DecodeGraph's row fields and block tables, on the host and the device
+            width = -(-self.max_model_len // self.block_size)
+            tables = cfg.max_num_seqs * (len(DECODE_FIELDS) + min(width, pages or width)) * 8
+            on_host["decode step tables"] = tables
+            if self.device.type != "cpu":
+                on_device["decode step tables"] = tables
+        return on_device, on_host
+
     def _query_pool(self, signals: SignalSpec) -> QueryStatePool:
         return QueryStatePool(signals, self.num_layers, self.config.max_num_seqs,
                               self.num_q_heads, self.head_dim, self.device, self.dtype)
@@ -129,6 +169,7 @@ class ModelRunner:
         from the current ones; the KV pages themselves stay."""
         if signals == self.signals:
             return
+        memory.check_fits(self.device, *self.footprint(signals, self.num_pages))
         self.queries = self._query_pool(signals)
         if signals.slot_scores != (self.kv.scores is not None):
             scores = (torch.zeros(self.kv.k.shape[:-1], device=self.device, dtype=torch.float32)
@@ -142,6 +183,10 @@ class ModelRunner:
     def bytes_per_page(self) -> int:
         per_slot = 2 * self.num_layers * self.num_kv_heads * self.head_dim
         return per_slot * self.block_size * torch.tensor([], dtype=self.dtype).element_size()
+
+    def _pool_from_free_memory(self) -> bool:
+        cfg = self.config
+        return cfg.is_cuda and cfg.kv_cache_tokens is None and cfg.kv_cache_bytes is None
 
     def _num_pages(self) -> int:
         cfg = self.config
@@ -159,9 +204,10 @@ class ModelRunner:
             raise ConfigError("the KV pool is smaller than one page; raise kv_cache_tokens/bytes")
         return pages
 
-    def _allocate_kv(self, with_scores: bool) -> KVCache:
+    def _allocate_kv(self, with_scores: bool, pages: int | None = None) -> KVCache:
         # Head-major layout (KVCache docstring); scores drop only the trailing head_dim.
-        shape = (self.num_layers, self.num_kv_heads, self._num_pages(), self.block_size, self.head_dim)
+        pages = self._num_pages() if pages is None else pages
+        shape = (self.num_layers, self.num_kv_heads, pages, self.block_size, self.head_dim)
         k = torch.zeros(shape, device=self.device, dtype=self.dtype)
         v = torch.zeros(shape, device=self.device, dtype=self.dtype)
         scores = torch.zeros(shape[:-1], device=self.device, dtype=torch.float32) if with_scores else None

@@ -15,19 +15,24 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.config import ConfigError
+from engine.config import MAX_GENERATOR_SEED, ConfigError, is_finite, is_int_in
+
+# Temperatures below this decode greedily (as vLLM's do): logits divided by a smaller one overflow
+# to infinities, whose softmax is NaN.
+GREEDY_BELOW = 1e-5
 
 
 @dataclass
 class SamplingParams:
     """Per-request decoding settings.
 
-    temperature: 0 means greedy; otherwise logits are divided by it before sampling.
-    top_p: nucleus mass in (0, 1]; 1 disables it.
+    temperature: 0 means greedy (so does anything below ``GREEDY_BELOW``); otherwise logits are
+        divided by it before sampling.
+    top_p: nucleus mass in (0, 1]; 1 disables it. The most likely token is always kept.
     top_k: keep the k most likely tokens; 0 disables it.
-    seed: per-request seed (same seed, same output, whatever the batch).
+    seed: per-request seed in [0, 2**64 - 1] (same seed, same output, whatever the batch).
     max_tokens: most output tokens.
-    stop: strings that end generation (the stop string is cut from the text).
+    stop: non-empty strings that end generation (the stop string is cut from the text).
     ignore_eos: keep generating past EOS (benchmarks).
     forced_tokens: teacher forcing: output token i is forced_tokens[i] while i < len (the model
         still runs and scores it); generation stops after them unless max_tokens is larger. A
@@ -50,17 +55,23 @@ class SamplingParams:
     kv_budget: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ConfigError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+        # The eval command line's rules (evals.run.settings) use the same tests and bounds.
+        if not (is_finite(self.temperature) and self.temperature >= 0):
+            raise ConfigError(f"temperature must be a finite number >= 0 (0 = greedy), got "
+                              f"{self.temperature!r}")
+        if not (is_finite(self.top_p) and 0.0 < self.top_p <= 1.0):
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not is_int_in(self.top_k, 0):
+            raise ConfigError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if self.seed is not None and not is_int_in(self.seed, 0, MAX_GENERATOR_SEED):
+            raise ConfigError(f"seed must be an integer in [0, 2**64 - 1] or None, got {self.seed!r}")
+        if not is_int_in(self.max_tokens, 1):
             raise ConfigError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
         self.stop = tuple(self.stop)
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise ConfigError(f"stop strings must be non-empty strings, got {list(self.stop)!r}")
         self.forced_tokens = tuple(int(t) for t in self.forced_tokens)
         if self.kv_budget is not None and (not isinstance(self.kv_budget, int)
                                            or isinstance(self.kv_budget, bool) or self.kv_budget < 1):
@@ -69,7 +80,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def stop_tail_tokens(self) -> int:
@@ -182,9 +193,11 @@ def _filtered_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
     ranks = torch.arange(vocab, device=logits.device).unsqueeze(0)
     drop = ranks >= t.top_k
     sorted_probs = torch.softmax(sorted_logits, dim=-1)
-    # Keep a token while the mass *before* it is below top_p, so the top token always survives.
+    # Keep a token while the mass *before* it is below top_p; the top token always survives (a
+    # top_p that rounds to 0 in float32 would drop it too, leaving nothing to sample).
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
     drop |= mass_before >= t.top_p
+    drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     filtered = torch.full_like(logits, float("-inf")).scatter(1, order, sorted_logits)
     return torch.softmax(filtered, dim=-1)

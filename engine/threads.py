@@ -85,26 +85,62 @@ def openmp_state() -> dict:
             "omp_policy_applied_before_torch": _in_time, "threads": GOVERNOR.state()}
 
 
-def cgroup_cpu_quota(root: str = "/sys/fs/cgroup") -> float | None:
-    """CPUs allowed by a cgroup v2 (`cpu.max`) or v1 (`cpu.cfs_quota_us`) quota under `root`;
-    None where there is none."""
-    for quota_file, period_file in ((f"{root}/cpu.max", None),
-                                    (f"{root}/cpu/cpu.cfs_quota_us",
-                                     f"{root}/cpu/cpu.cfs_period_us")):
-        try:
-            with open(quota_file) as f:
-                parts = f.read().split()
-            if period_file is None:
-                quota, period = parts[0], parts[1]
-            else:
-                with open(period_file) as f:
-                    quota, period = parts[0], f.read().strip()
-        except (OSError, IndexError):
+def cgroup_cpu_quota(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> float | None:
+    """CPUs allowed by the CPU quota of this process's own cgroup (its lines in `proc_cgroup`)
+    and of every cgroup above it, the smallest: v2's `cpu.max` under `root`, v1's
+    `cpu.cfs_quota_us` under the cpu controller's mount in `root`. A quota set on the process's
+    cgroup (systemd's CPUQuota=, a job scheduler) is not visible at the mount's root. A cgroup
+    path deeper than the mount shows (a container without its own cgroup namespace sees the
+    host's path) counts from its deepest level that exists. None where there is no quota."""
+    places: list[tuple[str, str, bool]] = []  # (mount, the cgroup's path in it, v2)
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) != 3:
             continue
+        _, controllers, path = parts
+        if controllers == "":
+            places.append((root, path, True))
+        elif "cpu" in controllers.split(","):
+            mount = next((f"{root}/{name}" for name in dict.fromkeys((controllers, "cpu", "cpu,cpuacct"))
+                          if os.path.isdir(f"{root}/{name}")), None)
+            if mount is not None:
+                places.append((mount, path, False))
+    if not places:  # no /proc: the mounts' roots
+        places = [(root, "/", True), (f"{root}/cpu", "/", False)]
+    quotas = [q for mount, path, v2 in places for d in _cgroup_levels(mount, path)
+              if (q := _quota(d, v2)) is not None]
+    return min(quotas) if quotas else None
+
+
+def _cgroup_levels(mount: str, path: str) -> list[str]:
+    """The directories of the cgroup at `path` in `mount` and of each cgroup above it, up to the
+    mount's root, that exist."""
+    parts = [p for p in os.path.normpath("/" + path).split("/") if p and p != ".."]
+    dirs = [os.path.join(mount, *parts[:k]) for k in range(len(parts), -1, -1)]
+    return [d for d in dirs if os.path.isdir(d)]
+
+
+def _quota(directory: str, v2: bool) -> float | None:
+    """CPUs of the quota set in one cgroup directory; None where it sets none."""
+    try:
+        if v2:
+            with open(f"{directory}/cpu.max") as f:
+                quota, period = f.read().split()[:2]
+        else:
+            with open(f"{directory}/cpu.cfs_quota_us") as f:
+                quota = f.read().strip()
+            with open(f"{directory}/cpu.cfs_period_us") as f:
+                period = f.read().strip()
         if quota in ("max", "-1"):
             return None
         return int(quota) / int(period)
-    return None
+    except (OSError, ValueError, ZeroDivisionError):
+        return None
 
 
 def usable_cpus() -> int:

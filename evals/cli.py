@@ -402,10 +402,11 @@ def report_command(
     first divergence and per-token delta-NLL; NIAH grids with the kept positions of each layer and
     KV head (--trace-kept runs); capacity against decode step with each decision; every config."""
     from evals.report import build_report
+    from evals.results import ResultsError
 
     try:
         path = build_report(dirs, out)
-    except (FileNotFoundError, OSError) as e:
+    except (OSError, ResultsError) as e:
         fail(str(e))
     size = path.stat().st_size
     console.print(f"wrote {path} ({size / 1e6:.2f} MB)")

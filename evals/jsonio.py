@@ -57,12 +57,14 @@ def set_mode(target: int | str | os.PathLike) -> None:
         os.chmod(target, FILE_MODE)
 
 
-def open_append(path: str | os.PathLike) -> BinaryIO:
-    """``path`` opened for appending bytes (created with ``FILE_MODE`` if missing)."""
+def open_append(path: str | os.PathLike, buffered: bool = True) -> BinaryIO:
+    """``path`` opened for appending bytes (created with ``FILE_MODE`` if missing). Unbuffered
+    (``buffered=False``: a raw file, each ``write`` one system call that may write part of what
+    it was given) for a writer that must know which bytes reached the file when a write fails."""
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, FILE_MODE)
     try:
         set_mode(fd)
-        return os.fdopen(fd, "ab")
+        return os.fdopen(fd, "ab", buffering=-1 if buffered else 0)
     except BaseException:
         os.close(fd)
         raise

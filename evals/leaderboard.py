@@ -353,7 +353,7 @@ def write_runs_csv(runs: Sequence[RunResult], path: Path, roots: Sequence[str | 
 # ------------------------------------------------------------------------------ provenance
 
 
-def _run_keys(run: RunResult) -> list[tuple]:
+def run_keys(run: RunResult) -> list[tuple]:
     """Provenance keys of every invocation that wrote samples of ``run`` (latest first)."""
     prov = run.config.get("provenance")
     earlier = (prov or {}).get("earlier") or []
@@ -362,7 +362,7 @@ def _run_keys(run: RunResult) -> list[tuple]:
 
 def provenance_ids(runs: Sequence[RunResult]) -> dict[tuple, str]:
     """A letter per distinct provenance key: ``A`` for the one most runs share, then by count."""
-    counts = Counter(k for r in runs for k in _run_keys(r))
+    counts = Counter(k for r in runs for k in run_keys(r))
     ordered = sorted(counts, key=lambda k: (-counts[k], k == ("unknown",), str(k)))
     return {k: _letters(i) for i, k in enumerate(ordered)}
 
@@ -377,7 +377,7 @@ def _letters(i: int) -> str:
 
 
 def run_prov_ids(run: RunResult, ids: dict[tuple, str]) -> list[str]:
-    return sorted({ids[k] for k in _run_keys(run)}, key=lambda s: (len(s), s))
+    return sorted({ids[k] for k in run_keys(run)}, key=lambda s: (len(s), s))
 
 
 def row_provenance(runs: Sequence[RunResult], ids: dict[tuple, str]) -> dict[tuple[str, str], str]:
@@ -389,7 +389,7 @@ def row_provenance(runs: Sequence[RunResult], ids: dict[tuple, str]) -> dict[tup
 
 
 def provenance_legend(runs: Sequence[RunResult], ids: dict[tuple, str]) -> str:
-    counts = Counter(k for r in runs for k in set(_run_keys(r)))
+    counts = Counter(k for r in runs for k in set(run_keys(r)))
     lines = [f"- {ids[k]}: {describe_key(k)} ({counts[k]} run{'s' if counts[k] != 1 else ''})"
              for k in sorted(ids, key=lambda k: (len(ids[k]), ids[k]))]
     if len(ids) > 1:

@@ -411,13 +411,14 @@ class SampleWriter:
 
     A write that fails (disk full, an immutable file) is undone (the file is cut back to where
     the line began) and raises ``ResultsWriteError``; every later write raises it again, so a
-    run never goes on as if its samples were kept."""
+    run never goes on as if its samples were kept. The file is unbuffered: a buffer would keep
+    the failed line's unwritten tail and write it on close, after the cut, as a torn line."""
 
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
         repair_tail(path)  # run_eval reports a cut line; this guards every other writer
         self.path = path
-        self._file = open_append(path)
+        self._file = open_append(path, buffered=False)
         self._lock = threading.Lock()
         self.error: ResultsWriteError | None = None
         self.written = 0
@@ -445,17 +446,18 @@ class SampleWriter:
             self.written += 1
 
     def _append(self, data: bytes) -> None:
-        self._file.write(data)
-        self._file.flush()
+        view = memoryview(data)
+        while view:  # a raw write may take part of the line (a signal, a file size limit)
+            view = view[self._file.write(view):]
         os.fsync(self._file.fileno())
 
     def close(self) -> None:
         with self._lock:
             if not self._file.closed:
                 try:
-                    self._file.close()
+                    self._file.close()  # unbuffered: nothing is left to write
                 except OSError:
-                    pass  # the flush of an already failed write: the error is recorded
+                    pass  # every line written was fsynced
 
     def __enter__(self) -> "SampleWriter":
         return self
@@ -943,9 +945,11 @@ def with_nominal_budget(metrics: dict, config: Mapping[str, Any]) -> dict:
             "kv_budget_nominal_ci": metrics.get("avg_kv_budget_ci") if nominal else None}
 
 
-def find_runs(dirs: Sequence[str | Path]) -> list[RunResult]:
+def find_runs(dirs: Sequence[str | Path], skipped: list[str] | None = None) -> list[RunResult]:
     """Every result directory (one holding config.json and metrics.json) at or below ``dirs``,
-    in path order. A directory that does not exist is an error naming it."""
+    in path order. A directory that does not exist is an error naming it. A run whose config.json
+    or metrics.json cannot be read or is not a JSON object is left out (re-running it rewrites
+    them), and described in ``skipped`` when given."""
     found: dict[Path, RunResult] = {}
     for d in dirs:
         root = Path(d)
@@ -957,9 +961,20 @@ def find_runs(dirs: Sequence[str | Path]) -> list[RunResult]:
             run = metrics_path.parent
             if not (run / CONFIG_FILE).exists() or run.resolve() in found:
                 continue
-            try:
-                config, metrics = read_json(run / CONFIG_FILE), read_json(metrics_path)
-                found[run.resolve()] = RunResult(run, config, with_nominal_budget(metrics, config))
-            except ValueError:
-                continue  # a broken metrics file: the run can be re-run to rewrite it
+            why, values = None, []
+            for path in (run / CONFIG_FILE, metrics_path):
+                try:
+                    values.append(read_json(path))
+                except (OSError, ValueError, RecursionError) as e:
+                    why = f"{path.name} cannot be read ({type(e).__name__}: {e})"
+                    break
+                if not isinstance(values[-1], dict):
+                    why = f"{path.name} holds a JSON {type(values[-1]).__name__}, not an object"
+                    break
+            if why:
+                if skipped is not None:
+                    skipped.append(f"{run}: {why}")
+                continue
+            config, metrics = values
+            found[run.resolve()] = RunResult(run, config, with_nominal_budget(metrics, config))
     return sorted(found.values(), key=lambda r: str(r.path))

@@ -31,7 +31,7 @@ import base64
 import json
 import threading
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Collection, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -170,16 +170,86 @@ class TraceWriter:
             self._file.close()
 
 
-def read_traces(run: Path) -> dict[tuple[str, int], dict]:
-    """{(uid, sample): the last trace line} of a run directory (empty when it has none)."""
-    path = Path(run) / TRACES_FILE
+def iter_json_lines(path: Path) -> Iterable[tuple[int, Any]]:
+    """(byte offset, parsed value) of each complete line of a JSONL file, read line by line (never
+    the whole file); a line that is not JSON -- cut short by a kill, or cut inside a UTF-8
+    character -- gives ``None`` as its value. Nothing when the file does not exist."""
+    if not path.is_file():
+        return
+    with open(path, "rb") as f:
+        offset = 0
+        for raw in f:
+            at, offset = offset, offset + len(raw)
+            if not raw.strip():
+                continue
+            value = None
+            if raw.endswith(b"\n"):
+                try:
+                    value = json.loads(raw.decode("utf-8"))
+                except (ValueError, RecursionError):
+                    value = None
+            yield at, value
+
+
+def line_key(line: Any) -> tuple[str, int] | None:
+    """The (uid, sample) of a parsed trace line; None for anything else."""
+    try:
+        return str(line["uid"]), int(line["sample"])
+    except (KeyError, TypeError, ValueError, OverflowError):
+        return None
+
+
+def read_traces(run: Path, keys: Collection[tuple[str, int]] | None = None) -> dict[tuple[str, int], dict]:
+    """{(uid, sample): the last trace line} of a run directory (empty when it has none), only
+    those of ``keys`` when given; read line by line, lines cut short skipped."""
     out: dict[tuple[str, int], dict] = {}
-    if not path.exists():
-        return out
-    for raw in path.read_text(encoding="utf-8").splitlines():
-        try:
-            line = json.loads(raw)
-            out[(str(line["uid"]), int(line["sample"]))] = line
-        except (ValueError, KeyError, TypeError):
-            continue  # a line cut short by a kill
+    for _, line in iter_json_lines(Path(run) / TRACES_FILE):
+        key = line_key(line)
+        if key is not None and (keys is None or key in keys):
+            out[key] = line
     return out
+
+
+class TraceIndex:
+    """A run's traces.jsonl without holding it: where each (uid, sample)'s last complete line
+    starts, read line by line; ``get`` parses one line when it is asked for. ``with_kept``: the
+    keys whose line has kept positions (``--trace-kept``). ``dropped`` counts the lines that are
+    not a trace (cut short, or inside a UTF-8 character, by a kill)."""
+
+    def __init__(self, run: Path):
+        self.path = Path(run) / TRACES_FILE
+        self.offsets: dict[tuple[str, int], int] = {}
+        self.with_kept: set[tuple[str, int]] = set()
+        self.dropped = 0
+        for offset, line in iter_json_lines(self.path):
+            key = line_key(line)
+            if key is None:
+                self.dropped += 1
+                continue
+            self.offsets[key] = offset
+            if line.get("kept"):
+                self.with_kept.add(key)
+            else:
+                self.with_kept.discard(key)
+
+    def __bool__(self) -> bool:
+        return bool(self.offsets)
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def keys(self) -> list[tuple[str, int]]:
+        return list(self.offsets)
+
+    def get(self, key: tuple[str, int]) -> dict | None:
+        """The trace line of ``key`` (None when there is none or it no longer parses)."""
+        offset = self.offsets.get(key)
+        if offset is None:
+            return None
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(offset)
+                line = json.loads(f.readline().decode("utf-8"))
+        except (OSError, ValueError, RecursionError):
+            return None
+        return line if line_key(line) == key else None

@@ -124,6 +124,8 @@ def test_usage_errors_exit_2_with_the_valid_choices(args, message, tmp_path):
     (["--kv-cache-tokens", "10000000000000"], "kv_cache_tokens must be an integer in [1, 2147483647]"),
     (["--max-num-seqs", "100000000000"], "max_num_seqs must be an integer in [1, 2147483647]"),
     (["--max-tokens", "0"], "max_tokens must be an integer"),
+    (["--samples", "100000000"], "samples must be an integer in [1, 1000000]"),
+    (["--block-size", "2048"], "block_size must be an integer in [1, 1024]"),
     (["--grading-workers", "100000"], "grading_workers must be an integer in [1, 1024]"),
     (["--out", ""], "out must name a results directory"),
     (["--out", "   "], "out must name a results directory"),

@@ -273,7 +273,7 @@ def test_decode_step_times_leave_out_steps_with_a_prefill():
 @pytest.mark.parametrize("kwargs, message", [
     ({"no_such_key": 1}, "unknown engine config key"),
     ({"policy": "no-such-policy"}, "unknown policy"),
-    ({"block_size": 0}, "block_size must be a positive integer"),
+    ({"block_size": 0}, r"block_size must be an integer in \[1, 1024\]"),
     ({"kv_cache_tokens": 64, "kv_cache_bytes": 10}, "not both"),
 ])
 def test_bad_config_raises_clear_errors(llama_dir, kwargs, message):

@@ -604,6 +604,56 @@ def test_a_failed_sample_write_fails_the_run_and_keeps_what_was_written(model_di
     assert again.metrics["samples_done"] == len(lines(run)) == again.resumed + again.ran
 
 
+_FSIZE_WRITER = """
+import json, resource, signal, sys
+from pathlib import Path
+from evals import results as R
+
+path = Path(sys.argv[1])
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit a write fails with EFBIG instead
+limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+writer = R.SampleWriter(path)
+writer.write({"uid": "a", "sample": 0, "output": "x" * 100})
+resource.setrlimit(resource.RLIMIT_FSIZE, (path.stat().st_size + 40, limits[1]))
+try:
+    writer.write({"uid": "b", "sample": 0, "output": "y" * 100})  # 40 bytes fit, then EFBIG
+except R.ResultsWriteError as e:
+    print("failed:", e)
+finally:
+    resource.setrlimit(resource.RLIMIT_FSIZE, limits)  # room again before the writer closes
+writer.close()
+with open(path, "ab") as f:  # the next invocation appends
+    f.write(R.encode_line({"uid": "c", "sample": 0}))
+"""
+
+
+def test_a_write_that_fails_part_way_leaves_no_bytes_of_its_line(tmp_path):
+    """A line that reaches the file in part (a file size limit: the first bytes are written, the
+    rest fails) is cut back, and nothing of it is written later, when the writer closes."""
+    import subprocess
+    import sys
+
+    path = tmp_path / R.SAMPLES_FILE
+    done = subprocess.run([sys.executable, "-c", _FSIZE_WRITER, str(path)], capture_output=True,
+                          text=True, timeout=120, cwd=Path(__file__).parent.parent)
+    assert done.returncode == 0, done.stderr
+    assert "failed: cannot write" in done.stdout
+    rows = [json.loads(x) for x in path.read_text().splitlines()]  # every line parses
+    assert [r["uid"] for r in rows] == ["a", "c"]
+
+
+def test_a_plan_too_large_to_hold_is_refused_before_any_key_is_made(monkeypatch):
+    from evals.problem import Problem
+    from evals.run import plan
+
+    problems = [Problem(f"mixed/{i}", "gsm8k", "q", "1", "math", samples=600_000) for i in range(3)]
+    with pytest.raises(EvalError) as e:
+        plan.make_plan(problems, 1)  # 1.8 million keys: refused before the first is made
+    assert str(e.value) == ("1800000 samples planned (3 problems) are more than the 1000000 one run "
+                            "can hold; lower --samples or --limit")
+    assert len(plan.make_plan(problems[:1], 1).keys) == 600_000
+
+
 def test_a_huge_question_is_refused_without_tokenizing_it_whole(model_dir, tmp_path, monkeypatch):
     from transformers import PreTrainedTokenizerBase
 

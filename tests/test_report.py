@@ -153,8 +153,9 @@ def _main_script(page: str) -> str:
 
 def test_report_data(tree):
     data = build_data([tree])
-    runs = {r["id"].split("/", 1)[1]: r for r in data["runs"]}
+    runs = {f"{r['task']}/{r['label']}": r for r in data["runs"]}
     assert len(runs) == 8 and all(r["comparable"] for r in runs.values())
+    assert all(r["id"] == (tree / r["path"]).as_posix() and r["name"] == r["label"] for r in runs.values())
     snap = runs["niah/snapkv+budget=48+window=4"]
     assert snap["figures"]["pass@1"][1] is not None and snap["has_kept"] and snap["has_forced"]
     samples = data["samples"][snap["id"]]
@@ -165,9 +166,10 @@ def test_report_data(tree):
     assert grid["cells"] == [[320, 25.0], [320, 75.0]] and len(grid["rows"]) == 4
     assert grid["rows"][0]["label"] == "full"
     # Prompt compression: SnapKV and Kara (GrowPage grows through these short answers).
-    assert {k.split("/")[2].split("+")[0] for k in data["kept"]} == {"snapkv", "kara"}
-    assert all(k.split("/")[1] == "niah" for k in data["kept"])
-    gsm = data["capacity"][f"{snap['model']}/gsm8k"]
+    assert {Path(k).name.split("+")[0] for k in data["kept"]} == {"snapkv", "kara"}
+    assert all(Path(k).parent.name == "niah" for k in data["kept"])
+    gsm = data["capacity"][Path(runs["gsm8k/full"]["id"]).parent.as_posix()]
+    assert gsm["title"] == f"{snap['model']}/gsm8k"
     assert len(gsm["runs"]) == 4 and len(gsm["requests"]) == 2
     assert data["notes"] == []  # nothing sampled out at this size
 
@@ -284,3 +286,165 @@ def test_page_renders_in_headless_chromium_without_errors(tree, tmp_path):
                                                'null.crash();'))
     ok, errors = _rendered(_chromium(broken, tmp_path / "profile-broken", "--dump-dom").stdout)
     assert not ok and "error" in errors
+
+
+# ------------------------------------------------------------------------------ hostile trees
+
+
+def _rewrite_samples(run: Path, edit) -> None:
+    rows = [json.loads(x) for x in (run / "samples.jsonl").read_text().splitlines()]
+    (run / "samples.jsonl").write_text("".join(json.dumps(edit(r)) + "\n" for r in rows))
+
+
+def _edit_json(path: Path, **fields) -> None:
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+
+
+def test_runs_of_one_model_task_and_label_in_two_trees_stay_apart(tree, tmp_path):
+    """Two trees under one root, or given as two roots: each run keeps its own samples and is
+    compared with the FullKV run of its own directory."""
+    root = tmp_path / "root"
+    x, y = root / "x", root / "y"
+    shutil.copytree(tree, x)
+    shutil.copytree(tree, y)
+    _rewrite_samples(_run(y, "gsm8k", "snapkv"), lambda r: {**r, "output": f"from y {r['uid']}"})
+    _edit_json(_run(y, "gsm8k", "full") / "config.json", max_tokens=99)
+    for dirs in ([root], [x, y]):
+        data = build_data(dirs)
+        runs = {r["id"]: r for r in data["runs"]}
+        assert len(runs) == 16
+        snap_x, snap_y = (runs[_run(t, "gsm8k", "snapkv").as_posix()] for t in (x, y))
+        assert snap_x["comparable"], snap_x["reasons"]
+        assert snap_y["reasons"] == ["max_tokens 40 vs FullKV's 99"]
+        assert all(s["output"].startswith("from y") for s in data["samples"][snap_y["id"]])
+        assert not any(s["output"].startswith("from y") for s in data["samples"][snap_x["id"]])
+        for run in (snap_x, snap_y):  # each sample's reference is its own tree's
+            assert all(s["ref"].startswith(run["group"] + "/") for s in data["samples"][run["id"]])
+        names = [r["name"] for r in data["runs"]]
+        assert len(set(names)) == 16 and snap_x["name"].startswith(snap_x["label"] + " (")
+        assert len(data["niah"]) == 2 and len({g["title"] for g in data["niah"]}) == 2
+        assert len(data["capacity"]) == 4 and len({g["title"] for g in data["capacity"].values()}) == 4
+
+
+def _hostile(tree: Path, root: Path) -> dict[str, Path]:
+    """A copy of ``tree`` with one hostile edit per run it names."""
+    shutil.copytree(tree, root)
+    runs = {"metrics": _run(root, "gsm8k", "snapkv"), "samples": _run(root, "gsm8k", "kara"),
+            "config": _run(root, "gsm8k", "full"), "niah": _run(root, "niah", "full"),
+            "traces": _run(root, "niah", "snapkv"), "typed": _run(root, "gsm8k", "growpage")}
+    metrics = json.loads((runs["metrics"] / "metrics.json").read_text())
+    (runs["metrics"] / "metrics.json").write_text(json.dumps({**metrics, "fid_delta_nll": float("nan"),
+                                                              "tps": float("inf")}))
+    _rewrite_samples(runs["samples"], lambda r: {**r, "fid_delta_nll": float("-inf")})
+    _edit_json(runs["config"] / "config.json", data_source="\udcff data")  # a lone surrogate
+    _rewrite_samples(runs["niah"], lambda r: {**r, "meta": {**r["meta"], "context_length": 320.5}})
+    traces = runs["traces"] / "traces.jsonl"
+    lines = traces.read_bytes().splitlines(keepends=True)
+    cut = '{"uid": "niah/cut", "sample": 0, "spans": {"needle": "café"}}\n'.encode()
+    traces.write_bytes(lines[0] + cut[:cut.index("é".encode()) + 1] + b"\n" + b"".join(lines[1:])
+                       + cut[:cut.index("é".encode()) + 1])  # a middle line and the last cut inside é
+    _rewrite_samples(runs["typed"], lambda r: {**r, "score": "high"})
+    grow = _run(root, "niah", "growpage")
+    runs["name"] = Path(os.fsdecode(os.fsencode(grow) + b"-\xff"))
+    os.rename(grow, runs["name"])
+    runs["list"] = root / "m" / "gsm8k" / "listed"
+    runs["list"].mkdir(parents=True)
+    (runs["list"] / "config.json").write_text("[]")
+    (runs["list"] / "metrics.json").write_text("{}")
+    return runs
+
+
+def test_a_hostile_tree_renders_what_it_can_and_lists_what_it_cannot(tree, tmp_path):
+    from typer.testing import CliRunner
+
+    from cli import app
+
+    runs = _hostile(tree, tmp_path / "hostile")
+    out = tmp_path / "report.html"
+    result = CliRunner().invoke(app, ["report", str(tmp_path / "hostile"), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    page = out.read_bytes().decode("utf-8")  # strict UTF-8 throughout
+    data = _data_of(page)
+    notes = data["notes"]
+    by_path = {r["path"].split("/", 1)[1]: r for r in data["runs"]}
+    assert len(by_path) == 8  # the one whose config.json is a list is the only run left out
+    assert any("listed: config.json holds a JSON list" in n for n in notes)
+
+    def note(run: Path, *words: str) -> str:
+        (line,) = [n for n in notes if run.as_posix() in n and all(w in n for w in words)]
+        return line
+
+    note(runs["metrics"], "2 NaN or infinite value(s) in metrics.json")
+    snap = by_path["gsm8k/" + runs["metrics"].name]
+    assert snap["figures"]["fid_delta_nll"][0] is None and snap["figures"]["tps"][0] is None
+    note(runs["samples"], "2 NaN or infinite value(s) in its samples")
+    kara = data["samples"][by_path["gsm8k/" + runs["samples"].name]["id"]]
+    assert all(s["fid"]["fid_delta_nll"] is None for s in kara)
+    note(runs["config"], "not valid UTF-8")
+    assert by_path["gsm8k/full"]["config"]["data_source"] == "\ufffd data"
+    note(runs["niah"], "2 sample(s) in the NIAH grid", "context_length 320.5 is not a whole number")
+    note(runs["traces"], "2 line(s) of traces.jsonl")
+    note(runs["typed"], "the samples", "'score' must be a number in [0, 1]")
+    assert data["samples"][by_path["gsm8k/" + runs["typed"].name]["id"]] == []
+    shown = [r for r in data["runs"] if "\ufffd" in r["id"]]
+    assert len(shown) == 1 and shown[0]["id"] == runs["name"].as_posix().encode(
+        "utf-8", "surrogateescape").decode("utf-8", "replace")
+    assert data["samples"][shown[0]["id"]]  # its samples and traces are read under that name
+    assert any(shown[0]["id"] in n and "path is not valid UTF-8" in n for n in notes)
+    assert all(len(n.splitlines()) == 1 for n in notes)
+    if os.path.exists(CHROMIUM):
+        dom = _chromium(out, tmp_path / "profile", "--dump-dom")
+        ok, errors = _rendered(dom.stdout)
+        assert ok and errors == "", (errors, dom.stderr[-2000:])
+
+
+def test_a_page_is_written_whole_or_not_at_all(tree, tmp_path, monkeypatch):
+    from evals.report import page as P
+
+    out = tmp_path / "report.html"
+    out.write_text("the earlier report")
+    data = build_data([tree])
+    for where, error in ((P, "render"), (os, "fsync")):
+        def fail(*a, **k):
+            raise OSError(28, "No space left on device")
+
+        with monkeypatch.context() as m:
+            m.setattr(where, error, fail)
+            with pytest.raises(OSError):
+                P.write(data, out)
+        assert out.read_text() == "the earlier report"
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["report.html"]  # no temporary file
+    P.write({**data, "title": "\udcff"}, out)  # text that cannot be UTF-8 is replaced, not fatal
+    assert _data_of(out.read_bytes().decode("utf-8"))["runs"] and oct(out.stat().st_mode & 0o777) == "0o644"
+
+
+def test_outputs_are_cut_and_traces_read_line_by_line(tree, tmp_path):
+    import tracemalloc
+
+    from evals.report.data import Pieces
+
+    root = tmp_path / "big"
+    shutil.copytree(tree, root)
+    ids = Pieces(lambda spec: None)  # token ids instead of text: no tokenizer in the measurement
+    tracemalloc.start()
+    try:
+        build_data([root], pieces=ids)
+        baseline = tracemalloc.get_traced_memory()[1]
+        snap = _run(root, "gsm8k", "snapkv")
+        _rewrite_samples(snap, lambda r: {**r, "output": "y" * 2_000_000})
+        pad = "z" * 20_000  # 1,500 requests of 20 kB: a 30 MB traces.jsonl
+        with open(_run(root, "gsm8k", "growpage") / "traces.jsonl", "a") as f:
+            for i in range(1500):
+                f.write(json.dumps({"uid": f"gsm8k/extra{i}", "sample": 0, "tokens": [1, 2],
+                                    "capacity": [[8, 1]], "events": [], "pad": pad}) + "\n")
+        tracemalloc.reset_peak()
+        data = build_data([root], pieces=ids)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    shown = data["samples"][snap.as_posix()]
+    assert all(len(s["output"]) == 4000 and s["output_cut"] == 2_000_000 - 4000 for s in shown)
+    assert any("first 4000 characters" in n for n in data["notes"])
+    # The 4 MB of outputs are read with their samples; the 30 MB of traces never are whole.
+    assert peak - baseline < 4 * 2_000_000 + 8_000_000, (peak, baseline)
+    assert len(render(data)) < 2_000_000

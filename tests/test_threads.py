@@ -72,6 +72,34 @@ def test_cgroup_quota(tmp_path):
     assert 1 <= threads.usable_cpus() <= (os.cpu_count() or 1)
 
 
+def test_cgroup_quota_is_the_process_own_cgroups(tmp_path):
+    """The quota of the cgroup /proc/self/cgroup names (and of those above it), not the mount's
+    root: a job's CPUQuota= sits on its own cgroup."""
+    proc = tmp_path / "cgroup"
+    v2 = tmp_path / "v2"
+    job = v2 / "system.slice" / "job.service"
+    job.mkdir(parents=True)
+    (v2 / "cpu.max").write_text("max 100000\n")
+    (job / "cpu.max").write_text("150000 100000\n")
+    proc.write_text("0::/system.slice/job.service\n")
+    assert threads.cgroup_cpu_quota(str(v2), str(proc)) == 1.5
+    (v2 / "system.slice" / "cpu.max").write_text("100000 100000\n")  # a tighter parent
+    assert threads.cgroup_cpu_quota(str(v2), str(proc)) == 1.0
+    proc.write_text("0::/elsewhere\n")  # a path the mount does not show: its root's (none)
+    assert threads.cgroup_cpu_quota(str(v2), str(proc)) is None
+    # cgroup v1: the cpu controller's mount, named after its controllers.
+    v1 = tmp_path / "v1"
+    box = v1 / "cpu,cpuacct" / "docker" / "abc"
+    box.mkdir(parents=True)
+    (v1 / "cpu,cpuacct" / "cpu.cfs_quota_us").write_text("-1\n")
+    (v1 / "cpu,cpuacct" / "cpu.cfs_period_us").write_text("100000\n")
+    (box / "cpu.cfs_quota_us").write_text("300000\n")
+    (box / "cpu.cfs_period_us").write_text("100000\n")
+    proc.write_text("5:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n0::/\n")
+    assert threads.cgroup_cpu_quota(str(v1), str(proc)) == 3.0
+    assert threads.cgroup_cpu_quota(str(v1), str(tmp_path / "none")) is None  # no /proc: the root's
+
+
 class Machine:
     """A fake clock and runnable-others count for the governor."""
 

@@ -64,7 +64,7 @@ from typing import Any
 
 import numpy as np
 
-from engine.config import DEFAULT_MODEL
+from engine.config import DEFAULT_MODEL, ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +102,11 @@ class ModelNotFoundError(ModelLoadError, FileNotFoundError):
 
 class ModelFormatError(ModelLoadError, ValueError):
     """The model exists but its files are corrupt, incomplete or inconsistent."""
+
+
+class ModelConfigError(ModelFormatError, ConfigError):
+    """The model's config.json holds values no model can be built from (a head count of 0, a
+    NaN epsilon); a ConfigError too, for the callers that catch engine configuration errors."""
 
 
 class UnsupportedModelError(ModelFormatError):
@@ -274,17 +279,60 @@ def check_model_dir(model_dir: str | os.PathLike, need_weights: bool = True) -> 
 
 
 def load_config(model_dir: str | os.PathLike):
-    """``transformers`` config of ``model_dir`` (``AutoConfig``, local files only)."""
+    """``transformers`` config of ``model_dir`` (``AutoConfig``, local files only). Its shape
+    fields are checked (engine.models.shape.check_config) before transformers reads them (which
+    divides by the head count) and again once its defaults are filled in: ModelConfigError."""
     from transformers import AutoConfig
+
+    from engine.models.shape import check_config, config_fields
 
     model_dir = Path(model_dir)
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise ModelNotFoundError(f"No config.json in model directory {model_dir}. {_valid_specs()}")
+    _check_raw_config(config_path)
     try:
-        return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+        config = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError, *_validation_errors()) as exc:
+        raise ModelFormatError(f"Could not read the model config {config_path}: "
+                               f"{_one_line(exc)}") from exc
+    try:
+        check_config(config_fields(config), str(config_path), resolved=True)
+    except ConfigError as exc:
+        raise ModelConfigError(str(exc)) from None
+    return config
+
+
+def _validation_errors() -> tuple[type[Exception], ...]:
+    """huggingface_hub's config validation errors (not ValueErrors), where it has them."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return ()
+    return (StrictDataclassError,)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split())
+
+
+def _check_raw_config(config_path: Path) -> None:
+    """The shape fields of config.json as written (engine.models.shape.check_config), before
+    transformers reads them: AutoConfig and AutoTokenizer (which loads the config to pick a
+    tokenizer class) divide by the head count."""
+    from engine.models.shape import check_config
+
+    if not config_path.is_file():
+        return
+    try:
+        raw = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
         raise ModelFormatError(f"Could not read the model config {config_path}: {exc}") from exc
+    if isinstance(raw, dict):
+        try:
+            check_config(raw, str(config_path))
+        except ConfigError as exc:
+            raise ModelConfigError(str(exc)) from None
 
 
 def iter_safetensors(model_dir: str | os.PathLike) -> Iterator[tuple[str, "torch.Tensor"]]:  # noqa: F821
@@ -327,10 +375,12 @@ def load_tokenizer(model_dir: str | os.PathLike):
             f"No tokenizer files in model directory {model_dir} "
             f"(expected one of {', '.join(TOKENIZER_FILES)})."
         )
+    _check_raw_config(model_dir / "config.json")
     try:
         return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise ModelFormatError(f"Could not load the tokenizer from {model_dir}: {exc}") from exc
+    except (OSError, ValueError, KeyError, TypeError, *_validation_errors()) as exc:
+        raise ModelFormatError(f"Could not load the tokenizer from {model_dir}: "
+                               f"{_one_line(exc)}") from exc
 
 
 # ----------------------------------------------------------------------------------------------

@@ -3,27 +3,43 @@
 
 Sections (keys of the dict):
 
-- ``runs``: one entry per run (model x task x label): its metrics with their 95% intervals
-  (``[value, lo, hi]``; pass@1 is over the graded samples, null when none was, and ``ungraded``
-  counts the samples without a verdict), provenance letter, completeness, and the reasons it is
-  *not comparable* with the FullKV run of its model and task (:func:`comparability`);
+- ``runs``: one entry per run: its metrics with their 95% intervals (``[value, lo, hi]``;
+  pass@1 is over the graded samples, null when none was, and ``ungraded`` counts the samples
+  without a verdict), provenance letter, completeness, and the reasons it is *not comparable*
+  with the FullKV run of its own directory (:func:`comparability`);
 - ``samples``: per run, its samples: the free generation's tokens as text pieces, first
   divergence from FullKV's reference, and per reference token the forced pass's delta-NLL
   (evals.run.fidelity's ``forced_logprobs.jsonl``); ``references`` holds the reference pieces once;
-- ``niah``: per (model, NIAH task) one grid: every policy's score per (length, depth) cell;
+- ``niah``: per task directory with NIAH cells one grid: every policy's score per (length, depth);
 - ``kept``: per run and sample, kept-position masks per compaction (``--trace-kept``,
   evals.traces) with the prompt spans (the needle) to mark, for the runs with NIAH cells;
-- ``capacity``: per run and sample, the capacity trace and capacity events (evals.traces);
+- ``capacity``: per task directory, each run's capacity trace and capacity events per request;
 - ``provenance``: the leaderboard's letters and what each stands for; each run's config.
 
+Runs are keyed by their path everywhere (``id``): two trees given together, or two trees under
+one root, can hold runs of the same model, task and label, and each keeps its own samples, traces
+and references. A run compares with the FullKV run of its own task directory, the one whose
+reference cache it was measured against. Where two shown runs share model, task and label, their
+``name`` adds the path.
+
+Hostile trees: whatever a results tree holds, the page renders what can be rendered. A run, a
+file or a value that cannot be shown (an unreadable config, a samples.jsonl with a typed error,
+NaN or infinite figures, text that is not UTF-8, a NIAH cell that is not a length and depth, a
+traces line cut inside a character) is left out, or shown as ``-`` / with U+FFFD, and ``notes``
+says so, one line per item.
+
 Size: a page must stay light enough to open and mail (the reference results' report under 5 MB),
-so traces are sampled (``Limits``) and ``notes`` says what was left out.
+so traces are sampled (``Limits``), each embedded text is cut at ``Limits.text_chars``, trace files
+are read line by line and only the lines shown are parsed, and ``notes`` says what was left out.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
@@ -33,13 +49,14 @@ from evals.leaderboard import (
     order_tasks,
     provenance_ids,
     relative_path,
+    run_keys,
     run_prov_ids,
 )
 from evals.provenance import describe_key
 from evals.results import RunResult, find_runs, ungraded
 from evals.run import fidelity
 from evals.tasks import task_title
-from evals.traces import read_traces
+from evals.traces import TraceIndex
 
 # (key, title, scale, decimals) of the leaderboard's figures; each has a ``<key>_ci`` interval in
 # metrics.json where it is a per-sample mean (docs/metrics.md).
@@ -70,7 +87,7 @@ COLUMN_HELP = {
     "tps": "output tokens per second of the run, timed alone (no interval: run-level)",
     "grow_ratio": "grow decisions / all capacity decisions (GrowPage Table 9)",
 }
-# Settings that must match FullKV's run of the same model and task for a row to compare with it.
+# Settings that must match FullKV's run of the same directory for a row to compare with it.
 COMPARED_SETTINGS = ("max_tokens", "temperature", "seed", "data_source", "task_options", "preset",
                      "samples", "limit", "thinking", "block_size")
 FULL = fidelity.FULL_POLICY
@@ -82,20 +99,24 @@ class Limits:
 
     samples_per_run: samples per run in the per-sample view (the first ones, in key order).
     tokens_per_sample: tokens per continuation in that view (the rest is cut, and counted).
+    text_chars: characters of each text shown with a sample (its output, gold answer, extracted
+        answer, meta values); the rest is cut, and the sample says how much.
     kept_per_sample: compactions per sample in the kept-position view (first, last, evenly
         spaced between); kept_bytes: all kept masks together (base64 characters); runs are taken
-        in name order until it is spent.
+        in path order until it is spent.
     events_per_request: capacity events per request (evenly spaced; every fallback kept).
     capacity_requests: requests per run in the capacity view.
 
     Sized for the reference results rerun with traces (under 5 MB): 25 runs x 20 samples of up to
     192 tokens give about 1.5 MB of pieces and deltas, NIAH's kept masks (30 layers x 3 KV heads x
     1,024 positions: 15 kB of base64 per compaction, 165 compressing samples) are cut to 2 MB,
-    capacity traces and configs add a few hundred kB.
+    capacity traces and configs add a few hundred kB; outputs at 4,000 characters add at most
+    4,000 x 40 per run.
     """
 
     samples_per_run: int = 40
     tokens_per_sample: int = 1024
+    text_chars: int = 4000
     kept_per_sample: int = 4
     kept_bytes: int = 2_000_000
     events_per_request: int = 400
@@ -109,6 +130,11 @@ class _Notes:
     def add(self, text: str) -> None:
         if text not in self.lines:
             self.lines.append(text)
+
+    def skip(self, where: str, what: str, error: BaseException | str) -> None:
+        """One line for something of ``where`` that is not shown, and why."""
+        why = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        self.add(f"Not shown: {what} of {where} ({' '.join(why.split())[:300]}).")
 
 
 # ------------------------------------------------------------------------------ tokens
@@ -159,25 +185,114 @@ def _load_tokenizer(model_spec: str):
     return load_tokenizer(resolve_model(model_spec))
 
 
+# ------------------------------------------------------------------------------ cleaning
+
+
+@dataclass
+class Cleaned:
+    """What ``clean`` replaced: values that are NaN or infinite, strings that are not UTF-8."""
+
+    nonfinite: int = 0
+    bad_text: int = 0
+
+    def note(self, notes: _Notes, where: str, what: str) -> None:
+        if self.nonfinite:
+            notes.add(f"{where}: {self.nonfinite} NaN or infinite value(s) in {what} are shown as -.")
+        if self.bad_text:
+            notes.add(f"{where}: {self.bad_text} text(s) in {what} are not valid UTF-8 (a directory "
+                      f"name, a config string); the bytes that are not are shown as \ufffd.")
+
+
+def clean_text(text: str, seen: Cleaned | None = None) -> str:
+    """``text`` as valid UTF-8: lone surrogates (a file name's undecodable bytes, a JSON escape
+    such as ``\\ud800``) become U+FFFD."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        if seen is not None:
+            seen.bad_text += 1
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace")
+
+
+def clean(value: Any, seen: Cleaned) -> Any:
+    """``value`` as strict JSON: NaN and infinities become None, strings (keys too) valid UTF-8,
+    tuples lists, anything else its text; ``seen`` counts what was replaced."""
+    if isinstance(value, str):
+        return clean_text(value, seen)
+    if isinstance(value, bool) or value is None or isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return value
+        seen.nonfinite += 1
+        return None
+    if isinstance(value, Mapping):
+        return {clean_text(str(k), seen): clean(v, seen) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [clean(v, seen) for v in value]
+    if isinstance(value, Path):
+        return clean_text(value.as_posix(), seen)
+    return clean_text(str(value), seen)
+
+
+def _cap(text: Any, chars: int) -> tuple[Any, int]:
+    """(``text`` cut to ``chars`` characters, how many were cut); non-strings as they are."""
+    if not isinstance(text, str) or len(text) <= chars:
+        return text, 0
+    return text[:chars], len(text) - chars
+
+
 # ------------------------------------------------------------------------------ runs
 
 
-def run_id(run: RunResult) -> str:
-    return f"{run.model}/{run.task}/{run.label}"
+@dataclass
+class _Run:
+    """One run as the page sees it: its id (its path as found, unique), the name shown (its
+    label, with its path where another shown run has the same model, task and label), its group
+    (its task directory: its FullKV run, NIAH grid and capacity axis are that directory's), its
+    FullKV run, and what was read of it."""
+
+    result: RunResult
+    id: str
+    name: str
+    group: str
+    path: str
+    full: "_Run | None" = None
+    records: list[dict] = field(default_factory=list)
+    traces: TraceIndex | None = None
+    prov: list[str] = field(default_factory=list)
+
+    @property
+    def model(self) -> str:
+        return self.result.model
+
+    @property
+    def task(self) -> str:
+        return self.result.task
+
+    @property
+    def label(self) -> str:
+        return self.result.label
+
+    @property
+    def config(self) -> dict:
+        return self.result.config
 
 
 def _figure(metrics: Mapping[str, Any], key: str, scale: float) -> list | None:
     v = metrics.get(key)
-    if v is None or isinstance(v, (dict, list, str)):
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
         return None
     ci = metrics.get(f"{key}_ci")
-    lo, hi = (ci if ci else (None, None))
+    lo, hi = ci if isinstance(ci, (list, tuple)) and len(ci) == 2 else (None, None)
+    lo, hi = (x if isinstance(x, (int, float)) and not isinstance(x, bool) else None for x in (lo, hi))
     return [float(v) * scale, None if lo is None else lo * scale, None if hi is None else hi * scale]
 
 
 def comparability(run: RunResult, full: RunResult | None) -> list[str]:
-    """Why ``run`` does not compare with FullKV's run of its model and task (empty: it does):
-    not finished, samples left without a verdict, no FullKV run, other generation settings
+    """Why ``run`` does not compare with the FullKV run of its directory (empty: it does): not
+    finished, samples left without a verdict, no FullKV run there, other generation settings
     (``COMPARED_SETTINGS``)."""
     reasons = []
     m = run.metrics
@@ -187,7 +302,7 @@ def comparability(run: RunResult, full: RunResult | None) -> list[str]:
         reasons.append(f"{m['ungraded']} of {m.get('samples_done')} samples ungraded (grading itself "
                        f"failed): pass@1 is over the graded ones")
     if full is None:
-        return reasons + ["no FullKV run of this model and task to compare with"]
+        return reasons + ["no FullKV run of this model and task in its directory to compare with"]
     for key in COMPARED_SETTINGS if full is not run else ():
         a, b = run.config.get(key), full.config.get(key)
         if a != b:
@@ -195,36 +310,37 @@ def comparability(run: RunResult, full: RunResult | None) -> list[str]:
     return reasons
 
 
-def provenance_cautions(run: RunResult, full: RunResult | None,
-                        prov: Mapping[str, list[str]]) -> list[str]:
-    """Where ``run`` and FullKV's run came from different code or machines (the leaderboard's
+def provenance_cautions(run: _Run) -> list[str]:
+    """Where ``run`` and its FullKV run came from different code or machines (the leaderboard's
     provenance letters): comparable settings, but a difference is not the policy's alone."""
-    mine = prov[run_id(run)]
     cautions = []
-    if len(mine) > 1:
-        cautions.append(f"its samples come from several code/machine combinations ({'+'.join(mine)})")
-    if full is not None and full is not run and set(mine) != set(prov[run_id(full)]):
-        cautions.append(f"other code or machine than FullKV's run ({'+'.join(mine)} vs "
-                        f"{'+'.join(prov[run_id(full)])})")
+    if len(run.prov) > 1:
+        cautions.append(f"its samples come from several code/machine combinations ({'+'.join(run.prov)})")
+    full = run.full
+    if full is not None and full is not run and set(run.prov) != set(full.prov):
+        cautions.append(f"other code or machine than FullKV's run ({'+'.join(run.prov)} vs "
+                        f"{'+'.join(full.prov)})")
     return cautions
 
 
-def _run_entry(run: RunResult, roots: Sequence[str | Path], prov: list[str], reasons: list[str],
-               cautions: list[str], traces: Mapping, forced: Mapping) -> dict:
-    m, c = run.metrics, run.config
+def _run_entry(run: _Run, has_forced: bool) -> dict:
+    m, c = run.result.metrics, run.config
+    reasons = comparability(run.result, run.full.result if run.full else None)
+    events = m.get("events")
+    args = c.get("policy_args")
     return {
-        "id": run_id(run), "model": run.model, "task": run.task, "task_title": task_title(run.task),
-        "label": run.label, "policy": c.get("policy"), "policy_args": c.get("policy_args") or {},
-        "path": relative_path(run, roots), "prov": "+".join(prov),
+        "id": run.id, "name": run.name, "model": run.model, "task": run.task,
+        "task_title": task_title(run.task), "label": run.label, "policy": c.get("policy"),
+        "policy_args": args if isinstance(args, dict) else {},
+        "path": run.path, "group": run.group, "prov": "+".join(run.prov),
         "complete": bool(m.get("complete", True)), "samples_done": m.get("samples_done"),
         "samples_planned": m.get("samples_planned"), "failed": m.get("failed", 0),
         "ungraded": m.get("ungraded") or 0,
         "figures": {key: _figure(m, key, scale) for key, _, scale, _ in COLUMNS
                     if key != "mean_score" or run.task == "niah"},  # elsewhere it is pass@1
-        "events": m.get("events") or {}, "comparable": not reasons, "reasons": reasons,
-        "cautions": cautions,
-        "has_traces": bool(traces), "has_kept": any("kept" in t for t in traces.values()),
-        "has_forced": bool(forced), "config": c,
+        "events": events if isinstance(events, dict) else {}, "comparable": not reasons,
+        "reasons": reasons, "cautions": provenance_cautions(run),
+        "has_traces": bool(run.traces), "has_forced": has_forced, "config": c,
     }
 
 
@@ -241,42 +357,50 @@ def _reference_for(entries: Sequence[dict], sha: str | None) -> dict | None:
     return entries[-1]
 
 
-def _sample_entries(run: RunResult, records: Sequence[dict], traces: Mapping, forced: Mapping,
-                    refs: Mapping, pieces: Pieces, references: dict, limits: Limits,
-                    notes: _Notes) -> list[dict]:
-    spec = str(run.config.get("model_spec") or run.model)
-    shown = sorted(records, key=lambda r: (natural_key(str(r["uid"])), int(r["sample"])))
+def _shown_records(run: _Run, limits: Limits, notes: _Notes) -> list[dict]:
+    shown = sorted(run.records, key=lambda r: (natural_key(str(r["uid"])), int(r["sample"])))
     if len(shown) > limits.samples_per_run:
         notes.add(f"Per-sample view: the first {limits.samples_per_run} samples of each run "
-                  f"(in problem order) are shown; {run_id(run)} has {len(shown)}.")
-        shown = shown[:limits.samples_per_run]
+                  f"(in problem order) are shown; {run.id} has {len(shown)}.")
+    return shown[:limits.samples_per_run]
+
+
+def _sample_entries(run: _Run, shown: Sequence[dict], forced: Mapping, refs: Mapping, pieces: Pieces,
+                    references: dict, limits: Limits, notes: _Notes) -> list[dict]:
+    spec = str(run.config.get("model_spec") or run.model)
     out = []
+    cap = limits.tokens_per_sample
     for rec in shown:
         key = (str(rec["uid"]), int(rec["sample"]))
         f = forced.get(key)
         ref = _reference_for(refs.get(key, []), f["prompt_sha"] if f else None)
         ref_id = None
-        cap = limits.tokens_per_sample
         if ref is not None:
-            ref_id = f"{run.model}/{run.task}/{fidelity.reference_key(run.config)[0]}/{key[0]}/{key[1]}/" \
+            ref_id = f"{run.group}/{fidelity.reference_key(run.config)[0]}/{key[0]}/{key[1]}/" \
                      f"{ref.get('prompt_sha')}"
             if ref_id not in references:
                 references[ref_id] = {"pieces": pieces(spec, ref["tokens"][:cap]),
                                       "tokens": len(ref["tokens"]),
                                       "finish_reason": ref.get("finish_reason")}
-        trace = traces.get(key)
+        trace = run.traces.get(key) if run.traces else None
         deltas = None
         if f is not None and ref is not None and f["prompt_sha"] == ref.get("prompt_sha"):
             deltas = [round(d, 4) for d in fidelity.token_deltas(ref, f["logprobs"])[:cap]]
         longest = max(len(ref["tokens"]) if ref else 0, len(trace["tokens"]) if trace else 0)
         if longest > cap:
             notes.add(f"Per-sample view: continuations are shown up to their first {cap} tokens.")
+        output, cut = _cap(rec.get("output", ""), limits.text_chars)
+        gold, _ = _cap(rec.get("gold"), limits.text_chars)
+        extracted, _ = _cap(rec.get("extracted"), limits.text_chars)
+        if cut:
+            notes.add(f"Per-sample view: outputs are shown up to their first {limits.text_chars} "
+                      f"characters (each cut one says how many more it has).")
         out.append({
             "uid": key[0], "sample": key[1], "status": rec.get("status"),
             "ungraded": ungraded(rec), "correct": rec.get("correct"), "score": rec.get("score"),
-            "gold": rec.get("gold"),
-            "extracted": rec.get("extracted"), "meta": _short_meta(rec.get("meta") or {}),
-            "output": rec.get("output", ""),
+            "gold": gold,
+            "extracted": extracted, "meta": _short_meta(rec.get("meta") or {}, limits.text_chars),
+            "output": output, "output_cut": cut,
             "pieces": pieces(spec, trace["tokens"][:cap]) if trace else None,
             "ref": ref_id, "div": rec.get("fid_first_divergence"),
             "fid": {k: rec.get(k) for k in fidelity.FIELDS},
@@ -286,50 +410,73 @@ def _sample_entries(run: RunResult, records: Sequence[dict], traces: Mapping, fo
 
 
 def natural_key(text: str) -> list:
-    """``gsm8k/2`` before ``gsm8k/10``."""
-    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", text)]
+    """``gsm8k/2`` before ``gsm8k/10`` (numbers as numbers, then text; any two keys compare)."""
+    return [(0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", text)]
 
 
-def _short_meta(meta: Mapping[str, Any]) -> dict:
-    return {k: v for k, v in meta.items() if k in ("context_length", "depth_percent", "actual_depth_percent",
-                                                     "prompt_tokens", "needle", "source_task")}
+def _short_meta(meta: Mapping[str, Any], chars: int) -> dict:
+    if not isinstance(meta, Mapping):
+        return {}
+    return {k: _cap(v, chars)[0] for k, v in meta.items()
+            if k in ("context_length", "depth_percent", "actual_depth_percent", "prompt_tokens",
+                     "needle", "source_task")}
 
 
 # ------------------------------------------------------------------------------ NIAH
 
 
 def _cell(rec: Mapping[str, Any]) -> tuple[int, float] | None:
+    """The (length, depth) NIAH cell of a sample; None without one. ValueError for a length that
+    is not a whole number or a depth that is not finite."""
     meta = rec.get("meta") or {}
-    if "context_length" in meta and "depth_percent" in meta:
-        return int(meta["context_length"]), float(meta["depth_percent"])
-    return None
+    if not isinstance(meta, Mapping) or "context_length" not in meta or "depth_percent" not in meta:
+        return None
+    length, depth = meta["context_length"], meta["depth_percent"]
+    if isinstance(length, bool) or not isinstance(length, (int, float)) or not float(length).is_integer():
+        raise ValueError(f"context_length {length!r} is not a whole number of tokens")
+    if isinstance(depth, bool) or not isinstance(depth, (int, float)) or not math.isfinite(depth):
+        raise ValueError(f"depth_percent {depth!r} is not a finite number")
+    return int(length), float(depth)
 
 
-def niah_grids(runs: Sequence[RunResult], records: Mapping[str, list[dict]]) -> list[dict]:
-    """Per (model, task) with NIAH cells: every run's mean score per (length, depth) cell and
-    the (uid, sample) keys behind each cell."""
-    grids: dict[tuple[str, str], dict] = {}
+def niah_grids(runs: Sequence[_Run], titles: Mapping[str, str], notes: _Notes) -> list[dict]:
+    """Per task directory with NIAH cells: every run's mean score per (length, depth) cell and
+    the (uid, sample) keys behind each cell. A sample whose cell is not a length and a depth is
+    left out of the grid (a note per run says how many)."""
+    grids: dict[str, dict] = {}
     for run in runs:
         cells: dict[tuple[int, float], list[dict]] = {}
-        for rec in records[run_id(run)]:
-            cell = _cell(rec)
+        bad: list[str] = []
+        for rec in run.records:
+            try:
+                cell = _cell(rec)
+            except ValueError as e:
+                bad.append(str(e))
+                continue
             if cell is not None and rec.get("status") == "ok" and not ungraded(rec):
                 cells.setdefault(cell, []).append(rec)
+        if bad:
+            notes.skip(run.id, f"{len(bad)} sample(s) in the NIAH grid", f"first: {bad[0]}")
         if not cells:
             continue
-        grid = grids.setdefault((run.model, run.task), {"model": run.model, "task": run.task,
-                                                        "rows": [], "cells": set()})
+        grid = grids.setdefault(run.group, {"model": run.model, "task": run.task,
+                                            "title": titles[run.group], "rows": [], "cells": set()})
         grid["cells"].update(cells)
-        grid["rows"].append({"run": run_id(run), "label": run.label, "cells": {
-            f"{length}|{depth:g}": {"score": sum(float(r.get("score") or 0) for r in rs) / len(rs),
+        grid["rows"].append({"run": run.id, "label": run.name, "full": run.label == FULL, "cells": {
+            f"{length}|{depth:g}": {"score": sum(_score(r) for r in rs) / len(rs),
                                     "keys": [[str(r["uid"]), int(r["sample"])] for r in rs]}
             for (length, depth), rs in cells.items()}})
     out = []
     for grid in grids.values():
-        grid["rows"].sort(key=lambda r: (r["label"] != FULL, r["label"]))
+        grid["rows"].sort(key=lambda r: (not r["full"], r["label"]))
         grid["cells"] = [[length, depth] for length, depth in sorted(grid["cells"])]
         out.append(grid)
     return out
+
+
+def _score(rec: Mapping[str, Any]) -> float:
+    score = rec.get("score")
+    return float(score) if isinstance(score, (int, float)) and not isinstance(score, bool) else 0.0
 
 
 # ------------------------------------------------------------------------------ traces
@@ -345,37 +492,42 @@ def _spread(items: list, k: int) -> list:
     return [items[i] for i in idx]
 
 
-def kept_section(runs: Sequence[RunResult], traces: Mapping[str, Mapping], limits: Limits,
-                 notes: _Notes) -> dict:
+def kept_section(runs: Sequence[_Run], limits: Limits, notes: _Notes) -> dict:
     """{run id: {"uid|sample": {"prompt_tokens", "spans", "compactions": [...]}}} of the runs
     given (those with NIAH cells: the page shows kept positions per cell) within the byte budget
-    (module docstring)."""
+    (module docstring). Trace lines are parsed one at a time, in key order, until it is spent."""
     out: dict[str, dict] = {}
     spent, dropped_runs, cut = 0, [], 0
-    for run in sorted(runs, key=run_id):
+    for run in sorted(runs, key=lambda r: r.id):
         per = {}
-        for (uid, sample), t in sorted(traces[run_id(run)].items()):
-            kept = t.get("kept") or []
-            if not kept:
-                continue
-            chosen = _spread(kept, limits.kept_per_sample)
-            cut += len(kept) - len(chosen)
-            events = t.get("events") or []
-            comps = []
-            for k in chosen:
-                e = events[k["event"]] if 0 <= k["event"] < len(events) else {}
-                comps.append({"event": k["event"], "action": e.get("action"), "trigger": e.get("trigger"),
-                              "step": e.get("step"), "physical": e.get("physical"),
-                              "n": k["n"], "shape": k["shape"], "bits": k["bits"]})
-            size = sum(len(c["bits"]) for c in comps)
-            if spent + size > limits.kept_bytes:
-                dropped_runs.append(run_id(run))
-                break
-            spent += size
-            per[f"{uid}|{sample}"] = {"prompt_tokens": t.get("prompt_tokens"), "spans": t.get("spans") or {},
-                                      "compactions": comps}
+        try:
+            for uid, sample in sorted(run.traces.with_kept if run.traces else ()):
+                t = run.traces.get((uid, sample)) or {}
+                kept = t.get("kept") or []
+                if not kept:
+                    continue
+                chosen = _spread(kept, limits.kept_per_sample)
+                cut += len(kept) - len(chosen)
+                events = t.get("events") or []
+                comps = []
+                for k in chosen:
+                    e = events[k["event"]] if 0 <= k["event"] < len(events) else {}
+                    comps.append({"event": k["event"], "action": e.get("action"),
+                                  "trigger": e.get("trigger"), "step": e.get("step"),
+                                  "physical": e.get("physical"), "n": k["n"], "shape": k["shape"],
+                                  "bits": k["bits"]})
+                size = sum(len(c["bits"]) for c in comps)
+                if spent + size > limits.kept_bytes:
+                    dropped_runs.append(run.id)
+                    break
+                spent += size
+                per[f"{uid}|{sample}"] = {"prompt_tokens": t.get("prompt_tokens"),
+                                          "spans": t.get("spans") or {}, "compactions": comps}
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            notes.skip(run.id, "kept positions", e)
+            continue
         if per:
-            out[run_id(run)] = per
+            out[run.id] = per
     if cut:
         notes.add(f"Kept positions: at most {limits.kept_per_sample} compactions per sample are "
                   f"shown (first, last, evenly spaced); {cut} others were left out.")
@@ -395,33 +547,39 @@ def _sample_events(events: list[dict], k: int) -> tuple[list[dict], int]:
     return chosen, len(events) - len(chosen)
 
 
-def capacity_section(runs: Sequence[RunResult], traces: Mapping[str, Mapping], limits: Limits,
+def capacity_section(runs: Sequence[_Run], titles: Mapping[str, str], limits: Limits,
                      notes: _Notes) -> dict:
-    """{(model/task): {"requests": [...], "runs": {run id: {"uid|sample": {capacity, events}}}}}:
-    the capacity view's series, grouped so that every policy of a task shares its axis."""
+    """{task directory: {"title", "requests": [...], "runs": {run id: {"uid|sample": {capacity,
+    events}}}}}: the capacity view's series, grouped so that every policy of a task directory
+    shares its axis."""
     out: dict[str, dict] = {}
     cut_events, cut_requests = 0, []
     for run in runs:
-        t_run = traces[run_id(run)]
-        if not t_run:
+        if not run.traces:
             continue
-        keys = sorted(t_run, key=lambda k: (natural_key(k[0]), k[1]))
+        keys = sorted(run.traces.keys(), key=lambda k: (natural_key(k[0]), k[1]))
         if len(keys) > limits.capacity_requests:
-            cut_requests.append(run_id(run))
+            cut_requests.append(run.id)
             keys = keys[:limits.capacity_requests]
-        group = out.setdefault(f"{run.model}/{run.task}", {"model": run.model, "task": run.task,
-                                                           "requests": set(), "runs": {}})
         series = {}
-        for key in keys:
-            t = t_run[key]
-            events, cut = _sample_events([{k: v for k, v in e.items() if k != "info"} | {
-                "info": _event_info(e.get("info") or {})} for e in t.get("events") or []],
-                limits.events_per_request)
-            cut_events += cut
-            series[f"{key[0]}|{key[1]}"] = {"capacity": t.get("capacity") or [], "events": events,
-                                            "output_tokens": len(t.get("tokens") or [])}
-            group["requests"].add(f"{key[0]}|{key[1]}")
-        group["runs"][run_id(run)] = series
+        try:
+            for key in keys:
+                t = run.traces.get(key)
+                if t is None:
+                    continue
+                events, cut = _sample_events([{k: v for k, v in e.items() if k != "info"} | {
+                    "info": _event_info(e.get("info") or {})} for e in t.get("events") or []],
+                    limits.events_per_request)
+                cut_events += cut
+                series[f"{key[0]}|{key[1]}"] = {"capacity": t.get("capacity") or [], "events": events,
+                                                "output_tokens": len(t.get("tokens") or [])}
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            notes.skip(run.id, "capacity traces", e)
+            continue
+        group = out.setdefault(run.group, {"model": run.model, "task": run.task,
+                                           "title": titles[run.group], "requests": set(), "runs": {}})
+        group["requests"].update(series)
+        group["runs"][run.id] = series
     for group in out.values():
         group["requests"] = sorted(group["requests"], key=natural_key)
     if cut_requests:
@@ -446,11 +604,22 @@ def _event_info(info: Mapping[str, Any]) -> dict:
 def provenance_section(prov: Mapping[str, list[str]], ids: Mapping[tuple, str]) -> list[dict]:
     """The letters (evals.leaderboard.provenance_ids), what each stands for, and how many runs
     hold samples from it."""
-    from collections import Counter
-
     counts = Counter(letter for letters in prov.values() for letter in letters)
     return [{"letter": ids[k], "description": describe_key(k), "runs": counts.get(ids[k], 0)}
             for k in sorted(ids, key=lambda k: (len(ids[k]), ids[k]))]
+
+
+def _usable_provenance(run: RunResult, notes: _Notes) -> RunResult:
+    """``run``, or a copy without its provenance when that cannot be read (a hand edit): its
+    letter is then "unknown"."""
+    try:
+        for key in run_keys(run):
+            hash(key)
+            describe_key(key)
+        return run
+    except Exception as e:  # any shape a hand edit gives it
+        notes.skip(run.path.as_posix(), "the provenance", e)
+        return dataclasses.replace(run, config={**run.config, "provenance": None})
 
 
 # ------------------------------------------------------------------------------ build
@@ -482,6 +651,40 @@ def figures_section(runs: Sequence[RunResult]) -> list[dict]:
             out.append({"title": title, "svg": png.with_suffix(".svg").read_text(encoding="utf-8")})
     return out
 
+def _label_and_group(results: Sequence[RunResult], roots: Sequence[str | Path], notes: _Notes
+                     ) -> tuple[list[_Run], dict[str, str]]:
+    """The runs with their ids, names and groups (``_Run``), and each group's title: "model /
+    task", with the directory's path where two groups share model and task."""
+    runs, seen_ids = [], set()
+    for r in results:
+        seen = Cleaned()
+        rid = base = clean_text(r.path.as_posix(), seen)
+        if seen.bad_text:
+            notes.add(f"{rid}: its path is not valid UTF-8; the bytes that are not are shown as \ufffd.")
+        n = 1
+        while rid in seen_ids:  # two paths that differ only in bytes that are not UTF-8
+            n += 1
+            rid = f"{base} #{n}"
+        seen_ids.add(rid)
+        runs.append(_Run(r, rid, r.label, clean_text(r.path.parent.as_posix()),
+                         clean_text(relative_path(r, roots))))
+    same_label = Counter((r.model, r.task, r.label) for r in runs)
+    same_path = Counter(r.path for r in runs)  # two roots: the same path below each
+    groups: dict[str, _Run] = {}
+    for r in runs:
+        if same_label[(r.model, r.task, r.label)] > 1:
+            r.name = f"{r.label} ({r.path if same_path[r.path] == 1 else r.id})"
+        groups.setdefault(r.group, r)
+    same_task = Counter((r.model, r.task) for r in groups.values())
+    titles = {}
+    for group, r in groups.items():
+        title = f"{r.model}/{r.task}"
+        if same_task[(r.model, r.task)] > 1:
+            where = r.path.rsplit("/", 1)[0] if "/" in r.path and same_path[r.path] == 1 else group
+            title += f" ({where})"
+        titles[group] = title
+    return runs, titles
+
 
 def build_data(dirs: Sequence[str | Path], limits: Limits | None = None,
                pieces: Pieces | None = None) -> dict:
@@ -489,35 +692,68 @@ def build_data(dirs: Sequence[str | Path], limits: Limits | None = None,
     FileNotFoundError when there is none."""
     limits = limits or Limits()
     pieces = pieces or Pieces()
-    runs = find_runs(dirs)
-    if not runs:
+    notes = _Notes()
+    skipped: list[str] = []
+    results = find_runs(dirs, skipped)
+    for line in skipped:
+        notes.add(f"Not shown: the run {' '.join(clean_text(line).split())[:400]}.")
+    if not results:
         raise FileNotFoundError(f"no result directories (config.json + metrics.json) under "
                                 f"{[str(d) for d in dirs]}; run `kvarena eval` first")
-    for r in runs:
-        complete_intervals(r)
-    tasks = order_tasks({r.task for r in runs})
-    runs.sort(key=lambda r: (r.model, tasks.index(r.task), r.label != FULL, r.label))
-    ids = provenance_ids(runs)
-    prov = {run_id(r): run_prov_ids(r, ids) for r in runs}
-    full = {(r.model, r.task): r for r in runs if r.label == FULL}
-    notes = _Notes()
-    records = {run_id(r): r.samples() for r in runs}
-    traces = {run_id(r): read_traces(r.path) for r in runs}
-    forced = {run_id(r): fidelity.read_forced(r.path) for r in runs}
-    references: dict[str, dict] = {}
-    entries, samples = [], {}
-    grids = niah_grids(runs, records)
-    for r in runs:
-        base = full.get((r.model, r.task))
-        entries.append(_run_entry(r, dirs, prov[run_id(r)], comparability(r, base),
-                                  provenance_cautions(r, base, prov), traces[run_id(r)],
-                                  forced[run_id(r)]))
+    for r in results:
         try:
-            refs = fidelity.reference_entries(r.path, r.config)
-        except (KeyError, TypeError, ValueError):  # a config without the reference's settings
-            refs = {}
-        samples[run_id(r)] = _sample_entries(r, records[run_id(r)], traces[run_id(r)],
-                                             forced[run_id(r)], refs, pieces, references, limits, notes)
+            complete_intervals(r)
+        except Exception as e:  # a samples.jsonl no interval can be computed from
+            notes.skip(clean_text(r.path.as_posix()), "the intervals", e)
+    tasks = order_tasks({r.task for r in results})
+    results.sort(key=lambda r: (r.model, tasks.index(r.task), r.label != FULL, r.label, str(r.path)))
+    results = [_usable_provenance(r, notes) for r in results]
+    runs, titles = _label_and_group(results, dirs, notes)
+    ids = provenance_ids(results)
+    full = {}
+    for run in runs:
+        if run.label == FULL:
+            full.setdefault(run.group, run)
+        run.prov = run_prov_ids(run.result, ids)
+    for run in runs:
+        run.full = full.get(run.group)
+        try:
+            run.records = run.result.samples()
+        except Exception as e:  # a typed error in samples.jsonl (ResultsCorruptError), a directory
+            notes.skip(run.id, "the samples", e)
+        try:
+            run.traces = TraceIndex(run.result.path)
+            if run.traces.dropped:
+                notes.skip(run.id, f"{run.traces.dropped} line(s) of traces.jsonl",
+                           "cut short or not a trace: a write stopped by a kill")
+        except OSError as e:
+            notes.skip(run.id, "traces.jsonl", e)
+    references: dict[str, dict] = {}
+    entries, samples, shown_runs = [], {}, []
+    for run in runs:
+        where = run.id
+        try:
+            shown = _shown_records(run, limits, notes)
+            keys = {(str(r["uid"]), int(r["sample"])) for r in shown}
+            forced = fidelity.read_forced(run.result.path, keys)
+            try:
+                refs = fidelity.reference_entries(run.result.path, run.config, keys)
+            except (KeyError, TypeError, ValueError):  # a config without the reference's settings
+                refs = {}
+            has_forced = (run.result.path / fidelity.FORCED_FILE).is_file()
+            seen = Cleaned()
+            entry = clean(_run_entry(run, has_forced), seen)
+            seen.note(notes, where, "metrics.json or config.json")
+            seen = Cleaned()
+            rows = clean(_sample_entries(run, shown, forced, refs, pieces, references, limits, notes),
+                         seen)
+            seen.note(notes, where, "its samples")
+        except Exception as e:  # whatever a hand edit put there: this run is left out, not the page
+            notes.skip(where, "the run", e)
+            continue
+        entries.append(entry)
+        samples[run.id] = rows
+        shown_runs.append(run)
     missing = [e["id"] for e in entries if not e["has_traces"]]
     if missing:
         notes.add(f"{len(missing)} of {len(entries)} runs have no traces.jsonl (written by eval runs "
@@ -528,21 +764,35 @@ def build_data(dirs: Sequence[str | Path], limits: Limits | None = None,
     if unforced:
         notes.add(f"{len(unforced)} runs have no forced_logprobs.jsonl: their per-token delta-NLL "
                   f"shading is not shown (their per-sample means are).")
-    return {
+    grids = niah_grids(shown_runs, titles, notes)
+    in_grids = {row["run"] for g in grids for row in g["rows"]}
+    prov = {run.id: run.prov for run in shown_runs}
+    kept = kept_section([r for r in shown_runs if r.id in in_grids], limits, notes)
+    for e in entries:
+        e["has_kept"] = e["id"] in kept
+    try:
+        figures = figures_section(results)
+    except Exception as e:  # a value the figures cannot draw: the rest of the page still renders
+        figures = []
+        notes.skip("the drift figures", "the figures", e)
+    data = {
         "title": "kvarena report",
         "generated_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
-        "roots": [Path(d).as_posix() for d in dirs],
+        "roots": [clean_text(Path(d).as_posix()) for d in dirs],
         "columns": [{"key": k, "title": t, "decimals": d, "help": COLUMN_HELP.get(k, t)}
                     for k, t, _, d in COLUMNS],
         "runs": entries,
         "samples": samples,
         "references": references,
         "niah": grids,
-        "kept": kept_section([r for r in runs if any(row["run"] == run_id(r) for g in grids
-                                                     for row in g["rows"])], traces, limits, notes),
-        "capacity": capacity_section(runs, traces, limits, notes),
-        "figures": figures_section(runs),
+        "kept": kept,
+        "capacity": capacity_section(shown_runs, titles, limits, notes),
+        "figures": figures,
         "provenance": provenance_section(prov, ids),
         "limits": vars(limits),
-        "notes": notes.lines,
     }
+    seen = Cleaned()
+    data = clean(data, seen)
+    seen.note(notes, "the traces and references", "the page's other sections")
+    data["notes"] = clean(notes.lines, Cleaned())
+    return data

@@ -11,10 +11,16 @@ page, and to a headless browser's ``--dump-dom``); the renderer sets ``data-rend
 
 from __future__ import annotations
 
+import contextlib
 import html
 import json
+import os
+import tempfile
 from pathlib import Path
 from typing import Any, Mapping
+
+from evals.jsonio import set_mode
+from evals.report.data import Cleaned, clean, clean_text
 
 ASSETS = Path(__file__).parent / "assets"
 SECTIONS = ("leaderboard", "figures", "samples", "niah", "capacity", "provenance")  # section ids: sec-<name>
@@ -115,9 +121,10 @@ _BODY = """<header>
 
 
 def embed_json(data: Mapping[str, Any]) -> str:
-    """``data`` as JSON that is safe inside a ``<script>`` element and holds no ``/`` at all."""
-    text = json.dumps(data, ensure_ascii=False, separators=(",", ":"), allow_nan=False,
-                      default=str)
+    """``data`` as strict JSON (no NaN, valid UTF-8: evals.report.data.clean) that is safe inside
+    a ``<script>`` element and holds no ``/`` at all."""
+    text = json.dumps(clean(data, Cleaned()), ensure_ascii=False, separators=(",", ":"),
+                      allow_nan=False, default=str)
     return text.replace("<", "\\u003c").replace("/", "\\/")
 
 
@@ -125,7 +132,7 @@ def render(data: Mapping[str, Any]) -> str:
     """The whole page for ``data`` (evals.report.data.build_data)."""
     css = (ASSETS / "report.css").read_text(encoding="utf-8")
     js = (ASSETS / "report.js").read_text(encoding="utf-8")
-    title = html.escape(str(data.get("title", "kvarena report")))
+    title = html.escape(clean_text(str(data.get("title", "kvarena report"))))
     body = _BODY.format(title=title)
     return "\n".join([
         "<!DOCTYPE html>",
@@ -143,11 +150,25 @@ def render(data: Mapping[str, Any]) -> str:
 
 
 def write(data: Mapping[str, Any], out: str | Path) -> Path:
-    """Render ``data`` into ``out`` (its folder is created); returns the path."""
+    """Render ``data`` into ``out`` (its folder is created); returns the path. The page is
+    rendered whole, written to a temporary file beside ``out`` and renamed over it: a render
+    error, a full disk or a kill leaves an existing page as it was, never a truncated one."""
     out = Path(out)
+    page = render(data).encode("utf-8")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(render(data), encoding="utf-8")
+        fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+        try:
+            set_mode(fd)
+            with os.fdopen(fd, "wb") as f:
+                f.write(page)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, out)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
     except OSError as e:
         raise OSError(f"cannot write the report to {out}: {e}") from e
     return out

@@ -72,7 +72,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Collection, Mapping, Sequence
 
 import numpy as np
 
@@ -415,39 +415,41 @@ def decode_logprobs(entry: Mapping[str, Any]) -> list[float]:
     return [float(v) for v in values]
 
 
-def read_forced(run_path: str | Path) -> dict[tuple[str, int], dict]:
+def read_forced(run_path: str | Path, keys: Collection[tuple[str, int]] | None = None
+                ) -> dict[tuple[str, int], dict]:
     """{(uid, sample): {"prompt_sha", "segment", "logprobs"}} from a run's
-    ``forced_logprobs.jsonl`` (the last line of each sample; empty when there is none)."""
-    path = Path(run_path) / FORCED_FILE
+    ``forced_logprobs.jsonl`` (the last line of each sample; empty when there is none), only
+    those of ``keys`` when given; read line by line, lines cut short by a kill skipped."""
+    from evals.traces import iter_json_lines, line_key
+
     out: dict[tuple[str, int], dict] = {}
-    if not path.exists():
-        return out
-    for raw in path.read_text(encoding="utf-8").splitlines():
+    for _, e in iter_json_lines(Path(run_path) / FORCED_FILE):
+        key = line_key(e)
+        if key is None or (keys is not None and key not in keys):
+            continue
         try:
-            e = json.loads(raw)
-            out[(str(e["uid"]), int(e["sample"]))] = {
-                "prompt_sha": e["prompt_sha"], "segment": e.get("segment"),
-                "logprobs": decode_logprobs(e)}
+            out[key] = {"prompt_sha": e["prompt_sha"], "segment": e.get("segment"),
+                        "logprobs": decode_logprobs(e)}
         except (ValueError, KeyError, TypeError):
-            continue  # a line cut short by a kill
+            continue
     return out
 
 
-def reference_entries(run_path: str | Path, config: Mapping[str, Any]) -> dict[tuple[str, int], list[dict]]:
+def reference_entries(run_path: str | Path, config: Mapping[str, Any],
+                      keys: Collection[tuple[str, int]] | None = None) -> dict[tuple[str, int], list[dict]]:
     """Read-only view of a run's reference cache (the ``_reference`` directory beside the run's
     own, keyed by its config): {(uid, sample): entries in file order} (several when the prompt
-    changed between invocations; they differ in ``prompt_sha``). Empty when there is none."""
+    changed between invocations; they differ in ``prompt_sha``), only those of ``keys`` when
+    given. Empty when there is none; read line by line."""
+    from evals.traces import iter_json_lines, line_key
+
     name, _ = reference_key(config)
     file = Path(run_path).parent / REFERENCE_DIR / name / REFERENCE_FILE
     out: dict[tuple[str, int], list[dict]] = {}
-    if not file.exists():
-        return out
-    for line in file.read_text(encoding="utf-8").splitlines():
-        try:
-            e = json.loads(line)
-            out.setdefault((str(e["uid"]), int(e["sample"])), []).append(e)
-        except (ValueError, KeyError, TypeError):
-            continue
+    for _, e in iter_json_lines(file):
+        key = line_key(e)
+        if key is not None and (keys is None or key in keys):
+            out.setdefault(key, []).append(e)
     return out
 
 

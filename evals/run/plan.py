@@ -28,6 +28,7 @@ from evals.jsonio import to_jsonable
 from evals.problem import DataUnavailableError, Problem, ProblemSet
 from evals.run.prompts import prompt_hash
 from evals.run.settings import (
+    MAX_PLAN_KEYS,
     EvalError,
     EvalHooks,
     EvalSettings,
@@ -108,7 +109,12 @@ class Plan:
 
 
 def make_plan(problems: ProblemSet | Sequence[Problem], samples: int) -> Plan:
-    """Every (uid, sample) key of ``problems``: ``problem.samples`` each, else ``samples``."""
+    """Every (uid, sample) key of ``problems``: ``problem.samples`` each, else ``samples``.
+    EvalError, before any key is made, when they are more than ``MAX_PLAN_KEYS``."""
+    total = sum(p.samples or samples for p in problems)
+    if total > MAX_PLAN_KEYS:
+        raise EvalError(f"{total} samples planned ({len(problems)} problems) are more than the "
+                        f"{MAX_PLAN_KEYS} one run can hold; lower --samples or --limit")
     keys, by_uid = [], {}
     for p in problems:
         by_uid[p.uid] = p

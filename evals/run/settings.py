@@ -11,12 +11,12 @@ start at their own default unless ``initial_capacity`` is given.
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
+from engine.config import MAX_BLOCK_SIZE, MAX_COUNT, MAX_SEED, is_finite, is_int_in
 from evals.tasks.base import SCALES
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -27,13 +27,12 @@ BUDGET_FIELDS = ("budget",)
 # The default results root: new runs, untracked (results/ holds the tracked reference runs).
 RUNS_DIR = "runs"
 
-# Upper bounds of the integer settings: counts past int32 are no run this engine can hold (the
-# engine's memory error would come only after the model loaded).
-MAX_COUNT = 2**31 - 1
+# Upper bounds of the integer settings, the engine's (engine.config: counts past int32, 32-bit
+# base seeds; sample j is drawn with seed + j), checked here before anything loads.
 MAX_GRADING_WORKERS = 1024
-# Sample j is drawn with seed + j, a 64-bit generator seed: 32-bit base seeds leave room for
-# any number of samples.
-MAX_SEED = 2**32 - 1
+# Most (problem, sample) keys one run plans: a run holds every key and its rendered prompt in
+# memory at once (evals.run.plan), a few kB each.
+MAX_PLAN_KEYS = 1_000_000
 
 
 class EvalError(ValueError):
@@ -103,33 +102,26 @@ class EvalSettings:
     only_keys: frozenset | None = None  # run only these (uid, sample) keys (evals.run.distributed)
 
     def __post_init__(self) -> None:
+        tops = {"samples": MAX_PLAN_KEYS, "block_size": MAX_BLOCK_SIZE}
         for name in ("limit", "samples", "max_tokens", "kv_budget", "kv_cache_tokens", "block_size"):
-            value = getattr(self, name)
-            if value is not None and not _int_in(value, 1, MAX_COUNT):
-                raise EvalError(f"{name} must be an integer in [1, {MAX_COUNT}] or unset, got {value!r}")
+            value, top = getattr(self, name), tops.get(name, MAX_COUNT)
+            if value is not None and not is_int_in(value, 1, top):
+                raise EvalError(f"{name} must be an integer in [1, {top}] or unset, got {value!r}")
         for name, top in (("max_num_seqs", MAX_COUNT), ("grading_workers", MAX_GRADING_WORKERS)):
             value = getattr(self, name)
-            if not _int_in(value, 1, top):
+            if not is_int_in(value, 1, top):
                 raise EvalError(f"{name} must be an integer in [1, {top}], got {value!r}")
-        if self.temperature is not None and not (_real(self.temperature) and self.temperature >= 0):
+        if self.temperature is not None and not (is_finite(self.temperature) and self.temperature >= 0):
             raise EvalError(f"temperature must be a finite number >= 0 (0 = greedy), got "
                             f"{self.temperature!r}")
-        if not _int_in(self.seed, 0, MAX_SEED):
+        if not is_int_in(self.seed, 0, MAX_SEED):
             raise EvalError(f"seed must be an integer in [0, {MAX_SEED}], got {self.seed!r}")
         if self.preset is not None and self.preset not in SCALES:
             raise EvalError(f"preset must be one of {list(SCALES)}, got {self.preset!r}")
-        if not (_real(self.grading_timeout_s) and self.grading_timeout_s > 0):
+        if not (is_finite(self.grading_timeout_s) and self.grading_timeout_s > 0):
             raise EvalError(f"grading_timeout_s must be a finite number > 0, got {self.grading_timeout_s!r}")
         if not isinstance(self.out, (str, os.PathLike)) or not str(self.out).strip() or "\0" in str(self.out):
             raise EvalError(f"out must name a results directory, got {self.out!r}")
-
-
-def _int_in(value: Any, low: int, high: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high
-
-
-def _real(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass

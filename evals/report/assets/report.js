@@ -87,7 +87,7 @@
   var MAIN_COLUMNS = ["pass@1", "mean_score", "fid_delta_nll", "fid_agreement", "avg_kv_budget", "tps"];
 
   function figureCell(fig, d, pct) {
-    if (!fig) { return el("td", {text: "-"}); }
+    if (!fig || fig[0] === null) { return el("td", {text: "-"}); }
     var v = fig[0], lo = fig[1], hi = fig[2];
     var kids = [fmt(v, d)];
     if (lo !== null && hi !== null) {
@@ -155,7 +155,7 @@
       .concat([head("samples", "samples")]));
     var body = rows.map(function (r) {
       var pct = function (c) { return c.key === "pass@1" || c.key === "fid_agreement"; };
-      var method = el("td", {cls: "text method", title: r.path}, [r.label]);
+      var method = el("td", {cls: "text method", title: r.path}, [r.name]);
       if (!r.comparable) {
         method.appendChild(el("div", {cls: "reasons", text: "\u26a0 not comparable: " + r.reasons.join("; ")}));
       }
@@ -186,7 +186,7 @@
     });
     return Object.keys(groups).map(function (g) {
       return el("optgroup", {label: g}, groups[g].map(function (r) {
-        return option(r.id, r.label + (r.comparable ? "" : "  \u26a0"), r.id === selected);
+        return option(r.id, r.name + (r.comparable ? "" : "  \u26a0"), r.id === selected);
       }));
     });
   }
@@ -275,11 +275,14 @@
     } else {
       left.appendChild(el("p", {cls: "empty", text: "No FullKV reference recorded for this sample."}));
     }
-    var right = el("div", {cls: "pane"}, [el("h4", {text: run.label + "'s free generation"})]);
+    var right = el("div", {cls: "pane"}, [el("h4", {text: run.name + "'s free generation"})]);
     if (s.pieces) {
       right.appendChild(el("div", {cls: "tokens"}, tokenSpans(s.pieces, s.div, null, "policy")));
     } else {
       right.appendChild(el("div", {cls: "tokens"}, textWithDivergence(s.output || "", ref, s.div)));
+      if (s.output_cut) {
+        right.appendChild(el("p", {cls: "small", text: "The output goes on for " + s.output_cut + " more characters, not embedded in this page."}));
+      }
       right.appendChild(el("p", {cls: "small", text: "Token ids were not recorded for this run (no traces.jsonl): the text is shown, the divergence placed after the reference's first " + (s.div === null ? "-" : s.div) + " tokens."}));
     }
     wrap.appendChild(el("div", {cls: "pair"}, [left, right]));
@@ -327,7 +330,7 @@
         return el("tr", null, [el("td", {cls: "text", text: row.label})].concat(tds)
           .concat([el("td", {text: count ? fmt(total / count, 2) : "-"})]));
       });
-      box.appendChild(el("h3", {text: g.model + " / " + g.task}));
+      box.appendChild(el("h3", {text: g.title || (g.model + " / " + g.task)}));
       box.appendChild(el("div", {cls: "scroll"}, [el("table", {cls: "niah", id: "niah-grid-" + gi},
         [el("thead", null, [top, head]), el("tbody", null, rows)])]));
       box.appendChild(el("div", {cls: "kept-wrap", id: "kept-" + gi}));
@@ -337,7 +340,7 @@
       g.rows.forEach(function (row) {
         Object.keys(row.cells).forEach(function (k) {
           var key = row.cells[k].keys[0];
-          if (!first && row.label !== "full" && DATA.kept[row.run] && DATA.kept[row.run][key[0] + "|" + key[1]]) {
+          if (!first && !row.full && DATA.kept[row.run] && DATA.kept[row.run][key[0] + "|" + key[1]]) {
             first = [gi, row.run, key];
           }
         });
@@ -363,7 +366,7 @@
     var box = clear(document.getElementById("kept-" + niahState.grid));
     var run = RUNS[niahState.run];
     var entry = DATA.kept[niahState.run] && DATA.kept[niahState.run][niahState.key];
-    box.appendChild(el("h3", {text: "Kept positions: " + run.label + ", " + niahState.key.replace("|", " sample ")}));
+    box.appendChild(el("h3", {text: "Kept positions: " + run.name + ", " + niahState.key.replace("|", " sample ")}));
     if (!entry) {
       box.appendChild(el("p", {cls: "empty", text: run.policy === "full" ? "FullKV keeps every position." :
         "No kept-position trace for this run and sample (run kvarena eval with --trace-kept)."}));
@@ -450,7 +453,7 @@
     capState.group = groups.filter(function (g) { return DATA.capacity[g].task !== "niah"; })[0] || groups[0];
     var gsel = el("select", {id: "cap-group", onchange: function () {
       capState.group = this.value; capState.request = null; renderCapacity();
-    }}, groups.map(function (g) { return option(g, g, g === capState.group); }));
+    }}, groups.map(function (g) { return option(g, DATA.capacity[g].title || g, g === capState.group); }));
     document.getElementById("capacity-controls").appendChild(el("label", null, ["task ", gsel]));
     document.getElementById("capacity-controls").appendChild(el("label", {id: "cap-request-label"}));
     renderCapacity();
@@ -503,7 +506,7 @@
     var chips = el("div", {cls: "chips"}, series.map(function (x) {
       var cb = el("input", {type: "checkbox", onchange: function () { capState.hidden[x.id] = !this.checked; renderCapacity(); }});
       cb.checked = !capState.hidden[x.id];
-      return el("label", null, [cb, el("span", {cls: "swatch", style: "background:" + runColor(x.id)}), RUNS[x.id].label]);
+      return el("label", null, [cb, el("span", {cls: "swatch", style: "background:" + runColor(x.id)}), RUNS[x.id].name]);
     }));
     box.appendChild(chips);
     var shown = series.filter(function (x) { return !capState.hidden[x.id]; });
@@ -549,14 +552,14 @@
            allocates) stay visible as nested strokes. */
         root.appendChild(svg("path", {d: d, fill: "none", stroke: color, "stroke-width": Math.max(1.2, 5 - 1.3 * si),
           "stroke-linejoin": "round", opacity: 0.9},
-          [svgTitle(RUNS[x.id].label + ": allocated slots per decode step")]));
+          [svgTitle(RUNS[x.id].name + ": allocated slots per decode step")]));
       }
       var fr = firingRows.indexOf(x);
       x.s.events.forEach(function (e) {
         var kind = markKind(e);
         if (!kind) { return; }
         var info = Object.keys(e.info || {}).map(function (k) { return k + "=" + JSON.stringify(e.info[k]); }).join(" ");
-        var title = RUNS[x.id].label + ": " + e.action + " (" + e.trigger + (e.fallback ? ", fallback" : "") + ") at step " +
+        var title = RUNS[x.id].name + ": " + e.action + " (" + e.trigger + (e.fallback ? ", fallback" : "") + ") at step " +
           e.step + ", slots " + e.physical[0] + " \u2192 " + e.physical[1] + ", pages " + e.pages[0] + " \u2192 " + e.pages[1] + (info ? "\n" + info : "");
         var xs = sx(e.step);
         if (kind === "preempt") {
@@ -573,7 +576,7 @@
       if (fr >= 0) {
         /* A short label in the run's colour (the chips above name the run); hover names it too. */
         var t = svg("text", {x: ml - 6, y: sy(0) + 40 + 16 * fr + 10, "text-anchor": "end", style: "fill:" + color},
-          [svgTitle(RUNS[x.id].label + ": periodic firings")]);
+          [svgTitle(RUNS[x.id].name + ": periodic firings")]);
         t.appendChild(document.createTextNode("firings"));
         root.appendChild(t);
         root.appendChild(svg("line", {x1: ml, y1: sy(0) + 40 + 16 * fr + 6, x2: sx(maxX), y2: sy(0) + 40 + 16 * fr + 6,
@@ -606,7 +609,7 @@
     var runs = el("div", {id: "configs"});
     DATA.runs.forEach(function (r) {
       var prov = r.config.provenance || {};
-      var summary = r.model + " / " + r.task + " / " + r.label + "  (prov " + r.prov + (prov.command ? "; " + prov.command : "") + ")";
+      var summary = r.model + " / " + r.task + " / " + r.name + "  (prov " + r.prov + (prov.command ? "; " + prov.command : "") + ")";
       runs.appendChild(el("details", null, [el("summary", {text: summary}),
         el("pre", {cls: "config", text: JSON.stringify(r.config, null, 2)})]));
     });
