@@ -35,7 +35,8 @@ PolicyOpt = typer.Option(["full"], "--policy", "-p", metavar="NAME",
                          f"directories): {names(policy_names())}.")
 TaskArgOpt = typer.Option([], "--task-arg", metavar="KEY=VALUE",
                           help="Task option key=value, e.g. lengths=256,512 for niah; "
-                          "a comma makes a list (lengths=512, is a one-element list) (repeatable).")
+                          "a comma makes a list, and one value for a list option is a list of "
+                          "one (lengths=1024) (repeatable).")
 DataOpt = typer.Option(None, "--data", metavar="PATH",
                        help="Local data file or directory (a data root such as "
                        "/path/to/data), or a hub id; default: the task's hub dataset.")

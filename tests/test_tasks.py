@@ -59,6 +59,17 @@ def test_registry():
         get_task("mixed", factor=0)
 
 
+def test_one_value_for_a_list_option_is_a_list_of_one():
+    """`--task-arg lengths=1024` parses to the int 1024; every tuple field takes it as (1024,)."""
+    from evals.cli import parse_task_args
+
+    niah = get_task("niah", **parse_task_args(["lengths=1024", "depths=50"]))
+    assert niah.lengths == (1024,) and niah.depths == (50.0,)
+    assert get_task("niah", lengths=[256, 512]).lengths == (256, 512)
+    assert get_task("longdoc", lengths=2048).lengths == (2048,)
+    assert get_task("mixed", factor=2).factor == 2  # a scalar field stays a scalar
+
+
 def test_table1_order_and_titles_come_from_the_task_classes():
     from evals.tasks import table1_tasks, task_title
 
