@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -79,7 +80,13 @@ def _summary(cls: type) -> str:
     doc = inspect.cleandoc(cls.__doc__ or "")
     if not doc or doc.startswith(f"{cls.__name__}("):
         doc = inspect.cleandoc(sys.modules[cls.__module__].__doc__ or "")
-    return " ".join(doc.split("\n\n")[0].split())
+    return plain_text(" ".join(doc.split("\n\n")[0].split()))
+
+
+def plain_text(doc: str) -> str:
+    """Docstring markup as plain words: ``code``, `code` and :role:`target` lose their quotes
+    and role (the listing is read in a terminal, not rendered)."""
+    return re.sub(r"(?::[\w.]+:)?(`+)(.+?)\1", r"\2", doc)
 
 
 def describe_registries() -> dict[str, dict]:

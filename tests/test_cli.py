@@ -68,6 +68,20 @@ def test_list_as_tables_names_everything():
     assert "window=16" in text and "paper: samples=4 max_tokens=16384" in text
 
 
+def test_list_prints_whole_values_without_markup_at_80_columns():
+    from cli import policy_rows, task_rows
+
+    narrow = CliRunner(env={"COLUMNS": "80", "NO_COLOR": "1", "TERM": "dumb"}).invoke(app, ["list"])
+    assert narrow.exit_code == 0, narrow.output
+    assert "\u2026" not in narrow.output and "`" not in narrow.output  # no ellipsis, no RST quotes
+    data = listing()
+    cells = {row[0]: row for row in task_rows(data)}
+    assert "lengths=256,512,1024,2048" in cells["niah"][2].splitlines()
+    assert "gsm8k/test.jsonl" in cells["gsm8k"][3] and "`" not in cells["gsm8k"][3]
+    assert all("`" not in row[2] for row in policy_rows(data))
+    assert "`" not in json.dumps(data)
+
+
 def test_help_lists_come_from_the_registries():
     for command in ("eval", "sweep"):
         text = invoke(command, "--help")
