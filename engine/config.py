@@ -21,6 +21,17 @@ class ConfigError(ValueError):
     """A configuration value (engine, sampling or policy) is invalid."""
 
 
+def unknown_name(kind: str, name: str, known, plural: str | None = None) -> str:
+    """The one message for a name no registry holds (a policy, a task): the closest known
+    names as a suggestion (difflib), then every known one (``plural``: ``kind`` + "s")."""
+    import difflib
+
+    known = sorted(known)
+    close = difflib.get_close_matches(str(name), known, n=3, cutoff=0.6)
+    hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+    return f"unknown {kind} {name!r}{hint}; known {plural or kind + 's'}: {known}"
+
+
 # The embedded default model (engine/models/loader.py finds it); every default names it from here.
 DEFAULT_MODEL = "smollm2-135m-instruct"
 CPU_BLOCK_SIZE = 32

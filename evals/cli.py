@@ -77,13 +77,16 @@ AllowDataChangeOpt = typer.Option(False, "--allow-data-change",
 def split_policy_args(items: list[str], policies: list[str]) -> dict[str, dict[str, str]]:
     """``key=value`` goes to every listed policy that has the field (to the only policy when
     there is one, which then reports an unknown key itself); ``policy:key=value`` to that policy."""
-    from engine.policies.base import parse_policy_args, policy_fields, policy_registry
+    from engine.config import ConfigError
+    from engine.policies.base import parse_policy_args, policy_class, policy_fields, policy_registry
     from evals.run.settings import EvalError
 
     registry = policy_registry()
-    unknown = [p for p in policies if p not in registry]
-    if unknown:
-        raise EvalError(f"unknown policy {unknown[0]!r}; known policies: {sorted(registry)}")
+    for p in policies:
+        try:
+            policy_class(p)
+        except ConfigError as e:
+            raise EvalError(str(e)) from None
     per: dict[str, dict[str, str]] = {p: {} for p in policies}
     for item in items:
         head = item.split("=", 1)[0]

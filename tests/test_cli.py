@@ -115,13 +115,29 @@ def test_fixed_budget_policies_follow_the_budget_field(monkeypatch):
     assert listing()["policies"]["mine-fixed"]["arguments"]["budget"] is None
 
 
+def test_one_message_for_an_unknown_name_with_the_closest_names():
+    from engine.config import ConfigError, unknown_name
+    from engine.policies.base import build_policy
+
+    assert unknown_name("task", "math5000", TASKS) == (
+        f"unknown task 'math5000' (did you mean 'math500'?); known tasks: {sorted(TASKS)}")
+    assert "did you mean" not in unknown_name("task", "zzz", TASKS)
+    with pytest.raises(ConfigError, match=r"did you mean 'growpage' or 'growpage-\w+'"):
+        build_policy("growpag")
+    with pytest.raises(KeyError, match="did you mean 'niah'"):
+        get_task("naih")
+
+
 def test_only_fullkv_never_compresses():
     assert [name for name, cls in POLICIES.items() if not cls.compresses] == ["full"]
 
 
 @pytest.mark.parametrize("args, message", [
     (["sweep", "-t", "gsm8k", "-p", "growpage", "--budgets", "64"], "fixed-budget policy"),
-    (["eval", "-t", "gsm8k", "-p", "nope"], "unknown policy 'nope'"),
+    (["eval", "-t", "gsm8k", "-p", "nope"], "unknown policy 'nope'; known policies"),
+    (["eval", "-t", "gsm8k", "-p", "snapk"], "unknown policy 'snapk' (did you mean 'snapkv'?)"),
+    (["eval", "-t", "gsm9k"], "unknown task 'gsm9k' (did you mean 'gsm8k'?)"),
+    (["sweep", "-t", "gsm8k", "-p", "zipag", "--budgets", "64"], "did you mean 'zipage'?"),
 ])
 def test_usage_errors_exit_2_with_the_valid_choices(args, message, tmp_path):
     result = RUNNER.invoke(app, [*args, "--out", str(tmp_path)])

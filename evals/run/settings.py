@@ -172,12 +172,13 @@ class EvalHooks:
 
 def budget_field(policy: str) -> str | None:
     """The field of ``policy`` that takes the fixed KV budget (``BUDGET_FIELDS``), if any."""
-    from engine.policies.base import policy_fields, policy_registry
+    from engine.config import ConfigError
+    from engine.policies.base import policy_class, policy_fields
 
-    registry = policy_registry()
-    if policy not in registry:
-        raise EvalError(f"unknown policy {policy!r}; known policies: {sorted(registry)}")
-    fields = policy_fields(registry[policy])
+    try:
+        fields = policy_fields(policy_class(policy))
+    except ConfigError as e:
+        raise EvalError(str(e)) from None
     return next((f for f in BUDGET_FIELDS if f in fields), None)
 
 

@@ -213,8 +213,10 @@ def table1_tasks() -> tuple[str, ...]:
 
 def get_task(name: str, **options: Any) -> "Task":
     """The task registered as ``name``, configured by ``options`` (its dataclass fields)."""
+    from engine.config import unknown_name
+
     if name not in TASKS:
-        raise KeyError(f"unknown task {name!r}; known tasks: {sorted(TASKS)}")
+        raise KeyError(unknown_name("task", name, TASKS))
     return config_from_mapping(TASKS[name], options, f"task {name!r}")
 
 
