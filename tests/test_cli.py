@@ -200,10 +200,14 @@ def generate(tiny_dir, *args: str) -> str:
 def test_generate_shows_compress_events_and_kept_kv(tiny_dir):
     text = generate(tiny_dir, "-p", "zipage", "-a", "budget=24", "--max-tokens", "32")
     line = next(ln for ln in text.splitlines() if ln.startswith("compress events"))
-    events, kept, context = map(int, re.search(r"events (\d+) .* kept (\d+) of (\d+)", line).groups())
+    events, kept, context = map(int, re.search(r"events (\d+) .* held at the end (\d+) of (\d+) context",
+                                               line).groups())
     assert events >= 1 and 24 <= kept <= 28 < context, line  # budget + at most one write page
     assert "avg KV budget 24" in line, line
     assert "never compressed" not in text
+    # The line before names its per-head figures as averages, so two "kept" never read alike.
+    summary = next(ln for ln in text.splitlines() if " tok/s, " in ln)
+    assert re.search(r"average KV slots per head: allocated \d+ / kept \d+", summary), summary
 
 
 def test_generate_warns_when_a_compressing_policy_never_compressed(tiny_dir):
