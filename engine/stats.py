@@ -33,9 +33,9 @@
   fallbacks inside the 9,500 grow decisions.
 - Compactions (`compactions`): every compaction that ran (a capacity decision's, a fallback's, a
   prompt compression, a periodic firing): what `kvarena generate` prints as "compress events".
-- KV slots held at the end (`final_kv_len`): the KV slots a request holds when it finishes, mean over requests, beside
-  `kv_context`, the tokens its context had by then (prompt plus output): kept < context means the
-  policy dropped KV.
+- KV slots held at the end (`final_kv_len`): the KV slots a request holds when it finishes, mean
+  over requests, beside `kv_context`, the tokens its context had by then (prompt plus output):
+  kept < context means the policy dropped KV.
 
 `never_compressed` is the one rule for "a compressing policy did not compress in this run"
 (`kvarena generate` warns with it; an eval can call it on a segment's statistics).
