@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from evals.cli_common import (
+    POLICY_NAMES,
     CompileOpt,
     ModelOpt,
     PolicyArgOpt,
@@ -23,8 +24,6 @@ from evals.cli_common import (
     console,
     fail,
     name_metavars,
-    names,
-    policy_names,
     set_threads,
 )
 
@@ -60,7 +59,7 @@ def generate(
     top_k: int = typer.Option(0),
     seed: Optional[int] = typer.Option(None),
     chat: bool = typer.Option(True, help="Wrap each prompt in the model's chat template."),
-    policy: str = typer.Option("full", "--policy", "-p", help=f"KV policy: {names(policy_names())}."),
+    policy: str = typer.Option("full", "--policy", "-p", help=f"KV policy: {POLICY_NAMES}."),
     policy_arg: list[str] = PolicyArgOpt,
     kv_cache_tokens: Optional[int] = typer.Option(None, help="KV pool size in tokens."),
     block_size: Optional[int] = typer.Option(None, help="Tokens per KV page."),

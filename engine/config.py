@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch loads when an engine is configured, not when the CLI starts
+    import torch
 
 
 class ConfigError(ValueError):
@@ -128,6 +129,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.device == "auto":
+            import torch
+
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device not in ("cpu", "cuda", "meta") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device must be 'auto', 'cpu', 'cuda' or 'meta', got {self.device!r}")
@@ -164,6 +167,8 @@ class EngineConfig:
 
     def torch_dtype(self, model_dtype: torch.dtype | None) -> torch.dtype:
         """The compute dtype: fp32 on CPU (fast and exact there), else the model's or bf16."""
+        import torch
+
         if self.dtype != "auto":
             dtype = getattr(torch, self.dtype, None)
             if not isinstance(dtype, torch.dtype):

@@ -12,27 +12,26 @@ import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from evals.cli_common import (
+    FIXED_BUDGET_POLICY_NAMES,
+    POLICY_NAMES,
+    TASK_NAMES,
     CompileOpt,
     ModelOpt,
     PolicyArgOpt,
     ThreadsOpt,
     console,
     fail,
-    fixed_budget_policy_names,
-    names,
-    policy_names,
     set_threads,
-    task_names,
 )
 from evals.run.settings import RUNS_DIR
 
 # -- shared options ------------------------------------------------------------------------------
 
 TaskOpt = typer.Option(..., "--task", "-t", metavar="NAME",
-                       help=f"Task name (repeatable): {names(task_names())}.")
+                       help=f"Task name (repeatable): {TASK_NAMES}.")
 PolicyOpt = typer.Option(["full"], "--policy", "-p", metavar="NAME",
                          help="KV policy (repeatable; runs one after another into sibling "
-                         f"directories): {names(policy_names())}.")
+                         f"directories): {POLICY_NAMES}.")
 TaskArgOpt = typer.Option([], "--task-arg", metavar="KEY=VALUE",
                           help="Task option key=value, e.g. lengths=256,512 for niah; "
                           "a comma makes a list, and one value for a list option is a list of "
@@ -394,7 +393,7 @@ def report_command(
 def sweep_command(
     task: list[str] = TaskOpt,
     policy: str = typer.Option("zipage", "--policy", "-p",
-                               help=f"Fixed-budget policy: {names(fixed_budget_policy_names())}."),
+                               help=f"Fixed-budget policy: {FIXED_BUDGET_POLICY_NAMES}."),
     budgets: str = typer.Option(..., "--budgets", help="Comma-separated budgets in tokens, e.g. "
                                 "128,256,512,1024 (whole pages)."),
     rule: str = typer.Option("majority", "--rule", help="c_i(B) from the samples: majority, all, any."),

@@ -3,7 +3,8 @@ mean the same everywhere, and the registries' names for help texts.
 
 Help texts that list policies or tasks are generated from the registries
 (``engine.policies.base.POLICIES``, ``evals.tasks.TASKS``), so a newly registered policy or task
-shows up in `kvarena --help` and `kvarena list` without an edit here.
+shows up in `kvarena --help` and `kvarena list` without an edit here. They are filled in when a
+help page is shown (``fill_names``), so starting the CLI imports no policy, task or torch.
 """
 
 from __future__ import annotations
@@ -56,6 +57,25 @@ def task_names() -> list[str]:
 
 def names(items: list[str]) -> str:
     return ", ".join(items)
+
+
+# A help text that lists a registry holds one of these placeholders; the help page fills it in
+# when it is shown (`_WordHelp.format_help`): listing the names imports every policy and task,
+# torch with them, which the CLI must not wait for at start (`kvarena --help` stays quick).
+_NAME_LISTS = {
+    "{policies}": policy_names,
+    "{tasks}": task_names,
+    "{fixed_budget_policies}": fixed_budget_policy_names,
+}
+POLICY_NAMES, TASK_NAMES, FIXED_BUDGET_POLICY_NAMES = _NAME_LISTS
+
+
+def fill_names(text: str | None) -> str | None:
+    """``text`` with each registry placeholder (``POLICY_NAMES``, ...) replaced by the names."""
+    for word, listed in _NAME_LISTS.items():
+        if text and word in text:
+            text = text.replace(word, names(listed()))
+    return text
 
 
 def _field_defaults(cls: type) -> dict[str, Any]:
@@ -195,6 +215,11 @@ class _WordHelp:
         if option is not None:
             option.metavar = ""
         return option
+
+    def format_help(self, ctx, formatter):
+        for param in self.params:
+            param.help = fill_names(getattr(param, "help", None))
+        return super().format_help(ctx, formatter)
 
 
 class _WordCommand(_WordHelp, TyperCommand):

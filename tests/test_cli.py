@@ -82,6 +82,28 @@ def test_list_prints_whole_values_without_markup_at_80_columns():
     assert "`" not in json.dumps(data)
 
 
+HEAVY_MODULES = ("torch", "transformers", "pandas", "matplotlib", "lm_eval", "ray", "numpy", "datasets")
+
+
+def test_top_level_help_imports_nothing_heavy():
+    """`kvarena --help` (and building every command) loads none of the heavy libraries: each
+    command imports what it needs when it runs, and help texts list the registries only when a
+    command's own help page is shown."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.argv = ['kvarena', '--help']\n"
+            "import cli\n"
+            "try:\n    cli.app()\nexcept SystemExit:\n    pass\n"
+            f"print('LOADED', sorted({{m.split('.')[0] for m in sys.modules}} & {set(HEAVY_MODULES)!r}))")
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                          timeout=120, env={"PATH": "/usr/bin:/bin", "COLUMNS": "200"})
+    assert done.returncode == 0, done.stderr
+    assert "eval" in done.stdout and "leaderboard" in done.stdout
+    assert done.stdout.strip().splitlines()[-1] == "LOADED []", done.stdout[-500:]
+
+
 def test_help_lists_come_from_the_registries():
     for command in ("eval", "sweep"):
         text = invoke(command, "--help")

@@ -17,8 +17,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from evals.tasks.base import SCALES
-
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
 # Policy fields that take the task's fixed KV budget, in order of preference (module docstring).
@@ -116,6 +114,8 @@ class EvalSettings:
                             f"{self.temperature!r}")
         if not _int_in(self.seed, 0, MAX_SEED):
             raise EvalError(f"seed must be an integer in [0, {MAX_SEED}], got {self.seed!r}")
+        from evals.tasks.base import SCALES  # here: the task registry loads with the first run
+
         if self.preset is not None and self.preset not in SCALES:
             raise EvalError(f"preset must be one of {list(SCALES)}, got {self.preset!r}")
         if not (_real(self.grading_timeout_s) and self.grading_timeout_s > 0):
