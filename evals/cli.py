@@ -52,7 +52,8 @@ ThinkingOpt = typer.Option(None, "--thinking/--no-thinking", help="Qwen3 thinkin
                            "(default: the chat template's).")
 KvBudgetOpt = typer.Option(None, "--kv-budget", help="Fixed KV budget for fixed-budget policies "
                            "(default: the task preset's; a policy argument wins; one other than "
-                           "the preset's joins the run label, e.g. snapkv+budget=96).")
+                           "the preset's joins the run label, e.g. snapkv+budget=96, as do max "
+                           "tokens, temperature and block size: +mt=512+T=0+bs=16).")
 KvCacheOpt = typer.Option(None, "--kv-cache-tokens", help="KV pool size in tokens.")
 BlockOpt = typer.Option(None, "--block-size", help="Tokens per KV page (default: the preset's).")
 SeqsOpt = typer.Option(64, "--max-num-seqs", help="Most requests resident at once.")
@@ -278,15 +279,22 @@ def eval_command(
                                          "head kept (traces.jsonl; shown by `kvarena report`)."),
     workers: Optional[str] = WorkersOpt,
     ray_address: Optional[str] = RayAddressOpt,
+    label: Optional[str] = typer.Option(
+        None, "--label", metavar="NAME",
+        help="Name the run directory NAME instead of the policy, its arguments and the settings "
+             "that differ from the task preset's (snapkv+budget=96+mt=512+T=0); one --policy."),
 ):
-    """Evaluate policies on tasks: runs/<model>/<task>/<policy>/ with config, per-sample JSONL
-    (written as samples finish; re-running resumes) and metrics."""
+    """Evaluate policies on tasks: runs/<model>/<task>/<label>/ with config, per-sample JSONL
+    (written as samples finish; re-running resumes) and metrics; the label is the policy, its
+    arguments and the settings that differ from the task preset's, or --label."""
     from engine.config import ConfigError
     from evals.results import ResultsError
     from evals.run.runner import run_eval
     from evals.run.settings import EvalError
 
     set_threads(threads)
+    if label is not None and len(policy) > 1:
+        fail(f"--label names one run directory per task: give one --policy with it, not {len(policy)}")
     outcomes = []
     try:
         base = _base_settings(task_arg, model=model, data=data, limit=limit, samples=samples,
@@ -297,7 +305,8 @@ def eval_command(
                               max_num_seqs=max_num_seqs, compile=compile, out=out,
                               grading_workers=grading_workers,
                               fidelity=fidelity, retry_failed=retry_failed,
-                              allow_data_change=allow_data_change, trace_kept=trace_kept)
+                              allow_data_change=allow_data_change, trace_kept=trace_kept,
+                              label=label)
         per_policy = split_policy_args(policy_arg, policy)
         # Policies outer, tasks inner: the engine loads once per policy.
         plan = [_for_run(base, t, p, per_policy[p]) for p in policy for t in task]

@@ -160,6 +160,9 @@ def test_only_fullkv_never_compresses():
     (["eval", "-t", "gsm8k", "-p", "snapk"], "unknown policy 'snapk' (did you mean 'snapkv'?)"),
     (["eval", "-t", "gsm9k"], "unknown task 'gsm9k' (did you mean 'gsm8k'?)"),
     (["sweep", "-t", "gsm8k", "-p", "zipag", "--budgets", "64"], "did you mean 'zipage'?"),
+    (["eval", "-t", "gsm8k", "-p", "full", "-p", "snapkv", "--label", "x"],
+     "--label names one run directory per task: give one --policy with it"),
+    (["eval", "-t", "gsm8k", "--label", "../x"], "label must be a directory name"),
 ])
 def test_usage_errors_exit_2_with_the_valid_choices(args, message, tmp_path):
     result = RUNNER.invoke(app, [*args, "--out", str(tmp_path)])

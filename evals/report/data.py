@@ -29,6 +29,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from evals.leaderboard import (
     complete_intervals,
+    not_fullkv,
     order_tasks,
     provenance_ids,
     relative_path,
@@ -168,6 +169,18 @@ def _figure(metrics: Mapping[str, Any], key: str, scale: float) -> list | None:
     ci = metrics.get(f"{key}_ci")
     lo, hi = (ci if ci else (None, None))
     return [float(v) * scale, None if lo is None else lo * scale, None if hi is None else hi * scale]
+
+
+def fullkv_run(run: RunResult, fulls: Sequence[RunResult]) -> RunResult | None:
+    """The FullKV run of ``run``'s model and task to compare it with (``fulls``: those runs): the
+    run itself when it is one, else one with the same generation settings (``COMPARED_SETTINGS``;
+    labels name settings that differ from the preset's, so one task may hold several FullKV
+    runs), else the one labelled ``full``, else the first; None without any."""
+    if any(f is run for f in fulls):
+        return run
+    same = [f for f in fulls if all(run.config.get(k) == f.config.get(k) for k in COMPARED_SETTINGS)]
+    plain = [f for f in fulls if f.label == FULL]
+    return (same or plain or list(fulls) or [None])[0]
 
 
 def comparability(run: RunResult, full: RunResult | None) -> list[str]:
@@ -315,7 +328,7 @@ def niah_grids(runs: Sequence[RunResult], records: Mapping[str, list[dict]]) -> 
             for (length, depth), rs in cells.items()}})
     out = []
     for grid in grids.values():
-        grid["rows"].sort(key=lambda r: (r["label"] != FULL, r["label"]))
+        grid["rows"].sort(key=lambda r: (not_fullkv(r["label"]), r["label"]))
         grid["cells"] = [[length, depth] for length, depth in sorted(grid["cells"])]
         out.append(grid)
     return out
@@ -458,10 +471,13 @@ def build_data(dirs: Sequence[str | Path], limits: Limits | None = None,
     for r in runs:
         complete_intervals(r)
     tasks = order_tasks({r.task for r in runs})
-    runs.sort(key=lambda r: (r.model, tasks.index(r.task), r.label != FULL, r.label))
+    runs.sort(key=lambda r: (r.model, tasks.index(r.task), not_fullkv(r.label), r.label))
     ids = provenance_ids(runs)
     prov = {run_id(r): run_prov_ids(r, ids) for r in runs}
-    full = {(r.model, r.task): r for r in runs if r.label == FULL}
+    fulls: dict[tuple[str, str], list[RunResult]] = {}
+    for r in runs:
+        if r.label == FULL or r.config.get("policy") == FULL:
+            fulls.setdefault((r.model, r.task), []).append(r)
     notes = _Notes()
     records = {run_id(r): r.samples() for r in runs}
     traces = {run_id(r): read_traces(r.path) for r in runs}
@@ -470,7 +486,7 @@ def build_data(dirs: Sequence[str | Path], limits: Limits | None = None,
     entries, samples = [], {}
     grids = niah_grids(runs, records)
     for r in runs:
-        base = full.get((r.model, r.task))
+        base = fullkv_run(r, fulls.get((r.model, r.task), []))
         entries.append(_run_entry(r, dirs, prov[run_id(r)], comparability(r, base),
                                   provenance_cautions(r, base, prov), traces[run_id(r)],
                                   forced[run_id(r)]))

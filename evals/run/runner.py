@@ -132,8 +132,7 @@ def _run_locked(settings: EvalSettings, hooks: EvalHooks, target: Target) -> Eva
     problems = load_problems(target.task, settings, tokenizer, hooks)
     n_samples = settings.samples or defaults.samples
     plan = make_plan(problems, n_samples)
-    max_tokens = settings.max_tokens or defaults.max_tokens
-    temperature = defaults.temperature if settings.temperature is None else settings.temperature
+    max_tokens, temperature = target.max_tokens, target.temperature
     config = _run_config(settings, target, problems, n_samples, len(plan.keys), max_tokens, temperature)
     if matched is not None:
         config["match_budget_to"] = matched.describe()

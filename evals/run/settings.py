@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
@@ -29,6 +30,9 @@ RUNS_DIR = "runs"
 # engine's memory error would come only after the model loaded).
 MAX_COUNT = 2**31 - 1
 MAX_GRADING_WORKERS = 1024
+# A run directory's own name (--label): one path component in the characters a made label has,
+# and none of the task directory's other entries (_reference, the sweeps' sweep_<label>).
+LABEL_RE = re.compile(r"(?!sweep_)[A-Za-z0-9][A-Za-z0-9._+=-]{0,199}")
 # Sample j is drawn with seed + j, a 64-bit generator seed: 32-bit base seeds leave room for
 # any number of samples.
 MAX_SEED = 2**32 - 1
@@ -70,6 +74,8 @@ class EvalSettings:
         config.json (the samples already there were graded against the old data).
     trace_kept: also record, per compaction, which prompt positions each layer and KV head kept
         (engine.kept_trace) into traces.jsonl (evals.traces); off by default.
+    label: the run directory's name instead of the one made from the policy, its arguments and
+        the settings that differ from the preset's (evals.results.run_label); None: that one.
     """
 
     task: str
@@ -98,6 +104,7 @@ class EvalSettings:
     retry_failed: bool = False
     allow_data_change: bool = False
     trace_kept: bool = False
+    label: str | None = None
     only_keys: frozenset | None = None  # run only these (uid, sample) keys (evals.run.distributed)
 
     def __post_init__(self) -> None:
@@ -122,6 +129,10 @@ class EvalSettings:
             raise EvalError(f"grading_timeout_s must be a finite number > 0, got {self.grading_timeout_s!r}")
         if not isinstance(self.out, (str, os.PathLike)) or not str(self.out).strip() or "\0" in str(self.out):
             raise EvalError(f"out must name a results directory, got {self.out!r}")
+        if self.label is not None and not (isinstance(self.label, str) and LABEL_RE.fullmatch(self.label)):
+            raise EvalError(f"label must be a directory name of letters, digits and ._+=- that starts "
+                            f"with a letter or digit and not with sweep_ (at most 200 characters), "
+                            f"got {self.label!r}")
 
 
 def _int_in(value: Any, low: int, high: int) -> bool:
