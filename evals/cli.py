@@ -4,12 +4,11 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from evals.cli_common import (
     FIXED_BUDGET_POLICY_NAMES,
@@ -139,36 +138,48 @@ def _json_or_str(text: str):
 
 
 class RichHooks:
-    """Live display: samples graded / to run, running accuracy, tokens/s of the engine."""
+    """Live display of each run: the bar counts the current pass's output tokens against the most
+    it can generate, with tokens/s and the time left (evals.run.progress.TokenProgress; a batched
+    run finishes its samples together near the end, so a count of samples would stand still
+    until then), beside the samples graded of those to run and the running accuracy. The fidelity
+    passes before the run's own generation (FullKV reference, forced pass) are named while they
+    run."""
 
     def __init__(self, progress: Progress):
         self.progress = progress
         self.task_id = None
+        self.title = ""
         self.correct = 0
         self.graded = 0
-        self.tokens = 0
-        self.start = time.perf_counter()
+        self.todo = 0
         self.said: set[str] = set()
 
     def on_start(self, label, task, total, todo, path) -> None:
         if self.task_id is not None:
             self.progress.update(self.task_id, visible=False)
-        self.correct = self.graded = self.tokens = 0
-        self.start = time.perf_counter()
+        self.correct = self.graded = 0
+        self.todo = todo
+        self.title = f"{task} {label}"
         done = total - todo
         if done:
             self.progress.console.print(f"{task}/{label}: {done} of {total} samples already in "
                                         f"{path}; running {todo}")
-        self.task_id = self.progress.add_task(f"{task} {label}", total=todo, stats="")
+        self.task_id = self.progress.add_task(self.title, total=None, tokens="", stats="",
+                                              samples=self._samples())
 
     def on_step(self, tokens: int, finished: int) -> None:
-        self.tokens = tokens
-        self._refresh()
+        """The run's engine loop (the display follows on_progress)."""
+
+    def on_progress(self, progress) -> None:
+        if self.task_id is None:
+            return
+        title = self.title if progress.name == "generate" else f"{self.title}: {progress.name}"
+        self.progress.update(self.task_id, description=title, total=max(1, progress.total),
+                             completed=progress.completed, tokens=progress.describe())
 
     def on_sample(self, record: dict) -> None:
         self.graded += 1
         self.correct += bool(record.get("correct"))
-        self.progress.advance(self.task_id)
         self._refresh()
 
     def on_message(self, text: str) -> None:
@@ -179,15 +190,19 @@ class RichHooks:
         self.said.add(text)
         self.progress.console.print(f"[dim]{text}[/]")
 
+    def _samples(self) -> str:
+        return f"{self.graded}/{self.todo} samples"
+
     def _refresh(self) -> None:
-        elapsed = max(1e-9, time.perf_counter() - self.start)
         acc = f"acc {100 * self.correct / self.graded:.1f}%" if self.graded else "acc -"
-        self.progress.update(self.task_id, stats=f"{acc} | {self.tokens / elapsed:.1f} tok/s")
+        self.progress.update(self.task_id, samples=self._samples(), stats=acc)
 
 
-def _progress() -> Progress:
-    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), console=console)
+def _progress(out=None) -> Progress:
+    """The eval and sweep display (``RichHooks``), on stderr unless ``out`` (a rich Console)."""
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.fields[tokens]}"),
+                    TextColumn("{task.fields[samples]}"), TextColumn("{task.fields[stats]}"),
+                    TimeElapsedColumn(), console=out or console)
 
 
 # -- commands ------------------------------------------------------------------------------------

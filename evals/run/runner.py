@@ -272,7 +272,7 @@ def _generate(settings: EvalSettings, config: dict, rendered: list[Rendered], ta
             params = fid.run_params([r.params for r in runnable])
             runnable = [dataclasses.replace(r, params=p) for r, p in zip(runnable, params)]
             fid.requests = fidelity.requests_for(runnable)
-            fid.forced_pass(llm, fid.requests)
+            fid.forced_pass(llm, fid.requests, hooks)
         if runnable:
             streamed = True
             _stream(llm, runnable, writer, segment, path, settings, hooks, outcome, fid)
@@ -346,6 +346,7 @@ def _stream(llm, runnable: Sequence[Rendered], writer: R.SampleWriter, segment: 
             settings: EvalSettings, hooks: EvalHooks, outcome: EvalOutcome, fid=None) -> None:
     """Generate ``runnable`` (``fid.requests`` in the same order), hand finished requests to the
     grader, record the segment (also when stopped)."""
+    from evals.run.progress import track
     from evals.traces import TRACES_FILE, TraceWriter, trace_line
 
     traces = TraceWriter(path / TRACES_FILE)
@@ -358,11 +359,13 @@ def _stream(llm, runnable: Sequence[Rendered], writer: R.SampleWriter, segment: 
             "settings": _segment_settings(settings, llm), "failed": outcome.failed}
     start = time.perf_counter()
     stops = interrupts.current()
-    stream = llm.stream([r.ids for r in runnable], [r.params for r in runnable], on_step=hooks.on_step)
+    progress, on_step = track(hooks, "generate", [r.params for r in runnable], hooks.on_step)
+    stream = llm.stream([r.ids for r in runnable], [r.params for r in runnable], on_step=on_step)
     try:
         for out in stream:
             if grader.error is not None:  # a sample line could not be written: stop now
                 raise grader.error
+            progress.finished(out.index, out.num_output_tokens)
             r = runnable[out.index]
             record = output_record(r.problem, r.sample, r.seed, segment, out)
             record["prompt_sha"] = r.prompt_sha

@@ -163,13 +163,18 @@ class EvalOutcome:
 class EvalHooks:
     """Progress callbacks (no-ops here; the CLI shows a live display through them).
 
-    on_step runs in the engine loop after every step (raising KeyboardInterrupt there is exactly
-    a Ctrl-C); on_sample runs in the grading thread after a sample's line is written.
+    on_step runs in the engine loop after every step of the run's own generation (raising
+    KeyboardInterrupt there is exactly a Ctrl-C); on_progress runs there too, and after every step
+    of the fidelity passes before it (the FullKV reference, the forced pass), with the pass's
+    token count (evals.run.progress.TokenProgress: tokens against the most the pass can generate,
+    rate, time left); on_sample runs in the grading thread after a sample's line is written.
     """
 
     def on_start(self, label: str, task: str, total: int, todo: int, path: Path) -> None: ...
 
     def on_step(self, tokens: int, finished: int) -> None: ...
+
+    def on_progress(self, progress: Any) -> None: ...
 
     def on_sample(self, record: dict) -> None: ...
 
