@@ -149,11 +149,15 @@ def load_task(settings: EvalSettings):
 
 
 def load_problems(task, settings: EvalSettings, tokenizer, hooks: EvalHooks) -> ProblemSet:
-    """The task's problems; malformed rows are reported through ``hooks`` and skipped."""
+    """The task's problems; malformed rows are reported through ``hooks`` and skipped. A built-in
+    data path (``evals/data/...``) is found inside the installed package when the working
+    directory has none (evals.tasks.base.builtin_data)."""
+    from evals.tasks.base import builtin_data
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            problems = task.load(settings.data, limit=settings.limit, tokenizer=tokenizer)
+            problems = task.load(builtin_data(settings.data), limit=settings.limit, tokenizer=tokenizer)
         except DataUnavailableError as e:
             raise EvalError(str(e)) from None
         except ValueError as e:
