@@ -280,6 +280,10 @@ def test_config_records_provenance(model_dir, tmp_path):
     assert prov["versions"]["torch"] and prov["versions"]["transformers"] and prov["versions"]["kvarena"]
     assert prov["machine"]["cpu_count"] >= 1 and prov["machine"]["device"] and prov["machine"]["platform"]
     assert prov["command"] and prov["date_utc"] and "earlier" not in prov
+    from engine.kernels import cpu_native
+
+    engine = json.loads((outcome.path / R.CONFIG_FILE).read_text())["engine"]
+    assert engine["cpu_native_kernels"] is cpu_native.available()  # kept past the metrics' rewrite
     # A resumed run from other code keeps the earlier invocation's provenance.
     config = json.loads((outcome.path / R.CONFIG_FILE).read_text())
     config["provenance"]["git"]["commit"] = "0" * 40

@@ -309,11 +309,13 @@ def _generate(settings: EvalSettings, config: dict, rendered: list[Rendered], ta
 
 def _write_config(config: dict, llm, path: Path) -> None:
     """config.json at the start of an invocation: the settings, the policy's effective parameters,
-    the engine it got, when and at what load it started, and its provenance."""
+    the engine it got (and whether its decode steps run the C kernels), when and at what load it
+    started, and its provenance."""
     if hasattr(llm.policy, "effective_params"):
         config["policy_params"] = _jsonable(llm.policy.effective_params())
     config["engine"] = {"device": llm.config.device, "num_pages": llm.runner.num_pages,
-                        "max_model_len": llm.runner.max_model_len}
+                        "max_model_len": llm.runner.max_model_len,
+                        "cpu_native_kernels": llm.runner.native_kernels}
     config["last_invocation"] = _now()
     # the machine's load when this invocation started: speed compares only at similar load
     config["load_average_start"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
