@@ -93,6 +93,11 @@ class EngineConfig:
         RoPE and SiLU-mul as single C calls (engine/kernels/cpu_native.py), built on first use
         with the C compiler; without one the torch ops run. False: always the torch ops (and
         oneDNN's packed kernel).
+    chunked_forcing: run a request's teacher-forced tokens (`SamplingParams.forced_tokens`) up
+        to its next page boundary as one prefill-style chunk when its policy allows it
+        (`KVPolicy.chunked_forcing`), with the same tokens, log-probabilities, decisions and
+        statistics as one decode step per token (engine/scheduler.py); False: one decode step
+        per forced token, for comparison.
     """
 
     model: str = DEFAULT_MODEL
@@ -116,6 +121,7 @@ class EngineConfig:
     compile: bool = COMPILE_DEFAULT
     cpu_packed_weights: bool = True
     cpu_native_kernels: bool = True
+    chunked_forcing: bool = True
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
@@ -134,7 +140,7 @@ class EngineConfig:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device not in ("cpu", "cuda", "meta") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device must be 'auto', 'cpu', 'cuda' or 'meta', got {self.device!r}")
-        for name in ("compile", "cpu_packed_weights", "cpu_native_kernels"):
+        for name in ("compile", "cpu_packed_weights", "cpu_native_kernels", "chunked_forcing"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.block_size is None:

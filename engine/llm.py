@@ -83,8 +83,10 @@ class LLM:
     @contextmanager
     def watching_logits(self, hook: Callable[[list, Any], None]) -> Iterator[None]:
         """Within the block, `hook(items, logits)` sees every step's sampled rows (the work items
-        and their logits [rows, vocab], valid during the call only) after any hook already set;
-        the previous hook is back afterwards, also on an error."""
+        and their logits [rows, vocab], valid during the call only; each item owns `item.rows`
+        consecutive rows, more than one for a forced run, row j scoring its output token
+        seq.num_output_tokens + j) after any hook already set; the previous hook is back
+        afterwards, also on an error."""
         runner = self.runner
         previous = runner.logits_hook
 

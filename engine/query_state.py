@@ -6,7 +6,9 @@ requests, never allocated per step").
 - ema: one EMA of the pre-RoPE *decode* query per beta, [layers, slots, len(betas), q_heads, d]
   (GrowPage's dual-timescale summaries, Eq. 6; `ema_update` is the rule). A newly bound slot is
   initialised from its first decode query, overwriting whatever the previous owner left (no
-  clearing needed).
+  clearing needed). A forced run (k decode steps as one chunk, engine/scheduler.py) applies the
+  rule for each of its rows in order, in closed form: ema <- beta^k ema + sum_j (1 - beta)
+  beta^(k-1-j) q_j (an initialising run starts from q_0: weight beta^(k-1), no old term).
 
 A slot is bound when a request starts running and released at finish or preemption. One extra
 *scratch* slot (index `num_slots`) is never bound: a compiled decode step has a fixed number of
@@ -64,7 +66,10 @@ def ema_update(
 
 @dataclass
 class CapturePlan:
-    """Row indices for one step, on the pool's device. recent_*: [R]; ema_*: [E]."""
+    """Row indices for one step, on the pool's device. recent_*: [R]; ema_*: [E], the one-token
+    decodes; run_*: the N forced runs' F rows (module docstring): run_rows, run_index (the run of
+    each row) [F], run_slots, run_init [N], and their EMA weights run_weights [F, num_betas] and
+    run_decay [N, num_betas] (fp32)."""
 
     recent_rows: torch.Tensor
     recent_slots: torch.Tensor
@@ -72,6 +77,12 @@ class CapturePlan:
     ema_rows: torch.Tensor
     ema_slots: torch.Tensor
     ema_init: torch.Tensor
+    run_rows: torch.Tensor | None = None
+    run_index: torch.Tensor | None = None
+    run_slots: torch.Tensor | None = None
+    run_init: torch.Tensor | None = None
+    run_weights: torch.Tensor | None = None
+    run_decay: torch.Tensor | None = None
 
 
 class QueryStatePool:
@@ -114,8 +125,10 @@ class QueryStatePool:
     # -- capture --------------------------------------------------------------------------------
     def prepare(self, items: list[tuple[int, int, int, int, bool]]) -> None:
         """items: (first_row, num_tokens, first_position, slot, is_decode) per scheduled sequence
-        that holds a slot. Records positions now; `record` fills the tensors layer by layer."""
+        that holds a slot; a decode item of several tokens is a forced run, whose every row is a
+        decode query. Records positions now; `record` fills the tensors layer by layer."""
         rr, rs, ring, er, es, ei = [], [], [], [], [], []
+        run_rows, run_index, run_exp, run_first, run_slots, run_init, run_len = ([] for _ in range(7))
         for row, count, pos, slot, is_decode in items:
             if self.n:
                 take = min(self.n, count)
@@ -125,12 +138,27 @@ class QueryStatePool:
                     rs.append(slot)
                     ring.append(p % self.n)
                     self.recent_pos[slot, p % self.n] = p
-            if self.ema is not None and is_decode:
-                er.append(row + count - 1)
+            if self.ema is None or not is_decode:
+                continue
+            init = not bool(self.ema_ready[slot])
+            self.ema_ready[slot] = True
+            if count == 1:
+                er.append(row)
                 es.append(slot)
-                ei.append(not bool(self.ema_ready[slot]))
-                self.ema_ready[slot] = True
+                ei.append(init)
+                continue
+            run = len(run_slots)
+            for j in range(count):
+                run_rows.append(row + j)
+                run_index.append(run)
+                run_exp.append(count - 1 - j)
+                run_first.append(init and j == 0)
+            run_slots.append(slot)
+            run_init.append(init)
+            run_len.append(count)
         self.plan = self._device_plan(rr, rs, ring, er, es, ei)
+        if run_slots:
+            self._plan_runs(run_rows, run_index, run_exp, run_first, run_slots, run_init, run_len)
 
     def _device_plan(self, *columns: list) -> CapturePlan:
         """One asynchronous host-to-device copy per step for all six index lists. Built on the
@@ -140,6 +168,23 @@ class QueryStatePool:
         parts = list(upload([int(x) for c in columns for x in c], self.device).split(sizes))
         parts[5] = parts[5].bool()
         return CapturePlan(*parts)
+
+    def _plan_runs(self, rows: list[int], index: list[int], exps: list[int], first: list[bool],
+                   slots: list[int], init: list[bool], lengths: list[int]) -> None:
+        """The forced runs' part of the plan, with their EMA weights computed once for every
+        layer: row j of a run of k rows weighs (1 - beta) beta^(k-1-j), or beta^(k-1) as the first
+        row of an initialising run; the old summaries decay by beta^k."""
+        columns = [rows, index, exps, first, slots, init, lengths]
+        sizes = [len(c) for c in columns]
+        parts = upload([int(x) for c in columns for x in c], self.device).split(sizes)
+        rows_t, index_t, exps_t, first_t, slots_t, init_t, lengths_t = parts
+        beta = self.betas
+        power = beta ** exps_t.to(beta.dtype).unsqueeze(1)
+        plan = self.plan
+        plan.run_rows, plan.run_index, plan.run_slots = rows_t, index_t, slots_t
+        plan.run_init = init_t.bool()
+        plan.run_weights = torch.where(first_t.bool().unsqueeze(1), power, (1.0 - beta) * power)
+        plan.run_decay = beta ** lengths_t.to(beta.dtype).unsqueeze(1)
 
     def prepare_decode(self, rows: list[tuple[int | None, int, bool]]) -> list[list[int]]:
         """The fixed-shape form of `prepare` for a compiled decode step: rows are one-token items
@@ -182,6 +227,15 @@ class QueryStatePool:
             self.ema[layers, plan.ema_slots] = ema_update(
                 self.ema[layers, plan.ema_slots], q_pre[..., plan.ema_rows, :, :], self.betas,
                 plan.ema_init)
+        if self.ema is not None and plan.run_rows is not None:
+            # [(layers,) F, betas, q_heads, d] weighted rows, summed per run (module docstring)
+            q = q_pre[..., plan.run_rows, :, :].to(self.ema.dtype).unsqueeze(-3)
+            terms = q * plan.run_weights[:, :, None, None]
+            old = self.ema[layers, plan.run_slots]
+            total = torch.zeros_like(old).index_add_(old.dim() - 4, plan.run_index, terms)
+            decayed = old * plan.run_decay[:, :, None, None] + total
+            self.ema[layers, plan.run_slots] = torch.where(
+                plan.run_init[:, None, None, None], total, decayed)
 
     # -- reads ----------------------------------------------------------------------------------
     def recent_of(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,16 +27,35 @@ from engine.sequence import Sequence
 
 @dataclass
 class WorkItem:
-    """One sequence's share of a step: `num_tokens` tokens starting at seq.num_computed."""
+    """One sequence's share of a step: `num_tokens` tokens starting at seq.num_computed.
+
+    forced: a forced run, `num_tokens` decode steps of teacher forcing as one chunk: its inputs are
+    the sequence's last token and the next `num_tokens - 1` forced tokens (not yet appended), and
+    every row yields an output token (engine/scheduler.py)."""
 
     seq: Sequence
     num_tokens: int
     prefill: bool = False
+    forced: bool = False
 
     @property
     def samples(self) -> bool:
-        """The chunk reaches the end of the known tokens, so its last row yields the next token."""
-        return self.seq.num_computed + self.num_tokens == len(self.seq.token_ids)
+        """The chunk reaches the end of the known tokens, so its last row yields the next token
+        (every row of a forced run yields one)."""
+        return self.forced or self.seq.num_computed + self.num_tokens == len(self.seq.token_ids)
+
+    @property
+    def rows(self) -> int:
+        """Output tokens (rows of sampled logits) the item yields when it samples."""
+        return self.num_tokens if self.forced else 1
+
+    def input_ids(self) -> list[int]:
+        """The token ids of the item's rows, in order."""
+        seq, start = self.seq, self.seq.num_computed
+        if not self.forced:
+            return seq.token_ids[start:start + self.num_tokens]
+        first = seq.num_output_tokens
+        return [seq.token_ids[start], *seq.params.forced_tokens[first:first + self.num_tokens - 1]]
 
 
 class ModelRunner:
@@ -65,8 +84,9 @@ class ModelRunner:
         self.scale = self.head_dim ** -0.5
         self.block_size = config.block_size
         self.kv = self._allocate_kv(signals.slot_scores)
-        # tests/analysis: called with (items, logits of sampled rows); the logits are valid during
-        # the call only (a compiled CUDA step reuses its output buffer).
+        # tests/analysis: called with (items, logits of sampled rows): each item owns `item.rows`
+        # consecutive rows, row j scoring its output token seq.num_output_tokens + j; the logits
+        # are valid during the call only (a compiled CUDA step reuses its output buffer).
         self.logits_hook = None
         self.signals = signals
         self.queries = self._query_pool(signals)
@@ -178,8 +198,8 @@ class ModelRunner:
     # -- one step ------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, items: list[WorkItem]) -> list[int]:
-        """Forward the step's tokens and sample one token for each item that `samples`.
-        Single-token items must come first (the decode group)."""
+        """Forward the step's tokens and sample one token for each item that `samples` (one per
+        row of a forced run). Single-token items must come first (the decode group)."""
         sampled = [it for it in items if it.samples]
         logits = self.forward(items)
         if not sampled:
@@ -189,26 +209,32 @@ class ModelRunner:
         return self._pick(sampled, logits)
 
     def _pick(self, sampled: list[WorkItem], logits: torch.Tensor) -> list[int]:
-        """The step's next tokens, brought to the host in one transfer (with any log-probabilities
-        requested, which are appended to their sequences). logits: [R, vocab]."""
+        """The step's next tokens, `item.rows` per item in order, brought to the host in one
+        transfer (with any log-probabilities requested, which are appended to their sequences).
+        logits: [R, vocab]."""
         tokens, logprobs = self.pick_on_device(sampled, logits)
         if logprobs is None:
             return tokens.tolist()
         # Token ids are exact in fp64 (vocabularies are far below 2**53), so one copy carries both.
         ids, values = torch.stack([tokens.double(), logprobs.double()]).tolist()
-        for item, value in zip(sampled, values):
+        row = 0
+        for item in sampled:
             if item.seq.params.logprobs:
-                item.seq.token_logprobs.append(value)
+                item.seq.token_logprobs.extend(values[row:row + item.rows])
+            row += item.rows
         return [int(t) for t in ids]
 
     def pick_on_device(self, sampled: list[WorkItem], logits: torch.Tensor):
         """Sample, then apply forced tokens, on the logits' device with no host sync.
-        logits: [R, vocab] -> (tokens [R] long, logprobs [R] fp32 or None when no row asks)."""
-        seqs = [it.seq for it in sampled]
+        logits: [R, vocab], `item.rows` rows per item -> (tokens [R] long, logprobs [R] fp32 or
+        None when no row asks). A forced run's rows sample too, in order, so a request's random
+        stream advances one draw per output token as it does token by token."""
+        outputs = [(it.seq, it.seq.num_output_tokens + j) for it in sampled for j in range(it.rows)]
+        seqs = [s for s, _ in outputs]
         params = [s.params for s in seqs]
         tokens = sample_tensor(logits, params, [self._generator(s) for s in seqs])
-        forced = [(i, s.params.forced_tokens[s.num_output_tokens]) for i, s in enumerate(seqs)
-                  if s.num_output_tokens < len(s.params.forced_tokens)]
+        forced = [(i, s.params.forced_tokens[k]) for i, (s, k) in enumerate(outputs)
+                  if k < len(s.params.forced_tokens)]
         if forced:
             rows, ids = torch.tensor(forced, dtype=torch.long).T.to(self.device)
             tokens = tokens.index_copy(0, rows, ids)
@@ -224,9 +250,10 @@ class ModelRunner:
         return seq.generator
 
     def forward(self, items: list[WorkItem]) -> torch.Tensor | None:
-        """The step's device work: logits [S, vocab] of the S items that `samples`, in order
-        (None when none does). A step of one-token items runs the compiled decode graph when the
-        engine has one; anything else runs eager."""
+        """The step's device work: logits [S, vocab] of the S rows that sample (`item.rows` per
+        item that `samples`), in order; None when none does. A step of one-token items runs the
+        compiled decode graph when the engine has one; anything else (prefill chunks, forced
+        runs) runs eager."""
         # Per-head holes (PyramidKV, Ada-KV) are an eager-only path: the graph's attention op
         # takes no hole masks.
         if self.graph is not None and all(it.num_tokens == 1 for it in items) \
@@ -265,12 +292,12 @@ class ModelRunner:
             seq, n = item.seq, item.num_tokens
             row = len(ids)
             start = seq.num_computed
-            ids.extend(seq.token_ids[start:start + n])
+            ids.extend(item.input_ids())
             pos.extend(range(start, start + n))
             for s in range(seq.physical_len, seq.physical_len + n):
                 slots.append(seq.block_table[s // bs] * bs + s % bs)
             if item.samples:
-                sample_rows.append(row + n - 1)
+                sample_rows.extend(range(row + n - item.rows, row + n))
             if seq.query_slot is not None:
                 capture.append((row, n, start, seq.query_slot, not item.prefill))
         dev = self.device

@@ -18,6 +18,18 @@ GrowPage below its cap or start): it takes any free page. Counters and events na
 A request that can never fit (prompt longer than the model context, or more pages than the pool)
 is rejected when added; a lone request that outgrows the whole pool with no way to compress finishes
 with reason "kv_capacity" instead of hanging.
+
+Forced runs (`config.chunked_forcing`, `KVPolicy.chunked_forcing`). A decoding request whose next
+k >= 2 output tokens are all forced (`SamplingParams.forced_tokens`) runs them as one item of k
+rows, a chunk in the prefill path: each row attends to the cache as it stands plus the run's
+earlier rows, and every row's logits score (and sample, for the random stream) its forced token.
+k stops at the free slots of the pages the request holds, so a boundary policy sees the same
+boundaries: the decision before the run's first token is taken as for a decode, and the next one
+after its last. It also stops at the request's max_tokens and the model's context, so a run never
+finishes early. Runs take what the step's token budget leaves after the one-token decodes, prefill
+chunks and admissions, so every other request's share of a step is what it would be token by
+token. Afterwards each token is accounted for as its own decode step (traces, `kv_budget`, stop
+checks).
 """
 
 from __future__ import annotations
@@ -68,6 +80,10 @@ class Scheduler:
         self.step_index = 0
         self.finished: list[Sequence] = []
         self._scheduled: set[int] = set()
+        # Decided once per run: a policy that overrides `periodic` (say a subclass of one that
+        # opted in) must see every step, so its forced tokens run one by one.
+        self.chunked_forcing = (config.chunked_forcing and policy.chunked_forcing
+                                and type(policy).periodic is KVPolicy.periodic)
         # Free pages a capacity-decision GROW must leave (vLLM: int(watermark x blocks)).
         self.grow_reserve = int(config.grow_watermark * block_manager.num_pages)
 
@@ -142,8 +158,33 @@ class Scheduler:
             items.append(item)
             self._scheduled.add(item.seq.seq_id)
             budget -= item.num_tokens
+        if self.chunked_forcing:
+            self._extend_forced(items, budget)
         items.sort(key=lambda it: it.num_tokens > 1)  # the runner wants one-token items first
         return items
+
+    def _extend_forced(self, items: list[WorkItem], budget: int) -> None:
+        """Turn the step's one-token decodes whose next tokens are forced into forced runs
+        (module docstring), within `budget` more tokens."""
+        for item in items:
+            if not budget:
+                break
+            if item.prefill:
+                continue
+            extra = min(self._forced_run(item.seq), budget + 1) - 1
+            if extra > 0:
+                item.num_tokens += extra
+                item.forced = True
+                budget -= extra
+
+    def _forced_run(self, seq: Sequence) -> int:
+        """How many decode steps of `seq`, from now, can run as one forced run: its next output
+        tokens that are forced, up to the free slots of its pages, its max_tokens and the model's
+        context (the last token of the run may end the request, no earlier one can)."""
+        p, done = seq.params, seq.num_output_tokens
+        return min(len(p.forced_tokens) - done, p.max_tokens - done,
+                   self.runner.max_model_len - seq.logical_len,
+                   seq.num_pages * self.bm.block_size - seq.physical_len)
 
     def _chunk(self, seq: Sequence, budget: int, reserve: int = 0) -> WorkItem | None:
         """The next prefill chunk that fits the token budget and the free pages, leaving `reserve`
@@ -311,17 +352,13 @@ class Scheduler:
         prefilled = []
         for item in items:
             seq = item.seq
+            if not item.prefill:
+                self._decoded(item, [next(sampled) for _ in range(item.rows)], now)
+                continue
             samples = item.samples  # read before the lengths move
             seq.num_computed += item.num_tokens
             seq.physical_len += item.num_tokens
-            if item.prefill:
-                self.bm.register_prompt_pages(seq)
-            else:
-                allocated = seq.num_pages * self.bm.block_size
-                budget = self.policy.kv_budget(seq.policy_state, seq.num_pages)
-                seq.capacity_trace.append(allocated)
-                seq.kept_slots_trace.append(seq.kept_slots)
-                seq.budget_trace.append(allocated if budget is None else budget)
+            self.bm.register_prompt_pages(seq)
             if samples:
                 seq.token_ids.append(next(sampled))
                 if seq.first_token_time is None:
@@ -330,12 +367,34 @@ class Scheduler:
                 if reason:
                     self._finish(seq, reason, now)
                     continue
-            if item.prefill:
-                prefilled.append(seq)
+            prefilled.append(seq)
         # Compress after every item is accounted for: a compaction may preempt another request.
         for seq in prefilled:
             if seq.status is SeqStatus.RUNNING:
                 self._after_prefill(seq)
+
+    def _decoded(self, item: WorkItem, tokens: list[int], now: float) -> None:
+        """Account for a decode item's tokens one decode step at a time (a forced run's in
+        order): lengths, the per-step traces at the physical length of that step, the token,
+        the stop checks."""
+        seq = item.seq
+        for i, token in enumerate(tokens):
+            seq.num_computed += 1
+            seq.physical_len += 1
+            allocated = seq.num_pages * self.bm.block_size
+            budget = self.policy.kv_budget(seq.policy_state, seq.num_pages)
+            seq.capacity_trace.append(allocated)
+            seq.kept_slots_trace.append(seq.kept_slots)
+            seq.budget_trace.append(allocated if budget is None else budget)
+            seq.token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            reason = self._stop_reason(seq)
+            if reason:
+                if i != len(tokens) - 1:  # `_forced_run` bounds a run so that this cannot happen
+                    raise RuntimeError(f"sequence {seq.seq_id} stopped ({reason}) "
+                                       f"{len(tokens) - 1 - i} tokens before the end of its run")
+                self._finish(seq, reason, now)
 
     def drain_finished(self) -> list[Sequence]:
         done, self.finished = self.finished, []

@@ -141,9 +141,9 @@ class RichHooks:
     """Live display of each run: the bar counts the current pass's output tokens against the most
     it can generate, with tokens/s and the time left (evals.run.progress.TokenProgress; a batched
     run finishes its samples together near the end, so a count of samples would stand still
-    until then), beside the samples graded of those to run and the running accuracy. The fidelity
-    passes before the run's own generation (FullKV reference, forced pass) are named while they
-    run."""
+    until then), beside the samples written of those to run and the accuracy over the graded
+    ones. The fidelity passes before the run's own generation (FullKV reference, forced pass)
+    are named while they run."""
 
     def __init__(self, progress: Progress):
         self.progress = progress
@@ -151,13 +151,14 @@ class RichHooks:
         self.title = ""
         self.correct = 0
         self.graded = 0
+        self.written = 0
         self.todo = 0
         self.said: set[str] = set()
 
     def on_start(self, label, task, total, todo, path) -> None:
         if self.task_id is not None:
             self.progress.update(self.task_id, visible=False)
-        self.correct = self.graded = 0
+        self.correct = self.graded = self.written = 0
         self.todo = todo
         self.title = f"{task} {label}"
         done = total - todo
@@ -178,8 +179,10 @@ class RichHooks:
                              completed=progress.completed, tokens=progress.describe())
 
     def on_sample(self, record: dict) -> None:
-        self.graded += 1
-        self.correct += bool(record.get("correct"))
+        self.written += 1
+        if record.get("correct") is not None:  # an ungraded sample counts in no accuracy
+            self.graded += 1
+            self.correct += bool(record["correct"])
         self._refresh()
 
     def on_message(self, text: str) -> None:
@@ -191,7 +194,7 @@ class RichHooks:
         self.progress.console.print(f"[dim]{text}[/]")
 
     def _samples(self) -> str:
-        return f"{self.graded}/{self.todo} samples"
+        return f"{self.written}/{self.todo} samples"
 
     def _refresh(self) -> None:
         acc = f"acc {100 * self.correct / self.graded:.1f}%" if self.graded else "acc -"
@@ -303,6 +306,7 @@ def eval_command(
     (written as samples finish; re-running resumes) and metrics; the label is the policy, its
     arguments and the settings that differ from the task preset's, or --label."""
     from engine.config import ConfigError
+    from evals.grading.pool import WorkerStartError
     from evals.results import ResultsError
     from evals.run.runner import run_eval
     from evals.run.settings import EvalError
@@ -339,6 +343,9 @@ def eval_command(
                     if outcome.interrupted:
                         break
                     _print_summary(outcome)
+    except WorkerStartError as e:
+        console.print(f"[bold red]error:[/] {e}", soft_wrap=True)
+        raise typer.Exit(UNGRADED_EXIT) from None
     except (EvalError, ConfigError) as e:
         fail(str(e))
     except (ResultsError, OSError) as e:
@@ -352,6 +359,24 @@ def eval_command(
         from evals.results import find_runs
 
         print(render_markdown(find_runs([o.path for o in outcomes])))
+    _exit_if_ungraded(outcomes)
+
+
+# `kvarena eval`'s exit status when grading left samples without a verdict (or could not start).
+UNGRADED_EXIT = 3
+
+
+def _exit_if_ungraded(outcomes) -> None:
+    """One line and exit 3 when any run holds samples grading could not judge: its figures are
+    over fewer samples than it ran, which a script must not take for a finished measurement."""
+    runs = [o for o in outcomes if o.metrics.get("ungraded")]
+    if runs:
+        n = sum(o.metrics["ungraded"] for o in runs)
+        console.print(f"[bold red]error:[/] {n} sample(s) in {len(runs)} run(s) have no verdict "
+                      f"because grading itself failed (a grading worker died or could not start); "
+                      f"their pass@1 is over the graded samples only. Run the same command again "
+                      f"to grade them.", soft_wrap=True)
+        raise typer.Exit(UNGRADED_EXIT)
 
 
 def _print_summary(outcome) -> None:
@@ -359,6 +384,7 @@ def _print_summary(outcome) -> None:
     pass1 = "-" if m.get("pass@1") is None else f"{100 * m['pass@1']:.1f}%"
     tps = "-" if m.get("tps") is None else f"{m['tps']:.1f}"
     extra = f", {m['failed']} failed" if m.get("failed") else ""
+    extra += f", {m['ungraded']} ungraded" if m.get("ungraded") else ""
     skipped = f", {len(outcome.skipped_rows)} malformed rows skipped" if outcome.skipped_rows else ""
     fid = ""
     if m.get("fid_delta_nll") is not None and m.get("fid_agreement") is not None:

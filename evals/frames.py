@@ -9,7 +9,8 @@ Each function takes ``EvalOutcome`` objects (what ``evals.run.runner.run_eval`` 
 directories (``<out>/<model>/<task>/<label>/``), one or a list, and reads the files the run wrote
 (``config.json``, ``metrics.json``, ``samples.jsonl``), so a finished run can be read back later
 without running anything. Metric names are docs/metrics.md's; an interval ``<name>_ci`` stays one
-``[low, high]`` cell.
+``[low, high]`` cell. A run whose samples were not graded (grading itself failed) has NaN in its
+accuracy columns and the count in ``ungraded``; with some graded, they are over those.
 """
 
 from __future__ import annotations
@@ -26,9 +27,14 @@ RUN_COLUMNS = ("label", "task", "policy", "model")
 
 
 def metrics_frame(runs: Any) -> pd.DataFrame:
-    """One row per run: ``RUN_COLUMNS``, then every key of its ``metrics.json``."""
+    """One row per run: ``RUN_COLUMNS``, then every key of its ``metrics.json``; the accuracy
+    columns (``R.GRADED_METRICS``) are floats, NaN where no sample was graded."""
     rows = [{**_run_columns(path), **R.read_json(path / R.METRICS_FILE)} for path in _paths(runs)]
-    return pd.DataFrame(rows)
+    frame = pd.DataFrame(rows)
+    for name in R.GRADED_METRICS:
+        if name in frame:
+            frame[name] = pd.to_numeric(frame[name], errors="coerce").astype(float)
+    return frame
 
 
 def samples_frame(runs: Any) -> pd.DataFrame:

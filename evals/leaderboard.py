@@ -30,7 +30,11 @@ the column's title names them, and a row missing one of them has a blank Avg (an
 tasks would not compare). Other tasks (niah, mixed) get their own columns and stay out of averages.
 Speed: a task whose runs were timed by more than one invocation (`invocation_key`: command line,
 code and machine) has its TPS / total time / TPOT cells marked ``‡``, not comparable across rows.
-A value from a run that has not finished all its samples is marked ``*``.
+A value from a run that has not finished all its samples is marked ``*``. Samples grading could not
+judge (``ungraded`` in metrics.json: a grading worker died or could not start) are in no accuracy
+figure: pass@1 is over the graded samples, blank where none was, and its cell says
+``(n ungraded)``; table1.csv has an ``ungraded`` column beside each pass@1 where any run has some,
+runs.csv always.
 
 Provenance: every run's config.json records the commit, uncommitted-change fingerprint and
 machine it ran on (evals.provenance). Distinct combinations get letters (A: the most common);
@@ -52,6 +56,7 @@ from evals.intervals import half_width, mean_half_width
 from evals.provenance import describe_key, provenance_key
 from evals.results import (
     EVENT_KINDS,
+    GRADED_METRICS,
     SAMPLES_FILE,
     RunResult,
     budget_label_args,
@@ -76,8 +81,9 @@ BUDGET_ARGS = ("budget", "initial_capacity")
 TABLES = {
     "table1": (("pass@1 (%)", "pass@1", 100.0, 1), ("TPS (tok/s)", "tps", 1.0, 1)),
     "table7": (("total time (s)", "total_time_s", 1.0, 1), ("TPOT (ms/token)", "tpot_ms", 1.0, 1)),
-    "memory": (("avg KV budget (tokens)", KV_BUDGET_KEY, 1.0, 0),
-               ("avg KV allocated (tokens)", "avg_kv_allocated", 1.0, 0),
+    "memory": (("nominal KV budget (tokens)", "kv_budget_nominal", 1.0, 0),
+               ("KV allocated (tokens)", "avg_kv_allocated", 1.0, 0),
+               ("KV kept (tokens)", "avg_kv_kept", 1.0, 0),
                ("delta-NLL (nats/token)", "fid_delta_nll", 1.0, 3),
                ("token agreement (%)", "fid_agreement", 100.0, 1)),
 }
@@ -133,18 +139,20 @@ def _mean(values: Sequence[float | None]) -> float | None:
 
 def half_table(runs: Sequence[RunResult], key: str, scale: float) -> dict[tuple[str, str], dict]:
     """{(model, label): {task: value, "Avg": mean over Table-1 tasks present, "_hw": {task or
-    "Avg": half-width of the 95% interval}, "_partial": {...}, "_missing": {...}}}"""
+    "Avg": half-width of the 95% interval}, "_ungraded": {task or "Avg": samples without a
+    verdict}, "_partial": {...}, "_missing": {...}}}"""
     by = {(r.model, r.label, r.task): r for r in runs}
     tasks = order_tasks({r.task for r in runs})
     averaged = set(table1_tasks())
     out = {}
     for model, label in _row_order(runs):
-        row: dict[str, Any] = {"_hw": {}}
+        row: dict[str, Any] = {"_hw": {}, "_ungraded": {}}
         partial = set()
         for t in tasks:
             run = by.get((model, label, t))
             row[t] = _value(run, key, scale)
             row["_hw"][t] = _half_width(run, key, scale)
+            row["_ungraded"][t] = int((run.metrics.get("ungraded") or 0) if run is not None else 0)
             if run is not None and not run.metrics.get("complete", True):
                 partial.add(t)
         present = [t for t in tasks if t in averaged and row[t] is not None]
@@ -153,6 +161,7 @@ def half_table(runs: Sequence[RunResult], key: str, scale: float) -> dict[tuple[
         row["Avg"] = None if row["_missing"] else _mean([row[t] for t in present])
         row["_hw"]["Avg"] = None if row["_missing"] else mean_half_width(
             [row["_hw"][t] for t in present])
+        row["_ungraded"]["Avg"] = sum(row["_ungraded"][t] for t in tasks if t in averaged)
         row["_partial"] = partial
         out[(model, label)] = row
     return out
@@ -225,6 +234,8 @@ def table_markdown(runs: Sequence[RunResult], name: str,
                 if key in SPEED_KEYS and row[t] is not None and (
                         t in apart or (t == "Avg" and apart)):
                     text += "‡"
+                if key in GRADED_METRICS and row["_ungraded"][t]:
+                    text += f" ({row['_ungraded'][t]} ungraded)"
                 cells.append(text)
         if prov:
             cells.append(prov[(model, label)])
@@ -247,26 +258,33 @@ def row_settings(runs: Sequence[RunResult]) -> dict[tuple[str, str], str]:
 
 
 def write_table_csv(runs: Sequence[RunResult], name: str, path: Path) -> Path:
-    """The table as CSV: each value, then ``... ±`` (its interval's half-width) where it has one."""
+    """The table as CSV: each value, then ``... ±`` (its interval's half-width) where it has one,
+    and ``... ungraded`` (samples without a verdict) beside a GRADED_METRICS value where any run has
+    some."""
     halves = _halves(runs, name)
     tasks = order_tasks({r.task for r in runs})
     tables = [half_table(runs, key, scale) for _, key, scale, _ in halves]
     with_hw = [any(tables[i][k]["_hw"].get(t) is not None for k in tables[i] for t in tasks + ["Avg"])
                for i in range(len(halves))]
+    with_ungraded = [key in GRADED_METRICS and any(r.metrics.get("ungraded") for r in runs)
+                     for _, key, _, _ in halves]
     header = ["model", "method"]
-    for (title, *_), hw in zip(halves, with_hw):
+    for (title, *_), hw, ug in zip(halves, with_hw, with_ungraded):
         for t in tasks + ["Avg"]:
             name = avg_title(tasks) if t == "Avg" else task_title(t)
-            header += [f"{title} {name}"] + ([f"{title} {name} ±"] if hw else [])
+            header += ([f"{title} {name}"] + ([f"{title} {name} ±"] if hw else [])
+                       + ([f"{title} {name} ungraded"] if ug else []))
     rows = []
     for model, label in _row_order(runs):
         cells = []
-        for (_, _, _, dec), table, hw in zip(halves, tables, with_hw):
+        for (_, _, _, dec), table, hw, ug in zip(halves, tables, with_hw, with_ungraded):
             row = table[(model, label)]
             for t in tasks + ["Avg"]:
                 cells.append(_round(row[t], dec + 2))
                 if hw:
                     cells.append(_round(row["_hw"][t], dec + 2))
+                if ug:
+                    cells.append(row["_ungraded"][t])
         rows.append([model, label] + cells)
     return write_csv(path, rows, header)
 
@@ -278,16 +296,19 @@ def _round(v: float | None, digits: int) -> Any:
 # ------------------------------------------------------------------------------ runs.csv
 
 
-CI_COLUMNS = ("pass@1", "pass@1_flexible", "tpot_ms", "avg_kv_budget", "avg_kv_allocated", "fid_delta_nll",
-              "fid_worst_window", "fid_agreement", "fid_first_divergence")
+CI_COLUMNS = ("pass@1", "pass@1_flexible", "tpot_ms", "avg_kv_budget", "kv_budget_nominal",
+              "avg_kv_allocated", "avg_kv_kept", "fid_delta_nll", "fid_worst_window", "fid_agreement",
+              "fid_first_divergence")
 
 RUN_COLUMNS = ("model", "task", "method", "policy", "policy_args", "samples_done", "samples_planned",
-               "complete", "problems", "failed", "pass@1", "pass@1_lo", "pass@1_hi",
+               "complete", "problems", "failed", "ungraded", "pass@1", "pass@1_lo", "pass@1_hi",
                "pass@1_flexible", "pass@1_flexible_lo", "pass@1_flexible_hi", "extraction_rate",
                "extraction_rate_flexible", "mean_score", "mean_output_tokens", "tps",
                "total_time_s", "tpot_ms", "tpot_ms_lo", "tpot_ms_hi", "avg_kv_budget",
-               "avg_kv_budget_lo", "avg_kv_budget_hi", "avg_kv_allocated", "avg_kv_allocated_lo",
-               "avg_kv_allocated_hi", "fid_delta_nll", "fid_delta_nll_lo",
+               "avg_kv_budget_lo", "avg_kv_budget_hi", "kv_budget_nominal", "kv_budget_nominal_lo",
+               "kv_budget_nominal_hi", "avg_kv_allocated", "avg_kv_allocated_lo",
+               "avg_kv_allocated_hi", "avg_kv_kept", "avg_kv_kept_lo", "avg_kv_kept_hi",
+               "fid_delta_nll", "fid_delta_nll_lo",
                "fid_delta_nll_hi", "fid_worst_window", "fid_worst_window_lo", "fid_worst_window_hi",
                "fid_agreement", "fid_agreement_lo", "fid_agreement_hi", "fid_first_divergence",
                "fid_first_divergence_lo", "fid_first_divergence_hi", "mean_resident", "grow_ratio",
@@ -394,19 +415,20 @@ def series_name(run: RunResult) -> str:
     return run_label(str(policy), args) if policy else run.label
 
 
-def memory_points(runs: Sequence[RunResult], key: str = "pass@1", scale: float = 100.0
-                  ) -> dict[str, list[dict]]:
+def memory_points(runs: Sequence[RunResult], key: str = "pass@1", scale: float = 100.0,
+                  x_key: str = KV_BUDGET_KEY) -> dict[str, list[dict]]:
     """{task title: points} for :func:`evals.plots.quality_memory_plot`: per run, ``y`` = the
-    metric ``key`` (times ``scale``), ``x`` = its average KV budget, both with their intervals."""
+    metric ``key`` (times ``scale``), ``x`` = the memory figure ``x_key`` (the average KV budget,
+    or the kept slots), both with their intervals."""
     panels: dict[str, list[dict]] = {}
     several_models = len({r.model for r in runs}) > 1
     for task in order_tasks({r.task for r in runs}):
         pts = []
         for r in sorted((r for r in runs if r.task == task), key=lambda r: (r.model, r.label)):
-            y, x = r.metrics.get(key), r.metrics.get(KV_BUDGET_KEY)
+            y, x = r.metrics.get(key), r.metrics.get(x_key)
             if y is None or x is None:
                 continue
-            y_ci, x_ci = r.metrics.get(f"{key}_ci"), r.metrics.get(f"{KV_BUDGET_KEY}_ci")
+            y_ci, x_ci = r.metrics.get(f"{key}_ci"), r.metrics.get(f"{x_key}_ci")
             name = series_name(r)
             pts.append({"series": f"{r.model}: {name}" if several_models else name,
                         "x": float(x), "y": float(y) * scale,
@@ -415,6 +437,40 @@ def memory_points(runs: Sequence[RunResult], key: str = "pass@1", scale: float =
         if pts:
             panels[task_title(task)] = pts
     return panels
+
+
+def fidelity_axis(runs: Sequence[RunResult]) -> tuple[str, str]:
+    """(metric, name) of the fidelity figure's memory axis: the KV kept (slots holding a kept
+    token: the field's compression axis), or the slots allocated for trees written before runs
+    recorded the kept slots."""
+    if any(r.metrics.get("avg_kv_kept") is not None for r in runs):
+        return "avg_kv_kept", "KV kept"
+    return "avg_kv_allocated", "KV allocated"
+
+
+def position_series(runs: Sequence[RunResult]) -> dict[str, list[dict]]:
+    """{task title: series} for :func:`evals.plots.position_plot` from the runs whose metrics
+    carry ``by_position`` (evals.positions): per run, its buckets' delta-NLL with intervals."""
+    panels: dict[str, list[dict]] = {}
+    several_models = len({r.model for r in runs}) > 1
+    for task in order_tasks({r.task for r in runs}):
+        series = []
+        for r in sorted((r for r in runs if r.task == task), key=lambda r: (r.model, r.label)):
+            rows = [b for b in r.metrics.get("by_position") or [] if b.get("delta_nll") is not None]
+            if rows:
+                series.append({"series": f"{r.model}: {r.label}" if several_models else r.label,
+                               "buckets": rows})
+        if series:
+            panels[task_title(task)] = series
+    return panels
+
+
+def grid_task(task: str) -> bool:
+    """Whether a task's samples form a length x depth retrieval grid (NIAH and its kin)."""
+    from evals.tasks import TASKS
+
+    cls = TASKS.get(task)
+    return bool(cls is not None and cls.retrieval_grid)
 
 
 # ------------------------------------------------------------------------------ build
@@ -470,7 +526,7 @@ def one_budget_per_row(runs: Sequence[RunResult]) -> list[RunResult]:
 
 def build_leaderboard(dirs: Sequence[str | Path], out: str | Path) -> Leaderboard:
     """Collect every run under ``dirs`` and write the tables and figures into ``out``."""
-    from evals.plots import niah_grid, niah_heatmap, quality_memory_plot
+    from evals.plots import niah_grid, niah_heatmap, position_plot, quality_memory_plot
     from evals.run.records import niah_records
 
     runs = one_budget_per_row(find_runs(dirs))
@@ -496,21 +552,31 @@ def build_leaderboard(dirs: Sequence[str | Path], out: str | Path) -> Leaderboar
         files["quality_memory.png"] = quality_memory_plot(
             panels, out / "quality_memory.png",
             title="pass@1 vs average KV budget (95% intervals; one point per policy and budget)")
-    fidelity = memory_points(runs, "fid_delta_nll", 1.0)
+    x_key, x_name = fidelity_axis(runs)
+    fidelity = memory_points(runs, "fid_delta_nll", 1.0, x_key=x_key)
     if fidelity:
         files["fidelity_memory.png"] = quality_memory_plot(
             fidelity, out / "fidelity_memory.png", ylabel="delta-NLL vs FullKV (nats/token)",
-            title="Drift from FullKV vs average KV budget (95% intervals; 0 = FullKV)")
-    grids: dict[str, dict[str, list]] = {}
+            xlabel=f"average {x_name} (tokens per request)",
+            title=f"Drift from FullKV vs {x_name} (95% intervals; 0 = FullKV)")
+    positions = position_series(runs)
+    if positions:
+        files["fidelity_position.png"] = position_plot(
+            positions, out / "fidelity_position.png",
+            title="Drift from FullKV by position in the document (95% intervals over documents)")
+    grids: dict[tuple[str, str], dict[str, list]] = {}
     for r in runs:
-        grid = niah_records(r.samples()) if r.task == "niah" else []
+        grid = niah_records(r.samples()) if grid_task(r.task) else []
         if grid:
-            name = f"niah_{slug(r.model)}_{slug(r.label)}.png"
+            prefix = "niah" if r.task == "niah" else slug(r.task)
+            name = f"{prefix}_{slug(r.model)}_{slug(r.label)}.png"
             files[name] = niah_heatmap(grid, out / name, title=f"{r.label} ({r.model})")
-            grids.setdefault(r.model, {})[r.label] = grid
-    for model, panels in sorted(grids.items()):  # every policy of the task on one shared scale
-        name = f"niah_{slug(model)}.png"
-        files[name] = niah_grid(panels, out / name, title=f"NIAH retrieval score by policy ({model})")
+            grids.setdefault((r.model, r.task), {})[r.label] = grid
+    for (model, task), panels in sorted(grids.items()):  # every policy on one shared scale
+        prefix = "niah" if task == "niah" else slug(task)
+        name = f"{prefix}_{slug(model)}.png"
+        files[name] = niah_grid(panels, out / name,
+                                title=f"{task_title(task)} retrieval score by policy ({model})")
     tasks = order_tasks({r.task for r in runs})
     return Leaderboard(runs, tasks, _row_order(runs), files, md)
 
@@ -537,5 +603,9 @@ def render_markdown(runs: Sequence[RunResult], ids: dict[tuple, str] | None = No
              table_markdown(runs, "table7", prov, settings)]
     if _halves(runs, "memory"):
         parts += ["## Memory and fidelity to FullKV", table_markdown(runs, "memory", prov, settings)]
+    if any(r.metrics.get("ungraded") for r in runs):
+        notes += (" (n ungraded) = samples of the run without a verdict because grading itself "
+                  "failed (a grading worker died or could not start): its pass@1 is over the "
+                  "graded samples only, - when none was; rerun its command to grade them.")
     parts += [notes, "Provenance (`prov`):\n\n" + provenance_legend(runs, ids)]
     return "\n\n".join(parts)

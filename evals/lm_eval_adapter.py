@@ -314,13 +314,16 @@ class _GreedyProbe:
         self.hits: dict[int, dict[int, bool]] = {i: {} for i in range(len(params))}
 
     def observe(self, items, logits) -> None:
-        """An `LLM.watching_logits` hook: items of a step and their logits [rows, vocab]."""
-        top = logits.argmax(dim=-1).tolist()
-        for row, item in enumerate(items):
+        """An `LLM.watching_logits` hook: items of a step and their logits [rows, vocab],
+        `item.rows` rows per item (a forced run scores several positions)."""
+        top = iter(logits.argmax(dim=-1).tolist())
+        for item in items:
             i = self.index.get(id(item.seq.params))
-            k = item.seq.num_output_tokens
-            if i is not None and k < len(item.seq.params.forced_tokens):
-                self.hits[i][k] = top[row] == item.seq.params.forced_tokens[k]
+            forced = item.seq.params.forced_tokens
+            for k in range(item.seq.num_output_tokens, item.seq.num_output_tokens + item.rows):
+                best = next(top)
+                if i is not None and k < len(forced):
+                    self.hits[i][k] = best == forced[k]
 
     def all_greedy(self, i: int, n: int) -> bool:
         hits = self.hits[i]

@@ -5,11 +5,14 @@ and, beside it, an SVG of the same name (vector, for papers).
   Fig. 6 layout: x = input context length, y = needle depth).
 - :func:`niah_grid`: the same heatmap for every policy of one task as small multiples on one
   shared colour scale (one colour bar), so the policies compare at a glance.
-- :func:`quality_memory_plot`: quality (pass@1, or fidelity to FullKV) against the average KV
-  budget, one panel per task, one point per policy and budget, with interval error bars; points
-  of several policies at the same budget are dodged sideways so none hides another.
+- :func:`quality_memory_plot`: quality (pass@1 against the average KV budget, or fidelity to
+  FullKV against the KV kept: the field's score-vs-compression plot), one panel per task, one
+  point per policy and budget, with interval error bars; points of several policies at the same
+  budget are dodged sideways so none hides another.
   Throughput is deliberately not plotted here: eval runs are timed one after another at
   whatever load the machine had; the benchmarks compare speed side by side.
+- :func:`position_plot`: delta-NLL against position in the document, one line per policy with
+  its interval band (StreamingLLM's Fig. 3 shape; the long-document tasks).
 - :func:`budget_histogram`: requests per minimum sufficient budget class, with Unsolved
   (GrowPage's Fig. 2).
 """
@@ -145,25 +148,74 @@ def quality_memory_plot(panels: Mapping[str, Sequence[Mapping[str, Any]]], path:
             ax.errorbar(xs, ys, xerr=_err(mine, "x"), yerr=_err(mine, "y"), color=color,
                         marker=marker, markersize=5, linewidth=0.8, elinewidth=0.8, capsize=2,
                         alpha=0.9, label=name)
-        ax.set_title(panel, fontsize=10)
-        ax.set_xlabel(xlabel, fontsize=8)
-        ax.set_ylabel(ylabel, fontsize=8)
-        ax.tick_params(labelsize=8)
-        ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(panels):]:
-        ax.set_visible(False)
-    handles = [plt.Line2D([], [], color=style[nm][0], marker=style[nm][1], linewidth=0.8, label=nm)
-               for nm in names]
-    if handles:
-        fig.legend(handles=handles, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8,
-                   title="policy", title_fontsize=8, frameon=False)
-    if title:
-        fig.suptitle(title, fontsize=11)
+        _label_axis(ax, panel, xlabel, ylabel)
+    _finish_panels(fig, axes, len(panels), names, style, title, linewidth=0.8)
     if any(dodge(pts) for pts in panels.values()):
         fig.text(0.5, -0.01, "Points of several policies at one budget are spread sideways "
                  "(dodged) so that none hides another; their budget is the one they share.",
                  ha="center", va="top", fontsize=7, color="0.35")
     return _save(fig, path, bbox_inches="tight")
+
+
+def position_plot(panels: Mapping[str, Sequence[Mapping[str, Any]]], path: str | Path,
+                  title: str = "", ylabel: str = "delta-NLL vs FullKV (nats/token)") -> Path:
+    """delta-NLL against position in the document (StreamingLLM's Fig. 3 shape), one panel per
+    task: panels {panel title: series}, a series ``{"series": name, "buckets": rows}`` with rows
+    as evals.positions.by_position writes them (``start``, ``end``, ``delta_nll``,
+    ``delta_nll_ci``). Each bucket is drawn at its midpoint on a log-2 axis with its interval as
+    an error bar and a shaded band; the zero line is FullKV."""
+    plt = _pyplot()
+    names = list(dict.fromkeys(str(s["series"]) for series in panels.values() for s in series))
+    style = dict(zip(names, _marker_styles()))
+    n = max(1, len(panels))
+    cols = min(3, n)
+    rows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols + 2.6, 3.5 * rows), squeeze=False)
+    for ax, (panel, series) in zip(axes.flat, panels.items()):
+        ticks: dict[float, str] = {}
+        for s in series:
+            color, marker = style[str(s["series"])]
+            rows_ = sorted(s["buckets"], key=lambda b: b["start"])
+            xs = [(b["start"] + b["end"]) / 2 for b in rows_]
+            ys = [float(b["delta_nll"]) for b in rows_]
+            lo = [float((b.get("delta_nll_ci") or [y, y])[0]) for b, y in zip(rows_, ys)]
+            hi = [float((b.get("delta_nll_ci") or [y, y])[1]) for b, y in zip(rows_, ys)]
+            ax.errorbar(xs, ys, yerr=[[max(0.0, y - v) for y, v in zip(ys, lo)],
+                                      [max(0.0, v - y) for y, v in zip(ys, hi)]],
+                        color=color, marker=marker, markersize=4, linewidth=1.0, elinewidth=0.8,
+                        capsize=2)
+            ax.fill_between(xs, lo, hi, color=color, alpha=0.12, linewidth=0)
+            ticks.update({x: b["bucket"] for x, b in zip(xs, rows_)})
+        ax.axhline(0.0, color="0.3", linewidth=0.8, linestyle="--")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(list(ticks), list(ticks.values()), fontsize=7)
+        ax.minorticks_off()
+        _label_axis(ax, panel, "position in the document (tokens)", ylabel)
+    _finish_panels(fig, axes, len(panels), names, style, title, linewidth=1.0)
+    return _save(fig, path, bbox_inches="tight")
+
+
+def _label_axis(ax, title: str, xlabel: str, ylabel: str) -> None:
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel(xlabel, fontsize=8)
+    ax.set_ylabel(ylabel, fontsize=8)
+    ax.tick_params(labelsize=8)
+    ax.grid(alpha=0.3)
+
+
+def _finish_panels(fig, axes, used: int, names: Sequence[str], style: Mapping[str, tuple],
+                   title: str, linewidth: float) -> None:
+    """Hide the unused panels, name every series in one legend beside them, set the title."""
+    plt = _pyplot()
+    for ax in list(axes.flat)[used:]:
+        ax.set_visible(False)
+    handles = [plt.Line2D([], [], color=style[nm][0], marker=style[nm][1], linewidth=linewidth,
+                          label=nm) for nm in names]
+    if handles:
+        fig.legend(handles=handles, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8,
+                   title="policy", title_fontsize=8, frameon=False)
+    if title:
+        fig.suptitle(title, fontsize=11)
 
 
 def dodge(points: Sequence[Mapping[str, Any]], width: float = 0.025) -> dict[tuple[str, float], float]:

@@ -88,24 +88,36 @@ class ProblemSet:
         return self.problems[i]
 
 
+# The reason of an output left without a verdict because grading itself failed (its grading
+# worker died, or none could start), not because of the answer: such a result has no ``correct``
+# or ``score``, and no metric counts it. Runs wrote ``grading_error`` for it before.
+GRADING_INFRA = "grading_infra"
+UNGRADED_REASONS = (GRADING_INFRA, "grading_error")
+# The reason of an output whose task gives no verdict by design (the long-document likelihood
+# task, evals.grading.likelihood_grader): no ``correct`` or ``score`` either, but nothing failed
+# and nothing is regraded; its figures are the forced pass's NLL fields.
+NO_VERDICT = "likelihood"
+
+
 @dataclass(frozen=True)
 class GradeResult:
     """The verdict on one output.
 
     Fields:
-        correct: the output counts as solved.
+        correct: the output counts as solved; ``None`` when it was not graded (``graded``).
         score: in [0, 1]; 1.0/0.0 for exact-answer tasks, graded for NIAH, the fraction of
-            passed tests for code (``correct`` still needs every test).
+            passed tests for code (``correct`` still needs every test); ``None`` when not graded.
         extracted: the answer (or code) found in the output; ``None`` when nothing could be
             extracted.  The extraction rate is the share of outputs with ``extracted`` set.
         reason: why, one word: ``correct``, ``wrong_answer``, ``no_answer``, ``timeout``,
             ``error``; for code also ``no_code`` and the first failing test's status
-            (``runtime_error``, ``compile_error``, ``memory``, ``killed``, ``output_limit``...).
+            (``runtime_error``, ``compile_error``, ``memory``, ``killed``, ``output_limit``...);
+            ``grading_infra`` for an output grading could not judge (``UNGRADED_REASONS``).
         details: grader-specific extras (per-test results, which extractor matched, ...).
     """
 
-    correct: bool
-    score: float
+    correct: bool | None
+    score: float | None
     extracted: str | None
     reason: str
     details: Mapping[str, Any] = field(default_factory=dict)
@@ -113,6 +125,11 @@ class GradeResult:
     @property
     def answered(self) -> bool:
         return self.extracted is not None
+
+    @property
+    def graded(self) -> bool:
+        """A verdict was reached (right or wrong); False when grading itself failed."""
+        return self.reason not in UNGRADED_REASONS
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -48,9 +48,10 @@ not JSON is dropped and reported. A line that is JSON but holds what no run writ
 or a results file that is not a regular file stops the run with ``ResultsCorruptError`` naming
 the file and line (``validate_sample`` / ``validate_segment``). A sample
 recorded twice keeps its first line, unless that line is a failed sample (``status: "failed"``, an
-engine reason such as a prompt longer than the pool): a failed sample is retried by a resumed run
-whose engine settings differ from those of the segment that failed it (or with ``retry_failed``),
-and the retry's line replaces it.
+engine reason such as a prompt longer than the pool) or an ungraded one (``ungraded``: grading
+itself failed): a failed sample is retried by a resumed run whose engine settings differ from
+those of the segment that failed it (or with ``retry_failed``), an ungraded one by every resumed
+run, and the retry's line replaces it.
 
 Engine settings (KV pool size, concurrency, pages) may differ between invocations; each segment
 records its own, and config.json's ``kv_cache_tokens`` / ``max_num_seqs`` / ``engine`` describe
@@ -80,7 +81,7 @@ from engine.events import EVENT_KINDS
 from evals.grading.metrics import FLEXIBLE_CORRECT, FLEXIBLE_EXTRACTED, summarize
 from evals.intervals import DEFAULT_SPEC, BootstrapSpec, mean_and_interval
 from evals.jsonio import FILE_MODE, dumps_line, json_default, open_append, set_mode, write_json  # noqa: F401
-from evals.problem import GradeResult
+from evals.problem import NO_VERDICT, UNGRADED_REASONS, GradeResult
 
 CONFIG_FILE = "config.json"
 SAMPLES_FILE = "samples.jsonl"
@@ -253,14 +254,14 @@ _COUNT = (_count, "an integer >= 0")
 _OPT_NUM = (_opt(_number), "a number or null")
 _DICT = (lambda v: isinstance(v, dict), "a JSON object")
 # field -> (check, what it must be, required). Fields not listed are not checked; a field that is
-# absent reads as the metrics read it (no ``correct``: not correct).
+# absent reads as the metrics read it (no ``correct``: not correct). ``correct`` and ``score`` are
+# null on an ungraded sample only (``ungraded``; checked in ``validate_sample``).
 SAMPLE_FIELDS: dict[str, tuple[Callable[[Any], bool], str, bool]] = {
     "uid": (lambda v: isinstance(v, str) and bool(v), "a non-empty string", True),
     "sample": (*_COUNT, True),
     "status": (lambda v: v in ("ok", "failed"), '"ok" or "failed"', False),
-    # null: a sample its task does not grade (evals.grading.likelihood_grader)
-    "correct": (lambda v: v is None or isinstance(v, bool), "true, false or null", False),
-    "score": (lambda v: v is None or (_number(v) and 0.0 <= v <= 1.0), "a number in [0, 1] or null",
+    "correct": (_opt(lambda v: isinstance(v, bool)), "true or false (null if ungraded)", False),
+    "score": (_opt(lambda v: _number(v) and 0.0 <= v <= 1.0), "a number in [0, 1] (null if ungraded)",
               False),
     "segment": (_opt(_count), "an integer >= 0 or null", False),
     "seed": (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer", False),
@@ -310,7 +311,29 @@ def _validate(record: Any, fields: Mapping[str, tuple], where: str) -> dict:
 def validate_sample(record: Any, where: str) -> dict:
     """``record`` if it is a sample line as runs write it (SAMPLE_FIELDS), else
     ``ResultsCorruptError`` naming ``where`` (file and line), the field and its value."""
-    return _validate(record, SAMPLE_FIELDS, where)
+    _validate(record, SAMPLE_FIELDS, where)
+    for name in ("correct", "score"):
+        if name in record and record[name] is None and not (ungraded(record) or no_verdict(record)):
+            raise ResultsCorruptError(f"{where}: {name!r} is null on a graded sample (reason "
+                                      f"{record.get('reason')!r})")
+    return record
+
+
+def no_verdict(record: Mapping[str, Any]) -> bool:
+    """The sample's task gives no verdict by design (``NO_VERDICT``: the likelihood task)."""
+    return record.get("status") == "ok" and record.get("reason") == NO_VERDICT
+
+
+def replaceable(record: Mapping[str, Any]) -> bool:
+    """A later line of the same sample replaces this one: a failed sample (an engine reason) or
+    an ungraded one, run again by a resumed run."""
+    return record.get("status") == "failed" or ungraded(record)
+
+
+def ungraded(record: Mapping[str, Any]) -> bool:
+    """The sample line has no verdict: grading itself failed (``UNGRADED_REASONS``), so no metric
+    counts it and a resumed run generates and grades it again."""
+    return record.get("reason") in UNGRADED_REASONS
 
 
 def validate_segment(record: Any, where: str) -> dict:
@@ -392,10 +415,10 @@ def load_samples(path: Path, repair: bool = True) -> LoadedSamples:
             continue
         validate_sample(rec, f"{path} line {n}")
         key = (rec["uid"], rec["sample"])
-        if key in loaded.records and loaded.records[key].get("status") != "failed":
+        if key in loaded.records and not replaceable(loaded.records[key]):
             loaded.duplicates += 1
             continue
-        loaded.records[key] = rec  # a retried failed sample: the later line wins
+        loaded.records[key] = rec  # a retried failed or ungraded sample: the later line wins
     return loaded
 
 
@@ -694,11 +717,10 @@ def _canon(value: Any) -> Any:
 
 
 def grade_of(record: Mapping[str, Any]) -> GradeResult:
-    """A sample line's verdict; ``correct`` stays None for an ok sample its task does not grade
-    (evals.grading.likelihood_grader), so no accuracy counts it."""
-    ungraded = record.get("status") == "ok" and record.get("correct") is None
-    return GradeResult(correct=None if ungraded else bool(record.get("correct")),
-                       score=None if ungraded else float(record.get("score") or 0.0),
+    if ungraded(record) or no_verdict(record):
+        return GradeResult(correct=None, score=None, extracted=record.get("extracted"),
+                           reason=str(record["reason"]))
+    return GradeResult(correct=bool(record.get("correct")), score=float(record.get("score") or 0.0),
                        extracted=record.get("extracted"), reason=str(record.get("reason") or ""))
 
 
@@ -715,7 +737,10 @@ def compute_metrics(records: Sequence[Mapping[str, Any]], segments: Sequence[Map
     line; planned: how many samples the run asks for.
 
     Accuracy: ``pass@1`` is the share of correct samples averaged per problem (GrowPage's mean
-    pass@1); failed samples (e.g. a prompt longer than the context) count as incorrect.
+    pass@1); failed samples (e.g. a prompt longer than the context) count as incorrect. Samples
+    grading could not judge (``ungraded``: a grading worker died or could not start) count in no
+    accuracy figure (pass@1, accuracy, extraction rate, mean score, their intervals): those are
+    over the graded samples, None when none was, and ``ungraded`` says how many were left out.
     Throughput over a resumed run (several segments): TPS = output tokens of the samples finished
     in each segment / summed engine wall time of the segments, so the time an interruption
     wasted is counted. TPOT and the average KV budget are means over samples; C (mean resident
@@ -751,6 +776,7 @@ def compute_metrics(records: Sequence[Mapping[str, Any]], segments: Sequence[Map
         "complete": len(records) >= planned,
         "problems": summary.get("problems", 0),
         "failed": len(failed),
+        "ungraded": summary.get("ungraded", 0),
         "pass@1": summary.get("pass@1"),
         "accuracy": summary.get("accuracy"),
         "extraction_rate": summary.get("extraction_rate"),
@@ -814,26 +840,29 @@ def _by_source_task(records: Sequence[Mapping[str, Any]]) -> dict:
     for task in sorted({str(r.get("task")) for r in records}):
         part = [r for r in records if str(r.get("task")) == task]
         s = summarize(((r["uid"], grade_of(r)) for r in part), ks=(1,))
-        out[task] = {"pass@1": s["pass@1"], "samples": s["samples"],
+        out[task] = {"pass@1": s["pass@1"], "samples": s["samples"], "ungraded": s["ungraded"],
                      **per_sample_intervals(part, [], names=("pass@1",)),
                      **flexible_extraction(part)}
     return out
 
 
 # Per-sample metrics with a 95% interval (evals.intervals): name -> (value of one sample, which
-# samples count, weight). "all": every sample asked for (a failed one counts as incorrect, as in
-# pass@1); "ok": finished samples. "problem" weight: mean over problems of the per-problem mean
-# (pass@1); "sample": mean over samples. Each point value stays where it was in metrics.json and
-# its interval goes next to it as "<name>_ci": [low, high] (None with fewer than two problems).
+# samples count, weight). "graded": every sample asked for that has a verdict (a failed one counts
+# as incorrect, as in pass@1; an ungraded one is left out); "ok": finished samples. "problem"
+# weight: mean over problems of the per-problem mean (pass@1); "sample": mean over samples. Each
+# point value stays where it was in metrics.json and its interval goes next to it as
+# "<name>_ci": [low, high] (None with fewer than two problems).
 PER_SAMPLE_METRICS: dict[str, tuple[Callable[[Mapping[str, Any]], Any], str, str]] = {
-    "pass@1": (lambda r: bool(r.get("correct")), "all", "problem"),
-    "accuracy": (lambda r: bool(r.get("correct")), "all", "sample"),
-    "extraction_rate": (lambda r: r.get("extracted") is not None, "all", "sample"),
-    "mean_score": (lambda r: float(r.get("score") or 0.0), "all", "sample"),
+    "pass@1": (lambda r: bool(r.get("correct")), "graded", "problem"),
+    "accuracy": (lambda r: bool(r.get("correct")), "graded", "sample"),
+    "extraction_rate": (lambda r: r.get("extracted") is not None, "graded", "sample"),
+    "mean_score": (lambda r: float(r.get("score") or 0.0), "graded", "sample"),
     "mean_output_tokens": (lambda r: int(r.get("output_tokens") or 0), "ok", "sample"),
     "tpot_ms": (lambda r: None if r.get("tpot_s") is None else 1000.0 * float(r["tpot_s"]), "ok", "sample"),
     "avg_kv_budget": (lambda r: r.get("avg_kv_budget"), "ok", "sample"),
 }
+# Metrics over the graded samples only (None when none was; ``ungraded`` counts the others).
+GRADED_METRICS = ("pass@1", "pass@1_flexible", "accuracy", "extraction_rate", "mean_score")
 # Numeric per-sample fields with these prefixes get "<field>" (their mean over the finished
 # samples where the field applies, i.e. is not None) and "<field>_ci" automatically: fidelity to
 # FullKV (fid_*) and every definition of the average KV budget.
@@ -851,9 +880,10 @@ def per_sample_intervals(records: Sequence[Mapping[str, Any]], ok: Sequence[Mapp
     ``"<field>_ci"`` for every numeric field with an AUTO_MEAN_PREFIXES prefix (not for ``names``).
     The pass@1 interval of GSM8K's flexible extraction is in :func:`flexible_extraction`."""
     out: dict[str, Any] = {}
+    graded = [r for r in records if not ungraded(r)]
     for name in names or PER_SAMPLE_METRICS:
         value, which, weight = PER_SAMPLE_METRICS[name]
-        rows = records if which == "all" else ok
+        rows = graded if which == "graded" else ok
         _, ci = mean_and_interval(((r["uid"], value(r)) for r in rows), weight, spec)
         out[f"{name}_ci"] = None if ci is None else list(ci)
     if names is not None:
@@ -872,7 +902,8 @@ def flexible_extraction(records: Sequence[Mapping[str, Any]], spec: BootstrapSpe
     """GSM8K's second reading (lm-eval's "flexible-extract": the last number of the output), next
     to ``pass@1``, which is the strict reading: ``pass@1_flexible``, its interval and
     ``extraction_rate_flexible``, over the tasks whose grader records it (empty otherwise; a
-    failed sample of such a task counts as incorrect)."""
+    failed sample of such a task counts as incorrect, an ungraded one not at all)."""
+    records = [r for r in records if not ungraded(r)]
     tasks = {r.get("task") for r in records if FLEXIBLE_CORRECT in (r.get("details") or {})}
     rows = [r for r in records if r.get("task") in tasks]
     if not rows or len(tasks) != len({r.get("task") for r in records}):
@@ -919,6 +950,19 @@ class RunResult:
         return list(load_samples(self.path / SAMPLES_FILE, repair=False).records.values())
 
 
+def with_nominal_budget(metrics: dict, config: Mapping[str, Any]) -> dict:
+    """``metrics`` with ``kv_budget_nominal`` (and its interval): the average KV budget where the
+    run's policy has a nominal one (``KVPolicy.has_budget``: a fixed budget, GrowPage's
+    capacity), None where it has none (FullKV, prompt-only and retention policies, whose
+    ``avg_kv_budget`` is their allocated slots). Derived when read, so older trees get it too."""
+    from engine.policies.base import policy_registry
+
+    cls = policy_registry().get(str(config.get("policy")))
+    nominal = cls is not None and cls.has_budget
+    return {**metrics, "kv_budget_nominal": metrics.get("avg_kv_budget") if nominal else None,
+            "kv_budget_nominal_ci": metrics.get("avg_kv_budget_ci") if nominal else None}
+
+
 def find_runs(dirs: Sequence[str | Path]) -> list[RunResult]:
     """Every result directory (one holding config.json and metrics.json) at or below ``dirs``,
     in path order. A directory that does not exist is an error naming it."""
@@ -934,7 +978,8 @@ def find_runs(dirs: Sequence[str | Path]) -> list[RunResult]:
             if not (run / CONFIG_FILE).exists() or run.resolve() in found:
                 continue
             try:
-                found[run.resolve()] = RunResult(run, read_json(run / CONFIG_FILE), read_json(metrics_path))
+                config, metrics = read_json(run / CONFIG_FILE), read_json(metrics_path)
+                found[run.resolve()] = RunResult(run, config, with_nominal_budget(metrics, config))
             except ValueError:
                 continue  # a broken metrics file: the run can be re-run to rewrite it
     return sorted(found.values(), key=lambda r: str(r.path))

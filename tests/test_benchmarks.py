@@ -542,3 +542,28 @@ def test_projections_refuse_a_kernel_that_disagrees(monkeypatch):
              "broken": (lambda w: None, lambda x, w, p: F.linear(x, w) + 0.01)}
     with pytest.raises(RuntimeError, match="broken"):
         projections.check_agreement(projections.QUICK.shapes(), wrong)
+
+
+def test_forced_quick_alternates_the_sides_and_writes_its_ratios(tiny_model, tmp_path):
+    """`kvarena bench forced --quick`: FullKV and SnapKV, forced runs and token by token
+    alternated, the same tokens and events on both sides, fewer steps in forced runs."""
+    from typer.testing import CliRunner
+
+    from cli import app
+
+    out = CliRunner().invoke(app, ["bench", "forced", "--quick", "--model", tiny_model,
+                                   "--threads", "1", "--out-dir", str(tmp_path)])
+    assert out.exit_code == 0, out.output
+    payload = json.loads((tmp_path / "forced-quick.json").read_text())
+    ratios, runs = ({t["name"]: t for t in payload["tables"]}[k] for k in ("ratios", "runs"))
+    assert [(r["policy"], r["side"]) for r in runs["rows"]] == [
+        ("full", "forced runs"), ("full", "token by token"),
+        ("snapkv", "token by token"), ("snapkv", "forced runs")]
+    assert all(r["compactions"] > 0 for r in runs["rows"] if r["policy"] == "snapkv")
+    assert [r["policy"] for r in ratios["rows"]] == ["full", "snapkv"]
+    for row in ratios["rows"]:
+        assert row["same_tokens"] and row["same_events"] and row["max_logprob_diff"] <= 1e-4
+        assert row["steps_on"] < row["steps_off"]
+        assert row["speedup"] == pytest.approx(row["tps_on"] / row["tps_off"])
+    md = (tmp_path / "forced-quick.md").read_text()
+    assert "kvarena bench forced --model" in md and "| policy | forced runs tok/s |" in md

@@ -190,6 +190,23 @@ def test_merging_is_idempotent_and_never_overwrites_a_finished_sample(model_dir,
     assert json.loads((fresh / R.CONFIG_FILE).read_text())["policy"] == "full"
 
 
+def test_a_merged_sample_replaces_the_runs_ungraded_line_of_it(model_dir, tmp_path):
+    first = run_eval(settings_for(model_dir, tmp_path / "a", fidelity=False, limit=2, samples=1))
+    shard = read_shard(first.path)
+    target = tmp_path / "target"
+    shutil.copytree(first.path, target)
+    kept = (target / R.SAMPLES_FILE).read_text().splitlines()
+    lost = {**json.loads(kept[0]), "correct": None, "score": None, "reason": "grading_infra"}
+    (target / R.SAMPLES_FILE).write_text("\n".join([json.dumps(lost), kept[1]]) + "\n")
+    written = merge_shard(target, shard, source="job-1")
+    assert [(r["uid"], r["sample"]) for r in written] == [(lost["uid"], lost["sample"])]
+    assert not any(R.ungraded(r) for r in R.load_samples(target / R.SAMPLES_FILE).records.values())
+    # a shard's own ungraded line never replaces one
+    ungraded_shard = {**shard, "records": [{**r, "correct": None, "score": None,
+                                            "reason": "grading_infra"} for r in shard["records"]]}
+    assert merge_shard(target, ungraded_shard, source="job-2") == []
+
+
 def test_a_worker_that_dies_is_a_clear_error_and_keeps_its_samples(local_ray, model_dir, tmp_path,
                                                                     monkeypatch):
     import evals.run.distributed as D

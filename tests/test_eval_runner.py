@@ -976,3 +976,114 @@ def test_samples_name_the_rendered_prompt_they_ran(model_dir, tmp_path):
         assert "?" in text
     run_eval(settings(model_dir, tmp_path, policy="full", limit=3, samples=2, fidelity=False))
     assert len((outcome.path / PROMPTS_FILE).read_text().splitlines()) == 3
+
+
+# ------------------------------------------------------------------------------ grading failures
+
+
+def _no_worker_starts(monkeypatch):
+    """Math grading whose workers never get ready: every pool-graded sample is left ungraded."""
+    import functools
+    import time
+
+    from evals.grading import GradingPool, batch
+
+    never_ready = functools.partial(time.sleep, 60.0)
+    monkeypatch.setattr(batch, "grading_pool", lambda workers, timeout_s: GradingPool(
+        workers=1, timeout_s=timeout_s, start_timeout_s=0.5, initializer=never_ready))
+
+
+class Messages(EvalHooks):
+    def __init__(self):
+        self.messages = []
+
+    def on_message(self, text):
+        self.messages.append(text)
+
+
+def test_samples_grading_could_not_judge_have_no_verdict_and_are_graded_on_resume(
+        model_dir, tmp_path, monkeypatch):
+    hooks = Messages()
+    with monkeypatch.context() as m:
+        _no_worker_starts(m)
+        outcome = run_eval(settings(model_dir, tmp_path, limit=3, temperature=0.0, **NO_FIDELITY), hooks)
+    records = lines(outcome.path)
+    assert len(records) == 3 and outcome.ungraded == 3
+    for r in records:  # kept, but neither right nor wrong
+        assert (r["correct"], r["score"], r["reason"]) == (None, None, "grading_infra")
+        assert "no grading worker could start" in r["details"]["error"]
+    m = outcome.metrics
+    assert m["ungraded"] == 3 and m["samples_done"] == 3 and m["pass@1"] is None
+    assert m["accuracy"] is None and m["pass@1_ci"] is None
+    (warning,) = [t for t in hooks.messages if "no verdict" in t]
+    assert "3 of 3 sample(s) have no verdict" in warning and "over the 0 graded" in warning
+
+    hooks = Messages()
+    again = run_eval(settings(model_dir, tmp_path, limit=3, temperature=0.0, **NO_FIDELITY), hooks)
+    assert again.ran == 3 and again.ungraded == 0 and again.metrics["ungraded"] == 0
+    assert "running again 3 sample(s) that grading could not judge" in hooks.messages
+    assert again.metrics["pass@1"] is not None and again.metrics["samples_done"] == 3
+    latest = R.load_samples(again.path / R.SAMPLES_FILE).records
+    assert all(r["reason"] != "grading_infra" and isinstance(r["correct"], bool) for r in latest.values())
+
+
+def test_pass1_is_over_the_graded_samples_when_some_are_not(model_dir, tmp_path, monkeypatch):
+    from evals import grading
+    from evals.problem import GradeResult
+
+    real = grading.grade_many
+
+    def lose_the_first(pairs, **kw):  # the first problem's grading worker died, twice
+        out = real(pairs, **kw)
+        return [GradeResult(None, None, g.extracted, "grading_infra", {"error": "died"})
+                if p.uid.endswith("/0") else g for (p, _), g in zip(pairs, out)]
+
+    monkeypatch.setattr(grading, "grade_many", lose_the_first)
+    outcome = run_eval(settings(model_dir, tmp_path, limit=3, samples=2, temperature=0.8, **NO_FIDELITY))
+    graded = [r for r in lines(outcome.path) if r["reason"] != "grading_infra"]
+    assert outcome.ungraded == 2 and len(graded) == 4
+    expected = R.compute_metrics(graded, R.read_segments(outcome.path / R.SEGMENTS_FILE), 4)
+    assert outcome.metrics["pass@1"] == expected["pass@1"] is not None
+    assert outcome.metrics["problems"] == 3
+
+
+def test_cli_eval_exits_3_with_one_line_when_samples_are_left_ungraded(model_dir, tmp_path, monkeypatch):
+    from cli import app
+
+    _no_worker_starts(monkeypatch)
+    result = CliRunner(env=WIDE).invoke(app, _cli_args(model_dir, tmp_path, "--limit", "2"))
+    assert result.exit_code == 3, result.output
+    text = result.output
+    assert "pass@1 - over 2 samples" in text and "2 ungraded" in text
+    assert "2 of 2 sample(s) have no verdict" in text
+    (last,) = [line for line in text.splitlines() if line.startswith("error:")]
+    assert "2 sample(s) in 1 run(s) have no verdict" in last and "Traceback" not in text
+
+
+_NO_GUARD_EVAL = """
+from evals.run.runner import run_eval
+from evals.run.settings import EvalSettings
+
+outcome = run_eval(EvalSettings(task="gsm8k", model={model!r}, data={data!r}, out={out!r}, limit=2,
+                                block_size=4, kv_cache_tokens=512, max_tokens=4, temperature=0.0,
+                                fidelity=False))
+print("pass@1", outcome.metrics["pass@1"])
+"""
+
+
+def test_run_eval_from_a_script_without_main_guard_stops_with_one_error(model_dir, tmp_path):
+    import subprocess
+    import sys
+
+    script = tmp_path / "eval_script.py"
+    script.write_text(_NO_GUARD_EVAL.format(model=str(model_dir), data=str(TASK_DATA["gsm8k"]),
+                                            out=str(tmp_path / "runs")))
+    proc = subprocess.run([sys.executable, str(script)], env=_env(), cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode != 0 and "pass@1" not in proc.stdout, proc.stdout
+    assert proc.stderr.count("Traceback") == 1, proc.stderr  # the script's own, not the workers'
+    assert "WorkerStartError" in proc.stderr and '`if __name__ == "__main__":`' in proc.stderr
+    run = run_path(model_dir, tmp_path / "runs", max_tokens=4, temperature=0.0)  # the script's run
+    metrics = json.loads((run / R.METRICS_FILE).read_text())
+    assert metrics["pass@1"] is None and metrics["ungraded"] == metrics["samples_done"] >= 1
+    assert R.read_segments(run / R.SEGMENTS_FILE)[-1]["status"] == "error"

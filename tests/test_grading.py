@@ -279,14 +279,58 @@ def _raises(x):
 def test_pool_bounds_each_call_and_recovers():
     with GradingPool(workers=2, timeout_s=1.0) as pool:
         out = pool.map(_sleepy, [0.0, 30.0, 0.1, -1.0, 0.2], on_timeout=lambda x: "timeout",
-                       on_error=lambda x, msg: f"error: {msg}")
+                       on_error=lambda x, msg: f"error: {msg}", on_infra=lambda x, msg: f"infra: {msg}")
         assert out[0] == 0.0 and out[2] == 0.2 and out[4] == 0.4
-        assert out[1] == "timeout" and out[3].startswith("error")
-        assert pool.timeouts == 1
+        # an overrun and a dead worker are each run once more in a fresh worker before they count
+        assert out[1] == "timeout" and out[3] == "infra: its grading worker died, twice"
+        assert pool.timeouts == 1 and pool.regraded == 2
         # The pool still works after killing a worker.
         assert pool.map(_sleepy, [0.0, 0.1]) == [0.0, 0.2]
         errors = pool.map(_raises, [1])
         assert isinstance(errors[0], RuntimeError) and "bad item 1" in str(errors[0])
+
+
+def _slow_start(seconds):
+    time.sleep(seconds)
+
+
+def _fail_start():
+    raise OSError("no such device")
+
+
+def test_a_slow_worker_start_is_not_charged_to_any_call():
+    import functools
+
+    # Each worker takes 1 s to start; each call may take 0.5 s. The first call waits for its
+    # worker, and the calls after a crash and after an overrun wait for a fresh one.
+    with GradingPool(workers=1, timeout_s=0.5, initializer=functools.partial(_slow_start, 1.0)) as pool:
+        out = pool.map(_sleepy, [0.0, -1.0, 0.1, 30.0, 0.2], on_timeout=lambda x: "timeout",
+                       on_infra=lambda x, msg: "infra")
+    assert out == [0.0, "infra", 0.2, "timeout", 0.4]
+    assert pool.timeouts == 1 and pool.regraded == 2 and pool.start_failures == 0
+
+
+def test_a_worker_that_cannot_start_in_time_is_an_infrastructure_failure():
+    import functools
+
+    started = time.monotonic()
+    with GradingPool(workers=2, timeout_s=5.0, start_timeout_s=1.0,
+                     initializer=functools.partial(_slow_start, 30.0)) as pool:
+        out = pool.map(_sleepy, [0.0, 0.1, 0.2], on_timeout=lambda x: "timeout")
+        assert time.monotonic() - started < 10
+        assert all(type(r).__name__ == "GradingInfraError" for r in out), out
+        assert "no grading worker could start (not ready within 1 s)" in str(out[0])
+        assert pool.timeouts == 0
+
+
+def test_a_worker_whose_start_fails_says_so_in_one_line():
+    from evals.grading.pool import WorkerStartError
+
+    with GradingPool(workers=1, initializer=_fail_start) as pool:
+        with pytest.raises(WorkerStartError) as caught:
+            pool.map(_sleepy, [0.0])
+    message = str(caught.value)
+    assert "\n" not in message and "initializer failed: OSError: no such device" in message
 
 
 def test_grade_many_mixes_graders_and_times_out_safely():
@@ -333,6 +377,31 @@ def test_summarize():
     assert by_task["aime24"]["accuracy"] == 1.0 and by_task["gsm8k"]["samples"] == 4
 
 
+def test_ungraded_results_count_in_no_metric():
+    infra = GradeResult(None, None, "x", "grading_infra")
+    records = [("gsm8k/1", _r(True)), ("gsm8k/1", infra), ("gsm8k/2", _r(False)), ("gsm8k/3", infra)]
+    s = summarize(records)
+    assert s["samples"] == 4 and s["problems"] == 3 and s["ungraded"] == 2
+    assert s["accuracy"] == pytest.approx(1 / 2) and s["pass@1"] == pytest.approx(1 / 2)
+    assert s["pass@1_problems"] == 2 and s["reasons"]["grading_infra"] == 2
+    nothing = summarize([("gsm8k/1", infra)])
+    assert nothing["ungraded"] == 1
+    assert all(nothing[k] is None for k in ("pass@1", "accuracy", "extraction_rate", "mean_score"))
+
+
+def test_grade_many_leaves_what_no_worker_could_grade_ungraded():
+    import functools
+
+    pairs = [(problem("gsm8k", "2"), "#### 2"),
+             (problem("niah", "lavender honey", needle="x lavender honey"), "It is lavender honey.")]
+    never_ready = functools.partial(_slow_start, 30.0)
+    with GradingPool(workers=1, start_timeout_s=0.5, initializer=never_ready) as pool:
+        math, niah = grade_many(pairs, pool=pool, timeout_s=1.0)
+    assert (math.correct, math.score, math.reason, math.graded) == (None, None, "grading_infra", False)
+    assert math.extracted == "2" and "could start" in math.details["error"]
+    assert niah.correct is True and niah.graded
+
+
 _NO_GUARD = """
 from evals.grading import grade_many
 from evals.problem import Problem
@@ -359,6 +428,42 @@ def test_grade_many_from_a_script_without_main_guard_says_so(tmp_path, guarded):
                           text=True, timeout=120)
     if guarded:
         assert proc.returncode == 0 and "graded [True, False]" in proc.stdout, proc.stderr[-2000:]
-    else:  # a clear error, not every answer graded wrong
+    else:  # a clear error, not every answer graded wrong, and no worker's traceback
         assert proc.returncode != 0 and "graded" not in proc.stdout
         assert "WorkerStartError" in proc.stderr and '__name__ == "__main__"' in proc.stderr
+        assert "re-ran the calling script's top-level code" in proc.stderr
+        assert proc.stderr.count("Traceback") == 1, proc.stderr
+
+
+_SLOW_MAIN = """
+import time
+time.sleep(2.0)  # a main module slow to import (as kvarena's, which imports torch, is on a busy machine)
+from evals.grading import grade_many
+from evals.problem import Problem
+
+if __name__ == "__main__":
+    p = Problem(uid="g/0", task="gsm8k", question="1 + 1?", gold="2", grader="gsm8k")
+    print("graded", [(g.correct, g.reason) for g in grade_many([(p, "#### 2"), (p, "#### 3")], workers=1,
+                                                               timeout_s=0.5)])
+"""
+
+
+def test_a_main_module_slow_to_import_does_not_time_out_the_first_answers(tmp_path):
+    """Workers import the main module before they can grade; with a CPU-bound process beside
+    it, a 2 s import must not turn the first answers, each allowed 0.5 s, into timeouts."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "slow_main.py"
+    script.write_text(_SLOW_MAIN)
+    root = Path(__file__).resolve().parent.parent
+    burner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        proc = subprocess.run([sys.executable, str(script)], env={**os.environ, "PYTHONPATH": str(root)},
+                              cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    finally:
+        burner.kill()
+        burner.wait()
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "graded [(True, 'correct'), (False, 'wrong_answer')]" in proc.stdout, proc.stdout

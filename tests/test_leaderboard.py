@@ -5,6 +5,7 @@ import csv
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from evals import results as R
@@ -151,7 +152,7 @@ def test_fidelity_and_allocated_columns_appear_when_measured(tmp_path):
         R.write_json(path / R.METRICS_FILE, R.compute_metrics(recs, [], len(recs)))
     board = build_leaderboard([root], tmp_path / "board")
     assert "delta-NLL (nats/token)" in board.markdown and "fidelity_memory.png" in board.files
-    assert "NIAH avg KV allocated (tokens)" in board.markdown
+    assert "NIAH KV allocated (tokens)" in board.markdown
     line = next(x for x in board.markdown.split("## Memory")[1].splitlines()
                 if x.startswith("| tiny | zipage |"))
     assert "0.790 ± " in line  # 0.4 x mean(1 + i % 3) over 40 samples = 0.4 x 79/40
@@ -175,3 +176,67 @@ def test_a_row_never_mixes_fixed_budgets(tmp_path):
             if line.startswith("| tiny |")]
     assert rows == ["snapkv+budget=64", "snapkv+budget=96", "zipage"]
     assert sorted(p.name for p in (root / "tiny" / "gsm8k").iterdir()) == ["snapkv", "zipage"]
+
+
+def _lose_grades(path: Path, which) -> None:
+    """Turn the samples ``which(record)`` picks into ungraded ones (grading itself failed) and
+    recompute the run's metrics.json."""
+    recs = [json.loads(x) for x in (path / R.SAMPLES_FILE).read_text().splitlines()]
+    for r in recs:
+        if which(r):
+            r.update(correct=None, score=None, reason="grading_infra", details={"error": "died"})
+    (path / R.SAMPLES_FILE).write_text("".join(R.dumps_line(r) for r in recs))
+    R.write_json(path / R.METRICS_FILE, R.compute_metrics(recs, [], len(recs)))
+
+
+def test_runs_with_ungraded_samples_say_so_everywhere(tmp_path):
+    from evals.frames import metrics_frame
+    from evals.report import build_data
+
+    root = tmp_path / "results"
+    full = write_run(root, "gsm8k", "full", {}, 10, 300, PROV_A)
+    some = write_run(root, "gsm8k", "zipage", {}, 10, 64, PROV_A)
+    none = write_run(root, "gsm8k", "snapkv", {}, 10, 64, PROV_A)
+    _lose_grades(some, lambda r: r["sample"] == 1 and int(r["uid"].split("/")[1]) < 15)  # 15 of 40
+    _lose_grades(none, lambda r: True)
+    board = build_leaderboard([root], tmp_path / "board")
+    table1 = board.markdown.split("## Total time")[0]
+    cells = {line.split("|")[2].strip(): line.split("|")[3].strip()
+             for line in table1.splitlines() if line.startswith("| tiny |")}
+    # over the graded samples only (problems 0-9 of 20 solved; problems 0-14 lost one sample)
+    assert cells["full"].startswith("50.0 ± ") and "ungraded" not in cells["full"]
+    assert cells["zipage"].startswith("50.0 ± ") and cells["zipage"].endswith(" (15 ungraded)")
+    assert cells["snapkv"] == "- (40 ungraded)"
+    assert "(n ungraded) = samples of the run without a verdict" in board.markdown
+    with open(board.files["table1.csv"]) as f:
+        rows = {r["method"]: r for r in csv.DictReader(f)}
+    assert rows["snapkv"]["pass@1 (%) GSM8K"] == "" and rows["snapkv"]["pass@1 (%) GSM8K ungraded"] == "40"
+    assert rows["full"]["pass@1 (%) GSM8K ungraded"] == "0"
+    with open(board.files["runs.csv"]) as f:
+        runs = {r["method"]: r for r in csv.DictReader(f)}
+    assert (runs["snapkv"]["pass@1"], runs["snapkv"]["ungraded"]) == ("", "40")
+    assert float(runs["zipage"]["pass@1"]) == 0.5 and runs["zipage"]["ungraded"] == "15"
+
+    frame = metrics_frame([full, some, none]).set_index("label")
+    assert frame["pass@1"].dtype == float and np.isnan(frame.loc["snapkv", "pass@1"])
+    assert frame.loc["zipage", "pass@1"] == 0.5 and frame.loc["snapkv", "ungraded"] == 40
+    assert np.isnan(frame.loc["snapkv", "accuracy"]) and frame.loc["full", "ungraded"] == 0
+
+    class NoTokenizer:
+        def __call__(self, model, ids):
+            return [str(i) for i in ids]
+
+    report = {r["label"]: r for r in build_data([root], pieces=NoTokenizer())["runs"]}
+    assert report["snapkv"]["figures"]["pass@1"] is None and report["snapkv"]["ungraded"] == 40
+    assert report["zipage"]["figures"]["pass@1"][0] == pytest.approx(50.0)
+    assert not report["zipage"]["comparable"] and report["full"]["comparable"]
+    assert report["zipage"]["reasons"][0].startswith("15 of 40 samples ungraded")
+
+
+def test_nominal_budget_is_blank_for_policies_without_one():
+    metrics = {"avg_kv_budget": 300.0, "avg_kv_budget_ci": [290.0, 310.0]}
+    for policy, nominal in (("full", None), ("kara", None), ("pyramidkv", None),
+                            ("snapkv", 300.0), ("growpage", 300.0)):
+        got = R.with_nominal_budget(metrics, {"policy": policy})
+        assert got["kv_budget_nominal"] == nominal, policy
+        assert got["avg_kv_budget"] == 300.0  # the allocated reading stays where it was

@@ -124,6 +124,18 @@ def test_longdoc_run_reports_delta_nll_by_position_against_fullkv(model_dir, tmp
     # the per-sample delta-NLL is the per-token one averaged, from the files the report reads
     again = run_eval(settings(model_dir, tmp_path, policy="snapkv", policy_args={"window": 4}))
     assert again.ran == 0 and again.metrics["by_position"] == snap.metrics["by_position"]
+    # the pictures: delta-NLL by position and against the KV kept, in the leaderboard and report
+    from evals.leaderboard import build_leaderboard
+    from evals.report.data import build_data
+
+    board = build_leaderboard([tmp_path], tmp_path / "board")
+    assert {"fidelity_position.png", "fidelity_memory.png"} <= set(board.files)
+    assert "| nominal KV budget" not in board.markdown  # one column per task: named by the task
+    assert "KV kept (tokens)" in board.markdown
+    figures = build_data([tmp_path])["figures"]
+    assert [f["title"].split(" (")[0] for f in figures] == [
+        "Drift from FullKV by position in the document", "Drift from FullKV vs KV kept"]
+    assert all(f["svg"].lstrip().startswith("<?xml") for f in figures)
 
 
 def test_needle_run_grades_the_free_answer_only(model_dir, tmp_path):

@@ -773,3 +773,25 @@ def test_a_killed_grader_leaves_no_program_behind():
     while live_processes_of(base) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert live_processes_of(base) == []
+
+
+_FORGE_AFTER_RETURN = """
+import atexit, os
+
+def _forge():
+    for fd in range(3, 256):
+        try:
+            os.write(fd, b'{"event": "result", "value": "[7]"}\\n')
+        except OSError:
+            pass
+
+atexit.register(_forge)
+
+def f():
+    return [1]
+"""
+
+
+def test_a_result_forged_after_the_function_returned_does_not_replace_its_value():
+    r = Sandbox(SandboxConfig(wall_s=5, **FALLBACK_OK)).run(Job(source=_FORGE_AFTER_RETURN, function="f"))
+    assert (r.status, r.value) == ("ok", "[1]"), (r.status, r.value, r.detail)

@@ -113,6 +113,13 @@ def test_cpu_preset():
     assert get_task("livecodebench").defaults("cpu").kv_budget == 1024
     assert get_task("aime24").defaults("cpu").max_tokens == 2048  # capped
     assert get_task("niah").defaults("cpu").temperature == 0.0
+    d = get_task("gsm8k").defaults("cpu-paper")  # the papers' pages and ratios at b = 16
+    assert (d.block_size, d.kv_budget, d.max_tokens) == (16, 256, 1024)
+    assert get_task("aime24").defaults("cpu-paper").max_tokens == 2048
+    args = get_task("gsm8k").policy_args_for(("kara-wo-t2c", "kara"), "cpu-paper")
+    assert args == {"window_tokens": 32, "buffer_tokens": 4, "chunk_budget": 2}
+    assert get_task("niah").policy_args_for(("kara",), "cpu-paper")["compress_prompt"] is True
+    assert get_task("gsm8k").policy_args_for(("growpage",), "cpu") == {}
     with pytest.raises(ValueError, match="valid scales"):
         get_task("gsm8k").defaults("gpu")
 
@@ -121,8 +128,10 @@ def test_preset_budgets_stay_in_range():
     from evals.tasks.base import PRESET_KV_BUDGET_RANGE
 
     low, high = PRESET_KV_BUDGET_RANGE
+    from evals.tasks import SCALES
+
     for name in TASKS:
-        for scale in ("paper", "cpu"):
+        for scale in SCALES:
             d = get_task(name).defaults(scale)
             assert d.kv_budget is None or low <= d.kv_budget <= high, (name, scale, d.kv_budget)
 

@@ -17,6 +17,7 @@ When the scheduler asks:
   (the per-request state survives preemption; `on_preempt(state)` is called at each preemption).
 - `periodic(step, views)`: once per scheduler step, for schedules that are not boundary-triggered
   (KvLLM's periodic policy). Returns (view, decision) pairs.
+- `kv_budget(state, num_pages)`: after every decode step (the request's budget, engine/stats.py).
 - `select(view, target_len, timer)`: for a COMPRESS/SHRINK decision, the physical slots each
   (layer, KV head) keeps: `[layers, kv_heads, target_len]` int64, ascending in every row, all rows
   the same count (Compressed PagedAttention: one block table and one physical length per sequence).
@@ -26,6 +27,12 @@ When the scheduler asks:
   head's unused tail is a masked hole (docs/architecture.md, "Per-head budgets").
   Contract: `select` runs before any new KV is written for that sequence (a sequence being
   compacted is not scheduled), so the view's lengths are those the decision was made on.
+
+Forced runs (`chunked_forcing`): a policy that decides only at capacity boundaries may let the
+scheduler run a request's teacher-forced tokens up to its next page boundary as one step. Its
+hooks are then called exactly as token by token (the same boundaries, the same `kv_budget` calls),
+its recent queries and EMA summaries hold what the tokens' decode steps would have left, and only
+`periodic` sees fewer steps; a policy with a periodic schedule or per-step state leaves it False.
 
 Signals: a policy declares what it reads in `signals()`; the engine keeps them in preallocated slot
 pools bound to running requests (never allocated per step) and exposes them through the view.
@@ -213,6 +220,16 @@ class KVPolicy:
     # False for a policy that never compacts (FullKV): its GROWs are plain page allocation, so
     # the scheduler records no capacity event for them (engine/scheduler.py).
     compresses: ClassVar[bool] = True
+    # True for a policy with a nominal KV budget per request (`kv_budget` returns it: a fixed
+    # budget, GrowPage's capacity); False where it has none (FullKV, prompt-only and retention
+    # policies), whose budget column stays blank in tables (evals/leaderboard.py).
+    has_budget: ClassVar[bool] = False
+    # True for a policy that acts only at capacity boundaries (`on_boundary`, `fallback`,
+    # `select`), with no `periodic` schedule and no state that must see every decode step: the
+    # scheduler may then run a request's forced tokens up to its next page boundary as one
+    # chunk (teacher forcing at prefill speed, engine/scheduler.py). False (the default) runs
+    # every forced token as its own decode step.
+    chunked_forcing: ClassVar[bool] = False
     engine: EngineSpec | None = field(default=None, init=False, repr=False, compare=False)
 
     def prepare(self, block_size: int) -> None:

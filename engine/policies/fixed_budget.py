@@ -65,7 +65,11 @@ class FixedBudgetPolicy(KVPolicy):
     budget_ratio: float | None = None
     fallback_compress: bool = False
 
+    has_budget: ClassVar[bool] = True
     boundary_reason: ClassVar[str] = "budget"
+    # Every decision is a boundary's, a fallback's or a prompt's; scores are computed at
+    # compaction from the recent-query cache and the persisted per-slot score.
+    chunked_forcing = True
     protected_label: ClassVar[str] = "protected tokens"
 
     @property
@@ -192,7 +196,10 @@ class PromptOnlyBudget:
     Ada-KV, as their papers do): mix in before the FixedBudgetPolicy subclass. Decode boundaries
     GROW; a GROW the pool cannot satisfy preempts (a compression would have to score the per-head
     holes its prompt compression left, docs/architecture.md "Per-head budgets"); the budget of a
-    decode step is the allocated slots (the request grows past the prompt budget)."""
+    decode step is the allocated slots (the request grows past the prompt budget), so it has no
+    nominal budget during decode."""
+
+    has_budget = False
 
     def check_prompt_only(self) -> None:
         if self.fallback_compress:

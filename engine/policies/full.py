@@ -15,3 +15,4 @@ from engine.policies.base import KVPolicy, register_policy
 class FullKV(KVPolicy):
     name = "full"
     compresses = False
+    chunked_forcing = True  # it only ever allocates pages at boundaries

@@ -324,6 +324,10 @@ class GrowPage(KVPolicy):
     """
 
     name = "growpage"
+    has_budget = True
+    # Decisions only at boundaries, from the recent query and the EMA summaries, which a forced
+    # run updates row by row (engine/query_state.py).
+    chunked_forcing = True
 
     beta_short: float | None = None
     beta_long: float | None = None

@@ -55,7 +55,8 @@ class RandomRule:
     """GrowPage-Random: Compress & Hold with probability `compress_prob`, independent of delta.
 
     One seeded stream per policy instance: decisions are reproducible for a given seed as long as
-    the engine reaches boundaries in the same order (it is deterministic for a given workload).
+    the engine reaches boundaries in the same order (it is deterministic for a given workload;
+    forced runs, `EngineConfig.chunked_forcing`, change the order across requests of a batch).
     """
 
     compress_prob: float

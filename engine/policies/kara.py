@@ -278,6 +278,9 @@ class Kara(KVPolicy):
     """
 
     name: ClassVar[str] = "kara"
+    # Its schedules compress inside a page: `periodic` decides every step on the uncompressed
+    # tail, so forced tokens run one decode step each.
+    chunked_forcing: ClassVar[bool] = False
     # fields a registered variant fixes (an ablation row is its name, not a free combination)
     pinned: ClassVar[dict[str, object]] = {}
 

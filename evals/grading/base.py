@@ -5,7 +5,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar, Mapping
 
-from evals.problem import GradeResult, Problem, config_from_mapping
+from evals.problem import GRADING_INFRA, GradeResult, Problem, config_from_mapping
 
 GRADERS: dict[str, type["Grader"]] = {}
 
@@ -52,7 +52,8 @@ class Grader(ABC):
         """The full verdict on ``output``."""
 
     def timeout_result(self, output: str, problem: Problem, bound_s: float) -> GradeResult:
-        """The verdict when grading exceeded its time bound: incorrect, reason ``timeout``."""
+        """The verdict when grading exceeded its time bound (in a pool: twice, the second time in
+        a fresh worker): incorrect, reason ``timeout``."""
         return GradeResult(
             correct=False,
             score=0.0,
@@ -60,6 +61,16 @@ class Grader(ABC):
             reason="timeout",
             details={"bound_s": bound_s},
         )
+
+    def infra_result(self, output: str, problem: Problem, message: str) -> GradeResult:
+        """The result when grading itself failed (its worker died, or none could start): no
+        verdict, reason ``grading_infra``; metrics leave it out rather than count it wrong."""
+        try:
+            extracted = self.extract(output, problem)
+        except Exception:  # the answer is still in the sample's output
+            extracted = None
+        return GradeResult(correct=None, score=None, extracted=extracted, reason=GRADING_INFRA,
+                           details={"error": message})
 
     def error_result(self, output: str, problem: Problem, message: str) -> GradeResult:
         """The verdict when the grader itself failed: incorrect, reason ``error``."""

@@ -1,7 +1,9 @@
 """Grade many (problem, output) pairs, each where its grader belongs.
 
-* pool graders (math): worker processes, each call time-bounded; an overrun is incorrect
-  with reason ``timeout`` and the pool carries on;
+* pool graders (math): worker processes, each call time-bounded from when a ready worker takes
+  it (evals.grading.pool); a call that overruns twice is incorrect with reason ``timeout`` and
+  the pool carries on; one whose worker died twice, or that no worker could start for, has no
+  verdict (reason ``grading_infra``, ``Grader.infra_result``);
 * thread graders (code): threads that wait on sandboxed programs, ``workers`` at once;
 * inline graders (NIAH): right here.
 """
@@ -12,14 +14,32 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping, Sequence
 
-from evals.grading.base import Grader, get_grader
-from evals.grading.pool import GradingPool
+from evals.grading.base import GRADERS, Grader, get_grader
+from evals.grading.pool import GradingPool, exit_if_importing_main
 from evals.problem import GradeResult, Problem
 
 
 def _grade_job(job: tuple[str, dict, str, Problem]) -> GradeResult:
     name, options, output, problem = job
     return get_grader(name, options).grade(output, problem)
+
+
+def warm_up() -> None:
+    """Grade one answer with each pool grader, so a worker's first call does not pay the graders'
+    lazy set-up (math-verify's parsers: a quarter of a second on an idle machine) against its
+    time bound. The pool runs it in each worker before the worker says ready."""
+    for name, cls in GRADERS.items():
+        if cls.runs_in == "pool":
+            try:
+                get_grader(name).grade(r"\boxed{1}", Problem(uid="warm-up/0", task="warm-up",
+                                                              question="", gold="1", grader=name))
+            except Exception:  # a grader that fails here fails (and says why) on a real answer
+                pass
+
+
+def grading_pool(workers: int | None, timeout_s: float) -> GradingPool:
+    """The pool batch grading uses: ``workers`` processes, ``timeout_s`` per call, warmed up."""
+    return GradingPool(workers=workers, timeout_s=timeout_s, initializer=warm_up)
 
 
 def grade_many(
@@ -44,6 +64,7 @@ def grade_many(
             most often a calling script without ``if __name__ == "__main__":`` (workers import the
             main module); no answer is returned as graded then.
     """
+    exit_if_importing_main()
     options = {k: dict(v) for k, v in (grader_options or {}).items()}
     graders: dict[str, Grader] = {}
     for problem, _ in pairs:
@@ -59,7 +80,7 @@ def grade_many(
 
     if by_place["pool"]:
         own_pool = pool is None
-        pool = pool or GradingPool(workers=workers, timeout_s=timeout_s)
+        pool = pool or grading_pool(workers, timeout_s)
         try:
             idx = by_place["pool"]
             jobs = [(pairs[i][0].grader, options.get(pairs[i][0].grader, {}), pairs[i][1], pairs[i][0])
@@ -70,6 +91,7 @@ def grade_many(
                 timeout_s=timeout_s,
                 on_timeout=lambda job: graders[job[0]].timeout_result(job[2], job[3], timeout_s),
                 on_error=lambda job, msg: graders[job[0]].error_result(job[2], job[3], msg),
+                on_infra=lambda job, msg: graders[job[0]].infra_result(job[2], job[3], msg),
             )
             for i, r in zip(idx, done):
                 results[i] = r

@@ -7,9 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from evals.grading.base import Grader, register_grader
-from evals.problem import GradeResult, Problem
-
-NOT_GRADED = "likelihood"
+from evals.problem import NO_VERDICT, GradeResult, Problem
 
 
 @register_grader("likelihood")
@@ -21,4 +19,4 @@ class LikelihoodGrader(Grader):
         return None
 
     def grade(self, output: str, problem: Problem) -> GradeResult:
-        return GradeResult(correct=None, score=None, extracted=None, reason=NOT_GRADED)
+        return GradeResult(correct=None, score=None, extracted=None, reason=NO_VERDICT)

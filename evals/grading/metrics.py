@@ -34,35 +34,40 @@ def summarize(
 ) -> dict:
     """Metrics over ``(problem uid, result)`` pairs, one pair per generated sample.
 
-    Returns ``samples``, ``graded`` (those with a verdict: a likelihood task's have none),
-    ``problems``, ``accuracy`` (share of correct samples: the mean pass@1 over all graded
-    samples, as GrowPage reports), ``extraction_rate`` (share of graded samples with an
-    extracted answer/program), ``mean_score``, ``reasons`` (counts), and
-    ``pass@k`` for each k in ``ks``, averaged over the problems that have at least k
-    graded samples (``pass@k_problems`` says how many did); None where nothing was graded.
+    Returns ``samples``, ``problems``, ``ungraded`` (samples grading could not judge,
+    ``GradeResult.graded``), then over the graded samples only: ``accuracy`` (share of correct
+    samples: the mean pass@1 over all samples, as GrowPage reports), ``extraction_rate`` (share
+    with an extracted answer/program), ``mean_score``, and ``pass@k`` for each k in ``ks``,
+    averaged over the problems that have at least k graded samples (``pass@k_problems`` says how
+    many did); each is None when nothing was graded. ``reasons`` counts every sample's reason. A
+    task that gives no verdict by design (``correct`` None with an ordinary reason: the likelihood
+    task) is neither graded nor ungraded: it has no accuracy and nothing to regrade.
     """
     per_problem: dict[str, list[GradeResult]] = defaultdict(list)
-    reasons: Counter = Counter()
-    samples = 0
+    reasons: Counter[str] = Counter()
+    samples = infra_ok = 0
     for uid, result in records:
         samples += 1
         reasons[result.reason] += 1
-        if result.correct is not None:  # None: a sample its task does not grade (likelihood)
-            per_problem[uid].append(result)
+        group = per_problem[uid]  # a problem counts even when none of its samples was graded
+        if result.graded:
+            infra_ok += 1
+            if result.correct is not None:  # None: a task without verdicts (likelihood)
+                group.append(result)
     results = [r for rs in per_problem.values() for r in rs]
     n = len(results)
     out: dict = {
         "samples": samples,
-        "graded": n,
         "problems": len(per_problem),
-        "accuracy": sum(r.correct for r in results) / n if n else None,
+        "ungraded": samples - infra_ok,
+        "accuracy": sum(bool(r.correct) for r in results) / n if n else None,
         "extraction_rate": sum(r.answered for r in results) / n if n else None,
-        "mean_score": sum(r.score for r in results) / n if n else None,
+        "mean_score": sum(float(r.score or 0.0) for r in results) / n if n else None,
         "reasons": dict(reasons),
     }
     for k in ks:
         eligible = [rs for rs in per_problem.values() if len(rs) >= k]
-        values = [pass_at_k(len(rs), sum(r.correct for r in rs), k) for rs in eligible]
+        values = [pass_at_k(len(rs), sum(bool(r.correct) for r in rs), k) for rs in eligible]
         out[f"pass@{k}"] = sum(values) / len(values) if values else None
         out[f"pass@{k}_problems"] = len(values)
     return out

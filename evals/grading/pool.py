@@ -7,9 +7,16 @@ process holds torch threads (and maybe CUDA), which plain ``fork`` copies unsafe
 server starts clean, preloads the grading modules once, and makes respawning after a
 timeout cheap.  As with any non-``fork`` multiprocessing, a script that uses the pool must
 keep its top-level work under ``if __name__ == "__main__":`` (workers import the main module).
-Without the guard every worker dies while importing it; each worker says ``ready`` before its
-first call, so a worker that dies before that makes :meth:`GradingPool.map` raise
-:class:`WorkerStartError` saying so, instead of answering every call with an error result.
+
+Start-up is not a call's time: a worker first imports the main module (``kvarena``'s imports
+torch) and runs the pool's ``initializer``, then says ``ready``; a call's clock starts only when
+it is handed to a ready worker, and start-up has its own, generous bound (``start_timeout_s``).
+A call that overruns, or whose worker dies, is run once more in a fresh worker before it counts
+(``on_timeout``, or ``on_infra`` for a worker that died twice). A worker that cannot start is an
+infrastructure failure, never a call's verdict: the calls no worker could take get
+``on_infra``. A worker that dies before the pool ever had a ready one makes :meth:`GradingPool.map`
+raise :class:`WorkerStartError` (most often a script without the main guard; the library's entry
+points end such a worker quietly, :func:`exit_if_importing_main`), instead of answering every call.
 """
 
 from __future__ import annotations
@@ -23,26 +30,56 @@ from multiprocessing.connection import wait
 from typing import Any, Callable, Sequence
 
 DEFAULT_PRELOAD = ("evals.grading.math_grader", "math_verify")
+DEFAULT_START_TIMEOUT_S = 120.0
 _READY = "ready"
+_START_ERROR = "start_error"
+# The exit status of a worker that was made to re-run the calling script's evaluation while
+# importing the main module (exit_if_importing_main): the script lacks its main guard.
+IMPORTING_MAIN_EXIT = 87
 
 
 class WorkerStartError(RuntimeError):
     """A grading worker died before it could take a call (no result would be meaningful)."""
 
 
-def _start_error(w: "_Worker") -> WorkerStartError:
+class GradingInfraError(RuntimeError):
+    """A call got no answer for a reason of the pool's, not the call's: its worker died (twice),
+    or no worker could start. The default ``on_infra`` result."""
+
+
+def exit_if_importing_main() -> None:
+    """End this process at once, quietly, if it is a multiprocessing child still importing the
+    main module: a script without ``if __name__ == "__main__":`` would otherwise run its
+    evaluation (or its grading) again in every grading worker, each failing with a traceback.
+    The parent sees exit status ``IMPORTING_MAIN_EXIT`` and says what to fix in one line."""
+    if getattr(mp.current_process(), "_inheriting", False):
+        os._exit(IMPORTING_MAIN_EXIT)
+
+
+def _start_error(w: "_Worker", why: str, reported: bool) -> WorkerStartError:
+    """The one-line error for a worker that failed to start (``reported``: it said ``why``)."""
+    if reported:
+        return WorkerStartError(f"grading could not start: a grading worker's {why}")
     w.process.join(5)
+    guard = ("put the calling script's top-level code under `if __name__ == \"__main__\":` "
+             "(grading workers import the main module)")
+    if w.process.exitcode == IMPORTING_MAIN_EXIT:
+        return WorkerStartError(f"grading could not start: a grading worker re-ran the calling "
+                                f"script's top-level code while importing it; {guard}")
     return WorkerStartError(
-        f"a grading worker process died while starting (exit code {w.process.exitcode}), before "
-        f"grading anything. Most often the calling script has no main guard: worker processes "
-        f"import the main module, so a script that calls grade_many or GradingPool must keep its "
-        f"top-level code under `if __name__ == \"__main__\":`. The worker's own error is printed "
-        f"above (stderr)."
-    )
+        f"grading could not start: a grading worker died while starting ({why}), before grading "
+        f"anything. Most often the calling script has no main guard: {guard}. The worker's own "
+        f"error, if any, is printed above (stderr).")
 
 
-def _worker_main(conn) -> None:
+def _worker_main(conn, initializer: Callable[[], Any] | None = None) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    if initializer is not None:
+        try:
+            initializer()
+        except BaseException as e:
+            conn.send((_START_ERROR, f"initializer failed: {type(e).__name__}: {e}"))
+            return
     conn.send((_READY, None))  # it got this far: the main module (if any) imported cleanly
     while True:
         try:
@@ -63,12 +100,13 @@ def _worker_main(conn) -> None:
 
 
 class _Worker:
-    def __init__(self, ctx):
+    def __init__(self, ctx, initializer: Callable[[], Any] | None, start_timeout_s: float):
         self.conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_worker_main, args=(child,), daemon=True)
+        self.process = ctx.Process(target=_worker_main, args=(child, initializer), daemon=True)
         self.process.start()
         child.close()
         self.ready = False  # set by its first message
+        self.start_deadline = time.monotonic() + start_timeout_s
 
     def kill(self) -> None:
         if self.process.is_alive():
@@ -93,9 +131,17 @@ class GradingPool:
 
     Args:
         workers: processes; ``None`` = the machine's core count.
-        timeout_s: default bound per call, seconds.
+        timeout_s: default bound per call, seconds, from the moment a ready worker gets it.
         start_method: multiprocessing start method (``"forkserver"`` where available).
         preload: modules the fork server imports once, so workers start warm.
+        initializer: a module-level function each worker runs before it says ready (e.g. one
+            warm-up call, so a first call does not pay lazy set-up against its bound).
+        start_timeout_s: bound on a worker's start-up (importing the main module, the
+            initializer); a worker that overruns it is killed, an infrastructure failure.
+
+    Counters over the pool's life: ``timeouts`` (calls answered by ``on_timeout``),
+    ``regraded`` (calls run a second time after an overrun or a dead worker),
+    ``start_failures`` (workers that did not start, after one had).
 
     Use as a context manager, or call :meth:`close`.  Not thread-safe: one ``map`` at a time.
     """
@@ -106,11 +152,16 @@ class GradingPool:
         timeout_s: float = 10.0,
         start_method: str | None = None,
         preload: Sequence[str] = DEFAULT_PRELOAD,
+        initializer: Callable[[], Any] | None = None,
+        start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
     ):
+        exit_if_importing_main()
         if workers is not None and workers < 1:
             raise ValueError(f"workers must be >= 1, got {workers!r}")
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s!r}")
+        if not start_timeout_s > 0:
+            raise ValueError(f"start_timeout_s must be > 0, got {start_timeout_s!r}")
         methods = mp.get_all_start_methods()
         if start_method is None:
             start_method = "forkserver" if "forkserver" in methods else "spawn"
@@ -121,8 +172,13 @@ class GradingPool:
             self._ctx.set_forkserver_preload(list(preload))
         self.workers = workers or os.cpu_count() or 1
         self.timeout_s = timeout_s
+        self.initializer = initializer
+        self.start_timeout_s = start_timeout_s
         self._pool: list[_Worker] = []
-        self.timeouts = 0  # calls killed for overrunning, over the pool's life
+        self._started = False  # some worker of this pool has said ready
+        self.timeouts = 0
+        self.regraded = 0
+        self.start_failures = 0
 
     def __enter__(self) -> "GradingPool":
         return self
@@ -143,64 +199,113 @@ class GradingPool:
         timeout_s: float | None = None,
         on_timeout: Callable[[Any], Any] | None = None,
         on_error: Callable[[Any, str], Any] | None = None,
+        on_infra: Callable[[Any, str], Any] | None = None,
     ) -> list[Any]:
         """``[fn(x) for x in items]`` in the workers, each call bounded by ``timeout_s``.
 
         ``fn`` must be picklable by reference (a module-level function).  A call that
-        overruns gives ``on_timeout(item)`` (default ``TimeoutError``); one that raises, or
-        whose worker dies, gives ``on_error(item, message)`` (default ``RuntimeError``).
+        overruns twice (the second time in a fresh worker) gives ``on_timeout(item)`` (default
+        ``TimeoutError``); one that raises gives ``on_error(item, message)`` (default
+        ``RuntimeError``); one whose worker died twice, or that no worker could take because
+        none started, gives ``on_infra(item, message)`` (default :class:`GradingInfraError`).
         """
         bound = self.timeout_s if timeout_s is None else timeout_s
         on_timeout = on_timeout or (lambda item: TimeoutError(f"call exceeded {bound} s"))
         on_error = on_error or (lambda item, msg: RuntimeError(msg))
+        on_infra = on_infra or (lambda item, msg: GradingInfraError(msg))
         results: list[Any] = [None] * len(items)
         pending = deque(range(len(items)))
+        reserved: dict[_Worker, int] = {}  # a fresh worker's call: one given a second run
         busy: dict[_Worker, tuple[int, float]] = {}
+        runs = [0] * len(items)
+        failures: list[str] = []  # why workers did not start, in this call
+
+        def call_failed(w: _Worker, i: int, timed_out: bool) -> None:
+            """The worker overran or died in call ``i``: a fresh one runs it once more."""
+            fresh = self._replace(w)
+            runs[i] += 1
+            if runs[i] < 2:
+                reserved[fresh] = i
+                self.regraded += 1
+            elif timed_out:
+                results[i] = on_timeout(items[i])
+                self.timeouts += 1
+            else:
+                results[i] = on_infra(items[i], "its grading worker died, twice")
+
+        def start_failed(w: _Worker, why: str, fatal: bool, reported: bool = False) -> None:
+            """``w`` did not start. If it failed (``fatal``: it died, or its initializer raised)
+            before any worker ever started, nothing can be graded: raise. Otherwise it leaves the
+            pool (a slow start is the machine's state, not the script's), and the call it was to
+            run again has no answer."""
+            if fatal and not self._started:
+                error = _start_error(w, why, reported)
+                self.close()
+                raise error from None
+            self.start_failures += 1
+            failures.append(why)
+            w.kill()
+            self._pool.remove(w)
+            if w in reserved:
+                i = reserved.pop(w)
+                results[i] = on_infra(items[i], f"no grading worker to run it again ({why})")
+
         while len(self._pool) < min(self.workers, len(items)):
-            self._pool.append(_Worker(self._ctx))
-        while pending or busy:
-            for w in self._pool:
-                if w not in busy and pending:
-                    i = pending.popleft()
-                    try:
-                        w.conn.send((fn, items[i]))
-                    except OSError:  # the worker is gone: replace it and retry the item
-                        self._replace(w)
-                        pending.appendleft(i)
-                        break
-                    busy[w] = (i, time.monotonic() + bound)
-            if not busy:
+            self._pool.append(self._new_worker())
+        while pending or busy or reserved:
+            for w in list(self._pool):  # hand calls to ready, idle workers: each clock starts here
+                if not w.ready or w in busy or (w not in reserved and not pending):
+                    continue
+                i = reserved.pop(w) if w in reserved else pending.popleft()
+                try:
+                    w.conn.send((fn, items[i]))
+                except OSError:  # it died idle: the call waits for a fresh worker
+                    reserved[self._replace(w)] = i
+                    continue
+                busy[w] = (i, time.monotonic() + bound)
+            starting = [w for w in self._pool if not w.ready]
+            if not busy and not starting:  # no worker left to take the calls still waiting
+                why = failures[-1] if failures else "none was started"
+                for i in pending:
+                    results[i] = on_infra(items[i], f"no grading worker could start ({why})")
+                pending.clear()
                 continue
-            next_deadline = min(d for _, d in busy.values())
-            ready = wait([w.conn for w in busy], timeout=max(0.0, next_deadline - time.monotonic()))
-            by_conn = {w.conn: w for w in busy}
-            for conn in ready:
+            deadlines = [d for _, d in busy.values()] + [w.start_deadline for w in starting]
+            by_conn = {w.conn: w for w in [*busy, *starting]}
+            got = wait(list(by_conn), timeout=max(0.0, min(deadlines) - time.monotonic()))
+            for conn in got:
                 w = by_conn[conn]
                 try:
                     kind, value = conn.recv()
                 except (EOFError, OSError):
-                    if not w.ready:
-                        error = _start_error(w)
-                        self.close()
-                        raise error from None
-                    i, _ = busy.pop(w)
-                    results[i] = on_error(items[i], "grading worker died")
-                    self._replace(w)
+                    if w in busy:
+                        call_failed(w, busy.pop(w)[0], timed_out=False)
+                    else:
+                        w.process.join(5)
+                        start_failed(w, f"exit code {w.process.exitcode}", fatal=True)
                     continue
                 if kind == _READY:
-                    w.ready = True  # its call is still running: keep it busy
-                    continue
-                i, _ = busy.pop(w)
-                results[i] = value if kind == "ok" else on_error(items[i], value)
+                    w.ready = self._started = True
+                elif kind == _START_ERROR:
+                    start_failed(w, value, fatal=True, reported=True)
+                else:
+                    i, _ = busy.pop(w)
+                    results[i] = value if kind == "ok" else on_error(items[i], value)
             now = time.monotonic()
             for w, (i, deadline) in list(busy.items()):
                 if now >= deadline:
                     busy.pop(w)
-                    results[i] = on_timeout(items[i])
-                    self.timeouts += 1
-                    self._replace(w)
+                    call_failed(w, i, timed_out=True)
+            for w in [w for w in self._pool if not w.ready and now >= w.start_deadline]:
+                if not w.conn.poll():  # (a message that came just now is read first)
+                    start_failed(w, f"not ready within {self.start_timeout_s:g} s", fatal=False)
         return results
 
-    def _replace(self, w: _Worker) -> None:
+    def _new_worker(self) -> _Worker:
+        return _Worker(self._ctx, self.initializer, self.start_timeout_s)
+
+    def _replace(self, w: _Worker) -> _Worker:
         w.kill()
-        self._pool[self._pool.index(w)] = _Worker(self._ctx)
+        fresh = self._new_worker()
+        self._pool[self._pool.index(w)] = fresh
+        return fresh

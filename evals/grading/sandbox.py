@@ -548,9 +548,13 @@ def _classify(
     """Map how the program ended to (status, detail, value).
 
     ``returncode`` is the program's exit status from a channel it cannot write (``None`` when
-    none arrived); ``events`` are its own reports, which can only make its result worse.
+    none arrived); ``events`` are its own reports, which can only make its result worse. The
+    first report of each kind counts: the harness writes ``result`` as the function returns, so
+    a line the program writes later (a thread, an ``atexit`` hook) cannot replace the value.
     """
-    kinds = {e["event"]: e for e in events}
+    kinds: dict[str, dict] = {}
+    for e in events:
+        kinds.setdefault(e["event"], e)
     if oom_killed:
         return "memory", "memory limit of all the program's processes together (cgroup OOM kill)", None
     if timed_out:

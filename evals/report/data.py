@@ -4,8 +4,9 @@
 Sections (keys of the dict):
 
 - ``runs``: one entry per run (model x task x label): its metrics with their 95% intervals
-  (``[value, lo, hi]``), provenance letter, completeness, and the reasons it is *not comparable*
-  with the FullKV run of its model and task (:func:`comparability`);
+  (``[value, lo, hi]``; pass@1 is over the graded samples, null when none was, and ``ungraded``
+  counts the samples without a verdict), provenance letter, completeness, and the reasons it is
+  *not comparable* with the FullKV run of its model and task (:func:`comparability`);
 - ``samples``: per run, its samples: the free generation's tokens as text pieces, first
   divergence from FullKV's reference, and per reference token the forced pass's delta-NLL
   (evals.run.fidelity's ``forced_logprobs.jsonl``); ``references`` holds the reference pieces once;
@@ -36,7 +37,7 @@ from evals.leaderboard import (
     run_prov_ids,
 )
 from evals.provenance import describe_key
-from evals.results import RunResult, find_runs
+from evals.results import RunResult, find_runs, ungraded
 from evals.run import fidelity
 from evals.tasks import task_title
 from evals.traces import read_traces
@@ -50,8 +51,9 @@ COLUMNS = (
     ("fid_worst_window", "worst window", 1.0, 3),
     ("fid_agreement", "agreement (%)", 100.0, 1),
     ("fid_first_divergence", "first divergence", 1.0, 1),
-    ("avg_kv_budget", "avg KV budget", 1.0, 0),
-    ("avg_kv_allocated", "avg KV allocated", 1.0, 0),
+    ("kv_budget_nominal", "nominal KV budget", 1.0, 0),
+    ("avg_kv_allocated", "KV allocated", 1.0, 0),
+    ("avg_kv_kept", "KV kept", 1.0, 0),
     ("tps", "TPS", 1.0, 1),
     ("grow_ratio", "grow ratio", 1.0, 3),
 )
@@ -61,8 +63,11 @@ COLUMN_HELP = {
     "fid_worst_window": "largest mean delta-NLL over 32 consecutive reference tokens (nats/token)",
     "fid_agreement": "share of FullKV's tokens the free generation reproduces at the same position",
     "fid_first_divergence": "first output position that differs from FullKV's, mean over diverging samples",
-    "avg_kv_budget": "the policy's KV budget per decode step, mean over requests (tokens)",
-    "avg_kv_allocated": "KV slots held per decode step, mean over requests (tokens)",
+    "kv_budget_nominal": "the policy's KV budget per decode step, mean over requests (tokens); "
+                         "blank for a policy without one (FullKV, prompt-only, retention ratios)",
+    "avg_kv_allocated": "KV slots held per decode step (whole pages), mean over requests (tokens)",
+    "avg_kv_kept": "KV slots holding a kept token per decode step, mean over layers, KV heads and "
+                   "requests (tokens)",
     "tps": "output tokens per second of the run, timed alone (no interval: run-level)",
     "grow_ratio": "grow decisions / all capacity decisions (GrowPage Table 9)",
 }
@@ -185,11 +190,15 @@ def fullkv_run(run: RunResult, fulls: Sequence[RunResult]) -> RunResult | None:
 
 def comparability(run: RunResult, full: RunResult | None) -> list[str]:
     """Why ``run`` does not compare with FullKV's run of its model and task (empty: it does):
-    not finished, no FullKV run, other generation settings (``COMPARED_SETTINGS``)."""
+    not finished, samples left without a verdict, no FullKV run, other generation settings
+    (``COMPARED_SETTINGS``)."""
     reasons = []
     m = run.metrics
     if not m.get("complete", True):
         reasons.append(f"not finished ({m.get('samples_done')} of {m.get('samples_planned')} samples)")
+    if m.get("ungraded"):
+        reasons.append(f"{m['ungraded']} of {m.get('samples_done')} samples ungraded (grading itself "
+                       f"failed): pass@1 is over the graded ones")
     if full is None:
         return reasons + ["no FullKV run of this model and task to compare with"]
     for key in COMPARED_SETTINGS if full is not run else ():
@@ -222,6 +231,7 @@ def _run_entry(run: RunResult, roots: Sequence[str | Path], prov: list[str], rea
         "path": relative_path(run, roots), "prov": "+".join(prov),
         "complete": bool(m.get("complete", True)), "samples_done": m.get("samples_done"),
         "samples_planned": m.get("samples_planned"), "failed": m.get("failed", 0),
+        "ungraded": m.get("ungraded") or 0,
         "figures": {key: _figure(m, key, scale) for key, _, scale, _ in COLUMNS
                     if key != "mean_score" or run.task == "niah"},  # elsewhere it is pass@1
         "events": m.get("events") or {}, "comparable": not reasons, "reasons": reasons,
@@ -276,7 +286,8 @@ def _sample_entries(run: RunResult, records: Sequence[dict], traces: Mapping, fo
             notes.add(f"Per-sample view: continuations are shown up to their first {cap} tokens.")
         out.append({
             "uid": key[0], "sample": key[1], "status": rec.get("status"),
-            "correct": rec.get("correct"), "score": rec.get("score"), "gold": rec.get("gold"),
+            "ungraded": ungraded(rec), "correct": rec.get("correct"), "score": rec.get("score"),
+            "gold": rec.get("gold"),
             "extracted": rec.get("extracted"), "meta": _short_meta(rec.get("meta") or {}),
             "output": rec.get("output", ""),
             "pieces": pieces(spec, trace["tokens"][:cap]) if trace else None,
@@ -315,7 +326,7 @@ def niah_grids(runs: Sequence[RunResult], records: Mapping[str, list[dict]]) -> 
         cells: dict[tuple[int, float], list[dict]] = {}
         for rec in records[run_id(run)]:
             cell = _cell(rec)
-            if cell is not None and rec.get("status") == "ok":
+            if cell is not None and rec.get("status") == "ok" and not ungraded(rec):
                 cells.setdefault(cell, []).append(rec)
         if not cells:
             continue
@@ -458,6 +469,33 @@ def provenance_section(prov: Mapping[str, list[str]], ids: Mapping[tuple, str]) 
 # ------------------------------------------------------------------------------ build
 
 
+def figures_section(runs: Sequence[RunResult]) -> list[dict]:
+    """The leaderboard's fidelity figures, drawn by evals.plots as SVG text for the page to show
+    as they are: drift from FullKV by position in the document (the long-document tasks) and
+    drift against the KV kept. [] when no run has the figures' data."""
+    import tempfile
+
+    from evals.leaderboard import fidelity_axis, memory_points, position_series
+    from evals.plots import position_plot, quality_memory_plot
+
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        positions = position_series(runs)
+        if positions:
+            title = "Drift from FullKV by position in the document (95% intervals over documents)"
+            png = position_plot(positions, Path(tmp) / "position.png", title=title)
+            out.append({"title": title, "svg": png.with_suffix(".svg").read_text(encoding="utf-8")})
+        x_key, x_name = fidelity_axis(runs)
+        kept = memory_points(runs, "fid_delta_nll", 1.0, x_key=x_key)
+        if kept:
+            title = f"Drift from FullKV vs {x_name} (95% intervals; 0 = FullKV)"
+            png = quality_memory_plot(kept, Path(tmp) / "kept.png", title=title,
+                                      ylabel="delta-NLL vs FullKV (nats/token)",
+                                      xlabel=f"average {x_name} (tokens per request)")
+            out.append({"title": title, "svg": png.with_suffix(".svg").read_text(encoding="utf-8")})
+    return out
+
+
 def build_data(dirs: Sequence[str | Path], limits: Limits | None = None,
                pieces: Pieces | None = None) -> dict:
     """The report's data for every run at or below ``dirs`` (module docstring). Raises
@@ -519,6 +557,7 @@ def build_data(dirs: Sequence[str | Path], limits: Limits | None = None,
         "kept": kept_section([r for r in runs if any(row["run"] == run_id(r) for g in grids
                                                      for row in g["rows"])], traces, limits, notes),
         "capacity": capacity_section(runs, traces, limits, notes),
+        "figures": figures_section(runs),
         "provenance": provenance_section(prov, ids),
         "limits": vars(limits),
         "notes": notes.lines,

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 ASSETS = Path(__file__).parent / "assets"
-SECTIONS = ("leaderboard", "samples", "niah", "capacity", "provenance")  # section ids: sec-<name>
+SECTIONS = ("leaderboard", "figures", "samples", "niah", "capacity", "provenance")  # section ids: sec-<name>
 
 _ERRORS_JS = """(function () {
   var box = null, pending = [];
@@ -45,7 +45,8 @@ _BODY = """<header>
   <div class="notes" id="notes"></div>
 </header>
 <nav>
-  <a href="#sec-leaderboard">Leaderboard</a><a href="#sec-samples">Per sample</a>
+  <a href="#sec-leaderboard">Leaderboard</a><a href="#sec-figures">Drift figures</a>
+  <a href="#sec-samples">Per sample</a>
   <a href="#sec-niah">NIAH</a><a href="#sec-capacity">Capacity</a>
   <a href="#sec-provenance">Config &amp; provenance</a>
 </nav>
@@ -67,6 +68,14 @@ _BODY = """<header>
   <div class="controls" id="board-controls"></div>
   <div class="small" id="board-count"></div>
   <div id="board"></div>
+</section>
+<section id="sec-figures">
+  <h2>Drift from FullKV: by position, and against the KV kept</h2>
+  <p class="help">Left to right as in the leaderboard's files: delta-NLL by position in the document
+  (long-document runs: every token of real text forced under the policy; one line per run, its
+  95% interval over documents), and delta-NLL against the KV slots that hold a kept token (one
+  point per run, both intervals).</p>
+  <div id="figures"></div>
 </section>
 <section id="sec-samples">
   <h2>Per sample: where the policy departs from FullKV</h2>

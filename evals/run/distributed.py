@@ -347,9 +347,9 @@ def merge_shard(path: Path, shard: dict, source: str) -> list[dict]:
     with R.SampleWriter(path / R.SAMPLES_FILE) as writer:
         for rec in shard["records"]:
             key = (str(rec["uid"]), int(rec["sample"]))
-            if key in have and have[key].get("status") != "failed":
+            if key in have and not R.replaceable(have[key]):
                 continue
-            if key in have and rec.get("status") == "failed":
+            if key in have and R.replaceable(rec):
                 continue
             rec = {**rec, "segment": mapped.get(f"{source}/{rec.get('segment')}", rec.get("segment"))}
             writer.write(rec)

@@ -11,7 +11,7 @@ import threading
 from typing import Callable
 
 from evals import results as R
-from evals.problem import Problem
+from evals.problem import GRADING_INFRA, Problem
 from evals.run.records import small_meta
 
 
@@ -19,10 +19,13 @@ class BackgroundGrader:
     """Grades finished samples off the engine's thread and appends their lines.
 
     Whatever is queued is graded together (so code samples run side by side in the sandbox and
-    math samples in the pool's workers). A failure of grading itself still writes the sample,
-    marked ``reason: "grading_error"``, so no generated output is lost. A failed write of a
-    sample line is kept in ``error`` (the run checks it and stops); nothing more is written
-    after it.
+    math samples in the pool's workers). A failure of grading itself (a grading worker that died
+    or could not start, a grader that broke down) still writes the sample, with no verdict:
+    ``correct`` and ``score`` null, ``reason: "grading_infra"`` -- no generated output is lost and
+    no metric counts it. A pool that cannot start at all (``WorkerStartError``: most often a
+    calling script without its main guard) is kept in ``fatal`` (the run stops on it); the samples
+    the pool would grade go ungraded from then on. A failed write of a sample line is kept in
+    ``error`` (the run checks it and stops); nothing more is written after it.
     """
 
     def __init__(self, writer: R.SampleWriter, on_sample: Callable[[dict], None], *,
@@ -35,6 +38,7 @@ class BackgroundGrader:
         self.pending = 0
         self.submitted = 0
         self.error: R.ResultsWriteError | None = None
+        self.fatal: Exception | None = None
         self._abandoned = False
         self._written_before = writer.written
         self._queue: queue.Queue = queue.Queue()
@@ -79,22 +83,36 @@ class BackgroundGrader:
             self.pool.close()
 
     def _grade(self, items: list[tuple[Problem, dict]]) -> None:
-        from evals.grading import GRADERS, GradingPool, grade_many
+        from evals.grading import GRADERS, grade_many
+        from evals.grading.batch import grading_pool
+        from evals.grading.pool import WorkerStartError
 
+        def in_pool(problem: Problem) -> bool:
+            return getattr(GRADERS.get(problem.grader), "runs_in", None) == "pool"
+
+        todo = items
+        if self.fatal is not None:  # no pool: grade what needs none, leave the rest ungraded
+            todo = [(p, rec) for p, rec in items if not in_pool(p)]
+            for p, rec in items:
+                if in_pool(p):
+                    _ungraded(rec, str(self.fatal))
         try:
-            if self.pool is None and any(GRADERS[p.grader].runs_in == "pool" for p, _ in items):
-                self.pool = GradingPool(workers=self.workers, timeout_s=self.timeout_s)
-            grades = grade_many([(p, rec["output"]) for p, rec in items], workers=self.workers,
+            if self.pool is None and any(in_pool(p) for p, _ in todo):
+                self.pool = grading_pool(self.workers, self.timeout_s)
+            grades = grade_many([(p, rec["output"]) for p, rec in todo], workers=self.workers,
                                 timeout_s=self.timeout_s, pool=self.pool)
-            for (_, rec), g in zip(items, grades):
+            for (_, rec), g in zip(todo, grades):
                 rec.update(extracted=g.extracted,
                            correct=None if g.correct is None else bool(g.correct),
                            score=None if g.score is None else float(g.score),
                            reason=g.reason, details=small_meta(dict(g.details)))
-        except Exception as e:  # grading broke down: keep the outputs, mark them
-            for _, rec in items:
-                rec.update(extracted=None, correct=False, score=0.0, reason="grading_error",
-                           details={"error": f"{type(e).__name__}: {e}"})
+        except WorkerStartError as e:
+            self.fatal = e
+            for _, rec in todo:
+                _ungraded(rec, str(e))
+        except Exception as e:  # grading broke down: keep the outputs, without a verdict
+            for _, rec in todo:
+                _ungraded(rec, f"{type(e).__name__}: {e}")
         for _, rec in items:
             try:
                 self.writer.write(rec)
@@ -108,3 +126,10 @@ class BackgroundGrader:
                 self.on_sample(rec)
             except Exception:  # a display problem must not lose samples
                 pass
+
+
+def _ungraded(record: dict, message: str) -> None:
+    """Mark a sample line as not graded (grading itself failed): no verdict, reason
+    ``grading_infra``, and why."""
+    record.update(extracted=None, correct=None, score=None, reason=GRADING_INFRA,
+                  details={"error": message})

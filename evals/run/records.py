@@ -9,7 +9,9 @@ A sample line (``output_record``)::
     status "ok" | "failed", output, prompt_tokens, output_tokens, finish_reason,
     first_token_s, finish_s, tpot_s, avg_kv_budget, avg_kv_allocated, avg_kv_kept,
     final_kv_len, peak_kv_capacity, preemptions, events, decisions, stage_seconds,
-    extracted, correct, score, reason, details      (the grader's, evals.run.grader)
+    extracted, correct, score, reason, details      (the grader's, evals.run.grader; correct and
+                                                    score are null when grading itself failed,
+                                                    reason "grading_infra")
     fid_*                                           (evals.run.fidelity.FIELDS)
 """
 
@@ -134,11 +136,12 @@ def describe_engine_settings(path: Path, records: Sequence[Mapping[str, Any]],
 
 
 def niah_records(records: Sequence[Mapping[str, Any]]) -> list[dict]:
-    """(context_length, depth_percent, score) rows of the samples that carry a NIAH grid cell."""
+    """(context_length, depth_percent, score) rows of the graded samples that carry a NIAH grid
+    cell (an ungraded sample has no score to show)."""
     rows = []
     for r in records:
         meta = r.get("meta") or {}
-        if "context_length" in meta and "depth_percent" in meta:
+        if "context_length" in meta and "depth_percent" in meta and not R.ungraded(r):
             rows.append({"context_length": meta["context_length"], "depth_percent": meta["depth_percent"],
                          "score": float(r.get("score") or 0.0)})
     return rows

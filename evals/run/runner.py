@@ -20,7 +20,13 @@ How a run proceeds:
 3. All remaining prompts go to ``LLM.stream`` together (the engine batches up to max_num_seqs).
    Each finished request is handed to a grading thread (math answers in time-bounded worker
    processes, code in the sandbox, NIAH inline) that appends its line to ``samples.jsonl`` --
-   grading never pauses the engine, whose wall time defines TPS.
+   grading never pauses the engine, whose wall time defines TPS. A sample that grading itself
+   could not judge (a grading worker that died or could not start) is written without a verdict
+   (evals.run.grader), counted in ``metrics["ungraded"]`` and in no accuracy figure, reported in
+   one warning line at the end of the run, and generated and graded again by a resumed run. A
+   grading pool that cannot start at all (``WorkerStartError``: most often a calling script
+   without ``if __name__ == "__main__":``) stops the run: the samples written are kept, the
+   segment is recorded as ``error``, metrics.json counts them, and the error is raised.
 4. On Ctrl-C or SIGTERM (evals.interrupts) the engine stops; samples that had finished are
    graded and written, a segment line (with the engine's statistics so far) and metrics.json
    are written, and the outcome says ``interrupted``. A second Ctrl-C while that grading runs
@@ -86,8 +92,12 @@ from evals.run.settings import (
 def run_eval(settings: EvalSettings, hooks: EvalHooks | None = None) -> EvalOutcome:
     """Run (or resume) one evaluation; see the module docstring. Raises EvalError on bad input,
     R.ResultsError when the result directory holds another experiment, is busy (another
-    invocation writes it), holds broken files or its data file changed, and
-    R.ResultsWriteError when a results file cannot be written."""
+    invocation writes it), holds broken files or its data file changed,
+    R.ResultsWriteError when a results file cannot be written, and WorkerStartError
+    (evals.grading.pool) when grading cannot start at all."""
+    from evals.grading.pool import exit_if_importing_main
+
+    exit_if_importing_main()  # a grading worker re-running a script that lacks its main guard
     hooks = hooks or EvalHooks()
     target = resolve_target(settings)
     path = target.path
@@ -120,6 +130,7 @@ def _run_locked(settings: EvalSettings, hooks: EvalHooks, target: Target) -> Eva
     """run_eval's work once the run directory is locked."""
     from engine.config import ConfigError
     from engine.models.loader import ModelLoadError, load_tokenizer, resolve_model
+    from evals.grading.pool import WorkerStartError
 
     # The directory's files first (cheap, and a broken one stops the run before anything loads).
     path, label, matched, defaults = target.path, target.label, target.matched, target.defaults
@@ -147,12 +158,17 @@ def _run_locked(settings: EvalSettings, hooks: EvalHooks, target: Target) -> Eva
     retry = failed_to_retry(loaded.records, segments, settings)
     if retry:
         hooks.on_message(f"retrying {len(retry)} sample(s) that failed for an engine reason")
+    ungraded = {k for k, r in loaded.records.items() if R.ungraded(r)}
+    retry |= ungraded
     done = set(loaded.records) - retry
     todo = [k for k in plan.keys if k not in done]
     if hasattr(hooks, "on_plan"):  # optional: hooks objects need not subclass EvalHooks
         hooks.on_plan(path, list(todo))
     if settings.only_keys is not None:
         todo = [k for k in todo if k in settings.only_keys]
+    again = sum(1 for k in todo if k in ungraded)
+    if again:
+        hooks.on_message(f"running again {again} sample(s) that grading could not judge")
     if matched is not None:
         matched.check_samples(todo, settings.policy, target.policy_args)
     outcome = EvalOutcome(path, label, settings.task, {}, resumed=len(plan.keys) - len(todo),
@@ -167,6 +183,9 @@ def _run_locked(settings: EvalSettings, hooks: EvalHooks, target: Target) -> Eva
             _generate(settings, config, rendered, target, hooks, outcome, segment)
         except ConfigError as e:
             raise EvalError(str(e)) from None
+        except WorkerStartError:
+            finalize(path, plan.keys)  # the samples written, ungraded ones among them, counted
+            raise
         except (MemoryError, RuntimeError) as e:
             if not engines.allocation_failure(e):
                 raise
@@ -176,7 +195,18 @@ def _run_locked(settings: EvalSettings, hooks: EvalHooks, target: Target) -> Eva
         R.write_json(path / R.CONFIG_FILE, {**R.read_config(path / R.CONFIG_FILE), **_latest(config)}
                      if (path / R.CONFIG_FILE).exists() else config)
     outcome.metrics = finalize(path, plan.keys)
+    outcome.ungraded = outcome.metrics.get("ungraded") or 0
+    if outcome.ungraded:
+        hooks.on_message(ungraded_warning(settings.task, label, outcome.metrics))
     return outcome
+
+
+def ungraded_warning(task: str, label: str, metrics: Mapping[str, Any]) -> str:
+    """The one line that says a run holds samples without a verdict, and what its pass@1 is over."""
+    n, done = metrics.get("ungraded") or 0, metrics.get("samples_done") or 0
+    return (f"warning: {task}/{label}: {n} of {done} sample(s) have no verdict (grading itself "
+            f"failed: a grading worker died or could not start); pass@1 is over the {done - n} "
+            f"graded ones; run the same command again to grade them")
 
 
 def _read_run_dir(path: Path, hooks: EvalHooks):
@@ -367,6 +397,8 @@ def _stream(llm, runnable: Sequence[Rendered], writer: R.SampleWriter, segment: 
         for out in stream:
             if grader.error is not None:  # a sample line could not be written: stop now
                 raise grader.error
+            if grader.fatal is not None:  # grading cannot start: nothing more would be graded
+                raise grader.fatal
             progress.finished(out.index, out.num_output_tokens)
             r = runnable[out.index]
             record = output_record(r.problem, r.sample, r.seed, segment, out)
@@ -404,7 +436,7 @@ def _stream(llm, runnable: Sequence[Rendered], writer: R.SampleWriter, segment: 
             hooks.on_message(f"grading the {grader.pending} finished sample(s) before stopping; "
                              f"Ctrl-C again to drop them (a resumed run generates them again)")
         lost = grader.close(stops.again)
-        if grader.error is not None:
+        if grader.error is not None or grader.fatal is not None:
             status = "error"
         elif lost:  # a second stop signal: what was not graded yet is not in samples.jsonl
             status = "interrupted"
@@ -422,6 +454,8 @@ def _stream(llm, runnable: Sequence[Rendered], writer: R.SampleWriter, segment: 
         _warn_if_never_compressed(llm, status, path, settings, hooks)
     if grader.error is not None:
         raise grader.error
+    if grader.fatal is not None:
+        raise grader.fatal
 
 
 def _warn_if_never_compressed(llm, status: str, path: Path, settings: EvalSettings,

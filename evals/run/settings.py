@@ -157,6 +157,7 @@ class EvalOutcome:
     interrupted: bool = False
     skipped_rows: list = field(default_factory=list)
     dropped: int = 0        # finished samples not graded when a second stop signal came
+    ungraded: int = 0       # samples of the run without a verdict: grading itself failed
     stop_signal: str | None = None  # "SIGINT" / "SIGTERM" when a signal stopped the run
 
 

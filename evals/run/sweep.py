@@ -126,7 +126,8 @@ def analyze_sweep(base: EvalSettings, budgets: Sequence[int], rule: str,
     for b, outcome in zip(budgets, outcomes):
         per: dict[str, list[bool]] = {}
         for rec in R.load_samples(outcome.path / R.SAMPLES_FILE, repair=False).records.values():
-            per.setdefault(rec["uid"], []).append(bool(rec.get("correct")))
+            if not R.ungraded(rec):  # no verdict: neither sufficient nor not
+                per.setdefault(rec["uid"], []).append(bool(rec.get("correct")))
         for uid, marks in per.items():
             if uid not in tallies:
                 tallies[uid] = {}

@@ -257,6 +257,8 @@ class Task(ABC):
     paper_defaults: ClassVar[TaskDefaults]
     cpu_defaults: ClassVar[TaskDefaults | None] = None
     cpu_paper_defaults: ClassVar[TaskDefaults | None] = None
+    # Samples carry a (context length, needle depth) cell: the leaderboard draws a heatmap grid.
+    retrieval_grid: ClassVar[bool] = False
     # The longest data row read (bytes of one JSON line; larger rows are rejected per row
     # without being held in memory). A task whose rows carry test suites raises it.
     max_row_bytes: ClassVar[int] = MAX_ROW_BYTES

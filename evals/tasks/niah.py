@@ -47,6 +47,7 @@ class NIAH(Task):
     grader = "niah"
     local = LocalLayout("niah", ("*.txt", "*/*.txt", "niah/*/*.txt"), "plain-text essays (.txt files)")
     title = "NIAH"
+    retrieval_grid = True
     paper_defaults = TaskDefaults(samples=1, max_tokens=128, kv_budget=None, block_size=256, temperature=0.0)
     cpu_defaults = TaskDefaults(samples=1, max_tokens=64, kv_budget=None, block_size=32, temperature=0.0)
     # An answer's length is no sequence scale: the cpu-paper preset changes only the page.

@@ -165,7 +165,8 @@
       if (r.cautions.length) { prov.title = r.cautions.join("; "); prov.className = "text caution"; }
       cells.push(prov);
       cols.forEach(function (c) { cells.push(figureCell(r.figures[c.key], c.decimals, pct(c))); });
-      cells.push(el("td", {text: r.samples_done + " / " + r.samples_planned + (r.failed ? " (" + r.failed + " failed)" : "")}));
+      cells.push(el("td", {text: r.samples_done + " / " + r.samples_planned + (r.failed ? " (" + r.failed + " failed)" : "") +
+        (r.ungraded ? " (" + r.ungraded + " ungraded)" : "")}));
       return el("tr", {cls: r.comparable ? "" : "flagged"}, cells);
     });
     var table = el("table", {id: "leaderboard-table"}, [el("thead", null, [thead]), el("tbody", null, body)]);
@@ -213,7 +214,7 @@
       var tr = el("tr", {cls: "clickable" + (i === sampleState.index ? " selected" : ""), onclick: function () {
         sampleState.index = i; renderSamples();
       }}, [el("td", {cls: "text", text: s.uid}), el("td", {text: String(s.sample)}),
-        el("td", {text: s.status !== "ok" ? s.status : (s.correct ? "\u2713" : "\u2717")}),
+        el("td", {text: s.status !== "ok" ? s.status : (s.ungraded ? "ungraded" : (s.correct ? "\u2713" : "\u2717"))}),
         el("td", {text: fmt(s.score, 2)}), el("td", {text: fmt(f.fid_delta_nll, 4)}),
         el("td", {text: fmt(f.fid_worst_window, 3)}),
         el("td", {text: f.fid_agreement === null || f.fid_agreement === undefined ? "-" : fmt(100 * f.fid_agreement, 1)}),
@@ -613,9 +614,23 @@
     box.appendChild(runs);
   }
 
+  // The figures are matplotlib's own SVG (evals/report/data.py figures_section), shown as drawn.
+  function renderFigures() {
+    var box = document.getElementById("figures");
+    var figures = DATA.figures || [];
+    if (!figures.length) { box.appendChild(el("p", {cls: "empty", text: "No run has fidelity figures (runs with --no-fidelity, or none besides FullKV)."})); return; }
+    figures.forEach(function (f) {
+      var holder = el("div", {cls: "figure"});
+      holder.innerHTML = f.svg;
+      box.appendChild(el("h3", {text: f.title}));
+      box.appendChild(el("div", {cls: "scroll"}, [holder]));
+    });
+  }
+
   renderHeader();
   renderBoardControls();
   renderBoard();
+  renderFigures();
   renderSamplesControls();
   renderNiah();
   renderCapacityControls();
