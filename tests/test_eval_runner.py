@@ -687,7 +687,7 @@ def _samples_as_directory(run):
 HAND_EDITS = {
     "score high": (_edit_sample("score", "high", line=2), "samples.jsonl line 2: 'score'"),
     "correct no": (_edit_sample("correct", "no"),
-                   "samples.jsonl line 1: 'correct' must be true, false or null"),
+                   "samples.jsonl line 1: 'correct' must be true or false (null if ungraded)"),
     "sample index": (_edit_sample("sample", -1), "samples.jsonl line 1: 'sample'"),
     "events": (_edit_sample("events", {"grow": "many"}), "samples.jsonl line 1: 'events'"),
     "stats x": (_edit_segment("stats", "x"), "segments.jsonl line 1: 'stats'"),
