@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from evals.cli_common import (
+    POLICY_NAMES,
     CompileOpt,
     ModelOpt,
     PolicyArgOpt,
@@ -23,8 +24,6 @@ from evals.cli_common import (
     console,
     fail,
     name_metavars,
-    names,
-    policy_names,
     set_threads,
 )
 
@@ -60,7 +59,7 @@ def generate(
     top_k: int = typer.Option(0),
     seed: Optional[int] = typer.Option(None),
     chat: bool = typer.Option(True, help="Wrap each prompt in the model's chat template."),
-    policy: str = typer.Option("full", "--policy", "-p", help=f"KV policy: {names(policy_names())}."),
+    policy: str = typer.Option("full", "--policy", "-p", help=f"KV policy: {POLICY_NAMES}."),
     policy_arg: list[str] = PolicyArgOpt,
     kv_cache_tokens: Optional[int] = typer.Option(None, help="KV pool size in tokens."),
     block_size: Optional[int] = typer.Option(None, help="Tokens per KV page."),
@@ -154,7 +153,7 @@ def list_command(
 ):
     """Registered KV policies with their arguments and defaults, and tasks with their options and
     their paper and cpu presets."""
-    from rich.table import Table
+    from rich.table import Column, Table
 
     from evals.cli_common import describe_registries
 
@@ -163,21 +162,39 @@ def list_command(
         print(json.dumps(listing, indent=2, default=str))
         return
     out = Console()
-    policies = Table("policy", "arguments (default)", "description", title="KV policies: --policy NAME "
-                     "--policy-arg key=value", title_justify="left", show_lines=True)
+    for title, headers, rows in (
+            ("KV policies: --policy NAME --policy-arg key=value",
+             ("policy", "arguments (default)", "description"), policy_rows(listing)),
+            ("Tasks: --task NAME", ("task", "presets (--preset)", "options (--task-arg)", "description"),
+             task_rows(listing))):
+        # fold: a value longer than its column goes on over the next lines instead of being cut
+        table = Table(*(Column(h, overflow="fold") for h in headers), title=title,
+                      title_justify="left", show_lines=True)
+        for row in rows:
+            table.add_row(*row)
+        out.print(table)
+
+
+def policy_rows(listing: dict) -> list[tuple[str, str, str]]:
+    """`kvarena list`'s policy table: (name, every argument=default, description), values whole."""
+    rows = []
     for name, p in listing["policies"].items():
-        args = " ".join(f"{k}={_show(v)}" for k, v in p["arguments"].items()) or "-"
+        args = "\n".join(f"{k}={_show(v)}" for k, v in p["arguments"].items()) or "-"
         swept = f"sweep sets {p['fixed_budget']}" if p["fixed_budget"] else ""
-        policies.add_row(name, args, f"{p['summary']} {swept}".strip())
-    out.print(policies)
-    tasks = Table("task", "presets (--preset)", "options (--task-arg)", "description", title="Tasks: --task "
-                  "NAME", title_justify="left", show_lines=True)
+        rows.append((name, args, f"{p['summary']} {swept}".strip()))
+    return rows
+
+
+def task_rows(listing: dict) -> list[tuple[str, str, str, str]]:
+    """`kvarena list`'s task table: (name, each preset's defaults, every option=default,
+    description), values whole."""
+    rows = []
     for name, t in listing["tasks"].items():
         presets = "\n".join(f"{scale}: " + " ".join(f"{k}={_show(v)}" for k, v in d.items())
-                            for scale, d in t["presets"].items())
-        options = " ".join(f"{k}={_show(v)}" for k, v in t["options"].items()) or "-"
-        tasks.add_row(name, presets, options, t["summary"])
-    out.print(tasks)
+                             for scale, d in t["presets"].items())
+        options = "\n".join(f"{k}={_show(v)}" for k, v in t["options"].items()) or "-"
+        rows.append((name, presets, options, t["summary"]))
+    return rows
 
 
 def _show(value) -> str:

@@ -13,13 +13,25 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # torch loads when an engine is configured, not when the CLI starts
+    import torch
 
 
 class ConfigError(ValueError):
     """A configuration value (engine, sampling or policy) is invalid."""
+
+
+def unknown_name(kind: str, name: str, known, plural: str | None = None) -> str:
+    """The one message for a name no registry holds (a policy, a task): the closest known
+    names as a suggestion (difflib), then every known one (``plural``: ``kind`` + "s")."""
+    import difflib
+
+    known = sorted(known)
+    close = difflib.get_close_matches(str(name), known, n=3, cutoff=0.6)
+    hint = f" (did you mean {' or '.join(repr(c) for c in close)}?)" if close else ""
+    return f"unknown {kind} {name!r}{hint}; known {plural or kind + 's'}: {known}"
 
 
 # The embedded default model (engine/models/loader.py finds it); every default names it from here.
@@ -134,6 +146,8 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         if self.device == "auto":
+            import torch
+
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device not in ("cpu", "cuda", "meta") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device must be 'auto', 'cpu', 'cuda' or 'meta', got {self.device!r}")
@@ -174,6 +188,8 @@ class EngineConfig:
 
     def torch_dtype(self, model_dtype: torch.dtype | None) -> torch.dtype:
         """The compute dtype: fp32 on CPU (fast and exact there), else the model's or bf16."""
+        import torch
+
         if self.dtype != "auto":
             dtype = getattr(torch, self.dtype, None)
             if not isinstance(dtype, torch.dtype):

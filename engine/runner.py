@@ -99,6 +99,16 @@ class ModelRunner:
         self.queries = self._query_pool(signals)
         self.graph = self._decode_graph() if config.compile else None
 
+    @property
+    def native_kernels(self) -> bool:
+        """Whether decode steps run the C kernels (engine/kernels/cpu_native.py): asked for
+        (``EngineConfig.cpu_native_kernels``), on the CPU in float32, and the library built and
+        loaded (an installation without their sources warns and runs the torch ops)."""
+        from engine.kernels import cpu_native
+
+        return (self.config.cpu_native_kernels and self.device.type == "cpu"
+                and self.dtype == torch.float32 and cpu_native.available())
+
     def _decode_graph(self) -> DecodeGraph:
         """The compiled decode step (engine/decode_graph.py). Block tables are as wide as the
         most pages a sequence can hold; on meta the graph runs uncompiled (a dry run)."""

@@ -33,9 +33,9 @@
   fallbacks inside the 9,500 grow decisions.
 - Compactions (`compactions`): every compaction that ran (a capacity decision's, a fallback's, a
   prompt compression, a periodic firing): what `kvarena generate` prints as "compress events".
-- KV kept (`final_kv_len`): the KV slots a request holds when it finishes, mean over requests, beside
-  `kv_context`, the tokens its context had by then (prompt plus output): kept < context means the
-  policy dropped KV.
+- KV slots held at the end (`final_kv_len`): the KV slots a request holds when it finishes, mean
+  over requests, beside `kv_context`, the tokens its context had by then (prompt plus output):
+  kept < context means the policy dropped KV.
 
 `never_compressed` is the one rule for "a compressing policy did not compress in this run"
 (`kvarena generate` warns with it; an eval can call it on a segment's statistics).
@@ -156,18 +156,23 @@ class RunStats:
                 f"preemptions {self.counts.get('preemption', 0)}")
 
     def _memory(self) -> str:
-        """"KV slots allocated / kept per head a, b, " when both are known, else nothing."""
+        """The per-head slots allocated and kept, averaged over decode steps, when both are
+        known, else nothing. Named "average" so it is not read as ``kv_summary``'s slots held at
+        the end."""
         if self.avg_kv_allocated is None or self.avg_kv_kept is None:
             return ""
-        return f"KV slots per head allocated {self.avg_kv_allocated:.0f} / kept {self.avg_kv_kept:.0f}, "
+        return (f"average KV slots per head: allocated {self.avg_kv_allocated:.0f} / "
+                f"kept {self.avg_kv_kept:.0f}, ")
 
     def kv_summary(self) -> str:
         """Compression and memory in one line: compress events (of them prompt compressions),
-        KV kept at the finish of the context's tokens, average budget and allocated slots."""
+        the KV slots requests held at the end against their context's tokens, average budget and
+        allocated slots."""
         prefill = sum(v for k, v in self.counts.items() if k.startswith("prefill_"))
         parts = [f"compress events {self.compactions} ({prefill} of the prompt)"]
         if self.final_kv_len is not None and self.kv_context is not None:
-            parts.append(f"KV kept {self.final_kv_len:.0f} of {self.kv_context:.0f} tokens")
+            parts.append(f"KV slots held at the end {self.final_kv_len:.0f} of "
+                         f"{self.kv_context:.0f} context tokens")
         for label, value in (("avg KV budget", self.avg_kv_budget),
                              ("avg KV allocated", self.avg_kv_allocated)):
             parts.append(f"{label} {value:.0f}" if value is not None else f"{label} n/a")

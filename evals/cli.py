@@ -4,38 +4,37 @@
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Optional
 
 import typer
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from evals.cli_common import (
+    FIXED_BUDGET_POLICY_NAMES,
+    POLICY_NAMES,
+    TASK_NAMES,
     CompileOpt,
     ModelOpt,
     PolicyArgOpt,
     ThreadsOpt,
     console,
     fail,
-    fixed_budget_policy_names,
-    names,
-    policy_names,
     set_threads,
-    task_names,
 )
 from evals.run.settings import RUNS_DIR
 
 # -- shared options ------------------------------------------------------------------------------
 
 TaskOpt = typer.Option(..., "--task", "-t", metavar="NAME",
-                       help=f"Task name (repeatable): {names(task_names())}.")
+                       help=f"Task name (repeatable): {TASK_NAMES}.")
 PolicyOpt = typer.Option(["full"], "--policy", "-p", metavar="NAME",
                          help="KV policy (repeatable; runs one after another into sibling "
-                         f"directories): {names(policy_names())}.")
+                         f"directories): {POLICY_NAMES}.")
 TaskArgOpt = typer.Option([], "--task-arg", metavar="KEY=VALUE",
                           help="Task option key=value, e.g. lengths=256,512 for niah; "
-                          "a comma makes a list (lengths=512, is a one-element list) (repeatable).")
+                          "a comma makes a list, and one value for a list option is a list of "
+                          "one (lengths=1024) (repeatable).")
 DataOpt = typer.Option(None, "--data", metavar="PATH",
                        help="Local data file or directory (a data root such as "
                        "/path/to/data), or a hub id; default: the task's hub dataset.")
@@ -52,7 +51,8 @@ ThinkingOpt = typer.Option(None, "--thinking/--no-thinking", help="Qwen3 thinkin
                            "(default: the chat template's).")
 KvBudgetOpt = typer.Option(None, "--kv-budget", help="Fixed KV budget for fixed-budget policies "
                            "(default: the task preset's; a policy argument wins; one other than "
-                           "the preset's joins the run label, e.g. snapkv+budget=96).")
+                           "the preset's joins the run label, e.g. snapkv+budget=96, as do max "
+                           "tokens, temperature and block size: +mt=512+T=0+bs=16).")
 KvCacheOpt = typer.Option(None, "--kv-cache-tokens", help="KV pool size in tokens.")
 BlockOpt = typer.Option(None, "--block-size", help="Tokens per KV page (default: the preset's).")
 SeqsOpt = typer.Option(64, "--max-num-seqs", help="Most requests resident at once.")
@@ -76,13 +76,16 @@ AllowDataChangeOpt = typer.Option(False, "--allow-data-change",
 def split_policy_args(items: list[str], policies: list[str]) -> dict[str, dict[str, str]]:
     """``key=value`` goes to every listed policy that has the field (to the only policy when
     there is one, which then reports an unknown key itself); ``policy:key=value`` to that policy."""
-    from engine.policies.base import parse_policy_args, policy_fields, policy_registry
+    from engine.config import ConfigError
+    from engine.policies.base import parse_policy_args, policy_class, policy_fields, policy_registry
     from evals.run.settings import EvalError
 
     registry = policy_registry()
-    unknown = [p for p in policies if p not in registry]
-    if unknown:
-        raise EvalError(f"unknown policy {unknown[0]!r}; known policies: {sorted(registry)}")
+    for p in policies:
+        try:
+            policy_class(p)
+        except ConfigError as e:
+            raise EvalError(str(e)) from None
     per: dict[str, dict[str, str]] = {p: {} for p in policies}
     for item in items:
         head = item.split("=", 1)[0]
@@ -135,37 +138,51 @@ def _json_or_str(text: str):
 
 
 class RichHooks:
-    """Live display: samples graded / to run, running accuracy, tokens/s of the engine."""
+    """Live display of each run: the bar counts the current pass's output tokens against the most
+    it can generate, with tokens/s and the time left (evals.run.progress.TokenProgress; a batched
+    run finishes its samples together near the end, so a count of samples would stand still
+    until then), beside the samples written of those to run and the accuracy over the graded
+    ones. The fidelity passes before the run's own generation (FullKV reference, forced pass)
+    are named while they run."""
 
     def __init__(self, progress: Progress):
         self.progress = progress
         self.task_id = None
+        self.title = ""
         self.correct = 0
         self.graded = 0
-        self.tokens = 0
-        self.start = time.perf_counter()
+        self.written = 0
+        self.todo = 0
         self.said: set[str] = set()
 
     def on_start(self, label, task, total, todo, path) -> None:
         if self.task_id is not None:
             self.progress.update(self.task_id, visible=False)
-        self.correct = self.graded = self.tokens = 0
-        self.start = time.perf_counter()
+        self.correct = self.graded = self.written = 0
+        self.todo = todo
+        self.title = f"{task} {label}"
         done = total - todo
         if done:
             self.progress.console.print(f"{task}/{label}: {done} of {total} samples already in "
                                         f"{path}; running {todo}")
-        self.task_id = self.progress.add_task(f"{task} {label}", total=todo, stats="")
+        self.task_id = self.progress.add_task(self.title, total=None, tokens="", stats="",
+                                              samples=self._samples())
 
     def on_step(self, tokens: int, finished: int) -> None:
-        self.tokens = tokens
-        self._refresh()
+        """The run's engine loop (the display follows on_progress)."""
+
+    def on_progress(self, progress) -> None:
+        if self.task_id is None:
+            return
+        title = self.title if progress.name == "generate" else f"{self.title}: {progress.name}"
+        self.progress.update(self.task_id, description=title, total=max(1, progress.total),
+                             completed=progress.completed, tokens=progress.describe())
 
     def on_sample(self, record: dict) -> None:
+        self.written += 1
         if record.get("correct") is not None:  # an ungraded sample counts in no accuracy
             self.graded += 1
             self.correct += bool(record["correct"])
-        self.progress.advance(self.task_id)
         self._refresh()
 
     def on_message(self, text: str) -> None:
@@ -176,15 +193,19 @@ class RichHooks:
         self.said.add(text)
         self.progress.console.print(f"[dim]{text}[/]")
 
+    def _samples(self) -> str:
+        return f"{self.written}/{self.todo} samples"
+
     def _refresh(self) -> None:
-        elapsed = max(1e-9, time.perf_counter() - self.start)
         acc = f"acc {100 * self.correct / self.graded:.1f}%" if self.graded else "acc -"
-        self.progress.update(self.task_id, stats=f"{acc} | {self.tokens / elapsed:.1f} tok/s")
+        self.progress.update(self.task_id, samples=self._samples(), stats=acc)
 
 
-def _progress() -> Progress:
-    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                    TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), console=console)
+def _progress(out=None) -> Progress:
+    """The eval and sweep display (``RichHooks``), on stderr unless ``out`` (a rich Console)."""
+    return Progress(TextColumn("[bold]{task.description}"), BarColumn(), TextColumn("{task.fields[tokens]}"),
+                    TextColumn("{task.fields[samples]}"), TextColumn("{task.fields[stats]}"),
+                    TimeElapsedColumn(), console=out or console)
 
 
 # -- commands ------------------------------------------------------------------------------------
@@ -276,9 +297,14 @@ def eval_command(
                                          "head kept (traces.jsonl; shown by `kvarena report`)."),
     workers: Optional[str] = WorkersOpt,
     ray_address: Optional[str] = RayAddressOpt,
+    label: Optional[str] = typer.Option(
+        None, "--label", metavar="NAME",
+        help="Name the run directory NAME instead of the policy, its arguments and the settings "
+             "that differ from the task preset's (snapkv+budget=96+mt=512+T=0); one --policy."),
 ):
-    """Evaluate policies on tasks: runs/<model>/<task>/<policy>/ with config, per-sample JSONL
-    (written as samples finish; re-running resumes) and metrics."""
+    """Evaluate policies on tasks: runs/<model>/<task>/<label>/ with config, per-sample JSONL
+    (written as samples finish; re-running resumes) and metrics; the label is the policy, its
+    arguments and the settings that differ from the task preset's, or --label."""
     from engine.config import ConfigError
     from evals.grading.pool import WorkerStartError
     from evals.results import ResultsError
@@ -286,6 +312,8 @@ def eval_command(
     from evals.run.settings import EvalError
 
     set_threads(threads)
+    if label is not None and len(policy) > 1:
+        fail(f"--label names one run directory per task: give one --policy with it, not {len(policy)}")
     outcomes = []
     try:
         base = _base_settings(task_arg, model=model, data=data, limit=limit, samples=samples,
@@ -296,7 +324,8 @@ def eval_command(
                               max_num_seqs=max_num_seqs, compile=compile, out=out,
                               grading_workers=grading_workers,
                               fidelity=fidelity, retry_failed=retry_failed,
-                              allow_data_change=allow_data_change, trace_kept=trace_kept)
+                              allow_data_change=allow_data_change, trace_kept=trace_kept,
+                              label=label)
         per_policy = split_policy_args(policy_arg, policy)
         # Policies outer, tasks inner: the engine loads once per policy.
         plan = [_for_run(base, t, p, per_policy[p]) for p in policy for t in task]
@@ -415,7 +444,7 @@ def report_command(
 def sweep_command(
     task: list[str] = TaskOpt,
     policy: str = typer.Option("zipage", "--policy", "-p",
-                               help=f"Fixed-budget policy: {names(fixed_budget_policy_names())}."),
+                               help=f"Fixed-budget policy: {FIXED_BUDGET_POLICY_NAMES}."),
     budgets: str = typer.Option(..., "--budgets", help="Comma-separated budgets in tokens, e.g. "
                                 "128,256,512,1024 (whole pages)."),
     rule: str = typer.Option("majority", "--rule", help="c_i(B) from the samples: majority, all, any."),

@@ -3,13 +3,15 @@ mean the same everywhere, and the registries' names for help texts.
 
 Help texts that list policies or tasks are generated from the registries
 (``engine.policies.base.POLICIES``, ``evals.tasks.TASKS``), so a newly registered policy or task
-shows up in `kvarena --help` and `kvarena list` without an edit here.
+shows up in `kvarena --help` and `kvarena list` without an edit here. They are filled in when a
+help page is shown (``fill_names``), so starting the CLI imports no policy, task or torch.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
+import re
 import sys
 from pathlib import Path
 from typing import Any, NoReturn
@@ -57,6 +59,25 @@ def names(items: list[str]) -> str:
     return ", ".join(items)
 
 
+# A help text that lists a registry holds one of these placeholders; the help page fills it in
+# when it is shown (`_WordHelp.format_help`): listing the names imports every policy and task,
+# torch with them, which the CLI must not wait for at start (`kvarena --help` stays quick).
+_NAME_LISTS = {
+    "{policies}": policy_names,
+    "{tasks}": task_names,
+    "{fixed_budget_policies}": fixed_budget_policy_names,
+}
+POLICY_NAMES, TASK_NAMES, FIXED_BUDGET_POLICY_NAMES = _NAME_LISTS
+
+
+def fill_names(text: str | None) -> str | None:
+    """``text`` with each registry placeholder (``POLICY_NAMES``, ...) replaced by the names."""
+    for word, listed in _NAME_LISTS.items():
+        if text and word in text:
+            text = text.replace(word, names(listed()))
+    return text
+
+
 def _field_defaults(cls: type) -> dict[str, Any]:
     """{field: default} of a dataclass's init fields (a default factory is called; a required
     field shows as ``"required"``)."""
@@ -79,7 +100,13 @@ def _summary(cls: type) -> str:
     doc = inspect.cleandoc(cls.__doc__ or "")
     if not doc or doc.startswith(f"{cls.__name__}("):
         doc = inspect.cleandoc(sys.modules[cls.__module__].__doc__ or "")
-    return " ".join(doc.split("\n\n")[0].split())
+    return plain_text(" ".join(doc.split("\n\n")[0].split()))
+
+
+def plain_text(doc: str) -> str:
+    """Docstring markup as plain words: ``code``, `code` and :role:`target` lose their quotes
+    and role (the listing is read in a terminal, not rendered)."""
+    return re.sub(r"(?::[\w.]+:)?(`+)(.+?)\1", r"\2", doc)
 
 
 def describe_registries() -> dict[str, dict]:
@@ -188,6 +215,11 @@ class _WordHelp:
         if option is not None:
             option.metavar = ""
         return option
+
+    def format_help(self, ctx, formatter):
+        for param in self.params:
+            param.help = fill_names(getattr(param, "help", None))
+        return super().format_help(ctx, formatter)
 
 
 class _WordCommand(_WordHelp, TyperCommand):

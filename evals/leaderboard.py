@@ -106,10 +106,16 @@ def order_tasks(tasks: Sequence[str]) -> list[str]:
     return known + sorted(t for t in set(tasks) if t not in table1)
 
 
+def not_fullkv(label: str) -> bool:
+    """False for a FullKV run's label (``full``, or ``full+`` the settings it names), so that sorting
+    on it puts FullKV's rows first."""
+    return not (label == "full" or label.startswith("full+"))
+
+
 def _row_order(runs: Sequence[RunResult]) -> list[tuple[str, str]]:
-    """Models in name order; within a model ``full`` first, then labels in name order."""
+    """Models in name order; within a model FullKV's rows first, then labels in name order."""
     keys = {(r.model, r.label) for r in runs}
-    return sorted(keys, key=lambda k: (k[0], k[1] != "full", k[1]))
+    return sorted(keys, key=lambda k: (k[0], not_fullkv(k[1]), k[1]))
 
 
 def _value(run: RunResult | None, key: str, scale: float) -> float | None:
@@ -328,7 +334,7 @@ def write_runs_csv(runs: Sequence[RunResult], path: Path, roots: Sequence[str | 
     prov_ids = prov_ids or provenance_ids(runs)
     rows = []
     tasks = order_tasks({r.task for r in runs})
-    for r in sorted(runs, key=lambda r: (r.model, tasks.index(r.task), r.label != "full", r.label)):
+    for r in sorted(runs, key=lambda r: (r.model, tasks.index(r.task), not_fullkv(r.label), r.label)):
         m, c = r.metrics, r.config
         row = {k: m.get(k) for k in RUN_COLUMNS if k in m}
         for key in CI_COLUMNS:

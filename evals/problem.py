@@ -8,8 +8,11 @@ because grading happens in worker processes.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import hashlib
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -159,9 +162,39 @@ def _file_sha256(name: str) -> str:
 
 
 def config_from_mapping(cls: type, values: Mapping[str, Any], what: str):
-    """Build dataclass ``cls`` from ``values``; unknown keys are an error naming the valid ones."""
-    names = {f.name for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(values) - names)
+    """Build dataclass ``cls`` from ``values``; unknown keys are an error naming the valid ones.
+    A single value for a tuple or list field is a sequence of one (``lengths=1024`` from the
+    command line is ``(1024,)``), so every caller gets the field's shape."""
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(values) - set(fields))
     if unknown:
-        raise ValueError(f"unknown {what} option(s) {unknown}; valid options: {sorted(names)}")
+        raise ValueError(f"unknown {what} option(s) {unknown}; valid options: {sorted(fields)}")
+    hints = _type_hints(cls)
+    values = {k: (v,) if _is_sequence_type(hints.get(k, fields[k].type)) and _is_scalar(v) else v
+              for k, v in values.items()}
     return cls(**values)
+
+
+def _type_hints(cls: type) -> dict[str, Any]:
+    """``cls``'s resolved annotations, or {} where one cannot be resolved (the fields' own
+    ``type`` strings are then read instead)."""
+    try:
+        return typing.get_type_hints(cls)
+    except Exception:  # an annotation naming what its module imports only for type checkers
+        return {}
+
+
+def _is_sequence_type(annotation: Any) -> bool:
+    """Whether a field's annotation is a tuple, list or sequence (``Optional`` of one too),
+    resolved or as the string ``from __future__ import annotations`` leaves."""
+    if isinstance(annotation, str):
+        head = annotation.replace(" ", "").split("[", 1)[0].split("|", 1)[0]
+        return head.rsplit(".", 1)[-1] in ("tuple", "list", "Tuple", "List", "Sequence")
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_is_sequence_type(a) for a in typing.get_args(annotation) if a is not type(None))
+    return (origin or annotation) in (tuple, list, collections.abc.Sequence)
+
+
+def _is_scalar(value: Any) -> bool:
+    return value is not None and not isinstance(value, (tuple, list, set, frozenset, dict))

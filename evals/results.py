@@ -21,10 +21,14 @@ Layout of one run (one model x task x policy configuration)::
 e.g. ``full``, ``zipage``, ``zipage+budget=256``, ``growpage-shrink+min_capacity=128+tau=0.001``,
 plus the fixed KV budget the run uses wherever that is not the task preset's default
 (``budget_label_args``): ``--kv-budget 96`` and ``-a budget=96`` both write ``snapkv+budget=96``,
-so one label never holds two budgets. The task preset's own budget is not part of the label, so
-one policy keeps one label across tasks whose default budgets differ (as Zipage does in GrowPage's
-Table 1); ``config.json`` holds the values actually used. Directories written before the budget
-joined the label keep their names (``evals.run.plan.resolve_target`` resumes them there).
+so one label never holds two budgets. Then the generation settings that differ from the task
+preset's (``setting_label_args``): ``mt`` max tokens, ``T`` temperature, ``bs`` block size, as in
+``snapkv+budget=96+mt=512+T=0``, so trying another length or temperature gets a directory of its
+own instead of a refusal to mix. The task preset's own values are not part of the label, so one
+policy keeps one label across tasks whose defaults differ (as Zipage's budget does in GrowPage's
+Table 1); ``config.json`` holds the values actually used. ``--label NAME`` names the directory
+instead. Directories written before the budget or the settings joined the label keep their names
+(``evals.run.plan.resolve_target`` resumes them there when they hold the very run asked for).
 
 Resume: a sample is identified by ``(uid, sample index)``. A run that finds ``samples.jsonl``
 skips the samples already there. The settings that change what a sample produces (``IDENTITY``)
@@ -154,10 +158,26 @@ def format_value(value: Any) -> str:
     return str(value)
 
 
-def run_label(policy: str, args: Mapping[str, Any]) -> str:
-    """``policy`` plus ``+key=value`` for each given argument, sorted (see module docstring)."""
+# Generation settings that join a run's label where they differ from the task preset's, each by
+# its short name, in this order (after the policy arguments): snapkv+budget=96+mt=512+T=0+bs=16.
+SETTING_LABELS = (("max_tokens", "mt"), ("temperature", "T"), ("block_size", "bs"))
+
+
+def run_label(policy: str, args: Mapping[str, Any], settings: Mapping[str, Any] | None = None) -> str:
+    """``policy`` plus ``+key=value`` for each given argument, sorted, then ``+mt=``, ``+T=`` and
+    ``+bs=`` for the generation settings in ``settings`` (``setting_label_args``); see the module
+    docstring."""
     parts = [policy] + [f"{k}={format_value(v)}" for k, v in sorted(args.items())]
+    parts += [f"{short}={format_value(settings[name])}" for name, short in SETTING_LABELS
+              if name in (settings or {})]
     return slug("+".join(parts))
+
+
+def setting_label_args(used: Mapping[str, Any], preset: Mapping[str, Any]) -> dict:
+    """``{setting: value}`` of the generation settings (``SETTING_LABELS``) a run uses where they
+    differ from its task preset's: what its label names beside the policy arguments."""
+    return {name: used[name] for name, _ in SETTING_LABELS
+            if name in used and used[name] != preset.get(name)}
 
 
 def budget_label_args(field: str | None, policy_args: Mapping[str, Any], user_args: Mapping[str, Any],

@@ -68,6 +68,42 @@ def test_list_as_tables_names_everything():
     assert "window=16" in text and "paper: samples=4 max_tokens=16384" in text
 
 
+def test_list_prints_whole_values_without_markup_at_80_columns():
+    from cli import policy_rows, task_rows
+
+    narrow = CliRunner(env={"COLUMNS": "80", "NO_COLOR": "1", "TERM": "dumb"}).invoke(app, ["list"])
+    assert narrow.exit_code == 0, narrow.output
+    assert "\u2026" not in narrow.output and "`" not in narrow.output  # no ellipsis, no RST quotes
+    data = listing()
+    cells = {row[0]: row for row in task_rows(data)}
+    assert "lengths=256,512,1024,2048" in cells["niah"][2].splitlines()
+    assert "gsm8k/test.jsonl" in cells["gsm8k"][3] and "`" not in cells["gsm8k"][3]
+    assert all("`" not in row[2] for row in policy_rows(data))
+    assert "`" not in json.dumps(data)
+
+
+HEAVY_MODULES = ("torch", "transformers", "pandas", "matplotlib", "lm_eval", "ray", "numpy", "datasets")
+
+
+def test_top_level_help_imports_nothing_heavy():
+    """`kvarena --help` (and building every command) loads none of the heavy libraries: each
+    command imports what it needs when it runs, and help texts list the registries only when a
+    command's own help page is shown."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.argv = ['kvarena', '--help']\n"
+            "import cli\n"
+            "try:\n    cli.app()\nexcept SystemExit:\n    pass\n"
+            f"print('LOADED', sorted({{m.split('.')[0] for m in sys.modules}} & {set(HEAVY_MODULES)!r}))")
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                          timeout=120, env={"PATH": "/usr/bin:/bin", "COLUMNS": "200"})
+    assert done.returncode == 0, done.stderr
+    assert "eval" in done.stdout and "leaderboard" in done.stdout
+    assert done.stdout.strip().splitlines()[-1] == "LOADED []", done.stdout[-500:]
+
+
 def test_help_lists_come_from_the_registries():
     for command in ("eval", "sweep"):
         text = invoke(command, "--help")
@@ -101,13 +137,32 @@ def test_fixed_budget_policies_follow_the_budget_field(monkeypatch):
     assert listing()["policies"]["mine-fixed"]["arguments"]["budget"] is None
 
 
+def test_one_message_for_an_unknown_name_with_the_closest_names():
+    from engine.config import ConfigError, unknown_name
+    from engine.policies.base import build_policy
+
+    assert unknown_name("task", "math5000", TASKS) == (
+        f"unknown task 'math5000' (did you mean 'math500'?); known tasks: {sorted(TASKS)}")
+    assert "did you mean" not in unknown_name("task", "zzz", TASKS)
+    with pytest.raises(ConfigError, match=r"did you mean 'growpage' or 'growpage-\w+'"):
+        build_policy("growpag")
+    with pytest.raises(KeyError, match="did you mean 'niah'"):
+        get_task("naih")
+
+
 def test_only_fullkv_never_compresses():
     assert [name for name, cls in POLICIES.items() if not cls.compresses] == ["full"]
 
 
 @pytest.mark.parametrize("args, message", [
     (["sweep", "-t", "gsm8k", "-p", "growpage", "--budgets", "64"], "fixed-budget policy"),
-    (["eval", "-t", "gsm8k", "-p", "nope"], "unknown policy 'nope'"),
+    (["eval", "-t", "gsm8k", "-p", "nope"], "unknown policy 'nope'; known policies"),
+    (["eval", "-t", "gsm8k", "-p", "snapk"], "unknown policy 'snapk' (did you mean 'snapkv'?)"),
+    (["eval", "-t", "gsm9k"], "unknown task 'gsm9k' (did you mean 'gsm8k'?)"),
+    (["sweep", "-t", "gsm8k", "-p", "zipag", "--budgets", "64"], "did you mean 'zipage'?"),
+    (["eval", "-t", "gsm8k", "-p", "full", "-p", "snapkv", "--label", "x"],
+     "--label names one run directory per task: give one --policy with it"),
+    (["eval", "-t", "gsm8k", "--label", "../x"], "label must be a directory name"),
 ])
 def test_usage_errors_exit_2_with_the_valid_choices(args, message, tmp_path):
     result = RUNNER.invoke(app, [*args, "--out", str(tmp_path)])
@@ -172,10 +227,14 @@ def generate(tiny_dir, *args: str) -> str:
 def test_generate_shows_compress_events_and_kept_kv(tiny_dir):
     text = generate(tiny_dir, "-p", "zipage", "-a", "budget=24", "--max-tokens", "32")
     line = next(ln for ln in text.splitlines() if ln.startswith("compress events"))
-    events, kept, context = map(int, re.search(r"events (\d+) .* kept (\d+) of (\d+)", line).groups())
+    events, kept, context = map(int, re.search(r"events (\d+) .* held at the end (\d+) of (\d+) context",
+                                               line).groups())
     assert events >= 1 and 24 <= kept <= 28 < context, line  # budget + at most one write page
     assert "avg KV budget 24" in line, line
     assert "never compressed" not in text
+    # The line before names its per-head figures as averages, so two "kept" never read alike.
+    summary = next(ln for ln in text.splitlines() if " tok/s, " in ln)
+    assert re.search(r"average KV slots per head: allocated \d+ / kept \d+", summary), summary
 
 
 def test_generate_warns_when_a_compressing_policy_never_compressed(tiny_dir):

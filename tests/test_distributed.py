@@ -23,6 +23,7 @@ ray = pytest.importorskip("ray", reason="Ray is the optional extra .[ray] (make 
 
 from evals import results as R  # noqa: E402
 from evals.run.distributed import SHARDS_DIR, merge_shard, read_shard, run_distributed  # noqa: E402
+from evals.run.plan import resolve_target  # noqa: E402
 from evals.run.runner import run_eval  # noqa: E402
 from evals.run.settings import EvalHooks, EvalSettings  # noqa: E402
 from tiny_models import make_tiny_llama_dir  # noqa: E402
@@ -143,7 +144,7 @@ def test_two_workers_equal_a_single_process_run_and_resume(local_ray, model_dir,
 
 def test_a_stopped_workers_shard_is_merged_not_rerun(local_ray, model_dir, tmp_path):
     base = settings_for(model_dir, tmp_path / "out", fidelity=False)
-    path = R.run_dir(base.out, base.model, base.task, R.run_label(base.policy, base.policy_args))
+    path = resolve_target(base).path
     # What a worker killed after three samples leaves behind: its shard under the run directory.
     planned = Messages()
     run_eval(dataclasses.replace(base, only_keys=frozenset()), planned)  # plans, runs nothing
@@ -220,7 +221,7 @@ def test_a_worker_that_dies_is_a_clear_error_and_keeps_its_samples(local_ray, mo
     base = settings_for(model_dir, tmp_path / "out", fidelity=False)
     with pytest.raises(D.EvalError, match="worker failed .*run the same command again"):
         run_distributed([base], workers=1, threads=1)
-    path = R.run_dir(base.out, base.model, base.task, R.run_label(base.policy, base.policy_args))
+    path = resolve_target(base).path
     assert len(R.load_samples(path / R.SAMPLES_FILE).records) >= 1  # the dead worker's sample
     monkeypatch.setattr(D, "_WORKER", None)
     outcome = run_distributed([base], workers=2, threads=1)[0]

@@ -47,6 +47,14 @@ def settings(model_dir, out, task="gsm8k", **kw) -> EvalSettings:
     return EvalSettings(**base)
 
 
+def run_path(model_dir, out, task="gsm8k", **kw) -> Path:
+    """Where ``settings(...)`` writes: the label names ENGINE's max tokens and block size (not the
+    task preset's), and any other setting given that is not."""
+    from evals.run.plan import resolve_target
+
+    return resolve_target(settings(model_dir, out, task=task, **kw)).path
+
+
 def lines(path: Path) -> list[dict]:
     return [json.loads(x) for x in (path / R.SAMPLES_FILE).read_text().splitlines()]
 
@@ -99,9 +107,20 @@ def test_interrupted_run_resumes_to_the_same_results(model_dir, tmp_path):
 
 
 def test_resume_refuses_other_settings(model_dir, tmp_path):
-    run_eval(settings(model_dir, tmp_path, limit=1))
+    """A setting the label names (max tokens) gets a directory of its own; one it does not (the
+    seed), or a label given by hand that names the first run, is refused rather than mixed."""
+    first = run_eval(settings(model_dir, tmp_path, limit=1, fidelity=False))
+    assert first.label == "full+mt=12+bs=4"
+    with pytest.raises(R.ResultsMismatchError, match="seed"):
+        run_eval(settings(model_dir, tmp_path, limit=1, seed=1, fidelity=False))
     with pytest.raises(R.ResultsMismatchError, match="max_tokens"):
-        run_eval(settings(model_dir, tmp_path, limit=1, max_tokens=13))
+        run_eval(settings(model_dir, tmp_path, limit=1, max_tokens=13, label=first.label, fidelity=False))
+    other = run_eval(settings(model_dir, tmp_path, limit=1, max_tokens=13, fidelity=False))
+    assert other.label == "full+mt=13+bs=4" and other.metrics["complete"]
+    assert len(lines(first.path)) == 1
+    named = run_eval(settings(model_dir, tmp_path, limit=1, max_tokens=13, label="short", fidelity=False))
+    assert named.path == first.path.parent / "short" and named.label == "short"
+    assert json.loads((named.path / R.CONFIG_FILE).read_text())["label"] == "short"
 
 
 def test_cut_line_is_dropped_and_repaired(tmp_path):
@@ -222,13 +241,14 @@ def test_every_task_format_two_policies_and_the_leaderboard(model_dir, tmp_path)
                     "budget": ZIPAGE_BUDGET}
                 assert m["events"]["compress"] > 0 and m["events"]["prefill_compress"] > 0
                 assert max(r["peak_kv_capacity"] for r in recs) <= ZIPAGE_BUDGET + 4
-    zipage = f"zipage+budget={ZIPAGE_BUDGET}"  # --kv-budget, not the task preset's: in the label
+    # --kv-budget, ENGINE's max tokens and block size: not the task presets', so in the labels
+    full, zipage = "full+mt=12+bs=4", f"zipage+budget={ZIPAGE_BUDGET}+mt=12+bs=4"
     assert (out / "tiny-llama" / "niah" / zipage / R.NIAH_HEATMAP_FILE).exists()
 
     board = build_leaderboard([out], tmp_path / "board")
     with open(board.files["table1.csv"]) as f:
         table = list(csv.DictReader(f))
-    assert [r["method"] for r in table] == ["full", zipage]
+    assert [r["method"] for r in table] == [full, zipage]
     avg = "Avg (GSM8K, MATH500, AMC23, AIME24, LiveCode)"  # the Avg column names its tasks
     for title in ("GSM8K", "MATH500", "AMC23", "AIME24", "LiveCode", "NIAH", avg):
         assert f"pass@1 (%) {title}" in table[0] and f"TPS (tok/s) {title}" in table[0]
@@ -238,11 +258,12 @@ def test_every_task_format_two_policies_and_the_leaderboard(model_dir, tmp_path)
     with open(board.files["runs.csv"]) as f:
         runs = list(csv.DictReader(f))
     assert len(runs) == 12
-    assert {r["path"] for r in runs} >= {"tiny-llama/gsm8k/full", f"tiny-llama/niah/{zipage}"}
+    assert {r["path"] for r in runs} >= {f"tiny-llama/gsm8k/{full}", f"tiny-llama/niah/{zipage}"}
     md = board.files["leaderboard.md"].read_text()
-    assert "| tiny-llama | full |" in md and f"| tiny-llama | {zipage} |" in md and "TPOT" in md
-    assert " ± " in md.split("| tiny-llama | full |")[1].splitlines()[0]
-    for name in ("quality_memory.png", "niah_tiny-llama_full.png", f"niah_tiny-llama_{R.slug(zipage)}.png"):
+    assert f"| tiny-llama | {full} |" in md and f"| tiny-llama | {zipage} |" in md and "TPOT" in md
+    assert " ± " in md.split(f"| tiny-llama | {full} |")[1].splitlines()[0]
+    for name in ("quality_memory.png", f"niah_tiny-llama_{R.slug(full)}.png",
+                 f"niah_tiny-llama_{R.slug(zipage)}.png"):
         assert board.files[name].read_bytes()[:4] == b"\x89PNG"
 
 
@@ -259,6 +280,10 @@ def test_config_records_provenance(model_dir, tmp_path):
     assert prov["versions"]["torch"] and prov["versions"]["transformers"] and prov["versions"]["kvarena"]
     assert prov["machine"]["cpu_count"] >= 1 and prov["machine"]["device"] and prov["machine"]["platform"]
     assert prov["command"] and prov["date_utc"] and "earlier" not in prov
+    from engine.kernels import cpu_native
+
+    engine = json.loads((outcome.path / R.CONFIG_FILE).read_text())["engine"]
+    assert engine["cpu_native_kernels"] is cpu_native.available()  # kept past the metrics' rewrite
     # A resumed run from other code keeps the earlier invocation's provenance.
     config = json.loads((outcome.path / R.CONFIG_FILE).read_text())
     config["provenance"]["git"]["commit"] = "0" * 40
@@ -315,9 +340,11 @@ def test_cli_eval_two_policies_then_leaderboard(model_dir, tmp_path):
             "--temperature", "0", "--threads", "1", "--out", str(tmp_path)]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
-    assert "| tiny-llama | full |" in result.output
-    assert f"| tiny-llama | zipage+budget={ZIPAGE_BUDGET} |" in result.output
-    assert (tmp_path / "tiny-llama" / "gsm8k" / f"zipage+budget={ZIPAGE_BUDGET}" / R.METRICS_FILE).exists()
+    settings_label = "mt=8+T=0+bs=4"  # --max-tokens, --temperature, --block-size: not the preset's
+    assert f"| tiny-llama | full+{settings_label} |" in result.output
+    zipage = f"zipage+budget={ZIPAGE_BUDGET}+{settings_label}"
+    assert f"| tiny-llama | {zipage} |" in result.output
+    assert (tmp_path / "tiny-llama" / "gsm8k" / zipage / R.METRICS_FILE).exists()
 
     result = runner.invoke(app, ["leaderboard", str(tmp_path)])
     assert result.exit_code == 0, result.output
@@ -516,7 +543,7 @@ def test_a_second_eval_on_a_locked_run_directory_stops_at_once_naming_the_holder
 
     from cli import app
 
-    run = R.run_dir(tmp_path, str(model_dir), "gsm8k", "full")
+    run = run_path(model_dir, tmp_path)  # where _cli_args and settings() both write
     holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(run)], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True, cwd=ROOT, env=_env())
     try:
@@ -593,7 +620,7 @@ def test_a_failed_sample_write_fails_the_run_and_keeps_what_was_written(model_di
     assert result.exit_code == 1, result.output
     assert "cannot write" in result.output and "Operation not permitted" in result.output
     assert "Traceback" not in result.output
-    run = R.run_dir(tmp_path, str(model_dir), "gsm8k", "full")
+    run = run_path(model_dir, tmp_path, temperature=0.8)
     kept = lines(run)  # every line whole: the half line was cut back
     assert len(kept) == 2 and (run / R.SAMPLES_FILE).read_text().endswith("}\n")
     (segment,) = R.read_segments(run / R.SEGMENTS_FILE)
@@ -710,7 +737,7 @@ def _samples_as_directory(run):
 HAND_EDITS = {
     "score high": (_edit_sample("score", "high", line=2), "samples.jsonl line 2: 'score'"),
     "correct no": (_edit_sample("correct", "no"),
-                   "samples.jsonl line 1: 'correct' must be true, false or null"),
+                   "samples.jsonl line 1: 'correct' must be true or false (null if ungraded)"),
     "sample index": (_edit_sample("sample", -1), "samples.jsonl line 1: 'sample'"),
     "events": (_edit_sample("events", {"grow": "many"}), "samples.jsonl line 1: 'events'"),
     "stats x": (_edit_segment("stats", "x"), "segments.jsonl line 1: 'stats'"),
@@ -731,7 +758,7 @@ def test_hand_edited_results_files_stop_the_resume_naming_file_and_line(model_di
     for name, (edit, expected) in HAND_EDITS.items():
         out = tmp_path / name.replace(" ", "_")
         shutil.copytree(tmp_path / "base", out)
-        run = R.run_dir(out, str(model_dir), "gsm8k", "full")
+        run = run_path(model_dir, out)
         edit(run)
         with pytest.raises(R.ResultsCorruptError) as caught:
             run_eval(settings(model_dir, out, limit=3, **NO_FIDELITY))
@@ -811,7 +838,7 @@ def _signalled(model_dir, tmp_path, mode: str) -> dict:
 def test_sigterm_records_an_interrupted_segment(model_dir, tmp_path):
     got = _signalled(model_dir, tmp_path, "sigterm")
     assert got["interrupted"] and got["signal"] == "SIGTERM" and got["dropped"] == 0
-    run = R.run_dir(tmp_path, str(model_dir), "gsm8k", "full")
+    run = run_path(model_dir, tmp_path, temperature=0.8)
     (segment,) = R.read_segments(run / R.SEGMENTS_FILE)
     assert segment["status"] == "interrupted" and segment["signal"] == "SIGTERM"
     assert segment["samples"] == segment["written"] == got["ran"] == got["done"] == len(lines(run)) >= 3
@@ -824,7 +851,7 @@ def test_sigterm_records_an_interrupted_segment(model_dir, tmp_path):
 def test_a_second_ctrl_c_drops_ungraded_samples_says_so_and_records_the_segment(model_dir, tmp_path):
     got = _signalled(model_dir, tmp_path, "twice")
     assert got["interrupted"] and got["signal"] == "SIGINT" and got["dropped"] >= 1
-    run = R.run_dir(tmp_path, str(model_dir), "gsm8k", "full")
+    run = run_path(model_dir, tmp_path, temperature=0.8)
     (segment,) = R.read_segments(run / R.SEGMENTS_FILE)
     assert segment["status"] == "interrupted"
     assert segment["written"] == len(lines(run)) == got["done"] == got["ran"] - got["dropped"]
@@ -922,9 +949,60 @@ def test_run_labels_carry_the_effective_budget_however_it_was_set(tmp_path):
     assert label(policy="full", kv_budget=96) == "full"
     assert label(policy="growpage", kv_budget=96) == "growpage"
     earlier = R.run_dir(tmp_path, DEFAULT_MODEL, "gsm8k", "snapkv")
-    R.write_json(earlier / R.CONFIG_FILE, {"label": "snapkv", "policy_args": {"budget": 128}})
+    cpu = get_task("gsm8k").defaults("cpu")
+    R.write_json(earlier / R.CONFIG_FILE, {"label": "snapkv", "policy_args": {"budget": 128},
+                                           "max_tokens": cpu.max_tokens, "temperature": cpu.temperature,
+                                           "block_size": cpu.block_size})
     assert label(policy="snapkv", kv_budget=128) == "snapkv"        # resumed where it is
     assert label(policy="snapkv", kv_budget=96) == "snapkv+budget=96"  # another budget: its own
+
+
+def test_run_labels_carry_the_settings_that_differ_from_the_preset(tmp_path):
+    """Max tokens, temperature and block size join the label where they are not the task preset's
+    (after the policy arguments: mt, T, bs), so exploring them needs no --out of its own; trees
+    written before keep resuming where they are; --label names the directory instead."""
+    from evals.run.plan import resolve_target
+    from evals.run.settings import DEFAULT_MODEL
+    from evals.tasks import get_task
+
+    cpu = get_task("gsm8k").defaults("cpu")
+
+    def target(**kw):
+        return resolve_target(EvalSettings(task="gsm8k", out=str(tmp_path), preset="cpu", **kw))
+
+    def label(**kw):
+        return target(**kw).label
+
+    assert label(policy="snapkv", kv_budget=96, max_tokens=512, temperature=0.0) \
+        == "snapkv+budget=96+mt=512+T=0"
+    assert label(policy="full", max_tokens=cpu.max_tokens, temperature=cpu.temperature,
+                 block_size=cpu.block_size) == "full"  # the preset's values, given: not named
+    assert label(policy="full", temperature=0.7, block_size=16) == "full+T=0.7+bs=16"
+    assert label(policy="zipage", policy_args={"window": 8}, max_tokens=64) == "zipage+window=8+mt=64"
+    got = target(policy="full", max_tokens=64, temperature=0.0)
+    assert (got.max_tokens, got.temperature, got.block_size) == (64, 0.0, cpu.block_size)
+    assert got.path == R.run_dir(tmp_path, DEFAULT_MODEL, "gsm8k", "full+mt=64+T=0")
+
+    # A tree written before settings joined labels: `snapkv+budget=96` (budget-era) or bare
+    # `full` (older) holding this very run is resumed there; other settings get their own.
+    for old, kw in (("snapkv+budget=96", dict(policy="snapkv", kv_budget=96)),
+                    ("full", dict(policy="full"))):
+        args = {"budget": 96} if kw["policy"] == "snapkv" else {}
+        R.write_json(R.run_dir(tmp_path, DEFAULT_MODEL, "gsm8k", old) / R.CONFIG_FILE,
+                     {"label": old, "policy_args": args, "max_tokens": 512, "temperature": 0.0,
+                      "block_size": cpu.block_size})
+        assert label(**kw, max_tokens=512, temperature=0.0) == old
+        assert label(**kw, max_tokens=256, temperature=0.0) == f"{old}+mt=256+T=0"
+    # once the new directory exists it is the one used
+    R.run_dir(tmp_path, DEFAULT_MODEL, "gsm8k", "full+mt=512+T=0").mkdir(parents=True)
+    assert label(policy="full", max_tokens=512, temperature=0.0) == "full+mt=512+T=0"
+
+    assert label(policy="snapkv", kv_budget=96, max_tokens=512, label="long-try") == "long-try"
+    for bad in ("", "../x", "a/b", "_reference", ".hidden", "sweep_x", "x" * 201):
+        with pytest.raises(EvalError, match="label must be a directory name"):
+            EvalSettings(task="gsm8k", label=bad)
+    with pytest.raises(EvalError, match="a label does not apply"):  # a sweep names each budget's run
+        run_sweep(EvalSettings(task="gsm8k", policy="zipage", label="mine"), [64])
 
 
 def test_samples_name_the_rendered_prompt_they_ran(model_dir, tmp_path):
@@ -1055,7 +1133,7 @@ def test_run_eval_from_a_script_without_main_guard_stops_with_one_error(model_di
     assert proc.returncode != 0 and "pass@1" not in proc.stdout, proc.stdout
     assert proc.stderr.count("Traceback") == 1, proc.stderr  # the script's own, not the workers'
     assert "WorkerStartError" in proc.stderr and '`if __name__ == "__main__":`' in proc.stderr
-    run = R.run_dir(tmp_path / "runs", str(model_dir), "gsm8k", "full")
+    run = run_path(model_dir, tmp_path / "runs", max_tokens=4, temperature=0.0)  # the script's run
     metrics = json.loads((run / R.METRICS_FILE).read_text())
     assert metrics["pass@1"] is None and metrics["ungraded"] == metrics["samples_done"] >= 1
     assert R.read_segments(run / R.SEGMENTS_FILE)[-1]["status"] == "error"

@@ -48,7 +48,8 @@ def test_baseline_gets_karas_realised_length_per_sample(model_dir, kara_run, tmp
     assert all(isinstance(r["final_kv_len"], int) for r in kara.values())
     outcome = run_eval(settings(model_dir, tmp_path, policy="snapkv", policy_args={"window": 4},
                                 match_budget_to=str(kara_run)))
-    assert outcome.label == f"snapkv+window=4+matched={kara_run.name}"
+    # the label names ENGINE's settings that are not the preset's, then the Kara run matched
+    assert outcome.label == f"snapkv+window=4+mt=40+T=0+bs=4+matched={kara_run.name}"
     base = records(outcome.path)
     assert base.keys() == kara.keys()
     for key, rec in base.items():  # the request's own budget is Kara's final length for that sample

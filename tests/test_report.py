@@ -156,7 +156,7 @@ def test_report_data(tree):
     runs = {f"{r['task']}/{r['label']}": r for r in data["runs"]}
     assert len(runs) == 8 and all(r["comparable"] for r in runs.values())
     assert all(r["id"] == (tree / r["path"]).as_posix() and r["name"] == r["label"] for r in runs.values())
-    snap = runs["niah/snapkv+budget=48+window=4"]
+    snap = runs["niah/snapkv+budget=48+window=4+mt=6+bs=4"]  # the settings not the preset's
     assert snap["figures"]["pass@1"][1] is not None and snap["has_kept"] and snap["has_forced"]
     samples = data["samples"][snap["id"]]
     assert len(samples) == 2 and all(s["deltas"] is not None and s["pieces"] for s in samples)
@@ -164,11 +164,12 @@ def test_report_data(tree):
     assert len(ref["pieces"]) == len(samples[0]["deltas"])
     grid, = [g for g in data["niah"] if g["task"] == "niah"]
     assert grid["cells"] == [[320, 25.0], [320, 75.0]] and len(grid["rows"]) == 4
-    assert grid["rows"][0]["label"] == "full"
+    assert grid["rows"][0]["label"].split("+")[0] == "full"  # FullKV's row first
     # Prompt compression: SnapKV and Kara (GrowPage grows through these short answers).
     assert {Path(k).name.split("+")[0] for k in data["kept"]} == {"snapkv", "kara"}
     assert all(Path(k).parent.name == "niah" for k in data["kept"])
-    gsm = data["capacity"][Path(runs["gsm8k/full"]["id"]).parent.as_posix()]
+    full = next(r for k, r in runs.items() if k.split("+")[0] == "gsm8k/full")
+    gsm = data["capacity"][Path(full["id"]).parent.as_posix()]
     assert gsm["title"] == f"{snap['model']}/gsm8k"
     assert len(gsm["runs"]) == 4 and len(gsm["requests"]) == 2
     assert data["notes"] == []  # nothing sampled out at this size
@@ -185,6 +186,26 @@ def test_non_comparable_rows_are_flagged(tree, tmp_path):
     assert runs["snapkv/gsm8k"]["comparable"] is False
     assert runs["snapkv/gsm8k"]["reasons"] == ["max_tokens 99 vs FullKV's 40"]
     assert runs["snapkv/niah"]["comparable"] and runs["full/gsm8k"]["comparable"]
+
+
+def test_each_run_compares_with_the_fullkv_run_of_its_settings():
+    """Labels name settings that differ from the preset's, so one task may hold several FullKV
+    runs: a run compares with the one of its own settings, else the plain ``full``."""
+    from evals.report.data import COMPARED_SETTINGS, comparability, fullkv_run
+    from evals.results import RunResult
+
+    def run(label, **config):
+        base = {k: None for k in COMPARED_SETTINGS}
+        return RunResult(Path(label), {**base, "label": label, "policy": label.split("+")[0],
+                                       **config}, {"complete": True})
+
+    full, long = run("full", max_tokens=64), run("full+mt=512+T=0", max_tokens=512, temperature=0.0)
+    snap = run("snapkv+mt=512+T=0", max_tokens=512, temperature=0.0)
+    other = run("snapkv+mt=99", max_tokens=99)
+    assert fullkv_run(snap, [full, long]) is long and comparability(snap, long) == []
+    assert fullkv_run(other, [full, long]) is full
+    assert comparability(other, full) == ["max_tokens 99 vs FullKV's 64"]
+    assert fullkv_run(long, [full, long]) is long and fullkv_run(snap, []) is None
 
 
 def test_traces_are_sampled_and_the_page_says_so(tree):
@@ -381,7 +402,7 @@ def test_a_hostile_tree_renders_what_it_can_and_lists_what_it_cannot(tree, tmp_p
     kara = data["samples"][by_path["gsm8k/" + runs["samples"].name]["id"]]
     assert all(s["fid"]["fid_delta_nll"] is None for s in kara)
     note(runs["config"], "not valid UTF-8")
-    assert by_path["gsm8k/full"]["config"]["data_source"] == "\ufffd data"
+    assert by_path["gsm8k/" + runs["config"].name]["config"]["data_source"] == "\ufffd data"
     note(runs["niah"], "2 sample(s) in the NIAH grid", "context_length 320.5 is not a whole number")
     note(runs["traces"], "2 line(s) of traces.jsonl")
     note(runs["typed"], "the samples", "'score' must be a number in [0, 1]")

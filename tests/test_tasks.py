@@ -59,6 +59,35 @@ def test_registry():
         get_task("mixed", factor=0)
 
 
+def test_one_value_for_a_list_option_is_a_list_of_one():
+    """`--task-arg lengths=1024` parses to the int 1024; every tuple field takes it as (1024,)."""
+    from evals.cli import parse_task_args
+
+    niah = get_task("niah", **parse_task_args(["lengths=1024", "depths=50"]))
+    assert niah.lengths == (1024,) and niah.depths == (50.0,)
+    assert get_task("niah", lengths=[256, 512]).lengths == (256, 512)
+    assert get_task("longdoc", lengths=2048).lengths == (2048,)
+    assert get_task("mixed", factor=2).factor == 2  # a scalar field stays a scalar
+
+
+def test_builtin_data_is_found_inside_the_package_from_any_directory(tmp_path, monkeypatch):
+    """`--data evals/data/gsm8k_mini.jsonl` (the README's) works outside the clone: a relative
+    evals/ path that names nothing from the working directory is read from the package."""
+    from evals.tasks.base import PACKAGE_ROOT, builtin_data
+
+    monkeypatch.chdir(tmp_path)
+    inside = PACKAGE_ROOT / "evals" / "data" / "gsm8k_mini.jsonl"
+    assert builtin_data("evals/data/gsm8k_mini.jsonl") == str(inside)
+    assert len(get_task("gsm8k").load("evals/data/gsm8k_mini.jsonl")) == 8
+    assert builtin_data(None) is None and builtin_data("openai/gsm8k") == "openai/gsm8k"
+    assert builtin_data("evals/data/none.jsonl") == "evals/data/none.jsonl"  # the usual error follows
+    own = tmp_path / "evals" / "data" / "gsm8k_mini.jsonl"  # a file of the working directory wins
+    own.parent.mkdir(parents=True)
+    own.write_text('{"question": "1 + 1?", "answer": "#### 2"}\n')
+    assert builtin_data("evals/data/gsm8k_mini.jsonl") == "evals/data/gsm8k_mini.jsonl"
+    assert len(get_task("gsm8k").load("evals/data/gsm8k_mini.jsonl")) == 1
+
+
 def test_table1_order_and_titles_come_from_the_task_classes():
     from evals.tasks import table1_tasks, task_title
 

@@ -50,7 +50,7 @@ from typing import Any, ClassVar, Iterator, Protocol
 
 import torch
 
-from engine.config import ConfigError
+from engine.config import ConfigError, unknown_name
 
 
 class Action(enum.Enum):
@@ -334,12 +334,18 @@ def policy_fields(cls: type[KVPolicy]) -> dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(cls) if f.init}
 
 
-def build_policy(name: str, args: dict[str, Any] | None = None) -> KVPolicy:
-    """Instantiate a registered policy; string values (from the CLI) are coerced to field types."""
+def policy_class(name: str) -> type[KVPolicy]:
+    """The policy registered as ``name``: where every caller resolves a policy's name, so an
+    unknown one always gets the same message, with the closest names (ConfigError)."""
     registry = policy_registry()
     if name not in registry:
-        raise ConfigError(f"unknown policy {name!r}; known policies: {sorted(registry)}")
-    cls = registry[name]
+        raise ConfigError(unknown_name("policy", name, registry, "policies"))
+    return registry[name]
+
+
+def build_policy(name: str, args: dict[str, Any] | None = None) -> KVPolicy:
+    """Instantiate a registered policy; string values (from the CLI) are coerced to field types."""
+    cls = policy_class(name)
     fields = policy_fields(cls)
     args = dict(args or {})
     unknown = sorted(set(args) - set(fields))

@@ -381,12 +381,16 @@ def soak_command(
     """Every registered policy under random load: requests done, pages leaked, preemptions."""
     from dataclasses import replace
 
+    from engine.config import ConfigError
+    from engine.policies.base import policy_class
+
     base = QUICK if quick else BENCH
     sizes = parse_ints(block_sizes, "--block-sizes")
-    known = registered_policies()
-    unknown = [p for p in policy if p not in known]
-    if unknown:
-        raise typer.BadParameter(f"unknown policy {unknown[0]!r}; known: {known}")
+    for name in policy:
+        try:
+            policy_class(name)
+        except ConfigError as err:
+            raise typer.BadParameter(str(err)) from err
     try:
         cfg = replace(base, **{k: v for k, v in dict(requests=requests, block_sizes=sizes or None)
                                .items() if v is not None})

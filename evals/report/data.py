@@ -46,6 +46,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from evals.leaderboard import (
     complete_intervals,
+    not_fullkv,
     order_tasks,
     provenance_ids,
     relative_path,
@@ -288,6 +289,18 @@ def _figure(metrics: Mapping[str, Any], key: str, scale: float) -> list | None:
     lo, hi = ci if isinstance(ci, (list, tuple)) and len(ci) == 2 else (None, None)
     lo, hi = (x if isinstance(x, (int, float)) and not isinstance(x, bool) else None for x in (lo, hi))
     return [float(v) * scale, None if lo is None else lo * scale, None if hi is None else hi * scale]
+
+
+def fullkv_run(run: RunResult, fulls: Sequence[RunResult]) -> RunResult | None:
+    """The FullKV run of ``run``'s model and task to compare it with (``fulls``: those runs): the
+    run itself when it is one, else one with the same generation settings (``COMPARED_SETTINGS``;
+    labels name settings that differ from the preset's, so one task may hold several FullKV
+    runs), else the one labelled ``full``, else the first; None without any."""
+    if any(f is run for f in fulls):
+        return run
+    same = [f for f in fulls if all(run.config.get(k) == f.config.get(k) for k in COMPARED_SETTINGS)]
+    plain = [f for f in fulls if f.label == FULL]
+    return (same or plain or list(fulls) or [None])[0]
 
 
 def comparability(run: RunResult, full: RunResult | None) -> list[str]:
@@ -706,17 +719,20 @@ def build_data(dirs: Sequence[str | Path], limits: Limits | None = None,
         except Exception as e:  # a samples.jsonl no interval can be computed from
             notes.skip(clean_text(r.path.as_posix()), "the intervals", e)
     tasks = order_tasks({r.task for r in results})
-    results.sort(key=lambda r: (r.model, tasks.index(r.task), r.label != FULL, r.label, str(r.path)))
+    results.sort(key=lambda r: (r.model, tasks.index(r.task), not_fullkv(r.label), r.label,
+                                str(r.path)))
     results = [_usable_provenance(r, notes) for r in results]
     runs, titles = _label_and_group(results, dirs, notes)
     ids = provenance_ids(results)
-    full = {}
+    fulls: dict[str, list[_Run]] = {}  # a task directory may hold FullKV runs of several settings
     for run in runs:
-        if run.label == FULL:
-            full.setdefault(run.group, run)
+        if not not_fullkv(run.label) or run.result.config.get("policy") == FULL:
+            fulls.setdefault(run.group, []).append(run)
         run.prov = run_prov_ids(run.result, ids)
     for run in runs:
-        run.full = full.get(run.group)
+        candidates = fulls.get(run.group, [])
+        chosen = fullkv_run(run.result, [f.result for f in candidates])
+        run.full = next((f for f in candidates if f.result is chosen), None)
         try:
             run.records = run.result.samples()
         except Exception as e:  # a typed error in samples.jsonl (ResultsCorruptError), a directory

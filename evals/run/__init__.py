@@ -11,6 +11,7 @@ Modules, in the order a run uses them:
     plan.py         the task, its problems, the (uid, sample) keys, render_requests (the prompts)
     engines.py      the loaded engine, cached across runs whose engine settings match
     fidelity.py     drift from FullKV: the cached reference and the policy's forced pass
+    progress.py     TokenProgress: each pass's output tokens against the most it can generate
     grader.py       BackgroundGrader: grading off the engine's thread, sample lines appended
     records.py      sample lines, event counts, metrics.json recomputed from the files
     runner.py       run_eval / run_many: the steps above, in order, under the run directory's lock

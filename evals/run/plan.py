@@ -16,6 +16,7 @@ the context, which its first ``L x context`` characters confirm (``prompt_ids``)
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from dataclasses import dataclass
@@ -42,7 +43,8 @@ from evals.run.settings import (
 class Target:
     """What a run resolves to before it reads any file: the task and its preset defaults
     (evals.tasks.base.TaskDefaults), block size and fixed KV budget, the policy arguments it uses,
-    its label and directory, and the finished Kara run its budgets match (evals.matched_budget)."""
+    its label and directory, the finished Kara run its budgets match (evals.matched_budget), and
+    its max tokens and temperature (the preset's unless given)."""
 
     task: Any
     preset: str
@@ -53,26 +55,36 @@ class Target:
     label: str
     path: Path
     matched: Any = None
+    max_tokens: int = 0
+    temperature: float = 0.0
 
 
 def resolve_target(settings: EvalSettings) -> Target:
-    """The run's ``Target``. Its label is the policy and the user's arguments plus the fixed budget
-    where that is not the task preset's (evals.results.budget_label_args), then Kara's run for a
-    matched budget. A directory written before the budget joined the label, holding this very run
-    (the same policy arguments), keeps being used, so an earlier tree resumes where it is."""
+    """The run's ``Target``. Its label is ``settings.label`` when given; else the policy and the
+    user's arguments plus the fixed budget where that is not the task preset's
+    (evals.results.budget_label_args), then the generation settings that differ from the preset's
+    (evals.results.setting_label_args), then Kara's run for a matched budget. A directory written
+    before the budget or the settings joined the label, holding this very run (the same policy
+    arguments and settings), keeps being used, so an earlier tree resumes where it is."""
     task = load_task(settings)
     preset = settings.preset or default_preset()
     defaults = task.defaults(preset)
     block_size = settings.block_size or defaults.block_size
     budget = settings.kv_budget or defaults.kv_budget
+    max_tokens = settings.max_tokens or defaults.max_tokens
+    temperature = defaults.temperature if settings.temperature is None else settings.temperature
     task_args = task.policy_args_for(policy_lineage(settings.policy), preset)
     policy_args = resolve_policy_args(settings.policy, settings.policy_args, budget, block_size, task_args)
     default_args = resolve_policy_args(settings.policy, settings.policy_args, defaults.kv_budget,
                                        block_size, task_args)
     field = budget_field(settings.policy)
     named = R.budget_label_args(field, policy_args, settings.policy_args, default_args.get(field))
-    labels = [R.run_label(settings.policy, {**settings.policy_args, **named}),
-              R.run_label(settings.policy, settings.policy_args)]  # the second: earlier trees
+    generation = {"max_tokens": max_tokens, "temperature": temperature, "block_size": block_size}
+    shown = R.setting_label_args(generation, dataclasses.asdict(defaults))
+    args = {**settings.policy_args, **named}
+    labels = [R.run_label(settings.policy, args, shown),
+              R.run_label(settings.policy, args),  # trees written before the settings joined labels
+              R.run_label(settings.policy, settings.policy_args)]  # and before the budget did
     matched = None
     if settings.match_budget_to is not None:  # Kara's comparison protocol (evals.matched_budget)
         from evals import matched_budget
@@ -80,24 +92,32 @@ def resolve_target(settings: EvalSettings) -> Target:
         matched = matched_budget.load(settings.match_budget_to)
         matched.check_run(settings.model, settings.task, settings.policy)
         labels = [matched.run_label(label) for label in labels]
-    label = _existing_label(settings, labels, policy_args)
+    label = settings.label or _existing_label(settings, labels, policy_args, generation)
     return Target(task, preset, defaults, block_size, budget, policy_args, label,
-                  R.run_dir(settings.out, settings.model, settings.task, label), matched)
+                  R.run_dir(settings.out, settings.model, settings.task, label), matched,
+                  max_tokens, temperature)
 
 
-def _existing_label(settings: EvalSettings, labels: Sequence[str], policy_args: Mapping[str, Any]) -> str:
-    """``labels[0]``, unless only the earlier label ``labels[1]`` names a directory whose
-    config.json holds these policy arguments (a tree written before budgets joined labels)."""
-    label, earlier = labels
-    path = R.run_dir(settings.out, settings.model, settings.task, label)
-    old = R.run_dir(settings.out, settings.model, settings.task, earlier) / R.CONFIG_FILE
-    if earlier == label or path.exists() or not old.is_file():
+def _existing_label(settings: EvalSettings, labels: Sequence[str], policy_args: Mapping[str, Any],
+                    generation: Mapping[str, Any]) -> str:
+    """``labels[0]``, unless it names no directory and an earlier form of it (``labels[1:]``, in
+    order) names one whose config.json holds these policy arguments and generation settings (a
+    tree written before budgets or settings joined labels)."""
+    label = labels[0]
+    if R.run_dir(settings.out, settings.model, settings.task, label).exists():
         return label
-    try:
-        stored = R.read_config(old).get("policy_args")
-    except (OSError, R.ResultsError):
-        return label
-    return earlier if to_jsonable(stored) == to_jsonable(dict(policy_args)) else label
+    wanted = to_jsonable({"policy_args": dict(policy_args), **generation})
+    for earlier in dict.fromkeys(labels[1:]):
+        old = R.run_dir(settings.out, settings.model, settings.task, earlier) / R.CONFIG_FILE
+        if earlier == label or not old.is_file():
+            continue
+        try:
+            stored = R.read_config(old)
+        except (OSError, R.ResultsError):
+            continue
+        if all(to_jsonable(stored.get(k)) == v for k, v in wanted.items()):
+            return earlier
+    return label
 
 
 @dataclass
@@ -135,11 +155,15 @@ def load_task(settings: EvalSettings):
 
 
 def load_problems(task, settings: EvalSettings, tokenizer, hooks: EvalHooks) -> ProblemSet:
-    """The task's problems; malformed rows are reported through ``hooks`` and skipped."""
+    """The task's problems; malformed rows are reported through ``hooks`` and skipped. A built-in
+    data path (``evals/data/...``) is found inside the installed package when the working
+    directory has none (evals.tasks.base.builtin_data)."""
+    from evals.tasks.base import builtin_data
+
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            problems = task.load(settings.data, limit=settings.limit, tokenizer=tokenizer)
+            problems = task.load(builtin_data(settings.data), limit=settings.limit, tokenizer=tokenizer)
         except DataUnavailableError as e:
             raise EvalError(str(e)) from None
         except ValueError as e:

@@ -129,7 +129,9 @@ def describe_engine_settings(path: Path, records: Sequence[Mapping[str, Any]],
     elif not summary["settings"][0].get("unknown"):
         one = summary["settings"][0]
         config["kv_cache_tokens"], config["max_num_seqs"] = one["kv_cache_tokens"], one["max_num_seqs"]
-        config["engine"] = {k: one[k] for k in ("device", "num_pages", "max_model_len")}
+        # what the invocation recorded beside them (the C kernels in use) stays
+        earlier = config.get("engine") if isinstance(config.get("engine"), dict) else {}
+        config["engine"] = {**earlier, **{k: one[k] for k in ("device", "num_pages", "max_model_len")}}
     R.write_json(path / R.CONFIG_FILE, config)
 
 

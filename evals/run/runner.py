@@ -143,8 +143,7 @@ def _run_locked(settings: EvalSettings, hooks: EvalHooks, target: Target) -> Eva
     problems = load_problems(target.task, settings, tokenizer, hooks)
     n_samples = settings.samples or defaults.samples
     plan = make_plan(problems, n_samples)
-    max_tokens = settings.max_tokens or defaults.max_tokens
-    temperature = defaults.temperature if settings.temperature is None else settings.temperature
+    max_tokens, temperature = target.max_tokens, target.temperature
     config = _run_config(settings, target, problems, n_samples, len(plan.keys), max_tokens, temperature)
     if matched is not None:
         config["match_budget_to"] = matched.describe()
@@ -303,7 +302,7 @@ def _generate(settings: EvalSettings, config: dict, rendered: list[Rendered], ta
             params = fid.run_params([r.params for r in runnable])
             runnable = [dataclasses.replace(r, params=p) for r, p in zip(runnable, params)]
             fid.requests = fidelity.requests_for(runnable)
-            fid.forced_pass(llm, fid.requests)
+            fid.forced_pass(llm, fid.requests, hooks)
         if runnable:
             streamed = True
             _stream(llm, runnable, writer, segment, path, settings, hooks, outcome, fid)
@@ -340,11 +339,13 @@ def _generate(settings: EvalSettings, config: dict, rendered: list[Rendered], ta
 
 def _write_config(config: dict, llm, path: Path) -> None:
     """config.json at the start of an invocation: the settings, the policy's effective parameters,
-    the engine it got, when and at what load it started, and its provenance."""
+    the engine it got (and whether its decode steps run the C kernels), when and at what load it
+    started, and its provenance."""
     if hasattr(llm.policy, "effective_params"):
         config["policy_params"] = _jsonable(llm.policy.effective_params())
     config["engine"] = {"device": llm.config.device, "num_pages": llm.runner.num_pages,
-                        "max_model_len": llm.runner.max_model_len}
+                        "max_model_len": llm.runner.max_model_len,
+                        "cpu_native_kernels": llm.runner.native_kernels}
     config["last_invocation"] = _now()
     # the machine's load when this invocation started: speed compares only at similar load
     config["load_average_start"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
@@ -377,6 +378,7 @@ def _stream(llm, runnable: Sequence[Rendered], writer: R.SampleWriter, segment: 
             settings: EvalSettings, hooks: EvalHooks, outcome: EvalOutcome, fid=None) -> None:
     """Generate ``runnable`` (``fid.requests`` in the same order), hand finished requests to the
     grader, record the segment (also when stopped)."""
+    from evals.run.progress import track
     from evals.traces import TRACES_FILE, TraceWriter, trace_line
 
     traces = TraceWriter(path / TRACES_FILE)
@@ -389,13 +391,15 @@ def _stream(llm, runnable: Sequence[Rendered], writer: R.SampleWriter, segment: 
             "settings": _segment_settings(settings, llm), "failed": outcome.failed}
     start = time.perf_counter()
     stops = interrupts.current()
-    stream = llm.stream([r.ids for r in runnable], [r.params for r in runnable], on_step=hooks.on_step)
+    progress, on_step = track(hooks, "generate", [r.params for r in runnable], hooks.on_step)
+    stream = llm.stream([r.ids for r in runnable], [r.params for r in runnable], on_step=on_step)
     try:
         for out in stream:
             if grader.error is not None:  # a sample line could not be written: stop now
                 raise grader.error
             if grader.fatal is not None:  # grading cannot start: nothing more would be graded
                 raise grader.fatal
+            progress.finished(out.index, out.num_output_tokens)
             r = runnable[out.index]
             record = output_record(r.problem, r.sample, r.seed, segment, out)
             record["prompt_sha"] = r.prompt_sha

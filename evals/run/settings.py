@@ -12,12 +12,12 @@ start at their own default unless ``initial_capacity`` is given.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
 from engine.config import MAX_BLOCK_SIZE, MAX_COUNT, MAX_SEED, is_finite, is_int_in
-from evals.tasks.base import SCALES
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -33,6 +33,9 @@ MAX_GRADING_WORKERS = 1024
 # Most (problem, sample) keys one run plans: a run holds every key and its rendered prompt in
 # memory at once (evals.run.plan), a few kB each.
 MAX_PLAN_KEYS = 1_000_000
+# A run directory's own name (--label): one path component in the characters a made label has,
+# and none of the task directory's other entries (_reference, the sweeps' sweep_<label>).
+LABEL_RE = re.compile(r"(?!sweep_)[A-Za-z0-9][A-Za-z0-9._+=-]{0,199}")
 
 
 class EvalError(ValueError):
@@ -71,6 +74,8 @@ class EvalSettings:
         config.json (the samples already there were graded against the old data).
     trace_kept: also record, per compaction, which prompt positions each layer and KV head kept
         (engine.kept_trace) into traces.jsonl (evals.traces); off by default.
+    label: the run directory's name instead of the one made from the policy, its arguments and
+        the settings that differ from the preset's (evals.results.run_label); None: that one.
     """
 
     task: str
@@ -99,6 +104,7 @@ class EvalSettings:
     retry_failed: bool = False
     allow_data_change: bool = False
     trace_kept: bool = False
+    label: str | None = None
     only_keys: frozenset | None = None  # run only these (uid, sample) keys (evals.run.distributed)
 
     def __post_init__(self) -> None:
@@ -116,12 +122,18 @@ class EvalSettings:
                             f"{self.temperature!r}")
         if not is_int_in(self.seed, 0, MAX_SEED):
             raise EvalError(f"seed must be an integer in [0, {MAX_SEED}], got {self.seed!r}")
+        from evals.tasks.base import SCALES  # here: the task registry loads with the first run
+
         if self.preset is not None and self.preset not in SCALES:
             raise EvalError(f"preset must be one of {list(SCALES)}, got {self.preset!r}")
         if not (is_finite(self.grading_timeout_s) and self.grading_timeout_s > 0):
             raise EvalError(f"grading_timeout_s must be a finite number > 0, got {self.grading_timeout_s!r}")
         if not isinstance(self.out, (str, os.PathLike)) or not str(self.out).strip() or "\0" in str(self.out):
             raise EvalError(f"out must name a results directory, got {self.out!r}")
+        if self.label is not None and not (isinstance(self.label, str) and LABEL_RE.fullmatch(self.label)):
+            raise EvalError(f"label must be a directory name of letters, digits and ._+=- that starts "
+                            f"with a letter or digit and not with sweep_ (at most 200 characters), "
+                            f"got {self.label!r}")
 
 
 @dataclass
@@ -145,13 +157,18 @@ class EvalOutcome:
 class EvalHooks:
     """Progress callbacks (no-ops here; the CLI shows a live display through them).
 
-    on_step runs in the engine loop after every step (raising KeyboardInterrupt there is exactly
-    a Ctrl-C); on_sample runs in the grading thread after a sample's line is written.
+    on_step runs in the engine loop after every step of the run's own generation (raising
+    KeyboardInterrupt there is exactly a Ctrl-C); on_progress runs there too, and after every step
+    of the fidelity passes before it (the FullKV reference, the forced pass), with the pass's
+    token count (evals.run.progress.TokenProgress: tokens against the most the pass can generate,
+    rate, time left); on_sample runs in the grading thread after a sample's line is written.
     """
 
     def on_start(self, label: str, task: str, total: int, todo: int, path: Path) -> None: ...
 
     def on_step(self, tokens: int, finished: int) -> None: ...
+
+    def on_progress(self, progress: Any) -> None: ...
 
     def on_sample(self, record: dict) -> None: ...
 
@@ -165,12 +182,13 @@ class EvalHooks:
 
 def budget_field(policy: str) -> str | None:
     """The field of ``policy`` that takes the fixed KV budget (``BUDGET_FIELDS``), if any."""
-    from engine.policies.base import policy_fields, policy_registry
+    from engine.config import ConfigError
+    from engine.policies.base import policy_class, policy_fields
 
-    registry = policy_registry()
-    if policy not in registry:
-        raise EvalError(f"unknown policy {policy!r}; known policies: {sorted(registry)}")
-    fields = policy_fields(registry[policy])
+    try:
+        fields = policy_fields(policy_class(policy))
+    except ConfigError as e:
+        raise EvalError(str(e)) from None
     return next((f for f in BUDGET_FIELDS if f in fields), None)
 
 

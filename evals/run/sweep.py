@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from evals import results as R
+from evals.run.plan import resolve_target
 from evals.run.runner import run_eval
 from evals.run.settings import EvalError, EvalHooks, EvalOutcome, EvalSettings, budget_field
 from evals.tables import write_csv
@@ -90,6 +91,8 @@ def check_sweep(base: EvalSettings, budgets: Sequence[int], rule: str) -> list[i
     if fixed[base.policy] in base.policy_args:
         raise EvalError(f"the sweep sets {fixed[base.policy]!r} itself; "
                         f"do not pass it as a policy argument")
+    if base.label is not None:
+        raise EvalError("a sweep names each budget's run directory itself; a label does not apply")
     if rule not in SUFFICIENCY_RULES:
         raise EvalError(f"unknown sufficiency rule {rule!r}; valid: {sorted(SUFFICIENCY_RULES)}")
     clean = sorted({int(b) for b in budgets})
@@ -143,7 +146,7 @@ def analyze_sweep(base: EvalSettings, budgets: Sequence[int], rule: str,
         rows.append(row)
     classes = {str(b): sum(1 for r in rows if r["B*"] == b) for b in budgets}
     classes[UNSOLVED] = sum(1 for r in rows if r["B*"] == UNSOLVED)
-    label = R.run_label(base.policy, base.policy_args)
+    label = resolve_target(base).label  # the policy, its arguments and the settings, no budget
     path = R.run_dir(base.out, base.model, base.task, f"sweep_{label}")
     path.mkdir(parents=True, exist_ok=True)
     result = SweepResult(base.task, list(budgets), rule, rows, classes, path, outcomes=list(outcomes))

@@ -183,6 +183,23 @@ class LocalLayout:
 
 _HUB_ID_RE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
+# The directory that holds the evals package: the clone, or site-packages once installed.
+PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+
+
+def builtin_data(data: str | Path | None) -> str | Path | None:
+    """``data`` as given, unless it is a relative path under ``evals/`` that names nothing from
+    the working directory but a file or folder shipped in the package: the README's
+    ``--data evals/data/gsm8k_mini.jsonl`` run outside the clone, with kvarena installed from its
+    wheel. Then that path inside the installed package."""
+    if data is None:
+        return None
+    path = Path(data)
+    if path.is_absolute() or path.exists() or not path.parts or path.parts[0] != "evals":
+        return data
+    inside = PACKAGE_ROOT / path
+    return str(inside) if inside.exists() else data
+
 TASKS: dict[str, type["Task"]] = {}
 
 
@@ -213,8 +230,10 @@ def table1_tasks() -> tuple[str, ...]:
 
 def get_task(name: str, **options: Any) -> "Task":
     """The task registered as ``name``, configured by ``options`` (its dataclass fields)."""
+    from engine.config import unknown_name
+
     if name not in TASKS:
-        raise KeyError(f"unknown task {name!r}; known tasks: {sorted(TASKS)}")
+        raise KeyError(unknown_name("task", name, TASKS))
     return config_from_mapping(TASKS[name], options, f"task {name!r}")
 
 
@@ -353,6 +372,7 @@ class Task(ABC):
 
     def read_rows(self, data: str | Path | None) -> tuple[Iterator[tuple[int, Any]], str]:
         """``(rows, source description)``; rows are ``(index, dict | RowError)``."""
+        data = builtin_data(data)
         if data is not None and Path(data).exists():
             path = self.resolve_local(Path(data))
             return read_rows_file(path, self.max_row_bytes), str(path)
