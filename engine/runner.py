@@ -59,6 +59,8 @@ class WorkItem:
 
 
 class ModelRunner:
+    noise: torch.Generator | None = None  # set in __init__ (reseed_noise)
+
     def __init__(self, config: EngineConfig, model_dir, signals: SignalSpec):
         self.config = config
         self.device = torch.device(config.device)
@@ -90,6 +92,9 @@ class ModelRunner:
         self.logits_hook = None
         self.signals = signals
         self.queries = self._query_pool(signals)
+        # The noise of sampled requests without their own seed (engine/sampling.py), one draw per
+        # step for all of them; LLM.stream reseeds it.
+        self.reseed_noise()
         self.graph = self._decode_graph() if config.compile else None
 
     def _decode_graph(self) -> DecodeGraph:
@@ -222,7 +227,8 @@ class ModelRunner:
         outputs = [(it.seq, it.seq.num_output_tokens + j) for it in sampled for j in range(it.rows)]
         seqs = [s for s, _ in outputs]
         params = [s.params for s in seqs]
-        tokens = sample_tensor(logits, params, [self._generator(s) for s in seqs])
+        tokens = sample_tensor(logits, params, [self._generator(s) for s in seqs],
+                               self.noise)
         forced = [(i, s.params.forced_tokens[k]) for i, (s, k) in enumerate(outputs)
                   if k < len(s.params.forced_tokens)]
         if forced:
@@ -232,8 +238,15 @@ class ModelRunner:
             return tokens, None
         return tokens, token_logprobs(logits, tokens)
 
+    def reseed_noise(self) -> None:
+        """Restart the unseeded requests' shared noise from EngineConfig.seed (a `generate` call's
+        unseeded outputs do not depend on the calls before it)."""
+        self.noise = request_generator(self.config.seed, self.device)
+
     def _generator(self, seq: Sequence) -> torch.Generator | None:
-        if seq.params.greedy:
+        """A seeded request's own generator; None for greedy and unseeded requests (these
+        draw from `noise`)."""
+        if seq.params.greedy or seq.params.seed is None:
             return None
         if seq.generator is None:
             seq.generator = request_generator(seq.seed, self.device)
