@@ -101,6 +101,10 @@ class DecodeGraph:
         self.meta = (self.host if self.device.type == "cpu"
                      else torch.zeros(size, dtype=torch.long, device=self.device))
         self._no_pages = [-1] * max_blocks
+        # What each field holds in a padded row (module docstring), [len(FIELDS)].
+        scratch = queries.scratch
+        defaults = {"slot_mapping": -1, "recent_slot": scratch, "ema_slot": scratch}
+        self._padding = torch.tensor([defaults.get(name, 0) for name in FIELDS])
         self._inputs = {b: self._views(b) for b in self.buckets}
         self.compiled = compile
         self.fn = self.forward  # what a step calls: `forward`, compiled unless compile=False
@@ -133,7 +137,7 @@ class DecodeGraph:
         """Whether a decode batch with these block tables can run here (rows and width)."""
         return len(tables) <= self.max_rows and all(len(t) <= self.max_blocks for t in tables)
 
-    def load(self, columns: list[list[int]], tables: list[list[int]],
+    def load(self, columns: list[list[int] | torch.Tensor], tables: list[list[int]],
              bucket: int | None = None) -> tuple[int, tuple]:
         """Write one step's metadata (`run` has the arguments) into the host buffer, padded rows
         getting their defaults, and copy it to the device in one non-blocking transfer.
@@ -142,16 +146,12 @@ class DecodeGraph:
         n, w = self.max_rows, self.max_blocks
         rows = len(tables)
         bucket = bucket or bucket_for(max(rows, 1), self.buckets)
-        scratch = self.queries.scratch
-        defaults = {"slot_mapping": -1, "recent_slot": scratch, "ema_slot": scratch}
         # Only the bucket's rows are written: its graph reads nothing else. Reusing the host
         # buffer is safe: the previous step's copy completed before its sampled ids came back.
-        per_row: list[int] = []
-        for name, col in zip(FIELDS, columns):
-            per_row += col
-            per_row += [defaults.get(name, 0)] * (bucket - len(col))
-        self.host[:len(FIELDS) * n].view(len(FIELDS), n)[:, :bucket] = \
-            torch.tensor(per_row, dtype=torch.long).view(len(FIELDS), bucket)
+        fields = self.host[:len(FIELDS) * n].view(len(FIELDS), n)[:, :bucket]
+        fields[:, rows:] = self._padding[:, None]
+        for field, col in zip(fields, columns):
+            field[:rows] = torch.as_tensor(col, dtype=torch.long)
         flat: list[int] = []
         for t in tables:
             flat += t
@@ -206,9 +206,10 @@ class DecodeGraph:
             self.graphs[bucket] = (graph, out)
         torch.cuda.synchronize(self.device)
 
-    def run(self, columns: list[list[int]], tables: list[list[int]]) -> torch.Tensor:
-        """One decode step. columns: the FIELDS' per-row values of the real rows (ids, positions,
-        slots, context lengths, then DecodeCapture's four columns); tables: their block tables.
+    def run(self, columns: list[list[int] | torch.Tensor], tables: list[list[int]]) -> torch.Tensor:
+        """One decode step. columns: the FIELDS' per-row values of the real rows, lists or [rows]
+        int64 host tensors (ids, positions, slots, context lengths, then DecodeCapture's four
+        columns); tables: their block tables.
         Returns logits [rows, vocab] (on CUDA a view of the graph's output, valid until the next
         step)."""
         rows = len(tables)

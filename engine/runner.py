@@ -269,7 +269,7 @@ class ModelRunner:
     def _graph_forward(self, items: list[WorkItem]) -> torch.Tensor | None:
         """`forward` through the DecodeGraph: one metadata copy, the graph, the sampled rows."""
         bs = self.block_size
-        ids, pos, slots, lens, signal_rows, sample_rows = [], [], [], [], [], []
+        ids, pos, slots, lens, query_slots, decoding, sample_rows = [], [], [], [], [], [], []
         for i, item in enumerate(items):
             seq = item.seq
             phys, start = seq.physical_len, seq.num_computed
@@ -277,10 +277,11 @@ class ModelRunner:
             pos.append(start)
             slots.append(seq.block_table[phys // bs] * bs + phys % bs)
             lens.append(phys + 1)
-            signal_rows.append((seq.query_slot, start, not item.prefill))
+            query_slots.append(-1 if seq.query_slot is None else seq.query_slot)
+            decoding.append(not item.prefill)
             if item.samples:
                 sample_rows.append(i)
-        columns = [ids, pos, slots, lens, *self.queries.prepare_decode(signal_rows)]
+        columns = [ids, pos, slots, lens, *self.queries.prepare_decode(query_slots, pos, decoding)]
         logits = self.graph.run(columns, [it.seq.block_table for it in items])
         if not sample_rows:
             return None
