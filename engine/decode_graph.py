@@ -10,11 +10,18 @@ unpadded batch.
 
 Static inputs. Every per-step tensor is a view of one int64 device buffer `meta` laid out field
 by field, [fields x max_rows] then the block tables [max_rows, max_blocks]; a step fills the
-bucket's rows of the same layout on the host (pinned on CUDA) and copies it with one
-non-blocking transfer (on CPU the graph reads the host buffer itself). A bucket's
-graph reads the first rows of each field, so the input views (and on CUDA their addresses) never
-change. Block tables have the fixed width max_blocks (the most pages a sequence can hold), so the
-table width never recompiles; the kernels read only each row's own length.
+bucket's rows of the same layout on the host and copies it with one non-blocking transfer (on
+CPU the graph reads the host buffer itself). A bucket's graph reads the first rows of each
+field, so the input views (and on CUDA their addresses) never change. Block tables have the
+fixed width max_blocks (the most pages a sequence can hold), so the table width never
+recompiles; the kernels read only each row's own length.
+
+Host buffers. The host side is two pinned buffers used in turn, each fenced by a CUDA event
+recorded after its copy and waited on before the buffer is written again. Sampling syncs most
+steps, but a step whose rows sample nothing (one-token prefill chunks that are not the last)
+returns without a sync, so with one buffer the next step could overwrite it while its copy is
+still queued. The wait is normally free: the copy two steps back has long run. On CPU the graph
+reads its single host buffer and the events are no-ops.
 
 Shapes. Rows are marked dynamic for buckets >= 2 (one compiled graph serves them all; size 1 is
 specialised by the compiler anyway), so usually two compiles per engine; on CUDA each bucket is
@@ -47,6 +54,16 @@ from engine.query_state import DecodeCapture, QueryStatePool
 FIELDS = ("input_ids", "positions", "slot_mapping", "context_lens",
           "recent_slot", "ring", "ema_slot", "ema_init")
 _reported_compile = False
+
+
+class HostEvent:
+    """The CPU stand-in for a host buffer's CUDA event: nothing is in flight, nothing to wait."""
+
+    def record(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -85,21 +102,29 @@ class DecodeGraph:
     model: the engine's CausalLM; kv: its KVCache; queries: its QueryStatePool; max_rows: the
     largest bucket (max_num_seqs); max_blocks: block-table width. compile=False runs the same
     graph function eagerly (the meta-device host-sync test; debugging). native: attention
-    through the CPU C kernels where they apply (ForwardContext.native)."""
+    through the CPU C kernels where they apply (ForwardContext.native). staged: whether the
+    metadata goes through the two fenced host buffers and a copy (default: off the CPU; on for
+    a CPU graph only in tests of the buffers)."""
 
     def __init__(self, model, kv: KVCache, queries: QueryStatePool, scale: float, max_rows: int,
-                 max_blocks: int, device, compile: bool = True, native: bool = False):
+                 max_blocks: int, device, compile: bool = True, native: bool = False,
+                 staged: bool | None = None):
         self.model, self.kv, self.queries, self.scale = model, kv, queries, scale
         self.native = native
         self.device = torch.device(device)
         self.buckets = batch_buckets(max_rows)
         self.max_rows, self.max_blocks = max_rows, max_blocks
         size = len(FIELDS) * max_rows + max_rows * max_blocks
+        self.staged = self.device.type != "cpu" if staged is None else staged
         pin = self.device.type == "cuda"
-        self.host = torch.zeros(size, dtype=torch.long, pin_memory=pin)
-        # On CPU the graph reads the host buffer itself: no copy.
-        self.meta = (self.host if self.device.type == "cpu"
-                     else torch.zeros(size, dtype=torch.long, device=self.device))
+        # Host buffers used in turn and the events fencing their copies (module docstring).
+        self.hosts = [torch.zeros(size, dtype=torch.long, pin_memory=pin)
+                      for _ in range(2 if self.staged else 1)]
+        self.events = [torch.cuda.Event() if pin else HostEvent() for _ in self.hosts]
+        self._turn = 0
+        # Unstaged (CPU), the graph reads the host buffer itself: no copy.
+        self.meta = (torch.zeros(size, dtype=torch.long, device=self.device) if self.staged
+                     else self.hosts[0])
         self._no_pages = [-1] * max_blocks
         # What each field holds in a padded row (module docstring), [len(FIELDS)].
         scratch = queries.scratch
@@ -146,9 +171,9 @@ class DecodeGraph:
         n, w = self.max_rows, self.max_blocks
         rows = len(tables)
         bucket = bucket or bucket_for(max(rows, 1), self.buckets)
-        # Only the bucket's rows are written: its graph reads nothing else. Reusing the host
-        # buffer is safe: the previous step's copy completed before its sampled ids came back.
-        fields = self.host[:len(FIELDS) * n].view(len(FIELDS), n)[:, :bucket]
+        host, event = self._next_host()
+        # Only the bucket's rows are written: its graph reads nothing else.
+        fields = host[:len(FIELDS) * n].view(len(FIELDS), n)[:, :bucket]
         fields[:, rows:] = self._padding[:, None]
         for field, col in zip(fields, columns):
             field[:rows] = torch.as_tensor(col, dtype=torch.long)
@@ -158,10 +183,19 @@ class DecodeGraph:
             flat += self._no_pages[:w - len(t)]
         flat += self._no_pages * (bucket - rows)
         start = len(FIELDS) * n
-        self.host[start:start + bucket * w] = torch.tensor(flat, dtype=torch.long)
-        if self.meta is not self.host:
-            self.meta.copy_(self.host, non_blocking=True)
+        host[start:start + bucket * w] = torch.tensor(flat, dtype=torch.long)
+        if self.staged:
+            self.meta.copy_(host, non_blocking=True)
+            event.record()
         return bucket, self._inputs[bucket]
+
+    def _next_host(self) -> tuple[torch.Tensor, HostEvent | torch.cuda.Event]:
+        """The host buffer this step fills, and its event, once the copy that last read the
+        buffer has run (module docstring: host buffers)."""
+        turn = self._turn
+        self._turn = (turn + 1) % len(self.hosts)
+        self.events[turn].synchronize()
+        return self.hosts[turn], self.events[turn]
 
     # -- the graph ------------------------------------------------------------------------------
     def forward(self, input_ids, positions, slot_mapping, context_lens, recent_slot, ring,

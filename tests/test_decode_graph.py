@@ -211,3 +211,52 @@ def test_an_all_padding_step_writes_no_kv_and_no_bound_slot(model_dir):
     assert torch.equal(after[0], before[0]) and torch.equal(after[1], before[1])
     assert torch.equal(after[2][:, :scratch], before[2][:, :scratch])
     assert torch.equal(after[3][:, :scratch], before[3][:, :scratch])
+
+
+class FencedCopy:
+    """A fake CUDA event for one host buffer: `record` marks the buffer's copy as queued (and
+    remembers what the copy must read), `synchronize` lets it complete. Writing the buffer while
+    its copy is queued, or queueing a second copy before the first completed, fails."""
+
+    def __init__(self, buffer: torch.Tensor, log: list):
+        self.buffer, self.log, self.queued = buffer, log, None
+
+    def record(self):
+        assert self.queued is None, "a host buffer was reused before its copy completed"
+        self.queued = self.buffer.clone()
+        self.log.append(("record", self))
+
+    def synchronize(self):
+        if self.queued is not None:
+            assert torch.equal(self.buffer, self.queued), "a queued copy's buffer was overwritten"
+        self.queued = None
+        self.log.append(("sync", self))
+
+
+def test_host_buffers_alternate_and_wait_for_their_copies(model_dir):
+    """The staged metadata (DecodeGraph's CUDA path, here on CPU): two host buffers in turn, each
+    written only after the event recorded behind its last copy, and the device buffer receiving
+    each step's values."""
+    from engine.decode_graph import DecodeGraph
+
+    runner = make_runner(model_dir)
+    graph = DecodeGraph(runner.model, runner.kv, runner.queries, runner.scale, 4, 4, "cpu",
+                        compile=False, staged=True)
+    assert len(graph.hosts) == 2 and graph.meta.data_ptr() not in {h.data_ptr() for h in graph.hosts}
+    log: list = []
+    graph.events = [FencedCopy(h, log) for h in graph.hosts]
+    for step in range(6):
+        seqs = [it.seq for it in decode_items(runner, lengths=(9, 3, 5)[:1 + step % 3])]
+        columns = [[step + i for i in range(len(seqs))] for _ in range(8)]
+        graph.load(columns, [s.block_table for s in seqs])
+        event = graph.events[step % 2]  # buffers in turn
+        assert log[-2:] == [("sync", event), ("record", event)]
+        assert torch.equal(graph.meta, graph.hosts[step % 2])  # what the graph reads
+        for s in seqs:
+            runner.queries.release(s.query_slot)
+    for event in graph.events:  # the last copies' buffers are still untouched
+        event.synchronize()
+    # on CPU, unstaged: one buffer that the graph reads itself, events that do nothing
+    plain = DecodeGraph(runner.model, runner.kv, runner.queries, runner.scale, 4, 4, "cpu",
+                        compile=False)
+    assert len(plain.hosts) == 1 and plain.meta is plain.hosts[0]
