@@ -8,13 +8,22 @@ attention row), position 0, token 0, and their query signals go to the pool's sc
 Real rows never read padded rows (attention is per row), so their logits are those of the
 unpadded batch.
 
-Static inputs. Every per-step tensor is a view of one int64 device buffer `meta` laid out field
-by field, [fields x max_rows] then the block tables [max_rows, max_blocks]; a step fills the
-bucket's rows of the same layout on the host and copies it with one non-blocking transfer (on
-CPU the graph reads the host buffer itself). A bucket's graph reads the first rows of each
-field, so the input views (and on CUDA their addresses) never change. Block tables have the
-fixed width max_blocks (the most pages a sequence can hold), so the table width never
-recompiles; the kernels read only each row's own length.
+Static inputs. Every per-row tensor is a view of one int64 device buffer `meta`, laid out field
+by field [fields x max_rows]; a step fills the bucket's rows on the host and copies them with one
+non-blocking transfer (on CPU the graph reads the host buffer itself). A bucket's graph reads the
+first rows of each field, so the input views (and on CUDA their addresses) never change.
+
+Block tables. They live in a persistent device tensor `tables` [max_rows + 1, max_blocks] (the
+most pages a sequence can hold, so the width never recompiles), one row per sequence that runs
+graph steps: its `table_row` field picks it inside the graph, and the last row, all -1, serves
+padded rows. A step writes only what changed since the step that last wrote a row: the new
+entries of a table that grew in place, the whole row of a table that was replaced (compaction,
+preemption: `Sequence.table_version`) or of a row taken over from a sequence that left, with -1
+past the new length. The changes travel in the same transfer, after the fields, as flat indices
+then pages, and are scattered into `tables` before the graph runs. So a step's host work grows
+with its rows and with the pages that changed, never with max_blocks (a row per step of
+ceil(max_model_len / block_size) ints cost milliseconds at a 131k-token limit). The kernels read
+only each row's own length.
 
 Host buffers. The host side is two pinned buffers used in turn, each fenced by a CUDA event
 recorded after its copy and waited on before the buffer is written again. Sampling syncs most
@@ -50,9 +59,10 @@ from engine.attention import ForwardContext, KVCache
 from engine.models.loader import cache_root
 from engine.query_state import DecodeCapture, QueryStatePool
 
-# Per-row int64 fields of the metadata buffer, in layout order.
+# Per-row int64 fields of the metadata buffer, in layout order: the caller's columns
+# (DecodeGraph.run), then the row of `tables` that each row reads.
 FIELDS = ("input_ids", "positions", "slot_mapping", "context_lens",
-          "recent_slot", "ring", "ema_slot", "ema_init")
+          "recent_slot", "ring", "ema_slot", "ema_init", "table_row")
 _reported_compile = False
 
 
@@ -114,7 +124,10 @@ class DecodeGraph:
         self.device = torch.device(device)
         self.buckets = batch_buckets(max_rows)
         self.max_rows, self.max_blocks = max_rows, max_blocks
-        size = len(FIELDS) * max_rows + max_rows * max_blocks
+        # The fields, then room for the (flat index, page) pairs of a step that rewrites every
+        # row of the tables, the most one can change.
+        self._fields_size = len(FIELDS) * max_rows
+        size = self._fields_size + 2 * max_rows * max_blocks
         self.staged = self.device.type != "cpu" if staged is None else staged
         pin = self.device.type == "cuda"
         # Host buffers used in turn and the events fencing their copies (module docstring).
@@ -125,10 +138,20 @@ class DecodeGraph:
         # Unstaged (CPU), the graph reads the host buffer itself: no copy.
         self.meta = (torch.zeros(size, dtype=torch.long, device=self.device) if self.staged
                      else self.hosts[0])
-        self._no_pages = [-1] * max_blocks
+        # Persistent block tables (module docstring) and, on the host, what each row holds: its
+        # sequence, the table version and the length written (-1 beyond).
+        self.tables = torch.full((max_rows + 1, max_blocks), -1, dtype=torch.long,
+                                 device=self.device)
+        self._row_of: dict[int, int] = {}
+        self._owner: list[int | None] = [None] * max_rows
+        self._version: list[int | None] = [None] * max_rows
+        self._written = [0] * max_rows
+        self._free = list(range(max_rows - 1, -1, -1))
+        self.table_writes = 0  # table entries the last step wrote
         # What each field holds in a padded row (module docstring), [len(FIELDS)].
         scratch = queries.scratch
-        defaults = {"slot_mapping": -1, "recent_slot": scratch, "ema_slot": scratch}
+        defaults = {"slot_mapping": -1, "recent_slot": scratch, "ema_slot": scratch,
+                    "table_row": max_rows}
         self._padding = torch.tensor([defaults.get(name, 0) for name in FIELDS])
         self._inputs = {b: self._views(b) for b in self.buckets}
         self.compiled = compile
@@ -146,48 +169,88 @@ class DecodeGraph:
 
     # -- inputs -------------------------------------------------------------------------------
     def _views(self, bucket: int) -> tuple[torch.Tensor, ...]:
-        """The bucket's input tensors: views of `meta` (first `bucket` rows of every field)."""
+        """The bucket's input tensors: views of `meta` (first `bucket` rows of every field), then
+        the persistent tables."""
         n = self.max_rows
         fields = [self.meta[i * n:i * n + bucket] for i in range(len(FIELDS))]
-        start = len(FIELDS) * n
-        tables = self.meta[start:start + n * self.max_blocks].view(n, self.max_blocks)[:bucket]
-        views = (*fields, tables)
         if bucket >= 2:
-            for t in views:
+            for t in fields:
                 # maybe_: a guard the compiler adds on the size recompiles instead of failing.
                 torch._dynamo.maybe_mark_dynamic(t, 0)
-        return views
+        return (*fields, self.tables)
 
     def fits(self, tables: list[list[int]]) -> bool:
         """Whether a decode batch with these block tables can run here (rows and width)."""
         return len(tables) <= self.max_rows and all(len(t) <= self.max_blocks for t in tables)
 
-    def load(self, columns: list[list[int] | torch.Tensor], tables: list[list[int]],
+    def load(self, columns: list[list[int] | torch.Tensor], seqs: list,
              bucket: int | None = None) -> tuple[int, tuple]:
-        """Write one step's metadata (`run` has the arguments) into the host buffer, padded rows
-        getting their defaults, and copy it to the device in one non-blocking transfer.
+        """Write one step's metadata (`run` has the arguments) into a host buffer, padded rows
+        getting their defaults, with the table entries that changed, copy it to the device in
+        one non-blocking transfer and scatter the entries into `tables`.
         bucket: pad to this bucket instead of the smallest that fits (warm-up: all padding).
         Returns the bucket and its input views, the arguments of `forward`."""
-        n, w = self.max_rows, self.max_blocks
-        rows = len(tables)
+        rows = len(seqs)
         bucket = bucket or bucket_for(max(rows, 1), self.buckets)
         host, event = self._next_host()
+        table_rows, index, pages = self._table_changes(seqs)
         # Only the bucket's rows are written: its graph reads nothing else.
-        fields = host[:len(FIELDS) * n].view(len(FIELDS), n)[:, :bucket]
+        fields = host[:self._fields_size].view(len(FIELDS), self.max_rows)[:, :bucket]
         fields[:, rows:] = self._padding[:, None]
-        for field, col in zip(fields, columns):
+        for field, col in zip(fields, (*columns, table_rows)):
             field[:rows] = torch.as_tensor(col, dtype=torch.long)
-        flat: list[int] = []
-        for t in tables:
-            flat += t
-            flat += self._no_pages[:w - len(t)]
-        flat += self._no_pages * (bucket - rows)
-        start = len(FIELDS) * n
-        host[start:start + bucket * w] = torch.tensor(flat, dtype=torch.long)
+        changed, start = len(index), self._fields_size
+        if changed:
+            host[start:start + 2 * changed] = torch.tensor(index + pages, dtype=torch.long)
         if self.staged:
-            self.meta.copy_(host, non_blocking=True)
+            self.meta[:start + 2 * changed].copy_(host[:start + 2 * changed], non_blocking=True)
             event.record()
+        if changed:
+            self.tables.view(-1).index_copy_(0, self.meta[start:start + changed],
+                                             self.meta[start + changed:start + 2 * changed])
+        self.table_writes = changed
         return bucket, self._inputs[bucket]
+
+    def _table_changes(self, seqs: list) -> tuple[list[int], list[int], list[int]]:
+        """Each sequence's row of `tables` (taken on its first step) and the entries to write,
+        as flat indices into `tables` and their pages (module docstring: block tables)."""
+        rows, index, pages = [], [], []
+        w = self.max_blocks
+        for seq in seqs:
+            row = self._row_of.get(seq.seq_id)
+            if row is None:
+                row = self._take_row(seq.seq_id, seqs)
+            rows.append(row)
+            table, version = seq.block_table, seq.table_version
+            count, written = len(table), self._written[row]
+            if version != self._version[row]:
+                start = 0  # replaced, or a row new to this sequence: all of it
+            elif count != written:
+                start = min(count, written)  # grown in place: the new entries only
+            else:
+                continue
+            base = row * w
+            index.extend(range(base + start, base + max(count, written)))
+            pages.extend(table[start:])
+            pages.extend([-1] * (written - count))
+            self._version[row], self._written[row] = version, count
+        return rows, index, pages
+
+    def _take_row(self, seq_id: int, seqs: list) -> int:
+        """A free row of `tables` for a sequence's first graph step. With none free, the rows of
+        sequences outside this step are given back first (finished or preempted ones, whose
+        rows are otherwise kept: a preempted sequence's table version moves on anyway)."""
+        if not self._free:
+            live = {seq.seq_id for seq in seqs}
+            for row, owner in enumerate(self._owner):
+                if owner is not None and owner not in live:
+                    del self._row_of[owner]
+                    self._owner[row] = None
+                    self._free.append(row)
+        row = self._free.pop()
+        self._owner[row], self._row_of[seq_id] = seq_id, row
+        self._version[row] = None  # written in full, the previous owner's tail cleared
+        return row
 
     def _next_host(self) -> tuple[torch.Tensor, HostEvent | torch.cuda.Event]:
         """The host buffer this step fills, and its event, once the copy that last read the
@@ -199,8 +262,10 @@ class DecodeGraph:
 
     # -- the graph ------------------------------------------------------------------------------
     def forward(self, input_ids, positions, slot_mapping, context_lens, recent_slot, ring,
-                 ema_slot, ema_init, block_tables) -> torch.Tensor:
-        """[B] rows -> logits [B, vocab]; the function torch.compile traces."""
+                 ema_slot, ema_init, table_row, tables) -> torch.Tensor:
+        """[B] rows -> logits [B, vocab]; the function torch.compile traces. tables: the
+        persistent tables [max_rows + 1, width], of which row b reads row table_row[b]."""
+        block_tables = tables.index_select(0, table_row)
         ctx = ForwardContext(self.kv, self.scale, slot_mapping, num_decode=input_ids.shape[0],
                              decode_block_tables=block_tables, decode_context_lens=context_lens,
                              fused_decode=True, native=self.native)
@@ -229,7 +294,7 @@ class DecodeGraph:
         captured kernels are those of a step, without autograd."""
         pool = None
         for bucket in reversed(self.buckets):
-            self.load([[] for _ in FIELDS], [], bucket)
+            self.load([[] for _ in FIELDS[:-1]], [], bucket)
             for _ in range(2):
                 self._call(bucket)
             torch.cuda.synchronize(self.device)
@@ -240,15 +305,15 @@ class DecodeGraph:
             self.graphs[bucket] = (graph, out)
         torch.cuda.synchronize(self.device)
 
-    def run(self, columns: list[list[int] | torch.Tensor], tables: list[list[int]]) -> torch.Tensor:
-        """One decode step. columns: the FIELDS' per-row values of the real rows, lists or [rows]
-        int64 host tensors (ids, positions, slots, context lengths, then DecodeCapture's four
-        columns); tables: their block tables.
-        Returns logits [rows, vocab] (on CUDA a view of the graph's output, valid until the next
-        step)."""
-        rows = len(tables)
+    def run(self, columns: list[list[int] | torch.Tensor], seqs: list) -> torch.Tensor:
+        """One decode step. columns: the FIELDS' per-row values of the real rows but the last,
+        lists or [rows] int64 host tensors (ids, positions, slots, context lengths, then
+        DecodeCapture's four columns); seqs: their sequences (seq_id, block_table,
+        table_version). Returns logits [rows, vocab] (on CUDA a view of the graph's output,
+        valid until the next step)."""
+        rows = len(seqs)
         self.steps += 1
-        bucket, _ = self.load(columns, tables)
+        bucket, _ = self.load(columns, seqs)
         if bucket in self.graphs:
             graph, out = self.graphs[bucket]
             graph.replay()

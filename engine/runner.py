@@ -282,7 +282,7 @@ class ModelRunner:
             if item.samples:
                 sample_rows.append(i)
         columns = [ids, pos, slots, lens, *self.queries.prepare_decode(query_slots, pos, decoding)]
-        logits = self.graph.run(columns, [it.seq.block_table for it in items])
+        logits = self.graph.run(columns, [it.seq for it in items])
         if not sample_rows:
             return None
         if len(sample_rows) == len(items):

@@ -203,7 +203,7 @@ def test_an_all_padding_step_writes_no_kv_and_no_bound_slot(model_dir):
     before = state(runner)
     with torch.inference_mode():
         for bucket in graph.buckets:
-            _, inputs = graph.load([[] for _ in FIELDS], [], bucket)
+            _, inputs = graph.load([[] for _ in FIELDS[:-1]], [], bucket)
             assert inputs[0].shape[0] == bucket
             graph.forward(*inputs)
     after = state(runner)
@@ -237,7 +237,7 @@ def test_host_buffers_alternate_and_wait_for_their_copies(model_dir):
     """The staged metadata (DecodeGraph's CUDA path, here on CPU): two host buffers in turn, each
     written only after the event recorded behind its last copy, and the device buffer receiving
     each step's values."""
-    from engine.decode_graph import DecodeGraph
+    from engine.decode_graph import FIELDS, DecodeGraph
 
     runner = make_runner(model_dir)
     graph = DecodeGraph(runner.model, runner.kv, runner.queries, runner.scale, 4, 4, "cpu",
@@ -247,11 +247,12 @@ def test_host_buffers_alternate_and_wait_for_their_copies(model_dir):
     graph.events = [FencedCopy(h, log) for h in graph.hosts]
     for step in range(6):
         seqs = [it.seq for it in decode_items(runner, lengths=(9, 3, 5)[:1 + step % 3])]
-        columns = [[step + i for i in range(len(seqs))] for _ in range(8)]
-        graph.load(columns, [s.block_table for s in seqs])
+        columns = [[step + i for i in range(len(seqs))] for _ in FIELDS[:-1]]
+        graph.load(columns, seqs)
         event = graph.events[step % 2]  # buffers in turn
         assert log[-2:] == [("sync", event), ("record", event)]
-        assert torch.equal(graph.meta, graph.hosts[step % 2])  # what the graph reads
+        used = len(FIELDS) * 4 + 2 * graph.table_writes  # the fields, the changed entries
+        assert torch.equal(graph.meta[:used], graph.hosts[step % 2][:used])
         for s in seqs:
             runner.queries.release(s.query_slot)
     for event in graph.events:  # the last copies' buffers are still untouched
@@ -260,3 +261,116 @@ def test_host_buffers_alternate_and_wait_for_their_copies(model_dir):
     plain = DecodeGraph(runner.model, runner.kv, runner.queries, runner.scale, 4, 4, "cpu",
                         compile=False)
     assert len(plain.hosts) == 1 and plain.meta is plain.hosts[0]
+
+
+def table_steps(seed: int, steps: int = 80, max_rows: int = 4, longest: int = 8):
+    """A random run's decode batches, as lists of Sequences whose tables change between steps
+    the ways the engine changes them: growth in place, compaction replacing the table (shorter,
+    or as long with fresh pages: copy-on-compress), preemption (an empty table, regrown later),
+    finishing (new sequences take over rows), and sequences sitting a step out."""
+    import random
+
+    rng = random.Random(seed)
+    pages = iter(range(10**6))
+    running: list[Sequence] = []
+    for _ in range(steps):
+        while len(running) < max_rows and rng.random() < 0.4:
+            seq = Sequence([1, 2, 3], SamplingParams(), 0)
+            seq.block_table.extend(next(pages) for _ in range(rng.randint(1, 3)))
+            running.append(seq)
+        for seq in running:
+            r, n = rng.random(), len(seq.block_table)
+            if r < 0.25 and n < longest:
+                seq.block_table.extend(next(pages) for _ in range(rng.randint(1, longest - n)))
+            elif r < 0.32 and n:
+                seq.block_table = seq.block_table[:rng.randint(1, n)]  # shrink
+            elif r < 0.38 and n:
+                seq.block_table = [next(pages) if rng.random() < 0.5 else p  # copy-on-compress
+                                   for p in seq.block_table]
+            elif r < 0.42:
+                seq.reset_for_recompute()  # preemption
+        if running and rng.random() < 0.1:
+            running.remove(rng.choice(running))  # finished
+        batch = [s for s in running if s.block_table and rng.random() < 0.85]
+        if batch:
+            rng.shuffle(batch)
+            yield batch
+
+
+def table_graph(runner, max_blocks: int, staged: bool = False):
+    from engine.decode_graph import DecodeGraph
+
+    return DecodeGraph(runner.model, runner.kv, runner.queries, runner.scale, 4, max_blocks,
+                       "cpu", compile=False, staged=staged)
+
+
+def load_step(graph, seqs):
+    """Load a step (context lengths filling each table) -> the tables the graph reads [bucket,
+    width] and the bucket."""
+    from engine.decode_graph import FIELDS
+
+    lens = [len(s.block_table) * BS for s in seqs]
+    columns = [[0] * len(seqs) for _ in FIELDS[:-1]]
+    columns[3] = lens
+    bucket, inputs = graph.load(columns, seqs)
+    *_, table_row, tables = inputs
+    return tables.index_select(0, table_row), bucket
+
+
+def rebuilt(seqs, bucket: int, width: int) -> torch.Tensor:
+    """The step's block tables built from scratch: [bucket, width], -1 padded."""
+    full = torch.full((bucket, width), -1, dtype=torch.long)
+    for i, seq in enumerate(seqs):
+        full[i, :len(seq.block_table)] = torch.tensor(seq.block_table)
+    return full
+
+
+@pytest.mark.parametrize("staged", [False, True], ids=["cpu", "staged"])
+def test_persistent_tables_equal_a_full_rebuild_every_step(model_dir, staged):
+    """Grows, compactions, shrinks, preemptions and rows passed on to new sequences: after every
+    step the tables the graph reads are the step's tables built from scratch."""
+    runner = make_runner(model_dir)
+    graph = table_graph(runner, 8, staged)
+    steady, seen = 0, set()
+    for seqs in table_steps(seed=1 + staged):
+        read, bucket = load_step(graph, seqs)
+        assert torch.equal(read, rebuilt(seqs, bucket, read.shape[1]))
+        seen.update(s.seq_id for s in seqs)
+        if graph.table_writes == 0:
+            steady += 1
+            again, _ = load_step(graph, seqs)  # nothing changed: nothing written
+            assert graph.table_writes == 0 and torch.equal(again, read)
+    assert steady > 5 and len(seen) > 2 * graph.max_rows  # rows were taken over
+
+
+def test_host_ints_per_step_do_not_grow_with_the_table_width(model_dir, monkeypatch):
+    """The ints a step turns into tensors on the host (fields and changed table entries) are the
+    same for a table 8 pages wide and one 256 wide; the tables read agree."""
+    from engine.decode_graph import FIELDS
+
+    runner = make_runner(model_dir)
+    narrow, wide = table_graph(runner, 8), table_graph(runner, 256)
+    counted = []
+    tensor, as_tensor = torch.tensor, torch.as_tensor
+
+    def count(make):
+        def counting(data, *args, **kwargs):
+            if isinstance(data, (list, tuple)):
+                counted[-1] += len(data) if not data or not isinstance(data[0], list) \
+                    else sum(map(len, data))
+            return make(data, *args, **kwargs)
+        return counting
+
+    monkeypatch.setattr(torch, "tensor", count(tensor))
+    monkeypatch.setattr(torch, "as_tensor", count(as_tensor))
+    for seqs in table_steps(seed=7):
+        ints, reads = [], []
+        for graph in (narrow, wide):
+            counted.append(0)
+            read, _ = load_step(graph, seqs)
+            ints.append(counted.pop())
+            reads.append(read)
+        # one int per field and row, two per changed table entry
+        assert ints[0] == ints[1] == len(FIELDS) * len(seqs) + 2 * narrow.table_writes
+        assert narrow.table_writes == wide.table_writes
+        assert torch.equal(reads[0], reads[1][:, :8]) and (reads[1][:, 8:] == -1).all()
