@@ -69,7 +69,7 @@ class EngineConfig:
         (engine.kept_trace; RequestOutput.kept). Off by default: it costs a host copy per
         compaction.
     compile: run decode steps as one compiled graph (torch.compile; on CUDA one captured CUDA
-        graph per batch-size bucket; engine/decode_graph.py); False is eager (vLLM's
+        graph per batch-size bucket and block-table width; engine/decode_graph.py); False is eager (vLLM's
         enforce_eager), for debugging. Prefill and mixed steps are always eager.
     cpu_packed_weights: on CPU in float32, give the projections and the LM head packed copies
         of their weights, made once at load (engine/models/packed_linear.py): column panels for

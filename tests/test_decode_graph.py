@@ -44,6 +44,56 @@ def test_buckets():
         bucket_for(13, batch_buckets(12))
 
 
+def test_table_widths_follow_the_decode_split():
+    """Llama-3.1-8B's shapes (8 kv heads, a 131,072-token limit in pages of 256: 512 pages): a
+    batch bucket reads the narrowest of its widths that covers its longest context, so the
+    decode kernel's split follows the context; buckets whose every width runs as one partition
+    keep only the full width."""
+    from engine.decode_graph import table_widths, width_for
+    from engine.kernels.paged_attention import decode_partitions
+
+    widths = {b: table_widths(b, 8, 256, 512) for b in batch_buckets(64)}
+    assert widths[1] == widths[32] == [2, 4, 8, 16, 32, 64, 128, 256, 512]
+    assert widths[64] == [512]  # 512 programs already: one partition at any width
+    # batch 1, a 2k context: 4 partitions of 512 slots, each holding slots; the full width
+    # gave 64 partitions of 2048 slots, of which one held any
+    assert width_for(widths[1], 8) == 8 and decode_partitions(1, 8, 8 * 256) == (4, 512)
+    assert decode_partitions(1, 8, 512 * 256) == (64, 2048)
+    assert width_for(widths[1], 9) == 16 and width_for(widths[64], 9) == 512
+    for bucket, kept in widths.items():  # the first kept width: the widest single partition
+        parts = [decode_partitions(bucket, 8, w * 256)[0] for w in kept]
+        assert all(p > 1 for p in parts[1:]) and kept == sorted(kept) and kept[-1] == 512
+        if parts[0] == 1 and kept[0] < 512:
+            assert decode_partitions(bucket, 8, 2 * kept[0] * 256)[0] > 1
+    assert table_widths(4, 2, 4, 16) == [16] and table_widths(1, 8, 256, 1) == [1]
+    with pytest.raises(ValueError, match="exceed"):
+        width_for([2, 4], 5)
+
+
+def test_a_step_reads_the_width_of_its_longest_context():
+    """DecodeGraph.load picks (bucket, width) from the rows and the longest context; the views
+    it returns are that wide (meta tensors at the 8B shapes: nothing allocated)."""
+    from engine.attention import KVCache
+    from engine.decode_graph import FIELDS, DecodeGraph
+    from engine.query_state import QueryStatePool
+
+    k = torch.empty(1, 8, 4096, 256, 128, device="meta")
+    pool = QueryStatePool(SignalSpec(), 1, 64, 32, 128, "meta", torch.bfloat16)
+    graph = DecodeGraph(None, KVCache(k, k), pool, 1.0, 64, 512, "meta", compile=False)
+    for rows, longest, key in ((1, 2000, (1, 8)), (1, 2049, (1, 16)), (20, 2000, (32, 8)),
+                               (64, 2000, (64, 512)), (3, 1, (4, 2)), (1, 131072, (1, 512))):
+        seqs = []
+        for _ in range(rows):
+            seq = Sequence([1], SamplingParams(), 0)
+            seq.block_table = [0] * -(-longest // 256)
+            seqs.append(seq)
+        columns = [[0] * rows for _ in FIELDS[:-1]]
+        columns[3] = [longest] * rows
+        got, inputs = graph.load(columns, seqs)
+        assert got == key and inputs[-1].shape == (65, key[1])
+        assert inputs[0].shape == (key[0],)
+
+
 def test_ops_equal_the_kernels_and_pass_opcheck():
     k, v = caches()
     q, key, value, slots, tables, lens = decode_inputs()
@@ -147,6 +197,42 @@ def test_padded_graph_step_equals_eager_step_and_writes_only_real_slots(model_di
     changed = (state(graph)[0] != before[0]).any(-1)  # [L, KH, pages, bs]
     assert int(changed.sum()) == 3 * L * KH
     assert not torch.equal(state(graph)[3][:, scratch], before[3][:, scratch])  # padding -> scratch
+
+
+def test_graph_steps_at_two_table_widths_equal_eager_and_share_one_compile(tmp_path):
+    """A graph with 256-page tables (bucket 1 reads 128 or 256 pages: 2 kv heads, 1024 slots
+    split in 2): a 300-token and a 600-token context read different widths through the same
+    compiled graph, with the eager step's logits. Tables repeat the pool's 16 pages."""
+    from torch._dynamo.utils import counters
+
+    from engine.decode_graph import DecodeGraph
+
+    model_dir = str(make_tiny_llama_dir(tmp_path, num_hidden_layers=1,
+                                        max_position_embeddings=1024))
+    eager = make_runner(model_dir)
+    runner = make_runner(model_dir, compile=True)
+    runner.graph = DecodeGraph(runner.model, runner.kv, runner.queries, runner.scale, 4, 256,
+                               "cpu", native=runner.config.cpu_native_kernels)
+    assert runner.graph.widths[1] == [128, 256]
+    for r in (eager, runner):
+        g = torch.Generator().manual_seed(5)
+        r.kv.k.copy_(torch.randn(r.kv.k.shape, generator=g))
+        r.kv.v.copy_(torch.randn(r.kv.v.shape, generator=g))
+    compiles = []
+    for n, width in ((300, 128), (600, 256)):
+        items = []
+        for _ in range(2):  # one for each runner
+            seq = Sequence([3 + i % 300 for i in range(n)], SamplingParams(temperature=0.0), 0)
+            seq.block_table = [i % 16 for i in range(-(-n // BS))]
+            seq.num_computed = seq.physical_len = n - 1
+            items.append(WorkItem(seq, 1))
+        with torch.inference_mode():
+            ref = eager.forward(items[:1])
+            out = runner.forward(items[1:])
+        torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+        assert runner.graph._inputs[1, width][-1].shape[1] == width
+        compiles.append(counters["stats"]["unique_graphs"])
+    assert compiles[1] == compiles[0]  # the second width compiled nothing
 
 
 class SyncGuard(torch.overrides.TorchFunctionMode):
@@ -312,8 +398,9 @@ def load_step(graph, seqs):
     lens = [len(s.block_table) * BS for s in seqs]
     columns = [[0] * len(seqs) for _ in FIELDS[:-1]]
     columns[3] = lens
-    bucket, inputs = graph.load(columns, seqs)
+    (bucket, width), inputs = graph.load(columns, seqs)
     *_, table_row, tables = inputs
+    assert tables.shape[1] == width >= max(len(s.block_table) for s in seqs)
     return tables.index_select(0, table_row), bucket
 
 
