@@ -193,8 +193,8 @@ class QueryStatePool:
         positions now and returns four per-row columns for `DecodeCapture`, [R] int64 on the
         host: recent slot, ring index, EMA slot, EMA init (0/1); a row without a slot, or that
         does not feed a signal, points at the scratch slot. A slot appears at most once (one row
-        per request). Built with a few tensor ops whatever the batch: per-row indexing of the
-        host bookkeeping tensors cost a few microseconds a row."""
+        per request). Built with a few tensor ops whatever the batch, rather than by indexing
+        the host bookkeeping tensors row by row."""
         slot, pos, decode = torch.tensor([slots, positions, decoding], dtype=torch.long)
         owned = slot >= 0
         ring = pos % max(self.n, 1)

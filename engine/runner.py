@@ -222,8 +222,9 @@ class ModelRunner:
     def pick_on_device(self, sampled: list[WorkItem], logits: torch.Tensor):
         """Sample, then apply forced tokens, on the logits' device with no host sync.
         logits: [R, vocab], `item.rows` rows per item -> (tokens [R] long, logprobs [R] fp32 or
-        None when no row asks). A forced run's rows sample too, in order, so a request's random
-        stream advances one draw per output token as it does token by token."""
+        None when no row asks). A forced run's rows sample too, in order, so a seeded request's
+        random stream advances one draw per output token as it does token by token (unseeded
+        requests share one stream, engine/sampling.py)."""
         outputs = [(it.seq, it.seq.num_output_tokens + j) for it in sampled for j in range(it.rows)]
         seqs = [s for s, _ in outputs]
         params = [s.params for s in seqs]
