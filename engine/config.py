@@ -83,7 +83,8 @@ class EngineConfig:
         by One Page) must leave free; below it the grow "cannot be safely satisfied" and falls
         back to the policy's compression (GrowPage Sec. 4.2). int(watermark x pages) pages, as
         vLLM's block manager computes its 1% watermark; page allocation ignores it.
-    seed: base seed; a request without its own seed gets seed + its request index.
+    seed: the seed of the noise that sampled requests without their own seed share, restarted
+        at every `LLM.generate`/`stream` call (engine/sampling.py), and of dummy weights.
     load_format: "auto" reads the checkpoint; "dummy" fills every weight with seeded random values
         and reads only the model's config (vLLM's `--load-format dummy`): step-time and launch
         checks of 8B shapes without an 8B checkpoint.
@@ -91,7 +92,7 @@ class EngineConfig:
         (engine.kept_trace; RequestOutput.kept). Off by default: it costs a host copy per
         compaction.
     compile: run decode steps as one compiled graph (torch.compile; on CUDA one captured CUDA
-        graph per batch-size bucket; engine/decode_graph.py); False is eager (vLLM's
+        graph per batch-size bucket and block-table width; engine/decode_graph.py); False is eager (vLLM's
         enforce_eager), for debugging. Prefill and mixed steps are always eager.
     cpu_packed_weights: on CPU in float32, give the projections and the LM head packed copies
         of their weights, made once at load (engine/models/packed_linear.py): column panels for

@@ -150,6 +150,7 @@ class LLM:
         scheduler from the start (its counters are live); `last_stats` is set when the run ends,
         also when it is stopped early (an exception such as Ctrl-C, or closing the generator)."""
         seqs = self._make_sequences(prompts, params)
+        self.runner.reseed_noise()
         scheduler = Scheduler(self.config, self.runner, self.policy, self.block_manager,
                               self.eos_ids, self._decode)
         self.last_scheduler = scheduler

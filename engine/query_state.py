@@ -195,25 +195,27 @@ class QueryStatePool:
         plan.run_weights = torch.where(first_t.bool().unsqueeze(1), power, (1.0 - beta) * power)
         plan.run_decay = beta ** lengths_t.to(beta.dtype).unsqueeze(1)
 
-    def prepare_decode(self, rows: list[tuple[int | None, int, bool]]) -> list[list[int]]:
-        """The fixed-shape form of `prepare` for a compiled decode step: rows are one-token items
-        (slot or None, position, is_decode), padded rows included as (None, 0, False). Records
-        positions now and returns four per-row columns for `DecodeCapture`: recent slot, ring
-        index, EMA slot, EMA init (0/1); a row without a slot, or that does not feed a signal,
-        points at the scratch slot."""
-        r_slot, ring, e_slot, e_init = [], [], [], []
-        n = max(self.n, 1)
-        for slot, pos, is_decode in rows:
-            if slot is not None and self.n:
-                self.recent_pos[slot, pos % n] = pos
-            r_slot.append(self.scratch if slot is None else slot)
-            ring.append(pos % n)
-            ema = slot is not None and is_decode and self.ema is not None
-            e_slot.append(slot if ema else self.scratch)
-            e_init.append(int(ema and not bool(self.ema_ready[slot])))
-            if ema:
-                self.ema_ready[slot] = True
-        return [r_slot, ring, e_slot, e_init]
+    def prepare_decode(self, slots: list[int], positions: list[int],
+                       decoding: list[bool]) -> list[torch.Tensor]:
+        """The fixed-shape form of `prepare` for a compiled decode step, one entry per one-token
+        row: its slot (-1: none), position, and whether it is a decode (feeds the EMAs). Records
+        positions now and returns four per-row columns for `DecodeCapture`, [R] int64 on the
+        host: recent slot, ring index, EMA slot, EMA init (0/1); a row without a slot, or that
+        does not feed a signal, points at the scratch slot. A slot appears at most once (one row
+        per request). Built with a few tensor ops whatever the batch, rather than by indexing
+        the host bookkeeping tensors row by row."""
+        slot, pos, decode = torch.tensor([slots, positions, decoding], dtype=torch.long)
+        owned = slot >= 0
+        ring = pos % max(self.n, 1)
+        if self.n:
+            self.recent_pos[slot[owned], ring[owned]] = pos[owned]
+        recent = torch.where(owned, slot, self.scratch)
+        if self.ema is None:
+            return [recent, ring, torch.full_like(slot, self.scratch), torch.zeros_like(slot)]
+        ema = owned & (decode != 0)
+        init = ema & ~self.ema_ready[slot.clamp(min=0)]
+        self.ema_ready[slot[ema]] = True
+        return [recent, ring, torch.where(ema, slot, self.scratch), init.long()]
 
     def record(self, layer: int, q_pre: torch.Tensor) -> None:
         """q_pre: [T, q_heads, d] pre-RoPE queries of this layer for the step's rows."""

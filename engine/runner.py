@@ -63,6 +63,8 @@ class WorkItem:
 
 
 class ModelRunner:
+    noise: torch.Generator | None = None  # set in __init__ (reseed_noise)
+
     def __init__(self, config: EngineConfig, model_dir, signals: SignalSpec):
         self.config = config
         self.device = torch.device(config.device)
@@ -97,6 +99,9 @@ class ModelRunner:
         self.logits_hook = None
         self.signals = signals
         self.queries = self._query_pool(signals)
+        # The noise of sampled requests without their own seed (engine/sampling.py), one draw per
+        # step for all of them; LLM.stream reseeds it.
+        self.reseed_noise()
         self.graph = self._decode_graph() if config.compile else None
 
     @property
@@ -273,12 +278,14 @@ class ModelRunner:
     def pick_on_device(self, sampled: list[WorkItem], logits: torch.Tensor):
         """Sample, then apply forced tokens, on the logits' device with no host sync.
         logits: [R, vocab], `item.rows` rows per item -> (tokens [R] long, logprobs [R] fp32 or
-        None when no row asks). A forced run's rows sample too, in order, so a request's random
-        stream advances one draw per output token as it does token by token."""
+        None when no row asks). A forced run's rows sample too, in order, so a seeded request's
+        random stream advances one draw per output token as it does token by token (unseeded
+        requests share one stream, engine/sampling.py)."""
         outputs = [(it.seq, it.seq.num_output_tokens + j) for it in sampled for j in range(it.rows)]
         seqs = [s for s, _ in outputs]
         params = [s.params for s in seqs]
-        tokens = sample_tensor(logits, params, [self._generator(s) for s in seqs])
+        tokens = sample_tensor(logits, params, [self._generator(s) for s in seqs],
+                               self.noise)
         forced = [(i, s.params.forced_tokens[k]) for i, (s, k) in enumerate(outputs)
                   if k < len(s.params.forced_tokens)]
         if forced:
@@ -288,8 +295,15 @@ class ModelRunner:
             return tokens, None
         return tokens, token_logprobs(logits, tokens)
 
+    def reseed_noise(self) -> None:
+        """Restart the unseeded requests' shared noise from EngineConfig.seed (a `generate` call's
+        unseeded outputs do not depend on the calls before it)."""
+        self.noise = request_generator(self.config.seed, self.device)
+
     def _generator(self, seq: Sequence) -> torch.Generator | None:
-        if seq.params.greedy:
+        """A seeded request's own generator; None for greedy and unseeded requests (these
+        draw from `noise`)."""
+        if seq.params.greedy or seq.params.seed is None:
             return None
         if seq.generator is None:
             seq.generator = request_generator(seq.seed, self.device)
@@ -312,7 +326,7 @@ class ModelRunner:
     def _graph_forward(self, items: list[WorkItem]) -> torch.Tensor | None:
         """`forward` through the DecodeGraph: one metadata copy, the graph, the sampled rows."""
         bs = self.block_size
-        ids, pos, slots, lens, signal_rows, sample_rows = [], [], [], [], [], []
+        ids, pos, slots, lens, query_slots, decoding, sample_rows = [], [], [], [], [], [], []
         for i, item in enumerate(items):
             seq = item.seq
             phys, start = seq.physical_len, seq.num_computed
@@ -320,11 +334,12 @@ class ModelRunner:
             pos.append(start)
             slots.append(seq.block_table[phys // bs] * bs + phys % bs)
             lens.append(phys + 1)
-            signal_rows.append((seq.query_slot, start, not item.prefill))
+            query_slots.append(-1 if seq.query_slot is None else seq.query_slot)
+            decoding.append(not item.prefill)
             if item.samples:
                 sample_rows.append(i)
-        columns = [ids, pos, slots, lens, *self.queries.prepare_decode(signal_rows)]
-        logits = self.graph.run(columns, [it.seq.block_table for it in items])
+        columns = [ids, pos, slots, lens, *self.queries.prepare_decode(query_slots, pos, decoding)]
+        logits = self.graph.run(columns, [it.seq for it in items])
         if not sample_rows:
             return None
         if len(sample_rows) == len(items):

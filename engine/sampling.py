@@ -1,9 +1,13 @@
 """Sampling parameters and the batched sampler.
 
-Reproducibility rule: every request owns a `torch.Generator` seeded from its own seed (or the engine
-seed plus its request index), on the device its logits live on, and draws exactly one uniform
-vector per sampled token. So a request produces the same tokens whatever else shares its batch, and
-the same tokens for a seed on a given device (CPU and CUDA generators are different streams).
+Reproducibility rule: a request with its own seed (`SamplingParams.seed`) owns a `torch.Generator`
+seeded from it, on the device its logits live on, and draws exactly one uniform vector per sampled
+token. So a seeded request produces the same tokens whatever else shares its batch, and the same
+tokens for a seed on a given device (CPU and CUDA generators are different streams). Requests
+without a seed share the engine's generator (seeded from `EngineConfig.seed` at the start of each
+`LLM.stream`): a step draws their noise as one [rows, vocab] tensor, one launch instead of one per
+row, so their tokens repeat for the same requests, engine seed and schedule, but depend on what
+else shares their steps.
 
 Device rule: everything the sampler computes stays on the logits' device; the per-row settings go
 there once per step (`SamplingTensors`), and the runner brings the chosen ids back in one transfer.
@@ -151,21 +155,25 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],
-           generators: list[torch.Generator | None]) -> list[int]:
+           generators: list[torch.Generator | None],
+           shared: torch.Generator | None = None) -> list[int]:
     """Pick one token per row and bring the ids to the host (`sample_tensor`, then one transfer)."""
-    return sample_tensor(logits, params, generators).tolist()
+    return sample_tensor(logits, params, generators, shared).tolist()
 
 
 def sample_tensor(logits: torch.Tensor, params: list[SamplingParams],
-                  generators: list[torch.Generator | None]) -> torch.Tensor:
+                  generators: list[torch.Generator | None],
+                  shared: torch.Generator | None = None) -> torch.Tensor:
     """Pick one token per row, on the logits' device, without a host sync.
 
     logits: [B, vocab] (any float dtype); params/generators: one per row (greedy rows' generator is
-    ignored; a sampled row's must be on the logits' device, see `request_generator`).
+    ignored; a sampled row's must be on the logits' device, see `request_generator`); shared: the
+    generator of the sampled rows that have none (None: torch's default one).
     Returns [B] long on the logits' device. Greedy rows are an argmax; sampled rows use top-k/top-p
     filtering and the exponential-race trick (argmax of p / E with E ~ Exp(1)), which samples
-    exactly from p. Each sampled row draws one uniform vector from its own generator, so a request's
-    tokens do not depend on what else shares the batch."""
+    exactly from p. A sampled row with a generator draws one uniform vector from it, so its tokens
+    do not depend on what else shares the batch; the sampled rows without one draw a single
+    [rows, vocab] tensor from `shared`, in row order (module docstring)."""
     logits = logits.float()
     tokens = logits.argmax(dim=-1)
     tensors = SamplingTensors.build(params, logits.shape[1], logits.device)
@@ -173,17 +181,36 @@ def sample_tensor(logits: torch.Tensor, params: list[SamplingParams],
         return tokens
     sub = logits.index_select(0, tensors.rows) / tensors.temperatures
     probs = _filtered_probs(sub, tensors) if tensors.filtered else torch.softmax(sub, dim=-1)
-    noise = torch.stack([_uniform(probs.shape[1], generators[i], logits.device)
-                         for i, p in enumerate(params) if not p.greedy])
+    noise = _noise(probs.shape[1], [generators[i] for i, p in enumerate(params) if not p.greedy],
+                   shared, logits.device)
     race = probs / (-torch.log1p(-noise)).clamp_min(1e-20)
     return tokens.index_copy(0, tensors.rows, race.argmax(dim=-1))
 
 
-def _uniform(n: int, generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+def _noise(n: int, generators: list[torch.Generator | None], shared: torch.Generator | None,
+           device: torch.device) -> torch.Tensor:
+    """Uniform noise [R, n] for the R sampled rows: each row with a generator draws its own
+    vector, the rows without one share a single draw from `shared`."""
+    unseeded = sum(g is None for g in generators)
+    batch = _uniform((unseeded, n), shared, device) if unseeded else None
+    if unseeded == len(generators):
+        return batch
+    rows, taken = [], 0
+    for g in generators:
+        if g is None:
+            rows.append(batch[taken])
+            taken += 1
+        else:
+            rows.append(_uniform((n,), g, device))
+    return torch.stack(rows)
+
+
+def _uniform(shape: tuple[int, ...], generator: torch.Generator | None,
+             device: torch.device) -> torch.Tensor:
     if generator is not None and generator.device != device:
         raise ValueError(f"a request's generator is on {generator.device} but its logits are on "
                          f"{device}; build it with request_generator(seed, logits.device)")
-    return torch.rand(n, generator=generator, device=device)
+    return torch.rand(shape, generator=generator, device=device)
 
 
 def _filtered_probs(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:

@@ -66,7 +66,8 @@ class Sequence:
         self.generator: torch.Generator | None = None
         self.status = SeqStatus.WAITING
         self.finish_reason: str | None = None
-        self.block_table: list[int] = []
+        self.table_version = 0
+        self.block_table = []
         self.num_computed = 0
         self.physical_len = 0
         # Per-head budgets (docs/architecture.md): after a compaction with unequal per-head counts,
@@ -106,6 +107,19 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def block_table(self) -> list[int]:
+        """The sequence's pages in slot order. It changes by appending in place (growth, prefix
+        pages) or by assigning a new list (compaction, preemption), never by overwriting entries
+        in place: each assignment moves `table_version` on, and DecodeGraph's persistent tables
+        rewrite a row whose version moved and append to one whose length grew."""
+        return self._block_table
+
+    @block_table.setter
+    def block_table(self, pages: list[int]) -> None:
+        self._block_table = pages
+        self.table_version += 1
 
     @property
     def num_pages(self) -> int:

@@ -110,15 +110,18 @@ def test_sampling_at_temperature_06_runs_on_the_device_and_repeats_for_a_seed(mo
 
 
 def test_compiled_step_with_cuda_graphs_matches_eager(model_dir):
-    """EngineConfig.compile: torch.compile plus one captured CUDA graph per batch bucket on CUDA
-    (engine/decode_graph.py); fp32, so greedy tokens and logits match the eager engine's. Batches
-    of 1 and 3 (padded to bucket 4) replay different graphs."""
+    """EngineConfig.compile: torch.compile plus one captured CUDA graph per (batch bucket, table
+    width) on CUDA (engine/decode_graph.py); fp32, so greedy tokens and logits match the eager
+    engine's. Batches of 1 and 3 (padded to bucket 4) replay different graphs."""
     kwargs = dict(device=DEVICE, dtype="float32", block_size=16, kv_cache_tokens=2048,
                   max_num_seqs=8)
     eager = LLM(str(model_dir), compile=False, **kwargs)
     compiled = LLM(str(model_dir), compile=True, **kwargs)
     if DEVICE.startswith("cuda"):
-        assert sorted(compiled.runner.graph.graphs) == [1, 2, 4, 8]
+        graph = compiled.runner.graph
+        assert sorted(graph.graphs) == sorted((b, w) for b in graph.buckets
+                                              for w in graph.widths[b])
+        assert sorted({b for b, _ in graph.graphs}) == [1, 2, 4, 8]
     for prompts in (PROMPTS[:1], PROMPTS):
         want, want_logits = engine_logits(eager, prompts)
         got, got_logits = engine_logits(compiled, prompts)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.config import ConfigError
-from engine.policies.base import Action, EngineSpec, StageTimer, build_policy
+from engine.policies.base import Action, EngineSpec, SignalSpec, StageTimer, build_policy
 from engine.policies.demand import (
     Demand,
     calibrate_rms,
@@ -35,7 +35,7 @@ from engine.policies.growpage_variants import (
     InverseRule,
     ShrinkRule,
 )
-from engine.query_state import ema_update
+from engine.query_state import QueryStatePool, ema_update
 
 # -- helpers ----------------------------------------------------------------------------------
 
@@ -193,6 +193,55 @@ def test_ema_update_on_one_layer_of_gathered_rows_and_bool_mask():
         ema_update(ema, torch.zeros(3, 2, 5), (0.5, 0.75), False)
     with pytest.raises(ValueError, match="3 betas for 2 summaries"):
         ema_update(ema, q, (0.5, 0.6, 0.7), False)
+
+
+def reference_prepare_decode(pool, rows):
+    """QueryStatePool.prepare_decode as it was, row by row over (slot or None, position,
+    is_decode): the columns the vectorized one must equal."""
+    r_slot, ring, e_slot, e_init = [], [], [], []
+    n = max(pool.n, 1)
+    for slot, pos, is_decode in rows:
+        if slot is not None and pool.n:
+            pool.recent_pos[slot, pos % n] = pos
+        r_slot.append(pool.scratch if slot is None else slot)
+        ring.append(pos % n)
+        ema = slot is not None and is_decode and pool.ema is not None
+        e_slot.append(slot if ema else pool.scratch)
+        e_init.append(int(ema and not bool(pool.ema_ready[slot])))
+        if ema:
+            pool.ema_ready[slot] = True
+    return [r_slot, ring, e_slot, e_init]
+
+
+@pytest.mark.parametrize("spec", [SignalSpec(recent_queries=3, ema_betas=(0.9, 0.99)),
+                                  SignalSpec(ema_betas=(0.9,)), SignalSpec(recent_queries=2),
+                                  SignalSpec()])
+def test_prepare_decode_columns_equal_the_row_by_row_rule(spec):
+    """Random decode steps over binds and releases: the columns and the pool's host bookkeeping
+    (ring positions, EMA readiness) equal the row-by-row rule's."""
+    rng = random.Random(4)
+    pools = [QueryStatePool(spec, 2, 6, 2, 4, "cpu", torch.float32) for _ in range(2)]
+    bound: list[int] = []
+    for _ in range(60):
+        if bound and rng.random() < 0.3:
+            slot = bound.pop(rng.randrange(len(bound)))
+            for pool in pools:
+                pool.release(slot)
+        while len(bound) < 6 and rng.random() < 0.5:
+            slots = {pool.bind() for pool in pools}
+            assert len(slots) == 1
+            bound.append(slots.pop())
+        rows = [(slot, rng.randrange(200), rng.random() < 0.8)
+                for slot in rng.sample(bound, rng.randint(0, len(bound)))]
+        rows += [(None, rng.randrange(200), rng.random() < 0.5) for _ in range(rng.randint(0, 2))]
+        rng.shuffle(rows)
+        want = reference_prepare_decode(pools[0], rows)
+        got = pools[1].prepare_decode([-1 if s is None else s for s, _, _ in rows],
+                                      [p for _, p, _ in rows], [d for _, _, d in rows])
+        assert [c.tolist() for c in got] == want
+        assert all(c.dtype == torch.long and c.device.type == "cpu" for c in got)
+        assert torch.equal(pools[1].recent_pos, pools[0].recent_pos)
+        assert torch.equal(pools[1].ema_ready, pools[0].ema_ready)
 
 
 def test_ema_update_keeps_float32_pool_with_bf16_query():

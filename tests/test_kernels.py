@@ -260,6 +260,45 @@ def test_decode_partition_choice():
     assert decode_partitions(1, 8, 1000, partitions=3) == (3, 384)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_decode_split_follows_the_width_bucket_of_the_longest_context(dtype):
+    """The compiled decode step gives the kernel the narrowest table width of its batch bucket
+    that covers the batch's longest context (engine/decode_graph.py, table_widths), so the split
+    follows the context rather than max_model_len; for a context in each width bucket the
+    result equals the unsplit kernel's and the twin's on the full-width table."""
+    from engine.decode_graph import table_widths, width_for
+    from engine.kernels import _tl_paged_attention
+
+    block_size, max_blocks, heads = 16, 128, (4, 2)
+    widths = table_widths(2, heads[1], block_size, max_blocks)
+    # batch 2 x 2 kv heads = 4 programs: 512-slot partitions split widths from 64 pages up;
+    # the narrower widths are one partition, which the widest of them (32 pages) serves
+    assert widths == [32, 64, 128]
+    # at the full width even a 300-slot context got 4 partitions, of which 1 held slots
+    assert _tl_paged_attention.decode_partitions(2, 2, max_blocks * block_size) == (4, 512)
+    for seed, (longest, width, parts) in enumerate(((300, 32, 1), (700, 64, 2), (1500, 128, 4))):
+        assert width_for(widths, _cdiv(longest, block_size)) == width
+        gen = _gen(40 + seed)
+        lens = (longest, 37)
+        tables, num_blocks = make_tables(lens, block_size, gen, dtype=torch.int64,
+                                         spare_cols=max_blocks - _cdiv(longest, block_size))
+        assert tables.shape[1] == max_blocks
+        k_cache = _randn(gen, heads[1], num_blocks, block_size, 16, dtype=dtype)
+        v_cache = _randn(gen, heads[1], num_blocks, block_size, 16, dtype=dtype)
+        q = _randn(gen, 2, heads[0], 16, dtype=dtype)
+        lens, scale = torch.tensor(lens), 0.25
+        narrow = tables[:, :width].contiguous()  # what the graph gathers
+        launches = _tl_paged_attention.decode_launches(q, k_cache, v_cache, narrow, lens, scale,
+                                                       torch.empty_like(q))
+        assert launches[0].grid == (2, 2, parts)
+        out = _tl_paged_attention.launch_decode(q, k_cache, v_cache, narrow, lens, scale)
+        unsplit = _tl_paged_attention.launch_decode(q, k_cache, v_cache, narrow, lens, scale,
+                                                    partitions=1)
+        assert_close(out, unsplit, dtype)
+        assert_close(out, paged_decode_attention_torch(q, k_cache, v_cache, tables, lens, scale),
+                     dtype)
+
+
 # ----------------------------------------------------------------------------- prefill
 
 def _prefill_case(dtype, heads, seed, base=(20, 0, 3, 5), qlens=(5, 7, 0, 1), lq_max=7):

@@ -126,3 +126,87 @@ def test_cuda_sampling_is_on_device_and_reproducible():
     first = sample(logits, MIXED, [request_generator(i, "cuda") for i in range(len(MIXED))])
     again = sample(logits, MIXED, [request_generator(i, "cuda") for i in range(len(MIXED))])
     assert first == again and first[0] == int(logits[0].argmax())
+
+
+def reference_sample_tensor(logits, params, generators):
+    """The sampler as it was before unseeded rows shared one draw: every sampled row draws its
+    own vector from its own generator, in row order."""
+    from engine.sampling import SamplingTensors, _filtered_probs
+
+    logits = logits.float()
+    tokens = logits.argmax(dim=-1)
+    tensors = SamplingTensors.build(params, logits.shape[1], logits.device)
+    if tensors is None:
+        return tokens
+    sub = logits.index_select(0, tensors.rows) / tensors.temperatures
+    probs = _filtered_probs(sub, tensors) if tensors.filtered else torch.softmax(sub, dim=-1)
+    noise = torch.stack([torch.rand(probs.shape[1], generator=generators[i])
+                         for i, p in enumerate(params) if not p.greedy])
+    race = probs / (-torch.log1p(-noise)).clamp_min(1e-20)
+    return tokens.index_copy(0, tensors.rows, race.argmax(dim=-1))
+
+
+def test_greedy_and_seeded_rows_sample_as_before_beside_unseeded_ones():
+    """Seeded rows keep their own streams and greedy rows their argmax, token for token, whatever
+    unseeded rows share the batch; with a generator for every sampled row nothing changes."""
+    params = MIXED * 4
+    logits = logits_for(len(params)) + torch.randn(len(params), VOCAB) * 0.1
+    kept = [i for i, p in enumerate(params) if p.greedy or p.seed is not None]
+
+    def gens():
+        return [request_generator(40 + i, "cpu") for i in range(len(params))]
+
+    ref_gens, all_gens = gens(), gens()
+    # as the runner passes them: no generator for unseeded rows
+    mine = [g if params[i].seed is not None else None for i, g in enumerate(gens())]
+    shared = torch.Generator().manual_seed(0)
+    for _ in range(4):  # successive steps continue each seeded row's stream
+        want = reference_sample_tensor(logits, params, ref_gens)
+        got = sample_tensor(logits, params, mine, shared)
+        assert got[kept].tolist() == want[kept].tolist()
+    ref_gens = gens()
+    for _ in range(2):
+        assert torch.equal(sample_tensor(logits, params, all_gens),
+                           reference_sample_tensor(logits, params, ref_gens))
+
+
+def test_unseeded_rows_draw_one_noise_tensor_per_step(monkeypatch):
+    rand, calls = torch.rand, []
+
+    def counting(*args, **kwargs):
+        calls.append(tuple(args[0]))
+        return rand(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "rand", counting)
+    params = [SamplingParams(temperature=0.7, top_k=5)] * 64
+    logits = logits_for(64)
+    tokens = sample_tensor(logits, params, [None] * 64, torch.Generator().manual_seed(3))
+    assert calls == [(64, VOCAB)] and tokens.shape == (64,)
+    again = sample_tensor(logits, params, [None] * 64, torch.Generator().manual_seed(3))
+    assert torch.equal(tokens, again)  # the same shared stream, the same tokens
+    calls.clear()
+    gens = [request_generator(1, "cpu") if i in (5, 9) else None for i in range(64)]
+    sample_tensor(logits, params, gens, torch.Generator().manual_seed(3))
+    assert calls == [(62, VOCAB), (VOCAB,), (VOCAB,)]  # seeded rows keep their own draws
+    # unseeded rows follow the documented rule, row i fed row i of the shared draw
+    monkeypatch.setattr(torch, "rand", rand)
+    three = MIXED[3:5] + [SamplingParams(temperature=1.0)]
+    got = sample(logits[:3], three, [None] * 3, torch.Generator().manual_seed(8))
+    noise = rand((3, VOCAB), generator=torch.Generator().manual_seed(8))
+    for i, p in enumerate(three):
+        monkeypatch.setattr(torch, "rand", lambda *a, _row=noise[i], **k: _row)
+        assert got[i] == naive_token(logits[i], p, None)
+
+
+def test_runner_gives_generators_to_seeded_requests_only():
+    from engine.runner import ModelRunner
+    from engine.sequence import Sequence
+
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.device = torch.device("cpu")
+    seeded = Sequence([1], SamplingParams(temperature=0.6, seed=3), 3)
+    unseeded = Sequence([1], SamplingParams(temperature=0.6), 4)
+    greedy = Sequence([1], SamplingParams(temperature=0.0, seed=5), 5)
+    assert runner._generator(seeded) is seeded.generator is not None
+    assert runner._generator(unseeded) is None and unseeded.generator is None
+    assert runner._generator(greedy) is None

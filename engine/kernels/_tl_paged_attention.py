@@ -52,17 +52,18 @@ import triton
 import triton.language as tl
 
 from engine.kernels._common import Launch, next_pow2
+from engine.kernels.paged_attention import (  # noqa: F401  (the partition rule, re-exported)
+    DECODE_BLOCK_N,
+    MIN_PART_SLOTS,
+    TARGET_PROGRAMS,
+    decode_partitions,
+)
 
 LOG2E = 1.4426950408889634
 
-# Flash-decoding partitioning (host-side, from the block-table width: no device sync). A
-# partition holds at least MIN_PART_SLOTS slots (8 tiles of 64) so the reduction's extra
-# traffic (P partial rows of head_dim fp32 per query head) stays small next to the K/V reads;
-# partitions are added until the grid has about TARGET_PROGRAMS programs, ~4 per SM on a
-# 132-SM H100/H200 (108 on A100), enough to keep every SM's memory pipes busy.
-MIN_PART_SLOTS = 512
-TARGET_PROGRAMS = 512
-BLOCK_N = 64
+# The decode key tile; flash-decoding's partition rule (decode_partitions, from the block-table
+# width) lives in paged_attention.py, which the compiled decode step reads without triton.
+BLOCK_N = DECODE_BLOCK_N
 # Prefill rows per program (query positions x group heads) and key tile, for 16-bit and for fp32
 # operands: 64 rows x head_dim 128 keeps the fp32 accumulator at 64 registers per thread with 4
 # warps, which leaves room for the bf16 tiles without spilling (181 registers on sm_90, none
@@ -302,23 +303,6 @@ def _tile_constexprs(block_size: int, head_dim: int, block_n: int = BLOCK_N) -> 
     block_n = block_n if block_size % block_n == 0 else min(block_n, next_pow2(block_size, 16))
     return dict(BLOCK_SIZE=block_size, HEAD_DIM=head_dim, D_PAD=next_pow2(head_dim, 16),
                 BLOCK_N=block_n, IN_PAGE=block_size % block_n == 0)
-
-
-def decode_partitions(batch: int, kv_heads: int, capacity: int,
-                      partitions: int | None = None) -> tuple[int, int]:
-    """(partitions, slots per partition) for a decode launch; capacity = block-table width *
-    block_size bounds every context (known on the host, unlike the lengths).
-
-    batch 1, 8 kv heads, 32k slots: 8 programs -> 64 partitions of 512 slots (512 programs);
-    batch 256: 2048 programs already, one partition (no reduction pass). ``partitions``
-    overrides the choice (tests); slots per partition are a multiple of the 64-slot tile.
-    """
-    programs = max(1, batch * kv_heads)
-    if partitions is None:
-        partitions = min(triton.cdiv(capacity, MIN_PART_SLOTS), triton.cdiv(TARGET_PROGRAMS, programs))
-    partitions = max(1, min(int(partitions), triton.cdiv(max(capacity, 1), BLOCK_N)))
-    part_len = triton.cdiv(triton.cdiv(max(capacity, 1), partitions), BLOCK_N) * BLOCK_N
-    return triton.cdiv(max(capacity, 1), part_len), part_len
 
 
 def launch_decode(q, k_cache_l, v_cache_l, block_tables, context_lens, scale,

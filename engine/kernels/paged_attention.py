@@ -75,6 +75,38 @@ from engine.kernels._common import (
 
 _CACHE_LAYOUT = "[kv_heads, num_blocks, block_size, head_dim]"
 
+# Flash-decoding partitioning of the Triton decode kernel (host-side, from the block-table width:
+# no device sync). A partition holds at least MIN_PART_SLOTS slots (8 tiles of DECODE_BLOCK_N)
+# so the reduction's extra traffic (P partial rows of head_dim fp32 per query head) stays small
+# next to the K/V reads; partitions are added until the grid has about TARGET_PROGRAMS programs,
+# ~4 per SM on a 132-SM H100/H200 (108 on A100), enough to keep every SM's memory pipes busy.
+# Here rather than in _tl_paged_attention.py so that the compiled decode step (decode_graph.py)
+# can size its table widths by it without importing triton.
+MIN_PART_SLOTS = 512
+TARGET_PROGRAMS = 512
+DECODE_BLOCK_N = 64
+
+
+def decode_partitions(batch: int, kv_heads: int, capacity: int,
+                      partitions: int | None = None) -> tuple[int, int]:
+    """(partitions, slots per partition) for a decode launch; capacity = block-table width *
+    block_size bounds every context (known on the host, unlike the lengths).
+
+    batch 1, 8 kv heads, 32k slots: 8 programs -> 64 partitions of 512 slots (512 programs);
+    batch 256: 2048 programs already, one partition (no reduction pass). ``partitions``
+    overrides the choice (tests); slots per partition are a multiple of the 64-slot tile.
+    """
+    def cdiv(a: int, b: int) -> int:
+        return -(-a // b)
+
+    programs = max(1, batch * kv_heads)
+    capacity = max(capacity, 1)
+    if partitions is None:
+        partitions = min(cdiv(capacity, MIN_PART_SLOTS), cdiv(TARGET_PROGRAMS, programs))
+    partitions = max(1, min(int(partitions), cdiv(capacity, DECODE_BLOCK_N)))
+    part_len = cdiv(cdiv(capacity, partitions), DECODE_BLOCK_N) * DECODE_BLOCK_N
+    return cdiv(capacity, part_len), part_len
+
 
 # ----------------------------------------------------------------------------- validation
 
@@ -336,8 +368,9 @@ def paged_decode_attention_triton(q, k_cache_l, v_cache_l, block_tables, context
     through the block table with an online fp32 softmax, both matmuls on the tensor cores for
     bf16/fp16 (fp32 accumulation). Flash-decoding: when batch x kv_heads programs are too few to
     fill the GPU (batch 1 at 32k slots: 8), the context is split into partitions chosen from the
-    block table's width (no host sync) and a small kernel merges their partial softmaxes
-    (engine/kernels/_tl_paged_attention.py has the rule).
+    block table's width (no host sync; `decode_partitions`), so a caller sizes the split by the
+    width it passes (the compiled step passes a width bucket covering the batch's longest
+    context, engine/decode_graph.py), and a small kernel merges their partial softmaxes.
 
     Lengths are not checked against the block table here (that would cost a host sync per
     layer and step); the kernel masks every read to the table's width instead, so a too-long
