@@ -7,7 +7,9 @@ policy under random load with aborts and preemption: requests done, pages leaked
 against vLLM's CPU backend run from another venv), launches (kernel launches per layer of a decode
 step, eager vs compiled), step (the decode step of random 8B-shaped models against transformers and
 the bandwidth floor, with the GPU checks), projections (a decode step's projections kernel by
-kernel on CPU: a chain of its weights against the plain-sum floor, and GFLOP/s per shape).
+kernel on CPU: a chain of its weights against the plain-sum floor, and GFLOP/s per shape),
+policy-cost (every policy's per-token time against FullKV's on teacher-forced documents, split into
+decode, signals, decisions and compaction).
 
 OpenMP: importing `engine` sets a bounded spin (GOMP_SPINCOUNT) before torch loads unless the user
 set the wait policy, and the engine's thread governor follows the free cores (engine/threads.py
@@ -33,3 +35,4 @@ from evals.benchmarks import soak  # noqa: E402,F401
 from evals.benchmarks import step  # noqa: E402,F401
 from evals.benchmarks import peer  # noqa: E402,F401
 from evals.benchmarks import projections  # noqa: E402,F401
+from evals.benchmarks import policy_cost  # noqa: E402,F401
