@@ -64,7 +64,9 @@ def ema_update(
 
 @dataclass
 class CapturePlan:
-    """Row indices for one step, on the pool's device. recent_*: [R]; ema_*: [E]."""
+    """Row indices for one step, on the pool's device. recent_*: [R]; ema_*: [E]. ema_fresh:
+    some EMA row initialises its slot this step (known on the host, so a step without one skips
+    the selection)."""
 
     recent_rows: torch.Tensor
     recent_slots: torch.Tensor
@@ -72,6 +74,7 @@ class CapturePlan:
     ema_rows: torch.Tensor
     ema_slots: torch.Tensor
     ema_init: torch.Tensor
+    ema_fresh: bool = False
 
 
 class QueryStatePool:
@@ -87,11 +90,14 @@ class QueryStatePool:
         self.recent_pos = torch.full((num_slots, max(self.n, 1)), -1, dtype=torch.long)
         k = len(spec.ema_betas)
         self.betas = torch.tensor(spec.ema_betas, device=device, dtype=torch.float32)
+        # ema_update's factors, shaped [k, 1, 1] once: beta and 1 - beta
+        self._decay = self.betas.reshape(-1, 1, 1)
+        self._gain = 1.0 - self._decay
         # fp32 whatever the model dtype: in bf16, beta_L = 0.999 rounds to 1 and the long summary
         # would freeze at its first value.
         self.ema = (torch.zeros(num_layers, rows, k, q_heads, head_dim, device=device,
                                 dtype=torch.float32) if k else None)
-        self.ema_ready = torch.zeros(num_slots, dtype=torch.bool)
+        self.ema_ready = [False] * num_slots
         self._free = list(range(num_slots - 1, -1, -1))
         self.plan: CapturePlan | None = None
 
@@ -128,9 +134,10 @@ class QueryStatePool:
             if self.ema is not None and is_decode:
                 er.append(row + count - 1)
                 es.append(slot)
-                ei.append(not bool(self.ema_ready[slot]))
+                ei.append(not self.ema_ready[slot])
                 self.ema_ready[slot] = True
         self.plan = self._device_plan(rr, rs, ring, er, es, ei)
+        self.plan.ema_fresh = any(ei)
 
     def _device_plan(self, *columns: list) -> CapturePlan:
         """One asynchronous host-to-device copy per step for all six index lists. Built on the
@@ -156,7 +163,7 @@ class QueryStatePool:
             ring.append(pos % n)
             ema = slot is not None and is_decode and self.ema is not None
             e_slot.append(slot if ema else self.scratch)
-            e_init.append(int(ema and not bool(self.ema_ready[slot])))
+            e_init.append(int(ema and not self.ema_ready[slot]))
             if ema:
                 self.ema_ready[slot] = True
         return [r_slot, ring, e_slot, e_init]
@@ -179,9 +186,15 @@ class QueryStatePool:
             self.recent[layers, plan.recent_slots, plan.recent_ring] = \
                 q_pre[..., plan.recent_rows, :, :]
         if self.ema is not None and plan.ema_rows.numel():
-            self.ema[layers, plan.ema_slots] = ema_update(
-                self.ema[layers, plan.ema_slots], q_pre[..., plan.ema_rows, :, :], self.betas,
-                plan.ema_init)
+            # ema_update's rule, ema * beta + (1 - beta) * q, on the gathered copy in place (the
+            # same float32 operations, so the same values), selecting q only in a step where a
+            # slot initialises.
+            ema = self.ema[layers, plan.ema_slots]                         # [..., E, k, Hq, d]
+            q = q_pre[..., plan.ema_rows, :, :].to(ema.dtype).unsqueeze(-3)
+            ema.mul_(self._decay).add_(self._gain * q)
+            if plan.ema_fresh:
+                ema = torch.where(plan.ema_init.reshape(-1, 1, 1, 1), q.expand_as(ema), ema)
+            self.ema[layers, plan.ema_slots] = ema
 
     # -- reads ----------------------------------------------------------------------------------
     def recent_of(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -193,7 +206,7 @@ class QueryStatePool:
         return self.recent[:, slot, order], pos[order]
 
     def ema_of(self, slot: int) -> tuple[torch.Tensor, bool]:
-        return self.ema[:, slot], bool(self.ema_ready[slot])
+        return self.ema[:, slot], self.ema_ready[slot]
 
 
 class DecodeCapture:
