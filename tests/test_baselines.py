@@ -476,6 +476,24 @@ def test_key_redundancy_per_page_at_a_length_the_dense_form_cannot_hold():
             assert share.tolist() == pytest.approx(want, abs=1e-6)
 
 
+
+def test_h2o_accumulation_over_several_layers_is_one_layer_at_a_time_bit_for_bit(monkeypatch):
+    """accumulated_attention takes as many layers per pass as SCORE_ELEMS allows: the same sums
+    as one layer per pass (SCORE_ELEMS = 1), across query chunks and causal limits."""
+    import engine.policies.h2o as h2o
+
+    g = torch.Generator().manual_seed(14)
+    for n, length in ((70, 100), (16, 272), (1, 9)):
+        q = torch.randn(5, n, HQ, D, generator=g)
+        k = torch.randn(5, HKV, length, D, generator=g)
+        limits = torch.arange(length - n + 1, length + 1)
+        together = h2o.accumulated_attention(q, k, limits)
+        monkeypatch.setattr(h2o, "SCORE_ELEMS", 1)
+        alone = h2o.accumulated_attention(q, k, limits)
+        monkeypatch.undo()
+        assert torch.equal(together, alone)
+
+
 # -- budgets: ratio, per-request, errors ----------------------------------------------------------
 
 
