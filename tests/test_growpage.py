@@ -295,6 +295,28 @@ def test_top_p_working_set_against_naive_and_crafted():
             torch.testing.assert_close(top_p_ratio(probs, 0.99), got.double() / n)
 
 
+def test_top_p_working_set_sorts_like_torch_bit_for_bit():
+    """The working set reads the values sorted largest first through numpy's sort on CPU: the
+    same float64 values as torch.sort's, so the same cumulative masses and the same K as the
+    torch.sort form, on rows with ties, zeros and underflow (GrowPage's demand shapes)."""
+    from engine.policies.demand import descending
+
+    g = torch.Generator().manual_seed(9)
+    for shape in ((8, 2, 3, 1008), (4, 2, 1, 17), (3, 1)):
+        logits = torch.randn(*shape, generator=g) * 12.0
+        logits[..., ::5] = logits[..., :1].clone()  # ties
+        probs = logits.softmax(-1)
+        probs[..., 1::7] = 0.0
+        want = probs.sort(dim=-1, descending=True).values.double()
+        assert torch.equal(descending(probs), want)
+        for p in (0.5, 0.99, 1.0):
+            mass = want.cumsum(dim=-1)
+            ref = ((mass < p * mass[..., -1:]).sum(dim=-1) + 1).clamp(max=shape[-1])
+            assert torch.equal(top_p_working_set(probs, p), ref)
+    strided = torch.rand(6, 40, generator=g)[:, ::2]
+    assert torch.equal(descending(strided), strided.sort(dim=-1, descending=True).values.double())
+
+
 def test_entropy_ratio_is_effective_support_fraction():
     assert entropy_ratio(torch.full((8,), 1 / 8), 0.99).item() == pytest.approx(1.0)
     assert entropy_ratio(torch.tensor([0.0, 1.0, 0.0, 0.0]), 0.99).item() == pytest.approx(0.25)
