@@ -468,6 +468,23 @@ def test_list_options_parse_and_name_the_option_on_bad_input():
         parse_ints("4.5,4,3", "--counts")
 
 
+def test_policy_cost_clock_times_wrapped_methods_until_unwrapped():
+    import time
+
+    class Pool:
+        def record(self, x):
+            time.sleep(0.01)
+            return x + 1
+
+    pool, clock = Pool(), policy_cost.Clock()
+    clock.wrap(pool, ("record", "absent"))
+    assert pool.record(1) == 2 and clock.seconds >= 0.01
+    timed = clock.seconds
+    clock.unwrap()
+    assert "record" not in vars(pool) and pool.record(2) == 3
+    assert clock.seconds == timed  # the call after unwrap is not counted
+
+
 @pytest.mark.parametrize("args, message", [(["--policies", "zipage,nope"], "unknown configuration"),
                                            (["--source", "pdf"], "source must be one of"),
                                            (["--repeats", "0"], "repeats must be >= 1")])

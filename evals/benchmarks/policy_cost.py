@@ -134,11 +134,13 @@ def documents(tokenizer, scale: PolicyCostScale, vocab: int) -> list[list[int]]:
 
 
 class Clock:
-    """Seconds spent in wrapped methods of some objects (their instance attributes shadow the
-    class's methods for one run)."""
+    """Seconds spent in wrapped methods of some objects: instance attributes shadow the class's
+    methods from `wrap` until `unwrap` (the query pool outlives a run when the next policy reads
+    the same signals)."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
+        self._wrapped: list[tuple[Any, str]] = []
 
     def wrap(self, obj: Any, names: tuple[str, ...]) -> None:
         for name in names:
@@ -154,6 +156,12 @@ class Clock:
                     self.seconds += time.perf_counter() - start
 
             setattr(obj, name, timed)
+            self._wrapped.append((obj, name))
+
+    def unwrap(self) -> None:
+        for obj, name in self._wrapped:
+            delattr(obj, name)
+        self._wrapped = []
 
 
 def split_row(label: str, repeat: int, wall: float, stats, signals: float, hooks: float,
@@ -230,8 +238,12 @@ def run_policy_cost(model: str = "default", *, quick: bool = False,
             signals.wrap(llm.runner.queries, SIGNAL_METHODS)
             hooks.wrap(llm.policy, DECISION_METHODS)
             start = time.perf_counter()
-            outputs = llm.generate(prompts, params)
-            wall = time.perf_counter() - start
+            try:
+                outputs = llm.generate(prompts, params)
+            finally:
+                wall = time.perf_counter() - start
+                signals.unwrap()
+                hooks.unwrap()
             stats = llm.last_stats
             if any(o.num_output_tokens != scale.length for o in outputs) \
                     or stats.counts.get("preemption"):
