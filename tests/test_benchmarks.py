@@ -318,11 +318,13 @@ def test_policy_cost_quick(tiny_model):
         assert r["per_token_ms"] == pytest.approx(r["wall_s"] * 1000.0 / scale.length)
         assert sum(r[k] for k in parts) == pytest.approx(r["per_token_ms"])
         assert r["ratio"] == pytest.approx(r["per_token_ms"] / full[r["repeat"]]["per_token_ms"])
+        assert r["cpu_ratio"] == pytest.approx(
+            r["cpu_per_token_ms"] / full[r["repeat"]]["cpu_per_token_ms"])
         assert min(r[k] for k in parts[1:5]) >= 0.0 and r["decode_ms"] > 0.0
     for row in table.rows:
         mine = [r for r in runs.rows if r["policy"] == row["policy"]]
         assert row["repeats"] == 2
-        for key in ("per_token_ms", "decode_ms", "signals_ms", "select_ms", "ratio"):
+        for key in ("per_token_ms", "decode_ms", "signals_ms", "select_ms", "ratio", "cpu_ratio"):
             assert row[key] == pytest.approx(median(r[key] for r in mine))
     by = {r["policy"]: r for r in table.rows}
     assert by["full"]["ratio"] == 1.0 and by["full"]["signals_ms"] == 0.0

@@ -32,8 +32,9 @@ i.e. per decode step at equal batch:
 - other: the rest of the loop (scheduling, bookkeeping, stop checks), wall minus the above.
 
 Per-token ratio: a configuration's wall time over FullKV's in the same repeat; the tables give the
-median over repeats (paired ratios). Timers are host clocks around synchronous CPU work; on CUDA
-they would time launches, not kernels.
+median over repeats (paired ratios). Beside it, the same ratio of process CPU time (all threads),
+steadier on a shared machine where the wall clock also counts other processes' time. Timers are
+host clocks around synchronous CPU work; on CUDA they would time launches, not kernels.
 
 Targets: every compressing policy's per-token time within 1.25x FullKV's; GrowPage's own overhead
 (signals + decisions) under 5% of its decode time.
@@ -164,9 +165,10 @@ class Clock:
         self._wrapped = []
 
 
-def split_row(label: str, repeat: int, wall: float, stats, signals: float, hooks: float,
-              tokens: int) -> dict:
-    """One run's seconds split as in the module docstring, in ms per token of one request."""
+def split_row(label: str, repeat: int, wall: float, cpu: float, stats, signals: float,
+              hooks: float, tokens: int) -> dict:
+    """One run's seconds split as in the module docstring, in ms per token of one request
+    (`cpu`: the run's process CPU seconds)."""
     stages = stats.stage_seconds
     execute = stages.get("compaction", 0.0)
     select = stats.compaction_seconds - execute
@@ -175,6 +177,7 @@ def split_row(label: str, repeat: int, wall: float, stats, signals: float, hooks
     other = wall - stats.forward_seconds - stats.compaction_seconds - decisions
     per = 1000.0 / tokens
     return {"policy": label, "repeat": repeat, "wall_s": wall, "per_token_ms": wall * per,
+            "cpu_per_token_ms": cpu * per,
             "decode_ms": decode * per, "signals_ms": signals * per,
             "decisions_ms": decisions * per, "select_ms": select * per,
             "execute_ms": execute * per, "other_ms": other * per,
@@ -189,17 +192,19 @@ SPLIT_KEYS = ("per_token_ms", "decode_ms", "signals_ms", "decisions_ms", "select
 
 def summarise(runs: list[dict], labels: list[str]) -> list[dict]:
     """Per configuration: the median over repeats of every split and of the paired ratio (its
-    per-token time over FullKV's in the same repeat), plus the decode ratio likewise."""
+    per-token time over FullKV's in the same repeat), plus the CPU-time and decode ratios
+    likewise."""
     full = {r["repeat"]: r for r in runs if r["policy"] == "full"}
     for r in runs:
         ref = full[r["repeat"]]
         r["ratio"] = r["per_token_ms"] / ref["per_token_ms"]
+        r["cpu_ratio"] = r["cpu_per_token_ms"] / ref["cpu_per_token_ms"]
         r["decode_ratio"] = r["decode_ms"] / ref["decode_ms"]
     rows = []
     for label in labels:
         mine = [r for r in runs if r["policy"] == label]
         row = {"policy": label, "repeats": len(mine), "compactions": mine[0]["compactions"]}
-        for key in (*SPLIT_KEYS, "ratio", "decode_ratio"):
+        for key in (*SPLIT_KEYS, "ratio", "cpu_ratio", "decode_ratio"):
             values = [r[key] for r in mine if r[key] is not None]
             row[key] = median(values) if values else None
         rows.append(row)
@@ -237,11 +242,11 @@ def run_policy_cost(model: str = "default", *, quick: bool = False,
             signals, hooks = Clock(), Clock()
             signals.wrap(llm.runner.queries, SIGNAL_METHODS)
             hooks.wrap(llm.policy, DECISION_METHODS)
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             try:
                 outputs = llm.generate(prompts, params)
             finally:
-                wall = time.perf_counter() - start
+                wall, cpu = time.perf_counter() - start, time.process_time() - cpu
                 signals.unwrap()
                 hooks.unwrap()
             stats = llm.last_stats
@@ -249,8 +254,8 @@ def run_policy_cost(model: str = "default", *, quick: bool = False,
                     or stats.counts.get("preemption"):
                 raise RuntimeError(f"{label}: the documents did not decode in lockstep "
                                    f"(counts {stats.counts})")
-            runs.append(split_row(label, repeat, wall, stats, signals.seconds, hooks.seconds,
-                                  scale.length))
+            runs.append(split_row(label, repeat, wall, cpu, stats, signals.seconds,
+                                  hooks.seconds, scale.length))
             log(f"repeat {repeat} {label}: {runs[-1]['per_token_ms']:.2f} ms/token, "
                 f"{stats.compactions} compactions")
     rows = summarise(runs, labels)
@@ -262,6 +267,7 @@ def run_policy_cost(model: str = "default", *, quick: bool = False,
         "policies", "Per-token time against FullKV's, split by where it goes (median of repeats)",
         [Column("policy", "policy"), Column("args", "args"),
          Column("per_token_ms", "ms / token", ms), Column("ratio", "/ FullKV", ".3f"),
+         Column("cpu_ratio", "CPU time / FullKV", ".3f"),
          Column("decode_ms", "decode", ms), Column("decode_ratio", "decode / FullKV", ".3f"),
          Column("signals_ms", "signals", ".3f"), Column("decisions_ms", "decisions", ".3f"),
          Column("select_ms", "select", ".3f"), Column("execute_ms", "execute", ".3f"),
@@ -274,11 +280,13 @@ def run_policy_cost(model: str = "default", *, quick: bool = False,
         "(the events' demand stage) + periodic / after_prefill / fallback; select = the "
         "compactions' policy stages; execute = their KV gather; other = the rest of the loop "
         "(module docstring). / FullKV = the run's wall time over FullKV's in the same repeat, "
-        "median over repeats.")
+        "median over repeats; CPU time / FullKV = the same with process CPU time (steadier on a "
+        "shared machine).")
     run_table = Table(
         "runs", "Every run, in order",
         [Column("repeat", "repeat", "d"), Column("policy", "policy"),
          Column("per_token_ms", "ms / token", ms), Column("ratio", "/ FullKV", ".3f"),
+         Column("cpu_ratio", "CPU time / FullKV", ".3f"),
          Column("decode_ms", "decode", ms), Column("signals_ms", "signals", ".3f"),
          Column("decisions_ms", "decisions", ".3f"), Column("select_ms", "select", ".3f"),
          Column("execute_ms", "execute", ".3f"), Column("other_ms", "other", ".3f"),
