@@ -344,6 +344,10 @@ def test_policy_cost_quick(tiny_model):
     assert t.value == gp["overhead_share"] and t.met == (t.value < 0.05)
     with pytest.raises(ValueError, match="unknown configuration"):
         replace(policy_cost.QUICK, policies=("nope",))
+    # GrowPage protects fewer slots than a page at 8-token pages
+    small = dict((label, args) for label, _, args in
+                 replace(policy_cost.QUICK, block_size=8, policies=("growpage",)).configs())
+    assert small == {"full": {}, "growpage": {"protected_recent": 4}}
 
 
 def test_concurrency_quick(tiny_model):

@@ -8,13 +8,13 @@ tokens and the same number of steps. Documents are generated prose (`source="tex
 task's built-in haystack through the model's tokenizer) or uniform random token ids
 (`source="random"`).
 
-Configurations (block size 16): FullKV; every fixed-budget policy at a budget of 256 tokens
-(Zipage also with its redundancy term, the per-page "lightning" form); GrowPage at its defaults
-with protected_recent = 8 and Kara with |W| = 32, |U| = 4, alpha = 2 (both the `cpu-paper`
-preset's values, evals/tasks/base.py); PyramidKV and Ada-KV compress the prompt only, which here
-is shorter than their budget, so they cost only their signals. One engine loads the model once;
-every repeat runs all configurations one after another (`LLM.use_policy`), the order rotated by
-one each repeat.
+Configurations (block size 16, `--block-size`): FullKV; every fixed-budget policy at a budget of
+256 tokens (Zipage also with its redundancy term, the per-page "lightning" form); GrowPage at its
+defaults with protected_recent = 8 (half a page below a block of 16) and Kara with |W| = 32,
+|U| = 4, alpha = 2 (both the `cpu-paper` preset's values, evals/tasks/base.py); PyramidKV and
+Ada-KV compress the prompt only, which here is shorter than their budget, so they cost only their
+signals. One engine loads the model once; every repeat runs all configurations one after another
+(`LLM.use_policy`), the order rotated by one each repeat.
 
 The split of a run's wall time (`LLM.generate`), each divided by the tokens of one request (L),
 i.e. per decode step at equal batch:
@@ -62,8 +62,10 @@ SIGNAL_METHODS = ("prepare", "prepare_decode", "record", "record_layers")
 DECISION_METHODS = ("periodic", "after_prefill", "fallback")
 
 
-def default_configs(budget: int) -> tuple[tuple[str, str, dict], ...]:
-    """(label, policy, policy_args) of every configuration, FullKV first."""
+def default_configs(budget: int, block_size: int = 16) -> tuple[tuple[str, str, dict], ...]:
+    """(label, policy, policy_args) of every configuration, FullKV first. GrowPage protects 8
+    slots, half a page at the default block of 16 (below 16: half the page, as it must protect
+    fewer slots than a page)."""
     fixed = ("zipage", "snapkv", "chunkkv", "rkv", "morphkv", "gkv", "streamingllm", "h2o",
              "tova", "pyramidkv", "adakv")
     out: list[tuple[str, str, dict]] = [("full", "full", {})]
@@ -71,7 +73,7 @@ def default_configs(budget: int) -> tuple[tuple[str, str, dict], ...]:
         out.append((name, name, {"budget": budget}))
         if name == "zipage":
             out.append(("zipage +redundancy", name, {"budget": budget, "redundancy": True}))
-    out.append(("growpage", "growpage", {"protected_recent": 8}))
+    out.append(("growpage", "growpage", {"protected_recent": min(8, block_size // 2)}))
     out.append(("kara", "kara", {"window_tokens": 32, "buffer_tokens": 4, "chunk_budget": 2}))
     return tuple(out)
 
@@ -98,14 +100,15 @@ class PolicyCostScale:
         for key in ("documents", "length", "prompt_tokens", "budget", "block_size", "repeats"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
-        known = {label for label, _, _ in default_configs(self.budget)}
+        known = {label for label, _, _ in default_configs(self.budget, self.block_size)}
         unknown = sorted(set(self.policies) - known)
         if unknown:
             raise ValueError(f"unknown configuration(s) {unknown}; known: {sorted(known)}")
 
     def configs(self) -> list[tuple[str, str, dict]]:
         chosen = set(self.policies) | {"full"}
-        return [c for c in default_configs(self.budget) if not self.policies or c[0] in chosen]
+        return [c for c in default_configs(self.budget, self.block_size)
+                if not self.policies or c[0] in chosen]
 
 
 # Budget 48 (three pages; above SnapKV's and MorphKV's 32-slot windows), 176 tokens a request:
@@ -312,14 +315,16 @@ def policy_cost_command(
     model: str = ModelOpt,
     quick: bool = QuickOpt,
     threads: int = ThreadsOpt,
-    documents: int = typer.Option(None, help="Documents decoded together [default: 4]."),
-    length: int = typer.Option(None, help="Forced tokens per document [default: 1024]."),
-    prompt_tokens: int = typer.Option(None, help="Prompt tokens before them [default: 32]."),
-    budget: int = typer.Option(None, help="Fixed-budget policies' tokens [default: 256]."),
-    repeats: int = typer.Option(None, help="Alternations of every configuration [default: 3]."),
+    documents: int = typer.Option(None, help="Documents decoded together (default 4; 2 with --quick)."),
+    length: int = typer.Option(None, help="Forced tokens per document (default 1024; 160 with --quick)."),
+    prompt_tokens: int = typer.Option(None, help="Prompt tokens before them (default 32; 16 with --quick)."),
+    budget: int = typer.Option(None, help="Fixed-budget policies' tokens (default 256; 48 with --quick)."),
+    block_size: int = typer.Option(None, help="Tokens per KV page (default 16)."),
+    repeats: int = typer.Option(None, help="Alternations of every configuration (default 3; "
+                                           "1 with --quick)."),
     source: str = typer.Option(None, help="'text' (generated prose) or 'random' token ids."),
     policies: str = typer.Option("", help="Configurations to run, comma-separated labels "
-                                          "(FullKV always runs) [default: all]."),
+                                          "(FullKV always runs; default: all)."),
     out_dir: Path = OutDirOpt,
 ):
     """Every policy's per-token time against FullKV's: decode, signals, decisions, compaction."""
@@ -327,6 +332,7 @@ def policy_cost_command(
     chosen = tuple(p.strip() for p in policies.split(",") if p.strip())
     overrides = {k: v for k, v in dict(documents=documents, length=length,
                                        prompt_tokens=prompt_tokens, budget=budget,
+                                       block_size=block_size,
                                        repeats=repeats, source=source).items() if v is not None}
     try:
         scale = replace(base, policies=chosen, **overrides)
