@@ -366,6 +366,134 @@ def test_zipage_redundancy_mixes_lambda_and_temperature_per_page():
             assert keep[layer, h].tolist() == naive_topk(score, budget, set(range(T - window, T)))
 
 
+
+def dense_redundancy(keys, threshold=0.5, temperature=1.0, block=None, spare_first=False):
+    """key_redundancy as it was first written: the whole [kv_heads, T, T] similarity matrix per
+    layer, with the pairs across pages zeroed for a per-page score (O(T^2) memory and time)."""
+    out = []
+    for layer in keys:
+        k = layer.float()
+        k = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
+        sim = k @ k.transpose(-1, -2)
+        length = sim.shape[-1]
+        sim.diagonal(dim1=-2, dim2=-1).zero_()
+        idx = torch.arange(length)
+        if block is not None:
+            sim.masked_fill_((idx // block)[:, None] != (idx // block)[None, :], 0.0)
+        similar = sim > threshold
+        has = similar.any(dim=-1)
+        last = length - 1 - similar.flip(-1).to(torch.uint8).argmax(dim=-1)
+        rows = idx.expand_as(last)
+        sim[has.nonzero(as_tuple=True)[0], rows[has], last[has]] = 0.0
+        if spare_first:
+            sim[..., 0].masked_fill_(~has, 0.0)
+        mean = sim.sum(dim=-2) / (length if block is None else block)
+        out.append(torch.softmax(mean / temperature, dim=-1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("threshold", [0.5, 0.0, -0.3])
+@pytest.mark.parametrize("spare_first", [False, True])
+def test_key_redundancy_all_pairs_is_the_dense_form_bit_for_bit(threshold, spare_first,
+                                                                 monkeypatch):
+    """All pairs, layers taken together or one at a time (`_SIM_ELEMS`): the same float32 ops
+    on the same matrices as the dense form, so the same bits."""
+    import engine.policies.scoring as scoring
+
+    g = torch.Generator().manual_seed(10)
+    for length in (1, 2, 33, 272):
+        k = torch.randn(3, 2, length, 16, generator=g)
+        if length > 3:
+            k[:, :, length // 2] = k[:, :, length // 3] * 3.0
+            k[:, :, length - 1] = k[:, :, 0]
+        want = dense_redundancy(k, threshold, 0.4, None, spare_first)
+        for elems in (scoring._SIM_ELEMS, 1):
+            monkeypatch.setattr(scoring, "_SIM_ELEMS", elems)
+            got = key_redundancy(k, threshold=threshold, temperature=0.4,
+                                 spare_first=spare_first)
+            assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("threshold", [0.5, 0.0, -0.3])
+@pytest.mark.parametrize("spare_first", [False, True])
+def test_key_redundancy_per_page_equals_the_dense_form(threshold, spare_first, monkeypatch):
+    """A medium case (a Zipage compaction's 272 slots in pages of 16, a length that is no page
+    multiple, pages of 1): the per-page form equals the [H, T, T] form up to the order of float32
+    additions in the column sums (the dense form's order is torch's reduction kernel's, which
+    depends on the column's place in the row), whether layers are taken together or not."""
+    import engine.policies.scoring as scoring
+
+    g = torch.Generator().manual_seed(11)
+    for length, block in ((272, 16), (203, 16), (40, 8), (9, 1), (5, 8)):
+        k = torch.randn(3, 2, length, 16, generator=g)
+        k[:, :, length // 2] = k[:, :, length // 3] * 3.0  # copies inside and across pages
+        k[:, :, length - 1] = k[:, :, 0]
+        want = dense_redundancy(k, threshold, 0.4, block, spare_first)
+        got = key_redundancy(k, threshold=threshold, temperature=0.4, block=block,
+                             spare_first=spare_first)
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=0.0)
+        monkeypatch.setattr(scoring, "_SIM_ELEMS", 1)
+        assert torch.equal(key_redundancy(k, threshold=threshold, temperature=0.4, block=block,
+                                          spare_first=spare_first), got)
+        monkeypatch.undo()
+
+
+def test_zipage_redundancy_keeps_the_dense_forms_slots(monkeypatch):
+    """Zipage's kept slots with the per-page redundancy are the dense form's, at a compaction of
+    its default shape (budget 256 + one page of 16, window 16, pooling and global score on)."""
+    import engine.policies.zipage as zipage
+
+    T, window, budget = 272, 16, 256
+    k, q = rand_case(T, seed=12)
+    pol = bound("zipage", block_size=16, budget=budget, window=window, redundancy=True)
+    paged = select(pol, FakeView(k, q, cache=window, block_size=16, state=pol.new_state()),
+                   budget)
+    monkeypatch.setattr(zipage, "key_redundancy",
+                        lambda keys, temperature, block: dense_redundancy(
+                            keys, temperature=temperature, block=block))
+    dense = select(pol, FakeView(k, q, cache=window, block_size=16, state=pol.new_state()),
+                   budget)
+    assert torch.equal(paged, dense)
+
+
+def test_key_redundancy_per_page_at_a_length_the_dense_form_cannot_hold():
+    """16,384 slots: the dense form's similarity matrix alone would be 2 x 16,384^2 floats
+    (2 GiB) per layer; the per-page form holds 2 x 16,384 x 16. Each page's share of the softmax,
+    renormalised over the page, is the redundancy of that page's keys alone (only pairs inside a
+    page enter a mean), which the loop reference gives."""
+    length, block = 16384, 16
+    g = torch.Generator().manual_seed(13)
+    k = torch.randn(1, HKV, length, D, generator=g)
+    k[:, :, 5000] = k[:, :, 5003] * 2.0
+    got = key_redundancy(k, temperature=0.4, block=block)
+    assert got.shape == (1, HKV, length)
+    torch.testing.assert_close(got.sum(dim=-1), torch.ones(1, HKV))
+    for page in (0, 312, 1023):
+        lo, hi = page * block, (page + 1) * block
+        for h in range(HKV):
+            share = got[0, h, lo:hi] / got[0, h, lo:hi].sum()
+            want = naive_redundancy(k[0, h, lo:hi], temperature=0.4, block=block)
+            assert share.tolist() == pytest.approx(want, abs=1e-6)
+
+
+
+def test_h2o_accumulation_over_several_layers_is_one_layer_at_a_time_bit_for_bit(monkeypatch):
+    """accumulated_attention takes as many layers per pass as SCORE_ELEMS allows: the same sums
+    as one layer per pass (SCORE_ELEMS = 1), across query chunks and causal limits."""
+    import engine.policies.h2o as h2o
+
+    g = torch.Generator().manual_seed(14)
+    for n, length in ((70, 100), (16, 272), (1, 9)):
+        q = torch.randn(5, n, HQ, D, generator=g)
+        k = torch.randn(5, HKV, length, D, generator=g)
+        limits = torch.arange(length - n + 1, length + 1)
+        together = h2o.accumulated_attention(q, k, limits)
+        monkeypatch.setattr(h2o, "SCORE_ELEMS", 1)
+        alone = h2o.accumulated_attention(q, k, limits)
+        monkeypatch.undo()
+        assert torch.equal(together, alone)
+
+
 # -- budgets: ratio, per-request, errors ----------------------------------------------------------
 
 

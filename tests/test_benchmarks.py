@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from evals.benchmarks import concurrency, memory, mixed, throughput
+from evals.benchmarks import concurrency, memory, mixed, policy_cost, throughput
 from evals.benchmarks.common import (
     BenchResult,
     Column,
@@ -294,6 +294,62 @@ def test_delta_quantiles():
     assert row["decisions"] == 5 and row["above_tau"] == 0.6
 
 
+def test_policy_cost_quick(tiny_model):
+    """`kvarena bench policy-cost --quick` with three configurations and two repeats: the tables'
+    rows and columns, each run's split adding up to its wall time, every ratio computed from the
+    measured times (paired with FullKV's run of the same repeat, median over repeats), and the
+    targets read off the rows."""
+    from dataclasses import replace
+
+    labels = ["full", "zipage +redundancy", "growpage", "kara"]
+    scale = replace(policy_cost.QUICK, policies=tuple(labels[1:]), repeats=2)
+    result = policy_cost.run_policy_cost(tiny_model, scale=scale, log=lambda _: None)
+    table, runs = result.table("policies"), result.table("runs")
+    assert_finite_rows(table)
+    assert_finite_rows(runs)
+    assert [r["policy"] for r in table.rows] == labels
+    # every configuration once per repeat, the order rotated by one in the second
+    assert [(r["repeat"], r["policy"]) for r in runs.rows] == \
+        [(1, p) for p in labels] + [(2, p) for p in labels[1:] + labels[:1]]
+    parts = ("decode_ms", "signals_ms", "decisions_ms", "select_ms", "execute_ms", "other_ms")
+    full = {r["repeat"]: r for r in runs.rows if r["policy"] == "full"}
+    for r in runs.rows:
+        assert r["output_tokens"] == scale.documents * scale.length
+        assert r["per_token_ms"] == pytest.approx(r["wall_s"] * 1000.0 / scale.length)
+        assert sum(r[k] for k in parts) == pytest.approx(r["per_token_ms"])
+        assert r["ratio"] == pytest.approx(r["per_token_ms"] / full[r["repeat"]]["per_token_ms"])
+        assert r["cpu_ratio"] == pytest.approx(
+            r["cpu_per_token_ms"] / full[r["repeat"]]["cpu_per_token_ms"])
+        assert min(r[k] for k in parts[1:5]) >= 0.0 and r["decode_ms"] > 0.0
+    for row in table.rows:
+        mine = [r for r in runs.rows if r["policy"] == row["policy"]]
+        assert row["repeats"] == 2
+        for key in ("per_token_ms", "decode_ms", "signals_ms", "select_ms", "ratio", "cpu_ratio"):
+            assert row[key] == pytest.approx(median(r[key] for r in mine))
+    by = {r["policy"]: r for r in table.rows}
+    assert by["full"]["ratio"] == 1.0 and by["full"]["signals_ms"] == 0.0
+    assert by["full"]["compactions"] == 0 and by["zipage +redundancy"]["compactions"] > 0
+    assert by["kara"]["compactions"] > 0 and by["kara"]["select_ms"] > 0.0
+    assert by["growpage"]["signals_ms"] > 0.0 and by["growpage"]["decisions_ms"] > 0.0
+    gp = by["growpage"]
+    assert gp["overhead_share"] == pytest.approx(median(
+        (r["signals_ms"] + r["decisions_ms"]) / r["decode_ms"]
+        for r in runs.rows if r["policy"] == "growpage"))
+    targets = {t.description: t for t in result.targets}
+    assert len(targets) == len(labels)  # one ratio per compressing policy + GrowPage's overhead
+    for label in labels[1:]:
+        t = targets[f"{label}: per-token time / FullKV's"]
+        assert t.value == by[label]["ratio"] and t.met == (t.value < 1.25)
+    t = targets["growpage: (signals + decisions) / decode"]
+    assert t.value == gp["overhead_share"] and t.met == (t.value < 0.05)
+    with pytest.raises(ValueError, match="unknown configuration"):
+        replace(policy_cost.QUICK, policies=("nope",))
+    # GrowPage protects fewer slots than a page at 8-token pages
+    small = dict((label, args) for label, _, args in
+                 replace(policy_cost.QUICK, block_size=8, policies=("growpage",)).configs())
+    assert small == {"full": {}, "growpage": {"protected_recent": 4}}
+
+
 def test_concurrency_quick(tiny_model):
     result = concurrency.run_concurrency(tiny_model, **quiet)
     pivot, sweep, fidelity = (result.table(n) for n in ("tps_by_level", "sweep", "fidelity"))
@@ -416,6 +472,35 @@ def test_list_options_parse_and_name_the_option_on_bad_input():
     assert parse_ints("8, 8,6", "--counts") == (8, 8, 6)
     with pytest.raises(typer.BadParameter, match="--counts"):
         parse_ints("4.5,4,3", "--counts")
+
+
+def test_policy_cost_clock_times_wrapped_methods_until_unwrapped():
+    import time
+
+    class Pool:
+        def record(self, x):
+            time.sleep(0.01)
+            return x + 1
+
+    pool, clock = Pool(), policy_cost.Clock()
+    clock.wrap(pool, ("record", "absent"))
+    assert pool.record(1) == 2 and clock.seconds >= 0.01
+    timed = clock.seconds
+    clock.unwrap()
+    assert "record" not in vars(pool) and pool.record(2) == 3
+    assert clock.seconds == timed  # the call after unwrap is not counted
+
+
+@pytest.mark.parametrize("args, message", [(["--policies", "zipage,nope"], "unknown configuration"),
+                                           (["--source", "pdf"], "source must be one of"),
+                                           (["--repeats", "0"], "repeats must be >= 1")])
+def test_policy_cost_cli_rejects_bad_scale_before_loading_a_model(args, message):
+    from typer.testing import CliRunner
+
+    from cli import app
+
+    out = CliRunner().invoke(app, ["bench", "policy-cost", *args], env={"COLUMNS": "200"})
+    assert out.exit_code == 2 and message in " ".join(out.output.split())
 
 
 @pytest.mark.parametrize("args, message", [(["--counts", "1,2"], "one value per kind"),

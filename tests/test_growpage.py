@@ -253,6 +253,46 @@ def test_ema_update_keeps_float32_pool_with_bf16_query():
     assert ema[0, 1, 0, 0].item() == pytest.approx(1 - 0.999 ** 10, rel=1e-4)
 
 
+
+@pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16])
+def test_query_pool_eager_writes_are_ema_update_bit_for_bit(qdtype):
+    """The pool's eager step writes (all layers at once, and layer by layer) give exactly the
+    values of `ema_update` applied to each slot, through binds, re-binds (initialisation) and
+    steps without any, and fill the recent-query ring as before."""
+    from engine.policies.base import SignalSpec
+    from engine.query_state import QueryStatePool
+
+    g = torch.Generator().manual_seed(5)
+    L, S, H, D, betas = 3, 4, 2, 8, (0.9, 0.984)
+    pools = [QueryStatePool(SignalSpec(recent_queries=2, ema_betas=betas), L, S, H, D, "cpu",
+                            qdtype) for _ in range(2)]  # the model's dtype; EMAs in float32
+    pools[0].ema.normal_(generator=g)  # stale values of an earlier owner
+    pools[1].ema.copy_(pools[0].ema)
+    ref = pools[0].ema.clone()
+    slots = [[p.bind() for _ in range(3)] for p in pools]
+    ready = [False] * S
+    for step in range(6):
+        if step == 3:  # one request leaves, another takes its slot: initialised again
+            for pool, own in zip(pools, slots):
+                pool.release(own[1])
+                assert pool.bind() == own[1]
+            ready[slots[0][1]] = False
+        q = torch.randn(L, 3, H, D, generator=g).to(qdtype)
+        items = [(row, 1, 10 + step, slots[0][row], True) for row in range(3)]
+        for pool in pools:
+            pool.prepare(items)
+        pools[0].record_layers(q)
+        for layer in range(L):
+            pools[1].record(layer, q[layer])
+        for row, slot in enumerate(slots[0]):
+            ema_update(ref[:, slot], q[:, row], betas, not ready[slot])
+            ready[slot] = True
+        for pool in pools:
+            assert torch.equal(pool.ema[:, :S], ref[:, :S])
+            assert torch.equal(pool.recent[:, slots[0][0], (10 + step) % 2], q[:, 0])
+    assert pools[0].ema_of(slots[0][2])[1] is True
+
+
 # -- calibration, RoPE, attention, metrics ----------------------------------------------------
 
 
@@ -302,6 +342,28 @@ def test_top_p_working_set_against_naive_and_crafted():
             for r in range(5):
                 assert got[r].item() == naive_top_p(probs[r].tolist(), 0.99)
             torch.testing.assert_close(top_p_ratio(probs, 0.99), got.double() / n)
+
+
+def test_top_p_working_set_sorts_like_torch_bit_for_bit():
+    """The working set reads the values sorted largest first through numpy's sort on CPU: the
+    same float64 values as torch.sort's, so the same cumulative masses and the same K as the
+    torch.sort form, on rows with ties, zeros and underflow (GrowPage's demand shapes)."""
+    from engine.policies.demand import descending
+
+    g = torch.Generator().manual_seed(9)
+    for shape in ((8, 2, 3, 1008), (4, 2, 1, 17), (3, 1)):
+        logits = torch.randn(*shape, generator=g) * 12.0
+        logits[..., ::5] = logits[..., :1].clone()  # ties
+        probs = logits.softmax(-1)
+        probs[..., 1::7] = 0.0
+        want = probs.sort(dim=-1, descending=True).values.double()
+        assert torch.equal(descending(probs), want)
+        for p in (0.5, 0.99, 1.0):
+            mass = want.cumsum(dim=-1)
+            ref = ((mass < p * mass[..., -1:]).sum(dim=-1) + 1).clamp(max=shape[-1])
+            assert torch.equal(top_p_working_set(probs, p), ref)
+    strided = torch.rand(6, 40, generator=g)[:, ::2]
+    assert torch.equal(descending(strided), strided.sort(dim=-1, descending=True).values.double())
 
 
 def test_entropy_ratio_is_effective_support_fraction():

@@ -84,12 +84,13 @@ def compact_slots_torch(cache, src_slots, dst_slots) -> None:
     rows = _rows_view(cache)
     _check_slot_range("src_slots", src_slots, rows.shape[2])
     _check_slot_range("dst_slots", dst_slots, rows.shape[2])
-    layers, heads, _, width = rows.shape
-    k = dst_slots.shape[0]
-    src = src_slots.long()[..., None].expand(layers, heads, k, width)
-    kept = rows.gather(2, src)  # [layers, heads, K, R], a copy
-    dst = dst_slots.long()[None, None, :, None].expand(layers, heads, k, width)
-    rows.scatter_(2, dst, kept)
+    layers, heads, num_slots, width = rows.shape
+    # Whole rows of R values by flat row index (layer, head, slot): index_select and index_copy_
+    # copy each row as one block, where gather/scatter along the slot axis index every element.
+    flat = rows.view(layers * heads * num_slots, width)
+    base = (torch.arange(layers * heads, device=cache.device) * num_slots).view(layers, heads, 1)
+    kept = flat.index_select(0, (src_slots.long() + base).flatten())  # a copy: any overlap is safe
+    flat.index_copy_(0, (dst_slots.long() + base).flatten(), kept)
 
 
 def compact_slots_triton(cache, src_slots, dst_slots) -> None:

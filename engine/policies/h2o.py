@@ -48,6 +48,7 @@ from engine.policies.fixed_budget import BudgetState, FixedBudgetPolicy
 from engine.policies.scoring import observation_scores, protected_mask, topk_keep
 
 QUERY_CHUNK = 64     # queries scored at once (bounds [layers, q_heads, chunk, length])
+SCORE_ELEMS = 1 << 22  # attention probabilities held at once (floats): layers per pass
 RECOMPUTE_CHUNK = 256  # prompt tokens whose queries are recomputed per forward pass
 
 
@@ -66,12 +67,17 @@ def accumulated_attention(queries: torch.Tensor, keys: torch.Tensor,
 
     queries: `[layers, n, q_heads, head_dim]`; keys: `[layers, kv_heads, length, head_dim]`;
     key_limit: `[n]` exclusive causal bound of each query. Returns float32 `[layers, kv_heads, length]`.
+    Each pass scores QUERY_CHUNK queries over as many layers as SCORE_ELEMS allows; layers are
+    independent, so the values are those of one layer at a time.
     """
     total = torch.zeros(keys.shape[:3], device=keys.device)
+    q_heads, length = queries.shape[2], keys.shape[2]
     for start in range(0, queries.shape[1], QUERY_CHUNK):
         end = start + QUERY_CHUNK
-        total += observation_scores(queries[:, start:end], keys, key_limit[start:end],
-                                    group_reduce="sum", query_reduce="sum", layer_stride=1)
+        chunk = queries[:, start:end]
+        stride = max(1, SCORE_ELEMS // max(1, q_heads * chunk.shape[1] * length))
+        total += observation_scores(chunk, keys, key_limit[start:end],
+                                    group_reduce="sum", query_reduce="sum", layer_stride=stride)
     return total
 
 

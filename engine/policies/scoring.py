@@ -160,6 +160,10 @@ def grouped_logit_probs(queries: torch.Tensor, keys: torch.Tensor, key_end: int,
     return torch.softmax(reduced, dim=-1)
 
 
+# Similarities held at once by the redundancy score (floats; layers are taken together up to it).
+_SIM_ELEMS = 1 << 22
+
+
 def key_redundancy(keys: torch.Tensor, *, threshold: float = 0.5, temperature: float = 1.0,
                    block: int | None = None, spare_first: bool = False) -> torch.Tensor:
     """R-KV's redundancy score of every key (R-KV Sec. 3, `rkv/utils.py cal_similarity`).
@@ -177,31 +181,89 @@ def key_redundancy(keys: torch.Tensor, *, threshold: float = 0.5, temperature: f
     the length (Zipage's "lightning" variant, `lightning_redudancy_score.py`); None: all pairs.
 
     keys: `[layers, kv_heads, length, head_dim]`. Returns float32 `[layers, kv_heads, length]`.
-    One layer at a time bounds the temporary similarity matrix to `[kv_heads, length, length]`.
+    All pairs: the similarity matrices `[layers', kv_heads, length, length]` of as many layers as
+    `_SIM_ELEMS` allows at a time (O(length^2), as R-KV's definition needs). Per page:
+    `_page_redundancy`, O(length x block) memory and time, as Zipage's per-page kernel.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    if block is not None:
+        if block < 1:
+            raise ValueError(f"block must be >= 1 slots, got {block}")
+        return _page_redundancy(keys, threshold, temperature, block, spare_first)
+    layers, heads, length, _ = keys.shape
+    rows = torch.arange(length, device=keys.device, dtype=torch.int32)
+    step = max(1, _SIM_ELEMS // max(1, heads * length * length))
     out = []
-    for layer in keys:                                             # [H, T, d]
-        k = layer.float()
-        k = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
-        sim = k @ k.transpose(-1, -2)                              # [H, T, T]
-        length = sim.shape[-1]
+    for lo in range(0, layers, step):
+        k = _unit(keys[lo:lo + step])
+        sim = k @ k.transpose(-1, -2)                               # [l, H, T, T]
         sim.diagonal(dim1=-2, dim2=-1).zero_()
-        idx = torch.arange(length, device=sim.device)
-        if block is not None:
-            sim.masked_fill_((idx // block)[:, None] != (idx // block)[None, :], 0.0)
-        similar = sim > threshold                                   # bool [H, T, T]
-        has = similar.any(dim=-1)                                   # [H, T]
-        # the last True of each row: the first of the reversed row (uint8 keeps it 1 byte a pair)
-        last = length - 1 - similar.flip(-1).to(torch.uint8).argmax(dim=-1)
-        rows = idx.expand_as(last)
-        sim[has.nonzero(as_tuple=True)[0], rows[has], last[has]] = 0.0
+        has = _spare_last_similar(sim, sim > threshold, rows)
         if spare_first:
             sim[..., 0].masked_fill_(~has, 0.0)
-        mean = sim.sum(dim=-2) / (length if block is None else block)
+        out.append(torch.softmax(sim.sum(dim=-2) / length / temperature, dim=-1))
+    return torch.cat(out) if out else keys.new_zeros(keys.shape[:3], dtype=torch.float32)
+
+
+def _unit(keys: torch.Tensor) -> torch.Tensor:
+    """L2-normalised keys in float32 (`[..., head_dim]`), as R-KV normalises them."""
+    k = keys.float()
+    return k / (k.norm(dim=-1, keepdim=True) + 1e-8)
+
+
+def _spare_last_similar(sim: torch.Tensor, similar: torch.Tensor, rows: torch.Tensor,
+                        spares: torch.Tensor | None = None) -> torch.Tensor:
+    """Zero, in place, S[i, j] for the last similar key j of every row i (`similar[..., i, j]`,
+    over the last axis; `spares` (broadcast to `[..., i]`) False: leave row i alone) and return
+    which rows have a similar key, `[..., i]` bool. rows: int32 `[n]`, the rows' own columns: a
+    row with nothing to spare points at its diagonal, already 0, so one scatter serves all.
+    sim: float `[..., n, m]`; similar: bool, the same shape."""
+    last = torch.where(similar, torch.arange(similar.shape[-1], device=sim.device,
+                                             dtype=torch.int32), -1).amax(dim=-1)
+    has = last >= 0
+    spare = has if spares is None else has & spares
+    sim.scatter_(-1, torch.where(spare, last, rows).long().unsqueeze(-1), 0.0)
+    return has
+
+
+def _page_redundancy(keys: torch.Tensor, threshold: float, temperature: float, block: int,
+                     spare_first: bool) -> torch.Tensor:
+    """`key_redundancy(..., block=block)` computed page by page.
+
+    The keys are cut into pages `[layers, kv_heads, pages, block, head_dim]` (the last page padded
+    with zero keys, which are masked out of the similar-key search and add nothing to a sum), and
+    S is formed inside each page only: every pair across pages is 0 in the all-pairs form, so the
+    column sums are the same. One case needs care: with threshold < 0 a zero (a pair across pages)
+    counts as similar, so a key of any page but the last has its most recent similar key in a
+    later page, where S is already 0: nothing in its page is spared, and it never lacks a similar
+    key (spare_first). keys: `[layers, kv_heads, length, head_dim]` -> float32 `[layers, kv_heads,
+    length]`.
+    """
+    layers, heads, length, dim = keys.shape
+    device = keys.device
+    pages = -(-length // block)
+    real = (torch.arange(pages * block, device=device) < length).view(pages, block)
+    across = threshold < 0 and pages > 1          # a pair across pages counts as similar
+    spares = torch.ones(pages, 1, dtype=torch.bool, device=device)  # rows that spare in-page
+    if across:
+        spares[:-1] = False
+    lanes = torch.arange(block, device=device, dtype=torch.int32)
+    step = max(1, _SIM_ELEMS // max(1, heads * pages * block * block))
+    out = []
+    for lo in range(0, layers, step):
+        k = F.pad(_unit(keys[lo:lo + step]), (0, 0, 0, pages * block - length))
+        k = k.view(-1, heads, pages, block, dim)
+        sim = k @ k.transpose(-1, -2)                               # [l, H, P, b, b]
+        sim.diagonal(dim1=-2, dim2=-1).zero_()
+        # padded keys are never similar
+        has = _spare_last_similar(sim, (sim > threshold) & real[:, None, :], lanes, spares)
+        if spare_first and not across:
+            # S[i, 0] is non-zero only for the keys of the first page
+            sim[:, :, 0, :, 0].masked_fill_(~has[:, :, 0], 0.0)
+        mean = sim.sum(dim=-2).flatten(2)[..., :length] / block     # [l, H, T]
         out.append(torch.softmax(mean / temperature, dim=-1))
-    return torch.stack(out)
+    return torch.cat(out) if out else keys.new_zeros(keys.shape[:3], dtype=torch.float32)
 
 
 def max_normalise(scores: torch.Tensor, eps: float = 1e-12) -> torch.Tensor:

@@ -8,7 +8,9 @@ against vLLM's CPU backend run from another venv), launches (kernel launches per
 step, eager vs compiled), step (the decode step of random 8B-shaped models against transformers and
 the bandwidth floor, with the GPU checks), projections (a decode step's projections kernel by
 kernel on CPU: a chain of its weights against the plain-sum floor, and GFLOP/s per shape), forced
-(teacher forcing in forced runs against one decode step per forced token).
+(teacher forcing in forced runs against one decode step per forced token), policy-cost (every
+policy's per-token time against FullKV's on teacher-forced documents, split into decode, signals,
+decisions and compaction).
 
 OpenMP: importing `engine` sets a bounded spin (GOMP_SPINCOUNT) before torch loads unless the user
 set the wait policy, and the engine's thread governor follows the free cores (engine/threads.py
@@ -35,3 +37,4 @@ from evals.benchmarks import step  # noqa: E402,F401
 from evals.benchmarks import peer  # noqa: E402,F401
 from evals.benchmarks import projections  # noqa: E402,F401
 from evals.benchmarks import forced  # noqa: E402,F401
+from evals.benchmarks import policy_cost  # noqa: E402,F401
