@@ -626,10 +626,10 @@ class RunLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = _read_holder(fd)
+                who = read_holder(fd)
                 os.close(fd)
                 raise RunBusyError(
-                    f"{self.run} is being written by another kvarena invocation ({holder}); "
+                    f"{self.run} is being written by another kvarena invocation ({who}); "
                     f"wait for it to end, or pass another --out") from None
             except BaseException:
                 os.close(fd)
@@ -637,7 +637,7 @@ class RunLock:
             try:
                 set_mode(fd)
                 os.ftruncate(fd, 0)
-                os.pwrite(fd, json.dumps(_holder()).encode("utf-8") + b"\n", 0)
+                os.pwrite(fd, json.dumps(holder()).encode("utf-8") + b"\n", 0)
             except BaseException:
                 os.close(fd)  # releases the lock: a holder that cannot say who it is holds nothing
                 raise
@@ -656,12 +656,14 @@ class RunLock:
                     os.close(held[0])  # closing releases the lock
 
 
-def _holder() -> dict:
+def holder() -> dict:
+    """What a lock's holder writes into its lock file: pid, host, command line, start time."""
     return {"pid": os.getpid(), "host": socket.gethostname(), "command": " ".join(sys.argv),
             "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
-def _read_holder(fd: int) -> str:
+def read_holder(fd: int) -> str:
+    """The holder recorded in the lock file open as ``fd``, in words."""
     try:
         info = json.loads(os.pread(fd, 1 << 16, 0).decode("utf-8", errors="replace"))
         return (f"pid {info['pid']} on host {info['host']}, started {info['started']}: "
