@@ -232,6 +232,7 @@ class ThreadGovernor:
         self.interval_s, self.window = interval_s, window
         self.sample, self.clock = sample, clock
         self.enabled = False
+        self.configured = False  # reset() ran: set_threads chose the count
         self.limit = self.cpus = self.current = 1
         self.changes = 0
         self.lowest = 1
@@ -241,6 +242,7 @@ class ThreadGovernor:
     def reset(self, limit: int, cpus: int, enabled: bool = True) -> None:
         """limit: the most threads (set_threads' count); cpus: the machine's CPUs."""
         self.enabled = enabled and limit > 1
+        self.configured = True
         self.limit = self.current = self.lowest = limit
         self.cpus = cpus
         self.changes = 0
@@ -273,7 +275,12 @@ class ThreadGovernor:
 
     def state(self) -> dict:
         """What a result records: the limit, the count now, the fewest used and how often it
-        changed (enabled False: the count was pinned or never set through set_threads)."""
+        changed (enabled False: the count was pinned or never set through set_threads). Never
+        set (an ``LLM()`` made from Python), torch runs with its own count and nothing changes
+        it: that count, read from torch (None while torch is not loaded)."""
+        if not self.configured:
+            n = current() if "torch" in sys.modules else None
+            return {"adaptive": False, "limit": n, "current": n, "lowest": n, "changes": 0}
         return {"adaptive": self.enabled, "limit": self.limit, "current": self.current,
                 "lowest": self.lowest, "changes": self.changes}
 

@@ -6,12 +6,14 @@ Layout of one run (one model x task x policy configuration)::
         config.json     every setting of the run (written before the first sample)
         samples.jsonl   one JSON object per finished sample, appended and flushed as it finishes
         segments.jsonl  one line per invocation (a resumed run has several): engine wall time,
-                        tokens, run statistics (so far, for an interrupted segment) and the
-                        engine settings it ran with (``settings``)
+                        the samples and output tokens it wrote to samples.jsonl (``lost``: those
+                        finished but dropped or not written), run statistics (so far, for an
+                        interrupted segment) and the engine settings it ran with (``settings``)
         progress.json   the running segment's line as of its last finished request (rewritten
                         after each); a run killed outright (kill -9) leaves it, and the next
-                        invocation appends it to segments.jsonl as a ``killed`` segment, so the
-                        totals in metrics.json still cover every sample it wrote
+                        invocation appends it to segments.jsonl as a ``killed`` segment with the
+                        samples and tokens of its lines, so the totals in metrics.json cover
+                        every sample it wrote and none it did not
         metrics.json    the aggregate, rewritten at the end of every invocation
         niah_heatmap.png (task niah only)
         .lock           the advisory lock of the one invocation writing the directory, and who
@@ -432,7 +434,8 @@ class SampleWriter:
     A write that fails (disk full, an immutable file) is undone (the file is cut back to where
     the line began) and raises ``ResultsWriteError``; every later write raises it again, so a
     run never goes on as if its samples were kept. The file is unbuffered: a buffer would keep
-    the failed line's unwritten tail and write it on close, after the cut, as a torn line."""
+    the failed line's unwritten tail and write it on close, after the cut, as a torn line.
+    ``written`` and ``written_tokens`` count the lines written and their ``output_tokens``."""
 
     def __init__(self, path: Path):
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -442,6 +445,7 @@ class SampleWriter:
         self._lock = threading.Lock()
         self.error: ResultsWriteError | None = None
         self.written = 0
+        self.written_tokens = 0
 
     def write(self, record: Mapping[str, Any]) -> None:
         data = encode_line(record)
@@ -464,6 +468,7 @@ class SampleWriter:
                     pass  # a torn line left behind is cut by the next invocation
                 raise self.error from None
             self.written += 1
+            self.written_tokens += int(record.get("output_tokens") or 0)
 
     def _append(self, data: bytes) -> None:
         view = memoryview(data)
@@ -546,7 +551,9 @@ def end_progress(run: Path) -> None:
 
 def seal_progress(run: Path) -> dict | None:
     """A progress file left by a killed invocation becomes its segment line (status
-    ``killed``) unless that segment already has one; returns the line appended, if any."""
+    ``killed``) unless that segment already has one; returns the line appended, if any. Its
+    ``samples`` and ``output_tokens`` are those of the segment's lines in samples.jsonl (the
+    progress file counts the sample whose line it preceded, which the kill may have cut)."""
     path = run / PROGRESS_FILE
     if not path.exists():
         return None
@@ -560,10 +567,27 @@ def seal_progress(run: Path) -> dict | None:
     known = {s["segment"] for s in read_segments(run / SEGMENTS_FILE)}
     appended = None
     if line["segment"] not in known:
-        appended = {**line, "status": "killed"}
+        samples, tokens = _written_in(run / SAMPLES_FILE, line["segment"])
+        appended = {**line, "status": "killed", "samples": samples, "output_tokens": tokens,
+                    "written": samples}
         append_segment(run / SEGMENTS_FILE, appended)
     end_progress(run)
     return appended
+
+
+def _written_in(samples: Path, segment: int) -> tuple[int, int]:
+    """(lines, output tokens) of a segment's generated samples in ``samples`` (failed ones,
+    which the segment counts apart, left out)."""
+    n = tokens = 0
+    for _, raw in _jsonl_lines(samples):
+        try:
+            rec = _parse(raw)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("segment") == segment and rec.get("status") == "ok":
+            n += 1
+            tokens += rec["output_tokens"] if _count(rec.get("output_tokens")) else 0
+    return n, tokens
 
 
 def check_writable(run: Path) -> None:
@@ -626,10 +650,10 @@ class RunLock:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                holder = _read_holder(fd)
+                who = read_holder(fd)
                 os.close(fd)
                 raise RunBusyError(
-                    f"{self.run} is being written by another kvarena invocation ({holder}); "
+                    f"{self.run} is being written by another kvarena invocation ({who}); "
                     f"wait for it to end, or pass another --out") from None
             except BaseException:
                 os.close(fd)
@@ -637,7 +661,7 @@ class RunLock:
             try:
                 set_mode(fd)
                 os.ftruncate(fd, 0)
-                os.pwrite(fd, json.dumps(_holder()).encode("utf-8") + b"\n", 0)
+                os.pwrite(fd, json.dumps(holder()).encode("utf-8") + b"\n", 0)
             except BaseException:
                 os.close(fd)  # releases the lock: a holder that cannot say who it is holds nothing
                 raise
@@ -656,12 +680,14 @@ class RunLock:
                     os.close(held[0])  # closing releases the lock
 
 
-def _holder() -> dict:
+def holder() -> dict:
+    """What a lock's holder writes into its lock file: pid, host, command line, start time."""
     return {"pid": os.getpid(), "host": socket.gethostname(), "command": " ".join(sys.argv),
             "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}
 
 
-def _read_holder(fd: int) -> str:
+def read_holder(fd: int) -> str:
+    """The holder recorded in the lock file open as ``fd``, in words."""
     try:
         info = json.loads(os.pread(fd, 1 << 16, 0).decode("utf-8", errors="replace"))
         return (f"pid {info['pid']} on host {info['host']}, started {info['started']}: "
@@ -743,12 +769,14 @@ def compute_metrics(records: Sequence[Mapping[str, Any]], segments: Sequence[Map
     grading could not judge (``ungraded``: a grading worker died or could not start) count in no
     accuracy figure (pass@1, accuracy, extraction rate, mean score, their intervals): those are
     over the graded samples, None when none was, and ``ungraded`` says how many were left out.
-    Throughput over a resumed run (several segments): TPS = output tokens of the samples finished
-    in each segment / summed engine wall time of the segments, so the time an interruption
-    wasted is counted. TPOT and the average KV budget are means over samples; C (mean resident
-    requests per decode step) is the step-weighted mean over the segments with statistics.
-    Engine counters are summed over every segment's statistics: complete, interrupted (as of the
-    stop) and killed (as of its last finished request, from progress.json).
+    Throughput over a resumed run (several segments): TPS = output tokens of the samples each
+    segment wrote to samples.jsonl / summed engine wall time of the segments, so the time an
+    interruption wasted, and the generation of samples it dropped, is counted and their
+    tokens are not (a resumed run generates them again). TPOT and the average KV budget are
+    means over samples; C (mean resident requests per decode step) is the step-weighted mean
+    over the segments with statistics. Engine counters are summed over every segment's
+    statistics: complete, interrupted (as of the stop) and killed (as of its last finished
+    request, from progress.json).
     Events are summed from the per-sample records (FullKV records no grow events: it never
     decides). ``grow_ratio`` = grow decisions / primary decisions before fallback handling
     (GrowPage Table 9, engine/stats.py): a fallback counts as the grow it replaced, page

@@ -467,7 +467,10 @@ def test_kill_9_totals_cover_every_written_sample(model_dir, tmp_path):
     segments = R.read_segments(resumed.path / R.SEGMENTS_FILE)
     assert [s["status"] for s in segments] == ["killed", "complete"]
     killed = segments[0]
-    assert killed["samples"] >= written and killed["wall_time"] > 0 and killed["stats"]["counts"]
+    assert killed["wall_time"] > 0 and killed["stats"]["counts"]
+    mine = [r for r in lines(resumed.path) if r["segment"] == killed["segment"]]
+    assert killed["samples"] == len(mine) == written  # what the kill cut is not counted
+    assert killed["output_tokens"] == sum(r["output_tokens"] for r in mine)
     assert not (resumed.path / R.PROGRESS_FILE).exists()
     m = resumed.metrics
     assert m["samples_done"] == len(lines(resumed.path)) and m["complete"]
@@ -629,6 +632,40 @@ def test_a_failed_sample_write_fails_the_run_and_keeps_what_was_written(model_di
                               **NO_FIDELITY))
     assert again.resumed == 2 and again.metrics["complete"]
     assert again.metrics["samples_done"] == len(lines(run)) == again.resumed + again.ran
+
+
+
+def test_segment_totals_count_only_the_samples_written(model_dir, tmp_path, monkeypatch):
+    """A sample lost to a failed write is in no segment's totals, so TPS counts each token of
+    samples.jsonl once, also after the resume generates that sample again."""
+    import errno
+
+    calls = {"n": 0}
+    real = R.SampleWriter._append
+
+    def flaky(self, data):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(self, data)
+
+    kw = dict(samples=2, temperature=0.8, max_num_seqs=3, **NO_FIDELITY)
+    with monkeypatch.context() as m:
+        m.setattr(R.SampleWriter, "_append", flaky)
+        with pytest.raises(R.ResultsWriteError):
+            run_eval(settings(model_dir, tmp_path, **kw))
+    run = run_path(model_dir, tmp_path, temperature=0.8)
+    (segment,) = R.read_segments(run / R.SEGMENTS_FILE)
+    kept = [r for r in lines(run) if r["status"] == "ok"]
+    assert segment["status"] == "error"
+    assert segment["samples"] == segment["written"] == len(kept) == 2
+    assert segment["output_tokens"] == sum(r["output_tokens"] for r in kept)
+    assert segment["lost"] >= 1
+    again = run_eval(settings(model_dir, tmp_path, **kw))
+    m = again.metrics
+    assert m["complete"] and sum(s["output_tokens"] for s in R.read_segments(run / R.SEGMENTS_FILE)) \
+        == m["output_tokens"] == sum(r["output_tokens"] for r in lines(run))
+    assert m["tps"] == pytest.approx(m["output_tokens"] / m["total_time_s"])
 
 
 _FSIZE_WRITER = """
@@ -855,6 +892,8 @@ def test_a_second_ctrl_c_drops_ungraded_samples_says_so_and_records_the_segment(
     (segment,) = R.read_segments(run / R.SEGMENTS_FILE)
     assert segment["status"] == "interrupted"
     assert segment["written"] == len(lines(run)) == got["done"] == got["ran"] - got["dropped"]
+    assert segment["samples"] == len(lines(run)) and segment["lost"] == got["dropped"]
+    assert segment["output_tokens"] == sum(r["output_tokens"] for r in lines(run))
     said = " ".join(got["messages"])
     assert f"{got['dropped']} finished sample(s) were not graded and are dropped" in said
     assert "nothing was lost" not in said

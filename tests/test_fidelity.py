@@ -237,3 +237,119 @@ def test_no_fidelity_leaves_the_fields_empty(model_dir, tmp_path):
     rows = samples(run(model_dir, tmp_path, policy="zipage", policy_args={"budget": 24}, fidelity=False))
     assert rows and all(r[k] is None for r in rows for k in F.FIELDS)
     assert not list(tmp_path.rglob(F.REFERENCE_FILE))
+
+
+# ------------------------------------------------------------------------------ a shared reference
+
+_SHARED = """
+import json, os, sys, time, types
+from pathlib import Path
+import torch
+torch.set_num_threads(1)
+from engine.sampling import SamplingParams
+from evals.run import fidelity as F
+from evals.run.settings import EvalHooks
+
+model, out, policy, meeting = sys.argv[1], sys.argv[2], sys.argv[3], Path(sys.argv[4])
+config = {"model": "tiny", "model_spec": model, "task": "gsm8k", "task_options": {},
+          "data_source": "fixture", "max_tokens": 8, "temperature": 0.0, "seed": 0, "thinking": None}
+greedy = SamplingParams(temperature=0.0, max_tokens=8, seed=0)
+requests = [F.Request(f"q{i}", 0, 0, [10 + i, 20, 30, 40], greedy) for i in range(4)]
+kwargs = {"policy": policy, "policy_args": {"budget": 48}, "block_size": 4, "kv_cache_tokens": 1024,
+          "max_num_seqs": 4, "seed": 0}
+real = F.Fidelity.ensure_reference
+
+def meet(self, todo, *args):
+    # Both invocations see every entry missing before either starts generating.
+    (meeting / str(os.getpid())).write_text(str(len(self.missing(todo))))
+    deadline = time.monotonic() + 120
+    while len(list(meeting.iterdir())) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return real(self, todo, *args)
+
+F.Fidelity.ensure_reference = meet
+said = []
+class Hooks(EvalHooks):
+    def on_message(self, text):
+        said.append(text)
+settings = types.SimpleNamespace(out=out, policy=policy, model=model)
+fid = F.start(settings, config, requests, kwargs, Hooks())
+print(json.dumps({"generated": fid.timing["reference_requests"], "said": said}))
+"""
+
+
+def test_two_invocations_at_once_generate_the_shared_reference_once(model_dir, tmp_path):
+    """Two policies evaluated at once on one --out: the second waits for the first's reference
+    pass and reuses its entries, so the reference holds one entry per sample."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{root / 'tests'}"}
+    meeting = tmp_path / "meeting"
+    meeting.mkdir()
+    procs = [subprocess.Popen([sys.executable, "-c", _SHARED, str(model_dir), str(tmp_path / "out"), policy,
+                               str(meeting)], cwd=root, env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+             for policy in ("snapkv", "streamingllm")]
+    got = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=300)
+        assert p.returncode == 0, stderr[-3000:]
+        got.append(json.loads(stdout.strip().splitlines()[-1]))
+    assert [m.read_text() for m in meeting.iterdir()] == ["4", "4"]  # both found all 4 missing
+    assert sorted(g["generated"] for g in got) == [0, 4]
+    lines = reference_lines(tmp_path / "out")
+    assert sorted(e["uid"] for e in lines) == ["q0", "q1", "q2", "q3"]
+    waited = next(g for g in got if g["generated"] == 0)
+    assert any("waiting for another kvarena invocation" in m for m in waited["said"])
+
+
+def test_reference_lines_are_written_once_whoever_adds_them(tmp_path):
+    from types import SimpleNamespace
+
+    config = {"model": "m", "model_spec": "m", "task": "gsm8k", "task_options": {}, "data_source": "d",
+              "max_tokens": 4, "temperature": 0.0, "seed": 0, "thinking": None}
+    first, second = F.Reference.open(tmp_path, config), F.Reference.open(tmp_path, config)
+    out = SimpleNamespace(token_ids=[1, 2], token_logprobs=[-0.5, -1.0], finish_reason="length")
+    other = SimpleNamespace(token_ids=[3], token_logprobs=[-2.0], finish_reason="stop")
+    kept = first.add("u", 0, "sha", 0, out)
+    assert second.add("u", 0, "sha", 0, other) == kept  # the line already there wins
+    with open(first.path / F.REFERENCE_FILE, "a") as f:
+        f.write('{"uid": "cut')  # a crash mid-line
+    second.add("v", 0, "sha", 0, other)
+    lines = (first.path / F.REFERENCE_FILE).read_text().splitlines()
+    assert json.loads(lines[0])["uid"] == "u" and lines[1] == '{"uid": "cut'
+    assert json.loads(lines[2])["uid"] == "v" and len(lines) == 3  # the cut line stays its own
+    assert set(F.Reference.open(tmp_path, config).entries) == {("u", 0, "sha"), ("v", 0, "sha")}
+
+
+def test_a_dead_holder_of_the_reference_lock_blocks_nothing(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    config = {"model": "m", "model_spec": "m", "task": "gsm8k", "task_options": {}, "data_source": "d",
+              "max_tokens": 4, "temperature": 0.0, "seed": 0, "thinking": None}
+    ref = F.Reference.open(tmp_path, config)
+    root = Path(__file__).resolve().parents[1]
+    holder = ("import sys, time\nfrom evals.run import fidelity as F\n"
+              f"ref = F.Reference.open({str(tmp_path)!r}, {config!r})\n"
+              "with ref.generating(print):\n    print('held', flush=True)\n    time.sleep(300)\n")
+    proc = subprocess.Popen([sys.executable, "-c", holder], cwd=root, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.stdout.readline().strip() == "held"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert (ref.path / R.LOCK_FILE).read_text()  # its holder line stays behind
+    said, done = [], threading.Event()
+
+    def take():
+        with ref.generating(said.append):
+            done.set()
+
+    threading.Thread(target=take, daemon=True).start()
+    assert done.wait(30) and not said

@@ -515,6 +515,43 @@ def test_host_files_are_invisible(as_root):
         shutil.rmtree(data_dir)
 
 
+
+_HELPER = """
+import os, subprocess, sys
+probe = "import os, sys; print(os.path.exists(sys.argv[1]), os.getuid())"
+print(subprocess.run([sys.executable, "-c", "print(1)"], capture_output=True, text=True).stdout.strip())
+print(subprocess.run([sys.executable, "-c", probe, HOST_FILE], capture_output=True, text=True).stdout.strip(),
+      os.getuid())
+"""
+
+_SPAWN = """
+import multiprocessing
+
+
+def square(x):
+    return x * x
+
+
+if __name__ == "__main__":
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
+        print(sum(pool.map(square, range(10))))
+"""
+
+
+@needs_root
+@pytest.mark.parametrize("source, printed", [
+    (_HELPER.replace("HOST_FILE", repr(os.path.abspath(__file__))), ["1", "False", "UID", "UID"]),
+    (_SPAWN, ["285"]),
+], ids=["helper-process", "multiprocessing-spawn"])
+def test_a_program_can_start_the_interpreter_it_runs_on(source, printed):
+    """``sys.executable`` names an interpreter inside the sandbox's root, so a correct program
+    that starts it (a helper process, multiprocessing's spawn method) runs; what it starts is
+    confined as the program is (no host file, the program's own uid)."""
+    r = Sandbox(SandboxConfig(wall_s=20)).run(Job(source=source))
+    assert r.status == "ok", (r.status, r.stdout, r.stderr[-2000:])
+    assert r.stdout.split() == [str(r.uid) if p == "UID" else p for p in printed] and r.uid, r.stdout
+
+
 @needs_root
 def test_host_unix_socket_is_unreachable():
     where = tempfile.mkdtemp(dir="/var/tmp")

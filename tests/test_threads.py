@@ -100,6 +100,33 @@ def test_cgroup_quota_is_the_process_own_cgroups(tmp_path):
     assert threads.cgroup_cpu_quota(str(v1), str(tmp_path / "none")) is None  # no /proc: the root's
 
 
+LLM_PROBE = """
+import json, sys
+from engine import threads
+from engine.llm import LLM
+from engine.sampling import SamplingParams
+from tiny_models import make_tiny_llama_dir
+import torch
+
+torch.set_num_threads(2)  # the caller's own choice; set_threads is never called
+llm = LLM(make_tiny_llama_dir(sys.argv[1]), kv_cache_tokens=256)
+llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+print(json.dumps({"state": threads.openmp_state()["threads"], "mean": llm.last_stats.mean_threads}))
+"""
+
+
+def test_an_llm_made_from_python_records_the_threads_it_runs_with(tmp_path):
+    """Without set_threads (an ``LLM()`` made from Python) torch runs with its own count and no
+    governor: that count is what the state records, not the governor's unset default."""
+    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
+    out = subprocess.run([sys.executable, "-c", LLM_PROBE, str(tmp_path)], cwd=REPO, text=True,
+                         capture_output=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["state"] == {"adaptive": False, "limit": 2, "current": 2, "lowest": 2, "changes": 0}
+    assert got["mean"] == 2
+
+
 class Machine:
     """A fake clock and runnable-others count for the governor."""
 

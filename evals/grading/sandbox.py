@@ -26,6 +26,9 @@ once and reported by :func:`capabilities`:
    data or results file, no host unix socket.  The harness checks that every other mount is
    read-only before the program starts.  Disk use is at most ``4 * tmpfs_mb`` of memory plus
    its two capture files (``max_file_mb`` each, RLIMIT_FSIZE), all freed after the run.
+   ``sys.executable`` there is the interpreter's real file (a virtual environment's
+   ``bin/python`` is not in the root), so a program may start it -- a helper process,
+   multiprocessing's spawn method -- and what it starts is confined as the program is.
 3. **One memory bound** (root with a writable cgroup hierarchy, ``memory_cgroup=True``): the
    program and all its processes share a cgroup (:mod:`evals.grading.sandbox_cgroup`) limited to
    ``memory_mb`` and ``max_processes`` (+2 for the harness and init), which counts tmpfs,
@@ -1018,6 +1021,20 @@ def _enter_minimal_root(cfg: dict, libc, uid: int | None, workdir: str) -> set[s
     return writable
 
 
+def _use_interpreter(path: str) -> None:
+    """Make ``sys.executable`` the interpreter's real file, which the minimal root holds (its
+    directory is bound there), instead of a path it lacks (a virtual environment's
+    ``bin/python``): a program that starts it (a helper process, multiprocessing's spawn method)
+    then runs, as confined as the program itself. Its directory goes first on PATH, so the names
+    installed beside it (``python3``) are found too."""
+    sys.executable = sys._base_executable = path
+    if "multiprocessing.spawn" in sys.modules:  # it keeps the executable it saw at import
+        sys.modules["multiprocessing.spawn"].set_executable(path)
+    where, path_dirs = os.path.dirname(path), os.environ.get("PATH", "").split(":")
+    if where not in path_dirs:
+        os.environ["PATH"] = ":".join([where, *path_dirs])
+
+
 _c_strings: list = []
 
 
@@ -1190,7 +1207,9 @@ def _child_main(config_path: str, events_fd: int, exit_fd: int) -> None:
     workdir = cfg["sandbox_workdir"] if ns["mountns"] else cfg["host_workdir"]
     writable: set[str] = set()
     if ns["mountns"]:
+        interpreter = os.path.realpath(sys.executable)  # while the host tree is still visible
         writable = _enter_minimal_root(cfg, libc, uid, workdir)
+        _use_interpreter(interpreter)
     os.chdir(workdir)
     os.environ.update(HOME=workdir, TMPDIR=workdir)
     main_path = os.path.join(workdir, "main.py")

@@ -55,24 +55,29 @@ Cache::
     <out>/<model>/<task>/_reference/<key>/
         key.json          the settings the key is a hash of
         reference.jsonl   one entry per (uid, sample, prompt hash), appended as they finish
+        .lock             held while an invocation generates missing entries (its holder inside)
 
 ``<key>`` = ``mt<max_tokens>-T<temperature>-s<seed>-<hash>``, the hash covering the model, the
 task and its options, the data source, max_tokens, temperature, seed and the thinking switch.
 Each entry also carries a hash of the rendered prompt's token ids, so a changed chat template or
 tokenizer misses the cache instead of reusing a wrong reference. Resume: entries already there
-are kept; only missing ones are generated.
+are kept; only missing ones are generated. Invocations running at once on one ``--out`` share
+the directory: one generates the missing entries while holding its lock (``.lock`` there), the
+others wait, then reuse them; a key gets one line whoever writes it (``Reference``).
 """
 
 from __future__ import annotations
 
 import base64
+import fcntl
 import hashlib
 import json
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Collection, Mapping, Sequence
+from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
 
 import numpy as np
 
@@ -176,10 +181,17 @@ def reference_key(config: Mapping[str, Any]) -> tuple[str, dict]:
 
 @dataclass
 class Reference:
-    """One reference directory: its entries by (uid, sample, prompt hash)."""
+    """One reference directory: its entries by (uid, sample, prompt hash).
+
+    Several invocations may share it (two policies evaluated at once on one ``--out``): an entry
+    is appended under an exclusive ``flock`` of ``reference.jsonl`` after reading what the others
+    appended, so each key has one line, and generating missing entries holds ``generating()``,
+    so the second invocation waits and reuses the first one's entries instead of generating
+    them again. Both locks die with their process (kill -9 too)."""
 
     path: Path
     entries: dict
+    offset: int = 0  # bytes of reference.jsonl read into ``entries``
 
     @classmethod
     def open(cls, out: str | Path, config: Mapping[str, Any]) -> "Reference":
@@ -188,22 +200,34 @@ class Reference:
         path.mkdir(parents=True, exist_ok=True)
         if not (path / KEY_FILE).exists():
             R.write_json(path / KEY_FILE, settings)
-        entries = {}
-        file = path / REFERENCE_FILE
-        if file.exists():
-            for line in file.read_text(encoding="utf-8").splitlines():
-                try:
-                    e = json.loads(line)
-                    entries.setdefault((e["uid"], int(e["sample"]), e["prompt_sha"]), e)
-                except (ValueError, KeyError, TypeError):
-                    continue  # a line cut short by a crash: that entry is generated again
-        return cls(path, entries)
+        ref = cls(path, {})
+        ref.refresh()
+        return ref
+
+    def refresh(self) -> None:
+        """Read the entries appended since the last read (by any invocation). A last line without
+        its newline (being written, or cut by a crash) is left for a later read."""
+        try:
+            with open(self.path / REFERENCE_FILE, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return
+        end = data.rfind(b"\n") + 1
+        for line in data[:end].splitlines():
+            try:
+                e = json.loads(line)
+                self.entries.setdefault((e["uid"], int(e["sample"]), e["prompt_sha"]), e)
+            except (ValueError, KeyError, TypeError):
+                continue  # a line cut short by a crash: that entry is generated again
+        self.offset += end
 
     def get(self, uid: str, sample: int, sha: str) -> dict | None:
         return self.entries.get((uid, sample, sha))
 
     def add(self, uid: str, sample: int, sha: str, seed: int, out: Any) -> dict:
-        """Store a FullKV output (token ids and log-probabilities) as the entry of a sample."""
+        """Store a FullKV output (token ids and log-probabilities) as the entry of a sample, unless
+        this or another invocation stored one already; returns the entry kept."""
         if len(out.token_logprobs) != len(out.token_ids):
             raise ValueError(f"reference for {uid} sample {sample}: {len(out.token_logprobs)} "
                              f"log-probs for {len(out.token_ids)} tokens (generate with logprobs=True)")
@@ -211,17 +235,47 @@ class Reference:
                  "tokens": list(out.token_ids), "logprobs": [float(x) for x in out.token_logprobs],
                  "finish_reason": out.finish_reason}
         key = (uid, sample, sha)
-        if key not in self.entries:
-            self.entries[key] = entry
-            # One write() on an O_APPEND descriptor: workers sharing the file never interleave lines.
-            fd = os.open(self.path / REFERENCE_FILE, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            try:
+        if key in self.entries:
+            return self.entries[key]
+        fd = os.open(self.path / REFERENCE_FILE, os.O_RDWR | os.O_APPEND | os.O_CREAT, R.FILE_MODE)
+        try:
+            R.set_mode(fd)
+            fcntl.flock(fd, fcntl.LOCK_EX)  # released by close
+            self.refresh()
+            if key not in self.entries:
                 data = R.dumps_line(entry).encode("utf-8")
+                size = os.fstat(fd).st_size
+                if size and os.pread(fd, 1, size - 1) != b"\n":
+                    data = b"\n" + data  # a line cut by a crash stays a line of its own
                 while data:  # a regular file takes it whole; the loop only guards a short write
                     data = data[os.write(fd, data):]
+                self.refresh()
+        finally:
+            os.close(fd)
+        return self.entries.setdefault(key, entry)
+
+    @contextmanager
+    def generating(self, on_message: Callable[[str], None]) -> Iterator[None]:
+        """Hold the directory's generation lock (``<dir>/.lock``) for the block, waiting for
+        another invocation that holds it (``on_message`` says whose). A dead holder holds
+        nothing: the kernel releases its lock."""
+        fd = os.open(self.path / R.LOCK_FILE, os.O_RDWR | os.O_CREAT, R.FILE_MODE)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                on_message(f"FullKV reference: waiting for another kvarena invocation that is "
+                           f"generating it ({R.read_holder(fd)})")
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            R.set_mode(fd)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(R.holder()).encode("utf-8") + b"\n", 0)
+            try:
+                yield
             finally:
-                os.close(fd)
-        return self.entries[key]
+                os.ftruncate(fd, 0)  # no stale holder for the next reader
+        finally:
+            os.close(fd)  # closing releases the lock
 
 
 # ------------------------------------------------------------------------------ the passes
@@ -280,15 +334,20 @@ class Fidelity:
     # -- reference -------------------------------------------------------------------------------
     def ensure_reference(self, requests: Sequence[Request], model: str, engine_kwargs: Mapping[str, Any],
                          hooks: Any) -> None:
-        """Generate the missing reference entries with a FullKV engine. A FullKV run skips this:
-        its own outputs become the entries (``fields``)."""
-        todo = self.missing(requests)
-        if self.is_full or not todo:
+        """Generate the missing reference entries with a FullKV engine, holding the reference's
+        generation lock (another invocation generating them is waited for, and its entries
+        reused). A FullKV run skips this: its own outputs become the entries (``fields``)."""
+        if self.is_full or not self.missing(requests):
             return
-        kwargs = {**engine_kwargs, "policy": FULL_POLICY, "policy_args": {}}
-        hooks.on_message(f"FullKV reference: {len(todo)} sample(s) missing in {self.reference.path}")
-        llm = engines.engine_for(model, kwargs, _Prefixed(hooks, "FullKV reference: "))
-        self.generate_reference(llm, todo, hooks)
+        with self.reference.generating(hooks.on_message):
+            self.reference.refresh()  # what another invocation generated while this one waited
+            todo = self.missing(requests)
+            if not todo:
+                return
+            kwargs = {**engine_kwargs, "policy": FULL_POLICY, "policy_args": {}}
+            hooks.on_message(f"FullKV reference: {len(todo)} sample(s) missing in {self.reference.path}")
+            llm = engines.engine_for(model, kwargs, _Prefixed(hooks, "FullKV reference: "))
+            self.generate_reference(llm, todo, hooks)
 
     def generate_reference(self, llm, requests: Sequence[Request], hooks: Any = None) -> None:
         """FullKV free generation (with log-probs) of the missing entries; ``llm`` runs FullKV.

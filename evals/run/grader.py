@@ -41,6 +41,7 @@ class BackgroundGrader:
         self.fatal: Exception | None = None
         self._abandoned = False
         self._written_before = writer.written
+        self._tokens_before = writer.written_tokens
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="kvarena-grader", daemon=True)
         self._thread.start()
@@ -65,6 +66,11 @@ class BackgroundGrader:
             if self.pool is not None:
                 self.pool.close()
         return self.submitted - (self.writer.written - self._written_before)
+
+    @property
+    def written_tokens(self) -> int:
+        """Output tokens of the sample lines this grader wrote (after ``close``: final)."""
+        return self.writer.written_tokens - self._tokens_before
 
     def _loop(self) -> None:
         done = False

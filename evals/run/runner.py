@@ -33,9 +33,12 @@ How a run proceeds:
    drops the samples not yet graded (counted in ``EvalOutcome.dropped``; a resumed run
    generates them again) and still writes the segment line. A sample line that cannot be
    written (disk full, an immutable file) stops the run with ``ResultsWriteError``: the segment
-   is recorded as ``error``, the lines written before stay. Killed outright, the run leaves
-   ``progress.json`` (the segment's totals as of its last finished request, written before
-   that request's sample line), which the next invocation turns into the segment's line (evals.results).
+   is recorded as ``error``, the lines written before stay. A segment's ``samples`` and
+   ``output_tokens`` count only the lines that reached ``samples.jsonl`` (``lost``: the
+   finished samples that did not), so TPS never counts a token twice across a resume. Killed
+   outright, the run leaves ``progress.json`` (the segment's totals as of its last finished
+   request, written before that request's sample line), which the next invocation turns into
+   the segment's line, counting the sample lines that reached the file (evals.results).
 
 Guards, all before the model loads: the run directory is created and locked (one writer,
 ``R.RunLock``); the data file's SHA-256 is in config.json and a resumed run whose data file
@@ -445,10 +448,12 @@ def _stream(llm, runnable: Sequence[Rendered], writer: R.SampleWriter, segment: 
             hooks.on_message(f"stopped while grading: {lost} finished sample(s) were not graded "
                              f"and are dropped; a resumed run generates them again")
         traces.close()
+        # The totals count what reached samples.jsonl (TPS divides them by the engine's wall
+        # time); ``lost``: samples the engine finished that were dropped or failed to write.
         R.append_segment(path / R.SEGMENTS_FILE, {
-            **line, "status": status, "wall_time": wall, "samples": outcome.ran,
-            "output_tokens": finished_tokens, "stats": stats, "written": outcome.ran - lost,
-            "signal": stops.signal,
+            **line, "status": status, "wall_time": wall, "samples": outcome.ran - lost,
+            "output_tokens": grader.written_tokens, "stats": stats, "written": outcome.ran - lost,
+            "lost": lost, "signal": stops.signal,
         })
         R.end_progress(path)
         _warn_if_never_compressed(llm, status, path, settings, hooks)
