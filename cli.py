@@ -118,8 +118,8 @@ def generate(
         print(out.text)
         for line in _kept_summary(out) if trace_kept else []:
             console.print(f"[dim]{line}[/]")
-    console.print(f"[green]{stats.summary()}[/]")
-    console.print(f"[green]{stats.kv_summary()}[/]")
+    console.print(f"[green]{stats.summary()}[/]", soft_wrap=True)  # one line each, never cut
+    console.print(f"[green]{stats.kv_summary()}[/]", soft_wrap=True)
     warning = never_compressed(llm.policy, stats.compactions, stats.kv_context)
     if warning:
         console.print(f"[yellow]warning:[/] {warning}")

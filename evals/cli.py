@@ -395,7 +395,7 @@ def _print_summary(outcome) -> None:
     events = (", events: " + " ".join(f"{k} {v}" for k, v in sorted(acted.items()))) if acted else ""
     console.print(f"[green]{outcome.task}/{outcome.label}[/]: pass@1 {pass1} over "
                   f"{m.get('samples_done')} samples ({outcome.ran} run now, {outcome.resumed} resumed"
-                  f"{extra}{skipped}), TPS {tps}{fid}{events} -> {outcome.path}")
+                  f"{extra}{skipped}), TPS {tps}{fid}{events} -> {outcome.path}", soft_wrap=True)
 
 
 def leaderboard_command(

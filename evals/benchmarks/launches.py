@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable
 
 import typer
@@ -155,19 +156,21 @@ def build_step(shape: dict, layers: int, vocab: int, policy: str, device: str, d
     lens = [BLOCK_SIZE * 2 + 3 * b + 1 for b in range(batch)]
     slots = [t[(n - 1) // BLOCK_SIZE] * BLOCK_SIZE + (n - 1) % BLOCK_SIZE
              for t, n in zip(tables, lens)]
-    signal_rows = [(queries.bind(), lens[b] - 1, True) for b in range(batch)]
-    columns = [[1] * batch, [n - 1 for n in lens], slots, lens,
-               *queries.prepare_decode(signal_rows)]
-    assert len(columns) == len(FIELDS)
-    return graph, columns, tables
+    query_slots = [queries.bind() for _ in range(batch)]
+    positions = [n - 1 for n in lens]
+    columns = [[1] * batch, positions, slots, lens,
+               *queries.prepare_decode(query_slots, positions, [True] * batch)]
+    assert len(columns) == len(FIELDS) - 1  # the graph adds each sequence's table row
+    seqs = [SimpleNamespace(seq_id=b, block_table=t, table_version=0) for b, t in enumerate(tables)]
+    return graph, columns, seqs
 
 
 def eager_launches(shape, layers, vocab, policy, dtype, batch) -> int:
     import torch
 
-    graph, columns, tables = build_step(shape, layers, vocab, policy, "meta", dtype, batch,
+    graph, columns, seqs = build_step(shape, layers, vocab, policy, "meta", dtype, batch,
                                         compile=False)
-    _, inputs = graph.load(columns, tables)
+    _, inputs = graph.load(columns, seqs)
     counter = launch_counter()
     with torch.inference_mode(), counter:
         graph.forward(*inputs)
@@ -180,9 +183,9 @@ def compiled_step_launches(shape, layers, vocab, policy, dtype, batch) -> dict[s
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
-    graph, columns, tables = build_step(shape, layers, vocab, policy, "cpu", dtype, batch,
+    graph, columns, seqs = build_step(shape, layers, vocab, policy, "cpu", dtype, batch,
                                         compile=True)
-    _, inputs = graph.load(columns, tables)
+    _, inputs = graph.load(columns, seqs)
     with torch.inference_mode(), inductor_config.patch(fx_graph_cache=False):
         _, codes = run_and_get_code(graph.fn, *inputs)
     return compiled_launches(codes[-1])
