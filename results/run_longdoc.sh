@@ -15,9 +15,9 @@ COMMON=(--task longdoc --data "$DATA/niah" --preset cpu-paper --task-arg lengths
         --task-arg "documents=$DOCS" --kv-cache-tokens $((DOCS * 4096 + 1024)) --threads 2
         --out "$OUT" --no-leaderboard)
 # At the preset's budget (256); GrowPage runs at its own start (9 pages) and capacity.
-POLICIES=${POLICIES:-"full snapkv zipage streamingllm h2o tova rkv growpage growpage-fixed"}
+POLICIES=${POLICIES:-"full snapkv growpage streamingllm h2o zipage growpage-fixed tova rkv"}
 # The second budget (512) for the fixed-budget policies named here.
-BUDGETS2=${BUDGETS2:-"snapkv streamingllm"}
+BUDGETS2=${BUDGETS2:-"snapkv"}
 for p in $POLICIES; do
     "$KV" eval "${COMMON[@]}" --policy "$p"
 done
