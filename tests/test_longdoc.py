@@ -88,6 +88,11 @@ def test_longdoc_rejects_bad_options(options, match):
 def test_longdoc_corpus_too_small_is_a_clear_error(tokenizer):
     with pytest.raises(DataUnavailableError, match=r"enough for \d+ of the 40 documents asked"):
         load("longdoc", ESSAYS, tokenizer, lengths=(96,), documents=40, prefix=16)
+    with warnings.catch_warnings():  # a limit asks only for the documents it keeps
+        warnings.simplefilter("ignore")
+        kept = get_task("longdoc", lengths=(96,), documents=40, prefix=16).load(
+            ESSAYS, tokenizer=tokenizer, limit=2)
+    assert [p.uid for p in kept.problems] == ["longdoc/L96_0", "longdoc/L96_1"]
 
 
 def test_needle_is_always_in_the_forced_part(tokenizer):

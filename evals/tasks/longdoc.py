@@ -194,7 +194,7 @@ class LongDoc(Task):
         text, source, skipped, files = read_corpus(data, self.corpus, self.seed)
         report_skipped(self.name, source, skipped, what="file")
         ids = encode(tokenizer, text)
-        wanted = [n for n in self.lengths for _ in range(self.documents)]
+        wanted = [n for n in self.lengths for _ in range(self.documents)][:limit]
         if sum(wanted) > len(ids):
             fit = _documents_that_fit(self.lengths, self.documents, len(ids))
             raise DataUnavailableError(
@@ -212,8 +212,6 @@ class LongDoc(Task):
                 meta={"ids": doc, "doc_tokens": n, "prefix_tokens": self.prefix,
                       "corpus_offset": start, "corpus": source}))
             start += n
-            if limit is not None and len(problems) >= limit:
-                break
         return ProblemSet(self.name, source, problems, skipped, files)
 
 
