@@ -80,13 +80,17 @@ def split_sentences(text: str) -> list[str]:
     return pieces
 
 
+def token_ids(tokenizer: Any, text: str) -> list[int]:
+    """The ids ``tokenizer`` makes of ``text``, without special tokens."""
+    try:
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    except TypeError:  # a tokenizer whose encode() takes no such option
+        return list(tokenizer.encode(text))
+
+
 def count_tokens(tokenizer: Any, text: str) -> int:
     """Number of tokens ``tokenizer`` makes of ``text``, without special tokens."""
-    try:
-        ids = tokenizer.encode(text, add_special_tokens=False)
-    except TypeError:  # a tokenizer whose encode() takes no such option
-        ids = tokenizer.encode(text)
-    return len(ids)
+    return len(token_ids(tokenizer, text))
 
 
 _SUBJECTS = ("The committee", "A small team", "The old librarian", "Every engineer", "The river town",

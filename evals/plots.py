@@ -129,13 +129,7 @@ def quality_memory_plot(panels: Mapping[str, Sequence[Mapping[str, Any]]], path:
     the panels, never by text next to the points, so names cannot collide however close the
     points are; a series keeps its colour and marker in every panel.
     """
-    plt = _pyplot()
-    names = list(dict.fromkeys(str(p["series"]) for pts in panels.values() for p in pts))
-    style = dict(zip(names, _marker_styles()))
-    n = max(1, len(panels))
-    cols = min(3, n)
-    rows = (n + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols + 2.6, 3.5 * rows), squeeze=False)
+    fig, axes, names, style = _panel_grid(panels, panel_width=4.2)
     for ax, (panel, pts) in zip(axes.flat, panels.items()):
         shift = dodge(pts)
         for name in names:
@@ -164,13 +158,7 @@ def position_plot(panels: Mapping[str, Sequence[Mapping[str, Any]]], path: str |
     as evals.positions.by_position writes them (``start``, ``end``, ``delta_nll``,
     ``delta_nll_ci``). Each bucket is drawn at its midpoint on a log-2 axis with its interval as
     an error bar and a shaded band; the zero line is FullKV."""
-    plt = _pyplot()
-    names = list(dict.fromkeys(str(s["series"]) for series in panels.values() for s in series))
-    style = dict(zip(names, _marker_styles()))
-    n = max(1, len(panels))
-    cols = min(3, n)
-    rows = (n + cols - 1) // cols
-    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols + 2.6, 3.5 * rows), squeeze=False)
+    fig, axes, names, style = _panel_grid(panels, panel_width=4.6)
     for ax, (panel, series) in zip(axes.flat, panels.items()):
         ticks: dict[float, str] = {}
         for s in series:
@@ -193,6 +181,19 @@ def position_plot(panels: Mapping[str, Sequence[Mapping[str, Any]]], path: str |
         _label_axis(ax, panel, "position in the document (tokens)", ylabel)
     _finish_panels(fig, axes, len(panels), names, style, title, linewidth=1.0)
     return _save(fig, path, bbox_inches="tight")
+
+
+def _panel_grid(panels: Mapping[str, Sequence[Mapping[str, Any]]], panel_width: float):
+    """(figure, axes, series names, {name: (colour, marker)}) for one panel per entry of
+    ``panels`` (items carrying ``series``), at most three panels a row, room for the legend."""
+    plt = _pyplot()
+    names = list(dict.fromkeys(str(item["series"]) for items in panels.values() for item in items))
+    n = max(1, len(panels))
+    cols = min(3, n)
+    rows = (n + cols - 1) // cols
+    fig, axes = plt.subplots(rows, cols, figsize=(panel_width * cols + 2.6, 3.5 * rows),
+                             squeeze=False)
+    return fig, axes, names, dict(zip(names, _marker_styles()))
 
 
 def _label_axis(ax, title: str, xlabel: str, ylabel: str) -> None:

@@ -38,7 +38,7 @@ def document_curves(run_path: str | Path, config: Mapping[str, Any],
     numpy arrays over its forced tokens (``start``: the first one's document position); ``delta``
     None without FullKV's reference, ``allocated`` / ``kept`` None without a trace."""
     from evals.run.fidelity import read_forced, reference_entries
-    from evals.traces import expand_runs, read_traces
+    from evals.traces import expand_deltas, expand_runs, read_traces
 
     forced = read_forced(run_path)
     if not forced:
@@ -75,15 +75,6 @@ def _per_token(steps: Sequence[float], n: int) -> np.ndarray | None:
     return np.asarray(values, dtype=np.float64) if len(values) == n and n else None
 
 
-def expand_deltas(runs: Sequence[Sequence[float]]) -> list[float]:
-    """Inverse of evals.traces.delta_runs: ``[[first, 1], [step, count], ...]`` of successive
-    differences back to the values (rounded as they were stored)."""
-    values, current = [], 0.0
-    for step, count in runs:
-        for _ in range(int(count)):
-            current = round(current + float(step), 2)
-            values.append(current)
-    return values
 
 
 def by_position(curves: Mapping[tuple[str, int], Mapping[str, Any]],

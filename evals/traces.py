@@ -55,13 +55,24 @@ def run_length(values: Sequence[float]) -> list[list]:
 def delta_runs(values: Sequence[float]) -> list[list[float]]:
     """Successive differences, run-length encoded: a trace that grows one slot a step and drops at
     compactions ([96, 97, 98, 64, 65]) is a few runs ([[96, 1], [1, 2], [-34, 1], [1, 1]]).
-    Values are rounded to 1/100 slot (a per-head mean); evals.positions.expand_deltas inverts it."""
+    Values are rounded to 1/100 slot (a per-head mean); :func:`expand_deltas` inverts it."""
     steps, last = [], 0.0
     for v in values:
         v = round(float(v), 2)
         steps.append(round(v - last, 2))
         last = v
     return run_length(steps)
+
+
+def expand_deltas(runs: Sequence[Sequence[float]]) -> list[float]:
+    """Inverse of :func:`delta_runs`: ``[[first, 1], [step, count], ...]`` of successive
+    differences back to the values (rounded as they were stored)."""
+    values, current = [], 0.0
+    for step, count in runs:
+        for _ in range(int(count)):
+            current = round(current + float(step), 2)
+            values.append(current)
+    return values
 
 
 def expand_runs(runs: Iterable[Sequence[int]]) -> list[int]:

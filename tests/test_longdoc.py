@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 
 from evals import results as R
-from evals.positions import by_position, expand_deltas
+from evals.positions import by_position
 from evals.problem import DataUnavailableError
 from evals.run.runner import run_eval
 from evals.run.settings import EvalError, EvalHooks, EvalSettings
 from evals.tasks import get_task
-from evals.traces import delta_runs
+from evals.traces import delta_runs, expand_deltas
 from tiny_models import make_tiny_llama_dir, make_tiny_tokenizer
 
 DATA = Path(__file__).parent / "fixtures" / "data"

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from evals.niah import synthetic_haystack
+from evals.niah import synthetic_haystack, token_ids
 from evals.problem import DataUnavailableError, Problem, ProblemSet, SkippedRow
 from evals.tasks.base import (
     LocalLayout,
@@ -112,13 +112,6 @@ def _corpus_files(root: Path, corpus: str) -> list[Path]:
                                f"{LongDoc.how_to_pass()}")
 
 
-def encode(tokenizer: Any, text: str) -> list[int]:
-    try:
-        return list(tokenizer.encode(text, add_special_tokens=False))
-    except TypeError:  # a tokenizer whose encode() takes no such option
-        return list(tokenizer.encode(text))
-
-
 @register_task("longdoc")
 @dataclass
 class LongDoc(Task):
@@ -193,7 +186,7 @@ class LongDoc(Task):
             raise ValueError(f"limit must be >= 1 or None, got {limit!r}")
         text, source, skipped, files = read_corpus(data, self.corpus, self.seed)
         report_skipped(self.name, source, skipped, what="file")
-        ids = encode(tokenizer, text)
+        ids = token_ids(tokenizer, text)
         wanted = [n for n in self.lengths for _ in range(self.documents)][:limit]
         if sum(wanted) > len(ids):
             fit = _documents_that_fit(self.lengths, self.documents, len(ids))

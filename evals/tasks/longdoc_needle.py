@@ -14,10 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from evals.niah import count_tokens
+from evals.niah import count_tokens, token_ids
 from evals.problem import Problem, ProblemSet
 from evals.tasks.base import TaskDefaults, TokenRequest, register_task
-from evals.tasks.longdoc import encode
 from evals.tasks.niah import NIAH
 from evals.tasks.prompting import render_prompt
 
@@ -77,7 +76,7 @@ class LongDocNeedle(NIAH):
             before = count_tokens(tokenizer, text[:at])
             prefix = max(1, min(self.prefix, before - 1))
             uid = p.uid.replace("niah/", f"{self.name}/", 1)
-            ids = encode(tokenizer, text)
+            ids = token_ids(tokenizer, text)
             meta = {k: v for k, v in p.meta.items() if k != "prompt_tokens"}
             meta.update(ids=ids, request_tokens=len(ids), prefix_tokens=prefix, needle_token=before)
             built.append(Problem(uid, self.name, p.question, p.gold, p.grader, p.samples, meta))
