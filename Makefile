@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.kvarena-installed
 
 setup: $(STAMP)
 
-# torch is pinned to the CPU wheel; GPU users install their CUDA torch into the venv first (README).
+# torch is pinned to the CPU wheel; GPU users install their CUDA torch into the venv first (docs/guide.md).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
