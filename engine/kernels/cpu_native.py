@@ -91,7 +91,7 @@ COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
 ENV_SWITCH = "KVARENA_NATIVE"
 # The most rows `linear` takes: from 12 rows on oneDNN's blocked kernel was faster
-# (engine/models/packed_linear.py: the figures).
+# (results/benchmarks/cpu-kernels-notes.md: the figures).
 THIN_ROWS = 8
 # Output columns per panel of `pack_panels` (KV_PANEL: two AVX2 vectors).
 PANEL = 16
