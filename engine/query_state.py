@@ -1,5 +1,5 @@
-"""Preallocated per-request query signals for policies (docs/architecture.md: "slot pools bound to running
-requests, never allocated per step").
+"""Preallocated per-request query signals for policies: slot pools preallocated for running
+requests, never allocated per step (docs/architecture.md, "The core model", Signals).
 
 - recent: ring buffer of the last n pre-RoPE queries of every layer, [layers, slots, n, q_heads, d],
   with their logical positions [slots, n] (-1 = empty). Zipage/SnapKV rotate them at read time.

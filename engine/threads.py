@@ -7,14 +7,10 @@ chain of short parallel regions (a few matmuls per layer) separated by serial Py
 ops. Between regions, a thread that finished waits for the next one: libgomp lets it spin for up
 to 300,000 iterations (its default), or sleeps it at once (`OMP_WAIT_POLICY=PASSIVE`).
 
-Two measurements on the 2-core machine pull opposite ways (docs/architecture.md "CPU threads"
-has the tables):
-- Quiet machine: sleeping costs a wake-up at every region. SmolLM2 fp32, 2 threads: batch 1
-  13.8-19.3 tok/s PASSIVE against 20.4-24.9 spinning; batch 32 105-112 against 126-148.
-- One CPU-bound competitor: a spinning thread that waits on a peer the OS has descheduled spins
-  its time slice away. Batch 1 14.7 tok/s PASSIVE against 6.7 with a 10,000-iteration spin and
-  3.5 with 100,000; batch 32 75 against 60 and 25.
-- One thread beside that competitor has no peer to wait on: 13.4 and 66 tok/s, as PASSIVE's.
+On a quiet machine sleeping costs a wake-up at every region (a quarter of batch-1 speed on the
+2-core machine); beside a CPU-bound competitor a spinning thread that waits on a peer the OS has
+descheduled spins its time slice away, and one thread, with no peer to wait on, holds up best
+(the measurements: results/benchmarks/cpu-threads-notes.md).
 
 So: spin briefly (`GOMP_SPINCOUNT=10000`, which bounds the loss while the governor reacts), and
 run as many threads as there are cores nobody else wants. `ThreadGovernor` samples, every

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reference evaluation: every registered policy (and Kara's window-fill schedule and Table 1
-# ablations) on the tasks in TASKS, at the CPU scale described in results/README.md. Run from the
+# ablations) on the tasks in TASKS, at the CPU scale described in results/reference/README.md. Run from the
 # repository root, with the data root reached through a relative path so that no machine path is
 # recorded in config.json (e.g. a `data` symlink in the repository root, ignored by git):
 #     DATA=data bash results/run_reference.sh

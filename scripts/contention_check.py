@@ -6,11 +6,12 @@ Starts `--contend` busy-loop processes, then runs, in alternation, one fresh pro
 the embedded model's batch-1 decode (`--tokens` greedy tokens, EOS ignored) and a batch of 16
 (half as many tokens each), printing tok/s, process CPU seconds and the 1-minute load before each.
 
-Setups: `spin` (torch loaded before the engine could set the wait policy: libgomp's default, what
-every command but `kvarena bench` ran with before engine/threads.py), `passive` (the engine's
-default now), `passive-1t` (one thread), `passive-bound` (two threads bound one per CPU,
-GOMP_CPU_AFFINITY, as vLLM's CPU backend binds its worker's threads). The finding and the
-figures measured with it are in docs/architecture.md ("CPU threads").
+Setups: `spin` (torch loaded before the engine could set its OpenMP defaults: libgomp's own
+300,000-iteration spin), `passive` (the engine's defaults: named for an earlier default, it now
+runs engine/threads.py's bounded spin and thread governor), `passive-1t` (the same on one thread),
+`passive-bound` (two threads bound one per CPU, GOMP_CPU_AFFINITY, as vLLM's CPU backend binds
+its worker's threads). The findings and figures measured with it are in
+results/benchmarks/cpu-threads-notes.md.
 """
 
 from __future__ import annotations

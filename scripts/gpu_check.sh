@@ -68,7 +68,7 @@ fi
 if ! "$PYTHON" -c "import torch, triton, sys; sys.exit(0 if torch.cuda.is_available() else 1)" \
         > "$OUT/preflight.log" 2>&1; then
     echo "error: $PYTHON has no CUDA torch with triton (see $OUT/preflight.log). Set the machine up" \
-         "as the README's 'GPU users' section says, or point PYTHON at that interpreter." | tee "$SUMMARY"
+         "as docs/guide.md's 'GPUs' section says, or point PYTHON at that interpreter." | tee "$SUMMARY"
     exit 2
 fi
 

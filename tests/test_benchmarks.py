@@ -564,7 +564,7 @@ def test_kernels_cli_rejects_bad_options_before_compiling(args, message):
 
 def test_launches_per_layer_eager_and_compiled():
     """`kvarena bench launches --quick` with GrowPage's signals: the compiled layer is within the
-    issue's 12 launches and below the eager layer; a view is no launch, a matmul one, the fused
+    target of 12 launches and below the eager layer; a view is no launch, a matmul one, the fused
     paged op two (store + attention on CUDA)."""
     import torch
 

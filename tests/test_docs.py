@@ -1,6 +1,8 @@
-"""The guides hold as written: docs/adding-a-policy.md's `Recent` and docs/adding-a-task.md's
-`SVAMP` are built from the guides' own code blocks, registered in this test process only (the
-registries are restored afterwards), and run end to end on a tiny model."""
+"""The docs hold as written. docs/adding-a-policy.md's `Recent` and docs/adding-a-task.md's `SVAMP`
+are built from the guides' own code blocks, registered in this test process only (the registries
+are restored afterwards), and run end to end on a tiny model. Every other Python block of the
+README and docs/ runs as the script a user would save (tests/doc_blocks.py), and every shell
+command of them is parsed against the CLI, the Makefile and the files it names."""
 
 from __future__ import annotations
 
@@ -14,6 +16,16 @@ import pytest
 from typer.testing import CliRunner
 
 from cli import app
+from doc_blocks import (
+    ILLUSTRATIVE,
+    PYTHON,
+    SHELL,
+    blocks,
+    check_command,
+    commands,
+    doc_files,
+    run_python_block,
+)
 from engine.policies.base import POLICIES, policy_registry
 from evals.tasks import TASKS
 
@@ -129,3 +141,71 @@ def test_the_guide_task_evaluates_end_to_end(guides, tiny_dir, tmp_path):
         assert [s["index"] for s in config["skipped_rows"]] == [2]  # the malformed row, listed
     recent = json.loads((runs[1] / "config.json").read_text())
     assert recent["policy"] == "recent" and recent["policy_args"] == {"budget": 16}
+
+
+# The guides whose one Python block is a module the reader saves into the package (run above by
+# `guide_module`, not as a script).
+MODULE_GUIDES = {"adding-a-policy.md", "adding-a-task.md"}
+
+
+def test_every_doc_block_says_what_it_is():
+    """A fence names its language: commands (bash), code (python), or output (text)."""
+    unlabelled = [b.where() for doc in doc_files() for b in blocks(doc)
+                  if b.lang not in SHELL + PYTHON + ILLUSTRATIVE]
+    assert unlabelled == []
+
+
+def test_every_shell_command_in_the_docs_is_one_the_project_answers(guides):
+    """Each command of every bash block, as written: `kvarena` options exist and parse, with
+    registered policies, tasks and policy arguments (the guides' own are registered here);
+    Makefile targets, scripts and test files exist."""
+    checked = []
+    for doc in doc_files():
+        for block in blocks(doc):
+            if block.lang in SHELL:
+                for argv in commands(block.code):
+                    try:
+                        checked.append(check_command(argv, doc))
+                    except Exception as e:
+                        raise AssertionError(f"{block.where()}: {' '.join(argv)}: {e}") from e
+    assert checked.count("make") >= 1 and len([c for c in checked if c.startswith("kvarena")]) > 20
+    assert {"kvarena eval", "kvarena bench", "kvarena lm-eval", "kvarena generate", "pytest"} \
+        <= set(checked)
+
+
+@pytest.mark.parametrize("argv", [
+    ["kvarena", "eval", "--task", "gsm8k", "--no-such-option", "1"],
+    ["kvarena", "eval", "--task", "gsm8k", "--max-tokens", "many"],
+    ["kvarena", "eval", "--task", "no-such-task"],
+    ["kvarena", "eval", "--task", "gsm8k", "--policy", "no-such-policy"],
+    ["kvarena", "eval", "--task", "gsm8k", "--policy", "snapkv", "-a", "no_such_field=1"],
+    ["kvarena", "bench", "no-such-bench"],
+    ["kvarena", "lm-eval", "-p", "snapkv", "--tasks", "gsm8k", "--no-such-lm-eval-option"],
+    ["kvarena", "lm-eval", "-p", "no-such-policy", "--tasks", "gsm8k"],
+    ["make", "no-such-target"],
+    ["bash", "scripts/no_such_script.sh"],
+    [".venv/bin/pytest", "tests/test_no_such_file.py"],
+    ["curl", "https://example.com"],
+], ids=lambda argv: " ".join(argv[:4]))
+def test_a_doc_command_that_the_project_does_not_answer_fails(argv):
+    with pytest.raises(AssertionError):
+        check_command(argv, ROOT / "README.md")
+
+
+def test_every_python_block_of_the_docs_runs_as_a_script(tiny_dir, tmp_path):
+    """Saved as a file and run in a fresh interpreter on a tiny model: the engine snippet swaps
+    policies and the budgets compress; the evaluation snippet writes runs and reads them back."""
+    scripts = [b for doc in doc_files() if doc.name not in MODULE_GUIDES
+               for b in blocks(doc) if b.lang in PYTHON]
+    assert {b.path.name for b in scripts} == {"guide.md"} and len(scripts) == 2
+    engine_block, eval_block = scripts
+    printed = run_python_block(engine_block, tmp_path, tiny_dir)
+    for policy in ("full", "snapkv", "zipage"):
+        assert f"{policy}: compress events" in printed
+    full, compressed = printed.split("snapkv:", 1)
+    assert "full: compress events 0" in full  # FullKV never compresses, the budgets do
+    assert re.findall(r"(?:snapkv|zipage): compress events [1-9]", compressed) != []
+    printed = run_python_block(eval_block, tmp_path, tiny_dir)
+    assert "pass@1" in printed and "fid_agreement" in printed
+    runs = sorted(p.parent.name for p in (tmp_path / "runs" / "notebook").rglob("metrics.json"))
+    assert len(runs) == 3 and [r.split("+")[0] for r in runs] == ["full", "snapkv", "zipage"]

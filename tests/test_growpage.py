@@ -877,7 +877,7 @@ def test_engine_runs_every_variant_by_name(tiny_dir, name):
     assert_no_page_leak(llm)
 
 
-# -- issue 10: start capacity, accounting, budget readings, preset betas, watermark ------------
+# -- start capacity, accounting, budget readings, preset betas, watermark ---------------------
 
 from engine.events import primary_decisions  # noqa: E402
 from engine.policies.growpage import (  # noqa: E402

@@ -1,51 +1,86 @@
-"""The README's Python snippets run as written, on a tiny random model instead of the embedded
-one (the only substitution: the model name "default" becomes the tiny model's directory)."""
+"""The README holds as written: its commands are the Makefile's, its policy table is the registry,
+and the files the docs point to exist. Every command of every doc block is checked against the
+CLI, and every Python block run as a saved script, in tests/test_docs.py."""
 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
-import pytest
+from doc_blocks import ROOT, blocks, commands
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def python_blocks(path: Path) -> list[str]:
-    """The ```python fenced blocks of a markdown file, in order."""
-    return re.findall(r"^```python\n(.*?)^```", path.read_text(encoding="utf-8"), re.S | re.M)
+README = ROOT / "README.md"
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    from tiny_models import make_tiny_llama_dir
+def section(title: str) -> str:
+    """The README's text under ``## title``, up to the next ``## `` heading."""
+    text = README.read_text(encoding="utf-8")
+    start = text.index(f"\n## {title}\n")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end >= 0 else len(text)]
 
-    # Byte-level prompts of the built-in GSM8K problems need more than the default 512 positions.
-    return make_tiny_llama_dir(tmp_path_factory.mktemp("tiny"), max_position_embeddings=2048)
+
+def makefile_recipe(target: str) -> list[str]:
+    """The shell commands of a Makefile target, continuations joined, variables expanded the way
+    the README spells them (`.venv/bin/kvarena`, `runs/main`)."""
+    text = (ROOT / "Makefile").read_text(encoding="utf-8")
+    recipe = re.search(rf"^{target}:.*\n((?:\t.*\n)+)", text, re.M).group(1)
+    lines = [" ".join(line.split()) for line in recipe.replace("\\\n", " ").splitlines()]
+    variables = {"$(BIN)": ".venv/bin", "$(MAIN_OUT)": "runs/main"}
+    for key, value in variables.items():
+        lines = [line.replace(key, value) for line in lines]
+    assert all("$(" not in line for line in lines), lines
+    return lines
 
 
-def test_readme_python_snippets_run(tiny_dir, tmp_path, monkeypatch, capsys):
-    from evals.run import engines
+def test_the_main_job_commands_are_the_makefiles():
+    """What the README says `make run` runs is what the Makefile runs, option for option."""
+    shown = [b for b in blocks(README) if b.lang == "bash" and "kvarena eval" in b.code]
+    assert len(shown) == 1, "one block lists make run's commands"
+    readme = [" ".join(argv) for argv in commands(shown[0].code)]
+    assert readme == [" ".join(line.split()) for line in makefile_recipe("run")]
 
-    blocks = python_blocks(ROOT / "README.md")
-    assert len(blocks) >= 2 and any("use_policy" in b for b in blocks) \
-        and any("run_eval" in b for b in blocks)
-    monkeypatch.chdir(tmp_path)  # relative out= paths land in the test's directory
-    (tmp_path / "evals").symlink_to(ROOT / "evals")  # the built-in data files the snippets read
-    monkeypatch.setattr(engines, "ENGINES", {})  # no engine from another test is reused
-    for block in blocks:
-        assert '"default"' in block, block  # every snippet names its model, so it is substituted
-        if "run_eval(" in block:  # grading workers import a script's main module: the guard
-            head, guarded = block.split('\nif __name__ == "__main__":\n', 1)
-            assert "run_eval(" not in head and all(
-                line.startswith("    ") for line in guarded.splitlines() if line.strip()), block
-        exec(compile(block.replace('"default"', repr(str(tiny_dir))), "README.md", "exec"),
-             {"__name__": "__main__"})
-    printed = capsys.readouterr().out
-    for policy in ("full", "snapkv", "zipage"):
-        assert f"{policy}: compress events" in printed
-    full, compressed = printed.split("snapkv:", 1)
-    assert "full: compress events 0" in full  # FullKV never compresses, the budgets do
-    assert re.findall(r"(?:snapkv|zipage): compress events [1-9]", compressed) != []
-    assert "compress events 0" not in compressed.split("pass@1")[0]
-    assert "pass@1" in printed and "fid_agreement" in printed
+
+def test_the_two_commands_are_make_targets():
+    first = next(b for b in blocks(README) if b.lang == "bash")
+    assert [argv[:2] for argv in commands(first.code)] == [["make", "run"], ["make", "test"]]
+
+
+def test_the_policy_table_is_the_registry():
+    from engine.policies.base import policy_registry
+
+    rows = re.findall(r"^\| `([\w-]+)` \| ([^|]+) \| ([^|]+) \|$", section("The policies"), re.M)
+    names = [name for name, _, _ in rows]
+    assert sorted(names) == sorted(policy_registry()) and len(names) == len(set(names))
+    assert all(paper.strip() and keeps.strip() for _, paper, keeps in rows)
+
+
+def test_the_readme_says_what_a_newcomer_needs():
+    text = README.read_text(encoding="utf-8")
+    for name in ("`engine`", "`evals`", "`analysis`", "`cli`"):  # the top-level names that clash
+        assert name in text
+    assert "venv of its own" in text and "SmolLM2-135M-Instruct" in text
+    output = next(b for b in blocks(README) if b.lang == "text")
+    assert "kept" in output.code  # the run summary's kept line (per-head slots kept against allocated)
+
+
+def test_every_path_the_docs_name_exists():
+    """Every file of this repository a doc names in backquotes exists: paths under a top-level
+    folder, or under engine/ or evals/ as the architecture names them (`policies/base.py`),
+    found from the root or the doc's own folder; the guides' files-to-write excepted."""
+    from doc_blocks import WRITTEN_BY_READER, doc_files
+
+    pattern = re.compile(r"`([\w.-]+(?:/[\w.+=-]+)+\.(?:md|py|sh|c|h|jsonl|html|toml))`")
+    folders = {p.name: p.parent for p in [*ROOT.iterdir(), *(ROOT / "engine").iterdir(),
+                                          *(ROOT / "evals").iterdir(), *(ROOT / "results").iterdir()]
+               if p.is_dir() and not p.name.startswith((".", "_")) and p.name != "runs"}
+    checked, missing = 0, []
+    for doc in [*doc_files(), ROOT / "results" / "README.md"]:
+        written = WRITTEN_BY_READER.get(doc.name, set())
+        for path in pattern.findall(doc.read_text(encoding="utf-8")):
+            top = path.split("/")[0]
+            if top not in folders or path in written:
+                continue
+            checked += 1
+            if not any((base / path).exists() for base in (ROOT, doc.parent, folders[top])):
+                missing.append(f"{doc.relative_to(ROOT)}: {path}")
+    assert missing == [] and checked > 30

@@ -1,18 +1,13 @@
 """CPU float32 kernels in C: the decode step's store and paged attention, reading the KV pages
 in place, the projections (over packed column panels, or thin batches over the dense weights),
-and the small per-layer ops of an eager pass (RMSNorm with the residual add, RoPE, SiLU-mul).
+the small per-layer ops of an eager pass (RMSNorm with the residual add, RoPE, SiLU-mul), and a
+decode step's whole decoder stack in one call.
 
 Why: the torch twins (paged_attention.py, store_kv.py) gather every page a decode batch attends
-into a dense copy with ``index_select`` and hand it to SDPA, once per layer per step. At batch 32
-and ~400 slots that copy is ~19 MB of keys and values a layer, as much memory traffic per step
-as the model's weights, read twice; and a compiled step, whose attention op cannot share one
-index plan across layers, also paid the twin's checks and mask building in every layer (in a
-profile of a batch-1 compiled step, 17 ms of 52). `paged_decode.c` walks each row's block table
-and reads the keys and values where they lie: one pass, an online softmax page by page, one
-OpenMP task per (row, kv head) on torch's own threads. One layer's decode attention, SmolLM2's
-heads (9 q / 3 kv, head_dim 64), block 32, 2 threads: 32 rows x 384 slots 3.5-4.0 ms with the
-twin, 0.37 ms here; 1 row x 300 slots 0.20 ms against 0.03 ms. Engine figures:
-results/benchmarks/peer.md.
+into a dense copy per layer per step (at batch 32 as much memory traffic as the weights), and at
+batch 1 the dispatch, fork-join and Python between small torch ops are a large share of a step.
+These kernels read pages where they lie, with an online softmax page by page, on torch's own
+OpenMP threads. The measurements behind each are in results/benchmarks/cpu-kernels-notes.md.
 
     store(key, value, k_cache_l, v_cache_l, slot_mapping)
         key, value [T, kv_heads, head_dim] (rows may be strided; heads contiguous) into
@@ -23,19 +18,14 @@ results/benchmarks/peer.md.
         contract (paged_attention.py), with the same zeros for rows or heads that see nothing.
 
     rms_norm(x, weight, eps, delta=None), rope(x, cos, sin), silu_mul(gate_up)
-        One call each where torch runs several ops (rms_norm alone is a handful of aten kernels,
-        RoPE a cat, two multiplies and an add), each with its dispatch and its OpenMP
-        fork-join. At batch 1 the C calls took ~4 ms off a step (SmolLM2, 2 threads, one
-        process alternating the two settings: fastest step 41.4 -> 36.9 ms, 10th percentile
-        49.3 -> 46.0 ms; medians within the machine's noise).
-        The model calls them in eager passes (engine/models/llama.py); a compiled graph fuses
-        the same ops itself (`fuses(x)` is False while compiling).
+        One C call each where torch runs several ops. The model calls them in eager passes
+        (engine/models/llama.py); a compiled graph fuses the same ops itself (`fuses(x)` is
+        False while compiling).
 
     pack_panels(weight) -> panels; panel_linear(x, panels, out_features, bias=None) -> out
         x [T, in] @ weight [out, in]^T (+ bias) for any T over the weight's column panels
         [ceil(out / PANEL), in, PANEL], packed once at load: the engine's CPU projections and
-        LM head (cpu/panel_gemm.c, a 6 x 16 register tile; engine/models/packed_linear.py has
-        why and the figures).
+        LM head (cpu/panel_gemm.c, a 6 x 16 register tile; engine/models/packed_linear.py).
     linear(x, weight, bias=None) -> out
         The same product for T <= THIN_ROWS (`streams(x, weight)`) over the dense weight, each
         weight streamed once (cpu/thin_linear.c): the projections of a small decode batch when
@@ -48,20 +38,10 @@ results/benchmarks/peer.md.
         A decode step's whole decoder stack in one call (cpu/decode_layers.c): for rows that are
         one-token items, every layer's norms, panel projections, RoPE, store and attention, then
         the final norm and (with `logits`) the LM head, the kernels above in the eager pass's
-        order, so the result equals it bit for bit. An eager layer makes ~10 C calls, and at batch
-        1 the Python between them (checks, views, tensor allocation, ctypes) was 18-19% of a step
-        in a profile. SmolLM2, 2 threads, one process alternating the two (128 tokens, 3 runs
-        each): batch 1 28.0-30.8 tok/s against 20.1-24.5, fastest step 22.4-24.0 ms against
-        28.6-33.0 ms; tokens identical. The model runs it (engine/models/llama.py,
-        DecoderModel.stack_layers) for steps without per-head holes; `queries` takes every layer's
-        pre-RoPE queries out for the policies' signals.
-        The final norm and the LM head joined the call later: after the step's 0.54-GB weight
-        stream a torch op runs cold (its code and data are out of every cache), and one row's
-        torch.rms_norm took 0.22-0.25 ms there (median of 200 batch-1 steps) against ~0.04 in a
-        loop; inside the call they reuse the layers' hot code. One process alternating the two
-        per step (SmolLM2 batch 1, ~500 steps a side, three runs): median step 18.48, 18.83 and
-        20.94 ms against 18.94, 19.20 and 21.52 ms with the torch norm and a second call for the
-        head (-1.9 to -2.7%); tenth percentile 0.23-0.43 ms lower.
+        order, so the result equals it bit for bit; only the Python between them is gone. The
+        model runs it (engine/models/llama.py, DecoderModel.stack_layers) for steps without
+        per-head holes; `queries` takes every layer's pre-RoPE queries out for the policies'
+        signals.
 
 `applies(...)` says when the attention kernels run: CPU float32 tensors, contiguous caches and
 head axes, and the library built. It is built once per source, compiler (``$CC`` or ``cc``,
@@ -111,7 +91,7 @@ COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
 LINK_FLAGS = ("-shared", "-fopenmp")
 ENV_SWITCH = "KVARENA_NATIVE"
 # The most rows `linear` takes: from 12 rows on oneDNN's blocked kernel was faster
-# (engine/models/packed_linear.py: the figures).
+# (results/benchmarks/cpu-kernels-notes.md: the figures).
 THIN_ROWS = 8
 # Output columns per panel of `pack_panels` (KV_PANEL: two AVX2 vectors).
 PANEL = 16

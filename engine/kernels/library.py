@@ -7,11 +7,9 @@ and `fake` for tracing (shapes and dtypes only). Mutated arguments are annotated
 (``Tensor(a!) k_cache``), which is what functionalization and inductor read.
 
 Why not ``torch.library.custom_op``: its Python wrapper costs a visible share of a small
-decode step. Measured on the 2-core machine (1 token, 2 threads, inference mode): the packed
-[576, 576] projection through a custom_op took 76 us against 55 us called directly, and the
-store-and-attend op 118-147 us against 40 us for the kernels it wraps; an op declared here adds
-~3-5 us. At batch 1 a compiled SmolLM2 step makes 121 projection and 30 attention calls: about
-5 ms of a ~45 ms step went to the wrappers.
+decode step (at batch 1 a compiled SmolLM2 step makes 121 projection and 30 attention calls);
+an op declared here adds a few microseconds. The measurement is in
+results/benchmarks/cpu-kernels-notes.md.
 """
 
 from __future__ import annotations

@@ -42,19 +42,15 @@ operand SDPA wants (after a free transpose of the first two axes). The earlier l
 ``[num_blocks, block_size, kv_heads, head_dim]`` needed an advanced-indexing gather and handed
 SDPA a transposed view with kv_heads interleaved inside each slot.
 
-Measured with the retired formulation benchmark (results/benchmarks/attention-formulations.md;
-1 thread, process CPU time, min per call; 9 q / 3 kv heads, head_dim 64, block 32, fp32):
-decode, 32 sequences x ~384 slots, 4.5 ms head-major against 7.1 ms for the old layout's twin
-(5.3 ms with index_select on the old layout); 64 x ~256: 6.7 vs 9.6 ms. A 4 x 128-query
-prefill chunk is unchanged (8.0 vs 8.1 ms).
-The twins call ``scaled_dot_product_attention`` (CPU flash kernel) with a boolean mask and
-``enable_gqa=True``. Earlier comparisons put it ahead of grouped matmul + explicit fp32 softmax,
-einsum and expanding the KV heads (repeat_interleave copies the gathered keys again; 4-6x
-slower); folding the query group into SDPA's query axis is within noise of it (the bench kept
-these rows). The CPU SDPA kernel accumulates fp16/bf16 inputs in fp32, so the twins keep the
-input dtype without an upcast copy. Only the pages up to the longest sequence in the batch are
-gathered (-1 padding is clamped to page 0 and masked), so wide (max-model-length) block tables
-cost nothing extra.
+Head-major decode was the faster of the two, prefill unchanged
+(results/benchmarks/attention-formulations.md has the measurements). The twins call
+``scaled_dot_product_attention`` (CPU flash kernel) with a boolean mask and ``enable_gqa=True``,
+which earlier comparisons put ahead of grouped matmul + explicit fp32 softmax, einsum and
+expanding the KV heads (repeat_interleave copies the gathered keys again); folding the query
+group into SDPA's query axis was within noise of it (same file). The CPU SDPA kernel accumulates
+fp16/bf16 inputs in fp32, so the twins keep the input dtype without an upcast copy. Only the
+pages up to the longest sequence in the batch are gathered (-1 padding is clamped to page 0 and
+masked), so wide (max-model-length) block tables cost nothing extra.
 """
 
 from __future__ import annotations

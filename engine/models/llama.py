@@ -7,17 +7,18 @@ qkv bias) are flags of `ArchFlags`, so one implementation serves the family (see
 
 After loading, `CausalLM.fuse_projections` concatenates q/k/v into one weight and gate/up into
 another; the named parameters become views of the fused tensors, so state_dict names, shapes and
-values are unchanged and memory is not doubled. At batch 1 a decode step is ~90 small matvecs
-whose per-call overhead is a visible share of the step (issue: single stream vs transformers), so
-fewer, larger calls help; each output element is still the same dot product, so results match the
-unfused layers (tests/test_engine.py checks it). The rotary cos/sin rows are gathered once per
+values are unchanged and memory is not doubled. At batch 1 a decode step is a chain of small
+matrix-vector products (SmolLM2-135M: 30 layers x 4 fused projections + the LM head = 121; 211
+unfused) whose per-call overhead is a visible share of the step, so fewer, larger calls help; each
+output element is still the same dot product, so results match the unfused layers
+(tests/test_engine.py checks it). The rotary cos/sin rows are gathered once per
 forward pass instead of twice per layer.
 
 On CPU in float32, `CausalLM.pack_weights` then gives every projection and the LM head a
 packed copy of its weight, which the forward pass uses: column panels for the C panel kernel
-when the C kernels are on, else oneDNN's layout (engine/models/packed_linear.py has why and the
-figures). Without packing, with `ForwardContext.native`, a pass of up to 8 rows projects through
-a C kernel over the dense weights. With `native` an eager pass also runs each layer's small ops
+when the C kernels are on, else oneDNN's layout (engine/models/packed_linear.py has why).
+Without packing, with `ForwardContext.native`, a pass of up to 8 rows projects through a C
+kernel over the dense weights. With `native` an eager pass also runs each layer's small ops
 as single C calls (engine/kernels/cpu_native.py): the residual add fused into the next RMSNorm,
 RoPE of q and k, SiLU-mul and the final norm; the same arithmetic in another summation order.
 With panels, `DecoderModel.stack_layers` hands the layers, the final norm and the LM head to one

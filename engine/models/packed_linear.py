@@ -2,47 +2,18 @@
 oneDNN, and thin batches over the dense weights through a C kernel when nothing is packed.
 
 Why pack: a decode step on CPU is mostly thin matmuls, x [B, hidden] (B = the decode batch, 1-64)
-times weight [out, hidden]. `F.linear` sends them to MKL's sgemm, which (like any blocked gemm)
-rearranges the weight into its panel layout inside every call: at B = 32 that reached 93-101
-GFLOP/s on the layer shapes and 54 GFLOP/s on SmolLM2's [49152, 576] LM head, against 113-146 and
-118 GFLOP/s for oneDNN with the weight reordered once (`torch.ops.mkldnn._reorder_linear_weight`,
-the packing inductor's CPU freezing pass uses; vLLM's CPU backend packs the same way). Per
-SmolLM2 decode step at B = 32 (30 layers + head, 2 threads, weights in cache): 103 ms of matmul
-against 67 ms.
+times weight [out, hidden]. `F.linear` sends them to MKL's sgemm, which rearranges the weight into
+its panel layout inside every call; packing once at load (oneDNN's reorder,
+`torch.ops.mkldnn._reorder_linear_weight`, as inductor's CPU freezing pass and vLLM's CPU backend
+do, or our own panels) does that work once. The measurements behind each choice here are in
+results/benchmarks/cpu-kernels-notes.md ("Packed projections", "Thin projections").
 
 Column panels (the default where the C library is built, `native`): engine/kernels/cpu/
 panel_gemm.c packs each weight into panels of 16 output columns, [ceil(out / 16), in, 16], and
-runs a 6-row x 16-column register tile over them, the panel read front to back; oneDNN's packed
-kernel ran these shapes at 55-67% of the two cores' fp32 peak (~190 GFLOP/s: the panel kernel
-reached 187-195 at 512 rows). GFLOP/s at 32 rows (2 threads, weights in cache, best of 4):
-
-    shape [out, in]        oneDNN packed   C panels
-    q/k/v [960, 576]       113-118         140-170
-    o     [576, 576]       108-111         135-143
-    gate/up [3072, 576]    115-125         133-148
-    down  [576, 1536]      114-127         175-179
-    head  [49152, 576]     111-113         134-146
-
-A chain of a step's 121 projections (SmolLM2's shapes, each weight read from memory; one process
-alternating the kernels; best / median of 8, ms). From two rows on the panels are the fastest,
-at one row they tie with the thin kernel below. `kvarena bench projections` times both tables
-(results/benchmarks/projections.md: a slower hour, the same order):
-
-    rows   C panels      oneDNN packed   C thin (dense weight)
-    1      19.3 / 21.3   27.6 / 32.6     21.5 / 22.8
-    2      20.1 / 25.2   27.1 / 34.3     27.0 / 29.8
-    4      25.1 / 26.7   33.4 / 38.2     31.1 / 32.9
-    8      32.2 / 42.1   41.3 / 47.3     39.3 / 47.5
-    16     41.5 / 54.0   60.7 / 67.0
-    32     63.3 / 69.7   80.6 / 88.8
-    64     107.3 / 118.5 138.6 / 152.2
-
-In the engine at B = 32 (SmolLM2, 32 x 128-token prompts, 96 tokens, one process alternating
-two engines, 3 runs each): 207-224 tok/s with oneDNN's copy, 233-268 with the panels (median
-decode step 116-131 ms against 94-112). Prefill chunks (2048 rows) were not slower: 4096-row
-products ran 125-187 GFLOP/s against oneDNN's 127-161 (with a fresh output both pay the page
-faults of its first write). Each output is one accumulator lane summed over the inputs in
-order, so a row's result does not depend on the batch it is in.
+runs a 6-row x 16-column register tile over them, the panel read front to back. From two rows on
+it was the fastest of the three kernels here; at one row it tied with the thin kernel. Each output
+is one accumulator lane summed over the inputs in order, so a row's result does not depend on the
+batch it is in.
 
 What it costs: the packed tensors are a second copy of the projection weights (the dense
 parameters stay, so state_dict, checkpoint names and `load_state` are unchanged): about the size
@@ -56,17 +27,10 @@ steps call the same kernel (the compiled one through the registered op
 weight), so the two modes still agree exactly.
 
 Unpacked weights with `native` (`cpu_packed_weights=False`): thin batches (at most
-cpu_native.THIN_ROWS = 8 rows) stream the dense weight through engine/kernels/cpu/thin_linear.c
-(`torch.ops.kvarena.thin_linear` when compiled), each thread a contiguous share of its rows. At
-batch 1 a decode step is bound by reading the weights (0.54 GB in fp32 for SmolLM2), and
-oneDNN's packed kernel read the step's small matrices (1.3-7 MB) at 15-22 GB/s where a plain sum
-reads 25-31; the thin kernel reads them about as fast as the sum. Against oneDNN's copy (chain
-of 121, best / median ms; from 12 rows oneDNN was faster, so the kernel stops at 8):
-
-    rows   C thin        oneDNN packed   sum of the same weights
-    1      19.3 / 20.8   25.6 / 27.4     18.7 / 20.7
-    8      43.8 / 46.9   47.8 / 55.5
-    12     45.8 / 50.2   43.8 / 46.0
+cpu_native.THIN_ROWS = 8 rows; oneDNN was faster from 12) stream the dense weight through
+engine/kernels/cpu/thin_linear.c (`torch.ops.kvarena.thin_linear` when compiled), each thread a
+contiguous share of its rows: a batch-1 step is bound by reading the weights, and this kernel
+reads them about as fast as a plain sum of them.
 
 `available(device, dtype)`: packing applies (CPU, float32). oneDNN's bf16 reorder needs
 AVX512-BW/VL/DQ or AVX-NE-CONVERT, which the 2-core test machine does not expose (torch sees

@@ -59,7 +59,7 @@ class Table:
 
 @dataclass
 class Target:
-    """A target from the benchmark's issue, checked against the measured value."""
+    """A target the benchmark sets, checked against the measured value."""
 
     description: str
     value: float | None

@@ -14,7 +14,7 @@ specialisation, constexprs, options), compiles it for each ``--arch``, and repor
 
 A spill is local-memory traffic on every loop iteration; no tensor-core instruction in an
 attention kernel means its matmuls run on the fp32 pipes at a fraction of the bf16 MMA rate.
-Targets from the issue: decode and prefill at bf16 (head_dim 128 and 64) with zero spills and
+Targets: decode and prefill at bf16 (head_dim 128 and 64) with zero spills and
 with tensor-core instructions. Timings need a GPU: tests/test_kernels_cuda.py prints them.
 """
 
@@ -40,7 +40,7 @@ ARCHS = (80, 90)
 
 @dataclass(frozen=True)
 class AotScale:
-    """Model and workload shapes of the compiled launches (defaults: the issue's real shapes)."""
+    """Model and workload shapes of the compiled launches (defaults: an 8B model's real shapes)."""
 
     q_heads: int = 32
     kv_heads: int = 8

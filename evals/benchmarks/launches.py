@@ -21,7 +21,7 @@ the LM head and the step's fixed work drop out exactly. The vocabulary is cut to
 
 Signals: `--policies` picks which policies' query signals the step captures (FullKV none,
 GrowPage dual EMAs, SnapKV its recent-query window), since their capture runs inside the step.
-Target (issue: the decode step as one compiled graph): <= 12 launches per layer compiled.
+Target, for a decode step as one compiled graph: <= 12 launches per layer compiled.
 """
 
 from __future__ import annotations

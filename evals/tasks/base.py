@@ -1,7 +1,7 @@
 """Task interface, per-task run defaults, data loading (hub or local files), the task registry.
 
 A task knows where its data lives (a hub dataset id, or a local file/directory in the
-formats the README describes: ``<root>/gsm8k/test.jsonl`` and so on), how to turn a data row
+formats docs/guide.md describes: ``<root>/gsm8k/test.jsonl`` and so on), how to turn a data row
 into a :class:`Problem`, which chat messages to send for a problem, and which grader judges it.
 It knows nothing of the engine.  A runner does::
 

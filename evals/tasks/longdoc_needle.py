@@ -20,7 +20,7 @@ from evals.tasks.base import TaskDefaults, TokenRequest, register_task
 from evals.tasks.niah import NIAH
 from evals.tasks.prompting import render_prompt
 
-# A fact decoded 1-4k tokens before the question (the issue of scale: the papers' decode-time
+# A fact decoded 1-4k tokens before the question (the question of scale: the papers' decode-time
 # policies act over thousands of tokens).
 CPU_LENGTHS = (1024, 2048, 4096)
 

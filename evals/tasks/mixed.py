@@ -24,7 +24,7 @@ class Mixed(Task):
     Each problem keeps its source task and grader and carries its multiplicity in
     ``Problem.samples`` (a runner should prefer it over a task-wide sample count).  Data:
     ``--data`` must be a data root holding ``amc23/``, ``aime24/`` and ``gsm8k/`` (the data
-    root layout of the README), or omitted for the hub datasets.  ``limit`` applies per
+    root layout of docs/guide.md), or omitted for the hub datasets.  ``limit`` applies per
     source task, so every source stays in the mix.
 
     Paper defaults: 32768 output tokens for every request and no single KV budget (the

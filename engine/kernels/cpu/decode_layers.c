@@ -2,11 +2,11 @@
    store and paged attention for rows that are one-token items, then the final norm and, when
    given, the LM head, float32 on the CPU.
 
-   engine/kernels/cpu_native.py (`decode_layers`) calls it through ctypes; its docstring has why
-   and the figures. It runs the same C kernels, in the same order and on the same operands, as
-   an eager layer with the C kernels on (engine/models/llama.py, DecoderLayer._forward_native),
-   so the residual stream it leaves equals that path's bit for bit; only the Python between the
-   kernels is gone.
+   engine/kernels/cpu_native.py (`decode_layers`) calls it through ctypes; its docstring has
+   why, results/benchmarks/cpu-kernels-notes.md the figures. It runs the same C kernels, in the
+   same order and on the same operands, as an eager layer with the C kernels on
+   (engine/models/llama.py, DecoderLayer._forward_native), so the residual stream it leaves
+   equals that path's bit for bit; only the Python between the kernels is gone.
 
      x:        [T, hidden], the embedded tokens; on return the residual stream after the last
                layer (before the final norm), written in place

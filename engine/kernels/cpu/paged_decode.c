@@ -1,7 +1,8 @@
 /* The CPU decode step's paged kernels for float32, reading the KV pages in place.
 
    engine/kernels/cpu_native.py builds this file once per machine and calls it through ctypes;
-   its docstring has the shapes, why it exists and the figures. Layouts (all float32, C order):
+   its docstring has the shapes and why it exists (figures: results/benchmarks/cpu-kernels-notes.md).
+   Layouts (all float32, C order):
 
      cache (one layer):  [kv_heads, num_pages * block_size, head_dim]   (flat slot = page * bs + off)
      key, value rows:    row t, head h at  key + t * key_stride + h * head_dim

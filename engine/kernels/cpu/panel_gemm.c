@@ -2,7 +2,7 @@
 
    engine/kernels/cpu_native.py builds this file with the others into one library;
    engine/models/packed_linear.py has why (oneDNN's packed kernel ran these thin matmuls at
-   55-67% of the two cores' fp32 peak) and the figures.
+   55-67% of the two cores' fp32 peak; figures in results/benchmarks/cpu-kernels-notes.md).
 
      w       [N, K] contiguous, the dense nn.Linear weight (out_features x in_features)
      panels  [P, K, 16], P = ceil(N / 16): panel p holds output columns 16p .. 16p + 15, one

@@ -1,8 +1,9 @@
 /* Thin float32 projections, y = x W^T (+ bias), for the few rows of a small decode batch.
 
-   engine/kernels/cpu_native.py builds this file with paged_decode.c into one library; its
-   docstring has why (a batch-1 step streams every weight once, and oneDNN's packed kernel
-   streamed the small per-layer matrices well below the memory's rate) and the figures.
+   engine/kernels/cpu_native.py builds this file with paged_decode.c into one library. Why: a
+   batch-1 step streams every weight once, and oneDNN's packed kernel streamed the small
+   per-layer matrices well below the memory's rate (figures in
+   results/benchmarks/cpu-kernels-notes.md).
 
      x     [T, K], row t at x + t * x_stride (the K values contiguous)
      w     [N, K] contiguous, the dense nn.Linear weight (out_features x in_features)
