@@ -55,14 +55,13 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import ConfigError
-from engine.policies.base import Decision, HeadKeep, PolicyView, StageTimer, register_policy
+from engine.policies.base import Decision, HeadKeep, PolicyView, register_policy
 from engine.policies.fixed_budget import PromptOnlyBudget
 from engine.policies.scoring import (
     keep_counts,
     observation_queries,
     observation_scores,
     pool1d,
-    protected_mask,
     split_exactly,
 )
 from engine.policies.snapkv import SnapKV
@@ -133,17 +132,14 @@ class AdaKV(PromptOnlyBudget, SnapKV):
         pooled = pool1d(score[..., :region], self.pooling_kernel, self.pooling)
         return torch.cat([pooled, score[..., region:]], dim=-1)
 
-    def select(self, view: PolicyView, target_len: int, timer: StageTimer) -> HeadKeep:
-        with timer.stage("score"):
-            score = self.scores(view)
-        with timer.stage("window_mask"):
-            protected = protected_mask(score.shape[-1], self.window, device=score.device)
-        with timer.stage("topk"):
-            region = score.shape[-1] - self.window
-            per_head = self.request_budget(view.state) - self.window
-            counts = adaptive_head_budgets(score[..., :region], per_head,
-                                           self.floor_alpha) + self.window
-            keep = keep_counts(score, counts, protected)
+    def choose(self, view: PolicyView, score: torch.Tensor, target_len: int,
+               protected: torch.Tensor) -> HeadKeep:
+        """Each head's adaptive count of best slots plus the window, padded to `target_len`."""
+        region = score.shape[-1] - self.window
+        per_head = self.request_budget(view.state) - self.window
+        counts = adaptive_head_budgets(score[..., :region], per_head,
+                                       self.floor_alpha) + self.window
+        keep = keep_counts(score, counts, protected)
         width = keep.slots.shape[-1]
         if width > target_len:
             raise RuntimeError(f"{self.name}: a head kept {width} slots, above the decision's "

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import ConfigError
-from engine.policies.base import register_policy
+from engine.policies.base import PolicyView, register_policy
 from engine.policies.scoring import select_chunks
 from engine.policies.snapkv import SnapKV
 
@@ -74,7 +74,8 @@ class ChunkKV(SnapKV):
         if self.chunk_size < 1:
             raise ConfigError(f"chunkkv: chunk_size must be >= 1 slots, got {self.chunk_size}")
 
-    def choose(self, score: torch.Tensor, target_len: int, protected: torch.Tensor) -> torch.Tensor:
+    def choose(self, view: PolicyView, score: torch.Tensor, target_len: int,
+               protected: torch.Tensor) -> torch.Tensor:
         if target_len < self.window:
             raise ValueError(f"chunkkv: target_len {target_len} is below the window {self.window}")
         return chunkkv_keep(score, target_len, self.window, self.chunk_size)

@@ -46,8 +46,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import ConfigError
-from engine.policies.base import PolicyView, SignalSpec, StageTimer, register_policy
-from engine.policies.fixed_budget import BudgetState, FixedBudgetPolicy
+from engine.policies.base import PolicyView, SignalSpec, register_policy
+from engine.policies.fixed_budget import BudgetState
+from engine.policies.scored import WindowScored
 from engine.policies.scoring import (
     decayed_max,
     key_redundancy,
@@ -55,8 +56,6 @@ from engine.policies.scoring import (
     mix_redundancy,
     observation_queries,
     observation_scores,
-    protected_mask,
-    topk_keep,
 )
 
 
@@ -93,7 +92,7 @@ def gkv_scores(queries: torch.Tensor, keys: torch.Tensor, key_limit: torch.Tenso
 
 @register_policy
 @dataclass
-class GKV(FixedBudgetPolicy):
+class GKV(WindowScored):
     """G-KV's global-score eviction at page boundaries (module docstring).
 
     budget / budget_ratio: tokens kept after a compaction (None: 8 pages), or a kept share of the
@@ -105,47 +104,36 @@ class GKV(FixedBudgetPolicy):
 
     name = "gkv"
     protected_label = "observation window"
+    state_type = GKVState
 
     window: int = 16
     alpha: float = 0.8
     mix_lambda: float = 0.5
 
     def __post_init__(self) -> None:
-        if self.window < 1:
-            raise ConfigError(f"{self.name}: window must be >= 1 recent queries, got {self.window}")
         if not 0.0 <= self.alpha <= 1.0:
             raise ConfigError(f"{self.name}: alpha must be in [0, 1], got {self.alpha}")
         if not 0.0 <= self.mix_lambda <= 1.0:
             raise ConfigError(f"{self.name}: mix_lambda must be in [0, 1], got {self.mix_lambda}")
-        self._check_budget()
-
-    @property
-    def num_protected(self) -> int:
-        return self.window
+        super().__post_init__()
 
     def signals(self) -> SignalSpec:
         return SignalSpec(recent_queries=self.window, slot_scores=True)
 
-    def new_state(self) -> GKVState:
-        return GKVState()
-
     def on_preempt(self, state: GKVState) -> None:
         state.scored_len = 0  # the re-prefilled request has no global score yet
 
-    def select(self, view: PolicyView, target_len: int, timer: StageTimer) -> torch.Tensor:
-        state = view.state
-        if not isinstance(state, GKVState):
-            raise RuntimeError(f"{self.name}: sequence {view.seq_id} has no GKVState (got {state!r})")
-        with timer.stage("score"):
-            queries, key_limit = observation_queries(view, self.window)
-            score, merged = gkv_scores(queries, view.keys(), key_limit, window=self.window,
-                                       old_scores=view.slot_scores() if state.scored_len else None,
-                                       scored_len=state.scored_len, alpha=self.alpha,
-                                       mix_lambda=self.mix_lambda)
-            view.set_slot_scores(merged)
-        with timer.stage("window_mask"):
-            protected = protected_mask(score.shape[-1], self.window, device=score.device)
-        with timer.stage("topk"):
-            keep = topk_keep(score, target_len, protected)
-        state.scored_len = target_len - self.window  # the kept window slots count as fresh next time
-        return keep
+    def scores(self, view: PolicyView) -> torch.Tensor:
+        """The selection score; the merged global score is persisted per slot."""
+        state = self.scored_state(view)
+        queries, key_limit = observation_queries(view, self.window)
+        score, merged = gkv_scores(queries, view.keys(), key_limit, window=self.window,
+                                   old_scores=view.slot_scores() if state.scored_len else None,
+                                   scored_len=state.scored_len, alpha=self.alpha,
+                                   mix_lambda=self.mix_lambda)
+        view.set_slot_scores(merged)
+        return score
+
+    def after_select(self, view: PolicyView, target_len: int) -> None:
+        # the kept window slots count as fresh next time
+        self.scored_state(view).scored_len = target_len - self.window

@@ -39,13 +39,15 @@ queries of every layer and query head per running request (H2O's accumulation ne
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from engine.config import ConfigError
-from engine.policies.base import EngineSpec, PolicyView, SignalSpec, StageTimer, register_policy
-from engine.policies.fixed_budget import BudgetState, FixedBudgetPolicy
-from engine.policies.scoring import observation_scores, protected_mask, topk_keep
+from engine.policies.base import EngineSpec, PolicyView, SignalSpec, register_policy
+from engine.policies.fixed_budget import BudgetState
+from engine.policies.scored import WindowScored
+from engine.policies.scoring import observation_scores
 
 QUERY_CHUNK = 64     # queries scored at once (bounds [layers, q_heads, chunk, length])
 SCORE_ELEMS = 1 << 22  # attention probabilities held at once (floats): layers per pass
@@ -89,7 +91,7 @@ def tail_key_limits(positions: torch.Tensor, physical_len: int, num_computed: in
 
 @register_policy
 @dataclass
-class H2O(FixedBudgetPolicy):
+class H2O(WindowScored):
     """Heavy hitters by accumulated attention + recent tokens (module docstring).
 
     budget / budget_ratio: tokens kept after a compaction (None: 8 pages), or a kept share of the
@@ -99,18 +101,16 @@ class H2O(FixedBudgetPolicy):
 
     name = "h2o"
     protected_label = "newest token"
+    state_type = H2OState
 
+    window: ClassVar[int] = 1  # the newest token; a compaction keeps protected_recent's share
     recent_ratio: float = 0.5
 
     def __post_init__(self) -> None:
         if not 0.0 < self.recent_ratio < 1.0:
             raise ConfigError(f"{self.name}: recent_ratio must be in (0, 1), got {self.recent_ratio}")
         self._block = 0
-        self._check_budget()
-
-    @property
-    def num_protected(self) -> int:
-        return 1
+        super().__post_init__()
 
     def prepare(self, block_size: int) -> None:
         self._block = block_size
@@ -124,13 +124,11 @@ class H2O(FixedBudgetPolicy):
             raise RuntimeError(f"{self.name}: signals() needs the block size (prepare) first")
         return SignalSpec(recent_queries=2 * self._block, slot_scores=True)
 
-    def new_state(self) -> H2OState:
-        return H2OState()
-
     def on_preempt(self, state: H2OState) -> None:
         state.scored_len = state.scored_pos = 0
 
-    def recent_count(self, target_len: int) -> int:
+    def protected_recent(self, target_len: int) -> int:
+        """The recent share of the target (at least the newest token)."""
         return min(target_len, max(1, round(self.recent_ratio * target_len)))
 
     # -- selection -----------------------------------------------------------------------------
@@ -149,24 +147,20 @@ class H2O(FixedBudgetPolicy):
             positions = torch.cat([torch.arange(since, first), positions])
         return cached, positions
 
-    def select(self, view: PolicyView, target_len: int, timer: StageTimer) -> torch.Tensor:
-        state = view.state
-        if not isinstance(state, H2OState):
-            raise RuntimeError(f"{self.name}: sequence {view.seq_id} has no H2OState (got {state!r})")
-        with timer.stage("score"):
-            keys = view.keys()
-            score = torch.zeros(keys.shape[:3], device=keys.device)
-            if state.scored_len:
-                score[..., :state.scored_len] = view.slot_scores()[..., :state.scored_len].float()
-            queries, positions = self._new_queries(view, state.scored_pos)
-            if positions.numel():
-                limits = tail_key_limits(positions, view.physical_len, view.num_computed)
-                score += accumulated_attention(queries, keys, limits.to(keys.device))
-            view.set_slot_scores(score)
-        with timer.stage("window_mask"):
-            protected = protected_mask(score.shape[-1], self.recent_count(target_len),
-                                       device=score.device)
-        with timer.stage("topk"):
-            keep = topk_keep(score, target_len, protected)
+    def scores(self, view: PolicyView) -> torch.Tensor:
+        """The accumulated attention, with every query since the last compaction added (persisted)."""
+        state = self.scored_state(view)
+        keys = view.keys()
+        score = torch.zeros(keys.shape[:3], device=keys.device)
+        if state.scored_len:
+            score[..., :state.scored_len] = view.slot_scores()[..., :state.scored_len].float()
+        queries, positions = self._new_queries(view, state.scored_pos)
+        if positions.numel():
+            limits = tail_key_limits(positions, view.physical_len, view.num_computed)
+            score += accumulated_attention(queries, keys, limits.to(keys.device))
+        view.set_slot_scores(score)
+        return score
+
+    def after_select(self, view: PolicyView, target_len: int) -> None:
+        state = self.scored_state(view)
         state.scored_len, state.scored_pos = target_len, view.num_computed
-        return keep

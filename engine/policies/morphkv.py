@@ -35,9 +35,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import ConfigError
-from engine.policies.base import PolicyView, SignalSpec, StageTimer, register_policy
-from engine.policies.fixed_budget import FixedBudgetPolicy
-from engine.policies.scoring import grouped_logit_probs, observation_queries, protected_mask, topk_keep
+from engine.policies.base import PolicyView, register_policy
+from engine.policies.scored import WindowScored
+from engine.policies.scoring import grouped_logit_probs, observation_queries
 
 FUSIONS = ("sum", "max")
 
@@ -59,7 +59,7 @@ def morphkv_scores(queries: torch.Tensor, keys: torch.Tensor, *, window: int,
 
 @register_policy
 @dataclass
-class MorphKV(FixedBudgetPolicy):
+class MorphKV(WindowScored):
     """Recent window + the distant tokens most correlated with it (module docstring).
 
     budget / budget_ratio: tokens kept after a compaction (None: 8 pages), or a kept share of the
@@ -75,24 +75,10 @@ class MorphKV(FixedBudgetPolicy):
     fusion: str = "sum"
 
     def __post_init__(self) -> None:
-        if self.window < 1:
-            raise ConfigError(f"{self.name}: window must be >= 1 recent tokens, got {self.window}")
         if self.fusion not in FUSIONS:
             raise ConfigError(f"{self.name}: fusion must be one of {list(FUSIONS)}, got {self.fusion!r}")
-        self._check_budget()
+        super().__post_init__()
 
-    @property
-    def num_protected(self) -> int:
-        return self.window
-
-    def signals(self) -> SignalSpec:
-        return SignalSpec(recent_queries=self.window)
-
-    def select(self, view: PolicyView, target_len: int, timer: StageTimer) -> torch.Tensor:
-        with timer.stage("score"):
-            queries, _ = observation_queries(view, self.window)
-            score = morphkv_scores(queries, view.keys(), window=self.window, fusion=self.fusion)
-        with timer.stage("window_mask"):
-            protected = protected_mask(score.shape[-1], self.window, device=score.device)
-        with timer.stage("topk"):
-            return topk_keep(score, target_len, protected)
+    def scores(self, view: PolicyView) -> torch.Tensor:
+        queries, _ = observation_queries(view, self.window)
+        return morphkv_scores(queries, view.keys(), window=self.window, fusion=self.fusion)

@@ -64,9 +64,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import ConfigError
-from engine.policies.base import Decision, EngineSpec, HeadKeep, PolicyView, StageTimer, register_policy
+from engine.policies.base import Decision, EngineSpec, HeadKeep, PolicyView, register_policy
 from engine.policies.fixed_budget import PromptOnlyBudget
-from engine.policies.scoring import keep_counts, protected_mask, split_exactly
+from engine.policies.scoring import keep_counts, split_exactly
 from engine.policies.snapkv import SnapKV
 
 
@@ -171,15 +171,12 @@ class PyramidKV(PromptOnlyBudget, SnapKV):
                                  reason="prefill", budget=budget)
 
     # -- selection -----------------------------------------------------------------------------
-    def select(self, view: PolicyView, target_len: int, timer: StageTimer) -> HeadKeep:
-        with timer.stage("score"):
-            score = self.scores(view)
-        with timer.stage("window_mask"):
-            protected = protected_mask(score.shape[-1], self.window, device=score.device)
-        with timer.stage("topk"):
-            budgets = self.budgets_for(view.physical_len, self.request_budget(view.state))
-            counts = torch.tensor(budgets, dtype=torch.long)[:, None].expand(score.shape[:2])
-            keep = keep_counts(score, counts, protected)
+    def choose(self, view: PolicyView, score: torch.Tensor, target_len: int,
+               protected: torch.Tensor) -> HeadKeep:
+        """Each layer's budget of best slots (window included), the same for its heads."""
+        budgets = self.budgets_for(view.physical_len, self.request_budget(view.state))
+        counts = torch.tensor(budgets, dtype=torch.long)[:, None].expand(score.shape[:2])
+        keep = keep_counts(score, counts, protected)
         if keep.slots.shape[-1] != target_len:
             raise RuntimeError(f"{self.name}: budgets changed between decision and selection")
         return keep

@@ -49,16 +49,14 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import ConfigError
-from engine.policies.base import PolicyView, SignalSpec, StageTimer, register_policy
-from engine.policies.fixed_budget import FixedBudgetPolicy
+from engine.policies.base import PolicyView, register_policy
+from engine.policies.scored import WindowScored
 from engine.policies.scoring import (
     grouped_logit_probs,
     key_redundancy,
     mix_redundancy,
     observation_queries,
     pool1d,
-    protected_mask,
-    topk_keep,
 )
 
 
@@ -83,7 +81,7 @@ def rkv_scores(queries: torch.Tensor, keys: torch.Tensor, *, window: int, kernel
 
 @register_policy
 @dataclass
-class RKV(FixedBudgetPolicy):
+class RKV(WindowScored):
     """R-KV importance + redundancy selection at page boundaries (module docstring).
 
     budget / budget_ratio: tokens kept after a compaction (None: 8 pages), or a kept share of the
@@ -105,8 +103,6 @@ class RKV(FixedBudgetPolicy):
     code_sink: bool = False
 
     def __post_init__(self) -> None:
-        if self.window < 1:
-            raise ConfigError(f"{self.name}: window must be >= 1 observation tokens, got {self.window}")
         if self.kernel_size < 1 or self.kernel_size % 2 == 0:
             raise ConfigError(f"{self.name}: kernel_size must be an odd integer >= 1, "
                               f"got {self.kernel_size}")
@@ -114,22 +110,10 @@ class RKV(FixedBudgetPolicy):
             raise ConfigError(f"{self.name}: mix_lambda must be in [0, 1], got {self.mix_lambda}")
         if not -1.0 <= self.threshold <= 1.0:
             raise ConfigError(f"{self.name}: threshold must be a cosine in [-1, 1], got {self.threshold}")
-        self._check_budget()
+        super().__post_init__()
 
-    @property
-    def num_protected(self) -> int:
-        return self.window
-
-    def signals(self) -> SignalSpec:
-        return SignalSpec(recent_queries=self.window)
-
-    def select(self, view: PolicyView, target_len: int, timer: StageTimer) -> torch.Tensor:
-        with timer.stage("score"):
-            queries, _ = observation_queries(view, self.window)
-            score = rkv_scores(queries, view.keys(), window=self.window, kernel=self.kernel_size,
-                               mix_lambda=self.mix_lambda, threshold=self.threshold,
-                               code_sink=self.code_sink)
-        with timer.stage("window_mask"):
-            protected = protected_mask(score.shape[-1], self.window, device=score.device)
-        with timer.stage("topk"):
-            return topk_keep(score, target_len, protected)
+    def scores(self, view: PolicyView) -> torch.Tensor:
+        queries, _ = observation_queries(view, self.window)
+        return rkv_scores(queries, view.keys(), window=self.window, kernel=self.kernel_size,
+                          mix_lambda=self.mix_lambda, threshold=self.threshold,
+                          code_sink=self.code_sink)

@@ -44,21 +44,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import ConfigError
-from engine.policies.base import (
-    PolicyView,
-    SignalSpec,
-    StageTimer,
-    register_policy,
-)
-from engine.policies.fixed_budget import FixedBudgetPolicy
-from engine.policies.scoring import (
-    group_mean,
-    observation_queries,
-    observation_scores,
-    pool1d,
-    protected_mask,
-    topk_keep,
-)
+from engine.policies.base import PolicyView, register_policy
+from engine.policies.scored import WindowScored
+from engine.policies.scoring import group_mean, observation_queries, observation_scores, pool1d
 
 POOLING_MODES = ("max", "avg")
 
@@ -85,7 +73,7 @@ def snapkv_scores(queries: torch.Tensor, keys: torch.Tensor, key_limit: torch.Te
 
 @register_policy
 @dataclass
-class SnapKV(FixedBudgetPolicy):
+class SnapKV(WindowScored):
     """Prompt + threshold-triggered decode compression with SnapKV scores (module docstring).
 
     budget: physical length after a compression (tokens). None: 8 pages of the engine's block.
@@ -105,8 +93,6 @@ class SnapKV(FixedBudgetPolicy):
     layer_stride: int = 8
 
     def __post_init__(self) -> None:
-        if self.window < 1:
-            raise ConfigError(f"{self.name}: window must be >= 1 recent queries, got {self.window}")
         if self.pooling not in POOLING_MODES:
             raise ConfigError(
                 f"{self.name}: pooling must be one of {list(POOLING_MODES)}, got {self.pooling!r}")
@@ -115,33 +101,11 @@ class SnapKV(FixedBudgetPolicy):
                 f"{self.name}: pooling_kernel must be an odd integer >= 1, got {self.pooling_kernel}")
         if self.layer_stride < 1:
             raise ConfigError(f"{self.name}: layer_stride must be >= 1, got {self.layer_stride}")
-        self._check_budget()
+        super().__post_init__()
 
-    @property
-    def num_protected(self) -> int:
-        """The observation window: its queries score the rest, its slots are always kept."""
-        return self.window
-
-    # -- signals -------------------------------------------------------------------------------
-    def signals(self) -> SignalSpec:
-        return SignalSpec(recent_queries=self.window)
-
-    # -- selection -----------------------------------------------------------------------------
     def scores(self, view: PolicyView) -> torch.Tensor:
         """SnapKV scores of the view's physical slots: float32 `[layers, kv_heads, physical_len]`."""
         queries, key_limit = observation_queries(view, self.window)
         return snapkv_scores(queries, view.keys(), key_limit, window=self.window,
                              pool_kernel=self.pooling_kernel, pool_mode=self.pooling,
                              layer_stride=self.layer_stride)
-
-    def select(self, view: PolicyView, target_len: int, timer: StageTimer) -> torch.Tensor:
-        with timer.stage("score"):
-            score = self.scores(view)
-        with timer.stage("window_mask"):
-            protected = protected_mask(score.shape[-1], self.window, device=score.device)
-        with timer.stage("topk"):
-            return self.choose(score, target_len, protected)
-
-    def choose(self, score: torch.Tensor, target_len: int, protected: torch.Tensor) -> torch.Tensor:
-        """Kept slots `[layers, kv_heads, target_len]` ascending: top-k per head plus the window."""
-        return topk_keep(score, target_len, protected)

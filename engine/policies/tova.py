@@ -24,17 +24,13 @@ result of `block_size` successive greedy drops).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from engine.policies.base import PolicyView, SignalSpec, StageTimer, register_policy
-from engine.policies.fixed_budget import FixedBudgetPolicy
-from engine.policies.scoring import (
-    observation_queries,
-    observation_scores,
-    protected_mask,
-    topk_keep,
-)
+from engine.policies.base import PolicyView, register_policy
+from engine.policies.scored import WindowScored
+from engine.policies.scoring import observation_queries, observation_scores
 
 
 def tova_scores(queries: torch.Tensor, keys: torch.Tensor, key_limit: torch.Tensor | None) -> torch.Tensor:
@@ -51,7 +47,7 @@ def tova_scores(queries: torch.Tensor, keys: torch.Tensor, key_limit: torch.Tens
 
 @register_policy
 @dataclass
-class TOVA(FixedBudgetPolicy):
+class TOVA(WindowScored):
     """Drop the lowest attention of the current query (module docstring).
 
     budget / budget_ratio: tokens kept after a compaction (None: 8 pages), or a kept share of the
@@ -61,21 +57,8 @@ class TOVA(FixedBudgetPolicy):
     name = "tova"
     protected_label = "newest token"
 
-    def __post_init__(self) -> None:
-        self._check_budget()
+    window: ClassVar[int] = 1  # the newest token: its query scores, its slot is kept
 
-    @property
-    def num_protected(self) -> int:
-        return 1
-
-    def signals(self) -> SignalSpec:
-        return SignalSpec(recent_queries=1)
-
-    def select(self, view: PolicyView, target_len: int, timer: StageTimer) -> torch.Tensor:
-        with timer.stage("score"):
-            queries, key_limit = observation_queries(view, 1)
-            score = tova_scores(queries, view.keys(), key_limit)
-        with timer.stage("window_mask"):
-            protected = protected_mask(score.shape[-1], 1, device=score.device)
-        with timer.stage("topk"):
-            return topk_keep(score, target_len, protected)
+    def scores(self, view: PolicyView) -> torch.Tensor:
+        queries, key_limit = observation_queries(view, self.window)
+        return tova_scores(queries, view.keys(), key_limit)

@@ -63,14 +63,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import ConfigError
-from engine.policies.base import (
-    EngineSpec,
-    PolicyView,
-    SignalSpec,
-    StageTimer,
-    register_policy,
-)
-from engine.policies.fixed_budget import BudgetState, FixedBudgetPolicy
+from engine.policies.base import EngineSpec, PolicyView, SignalSpec, register_policy
+from engine.policies.fixed_budget import BudgetState
+from engine.policies.scored import WindowScored
 from engine.policies.scoring import (
     decayed_max,
     key_redundancy,
@@ -78,8 +73,6 @@ from engine.policies.scoring import (
     observation_queries,
     observation_scores,
     pool1d,
-    protected_mask,
-    topk_keep,
 )
 
 REDUNDANCY_SCOPES = ("block", "all")
@@ -122,7 +115,7 @@ def zipage_scores(queries: torch.Tensor, keys: torch.Tensor, key_limit: torch.Te
 
 @register_policy
 @dataclass
-class Zipage(FixedBudgetPolicy):
+class Zipage(WindowScored):
     """Fixed per-request budget with Compress & Hold at the page cap (see the module docstring).
 
     budget: retained tokens after a compaction; a multiple of the block size. None: 8 pages.
@@ -137,6 +130,7 @@ class Zipage(FixedBudgetPolicy):
     """
 
     name = "zipage"
+    state_type = ZipageState
 
     window: int = 16
     use_global_score: bool = True
@@ -153,8 +147,6 @@ class Zipage(FixedBudgetPolicy):
     layer_stride: int = 8
 
     def __post_init__(self) -> None:
-        if self.window < 1:
-            raise ConfigError(f"zipage: window must be >= 1 recent queries, got {self.window}")
         if not 0.0 <= self.decay <= 1.0:
             raise ConfigError(f"zipage: decay must be in [0, 1], got {self.decay}")
         if self.pooling_kernel < 1 or self.pooling_kernel % 2 == 0:
@@ -175,11 +167,11 @@ class Zipage(FixedBudgetPolicy):
         if self.redundancy_scope not in REDUNDANCY_SCOPES:
             raise ConfigError(f"zipage: redundancy_scope must be one of {list(REDUNDANCY_SCOPES)}, "
                               f"got {self.redundancy_scope!r}")
-        self._check_budget()
+        super().__post_init__()
 
     @property
-    def num_protected(self) -> int:
-        return self.window + (self.sink_len if self.attention_sink else 0)
+    def protected_sink(self) -> int:
+        return self.sink_len if self.attention_sink else 0
 
     def describe_protected(self) -> str:
         sink = f" + sink_len {self.sink_len}" if self.attention_sink else ""
@@ -204,40 +196,34 @@ class Zipage(FixedBudgetPolicy):
     def signals(self) -> SignalSpec:
         return SignalSpec(recent_queries=self.window, slot_scores=self.use_global_score)
 
-    def new_state(self) -> ZipageState:
-        return ZipageState()
-
     def on_preempt(self, state: ZipageState) -> None:
         # The re-prefilled request starts uncompressed: no persisted scores, pooling applies again.
         state.compressed = False
         state.scored_len = 0
 
     # -- selection -----------------------------------------------------------------------------
-    def select(self, view: PolicyView, target_len: int, timer: StageTimer) -> torch.Tensor:
-        state = view.state
-        if not isinstance(state, ZipageState):
-            raise RuntimeError(f"zipage: sequence {view.seq_id} has no ZipageState (got {state!r})")
-        with timer.stage("score"):
-            queries, key_limit = observation_queries(view, self.window)
-            keys = view.keys()
-            old = view.slot_scores() if self.use_global_score else None
-            # Pool only a contiguous layout (before the first compaction) unless asked to.
-            pool = self.pooling and (not state.compressed or self.continue_pooling)
-            score, persist = zipage_scores(
-                queries, keys, key_limit, old_scores=old,
-                scored_len=state.scored_len if state.compressed else 0, decay=self.decay,
-                pool_kernel=self.pooling_kernel if pool else 1, layer_stride=self.layer_stride)
-            if self.use_global_score:
-                view.set_slot_scores(persist)
-            if self.redundancy:
-                block = self.block_size if self.redundancy_scope == "block" else None
-                red = key_redundancy(keys, temperature=self.redundancy_temperature, block=block)
-                score = mix_redundancy(score, red, self.redundancy_lambda)
-        with timer.stage("window_mask"):
-            protected = protected_mask(score.shape[-1], self.window,
-                                       self.sink_len if self.attention_sink else 0, score.device)
-        with timer.stage("topk"):
-            keep = topk_keep(score, target_len, protected)
+    def scores(self, view: PolicyView) -> torch.Tensor:
+        """Window attention merged with the decayed global score (persisted), pooled, and mixed
+        with the key redundancy when it is on."""
+        state = self.scored_state(view)
+        queries, key_limit = observation_queries(view, self.window)
+        keys = view.keys()
+        old = view.slot_scores() if self.use_global_score else None
+        # Pool only a contiguous layout (before the first compaction) unless asked to.
+        pool = self.pooling and (not state.compressed or self.continue_pooling)
+        score, persist = zipage_scores(
+            queries, keys, key_limit, old_scores=old,
+            scored_len=state.scored_len if state.compressed else 0, decay=self.decay,
+            pool_kernel=self.pooling_kernel if pool else 1, layer_stride=self.layer_stride)
+        if self.use_global_score:
+            view.set_slot_scores(persist)
+        if self.redundancy:
+            block = self.block_size if self.redundancy_scope == "block" else None
+            red = key_redundancy(keys, temperature=self.redundancy_temperature, block=block)
+            score = mix_redundancy(score, red, self.redundancy_lambda)
+        return score
+
+    def after_select(self, view: PolicyView, target_len: int) -> None:
+        state = self.scored_state(view)
         state.compressed = True
         state.scored_len = target_len
-        return keep
