@@ -14,7 +14,9 @@
 - ``quality_memory.png``: pass@1 (%) against the average KV budget, one panel per task, one
   point per policy and budget, 95% intervals as error bars; ``fidelity_memory.png`` the same
   with delta-NLL when the runs have it.
-- ``niah_<model>_<label>.png``: a depth x length heatmap per NIAH run.
+- ``niah_<model>_<label>.png``: a depth x length heatmap per NIAH run, and ``niah_<model>.png``
+  every policy's side by side; they show the retrieval score (partial credit, ``mean_score``),
+  which the tables' NIAH pass@1 is not.
 
 Uncertainty: a per-sample mean is printed ``value ± h``, ``h`` half the width of its 95% nested
 bootstrap interval (evals.intervals), as metrics.json records it; runs written before metrics
@@ -526,7 +528,7 @@ def one_budget_per_row(runs: Sequence[RunResult]) -> list[RunResult]:
 
 def build_leaderboard(dirs: Sequence[str | Path], out: str | Path) -> Leaderboard:
     """Collect every run under ``dirs`` and write the tables and figures into ``out``."""
-    from evals.plots import niah_grid, niah_heatmap, position_plot, quality_memory_plot
+    from evals.plots import NIAH_SCORE, niah_grid, niah_heatmap, position_plot, quality_memory_plot
     from evals.run.records import niah_records
 
     runs = one_budget_per_row(find_runs(dirs))
@@ -576,7 +578,8 @@ def build_leaderboard(dirs: Sequence[str | Path], out: str | Path) -> Leaderboar
         prefix = "niah" if task == "niah" else slug(task)
         name = f"{prefix}_{slug(model)}.png"
         files[name] = niah_grid(panels, out / name,
-                                title=f"{task_title(task)} retrieval score by policy ({model})")
+                                title=f"{task_title(task)} {NIAH_SCORE} by policy ({model}), "
+                                      f"not pass@1")
     tasks = order_tasks({r.task for r in runs})
     return Leaderboard(runs, tasks, _row_order(runs), files, md)
 

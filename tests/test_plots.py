@@ -44,8 +44,10 @@ def test_niah_grid_puts_every_policy_on_one_shared_scale(tmp_path, monkeypatch):
         assert image.get_clim() == (0.0, 1.0) and image.get_cmap().name == plots.NIAH_CMAP
         assert image.get_array().shape == (3, 2)  # the union of depths and lengths
     titles = [ax.get_title() for ax in used]
-    assert titles[1] == "zipage+budget=128\nmean 0.00" and titles[0] == "full\nmean 1.00"
-    assert len([a for a in fig.axes if a not in list(axes.flat)]) == 1  # one colour bar
+    assert titles[1] == "zipage+budget=128\nmean score 0.00" and titles[0] == "full\nmean score 1.00"
+    bars = [a for a in fig.axes if a not in list(axes.flat)]
+    assert len(bars) == 1  # one colour bar, naming the partial-credit score (never read as pass@1)
+    assert bars[0].get_ylabel() == "retrieval score\n(partial credit)"
 
 
 def test_long_run_labels_wrap_between_arguments_not_inside_them():
@@ -53,9 +55,18 @@ def test_long_run_labels_wrap_between_arguments_not_inside_them():
     assert lines == ["growpage-shrink", "+initial_capacity=64", "+min_capacity=64"]
 
 
-def test_niah_heatmap_writes_png_and_svg(tmp_path):
+def test_niah_heatmap_writes_png_and_svg_naming_its_score(tmp_path, monkeypatch):
+    figures = []
+    original = plots._save
+
+    def keep(fig, path, **kwargs):
+        figures.append(fig)
+        return original(fig, path, **kwargs)
+
+    monkeypatch.setattr(plots, "_save", keep)
     path = plots.niah_heatmap(cells(lambda n, d: d / 100), tmp_path / "h.png", title="t")
     assert path.exists() and (tmp_path / "h.svg").read_text().lstrip().startswith("<?xml")
+    assert " ".join(figures[0].get_suptitle().split()) == "retrieval score (partial credit), not pass@1"
 
 
 def test_points_at_one_budget_are_dodged_apart():

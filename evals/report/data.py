@@ -63,7 +63,7 @@ from evals.traces import TraceIndex
 # metrics.json where it is a per-sample mean (docs/metrics.md).
 COLUMNS = (
     ("pass@1", "pass@1 (%)", 100.0, 1),
-    ("mean_score", "NIAH score", 1.0, 3),
+    ("mean_score", "NIAH score (partial credit)", 1.0, 3),
     ("fid_delta_nll", "delta-NLL", 1.0, 4),
     ("fid_worst_window", "worst window", 1.0, 3),
     ("fid_agreement", "agreement (%)", 100.0, 1),
@@ -76,6 +76,8 @@ COLUMNS = (
 )
 # Header tooltips: units and definitions (docs/metrics.md).
 COLUMN_HELP = {
+    "mean_score": "NIAH retrieval score (partial credit): per sample 1 when the key phrase is found, "
+                  "else the share of it recalled; not pass@1",
     "fid_delta_nll": "mean over FullKV's continuation of the policy's NLL minus FullKV's (nats/token)",
     "fid_worst_window": "largest mean delta-NLL over 32 consecutive reference tokens (nats/token)",
     "fid_agreement": "share of FullKV's tokens the free generation reproduces at the same position",

@@ -94,10 +94,12 @@ _BODY = """<header>
 </section>
 <section id="sec-niah">
   <h2>Needle in a haystack</h2>
-  <p class="help">Score per (context length, needle depth) cell for every policy (1 = the needle's
-  key phrase in the answer). Click a cell to see which prompt positions each layer and KV head
-  kept after each compaction, with the needle's span marked (runs made with
-  <code>--trace-kept</code>: their cells carry a blue bar).</p>
+  <p class="help">Retrieval score (partial credit, not pass@1) per (context length, needle depth)
+  cell for every policy: per sample 1 when the needle's key phrase is in the answer, else the share
+  of it the answer recalls; the leaderboard's pass@1 counts only a found key phrase. Click a cell
+  to see which prompt positions each layer and KV head kept after each compaction, with the
+  needle's span marked (runs made with <code>--trace-kept</code>: their cells carry a blue
+  bar).</p>
   <div id="niah"></div>
 </section>
 <section id="sec-capacity">

@@ -310,7 +310,7 @@
       })).concat([el("th", {text: ""})]));
       var head = el("tr", null, [el("th", {cls: "text", text: "policy \u2193 / needle depth \u2192"})].concat(g.cells.map(function (c) {
         return el("th", {text: c[1] + "%", title: "context length " + c[0] + " tokens, needle depth " + c[1] + "%"});
-      })).concat([el("th", {text: "mean"})]));
+      })).concat([el("th", {text: "mean score", title: "mean retrieval score (partial credit), not pass@1"})]));
       var rows = g.rows.map(function (row) {
         var total = 0, count = 0;
         var tds = g.cells.map(function (c) {
@@ -319,7 +319,7 @@
           total += cell.score; count += 1;
           var hasKept = DATA.kept[row.run] && DATA.kept[row.run][cell.keys[0][0] + "|" + cell.keys[0][1]];
           var td = el("td", {cls: "cell" + (hasKept ? " haskept" : ""), text: fmt(cell.score, 2),
-            title: row.label + " at L" + c[0] + " D" + c[1] + "%: score " + fmt(cell.score, 3) +
+            title: row.label + " at L" + c[0] + " D" + c[1] + "%: retrieval score (partial credit) " + fmt(cell.score, 3) +
               (hasKept ? " (click: kept positions)" : " (no kept-position trace)"),
             onclick: function () { selectNiah(gi, row.run, cell.keys[0]); }});
           td.style.background = scoreColor(cell.score);
