@@ -107,7 +107,9 @@ _BODY = """<header>
   <p class="help">Per request, the KV slots each policy held at every decode step, with its
   capacity decisions: GrowPage's Grow and Compress &amp; Hold, fallbacks (a grow the pool could not
   safely satisfy, answered by a compression), shrinks, prompt compression; periodic firings
-  (Kara's windows) as ticks under the axis, on the same steps.</p>
+  (Kara's windows) as ticks under the axis, on the same steps. Runs whose allocations are
+  identical at every step share one line, drawn in turns (dashes of each run's colour), and a note
+  under the chart names them.</p>
   <div class="controls" id="capacity-controls"></div>
   <div id="capacity"></div>
 </section>
