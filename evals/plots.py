@@ -9,7 +9,8 @@ and, beside it, an SVG of the same name (vector, for papers).
 - :func:`quality_memory_plot`: quality (pass@1 against the average KV budget, or fidelity to
   FullKV against the KV kept: the field's score-vs-compression plot), one panel per task, one
   point per policy and budget, with interval error bars; points of several policies at the same
-  budget are dodged sideways so none hides another.
+  budget are dodged sideways so none hides another. The budget-sweep figure is the same plot
+  with one panel per metric of one task and interval bands along each policy's line.
   Throughput is deliberately not plotted here: eval runs are timed one after another at
   whatever load the machine had; the benchmarks compare speed side by side.
 - :func:`position_plot`: delta-NLL against position in the document, one line per policy with
@@ -129,16 +130,20 @@ def _marker_styles():
 
 def quality_memory_plot(panels: Mapping[str, Sequence[Mapping[str, Any]]], path: str | Path,
                         title: str = "", xlabel: str = "average KV budget (tokens per request)",
-                        ylabel: str = "pass@1 (%)") -> Path:
-    """Quality against memory, one panel per task.
+                        ylabel: str | Mapping[str, str] = "pass@1 (%)", bands: bool = False,
+                        note: str = "") -> Path:
+    """Quality against memory, one panel per task (or per metric).
 
     panels: {panel title: points}; a point has ``series`` (a policy, budgets aside), ``x``, ``y``
     and optional ``x_ci`` / ``y_ci`` ``(low, high)`` drawn as error bars. The points of a series
-    are joined in x order (one policy at several budgets). Series are named in one legend beside
-    the panels, never by text next to the points, so names cannot collide however close the
-    points are; a series keeps its colour and marker in every panel.
+    are joined in x order (one policy at several budgets); with ``bands`` its y intervals are
+    also shaded between them. ``ylabel``: one for every panel, or {panel title: label}. Series
+    are named in one legend beside the panels, never by text next to the points, so names cannot
+    collide however close the points are; a series keeps its colour and marker in every panel.
+    ``note`` goes under the panels, with the dodging note when points were dodged.
     """
     fig, axes, names, style = _panel_grid(panels, panel_width=4.2)
+    ylabels = ylabel if isinstance(ylabel, Mapping) else dict.fromkeys(panels, ylabel)
     for ax, (panel, pts) in zip(axes.flat, panels.items()):
         shift = dodge(pts)
         for name in names:
@@ -151,12 +156,18 @@ def quality_memory_plot(panels: Mapping[str, Sequence[Mapping[str, Any]]], path:
             ax.errorbar(xs, ys, xerr=_err(mine, "x"), yerr=_err(mine, "y"), color=color,
                         marker=marker, markersize=5, linewidth=0.8, elinewidth=0.8, capsize=2,
                         alpha=0.9, label=name)
-        _label_axis(ax, panel, xlabel, ylabel)
+            if bands and len(mine) > 1:
+                lo = [float((p.get("y_ci") or (y, y))[0]) for p, y in zip(mine, ys)]
+                hi = [float((p.get("y_ci") or (y, y))[1]) for p, y in zip(mine, ys)]
+                ax.fill_between(xs, lo, hi, color=color, alpha=0.12, linewidth=0)
+        _label_axis(ax, panel, xlabel, ylabels[panel])
     _finish_panels(fig, axes, len(panels), names, style, title, linewidth=0.8)
+    notes = [note] if note else []
     if any(dodge(pts) for pts in panels.values()):
-        fig.text(0.5, -0.01, "Points of several policies at one budget are spread sideways "
-                 "(dodged) so that none hides another; their budget is the one they share.",
-                 ha="center", va="top", fontsize=7, color="0.35")
+        notes.append("Points of several policies at the same x value are spread sideways "
+                     "(dodged) so that none hides another; they share that value.")
+    if notes:
+        fig.text(0.5, -0.01, "\n".join(notes), ha="center", va="top", fontsize=7, color="0.35")
     return _save(fig, path, bbox_inches="tight")
 
 

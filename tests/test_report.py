@@ -242,6 +242,25 @@ def test_page_is_self_contained_with_every_section(tree, tmp_path):
     subprocess.run(["node", "--check", str(js)], check=True, capture_output=True)
 
 
+def test_the_page_shows_the_budget_sweep_figure_of_the_leaderboard(tmp_path):
+    """Hand-written runs of a budget sweep (tests/result_trees.py): the page embeds the
+    leaderboard's sweep figure as drawn (the same SVG), after the drift figures."""
+    from evals.leaderboard import build_leaderboard
+    from result_trees import write_sweep_tree
+
+    root = write_sweep_tree(tmp_path / "results")
+    board = build_leaderboard([root], tmp_path / "board")
+    svg = board.files["sweep_gsm8k.png"].with_suffix(".svg").read_text(encoding="utf-8")
+    data = build_data([root], pieces=lambda model, ids: [str(i) for i in ids])
+    titles = [f["title"] for f in data["figures"]]
+    assert titles == ["Drift from FullKV vs KV kept (95% intervals; 0 = FullKV)",
+                      "GSM8K: quality and fidelity vs KV kept over budgets (one line per policy and "
+                      "settings; 95% intervals)"]
+    assert data["figures"][1]["svg"] == svg
+    page = render(data)
+    assert _data_of(page)["figures"][1]["svg"] == svg
+
+
 def test_embedded_text_cannot_close_the_script_or_hold_an_address():
     page = render({"title": "t", "generated_utc": "", "roots": [], "columns": [], "runs": [],
                    "samples": {"x": [{"output": "</script><b>see https://example.org</b>"}]},

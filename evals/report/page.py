@@ -51,7 +51,7 @@ _BODY = """<header>
   <div class="notes" id="notes"></div>
 </header>
 <nav>
-  <a href="#sec-leaderboard">Leaderboard</a><a href="#sec-figures">Drift figures</a>
+  <a href="#sec-leaderboard">Leaderboard</a><a href="#sec-figures">Figures</a>
   <a href="#sec-samples">Per sample</a>
   <a href="#sec-niah">NIAH</a><a href="#sec-capacity">Capacity</a>
   <a href="#sec-provenance">Config &amp; provenance</a>
@@ -76,11 +76,14 @@ _BODY = """<header>
   <div id="board"></div>
 </section>
 <section id="sec-figures">
-  <h2>Drift from FullKV: by position, and against the KV kept</h2>
-  <p class="help">Left to right as in the leaderboard's files: delta-NLL by position in the document
+  <h2>Drift from FullKV by position; quality and drift against the KV kept</h2>
+  <p class="help">As in the leaderboard's files: delta-NLL by position in the document
   (long-document runs: every token of real text forced under the policy; one line per run, its
-  95% interval over documents), and delta-NLL against the KV slots that hold a kept token (one
-  point per run, both intervals).</p>
+  95% interval over documents); delta-NLL against the KV slots that hold a kept token (one
+  point per run, both intervals); and for each task with a budget sweep (a policy run at several
+  budgets, <code>kvarena sweep</code>) pass@1, delta-NLL and token agreement against the KV kept,
+  one line per policy and settings through its budgets, its 95% intervals as error bars and a
+  band (a policy at one budget is one point).</p>
   <div id="figures"></div>
 </section>
 <section id="sec-samples">
