@@ -471,7 +471,8 @@ def sweep_command(
     allow_data_change: bool = AllowDataChangeOpt,
 ):
     """Minimum sufficient KV budget per request (GrowPage Eq. 1, Fig. 2): a fixed-budget policy over
-    a set of budgets; CSV and a histogram PNG per task."""
+    a set of budgets; CSV and a histogram PNG per task. `kvarena leaderboard` then draws quality
+    and fidelity against the KV kept over the budgets (sweep_<task>.png)."""
     from engine.config import ConfigError
     from evals.results import ResultsError
     from evals.run.settings import EvalError

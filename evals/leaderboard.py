@@ -14,7 +14,14 @@
 - ``quality_memory.png``: pass@1 (%) against the average KV budget, one panel per task, one
   point per policy and budget, 95% intervals as error bars; ``fidelity_memory.png`` the same
   with delta-NLL when the runs have it.
-- ``niah_<model>_<label>.png``: a depth x length heatmap per NIAH run.
+- ``sweep_<task>.png``: the budget sweep (``kvarena sweep``, or runs at several budgets), for a
+  task where one policy ran at two or more budgets: quality (pass@1, and NIAH's retrieval score)
+  and fidelity (delta-NLL, token agreement) against the average KV kept per request, one line
+  per policy and settings (:func:`sweep_figure`) with its 95% intervals as error bars and
+  bands.
+- ``niah_<model>_<label>.png``: a depth x length heatmap per NIAH run, and ``niah_<model>.png``
+  every policy's side by side; they show the retrieval score (partial credit, ``mean_score``),
+  which the tables' NIAH pass@1 is not.
 
 Uncertainty: a per-sample mean is printed ``value ± h``, ``h`` half the width of its 95% nested
 bootstrap interval (evals.intervals), as metrics.json records it; runs written before metrics
@@ -53,6 +60,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from evals.intervals import half_width, mean_half_width
+from evals.plots import NIAH_SCORE
 from evals.provenance import describe_key, provenance_key
 from evals.results import (
     EVENT_KINDS,
@@ -76,6 +84,10 @@ KV_BUDGET_KEY = "avg_kv_budget"
 # Policy arguments that set a fixed KV budget (evals.run.settings.BUDGET_FIELDS): runs differing only
 # in them are one policy at several budgets, one series in the figures.
 BUDGET_ARGS = ("budget", "initial_capacity")
+# Settings two runs must share to compare (a policy's run with its FullKV run in the report, the
+# budgets of one line of the sweep figure).
+COMPARED_SETTINGS = ("max_tokens", "temperature", "seed", "data_source", "task_options", "preset",
+                     "samples", "limit", "thinking", "block_size")
 
 # (column title, metric key, scale, decimals) of each table's halves.
 TABLES = {
@@ -465,6 +477,153 @@ def position_series(runs: Sequence[RunResult]) -> dict[str, list[dict]]:
     return panels
 
 
+# The sweep figure's panels: (metric, panel title, y label, scale), a panel where some run has
+# the metric: quality (pass@1; a retrieval task's partial-credit score too, the one its heatmaps
+# show), then fidelity to FullKV.
+SWEEP_PANELS = (("pass@1", "pass@1", "pass@1 (%)", 100.0),
+                ("mean_score", NIAH_SCORE, f"mean {NIAH_SCORE}", 1.0),
+                ("fid_delta_nll", "delta-NLL vs FullKV", "delta-NLL (nats/token; 0 = FullKV)", 1.0),
+                ("fid_agreement", "token agreement", "token agreement with FullKV (%)", 100.0))
+ALLOCATED_MARK = " [x: KV allocated]"
+
+
+@dataclass
+class SweepFigure:
+    """One task's budget-sweep figure for :func:`evals.plots.quality_memory_plot`: panels {panel
+    title: points}, their y labels, the x label, the title, and a note for under the panels."""
+
+    task: str
+    panels: dict[str, list[dict]]
+    ylabels: dict[str, str]
+    xlabel: str
+    title: str
+    note: str = ""
+
+    @property
+    def file(self) -> str:
+        return f"sweep_{slug(self.task)}.png"
+
+    def draw(self, path: str | Path) -> Path:
+        """Write the figure as ``path`` (PNG, an SVG beside it); returns ``path``."""
+        from evals.plots import quality_memory_plot
+
+        return quality_memory_plot(self.panels, path, title=self.title, xlabel=self.xlabel,
+                                   ylabel=self.ylabels, bands=True, note=self.note)
+
+
+def curve_key(run: RunResult) -> tuple:
+    """What the runs of one line of the sweep figure share: model, policy, its arguments other
+    than the budget (``BUDGET_ARGS``), the generation settings (``COMPARED_SETTINGS``) and the run
+    a matched budget follows. Runs that differ in anything else never join one line."""
+    c = run.config
+    args = {k: v for k, v in (c.get("user_policy_args") or {}).items() if k not in BUDGET_ARGS}
+    settings = {k: c.get(k) for k in COMPARED_SETTINGS}
+    matched = (c.get("match_budget_to") or {}).get("run")
+    return (run.model, str(c.get("policy") or run.label), json.dumps(args, sort_keys=True, default=str),
+            json.dumps(settings, sort_keys=True, default=str), matched)
+
+
+def curve_name(run: RunResult) -> str:
+    """The run's label without its budget (``snapkv+budget=96+mt=512`` -> ``snapkv+mt=512``):
+    what one line of the sweep figure is called."""
+    first, *rest = run.label.split("+")
+    return "+".join([first] + [p for p in rest if p.split("=", 1)[0] not in BUDGET_ARGS])
+
+
+def sweep_curves(runs: Sequence[RunResult]) -> dict[str, list[RunResult]]:
+    """{line name: its runs} of one task's runs, one line per ``curve_key``. Lines whose names
+    coincide (settings the label does not name, several models) get the model and the settings
+    that tell them apart."""
+    groups: dict[tuple, list[RunResult]] = {}
+    for r in sorted(runs, key=lambda r: (r.model, not_fullkv(r.label), r.label)):
+        groups.setdefault(curve_key(r), []).append(r)
+    several_models = len({r.model for r in runs}) > 1
+    names = {key: (f"{rs[0].model}: " if several_models else "") + curve_name(rs[0])
+             for key, rs in groups.items()}
+    out = {}
+    for key, rs in groups.items():
+        same = [k for k in groups if names[k] == names[key]]
+        differ = [s for s in COMPARED_SETTINGS if len({json.dumps(groups[k][0].config.get(s),
+                                                                   sort_keys=True, default=str)
+                                                        for k in same}) > 1]
+        name = names[key]
+        if differ:
+            name += f" ({', '.join(f'{s}={rs[0].config.get(s)}' for s in differ)})"
+        elif len(same) > 1:  # the runs their budgets were matched to differ
+            name += f" (line {same.index(key) + 1} of {len(same)})"
+        out[name] = rs
+    return out
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def sweep_figure(task: str, runs: Sequence[RunResult]) -> SweepFigure | None:
+    """The budget-sweep figure of ``task``'s runs, or None when no line has two budgets.
+
+    x: the average KV kept per request (``avg_kv_kept``, the field's compression axis); a line
+    whose runs did not all record it uses the slots allocated (``avg_kv_allocated``) for all of
+    its points, and says so in its name (in the x label when every line does). y per panel:
+    quality (``SWEEP_QUALITY``) and fidelity to FullKV (``SWEEP_FIDELITY``) with their 95%
+    intervals (``SWEEP_PANELS``; the retrieval score for retrieval tasks only, elsewhere it is
+    pass@1 again). A value that is null (pass@1 over no graded sample) or not finite is not
+    drawn."""
+    mine = [r for r in runs if r.task == task]
+    curves = sweep_curves(mine)
+    if not any(len({json.dumps(named_budget_args(r), sort_keys=True) for r in rs}) > 1
+               for rs in curves.values()):
+        return None
+    axis = {name: ("avg_kv_kept" if all(_finite(r.metrics.get("avg_kv_kept")) for r in rs)
+                   else "avg_kv_allocated") for name, rs in curves.items()}
+    kept = {n for n, a in axis.items() if a == "avg_kv_kept"}
+    panels: dict[str, list[dict]] = {}
+    ylabels: dict[str, str] = {}
+    for key, panel, ylabel, scale in SWEEP_PANELS:
+        if key == "mean_score" and not grid_task(task):
+            continue
+        pts = []
+        for name, rs in curves.items():
+            x_key = axis[name]
+            shown = name + (ALLOCATED_MARK if kept and name not in kept else "")
+            for r in rs:
+                x, y = r.metrics.get(x_key), r.metrics.get(key)
+                if not (_finite(x) and _finite(y)):
+                    continue
+                x_ci, y_ci = r.metrics.get(f"{x_key}_ci"), r.metrics.get(f"{key}_ci")
+                pts.append({"series": shown, "x": float(x), "y": float(y) * scale,
+                            "x_ci": list(x_ci) if x_ci else None,
+                            "y_ci": [v * scale for v in y_ci] if y_ci else None})
+        if pts:
+            panels[panel], ylabels[panel] = pts, ylabel
+    if not panels:
+        return None
+    x_name, note = "KV kept", ""
+    xlabel = "average KV kept (tokens per request)"
+    if not kept:
+        x_name = "KV allocated"
+        xlabel = "average KV allocated (tokens per request; the KV kept was not recorded)"
+    elif len(kept) < len(curves):
+        note = (f"Lines marked{ALLOCATED_MARK} did not record the KV kept: their x is the KV "
+                f"allocated (whole pages; at least the KV kept).")
+    title = (f"{task_title(task)}: quality and fidelity vs {x_name} over budgets "
+             f"(one line per policy and settings; 95% intervals)")
+    return SweepFigure(task, panels, ylabels, xlabel, title, note)
+
+
+def named_budget_args(run: RunResult) -> dict:
+    """The run's budget arguments (``BUDGET_ARGS``) as it used them: what tells the points of one
+    line apart."""
+    args = run.config.get("policy_args") or {}
+    return {k: args[k] for k in BUDGET_ARGS if k in args}
+
+
+def sweep_figures(runs: Sequence[RunResult]) -> list[SweepFigure]:
+    """:func:`sweep_figure` of every task that has one, in the tables' task order."""
+    figures = (sweep_figure(task, runs) for task in order_tasks({r.task for r in runs}))
+    return [f for f in figures if f is not None]
+
+
 def grid_task(task: str) -> bool:
     """Whether a task's samples form a length x depth retrieval grid (NIAH and its kin)."""
     from evals.tasks import TASKS
@@ -559,6 +718,8 @@ def build_leaderboard(dirs: Sequence[str | Path], out: str | Path) -> Leaderboar
             fidelity, out / "fidelity_memory.png", ylabel="delta-NLL vs FullKV (nats/token)",
             xlabel=f"average {x_name} (tokens per request)",
             title=f"Drift from FullKV vs {x_name} (95% intervals; 0 = FullKV)")
+    for fig in sweep_figures(runs):
+        files[fig.file] = fig.draw(out / fig.file)
     positions = position_series(runs)
     if positions:
         files["fidelity_position.png"] = position_plot(
@@ -576,7 +737,8 @@ def build_leaderboard(dirs: Sequence[str | Path], out: str | Path) -> Leaderboar
         prefix = "niah" if task == "niah" else slug(task)
         name = f"{prefix}_{slug(model)}.png"
         files[name] = niah_grid(panels, out / name,
-                                title=f"{task_title(task)} retrieval score by policy ({model})")
+                                title=f"{task_title(task)} {NIAH_SCORE} by policy ({model}), "
+                                      f"not pass@1")
     tasks = order_tasks({r.task for r in runs})
     return Leaderboard(runs, tasks, _row_order(runs), files, md)
 

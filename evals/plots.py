@@ -2,13 +2,15 @@
 and, beside it, an SVG of the same name (vector, for papers).
 
 - :func:`niah_heatmap`: depth x context length retrieval scores, the mean in the title (Kara's
-  Fig. 6 layout: x = input context length, y = needle depth).
+  Fig. 6 layout: x = input context length, y = needle depth). The score is the grader's partial
+  credit (``NIAH_SCORE``; docs/metrics.md ``mean_score``), not pass@1, and the figure says so.
 - :func:`niah_grid`: the same heatmap for every policy of one task as small multiples on one
   shared colour scale (one colour bar), so the policies compare at a glance.
 - :func:`quality_memory_plot`: quality (pass@1 against the average KV budget, or fidelity to
   FullKV against the KV kept: the field's score-vs-compression plot), one panel per task, one
   point per policy and budget, with interval error bars; points of several policies at the same
-  budget are dodged sideways so none hides another.
+  budget are dodged sideways so none hides another. The budget-sweep figure is the same plot
+  with one panel per metric of one task and interval bands along each policy's line.
   Throughput is deliberately not plotted here: eval runs are timed one after another at
   whatever load the machine had; the benchmarks compare speed side by side.
 - :func:`position_plot`: delta-NLL against position in the document, one line per policy with
@@ -35,14 +37,20 @@ def _pyplot():
 # Scores run from 0 (miss) to 1 (found). cividis is perceptually uniform and reads the same to
 # readers with red-green colour blindness (the red-yellow-green map it replaces did not).
 NIAH_CMAP = "cividis"
+# What a NIAH cell shows: the mean of the samples' graded score (1 when the needle's key phrase is
+# in the answer, else the share of it recalled: evals.niah.score_answer). The leaderboard's NIAH
+# column is pass@1 (found or not), so the heatmaps name their score to keep the two apart.
+NIAH_SCORE = "retrieval score (partial credit)"
 
 
 def niah_heatmap(records: Iterable[Mapping[str, Any]], path: str | Path, title: str = "",
                  value: str = "score") -> Path:
     """Heatmap of per-cell mean ``value`` (records: ``context_length``, ``depth_percent``,
-    ``value``); rows are depths (0 % at the top), columns lengths. Returns the PNG path (an SVG
-    is written beside it)."""
-    return niah_grid({title: records}, path, value=value)
+    ``value``); rows are depths (0 % at the top), columns lengths; ``title`` (a run's label) heads
+    the panel and the score's name the figure. Returns the PNG path (an SVG is written beside
+    it)."""
+    return niah_grid({title: records}, path, value=value,
+                     title=f"{NIAH_SCORE}, not pass@1" if value == "score" else value)
 
 
 def niah_grid(panels: Mapping[str, Iterable[Mapping[str, Any]]], path: str | Path,
@@ -50,7 +58,8 @@ def niah_grid(panels: Mapping[str, Iterable[Mapping[str, Any]]], path: str | Pat
     """NIAH heatmaps as small multiples: one panel per entry of ``panels`` ({panel title, e.g. a
     policy: records as for :func:`niah_heatmap`}), all on the same 0-1 colour scale with one
     colour bar, every panel on the union of the lengths and depths (a cell a run lacks is
-    blank). Each panel's title carries its mean; ``title`` goes above them all. Returns the PNG
+    blank). Each panel's title carries its mean; ``title`` goes above them all. The colour bar
+    names ``value`` (for ``score``: ``NIAH_SCORE``, never to be read as pass@1). Returns the PNG
     path (an SVG is written beside it)."""
     from evals.niah import scores_to_grid
 
@@ -68,6 +77,7 @@ def niah_grid(panels: Mapping[str, Iterable[Mapping[str, Any]]], path: str | Pat
     fig, axes = plt.subplots(rows, cols, figsize=(panel_w * cols + 1.0, panel_h * rows + 0.5),
                              squeeze=False, layout="constrained")
     chars = int(panel_w * 11)  # ~11 characters per inch at 9 pt: wrap titles to their panel
+    noun = "score " if value == "score" else ""
     im = None
     for k, (ax, (name, grid)) in enumerate(zip(axes.flat, grids.items())):
         im = ax.imshow(grid.values, vmin=0.0, vmax=1.0, cmap=NIAH_CMAP, aspect="auto")
@@ -85,14 +95,14 @@ def niah_grid(panels: Mapping[str, Iterable[Mapping[str, Any]]], path: str | Pat
                     ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7,
                             color="black" if v > 0.6 else "white")
         values = grid.stack()
-        mean = f"mean {float(values.mean()):.2f}" if len(values) else "no cells"
+        mean = f"mean {noun}{float(values.mean()):.2f}" if len(values) else "no cells"
         ax.set_title("\n".join([*_wrap_label(name, chars), mean]), fontsize=9)
     for ax in list(axes.flat)[n:]:
         ax.set_visible(False)
     if im is not None:
         bar = fig.colorbar(im, ax=axes.ravel().tolist(), shrink=min(0.9, 0.45 + 0.15 * rows),
                            aspect=25)
-        bar.set_label(f"{value} (1 = needle found)" if value == "score" else value, fontsize=8)
+        bar.set_label(NIAH_SCORE.replace(" (", "\n(") if value == "score" else value, fontsize=8)
         bar.ax.tick_params(labelsize=8)
     if title:
         fig.suptitle("\n".join(_wrap_label(title, int((panel_w * cols + 1.0) * 9))), fontsize=10)
@@ -120,16 +130,20 @@ def _marker_styles():
 
 def quality_memory_plot(panels: Mapping[str, Sequence[Mapping[str, Any]]], path: str | Path,
                         title: str = "", xlabel: str = "average KV budget (tokens per request)",
-                        ylabel: str = "pass@1 (%)") -> Path:
-    """Quality against memory, one panel per task.
+                        ylabel: str | Mapping[str, str] = "pass@1 (%)", bands: bool = False,
+                        note: str = "") -> Path:
+    """Quality against memory, one panel per task (or per metric).
 
     panels: {panel title: points}; a point has ``series`` (a policy, budgets aside), ``x``, ``y``
     and optional ``x_ci`` / ``y_ci`` ``(low, high)`` drawn as error bars. The points of a series
-    are joined in x order (one policy at several budgets). Series are named in one legend beside
-    the panels, never by text next to the points, so names cannot collide however close the
-    points are; a series keeps its colour and marker in every panel.
+    are joined in x order (one policy at several budgets); with ``bands`` its y intervals are
+    also shaded between them. ``ylabel``: one for every panel, or {panel title: label}. Series
+    are named in one legend beside the panels, never by text next to the points, so names cannot
+    collide however close the points are; a series keeps its colour and marker in every panel.
+    ``note`` goes under the panels, with the dodging note when points were dodged.
     """
     fig, axes, names, style = _panel_grid(panels, panel_width=4.2)
+    ylabels = ylabel if isinstance(ylabel, Mapping) else dict.fromkeys(panels, ylabel)
     for ax, (panel, pts) in zip(axes.flat, panels.items()):
         shift = dodge(pts)
         for name in names:
@@ -142,12 +156,18 @@ def quality_memory_plot(panels: Mapping[str, Sequence[Mapping[str, Any]]], path:
             ax.errorbar(xs, ys, xerr=_err(mine, "x"), yerr=_err(mine, "y"), color=color,
                         marker=marker, markersize=5, linewidth=0.8, elinewidth=0.8, capsize=2,
                         alpha=0.9, label=name)
-        _label_axis(ax, panel, xlabel, ylabel)
+            if bands and len(mine) > 1:
+                lo = [float((p.get("y_ci") or (y, y))[0]) for p, y in zip(mine, ys)]
+                hi = [float((p.get("y_ci") or (y, y))[1]) for p, y in zip(mine, ys)]
+                ax.fill_between(xs, lo, hi, color=color, alpha=0.12, linewidth=0)
+        _label_axis(ax, panel, xlabel, ylabels[panel])
     _finish_panels(fig, axes, len(panels), names, style, title, linewidth=0.8)
+    notes = [note] if note else []
     if any(dodge(pts) for pts in panels.values()):
-        fig.text(0.5, -0.01, "Points of several policies at one budget are spread sideways "
-                 "(dodged) so that none hides another; their budget is the one they share.",
-                 ha="center", va="top", fontsize=7, color="0.35")
+        notes.append("Points of several policies at the same x value are spread sideways "
+                     "(dodged) so that none hides another; they share that value.")
+    if notes:
+        fig.text(0.5, -0.01, "\n".join(notes), ha="center", va="top", fontsize=7, color="0.35")
     return _save(fig, path, bbox_inches="tight")
 
 

@@ -209,3 +209,24 @@ def test_every_python_block_of_the_docs_runs_as_a_script(tiny_dir, tmp_path):
     assert "pass@1" in printed and "fid_agreement" in printed
     runs = sorted(p.parent.name for p in (tmp_path / "runs" / "notebook").rglob("metrics.json"))
     assert len(runs) == 3 and [r.split("+")[0] for r in runs] == ["full", "snapkv", "zipage"]
+
+
+def test_the_soak_node_ids_the_docs_name_are_the_ones_pytest_collects():
+    """A guide's pytest command selects cases that exist: the soak test's node ids are
+    ``[<policy>-<mode>]``; a built-in policy's, as pytest itself collects them, give the modes."""
+    import subprocess
+
+    named = set()
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for test, case in re.findall(r"tests/test_soak\.py::(\w+)\[([^\]]*)\]", doc.read_text()):
+            named.add((doc.name, test, case))
+    assert named, "docs/adding-a-policy.md names the soak test's cases for its policy"
+    collected = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:randomly",
+         "-p", "no:cacheprovider", "tests/test_soak.py"],
+        cwd=ROOT, capture_output=True, text=True, timeout=600, check=True).stdout
+    cases = set(re.findall(r"::(\w+)\[snapkv-(\w+)\]", collected))
+    assert {mode for _, mode in cases} == {"eager", "compiled"}
+    for doc, test, case in named:
+        policy, _, mode = case.rpartition("-")
+        assert policy and (test, mode) in cases, f"{doc}: no soak case [{case}] of {test}"

@@ -315,6 +315,13 @@ def test_sweep_classifies_every_request(model_dir, tmp_path):
         rows = list(csv.DictReader(f))
     assert [r["correct@24"].split("/")[1] for r in rows] == ["3", "3"]
     assert result.files["budget_hist.png"].read_bytes()[:4] == b"\x89PNG"
+    # The budgets' runs make one line of the leaderboard's sweep figure, on the KV kept.
+    from evals.leaderboard import sweep_figure
+
+    fig = sweep_figure("gsm8k", R.find_runs([tmp_path]))
+    points = sorted((p["series"], p["x"], p["y"]) for p in fig.panels["pass@1"])
+    assert points == sorted(("zipage+mt=12+T=0.7+bs=4", o.metrics["avg_kv_kept"], 100 * o.metrics["pass@1"])
+                            for o in result.outcomes)
     # The rule decides c_i(B): mark one request correct in every sample at both budgets.
     for outcome in result.outcomes:
         recs = lines(outcome.path)

@@ -11,38 +11,7 @@ import pytest
 from evals import results as R
 from evals.leaderboard import build_leaderboard, memory_points, series_name
 from evals.plots import quality_memory_plot
-
-PROV_A = {"git": {"commit": "a" * 40, "dirty": False, "diff_sha256": None},
-          "machine": {"cpu": "CPU X", "cpu_count": 2, "device": "cpu"}}
-PROV_B = {"git": {"commit": "b" * 40, "dirty": True, "diff_sha256": "123456789abc"},
-          "machine": {"cpu": "CPU X", "cpu_count": 2, "device": "cpu"}}
-
-
-def _samples(task, n_problems, solved, budget):
-    """2 samples per problem; the first ``solved`` problems correct in both."""
-    return [{"uid": f"{task}/{p}", "sample": j, "task": task, "status": "ok", "correct": p < solved,
-             "score": float(p < solved), "extracted": "1", "output_tokens": 20, "tpot_s": 0.01,
-             "avg_kv_budget": budget + p, "reason": "correct" if p < solved else "wrong_answer"}
-            for p in range(n_problems) for j in range(2)]
-
-
-def write_run(root: Path, task: str, policy: str, args: dict, solved: int, budget: float,
-              provenance: dict | None, with_intervals: bool = True) -> Path:
-    label = R.run_label(policy, args)
-    path = R.run_dir(root, "tiny", task, label)
-    records = _samples(task, 20, solved, budget)
-    segments = [{"wall_time": 4.0, "output_tokens": 800, "status": "complete"}]
-    metrics = R.compute_metrics(records, segments, len(records))
-    if not with_intervals:  # a run written before metrics carried intervals
-        metrics = {k: v for k, v in metrics.items() if not k.endswith("_ci") and k != "intervals"}
-    config = {"label": label, "model": "tiny", "task": task, "policy": policy,
-              "policy_args": args, "user_policy_args": args}
-    if provenance is not None:
-        config["provenance"] = provenance
-    R.write_json(path / R.CONFIG_FILE, config)
-    R.write_json(path / R.METRICS_FILE, metrics)
-    (path / R.SAMPLES_FILE).write_text("".join(R.dumps_line(r) for r in records))
-    return path
+from result_trees import PROV_A, PROV_B, write_run
 
 
 @pytest.fixture
@@ -240,3 +209,66 @@ def test_nominal_budget_is_blank_for_policies_without_one():
         got = R.with_nominal_budget(metrics, {"policy": policy})
         assert got["kv_budget_nominal"] == nominal, policy
         assert got["avg_kv_budget"] == 300.0  # the allocated reading stays where it was
+
+
+def _lines(points):
+    """{series: [(x, y), ...] in x order} of a panel's points."""
+    out = {}
+    for p in sorted(points, key=lambda p: p["x"]):
+        out.setdefault(p["series"], []).append((p["x"], pytest.approx(p["y"])))
+    return out
+
+
+def test_budget_sweep_figure_has_one_line_per_policy_and_settings(tmp_path):
+    from evals.leaderboard import sweep_figure
+    from result_trees import write_sweep_tree
+
+    root = write_sweep_tree(tmp_path / "results")
+    fig = sweep_figure("gsm8k", R.find_runs([root]))
+    assert list(fig.panels) == ["pass@1", "delta-NLL vs FullKV", "token agreement"]
+    assert fig.xlabel == "average KV kept (tokens per request)" and "KV kept over budgets" in fig.title
+    grow = "growpage [x: KV allocated]"  # written before runs recorded the KV kept
+    assert "[x: KV allocated] did not record the KV kept" in fig.note
+    quality = _lines(fig.panels["pass@1"])
+    # Zipage at 32 had no sample graded: no pass@1 point (its fidelity is there below).
+    assert quality == {"zipage": [(56.0, 10.0), (120.0, 20.0), (248.0, 40.0)],
+                       "zipage+mt=512": [(56.0, 10.0), (120.0, 20.0)],  # another setting
+                       "snapkv": [(120.0, 15.0)], "full": [(300.0, 50.0)],
+                       grow: [(96.0, 25.0), (160.0, 25.0)]}
+    drift = _lines(fig.panels["delta-NLL vs FullKV"])
+    assert drift["zipage"] == [(24.0, 1.0), (56.0, 0.5), (120.0, 0.25), (248.0, 0.125)]
+    assert drift["full"] == [(300.0, 0.0)] and drift[grow] == [(96.0, 0.1), (160.0, 0.1)]
+    agreement = _lines(fig.panels["token agreement"])
+    assert agreement["zipage"] == [(24.0, 50.0), (56.0, 75.0), (120.0, 87.5), (248.0, 93.75)]
+    assert agreement["zipage+mt=512"] == [(56.0, 87.5), (120.0, 93.75)]
+    p = next(p for p in fig.panels["pass@1"] if p["series"] == "zipage" and p["x"] == 120.0)
+    assert p["y_ci"][0] < 20.0 < p["y_ci"][1] and p["x_ci"] == [120.0, 120.0]
+    board = build_leaderboard([root], tmp_path / "board")
+    png = board.files["sweep_gsm8k.png"]
+    assert png.read_bytes()[:4] == b"\x89PNG" and png.with_suffix(".svg").exists()
+
+
+def test_budget_sweep_lines_keep_settings_apart_and_need_two_budgets(tmp_path):
+    from evals.leaderboard import sweep_curves, sweep_figure
+
+    root = tmp_path / "results"
+    for samples in (1, 3):  # a setting the label does not name
+        for b in (64, 128):
+            write_run(root / f"s{samples}", "gsm8k", "zipage", {"budget": b}, 3, b, PROV_A,
+                      config={"samples": samples})
+    curves = sweep_curves(R.find_runs([root]))
+    assert {name: sorted(r.config["policy_args"]["budget"] for r in rs) for name, rs in curves.items()} \
+        == {"zipage (samples=1)": [64, 128], "zipage (samples=3)": [64, 128]}
+    niah = tmp_path / "niah"  # a retrieval task: its partial-credit score beside pass@1
+    for b, solved in ((64, 4), (128, 12)):
+        write_run(niah, "niah", "zipage", {"budget": b}, solved, b, PROV_A,
+                  fields=lambda r, b=b: {"score": 1.0 if r["correct"] else 0.5, "avg_kv_kept": float(b)})
+    fig = sweep_figure("niah", R.find_runs([niah]))
+    assert list(fig.panels) == ["pass@1", "retrieval score (partial credit)"]
+    assert _lines(fig.panels["retrieval score (partial credit)"]) == {"zipage": [(64.0, 0.6), (128.0, 0.8)]}
+    assert _lines(fig.panels["pass@1"]) == {"zipage": [(64.0, 20.0), (128.0, 60.0)]}
+    one = tmp_path / "one"
+    write_run(one, "gsm8k", "full", {}, 10, 300, PROV_A)
+    write_run(one, "gsm8k", "zipage", {"budget": 64}, 3, 64, PROV_A)
+    assert sweep_figure("gsm8k", R.find_runs([one])) is None  # nobody swept: no sweep figure
+    assert "sweep_gsm8k.png" not in build_leaderboard([one], tmp_path / "board").files

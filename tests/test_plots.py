@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import matplotlib
+import numpy as np
 import pytest
 
 matplotlib.use("Agg", force=True)
@@ -44,8 +45,10 @@ def test_niah_grid_puts_every_policy_on_one_shared_scale(tmp_path, monkeypatch):
         assert image.get_clim() == (0.0, 1.0) and image.get_cmap().name == plots.NIAH_CMAP
         assert image.get_array().shape == (3, 2)  # the union of depths and lengths
     titles = [ax.get_title() for ax in used]
-    assert titles[1] == "zipage+budget=128\nmean 0.00" and titles[0] == "full\nmean 1.00"
-    assert len([a for a in fig.axes if a not in list(axes.flat)]) == 1  # one colour bar
+    assert titles[1] == "zipage+budget=128\nmean score 0.00" and titles[0] == "full\nmean score 1.00"
+    bars = [a for a in fig.axes if a not in list(axes.flat)]
+    assert len(bars) == 1  # one colour bar, naming the partial-credit score (never read as pass@1)
+    assert bars[0].get_ylabel() == "retrieval score\n(partial credit)"
 
 
 def test_long_run_labels_wrap_between_arguments_not_inside_them():
@@ -53,9 +56,18 @@ def test_long_run_labels_wrap_between_arguments_not_inside_them():
     assert lines == ["growpage-shrink", "+initial_capacity=64", "+min_capacity=64"]
 
 
-def test_niah_heatmap_writes_png_and_svg(tmp_path):
+def test_niah_heatmap_writes_png_and_svg_naming_its_score(tmp_path, monkeypatch):
+    figures = []
+    original = plots._save
+
+    def keep(fig, path, **kwargs):
+        figures.append(fig)
+        return original(fig, path, **kwargs)
+
+    monkeypatch.setattr(plots, "_save", keep)
     path = plots.niah_heatmap(cells(lambda n, d: d / 100), tmp_path / "h.png", title="t")
     assert path.exists() and (tmp_path / "h.svg").read_text().lstrip().startswith("<?xml")
+    assert " ".join(figures[0].get_suptitle().split()) == "retrieval score (partial credit), not pass@1"
 
 
 def test_points_at_one_budget_are_dodged_apart():
@@ -74,3 +86,37 @@ def test_quality_memory_plot_writes_svg_beside_png(tmp_path):
     pts = [{"series": s, "x": 64.0, "y": y, "y_ci": (y - 1, y + 1)} for s, y in (("a", 1), ("b", 2))]
     path = plots.quality_memory_plot({"T": pts}, tmp_path / "q.png")
     assert path.exists() and (tmp_path / "q.svg").exists()
+
+
+def test_sweep_lines_carry_interval_bands_and_each_panel_its_own_label(tmp_path, monkeypatch):
+    figures = []
+    original = plots._save
+
+    def keep(fig, path, **kwargs):
+        figures.append(fig)
+        return original(fig, path, **kwargs)
+
+    monkeypatch.setattr(plots, "_save", keep)
+
+    def points(scale):
+        line = [{"series": "zipage", "x": x, "y": y * scale, "y_ci": ((y - 1) * scale, (y + 1) * scale)}
+                for x, y in ((248.0, 3.0), (56.0, 1.0), (120.0, 2.0))]
+        return line + [{"series": "full", "x": 300.0, "y": 4.0 * scale, "y_ci": (3.5 * scale, 4.5 * scale)}]
+
+    plots.quality_memory_plot({"pass@1": points(10.0), "delta-NLL": points(0.1)}, tmp_path / "s.png",
+                              xlabel="average KV kept", ylabel={"pass@1": "pass@1 (%)", "delta-NLL": "nats"},
+                              bands=True, note="a note")
+    fig = figures[0]
+    used = [ax for ax in fig.axes if ax.get_visible() and ax.containers]
+    assert [(ax.get_title(), ax.get_ylabel()) for ax in used] == [("pass@1", "pass@1 (%)"),
+                                                                  ("delta-NLL", "nats")]
+    for ax, scale in zip(used, (10.0, 0.1)):
+        lines = {c.get_label(): c.lines[0].get_xydata() for c in ax.containers}
+        assert lines["zipage"] == pytest.approx(np.array([[56.0, 1.0], [120.0, 2.0], [248.0, 3.0]])
+                                                * [1.0, scale])  # joined in x order
+        assert lines["full"] == pytest.approx(np.array([[300.0, 4.0 * scale]]))
+        bands = [c for c in ax.collections if "Poly" in type(c).__name__]
+        assert len(bands) == 1  # the line's, not the single point's
+        (lo_x, lo_y), (hi_x, hi_y) = bands[0].get_paths()[0].get_extents().get_points()
+        assert (lo_x, hi_x) == (56.0, 248.0) and (lo_y, hi_y) == pytest.approx((0.0, 4 * scale))
+    assert "a note" in [t.get_text().split("\n")[0] for t in fig.texts]

@@ -5,6 +5,7 @@ network reference, every section and table, the JS parses), and a headless-brows
 
 from __future__ import annotations
 
+import html
 import json
 import os
 import re
@@ -241,6 +242,25 @@ def test_page_is_self_contained_with_every_section(tree, tmp_path):
     subprocess.run(["node", "--check", str(js)], check=True, capture_output=True)
 
 
+def test_the_page_shows_the_budget_sweep_figure_of_the_leaderboard(tmp_path):
+    """Hand-written runs of a budget sweep (tests/result_trees.py): the page embeds the
+    leaderboard's sweep figure as drawn (the same SVG), after the drift figures."""
+    from evals.leaderboard import build_leaderboard
+    from result_trees import write_sweep_tree
+
+    root = write_sweep_tree(tmp_path / "results")
+    board = build_leaderboard([root], tmp_path / "board")
+    svg = board.files["sweep_gsm8k.png"].with_suffix(".svg").read_text(encoding="utf-8")
+    data = build_data([root], pieces=lambda model, ids: [str(i) for i in ids])
+    titles = [f["title"] for f in data["figures"]]
+    assert titles == ["Drift from FullKV vs KV kept (95% intervals; 0 = FullKV)",
+                      "GSM8K: quality and fidelity vs KV kept over budgets (one line per policy and "
+                      "settings; 95% intervals)"]
+    assert data["figures"][1]["svg"] == svg
+    page = render(data)
+    assert _data_of(page)["figures"][1]["svg"] == svg
+
+
 def test_embedded_text_cannot_close_the_script_or_hold_an_address():
     page = render({"title": "t", "generated_utc": "", "roots": [], "columns": [], "runs": [],
                    "samples": {"x": [{"output": "</script><b>see https://example.org</b>"}]},
@@ -307,6 +327,53 @@ def test_page_renders_in_headless_chromium_without_errors(tree, tmp_path):
                                                'null.crash();'))
     ok, errors = _rendered(_chromium(broken, tmp_path / "profile-broken", "--dump-dom").stdout)
     assert not ok and "error" in errors
+
+
+def _capacity_paths(dom: str) -> dict[str, dict[str, str]]:
+    """{run id: the attributes of its capacity line} in the rendered capacity chart."""
+    chart = re.search(r'<svg[^>]*id="capacity-chart".*?</svg>', dom, re.S).group(0)
+    paths = {}
+    for attrs in re.findall(r"<path ([^>]*)>", chart):
+        attrs = dict(re.findall(r'([\w-]+)="([^"]*)"', attrs))
+        if "data-run" in attrs:
+            paths[html.unescape(attrs["data-run"])] = attrs
+    return paths
+
+
+@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason=f"{CHROMIUM} is not installed "
+                    "(Debian: apt-get install chromium); the page's render is not checked")
+def test_identical_capacity_lines_are_drawn_in_turns_and_named(tree, tmp_path):
+    """Runs whose capacity curves coincide at every step (GrowPage and Kara given FullKV's traces
+    here) share one line: each draws dashes of its own colour in its own turn along the same path
+    (no value moved), and a note under the chart names them; a line of its own stays solid."""
+    copy = tmp_path / "tree"
+    shutil.copytree(tree, copy)
+    full = _run(copy, "gsm8k", "full")
+    for label in ("growpage", "kara"):
+        shutil.copy(full / T.TRACES_FILE, _run(copy, "gsm8k", label) / T.TRACES_FILE)
+    path = build_report([copy], tmp_path / "report.html")
+    dom = _chromium(path, tmp_path / "profile", "--dump-dom").stdout
+    ok, errors = _rendered(dom)
+    assert ok and errors == "", errors
+    group = _data_of(path.read_text())["capacity"][full.parent.as_posix()]
+    first = group["requests"][0]  # the request shown first
+    curves = {rid: json.dumps(series[first]["capacity"]) for rid, series in group["runs"].items()}
+    paths = _capacity_paths(dom)
+    assert set(paths) == set(curves) and len(curves) == 4
+    shared = [rid for rid in curves if list(curves.values()).count(curves[rid]) > 1]
+    assert {Path(rid).name.split("+")[0] for rid in shared} >= {"full", "growpage", "kara"}
+    n = len(shared)
+    for rid, attrs in paths.items():
+        if rid in shared:  # one line, every run in its turn: dash 10, gap 10 x (n - 1)
+            assert attrs["stroke-dasharray"] == f"10 {10 * (n - 1)}" and attrs["d"] == paths[shared[0]]["d"]
+        else:
+            assert "stroke-dasharray" not in attrs
+    offsets = sorted(int(paths[rid]["stroke-dashoffset"]) for rid in shared)
+    assert offsets == [10 * k for k in range(n)]  # each turn its own stretch of the line
+    assert len({paths[rid]["stroke"] for rid in shared}) == n
+    note = re.search(r'<div class="small shared-line">(.*?)</div>', dom, re.S).group(1)
+    assert note.startswith(f"{n} runs share this line")
+    assert all(html.unescape(note).count(f"{Path(rid).name}") for rid in shared)
 
 
 # ------------------------------------------------------------------------------ hostile trees

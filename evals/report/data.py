@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from evals.leaderboard import (
+    COMPARED_SETTINGS,  # the settings that must match FullKV's run for a row to compare with it
     complete_intervals,
     not_fullkv,
     order_tasks,
@@ -63,7 +64,7 @@ from evals.traces import TraceIndex
 # metrics.json where it is a per-sample mean (docs/metrics.md).
 COLUMNS = (
     ("pass@1", "pass@1 (%)", 100.0, 1),
-    ("mean_score", "NIAH score", 1.0, 3),
+    ("mean_score", "NIAH score (partial credit)", 1.0, 3),
     ("fid_delta_nll", "delta-NLL", 1.0, 4),
     ("fid_worst_window", "worst window", 1.0, 3),
     ("fid_agreement", "agreement (%)", 100.0, 1),
@@ -76,6 +77,8 @@ COLUMNS = (
 )
 # Header tooltips: units and definitions (docs/metrics.md).
 COLUMN_HELP = {
+    "mean_score": "NIAH retrieval score (partial credit): per sample 1 when the key phrase is found, "
+                  "else the share of it recalled; not pass@1",
     "fid_delta_nll": "mean over FullKV's continuation of the policy's NLL minus FullKV's (nats/token)",
     "fid_worst_window": "largest mean delta-NLL over 32 consecutive reference tokens (nats/token)",
     "fid_agreement": "share of FullKV's tokens the free generation reproduces at the same position",
@@ -88,9 +91,6 @@ COLUMN_HELP = {
     "tps": "output tokens per second of the run, timed alone (no interval: run-level)",
     "grow_ratio": "grow decisions / all capacity decisions (GrowPage Table 9)",
 }
-# Settings that must match FullKV's run of the same directory for a row to compare with it.
-COMPARED_SETTINGS = ("max_tokens", "temperature", "seed", "data_source", "task_options", "preset",
-                     "samples", "limit", "thinking", "block_size")
 FULL = fidelity.FULL_POLICY
 
 
@@ -640,11 +640,12 @@ def _usable_provenance(run: RunResult, notes: _Notes) -> RunResult:
 
 def figures_section(runs: Sequence[RunResult]) -> list[dict]:
     """The leaderboard's fidelity figures, drawn by evals.plots as SVG text for the page to show
-    as they are: drift from FullKV by position in the document (the long-document tasks) and
-    drift against the KV kept. [] when no run has the figures' data."""
+    as they are: drift from FullKV by position in the document (the long-document tasks), drift
+    against the KV kept, and per task with a budget sweep its quality and fidelity against the
+    KV kept (evals.leaderboard.sweep_figure). [] when no run has the figures' data."""
     import tempfile
 
-    from evals.leaderboard import fidelity_axis, memory_points, position_series
+    from evals.leaderboard import fidelity_axis, memory_points, position_series, sweep_figures
     from evals.plots import position_plot, quality_memory_plot
 
     out = []
@@ -662,6 +663,9 @@ def figures_section(runs: Sequence[RunResult]) -> list[dict]:
                                       ylabel="delta-NLL vs FullKV (nats/token)",
                                       xlabel=f"average {x_name} (tokens per request)")
             out.append({"title": title, "svg": png.with_suffix(".svg").read_text(encoding="utf-8")})
+        for fig in sweep_figures(runs):
+            png = fig.draw(Path(tmp) / fig.file)
+            out.append({"title": fig.title, "svg": png.with_suffix(".svg").read_text(encoding="utf-8")})
     return out
 
 def _label_and_group(results: Sequence[RunResult], roots: Sequence[str | Path], notes: _Notes

@@ -51,7 +51,7 @@ _BODY = """<header>
   <div class="notes" id="notes"></div>
 </header>
 <nav>
-  <a href="#sec-leaderboard">Leaderboard</a><a href="#sec-figures">Drift figures</a>
+  <a href="#sec-leaderboard">Leaderboard</a><a href="#sec-figures">Figures</a>
   <a href="#sec-samples">Per sample</a>
   <a href="#sec-niah">NIAH</a><a href="#sec-capacity">Capacity</a>
   <a href="#sec-provenance">Config &amp; provenance</a>
@@ -76,11 +76,14 @@ _BODY = """<header>
   <div id="board"></div>
 </section>
 <section id="sec-figures">
-  <h2>Drift from FullKV: by position, and against the KV kept</h2>
-  <p class="help">Left to right as in the leaderboard's files: delta-NLL by position in the document
+  <h2>Drift from FullKV by position; quality and drift against the KV kept</h2>
+  <p class="help">As in the leaderboard's files: delta-NLL by position in the document
   (long-document runs: every token of real text forced under the policy; one line per run, its
-  95% interval over documents), and delta-NLL against the KV slots that hold a kept token (one
-  point per run, both intervals).</p>
+  95% interval over documents); delta-NLL against the KV slots that hold a kept token (one
+  point per run, both intervals); and for each task with a budget sweep (a policy run at several
+  budgets, <code>kvarena sweep</code>) pass@1, delta-NLL and token agreement against the KV kept,
+  one line per policy and settings through its budgets, its 95% intervals as error bars and a
+  band (a policy at one budget is one point).</p>
   <div id="figures"></div>
 </section>
 <section id="sec-samples">
@@ -94,10 +97,12 @@ _BODY = """<header>
 </section>
 <section id="sec-niah">
   <h2>Needle in a haystack</h2>
-  <p class="help">Score per (context length, needle depth) cell for every policy (1 = the needle's
-  key phrase in the answer). Click a cell to see which prompt positions each layer and KV head
-  kept after each compaction, with the needle's span marked (runs made with
-  <code>--trace-kept</code>: their cells carry a blue bar).</p>
+  <p class="help">Retrieval score (partial credit, not pass@1) per (context length, needle depth)
+  cell for every policy: per sample 1 when the needle's key phrase is in the answer, else the share
+  of it the answer recalls; the leaderboard's pass@1 counts only a found key phrase. Click a cell
+  to see which prompt positions each layer and KV head kept after each compaction, with the
+  needle's span marked (runs made with <code>--trace-kept</code>: their cells carry a blue
+  bar).</p>
   <div id="niah"></div>
 </section>
 <section id="sec-capacity">
@@ -105,7 +110,9 @@ _BODY = """<header>
   <p class="help">Per request, the KV slots each policy held at every decode step, with its
   capacity decisions: GrowPage's Grow and Compress &amp; Hold, fallbacks (a grow the pool could not
   safely satisfy, answered by a compression), shrinks, prompt compression; periodic firings
-  (Kara's windows) as ticks under the axis, on the same steps.</p>
+  (Kara's windows) as ticks under the axis, on the same steps. Runs whose allocations are
+  identical at every step share one line, drawn in turns (dashes of each run's colour), and a note
+  under the chart names them.</p>
   <div class="controls" id="capacity-controls"></div>
   <div id="capacity"></div>
 </section>

@@ -15,7 +15,9 @@ alternatives (``SUFFICIENCY_RULES``).
 
 Outputs per task, in ``<out>/<model>/<task>/sweep_<label>/``: ``sweep.csv`` (one row per
 request: correct/samples at every budget, c_i(B), B*), ``summary.json`` (the class counts, the
-rule, the budgets) and ``budget_hist.png`` (requests per B* class, Fig. 2).
+rule, the budgets) and ``budget_hist.png`` (requests per B* class, Fig. 2). The budgets' runs are
+ordinary runs: ``kvarena leaderboard`` and ``kvarena report`` draw their score-vs-KV curve
+(evals.leaderboard.sweep_figure).
 """
 
 from __future__ import annotations

@@ -310,7 +310,7 @@
       })).concat([el("th", {text: ""})]));
       var head = el("tr", null, [el("th", {cls: "text", text: "policy \u2193 / needle depth \u2192"})].concat(g.cells.map(function (c) {
         return el("th", {text: c[1] + "%", title: "context length " + c[0] + " tokens, needle depth " + c[1] + "%"});
-      })).concat([el("th", {text: "mean"})]));
+      })).concat([el("th", {text: "mean score", title: "mean retrieval score (partial credit), not pass@1"})]));
       var rows = g.rows.map(function (row) {
         var total = 0, count = 0;
         var tds = g.cells.map(function (c) {
@@ -319,7 +319,7 @@
           total += cell.score; count += 1;
           var hasKept = DATA.kept[row.run] && DATA.kept[row.run][cell.keys[0][0] + "|" + cell.keys[0][1]];
           var td = el("td", {cls: "cell" + (hasKept ? " haskept" : ""), text: fmt(cell.score, 2),
-            title: row.label + " at L" + c[0] + " D" + c[1] + "%: score " + fmt(cell.score, 3) +
+            title: row.label + " at L" + c[0] + " D" + c[1] + "%: retrieval score (partial credit) " + fmt(cell.score, 3) +
               (hasKept ? " (click: kept positions)" : " (no kept-position trace)"),
             onclick: function () { selectNiah(gi, row.run, cell.keys[0]); }});
           td.style.background = scoreColor(cell.score);
@@ -491,6 +491,20 @@
     return g;
   }
 
+  /* The shown series grouped by their capacity curve: runs whose curves are identical step for
+     step form one group (in drawing order), so that they can be told apart on the one line. */
+  function sharedLines(shown) {
+    var groups = {}, order = [];
+    shown.forEach(function (x) {
+      if (!x.cap.length) { return; }
+      var key = x.cap.join(",");
+      if (!groups[key]) { groups[key] = []; order.push(key); }
+      groups[key].push(x);
+    });
+    return order.map(function (k) { return groups[k]; });
+  }
+  var SHARED_DASH = 10;  /* px of each run's turn on a line it shares */
+
   function renderCapacity() {
     var group = DATA.capacity[capState.group];
     var reqs = group.requests;
@@ -543,17 +557,30 @@
     var yl = svg("text", {x: 12, y: (mt + sy(0)) / 2, transform: "rotate(-90 12 " + ((mt + sy(0)) / 2) + ")", "text-anchor": "middle"});
     yl.textContent = "KV slots allocated"; axis.appendChild(yl);
     root.appendChild(axis);
-    shown.forEach(function (x, si) {
-      var color = runColor(x.id);
-      if (x.cap.length) {
+    var lines = sharedLines(shown);
+    lines.forEach(function (members, li) {
+      var names = members.map(function (x) { return RUNS[x.id].name; });
+      members.forEach(function (x, j) {
         var d = "M" + sx(0) + " " + sy(x.cap[0]);
         x.cap.forEach(function (v, k) { d += " L" + sx(k) + " " + sy(v) + " L" + sx(k + 1) + " " + sy(v); });
-        /* Later series are drawn thinner, so lines that coincide (FullKV and a policy that only
-           allocates) stay visible as nested strokes. */
-        root.appendChild(svg("path", {d: d, fill: "none", stroke: color, "stroke-width": Math.max(1.2, 5 - 1.3 * si),
-          "stroke-linejoin": "round", opacity: 0.9},
-          [svgTitle(RUNS[x.id].name + ": allocated slots per decode step")]));
-      }
+        /* Later lines are drawn thinner, so lines that coincide for a while (FullKV and a policy
+           before its first compression) stay visible as nested strokes. Runs whose whole curves
+           are identical share one line in turns: each draws dashes of SHARED_DASH px, with gaps
+           where the others draw theirs, so every run's colour shows along the whole line and
+           no value is moved. */
+        var attrs = {d: d, fill: "none", stroke: runColor(x.id), "stroke-width": Math.max(1.2, 5 - 1.3 * li),
+          "stroke-linejoin": "round", opacity: 0.9, "data-run": x.id};
+        var title = RUNS[x.id].name + ": allocated slots per decode step";
+        if (members.length > 1) {
+          attrs["stroke-dasharray"] = SHARED_DASH + " " + SHARED_DASH * (members.length - 1);
+          attrs["stroke-dashoffset"] = SHARED_DASH * ((members.length - j) % members.length);
+          title += " (one line shared by " + members.length + " runs: " + names.join(", ") + ")";
+        }
+        root.appendChild(svg("path", attrs, [svgTitle(title)]));
+      });
+    });
+    shown.forEach(function (x, si) {
+      var color = runColor(x.id);
       var fr = firingRows.indexOf(x);
       x.s.events.forEach(function (e) {
         var kind = markKind(e);
@@ -588,6 +615,11 @@
       var none = svg("text", {x: W / 2, y: H / 2, "text-anchor": "middle"}); none.textContent = "no series shown"; root.appendChild(none);
     }
     box.appendChild(el("div", {cls: "scroll"}, [root]));
+    lines.filter(function (members) { return members.length > 1; }).forEach(function (members) {
+      box.appendChild(el("div", {cls: "small shared-line", text: members.length + " runs share this line " +
+        "(identical allocations at every step; drawn in turns, dashes of each run's colour): " +
+        members.map(function (x) { return RUNS[x.id].name; }).join(", ")}));
+    });
     box.appendChild(el("div", {cls: "legend"}, Object.keys(MARKS).map(function (k) {
       var s = svg("svg", {width: 16, height: 16});
       if (k === "preempt") { s.appendChild(svg("line", {x1: 8, y1: 0, x2: 8, y2: 16, stroke: MARKS[k].color, "stroke-dasharray": "3 2"})); }
