@@ -536,3 +536,19 @@ def test_outputs_are_cut_and_traces_read_line_by_line(tree, tmp_path):
     # The 4 MB of outputs are read with their samples; the 30 MB of traces never are whole.
     assert peak - baseline < 4 * 2_000_000 + 8_000_000, (peak, baseline)
     assert len(render(data)) < 2_000_000
+
+
+def test_the_page_says_at_its_top_when_its_runs_mix_code_versions(tmp_path):
+    """Runs from two commits: the header's notes count the versions and the runs whose code
+    differs from their FullKV run's; one version: no such note."""
+    from result_trees import PROV_A, PROV_B, write_run
+
+    write_run(tmp_path / "one", "gsm8k", "full", {}, 10, 100.0, PROV_A)
+    write_run(tmp_path / "one", "gsm8k", "snapkv", {"budget": 64}, 8, 64.0, PROV_A)
+    assert not any("code versions" in n for n in build_data([tmp_path / "one"])["notes"])
+    write_run(tmp_path / "two", "gsm8k", "full", {}, 10, 100.0, PROV_A)
+    write_run(tmp_path / "two", "gsm8k", "snapkv", {"budget": 64}, 8, 64.0, PROV_B)
+    write_run(tmp_path / "two", "gsm8k", "h2o", {"budget": 64}, 8, 64.0, PROV_A)
+    (note,) = [n for n in build_data([tmp_path / "two"])["notes"] if "code versions" in n]
+    assert note.startswith("These 3 runs come from 2 code versions or machines (letters A, B")
+    assert "1 of them differ from their FullKV run's" in note

@@ -774,6 +774,14 @@ def build_data(dirs: Sequence[str | Path], limits: Limits | None = None,
         entries.append(entry)
         samples[run.id] = rows
         shown_runs.append(run)
+    prov = {run.id: run.prov for run in shown_runs}
+    versions = {letter for e in entries for letter in prov.get(e["id"], [])}
+    if len(versions) > 1:
+        mixed = sum(1 for e in entries if e["cautions"])
+        notes.add(f"These {len(entries)} runs come from {len(versions)} code versions or machines "
+                  f"(letters {', '.join(sorted(versions, key=lambda s: (len(s), s)))}, explained "
+                  f"under Config and provenance); {mixed} of them differ from their FullKV run's "
+                  f"(marked \u2260): a difference there is not the policy's alone.")
     missing = [e["id"] for e in entries if not e["has_traces"]]
     if missing:
         notes.add(f"{len(missing)} of {len(entries)} runs have no traces.jsonl (written by eval runs "
@@ -786,7 +794,6 @@ def build_data(dirs: Sequence[str | Path], limits: Limits | None = None,
                   f"shading is not shown (their per-sample means are).")
     grids = niah_grids(shown_runs, titles, notes)
     in_grids = {row["run"] for g in grids for row in g["rows"]}
-    prov = {run.id: run.prov for run in shown_runs}
     kept = kept_section([r for r in shown_runs if r.id in in_grids], limits, notes)
     for e in entries:
         e["has_kept"] = e["id"] in kept
