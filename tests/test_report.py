@@ -254,8 +254,8 @@ def test_the_page_shows_the_budget_sweep_figure_of_the_leaderboard(tmp_path):
     data = build_data([root], pieces=lambda model, ids: [str(i) for i in ids])
     titles = [f["title"] for f in data["figures"]]
     assert titles == ["Drift from FullKV vs KV kept (95% intervals; 0 = FullKV)",
-                      "GSM8K: quality and fidelity vs KV kept over budgets (one line per policy and "
-                      "settings; 95% intervals)"]
+                      "GSM8K: quality and fidelity vs KV kept over budgets (policies run at "
+                      "several budgets, and FullKV; 95% intervals)"]
     assert data["figures"][1]["svg"] == svg
     page = render(data)
     assert _data_of(page)["figures"][1]["svg"] == svg
