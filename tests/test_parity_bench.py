@@ -61,10 +61,12 @@ def test_compare_kept_counts_equal_nested_and_overlapping_rows():
     assert kept.max_swaps == 1  # rows of equal counts swap one position each
     assert (kept.ours, kept.theirs) == (15, 16)
     assert kept.layer_counts == [(4, 4), (3.5, 4)] and not kept.same_counts
-    merged = kept.merge(compare_kept(theirs, theirs))
-    assert (merged.rows, merged.equal, merged.nested) == (8, 5, 1)
+    merged = kept.merge(compare_kept(theirs, theirs)).merge(compare_kept(theirs, theirs))
+    assert (merged.rows, merged.equal, merged.nested, merged.prompts) == (12, 9, 1, 3)
     assert merged.worst == kept.worst and merged.jaccard_min == kept.jaccard_min
-    assert merged.layer_counts == [(4, 4), (3.75, 4)]
+    assert merged.layer_counts == [(4, 4), (pytest.approx(23 / 6), 4)]  # (3.5 + 4 + 4) / 3
+    with pytest.raises(ValueError):
+        kept.merge(compare_kept([[[0]]], [[[0]]]))  # another depth
 
 
 def test_compare_kept_rejects_other_shapes_and_repeats():

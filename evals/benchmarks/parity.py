@@ -242,8 +242,8 @@ class KeptAgreement:
     the other's (same selection, different budget); jaccard_sum / jaccard_min: |A & B| / |A | B|
     summed and at its lowest; max_swaps: the most positions one side keeps that the other does
     not, over unequal rows with equal counts; ours / theirs: kept positions summed; worst: (layer,
-    head, Jaccard) of the lowest row; layer_counts: per layer, kept per head averaged (ours,
-    theirs)."""
+    head, Jaccard) of the lowest row; layer_sums: per layer, kept per head summed over prompts
+    (ours, theirs); prompts: how many prompts were merged."""
 
     rows: int = 0
     equal: int = 0
@@ -254,28 +254,34 @@ class KeptAgreement:
     ours: int = 0
     theirs: int = 0
     worst: tuple[int, int, float] | None = None
-    layer_counts: list[tuple[float, float]] = field(default_factory=list)
+    layer_sums: list[tuple[float, float]] = field(default_factory=list)
+    prompts: int = 1
 
     @property
     def jaccard(self) -> float:
         return self.jaccard_sum / self.rows if self.rows else float("nan")
 
     @property
+    def layer_counts(self) -> list[tuple[float, float]]:
+        """Per layer, kept per head averaged over heads and prompts (ours, theirs)."""
+        return [(a / self.prompts, b / self.prompts) for a, b in self.layer_sums]
+
+    @property
     def same_counts(self) -> bool:
         return all(o == t for o, t in self.layer_counts)
 
     def merge(self, other: "KeptAgreement") -> "KeptAgreement":
-        """Both prompts' rows together (layer_counts averaged over prompts of equal depth)."""
+        """Both agreements' rows together (prompts of the same model: same layers)."""
         worst = min((w for w in (self.worst, other.worst) if w is not None),
                     key=lambda w: w[2], default=None)
-        counts = (other.layer_counts if not self.layer_counts else
-                  [((a + c) / 2, (b + d) / 2) for (a, b), (c, d)
-                   in zip(self.layer_counts, other.layer_counts, strict=True)])
+        sums = [(a + c, b + d) for (a, b), (c, d)
+                in zip(self.layer_sums, other.layer_sums, strict=True)]
         return KeptAgreement(self.rows + other.rows, self.equal + other.equal,
                              self.nested + other.nested, self.jaccard_sum + other.jaccard_sum,
                              min(self.jaccard_min, other.jaccard_min),
                              max(self.max_swaps, other.max_swaps), self.ours + other.ours,
-                             self.theirs + other.theirs, worst, counts)
+                             self.theirs + other.theirs, worst, sums,
+                             self.prompts + other.prompts)
 
 
 def compare_kept(ours: Kept, theirs: Kept) -> KeptAgreement:
@@ -307,7 +313,7 @@ def compare_kept(ours: Kept, theirs: Kept) -> KeptAgreement:
                 out.worst = (layer, head, jac)
             out.jaccard_min = min(out.jaccard_min, jac)
         n = max(1, len(heads_a))
-        out.layer_counts.append((sum(map(len, heads_a)) / n, sum(map(len, heads_b)) / n))
+        out.layer_sums.append((sum(map(len, heads_a)) / n, sum(map(len, heads_b)) / n))
     return out
 
 
