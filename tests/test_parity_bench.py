@@ -125,6 +125,11 @@ def test_budgets_and_settings():
     assert METHODS["full"].press(0.5) is None
     assert METHODS["snapkv"].settings() == ("snapkv(window=64, pooling=avg, pooling_kernel=5), "
                                             "budget floor(T(1-c))")
+    assert parity.layer_budgets([[[0, 1, 2], [0, 1, 3]], [[0], [1]]]) == ((3, 1), 2)
+    with pytest.raises(parity.Unmatched, match="keep 3 positions in all, not a multiple of the 2"):
+        parity.layer_budgets([[[0, 1], [2, 3]], [[0], [1]]])
+    with pytest.raises(parity.Unmatched, match="layer 1 keeps \\[1, 2\\] positions"):
+        parity.layer_budgets([[[0, 1], [2, 3]], [[0], [1, 2]]])
     for bad, message in [(dict(methods=("snapkv", "nope")), "--methods must name"),
                          (dict(lengths=(1,)), "--lengths"), (dict(ratio=1.0), "compression-ratio"),
                          (dict(tokens=0), "--tokens"), (dict(corpus="x"), "--corpus")]:
@@ -213,11 +218,12 @@ def test_a_python_without_kvpress_is_one_line(tmp_path):
 
 def test_protocol_end_to_end_reports_the_mismatch(tiny_model, fake_python, monkeypatch):
     monkeypatch.setenv("FAKE_KVPRESS_MISMATCH", "1,0,48")
-    settings = parity.ParitySettings(fake_python, methods=("full", "streamingllm"),
+    settings = parity.ParitySettings(fake_python,
+                                     methods=("full", "streamingllm", "pyramidkv-budgets"),
                                      lengths=(48, 64), ratio=0.5, tokens=4)
     lines: list[str] = []
     result = parity.run_parity(tiny_model, settings=settings, driver=FAKE_PEER, log=lines.append)
-    full, stream = result.table("summary").rows
+    full, stream, pyramid = result.table("summary").rows
     # No press: the real driver's greedy transformers against kvarena on the same weights.
     assert full["verdict"] == "identical" and full["continuation"] == "1.000 (2/2 identical)"
     # 2 layers x 2 KV heads x 2 prompts; the fake moved one position of layer 1, head 0 in the
@@ -228,9 +234,14 @@ def test_protocol_end_to_end_reports_the_mismatch(tiny_model, fake_python, monke
     assert stream["verdict"] == "DIFFERENT"
     assert "1 of 8 rows differ (lowest: layer 1, head 0, Jaccard 0.920)" in stream["why"]
     per_prompt = result.table("prompts").rows
-    assert [(r["method"], r["prompt_tokens"], r["budget"], r["rows_equal"]) for r in per_prompt] == [
+    assert [(r["method"], r["prompt_tokens"], r["budget"], r["rows_equal"])
+            for r in per_prompt[:4]] == [
         ("FullKV", 48, None, None), ("FullKV", 64, None, None),
         ("StreamingLLM", 48, 24, "3/4"), ("StreamingLLM", 64, 32, "4/4")]
+    # PyramidKV took each layer's count from the peer's answer (the fake's 24 and 32 per head).
+    assert [(r["budget"], r["kept_ours"], r["kept_theirs"]) for r in per_prompt[4:]] == [
+        (24, 24, 24), (32, 32, 32)]
+    assert pyramid["kept"] == "28.0 / 28.0"
     assert result.scale["kvpress"] == "0.0-fake" and "0.0-fake" in result.notes[0]
     assert any("StreamingLLM, prompt 1 (48 tokens): 3/4 rows equal" in line for line in lines)
 

@@ -106,6 +106,12 @@ def snapkv_press(ratio: float, window: int = WINDOW) -> PressSpec:
 
 
 SNAPKV_ARGS = {"window": WINDOW, "pooling": "avg", "pooling_kernel": KERNEL}
+PYRAMID_ARGS = {"window": PYRAMID_WINDOW, "pooling": "avg", "pooling_kernel": KERNEL, "beta": BETA}
+
+
+def pyramidkv_press(ratio: float) -> PressSpec:
+    return PressSpec("PyramidKVPress", {"compression_ratio": ratio, "window_size": PYRAMID_WINDOW,
+                                        "kernel_size": KERNEL, "beta": BETA})
 
 
 @dataclass(frozen=True)
@@ -116,7 +122,9 @@ class Method:
     compression ratio (None: no press); budget: (prompt tokens, ratio) -> kvarena's budget for the
     request (None: no budget); budget_rule: that rule in words; conventions: what else is matched;
     by_design: why the two differ on purpose (empty: they should agree); exact: the kept positions
-    follow from the lengths alone (no scores), so no difference is ever "close"."""
+    follow from the lengths alone (no scores), so no difference is ever "close"; peer_budgets:
+    kvarena takes the per-layer counts kvpress kept on the prompt as its `layer_budgets`
+    (PyramidKV), so that the row compares the selection alone."""
 
     label: str
     policy: str
@@ -127,6 +135,7 @@ class Method:
     conventions: str
     by_design: str = ""
     exact: bool = False
+    peer_budgets: bool = False
 
     def settings(self) -> str:
         args = ", ".join(f"{k}={v}" for k, v in self.policy_args.items())
@@ -167,17 +176,18 @@ METHODS: dict[str, Method] = {
         "lengths are): kvpress chunks the window too and keeps its chunks by their padded score, "
         "kvarena protects the window and trims one chunk to hit its budget"),
     "pyramidkv": Method(
-        "PyramidKV", "pyramidkv", {"window": PYRAMID_WINDOW, "pooling": "avg",
-                                   "pooling_kernel": KERNEL, "beta": BETA},
-        lambda r: PressSpec("PyramidKVPress", {"compression_ratio": r,
-                                               "window_size": PYRAMID_WINDOW,
-                                               "kernel_size": KERNEL, "beta": BETA}),
-        floor_budget, "floor(T(1-c)) per layer on average", "SnapKV's scoring with window 8 "
+        "PyramidKV", "pyramidkv", PYRAMID_ARGS, pyramidkv_press, floor_budget,
+        "floor(T(1-c)) per layer on average", "SnapKV's scoring with window 8 "
         "and avg-pool 5; beta 20; the layers' budgets average the budget",
         by_design="the per-layer budgets: kvpress builds the pyramid on the window-inclusive "
         "count (last layer B/beta, clamped so layer 0 keeps at most T - window; every layer gets B "
         "when the last would hold less than the window), kvarena builds it on B - window (last "
         "layer floor((B - window)/beta), then the window added) and always applies it"),
+    "pyramidkv-budgets": Method(
+        "PyramidKV, kvpress's layer budgets", "pyramidkv", PYRAMID_ARGS, pyramidkv_press,
+        floor_budget, "layer_budgets = kvpress's per-layer kept counts", "as PyramidKV, and "
+        "every layer keeps as many positions as kvpress's layer kept: the selection alone",
+        peer_budgets=True),
     "h2o": Method(
         "H2O", "h2o", {"recent_ratio": 0.5},
         lambda r: PressSpec("ObservedAttentionPress", {"compression_ratio": r}, attn="eager"),
@@ -407,14 +417,42 @@ def kept_rows(record_positions) -> Kept:
             for layer in record_positions.tolist()]
 
 
-def run_kvarena(llm, method: Method, prompt: list[int], ratio: float,
-                tokens: int) -> tuple[Kept | None, list[int], int | None]:
-    """kvarena's side of one prompt: (kept positions or None, greedy tokens, the budget)."""
+class Unmatched(Exception):
+    """kvarena cannot take kvpress's side of a row's conventions (the row is reported, not run)."""
+
+
+def layer_budgets(kept: Kept) -> tuple[tuple[int, ...], int]:
+    """kvpress's per-layer kept counts as kvarena's PyramidKV `layer_budgets`, with the average
+    budget they must sum to (layers x budget); Unmatched when a layer's heads keep different
+    counts or the counts do not sum to a multiple of the layers."""
+    counts = []
+    for layer, heads in enumerate(kept):
+        sizes = {len(h) for h in heads}
+        if len(sizes) != 1:
+            raise Unmatched(f"kvpress's layer {layer} keeps {sorted(sizes)} positions in different "
+                            f"heads; layer_budgets give one count per layer")
+        counts.append(sizes.pop())
+    if sum(counts) % len(counts):
+        raise Unmatched(f"kvpress's layers keep {sum(counts)} positions in all, not a multiple of "
+                        f"the {len(counts)} layers that kvarena's layer_budgets must sum to")
+    return tuple(counts), sum(counts) // len(counts)
+
+
+def run_kvarena(llm, method: Method, prompt: list[int], ratio: float, tokens: int,
+                peer_kept: Kept | None = None) -> tuple[Kept | None, list[int], int | None]:
+    """kvarena's side of one prompt: (kept positions or None, greedy tokens, the budget).
+    peer_kept: kvpress's kept positions, for a method that takes its layer budgets."""
     from engine.sampling import SamplingParams
 
+    args = dict(method.policy_args)
     budget = method.budget(len(prompt), ratio) if method.budget else None
-    llm.use_policy(method.policy, **method.policy_args)
-    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, kv_budget=budget)
+    own_budget = budget
+    if method.peer_budgets:
+        args["layer_budgets"], budget = layer_budgets(peer_kept)
+        args["budget"], own_budget = budget, None
+    llm.use_policy(method.policy, **args)
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True,
+                            kv_budget=own_budget)
     (out,) = llm.generate([prompt], params)
     if method.budget is None:
         return None, list(out.token_ids), None
@@ -426,17 +464,30 @@ def run_kvarena(llm, method: Method, prompt: list[int], ratio: float,
 
 def compare_method(key: str, method: Method, prompts: list[list[int]], llm, kvpress: Peer,
                    settings: ParitySettings, log: Callable[[str], None]) -> tuple[dict, list[dict]]:
-    """Both sides on every prompt: (the summary row, one row per prompt)."""
+    """Both sides on every prompt: (the summary row, one row per prompt). A row whose
+    conventions kvarena cannot take (Unmatched) is reported as such, with its reason."""
     press = method.press(settings.ratio)
+    row = {"key": key, "method": method.label, "kvarena": method.settings(),
+           "kvpress": press.describe() if press is not None else "no press"}
+    try:
+        summary, prompt_rows = _compare(method, press, prompts, llm, kvpress, settings, log)
+    except Unmatched as exc:
+        log(f"{method.label}: not run: {exc}")
+        return {**row, "verdict": "not comparable", "why": str(exc)}, []
+    return {**row, **summary}, prompt_rows
+
+
+def _compare(method: Method, press: PressSpec | None, prompts: list[list[int]], llm,
+             kvpress: Peer, settings: ParitySettings, log: Callable[[str], None]):
     merged: KeptAgreement | None = None
     pairs, prompt_rows = [], []
     for i, prompt in enumerate(prompts):
-        ours, our_tokens, budget = run_kvarena(llm, method, prompt, settings.ratio,
-                                               settings.tokens)
         reply = kvpress.ask({"op": "run", "prompt": prompt, "max_new_tokens": settings.tokens,
                              "press": press.to_json() if press is not None else None},
                             f"{method.label} on prompt {i + 1}")
         theirs, their_tokens = reply["kept"], reply["tokens"]
+        ours, our_tokens, budget = run_kvarena(llm, method, prompt, settings.ratio,
+                                               settings.tokens, theirs)
         if (ours is None) != (theirs is None):
             raise PeerError(f"{method.label}: one side compressed and the other did not")
         kept = compare_kept(ours, theirs) if ours is not None else None
@@ -458,9 +509,7 @@ def compare_method(key: str, method: Method, prompts: list[list[int]], llm, kvpr
     name, why = verdict(method, merged, pairs)
     agreements = [r["agreement"] for r in prompt_rows]
     identical = sum(r["first_divergence"] is None for r in prompt_rows)
-    row = {"key": key, "method": method.label, "kvarena": method.settings(),
-           "kvpress": press.describe() if press is not None else "no press",
-           "rows_equal": f"{merged.equal}/{merged.rows}" if merged else "-",
+    row = {"rows_equal": f"{merged.equal}/{merged.rows}" if merged else "-",
            "rows_nested": merged.nested if merged else None,
            "jaccard": merged.jaccard if merged else None,
            "jaccard_min": merged.jaccard_min if merged else None,
