@@ -102,6 +102,12 @@ def test_verdicts():
     name, why = verdict(stream, swap, tokens_same)
     assert name == "DIFFERENT" and "1 of 2 rows differ (lowest: layer 0, head 1, Jaccard 0.500)" in why
     assert verdict(h2o, swap, tokens_same) == ("different by design", h2o.by_design)
+    # ChunkKV differs by design only on a prompt that ends in a partial chunk.
+    chunk = METHODS["chunkkv"]
+    assert verdict(chunk, swap, tokens_same, [256, 320])[0] == "close"
+    name, why = verdict(chunk, swap, tokens_same, [256, 300, 310])
+    assert name == "different by design" and why.startswith("a 300-token prompt ends in a partial")
+    assert "a 310-token prompt" in why
     # Far apart with other counts: a discrepancy, counts named.
     far = compare_kept([[[0, 1, 2, 3]], [[0, 1]]], [[[4, 5, 6]], [[2, 3]]])
     name, why = verdict(snap, far, tokens_same)

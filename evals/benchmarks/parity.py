@@ -124,7 +124,8 @@ class Method:
     by_design: why the two differ on purpose (empty: they should agree); exact: the kept positions
     follow from the lengths alone (no scores), so no difference is ever "close"; peer_budgets:
     kvarena takes the per-layer counts kvpress kept on the prompt as its `layer_budgets`
-    (PyramidKV), so that the row compares the selection alone."""
+    (PyramidKV), so that the row compares the selection alone; differs_at: the reason the two
+    differ by design on a prompt of that many tokens, or "" (ChunkKV's partial chunks)."""
 
     label: str
     policy: str
@@ -136,6 +137,7 @@ class Method:
     by_design: str = ""
     exact: bool = False
     peer_budgets: bool = False
+    differs_at: Callable[[int], str] = lambda length: ""
 
     def settings(self) -> str:
         args = ", ".join(f"{k}={v}" for k, v in self.policy_args.items())
@@ -174,15 +176,21 @@ METHODS: dict[str, Method] = {
         "summed over a layer's KV heads and averaged over fixed 16-token chunks from position 0; "
         "whole chunks kept. Exact when the prompt and the window are multiples of 16 (the default "
         "lengths are): kvpress chunks the window too and keeps its chunks by their padded score, "
-        "kvarena protects the window and trims one chunk to hit its budget"),
+        "kvarena protects the window and trims one chunk to hit its budget",
+        differs_at=lambda length: "" if length % CHUNK == 0 else (
+            f"a {length}-token prompt ends in a partial chunk: kvpress's last chunk, which holds "
+            f"the window's end, is kept whole, short as it is, and counts as a chunk of its "
+            f"budget; kvarena chunks only the slots before the window and fills its budget to the "
+            f"token, trimming a chunk")),
     "pyramidkv": Method(
         "PyramidKV", "pyramidkv", PYRAMID_ARGS, pyramidkv_press, floor_budget,
         "floor(T(1-c)) per layer on average", "SnapKV's scoring with window 8 "
         "and avg-pool 5; beta 20; the layers' budgets average the budget",
         by_design="the per-layer budgets: kvpress builds the pyramid on the window-inclusive "
-        "count (last layer B/beta, clamped so layer 0 keeps at most T - window; every layer gets B "
-        "when the last would hold less than the window), kvarena builds it on B - window (last "
-        "layer floor((B - window)/beta), then the window added) and always applies it"),
+        "count (last layer B/beta, layer 0 at most T - window; every layer B when the last would "
+        "hold less than the window), kvarena on the selected part B - window (last layer "
+        "floor((B - window)/beta) plus the window, layer 0 at most T; every layer B when T < "
+        "2(B - window))"),
     "pyramidkv-budgets": Method(
         "PyramidKV, kvpress's layer budgets", "pyramidkv", PYRAMID_ARGS, pyramidkv_press,
         floor_budget, "layer_budgets = kvpress's per-layer kept counts", "as PyramidKV, and "
@@ -342,9 +350,13 @@ def _counts(kept: KeptAgreement) -> str:
 
 
 def verdict(method: Method, kept: KeptAgreement | None,
-            tokens: Sequence[tuple[Sequence[int], Sequence[int]]]) -> tuple[str, str]:
-    """(verdict, why) of one method from its merged kept agreement (None: nothing compressed)
-    and its (kvarena, kvpress) continuations; the module docstring lists the verdicts."""
+            tokens: Sequence[tuple[Sequence[int], Sequence[int]]],
+            lengths: Sequence[int] = ()) -> tuple[str, str]:
+    """(verdict, why) of one method from its merged kept agreement (None: nothing compressed),
+    its (kvarena, kvpress) continuations and its prompts' lengths (`Method.differs_at`); the
+    module docstring lists the verdicts."""
+    by_design = method.by_design or "; ".join(dict.fromkeys(
+        r for r in map(method.differs_at, lengths) if r))
     diverge = [first_divergence(a, b) for a, b in tokens]
     split = [d for d in diverge if d is not None]
     decode = (f"{len(split)} of {len(tokens)} continuations diverge (first at token "
@@ -356,9 +368,9 @@ def verdict(method: Method, kept: KeptAgreement | None,
         why = (f"{kept.nested} of {kept.rows} rows keep a different number of positions, and "
                f"each time the smaller set lies inside the larger: the same selection under other "
                f"budgets ({_counts(kept)})")
-        return "budget differs", why + (f". By design: {method.by_design}" if method.by_design else "")
-    if method.by_design:
-        return "different by design", method.by_design
+        return "budget differs", why + (f". By design: {by_design}" if by_design else "")
+    if by_design:
+        return "different by design", by_design
     if not method.exact and kept.same_counts and kept.max_swaps <= CLOSE_SWAPS:
         return "close", (f"{kept.rows - kept.equal} of {kept.rows} rows swap at most "
                          f"{kept.max_swaps} position(s) at the cut: near-equal scores ordered "
@@ -506,7 +518,7 @@ def _compare(method: Method, press: PressSpec | None, prompts: list[list[int]], 
         log(f"{method.label}, prompt {i + 1} ({len(prompt)} tokens): "
             + (f"{kept.equal}/{kept.rows} rows equal, Jaccard {kept.jaccard:.3f}; "
                if kept else "") + f"token agreement {agree:.3f}")
-    name, why = verdict(method, merged, pairs)
+    name, why = verdict(method, merged, pairs, [len(p) for p in prompts])
     agreements = [r["agreement"] for r in prompt_rows]
     identical = sum(r["first_divergence"] is None for r in prompt_rows)
     row = {"rows_equal": f"{merged.equal}/{merged.rows}" if merged else "-",
