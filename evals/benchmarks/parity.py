@@ -22,7 +22,8 @@ Matched conventions (METHODS has each row's; docs/parity.md the table of where t
   a T-token prompt, kvpress's count, given to kvarena as the request's own budget
   (`SamplingParams.kv_budget`); kvarena's `budget_ratio` rounds up instead;
 - SnapKV's window 64 and average pooling with kernel 5 (kvpress's defaults) on every
-  SnapKV-scored method but PyramidKV (window 8, both PyramidKV codes' default).
+  SnapKV-scored method but PyramidKV (window 8: KVCache-Factory's and kvarena's default;
+  kvpress's is 64).
 
 Verdicts (`verdict`): identical (every row equal, every continuation equal); same kept sets
 (continuations diverge: decode numerics); budget differs (every unequal row nested); close (rows
