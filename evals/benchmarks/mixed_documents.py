@@ -18,15 +18,16 @@ Length mix (document = prompt + forced tokens, the request's full KV length). Th
 workload (App. F.2, Table 6) is 1319 GSM8K + 1280 AMC23 + 960 AIME24 requests = 4.0 : 3.9 : 2.9,
 about 4 : 4 : 3, hence 8 / 8 / 6 short / medium / long documents by default. Their mean output
 lengths, from Qwen3-8B's Zipage rows (Table 1 TPS x Table 7 total time / the requests of Table 5:
-4, 32 and 32 samples per question): GSM8K 3107 tok/s x 1.06 h x 3600 / 5276 = 2,247 tokens; AMC23
-1805 x 1.63 x 3600 / 1280 = 8,275; AIME24 1007 x 4.19 x 3600 / 960 = 15,823, i.e. 1 : 3.7 : 7.0.
-Placing that ratio inside 512-4096 with short at 512: 512 / 1,894 / 3,584. The classes are bands
-around those points (uniform, each document drawn from its class's band): short 512-576 (mean
-544), medium 1856-2176 (2016), long 3584-4096 (3840), means 1 : 3.7 : 7.1, spanning 512-4096.
-Against the budget they are longer than the paper's: with B = 16 pages of 16 = 256 tokens the
-means are 2.1 / 7.9 / 15 B, against 0.55 / 2.0 / 3.9 B for the paper's B = 4096, so every document
-is compressed by every budget here (with `--block-size 64`, B = 1024 and the ratios are the
-paper's: 0.53 / 2.0 / 3.75 B, at about 4x the attention cost per token).
+4, 32 and 32 samples per question): GSM8K 3107 tok/s x 1.06 h x 3600 / 5276 = 2,247 tokens,
+AMC23 1805 x 1.63 x 3600 / 1280 = 8,275, AIME24 1007 x 4.19 x 3600 / 960 = 15,823: 1 : 3.68 : 7.04.
+Here the short class is 512-576 tokens (mean 544) and the other two are bands centred on
+544 x 3.68 = 2,003 and 544 x 7.04 = 3,830: medium 1856-2176 (mean 2016), long 3584-4096 (mean
+3840), so the means are 1 : 3.71 : 7.06 and the lengths span 512-4096; each document is drawn
+uniformly from its class's band. Against the
+budget they are longer than the paper's: with B = 16 pages of 16 = 256 tokens the class means are
+2.1 / 7.9 / 15 B, against 0.55 / 2.0 / 3.9 B at the paper's B = 4096, so every document passes B
+(and 2B but for the shortest); `--block-size 64` (B = 1024) gives the paper's 0.53 / 2.0 / 3.75 B, with 4x
+the KV kept per request.
 
 Configurations (mixed.py's page counts, App. H.1): FullKV; Zipage at B/2, B and 2B (B = 16 pages);
 GrowPage at the paper's rule (tau = 0, its own 9-page start, never B) and GrowPage-Fixed at B;
