@@ -800,3 +800,16 @@ def test_a_compaction_that_fills_its_pages_hands_the_boundary_back(tiny_model):
     assert full["physical_after"] == 40 == full["pages_after"] * BS
     assert after["action"] == "allocate" and after["logical_len"] == full["logical_len"]
     assert after["pages_after"] == full["pages_after"] + 1
+
+
+@pytest.mark.parametrize("name", ["pyramidkv", "adakv"])
+def test_decode_compress_survives_preemption_and_returns_every_page(tiny_model, name):
+    """A pool too small for four requests: some are preempted with holes in their cache,
+    re-prefilled whole and compressed again; all finish and every page comes back."""
+    ps = prompts([20, 36, 28, 44], seed=12)
+    llm, outs = run(tiny_model, name, ps, pages=20, max_tokens=90,
+                    policy_args=dict(budget=32, window=8, decode_compress=True))
+    assert all(o.num_output_tokens == 90 and o.finish_reason == "length" for o in outs)
+    assert sum(o.num_preemptions for o in outs) >= 1
+    assert all(sum(e["action"] == "compress" for e in o.events) >= 5 for o in outs)
+    assert llm.last_scheduler.bm.num_free == llm.last_scheduler.bm.num_pages
