@@ -21,7 +21,9 @@ def test_gpu_check_dry_run_passes_on_cpu(tmp_path):
     assert [line.split()[:2] for line in summary.splitlines()] == [
         ["env", "ok"], ["kernels_cuda", "ok"], ["engine_cuda", "ok"], ["step", "ok"]]
     step_md = (tmp_path / "out" / "step" / "step-quick.md").read_text()
-    for needle in ("ms/step", "transformers ms/step", "host syncs/step", "policy growpage makes",
+    for needle in ("ms/step", "transformers ms/step", "host syncs/step", "policy growpage compresses",
+                   "policy adakv compresses", "policy pyramidkv compresses",
+                   "policy full makes no compression",
                    "async compaction equals sync", "sampling at temperature 0.6"):
         assert needle in step_md
 

@@ -1,8 +1,8 @@
 """`kvarena bench step`: the decode step of random 8B-shaped models, measured against
 transformers on the same device and against the bandwidth floor, with a profiler's count of
 kernels, host syncs and idle share per step; plus the GPU checks that need no checkpoint:
-sampling at temperature 0.6, bf16 agreement with transformers, every registered policy making
-real compression decisions, and async compaction equal to sync.
+sampling at temperature 0.6, bf16 agreement with transformers, every registered policy recording
+real compression events (FullKV none), and async compaction equal to sync.
 
 Models are built from a config alone (`engine.models.random_model.SHAPES`: Llama-3.1-8B and
 Qwen3-8B shapes, or `tiny` for the CPU dry run) and filled with seeded random weights
@@ -324,24 +324,39 @@ def _sampling(model_dir: Path, scale: StepScale) -> dict:
                 else "same seeds gave different tokens")
 
 
+# Event kinds (engine/events.py) that rewrite a sequence's KV and drop slots: what "compresses"
+# means. Page allocations ("grow", "allocate") and preemptions are not compression.
+COMPRESSION_KINDS = ("compress", "shrink", "prefill_compress", "periodic_compress", "fallback")
+
+
 def _policies_compress(model_dir: Path, scale: StepScale) -> list[dict]:
-    """Every registered policy, small budgets (the soak's), long enough outputs to compress."""
+    """Every registered policy at small budgets (the soak's: a 64-token budget at 16-token
+    pages) compresses: its requests record at least one compression event (COMPRESSION_KINDS),
+    and FullKV records none. Prompts are twice the largest budget-like argument, so policies
+    that only compress the prompt (SnapKV, PyramidKV, Ada-KV) have something to compress."""
+    from engine.events import event_kind
     from engine.policies.base import policy_registry
     from engine.sampling import SamplingParams
     from evals.benchmarks.soak import SMALL_ARGS, policy_args
 
     rows = []
     for name in sorted(policy_registry()):
-        llm = _engine(model_dir, scale, name, policy_args(name, SMALL_ARGS, 16), max_num_seqs=4,
-                      kv_cache_tokens=4096, block_size=16)
-        outs = llm.generate(_prompts(4, 40, llm.runner.hf_config.vocab_size, scale.seed),
+        args = policy_args(name, SMALL_ARGS, 16)
+        prompt_len = 2 * max([v for v in args.values() if isinstance(v, int)] + [64])
+        llm = _engine(model_dir, scale, name, args, max_num_seqs=4, kv_cache_tokens=4096,
+                      block_size=16)
+        outs = llm.generate(_prompts(4, prompt_len, llm.runner.hf_config.vocab_size, scale.seed),
                             SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True))
-        counts = llm.last_stats.counts
-        actions = {k: v for k, v in counts.items() if v and not k.startswith(("finish", "prefix"))}
-        compresses = name == "full" or any(
-            e["action"] != "grow" for o in outs for e in o.events)
-        rows.append(dict(check=f"policy {name} makes decisions", shape="tiny", ok=compresses,
-                         detail=str(actions)))
+        kinds: dict[str, int] = {}
+        for o in outs:
+            for e in o.events:
+                kinds[event_kind(e)] = kinds.get(event_kind(e), 0) + 1
+        compressions = sum(kinds.get(k, 0) for k in COMPRESSION_KINDS)
+        ok = compressions == 0 if name == "full" else compressions > 0
+        what = "makes no compression" if name == "full" else "compresses"
+        rows.append(dict(check=f"policy {name} {what}", shape="tiny", ok=ok,
+                         detail=f"prompt {prompt_len} tokens, {compressions} compression events; "
+                                f"event kinds {dict(sorted(kinds.items()))}"))
     return rows
 
 
