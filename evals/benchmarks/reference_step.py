@@ -106,18 +106,19 @@ class ReferenceStep:
         return (x.float() * cos + rotated.float() * sin).to(x.dtype)
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """tokens, positions [B, T] (rows 0..B-1 of the cache) -> logits of the last token
-        [B, vocab]. Writes each token's K/V at its position and attends to positions <= its own."""
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, row0: int = 0) -> torch.Tensor:
+        """tokens, positions [B, T] (rows row0..row0+B-1 of the cache) -> logits of the last
+        token [B, vocab]. Writes each token's K/V at its position and attends to positions <= its
+        own."""
         B, T = tokens.shape
         H, KH, d = self.H, self.KH, self.d
         G = H // KH
         x = self.embed[tokens]  # [B, T, hidden]
         cos, sin = self.cos[positions][:, :, None], self.sin[positions][:, :, None]
-        rows = torch.arange(B, device=self.device)[:, None]
+        rows = torch.arange(row0, row0 + B, device=self.device)[:, None]
         keys = torch.arange(self.capacity, device=self.device)
         mask = keys[None, None, :] <= positions[:, :, None]  # [B, T, L]
-        mask = mask.repeat_interleave(G, dim=1)[:, None]  # [B, 1, T * G, L]
+        mask = mask[:, :, None].expand(B, T, G, self.capacity).reshape(B, 1, T * G, -1)
         for i, lw in enumerate(self.layers):
             h = self._rms(x, lw["ln1"])
             qkv = F.linear(h, lw["qkv"], lw["qkv_bias"])
@@ -131,8 +132,8 @@ class ReferenceStep:
             self.v_cache[i][rows, :, positions] = v
             # GQA without copying K/V: a KV head's G query heads join the query length.
             qg = q.view(B, T, KH, G, d).permute(0, 2, 1, 3, 4).reshape(B, KH, T * G, d)
-            out = F.scaled_dot_product_attention(qg, self.k_cache[i, :B], self.v_cache[i, :B],
-                                                 attn_mask=mask)
+            out = F.scaled_dot_product_attention(qg, self.k_cache[i, row0:row0 + B],
+                                                 self.v_cache[i, row0:row0 + B], attn_mask=mask)
             out = out.view(B, KH, T, G, d).permute(0, 2, 1, 3, 4).reshape(B, T, H * d)
             x = x + F.linear(out, lw["o"])
             gate, up = F.linear(self._rms(x, lw["ln2"]), lw["gate_up"]).chunk(2, dim=-1)
@@ -147,10 +148,14 @@ class ReferenceStep:
 
     # -- serving -------------------------------------------------------------------------------
     def prefill(self, prompts: list[list[int]]) -> torch.Tensor:
-        """Equal-length prompts into rows 0..len-1 -> logits of their last tokens [B, vocab]."""
-        ids = torch.tensor(prompts, device=self.device)
-        pos = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
-        return self.forward(ids, pos)
+        """Prompts into rows 0..len-1, one row per pass (bounded memory: the mask and any
+        fallback attention's scores are one row's) -> logits of their last tokens [B, vocab]."""
+        out = []
+        for row, prompt in enumerate(prompts):
+            ids = torch.tensor([prompt], device=self.device)
+            pos = torch.arange(len(prompt), device=self.device)[None]
+            out.append(self.forward(ids, pos, row0=row))
+        return torch.cat(out)
 
     def capture(self, batch: int, temperature: float = 0.0) -> None:
         """CUDA: one graph of a decode step at `batch` rows: forward, then the sample. Warm-up
@@ -186,7 +191,7 @@ class ReferenceStep:
 def reference_step_ms(ref: ReferenceStep, prompts: list[list[int]], new_tokens: int,
                       temperature: float = 0.0) -> float:
     """Median ms of a decode step over `new_tokens` steps after prefilling `prompts` (equal
-    length), graphs captured first on CUDA."""
+    length), graphs captured first on CUDA (the first step is left out of the median)."""
     batch, start = len(prompts), len(prompts[0])
     if start + new_tokens > ref.capacity:
         raise ValueError(f"{start} + {new_tokens} tokens exceed the capacity {ref.capacity}")

@@ -293,6 +293,9 @@ def _engine_rows(model_dir: Path, scale: StepScale, mode: str, policy: str, band
     warm = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     for batch in scale.batches:  # warm-up: each batch's buckets (and any compile)
         llm.generate(_prompts(batch, 8, r.hf_config.vocab_size, scale.seed), warm)
+    # and a full-context request, whose decode crosses a page boundary: the policy's decision
+    # and compaction paths run once (lazy initialisation, kernel compiles) before timing.
+    llm.generate(_prompts(1, scale.context, r.hf_config.vocab_size, scale.seed + 3), warm)
     log(f"{mode} {policy}: engine ready in {time.perf_counter() - start:.1f} s")
     weights = sum(p.numel() * p.element_size() for p in r.model.parameters())
     rows = []
