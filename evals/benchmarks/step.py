@@ -93,9 +93,9 @@ DRY_RUN = StepScale(device="cpu", dtype="float32", shapes=("tiny",), batches=(1,
                     e2e_requests=4, e2e_prompt=96, e2e_new=32, e2e_block_size=16,
                     agreement_prompts=2, agreement_tokens=8,
                     skipped_modes={"compiled": "compiled on CPU needs inductor's C++ compile of "
-                                   "the step, over a minute per batch shape on 2 shared cores "
-                                   "(past the dry run's 60 s); --modes eager,compiled includes "
-                                   "it"})
+                                   "the step: about a minute for the first engine on 2 shared "
+                                   "cores, more with its batch-1 graph, past the dry run's "
+                                   "60 s; --modes eager,compiled includes it"})
 
 
 def run_step(scale: StepScale, quick: bool, log) -> BenchResult:
