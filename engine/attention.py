@@ -10,6 +10,7 @@ physical length before this step: earlier (possibly compressed) KV plus the chun
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -24,6 +25,9 @@ from engine.kernels.paged_attention import (
     plan_decode_torch,
 )
 from engine.kernels.store_kv import StorePlan, plan_store_kv_torch, store_kv, store_kv_planned
+
+if TYPE_CHECKING:
+    from engine.kernels.backend import Backend
 
 
 @dataclass
@@ -90,6 +94,8 @@ class ForwardContext:
     store_plan: StorePlan | None = None
     decode_plan: DecodePlan | None = None
     native: bool = False
+    backend: Backend | None = None
+    whole_step: bool = False
 
 
 def attend(layer: int, q_pre: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

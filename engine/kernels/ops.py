@@ -9,6 +9,7 @@ them.
                                               q_lens, layer, scale) -> out
     torch.ops.kvarena.store_and_decode(q, key, value, k_cache, v_cache, slot_mapping,
                                        block_tables, context_lens, layer, scale, native) -> out
+    torch.ops.kvarena.c_store_and_decode(...)  (store_and_decode's arguments, without native)
 
 `store_and_decode` is what a compiled decode step calls: the store and the attention of one
 layer as one op, so each layer mutates the caches exactly once. With a separate store and a
@@ -68,6 +69,14 @@ def _store_and_decode(q, key, value, k_cache, v_cache, slot_mapping, block_table
     return _decode(q, k_cache, v_cache, block_tables, context_lens, layer, scale)
 
 
+def _c_store_and_decode(q, key, value, k_cache, v_cache, slot_mapping, block_tables, context_lens,
+                        layer, scale) -> torch.Tensor:
+    """store_and_decode through the C kernels of cpu_native.py (CPU float32 tensors)."""
+    k_layer, v_layer = k_cache[layer], v_cache[layer]
+    cpu_native.store(key, value, k_layer, v_layer, slot_mapping)
+    return cpu_native.decode(q, k_layer, v_layer, block_tables, context_lens, scale)
+
+
 def _prefill(q, k_cache, v_cache, block_tables, base_lens, q_lens, layer, scale) -> torch.Tensor:
     """q: [B, Lq_max, q_heads, head_dim] -> the same shape (rows past q_lens are zeros)."""
     return paged_prefill_attention(q, k_cache[layer], v_cache[layer], block_tables, base_lens,
@@ -91,6 +100,11 @@ store_and_decode = define(
     "Tensor(b!) v_cache, Tensor slot_mapping, Tensor block_tables, Tensor context_lens, "
     "int layer, float scale, bool native=False) -> Tensor",
     _store_and_decode, _contiguous_like)
+c_store_and_decode = define(
+    "c_store_and_decode(Tensor q, Tensor key, Tensor value, Tensor(a!) k_cache, "
+    "Tensor(b!) v_cache, Tensor slot_mapping, Tensor block_tables, Tensor context_lens, "
+    "int layer, float scale) -> Tensor",
+    _c_store_and_decode, _contiguous_like)
 prefill_attention = define(
     "paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
     "Tensor base_lens, Tensor q_lens, int layer, float scale) -> Tensor",

@@ -43,12 +43,13 @@ import torch
 from torch.nn import functional as F
 
 from engine.kernels import cpu_native
-from engine.kernels.library import define
+from engine.kernels import linear as linear_ops
+from engine.kernels.linear import packed_linear, panel_linear, thin_linear
 
 # The row count oneDNN's reorder tunes the packed layout for: the decode batch of the CPU
 # benchmarks. Any row count computes correctly with it; 1, 32 and 512 rows were within noise of
 # each other's best hint at every layer shape measured.
-ROWS_HINT = 32
+ROWS_HINT = linear_ops.ROWS_HINT
 
 
 def available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -87,21 +88,4 @@ def linear(x: torch.Tensor, weight: torch.Tensor, packed: torch.Tensor | None,
 
 
 def _onednn(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-def _fake(x, packed_or_weight, bias):
-    return x.new_empty((x.shape[0], packed_or_weight.shape[0]))
-
-
-# The packed kernel as one opaque node of a compiled graph: x [T, in] -> [T, out].
-packed_linear = define("packed_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor",
-                       _onednn, _fake)
-# The C panel kernel, likewise: x [T, in] -> [T, out_features].
-panel_linear = define("panel_linear(Tensor x, Tensor panels, int out_features, Tensor? bias) -> Tensor",
-                      lambda x, panels, out_features, bias:
-                      cpu_native.panel_linear(x, panels, out_features, bias),
-                      lambda x, panels, out_features, bias: x.new_empty((x.shape[0], out_features)))
-# The C kernel for thin batches, likewise: x [T <= THIN_ROWS, in] -> [T, out].
-thin_linear = define("thin_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor",
-                     lambda x, weight, bias: cpu_native.linear(x, weight, bias), _fake)
+    return linear_ops.onednn_linear(x, packed, bias)
