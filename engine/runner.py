@@ -18,6 +18,7 @@ from engine.attention import ForwardContext, KVCache
 from engine.config import CPU_KV_CACHE_TOKENS, ConfigError, EngineConfig
 from engine.decode_graph import FIELDS as DECODE_FIELDS
 from engine.decode_graph import DecodeGraph
+from engine.kernels import backend as backends
 from engine.kernels._common import upload
 from engine.models import ARCHITECTURES, build_model, load_weights, packed_linear, random_tensors
 from engine.models.llama import ArchFlags, head_dim_of
@@ -84,6 +85,9 @@ class ModelRunner:
         self.head_dim = head_dim_of(cfg)
         self.scale = self.head_dim ** -0.5
         self.block_size = config.block_size
+        # Which implementation runs each op of a forward pass, chosen once here.
+        self.backend = backends.choose(self.device, self.dtype, config.cpu_native_kernels,
+                                       config.cpu_packed_weights)
         # A pool sized from the GPU's free memory is sized once the weights are there.
         pages = None if self._pool_from_free_memory() else self._num_pages()
         memory.check_fits(self.device, *self.footprint(signals, pages))
@@ -109,10 +113,7 @@ class ModelRunner:
         """Whether decode steps run the C kernels (engine/kernels/cpu_native.py): asked for
         (``EngineConfig.cpu_native_kernels``), on the CPU in float32, and the library built and
         loaded (an installation without their sources warns and runs the torch ops)."""
-        from engine.kernels import cpu_native
-
-        return (self.config.cpu_native_kernels and self.device.type == "cpu"
-                and self.dtype == torch.float32 and cpu_native.available())
+        return self.backend.name == "c"
 
     def _decode_graph(self) -> DecodeGraph:
         """The compiled decode step (engine/decode_graph.py). Block tables are as wide as the
@@ -120,8 +121,8 @@ class ModelRunner:
         max_blocks = min(-(-self.max_model_len // self.block_size), self.num_pages)
         graph = DecodeGraph(self.model, self.kv, self.queries, self.scale, self.config.max_num_seqs,
                             max_blocks, self.device, compile=self.device.type != "meta",
-                            native=self.config.cpu_native_kernels)
-        if self.config.is_cuda:
+                            backend=self.backend)
+        if self.backend.cuda_graphs:
             graph.capture()
         return graph
 
@@ -312,15 +313,13 @@ class ModelRunner:
     def forward(self, items: list[WorkItem]) -> torch.Tensor | None:
         """The step's device work: logits [S, vocab] of the S rows that sample (`item.rows` per
         item that `samples`), in order; None when none does. A step of one-token items runs the
-        compiled decode graph when the engine has one; anything else (prefill chunks, forced
-        runs) runs eager."""
-        # Per-head holes (PyramidKV, Ada-KV) are an eager-only path: the graph's attention op
-        # takes no hole masks.
-        if self.graph is not None and all(it.num_tokens == 1 for it in items) \
-                and self.graph.fits([it.seq.block_table for it in items]) \
-                and all(it.seq.holes() is None for it in items):
+        compiled decode graph when the engine has one and the step is whole (`whole_step`);
+        anything else (prefill chunks, forced runs, steps with per-head holes) runs eager."""
+        whole = whole_step(items)
+        if whole and self.graph is not None and self.graph.fits([it.seq.block_table for it in items]):
             return self._graph_forward(items)
         input_ids, positions, ctx, sample_rows = self._prepare(items)
+        ctx.whole_step = whole
         return self.model.sampled_logits(input_ids, positions, ctx, sample_rows)
 
     def _graph_forward(self, items: list[WorkItem]) -> torch.Tensor | None:
@@ -373,8 +372,8 @@ class ModelRunner:
         dev = self.device
         decode = [it for it in items if it.num_tokens == 1]
         chunks = [it for it in items if it.num_tokens > 1]
-        ctx = ForwardContext(self.kv, self.scale, slot_mapping, num_decode=len(decode),
-                             native=self.config.cpu_native_kernels)
+        ctx = ForwardContext(self.kv, self.scale, slot_mapping, self.backend,
+                             num_decode=len(decode), native=self.backend.name == "c")
         if decode:
             ctx.decode_block_tables = _tables([it.seq.block_table for it in decode], dev)
             ctx.decode_context_lens = upload([_base(it, base_override) + 1 for it in decode], dev)
@@ -433,6 +432,13 @@ class ModelRunner:
         ctx.collect = []
         self.model(ids, positions, ctx, num_layers=self.num_layers)
         return torch.stack(ctx.collect)
+
+
+def whole_step(items: list[WorkItem]) -> bool:
+    """Whether a step is whole: every item one token, none with per-head holes (PyramidKV,
+    Ada-KV). The fused decode forms, the compiled graph and the C backend's whole-stack decode,
+    take no hole masks, so only a whole step runs through them; this is that rule's one place."""
+    return bool(items) and all(it.num_tokens == 1 and it.seq.holes() is None for it in items)
 
 
 def _base(item: WorkItem, override: int | None) -> int:

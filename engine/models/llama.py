@@ -250,7 +250,7 @@ class DecoderModel(nn.Module):
         w = self.embed_tokens.weight
         return (self.stack is not None and ctx.native and cpu_native.fuses(w)
                 and ctx.num_decode == rows > 0 and ctx.slot_mapping is not None
-                and not ctx.fused_decode and ctx.collect is None
+                and ctx.collect is None
                 and ctx.decode_holes is None and cpu_native.applies(w, ctx.kv.k, ctx.kv.v))
 
 
