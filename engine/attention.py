@@ -61,11 +61,6 @@ class ForwardContext:
     store_plan, decode_plan: the torch twins' checks and index tensors, built by the first layer
         and reused by the others: every layer has the same shapes, slots, tables and lengths,
         and at batch 1 this per-layer index work was a visible share of a decode step.
-    native: on CPU in float32, store and decode through the C kernels that read the pages in
-        place, the projections of unpacked passes of up to 8 rows and the layers' small ops in C
-        too (engine/kernels/cpu_native.py; EngineConfig.cpu_native_kernels; packed weights pick
-        their kernel at load, engine/models/packed_linear.py); prefill chunks keep the torch
-        twin's attention.
     """
 
     kv: KVCache
@@ -87,7 +82,6 @@ class ForwardContext:
     whole_step: bool = False
     store_plan: StorePlan | None = None
     decode_plan: DecodePlan | None = None
-    native: bool = False
 
 
 def attend(layer: int, q_pre: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -316,14 +316,13 @@ class DecodeGraph:
         """[B] rows -> logits [B, vocab]; the function torch.compile traces. tables: the
         persistent tables [max_rows + 1, width], of which row b reads row table_row[b]."""
         block_tables = tables.index_select(0, table_row)
-        native = self.ops.name == "c"
         ctx = ForwardContext(self.kv, self.scale, slot_mapping, self.ops,
                              num_decode=input_ids.shape[0], decode_block_tables=block_tables,
-                             decode_context_lens=context_lens, native=native)
+                             decode_context_lens=context_lens)
         if self.queries.active:
             ctx.capture = DecodeCapture(self.queries, recent_slot, ring, ema_slot, ema_init)
         hidden = self.model(input_ids, positions, ctx)
-        return self.model.compute_logits(hidden, native=native)
+        return self.model.compute_logits(hidden, self.ops)
 
     def _call(self, key: tuple[int, int]) -> torch.Tensor:
         global _reported_compile

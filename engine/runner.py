@@ -20,7 +20,7 @@ from engine.decode_graph import FIELDS as DECODE_FIELDS
 from engine.decode_graph import DecodeGraph
 from engine.kernels import backend as backends
 from engine.kernels._common import upload
-from engine.models import ARCHITECTURES, build_model, load_weights, packed_linear, random_tensors
+from engine.models import ARCHITECTURES, build_model, load_weights, random_tensors
 from engine.models.llama import ArchFlags, head_dim_of
 from engine.models.loader import iter_safetensors, load_config
 from engine.models.shape import parameter_counts
@@ -94,8 +94,7 @@ class ModelRunner:
         self.model = build_model(self.hf_config, self.max_model_len, self.device, self.dtype)
         tensors = (random_tensors(self.model, config.seed, self.device) if config.load_format == "dummy"
                    else iter_safetensors(model_dir))
-        load_weights(self.model, tensors, self.device, self.dtype, config.cpu_packed_weights,
-                     config.cpu_native_kernels)
+        load_weights(self.model, tensors, self.device, self.dtype, self.backend)
         self.kv = self._allocate_kv(signals.slot_scores, pages)
         # tests/analysis: called with (items, logits of sampled rows): each item owns `item.rows`
         # consecutive rows, row j scoring its output token seq.num_output_tokens + j; the logits
@@ -138,8 +137,7 @@ class ModelRunner:
         model's `state_dict().items()`, so the engine and that model compute with the same
         weights (the GPU check compares them on random 8B-shaped weights)."""
         self.model = build_model(self.hf_config, self.max_model_len, self.device, self.dtype)
-        load_weights(self.model, tensors, self.device, self.dtype, self.config.cpu_packed_weights,
-                     self.config.cpu_native_kernels)
+        load_weights(self.model, tensors, self.device, self.dtype, self.backend)
         self._rebuild_graph()
 
     def footprint(self, signals: SignalSpec, pages: int | None) -> tuple[dict[str, int], dict[str, int]]:
@@ -150,8 +148,7 @@ class ModelRunner:
         arch = ARCHITECTURES.get(getattr(hf, "model_type", None))
         flags = arch.arch_flags(hf) if arch is not None else ArchFlags()
         params, projections = parameter_counts(hf, flags.qkv_bias, flags.qk_norm)
-        packs = cfg.cpu_packed_weights and packed_linear.available(self.device, self.dtype)
-        packed = projections if packs else 0
+        packed = projections if self.backend.packs else 0
         slots = cfg.max_num_seqs + 1
         query_row = self.num_layers * self.num_q_heads * self.head_dim
         rope = self.max_model_len * self.head_dim
@@ -373,7 +370,7 @@ class ModelRunner:
         decode = [it for it in items if it.num_tokens == 1]
         chunks = [it for it in items if it.num_tokens > 1]
         ctx = ForwardContext(self.kv, self.scale, slot_mapping, self.backend,
-                             num_decode=len(decode), native=self.backend.name == "c")
+                             num_decode=len(decode))
         if decode:
             ctx.decode_block_tables = _tables([it.seq.block_table for it in decode], dev)
             ctx.decode_context_lens = upload([_base(it, base_override) + 1 for it in decode], dev)

@@ -25,7 +25,7 @@ OpenMP threads. The measurements behind each are in results/benchmarks/cpu-kerne
     pack_panels(weight) -> panels; panel_linear(x, panels, out_features, bias=None) -> out
         x [T, in] @ weight [out, in]^T (+ bias) for any T over the weight's column panels
         [ceil(out / PANEL), in, PANEL], packed once at load: the engine's CPU projections and
-        LM head (cpu/panel_gemm.c, a 6 x 16 register tile; engine/models/packed_linear.py).
+        LM head (cpu/panel_gemm.c, a 6 x 16 register tile; engine/kernels/linear.py).
     linear(x, weight, bias=None) -> out
         The same product for T <= THIN_ROWS (`streams(x, weight)`) over the dense weight, each
         weight streamed once (cpu/thin_linear.c): the projections of a small decode batch when
@@ -184,7 +184,7 @@ def silu_mul(gate_up) -> torch.Tensor:
 def streams(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear` serves x [T, in] @ weight [out, in]^T: at most THIN_ROWS CPU float32
     rows, a contiguous weight, the library built (compiled graphs too: the caller goes through
-    the registered operator there, engine/models/packed_linear.py)."""
+    the registered operator there, engine/kernels/linear.py)."""
     return (x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= THIN_ROWS
             and x.dtype == torch.float32 and weight.dtype == torch.float32
             and weight.device.type == "cpu" and weight.is_contiguous() and available())
