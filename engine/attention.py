@@ -5,6 +5,8 @@ A step's tokens are flattened to rows [T]. The first `num_decode` rows are singl
 multi-token chunks, laid out padded as [B, Lq] for the paged prefill kernel. Either way, a row of item
 b at chunk offset i sees the item's physical slots j < base_len[b] + i + 1, where base_len is the
 physical length before this step: earlier (possibly compressed) KV plus the chunk's causal part.
+Which kernels run is the step's backend's choice (ForwardContext.backend,
+engine/kernels/backend.py).
 """
 
 from __future__ import annotations

@@ -49,10 +49,12 @@ compiles per engine. On CUDA each (bucket, width) is then warmed up and captured
 decreasing size, sharing one memory pool (nano-vLLM's order), and a step replays its graph after
 the copy.
 
-Inside the graph: the model's forward with attention as the fused `kvarena::store_and_decode` op
-(engine/kernels/ops.py), the policies' query signals as fixed-shape writes into the preallocated
-pool (engine/query_state.py's DecodeCapture), and the LM head over every row. No host sync and
-no per-sequence work happen between the metadata copy and the logits.
+Inside the graph: the model's forward through the engine backend's graph form
+(engine/kernels/backend.py), attention as the fused `kvarena::store_and_decode` op (the C
+backend's `c_store_and_decode`; engine/kernels/ops.py), the policies' query signals as
+fixed-shape writes into the preallocated pool (engine/query_state.py's DecodeCapture), and the LM
+head over every row. No host sync and no per-sequence work happen between the metadata copy and
+the logits.
 
 Compile artifacts: inductor's FX graph cache is on and lives under the project's cache
 (``$KVARENA_CACHE/inductor``, unless TORCHINDUCTOR_CACHE_DIR is set), so a second run of the
