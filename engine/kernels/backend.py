@@ -53,8 +53,8 @@ The ops, by signature (an instance's fields):
     pack(weight) -> packed or None; layer_stack(...) -> a stack or None
         at load (engine/models/llama.py: CausalLM.pack_weights).
 
-Every form of an op computes with the kernels named above, so an eager pass through a backend
-is bit for bit the pass it replaced; `tests/test_backend.py` checks the choice and each op.
+Each op calls the kernel named above and nothing else; `tests/test_backend.py` checks the choice
+and each op of each form against its kernel, bit for bit.
 """
 
 from __future__ import annotations
