@@ -95,7 +95,7 @@ class EngineConfig:
         graph per batch-size bucket and block-table width; engine/decode_graph.py); False is eager (vLLM's
         enforce_eager), for debugging. Prefill and mixed steps are always eager.
     cpu_packed_weights: on CPU in float32, give the projections and the LM head packed copies
-        of their weights, made once at load (engine/models/packed_linear.py): column panels for
+        of their weights, made once at load (engine/kernels/linear.py): column panels for
         the C panel kernel with cpu_native_kernels, else oneDNN's layout; at the cost of a
         second copy of those weights; ignored elsewhere.
     cpu_native_kernels: on CPU in float32, decode steps store and attend through C kernels

@@ -49,10 +49,12 @@ compiles per engine. On CUDA each (bucket, width) is then warmed up and captured
 decreasing size, sharing one memory pool (nano-vLLM's order), and a step replays its graph after
 the copy.
 
-Inside the graph: the model's forward with attention as the fused `kvarena::store_and_decode` op
-(engine/kernels/ops.py), the policies' query signals as fixed-shape writes into the preallocated
-pool (engine/query_state.py's DecodeCapture), and the LM head over every row. No host sync and
-no per-sequence work happen between the metadata copy and the logits.
+Inside the graph: the model's forward through the engine backend's graph form
+(engine/kernels/backend.py), attention as the fused `kvarena::store_and_decode` op (the C
+backend's `c_store_and_decode`; engine/kernels/ops.py), the policies' query signals as
+fixed-shape writes into the preallocated pool (engine/query_state.py's DecodeCapture), and the LM
+head over every row. No host sync and no per-sequence work happen between the metadata copy and
+the logits.
 
 Compile artifacts: inductor's FX graph cache is on and lives under the project's cache
 (``$KVARENA_CACHE/inductor``, unless TORCHINDUCTOR_CACHE_DIR is set), so a second run of the
@@ -68,6 +70,7 @@ import time
 import torch
 
 from engine.attention import ForwardContext, KVCache
+from engine.kernels import backend as backends
 from engine.kernels.paged_attention import decode_partitions
 from engine.models.loader import cache_root
 from engine.query_state import DecodeCapture, QueryStatePool
@@ -147,17 +150,17 @@ class DecodeGraph:
     model: the engine's CausalLM; kv: its KVCache; queries: its QueryStatePool; max_rows: the
     largest bucket (max_num_seqs); max_blocks: the most pages a sequence holds (the widest
     block table). compile=False runs the same graph function eagerly (the meta-device host-sync
-    test; debugging). native: attention through the CPU C kernels where they apply
-    (ForwardContext.native). staged: whether the metadata goes through the two fenced host
-    buffers and a copy (default: off the CPU; on for a CPU graph only in tests of the
-    buffers)."""
+    test; debugging). backend: the engine's (engine/kernels/backend.py), whose graph form the
+    step runs (default: the device's kernels without the C kernels or packing). staged: whether
+    the metadata goes through the two fenced host buffers and a copy (default: off the CPU; on
+    for a CPU graph only in tests of the buffers)."""
 
     def __init__(self, model, kv: KVCache, queries: QueryStatePool, scale: float, max_rows: int,
-                 max_blocks: int, device, compile: bool = True, native: bool = False,
+                 max_blocks: int, device, compile: bool = True, backend=None,
                  staged: bool | None = None):
         self.model, self.kv, self.queries, self.scale = model, kv, queries, scale
-        self.native = native
         self.device = torch.device(device)
+        self.ops = (backend or backends.default(self.device)).graph
         self.buckets = batch_buckets(max_rows)
         self.max_rows, self.max_blocks = max_rows, max_blocks
         self.block_size = kv.k.shape[3]
@@ -315,13 +318,13 @@ class DecodeGraph:
         """[B] rows -> logits [B, vocab]; the function torch.compile traces. tables: the
         persistent tables [max_rows + 1, width], of which row b reads row table_row[b]."""
         block_tables = tables.index_select(0, table_row)
-        ctx = ForwardContext(self.kv, self.scale, slot_mapping, num_decode=input_ids.shape[0],
-                             decode_block_tables=block_tables, decode_context_lens=context_lens,
-                             fused_decode=True, native=self.native)
+        ctx = ForwardContext(self.kv, self.scale, slot_mapping, self.ops,
+                             num_decode=input_ids.shape[0], decode_block_tables=block_tables,
+                             decode_context_lens=context_lens)
         if self.queries.active:
             ctx.capture = DecodeCapture(self.queries, recent_slot, ring, ema_slot, ema_init)
         hidden = self.model(input_ids, positions, ctx)
-        return self.model.compute_logits(hidden, native=self.native)
+        return self.model.compute_logits(hidden, self.ops)
 
     def _call(self, key: tuple[int, int]) -> torch.Tensor:
         global _reported_compile

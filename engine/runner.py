@@ -18,8 +18,9 @@ from engine.attention import ForwardContext, KVCache
 from engine.config import CPU_KV_CACHE_TOKENS, ConfigError, EngineConfig
 from engine.decode_graph import FIELDS as DECODE_FIELDS
 from engine.decode_graph import DecodeGraph
+from engine.kernels import backend as backends
 from engine.kernels._common import upload
-from engine.models import ARCHITECTURES, build_model, load_weights, packed_linear, random_tensors
+from engine.models import ARCHITECTURES, build_model, load_weights, random_tensors
 from engine.models.llama import ArchFlags, head_dim_of
 from engine.models.loader import iter_safetensors, load_config
 from engine.models.shape import parameter_counts
@@ -84,14 +85,16 @@ class ModelRunner:
         self.head_dim = head_dim_of(cfg)
         self.scale = self.head_dim ** -0.5
         self.block_size = config.block_size
+        # Which implementation runs each op of a forward pass, chosen once here.
+        self.backend = backends.choose(self.device, self.dtype, config.cpu_native_kernels,
+                                       config.cpu_packed_weights)
         # A pool sized from the GPU's free memory is sized once the weights are there.
         pages = None if self._pool_from_free_memory() else self._num_pages()
         memory.check_fits(self.device, *self.footprint(signals, pages))
         self.model = build_model(self.hf_config, self.max_model_len, self.device, self.dtype)
         tensors = (random_tensors(self.model, config.seed, self.device) if config.load_format == "dummy"
                    else iter_safetensors(model_dir))
-        load_weights(self.model, tensors, self.device, self.dtype, config.cpu_packed_weights,
-                     config.cpu_native_kernels)
+        load_weights(self.model, tensors, self.device, self.dtype, self.backend)
         self.kv = self._allocate_kv(signals.slot_scores, pages)
         # tests/analysis: called with (items, logits of sampled rows): each item owns `item.rows`
         # consecutive rows, row j scoring its output token seq.num_output_tokens + j; the logits
@@ -109,10 +112,7 @@ class ModelRunner:
         """Whether decode steps run the C kernels (engine/kernels/cpu_native.py): asked for
         (``EngineConfig.cpu_native_kernels``), on the CPU in float32, and the library built and
         loaded (an installation without their sources warns and runs the torch ops)."""
-        from engine.kernels import cpu_native
-
-        return (self.config.cpu_native_kernels and self.device.type == "cpu"
-                and self.dtype == torch.float32 and cpu_native.available())
+        return self.backend.name == "c"
 
     def _decode_graph(self) -> DecodeGraph:
         """The compiled decode step (engine/decode_graph.py). Block tables are as wide as the
@@ -120,8 +120,8 @@ class ModelRunner:
         max_blocks = min(-(-self.max_model_len // self.block_size), self.num_pages)
         graph = DecodeGraph(self.model, self.kv, self.queries, self.scale, self.config.max_num_seqs,
                             max_blocks, self.device, compile=self.device.type != "meta",
-                            native=self.config.cpu_native_kernels)
-        if self.config.is_cuda:
+                            backend=self.backend)
+        if self.backend.cuda_graphs:
             graph.capture()
         return graph
 
@@ -137,8 +137,7 @@ class ModelRunner:
         model's `state_dict().items()`, so the engine and that model compute with the same
         weights (the GPU check compares them on random 8B-shaped weights)."""
         self.model = build_model(self.hf_config, self.max_model_len, self.device, self.dtype)
-        load_weights(self.model, tensors, self.device, self.dtype, self.config.cpu_packed_weights,
-                     self.config.cpu_native_kernels)
+        load_weights(self.model, tensors, self.device, self.dtype, self.backend)
         self._rebuild_graph()
 
     def footprint(self, signals: SignalSpec, pages: int | None) -> tuple[dict[str, int], dict[str, int]]:
@@ -149,8 +148,7 @@ class ModelRunner:
         arch = ARCHITECTURES.get(getattr(hf, "model_type", None))
         flags = arch.arch_flags(hf) if arch is not None else ArchFlags()
         params, projections = parameter_counts(hf, flags.qkv_bias, flags.qk_norm)
-        packs = cfg.cpu_packed_weights and packed_linear.available(self.device, self.dtype)
-        packed = projections if packs else 0
+        packed = projections if self.backend.packs else 0
         slots = cfg.max_num_seqs + 1
         query_row = self.num_layers * self.num_q_heads * self.head_dim
         rope = self.max_model_len * self.head_dim
@@ -312,15 +310,13 @@ class ModelRunner:
     def forward(self, items: list[WorkItem]) -> torch.Tensor | None:
         """The step's device work: logits [S, vocab] of the S rows that sample (`item.rows` per
         item that `samples`), in order; None when none does. A step of one-token items runs the
-        compiled decode graph when the engine has one; anything else (prefill chunks, forced
-        runs) runs eager."""
-        # Per-head holes (PyramidKV, Ada-KV) are an eager-only path: the graph's attention op
-        # takes no hole masks.
-        if self.graph is not None and all(it.num_tokens == 1 for it in items) \
-                and self.graph.fits([it.seq.block_table for it in items]) \
-                and all(it.seq.holes() is None for it in items):
+        compiled decode graph when the engine has one and the step is whole (`whole_step`);
+        anything else (prefill chunks, forced runs, steps with per-head holes) runs eager."""
+        whole = whole_step(items)
+        if whole and self.graph is not None and self.graph.fits([it.seq.block_table for it in items]):
             return self._graph_forward(items)
         input_ids, positions, ctx, sample_rows = self._prepare(items)
+        ctx.whole_step = whole
         return self.model.sampled_logits(input_ids, positions, ctx, sample_rows)
 
     def _graph_forward(self, items: list[WorkItem]) -> torch.Tensor | None:
@@ -373,8 +369,8 @@ class ModelRunner:
         dev = self.device
         decode = [it for it in items if it.num_tokens == 1]
         chunks = [it for it in items if it.num_tokens > 1]
-        ctx = ForwardContext(self.kv, self.scale, slot_mapping, num_decode=len(decode),
-                             native=self.config.cpu_native_kernels)
+        ctx = ForwardContext(self.kv, self.scale, slot_mapping, self.backend,
+                             num_decode=len(decode))
         if decode:
             ctx.decode_block_tables = _tables([it.seq.block_table for it in decode], dev)
             ctx.decode_context_lens = upload([_base(it, base_override) + 1 for it in decode], dev)
@@ -433,6 +429,13 @@ class ModelRunner:
         ctx.collect = []
         self.model(ids, positions, ctx, num_layers=self.num_layers)
         return torch.stack(ctx.collect)
+
+
+def whole_step(items: list[WorkItem]) -> bool:
+    """Whether a step is whole: every item one token, none with per-head holes (PyramidKV,
+    Ada-KV). The fused decode forms, the compiled graph and the C backend's whole-stack decode,
+    take no hole masks, so only a whole step runs through them; this is that rule's one place."""
+    return bool(items) and all(it.num_tokens == 1 and it.seq.holes() is None for it in items)
 
 
 def _base(item: WorkItem, override: int | None) -> int:

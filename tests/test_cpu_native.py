@@ -119,6 +119,8 @@ def test_shapes_dtypes_and_devices_that_would_read_out_of_bounds_raise():
         cpu_native.decode(q.half(), k_cache, v_cache, tables, lens, scale)
     with pytest.raises(ValueError, match="contiguous float32"):
         cpu_native.decode(q, k_cache.half(), v_cache.half(), tables, lens, scale)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        cpu_native.decode(q, k_cache.transpose(1, 2), v_cache, tables, lens, scale)
     with pytest.raises(ValueError, match="do not fit"):
         cpu_native.decode(q, k_cache, v_cache, tables[:-1], lens, scale)
     with pytest.raises(ValueError, match="do not fit"):
@@ -219,7 +221,7 @@ def test_thin_linear_matches_f_linear(rows):
 
 @needs_kernel
 def test_thin_linear_serves_only_thin_cpu_float32_batches_and_passes_opcheck():
-    from engine.models import packed_linear
+    from engine.kernels import linear as linear_ops
 
     x, weight = torch.randn(cpu_native.THIN_ROWS, 16), torch.randn(8, 16)
     assert cpu_native.streams(x, weight) and cpu_native.streams(x[:1], weight)
@@ -229,7 +231,7 @@ def test_thin_linear_serves_only_thin_cpu_float32_batches_and_passes_opcheck():
     assert not cpu_native.streams(x.to("meta"), weight.to("meta"))
     # the thin op of a compiled graph: the kernel, and a fake that agrees with it
     bias = torch.randn(8)
-    torch.testing.assert_close(packed_linear.thin_linear(x, weight, bias),
+    torch.testing.assert_close(linear_ops.thin_linear(x, weight, bias),
                                cpu_native.linear(x, weight, bias), rtol=0, atol=0)
     torch.library.opcheck(torch.ops.kvarena.thin_linear.default, (x, weight, bias),
                           test_utils=("test_schema", "test_faketensor"))
@@ -260,7 +262,7 @@ def test_panel_linear_matches_f_linear(rows):
 
 @needs_kernel
 def test_panel_linear_checks_its_inputs_and_passes_opcheck():
-    from engine.models import packed_linear
+    from engine.kernels import backend
 
     weight, bias = torch.randn(20, 8), torch.randn(20)
     panels = cpu_native.pack_panels(weight)
@@ -272,23 +274,16 @@ def test_panel_linear_checks_its_inputs_and_passes_opcheck():
         cpu_native.panel_linear(torch.randn(2, 8).half(), panels, 20)
     with pytest.raises(ValueError, match="contiguous float32"):
         cpu_native.pack_panels(weight.t().contiguous().t())
-    # the engine's door: panels go to this kernel whatever the row count or `native`
+    # the C backend's projections over panels: this kernel whatever the row count, eager and in
+    # the graph form
     x = torch.randn(11, 8)
-    for native in (False, True):
-        torch.testing.assert_close(packed_linear.linear(x, weight, panels, bias, native=native),
+    ops = backend.c_kernels(packed=True)
+    for form in (ops, ops.graph):
+        torch.testing.assert_close(form.linear(x, weight, panels, bias),
                                    cpu_native.panel_linear(x, panels, 20, bias), rtol=0, atol=0)
     # the panel op of a compiled graph: the kernel, and a fake that agrees with it
     torch.library.opcheck(torch.ops.kvarena.panel_linear.default, (x, panels, 20, bias),
                           test_utils=("test_schema", "test_faketensor"))
-
-
-@needs_kernel
-def test_applies_only_to_cpu_float32_contiguous_caches():
-    q, k_cache, v_cache, *_ = _decode_case(F32, (4, 2), seed=10)
-    assert cpu_native.applies(q, k_cache, v_cache)
-    assert not cpu_native.applies(q.half(), k_cache.half(), v_cache.half())
-    assert not cpu_native.applies(q, k_cache.transpose(1, 2), v_cache)
-    assert not cpu_native.applies(q.to("meta"), k_cache.to("meta"), v_cache.to("meta"))
 
 
 def test_without_a_compiler_the_twins_run_after_one_warning(tmp_path):
@@ -530,7 +525,6 @@ def test_engine_tokens_and_logprobs_equal_with_the_kernels_on_and_off(tmp_path, 
 def test_decode_stack_equals_the_eager_layers_bit_for_bit(tmp_path, monkeypatch, family, policy,
                                                           args):
     from engine.llm import LLM
-    from engine.models.llama import DecoderModel
     from engine.sampling import SamplingParams
 
     make = {"llama": make_tiny_llama_dir, "qwen2": make_tiny_qwen2_dir,
@@ -547,11 +541,12 @@ def test_decode_stack_equals_the_eager_layers_bit_for_bit(tmp_path, monkeypatch,
                              seed=5)]
     runs, pools = [], []
     for on in (True, False):
-        if not on:
-            monkeypatch.setattr(DecoderModel, "_stacked", lambda self, rows, ctx: False)
         stacked.clear()
         llm = LLM(str(model), block_size=4, kv_cache_tokens=512, policy=policy,
                   policy_args=args)
+        assert (llm.runner.model.model.stack is not None) == (family != "qwen3")
+        if not on:
+            llm.runner.model.model.stack = None  # the same layers, one call each
         runs.append([llm.generate(prompts, p) for p in params])
         queries = llm.runner.queries
         pools.append([t.clone() for t in (queries.recent, queries.ema) if t is not None])

@@ -212,7 +212,7 @@ def test_graph_steps_at_two_table_widths_equal_eager_and_share_one_compile(tmp_p
     eager = make_runner(model_dir)
     runner = make_runner(model_dir, compile=True)
     runner.graph = DecodeGraph(runner.model, runner.kv, runner.queries, runner.scale, 4, 256,
-                               "cpu", native=runner.config.cpu_native_kernels)
+                               "cpu", backend=runner.backend)
     assert runner.graph.widths[1] == [128, 256]
     for r in (eager, runner):
         g = torch.Generator().manual_seed(5)
@@ -267,10 +267,10 @@ def test_host_sync_check_can_fail(model_dir, monkeypatch):
     items = decode_items(runner)
     original = runner.model.compute_logits
 
-    def syncing(hidden, native=False):
+    def syncing(hidden, ops):
         if hidden.abs().max() > 0:  # a tensor's truthiness: a host sync
             pass
-        return original(hidden, native=native)
+        return original(hidden, ops)
 
     monkeypatch.setattr(runner.model, "compute_logits", syncing)
     with torch.inference_mode(), pytest.raises((AssertionError, RuntimeError, NotImplementedError)):

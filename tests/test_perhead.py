@@ -369,16 +369,16 @@ class _FirstChunk(AdaKV):
 def test_engine_prefill_chunks_after_a_per_head_compaction_skip_the_holes(tiny_model,
                                                                           poison_holes,
                                                                           monkeypatch):
-    import engine.attention as attention
+    import engine.kernels.backend as backend
 
     calls = []
-    inner = attention.paged_prefill_attention
+    inner = backend.paged_prefill_attention_torch  # the CPU backends' chunk attention
 
     def spy(*args):
         calls.append(args[-1] is not None and args[-1].shape[1:] == (2, 2))  # [Bp, kv_heads, 2]
         return inner(*args)
 
-    monkeypatch.setattr(attention, "paged_prefill_attention", spy)
+    monkeypatch.setattr(backend, "paged_prefill_attention_torch", spy)
     ps = prompts([90], seed=4)
     args = dict(budget=24, window=8, floor_alpha=0.0)
     chunked = dict(max_num_batched_tokens=40)

@@ -1,7 +1,9 @@
 """Kernels of the engine: each has a Triton implementation (CUDA tensors) and a torch twin
 of the same signature (CPU, and the test oracle). ``name`` dispatches on the tensors' device;
-``name_torch`` / ``name_triton`` pick one explicitly. Importing this package never imports
-triton; the Triton kernels are defined on first use (modules ``_tl_*``)."""
+``name_torch`` / ``name_triton`` pick one explicitly. A forward pass does not dispatch per call:
+its ops come from the engine's backend (``backend.py``), chosen once, which also covers the CPU
+C kernels (``cpu_native.py``). Importing this package never imports triton; the Triton kernels
+are defined on first use (modules ``_tl_*``)."""
 
 from engine.kernels.attention_scores import (
     paged_query_probs,

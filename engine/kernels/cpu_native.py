@@ -18,14 +18,14 @@ OpenMP threads. The measurements behind each are in results/benchmarks/cpu-kerne
         contract (paged_attention.py), with the same zeros for rows or heads that see nothing.
 
     rms_norm(x, weight, eps, delta=None), rope(x, cos, sin), silu_mul(gate_up)
-        One C call each where torch runs several ops. The model calls them in eager passes
-        (engine/models/llama.py); a compiled graph fuses the same ops itself (`fuses(x)` is
-        False while compiling).
+        One C call each where torch runs several ops. The C backend's eager form calls them
+        (engine/kernels/backend.py); its graph form leaves the same ops to inductor, which fuses
+        them itself and cannot trace a ctypes call.
 
     pack_panels(weight) -> panels; panel_linear(x, panels, out_features, bias=None) -> out
         x [T, in] @ weight [out, in]^T (+ bias) for any T over the weight's column panels
         [ceil(out / PANEL), in, PANEL], packed once at load: the engine's CPU projections and
-        LM head (cpu/panel_gemm.c, a 6 x 16 register tile; engine/models/packed_linear.py).
+        LM head (cpu/panel_gemm.c, a 6 x 16 register tile; engine/kernels/linear.py).
     linear(x, weight, bias=None) -> out
         The same product for T <= THIN_ROWS (`streams(x, weight)`) over the dense weight, each
         weight streamed once (cpu/thin_linear.c): the projections of a small decode batch when
@@ -39,12 +39,12 @@ OpenMP threads. The measurements behind each are in results/benchmarks/cpu-kerne
         one-token items, every layer's norms, panel projections, RoPE, store and attention, then
         the final norm and (with `logits`) the LM head, the kernels above in the eager pass's
         order, so the result equals it bit for bit; only the Python between them is gone. The
-        model runs it (engine/models/llama.py, DecoderModel.stack_layers) for steps without
-        per-head holes; `queries` takes every layer's pre-RoPE queries out for the policies'
-        signals.
+        C backend runs it (engine/kernels/backend.py, over DecoderModel.stack_layers' stack) for
+        whole decode steps, which have no per-head holes; `queries` takes every layer's pre-RoPE
+        queries out for the policies' signals.
 
-`applies(...)` says when the attention kernels run: CPU float32 tensors, contiguous caches and
-head axes, and the library built. It is built once per source, compiler (``$CC`` or ``cc``,
+The engine runs these kernels through its backend (engine/kernels/backend.py), chosen once: CPU
+float32 with `available()`. The library is built once per source, compiler (``$CC`` or ``cc``,
 known by its --version output), flags and CPU features (``$KVARENA_CACHE/native/<key>/``), its
 size and SHA-256 stamped beside it; a cached file that does not match its stamp, or does not
 load, is built again. At load the library reports the constants it shares with this module
@@ -129,20 +129,6 @@ def available() -> bool:
     return _lib is not None
 
 
-def applies(q: torch.Tensor, k_cache_l: torch.Tensor, v_cache_l: torch.Tensor) -> bool:
-    """Whether `decode`/`store` serve these tensors (module docstring)."""
-    return (q.device.type == "cpu" and q.dtype == torch.float32
-            and k_cache_l.dtype == torch.float32 and v_cache_l.dtype == torch.float32
-            and k_cache_l.is_contiguous() and v_cache_l.is_contiguous() and available())
-
-
-def fuses(x: torch.Tensor) -> bool:
-    """Whether the small-op kernels below serve x (CPU float32, the library built) in an eager
-    forward pass (a compiled graph fuses them itself and cannot trace a ctypes call)."""
-    return (x.device.type == "cpu" and x.dtype == torch.float32 and available()
-            and not torch.compiler.is_compiling())
-
-
 def rms_norm(x, weight, eps: float, delta=None) -> torch.Tensor:
     """x [T, dim] -> RMSNorm(x) * weight [T, dim]; with delta [T, dim], first x += delta in place
     (the residual add fused into the norm)."""
@@ -184,7 +170,7 @@ def silu_mul(gate_up) -> torch.Tensor:
 def streams(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether `linear` serves x [T, in] @ weight [out, in]^T: at most THIN_ROWS CPU float32
     rows, a contiguous weight, the library built (compiled graphs too: the caller goes through
-    the registered operator there, engine/models/packed_linear.py)."""
+    the registered operator there, engine/kernels/linear.py)."""
     return (x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= THIN_ROWS
             and x.dtype == torch.float32 and weight.dtype == torch.float32
             and weight.device.type == "cpu" and weight.is_contiguous() and available())

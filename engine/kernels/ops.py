@@ -8,7 +8,8 @@ them.
     torch.ops.kvarena.paged_prefill_attention(q, k_cache, v_cache, block_tables, base_lens,
                                               q_lens, layer, scale) -> out
     torch.ops.kvarena.store_and_decode(q, key, value, k_cache, v_cache, slot_mapping,
-                                       block_tables, context_lens, layer, scale, native) -> out
+                                       block_tables, context_lens, layer, scale) -> out
+    torch.ops.kvarena.c_store_and_decode(...)  (store_and_decode's arguments)
 
 `store_and_decode` is what a compiled decode step calls: the store and the attention of one
 layer as one op, so each layer mutates the caches exactly once. With a separate store and a
@@ -22,12 +23,13 @@ The caches are the whole KV tensors ``[layers, kv_heads, num_pages, block_size, 
 mutates a graph input itself, not a view of it, which inductor writes in place (no copy of the
 cache). Every other argument has the shape of the kernel it wraps (paged_attention.py,
 store_kv.py). Each op dispatches like the kernels do: Triton on CUDA tensors, the torch twin
-otherwise (store_and_decode with ``native`` on CPU float32: the C kernels of cpu_native.py);
-the fake implementations give the output's shape and dtype for tracing (and run the
-whole op on ``meta`` tensors, which the host-sync test uses).
+otherwise; `c_store_and_decode` runs the C kernels of cpu_native.py (CPU float32), for the C
+backend's graph form (engine/kernels/backend.py). The fake implementations give the output's
+shape and dtype for tracing (and run the whole op on ``meta`` tensors, which the host-sync test
+uses).
 
-Eager forward passes call the kernels directly (engine/attention.py): an operator costs a
-dispatcher round trip per call, and the eager CPU path shares one index plan across layers.
+Eager forward passes call the kernels directly (engine/kernels/backend.py): an operator costs
+a dispatcher round trip per call, and the eager twins share one index plan across layers.
 
 Outputs are contiguous whatever the kernel returned (a no-op for decode), so the fake
 implementation's strides are the real ones: inductor asserts them on every call.
@@ -57,15 +59,19 @@ def _decode(q, k_cache, v_cache, block_tables, context_lens, layer, scale) -> to
 
 
 def _store_and_decode(q, key, value, k_cache, v_cache, slot_mapping, block_tables, context_lens,
-                      layer, scale, native=False) -> torch.Tensor:
+                      layer, scale) -> torch.Tensor:
     """store_kv, then paged_decode_attention, of one layer (module docstring: why one op).
     q: [B, q_heads, d]; key, value: [B, kv_heads, d] -> [B, q_heads, d]."""
-    k_layer, v_layer = k_cache[layer], v_cache[layer]
-    if native and cpu_native.applies(q, k_layer, v_layer):
-        cpu_native.store(key, value, k_layer, v_layer, slot_mapping)
-        return cpu_native.decode(q, k_layer, v_layer, block_tables, context_lens, scale)
     _store(key, value, k_cache, v_cache, slot_mapping, layer)
     return _decode(q, k_cache, v_cache, block_tables, context_lens, layer, scale)
+
+
+def _c_store_and_decode(q, key, value, k_cache, v_cache, slot_mapping, block_tables, context_lens,
+                        layer, scale) -> torch.Tensor:
+    """store_and_decode through the C kernels of cpu_native.py (CPU float32 tensors)."""
+    k_layer, v_layer = k_cache[layer], v_cache[layer]
+    cpu_native.store(key, value, k_layer, v_layer, slot_mapping)
+    return cpu_native.decode(q, k_layer, v_layer, block_tables, context_lens, scale)
 
 
 def _prefill(q, k_cache, v_cache, block_tables, base_lens, q_lens, layer, scale) -> torch.Tensor:
@@ -89,8 +95,13 @@ decode_attention = define(
 store_and_decode = define(
     "store_and_decode(Tensor q, Tensor key, Tensor value, Tensor(a!) k_cache, "
     "Tensor(b!) v_cache, Tensor slot_mapping, Tensor block_tables, Tensor context_lens, "
-    "int layer, float scale, bool native=False) -> Tensor",
+    "int layer, float scale) -> Tensor",
     _store_and_decode, _contiguous_like)
+c_store_and_decode = define(
+    "c_store_and_decode(Tensor q, Tensor key, Tensor value, Tensor(a!) k_cache, "
+    "Tensor(b!) v_cache, Tensor slot_mapping, Tensor block_tables, Tensor context_lens, "
+    "int layer, float scale) -> Tensor",
+    _c_store_and_decode, _contiguous_like)
 prefill_attention = define(
     "paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
     "Tensor base_lens, Tensor q_lens, int layer, float scale) -> Tensor",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.config import ConfigError
-from engine.models import packed_linear
+from engine.kernels.backend import Backend
 from engine.models.llama import CausalLM, LlamaForCausalLM
 from engine.models.qwen3 import Qwen2ForCausalLM, Qwen3ForCausalLM
 
@@ -28,12 +28,10 @@ def build_model(config, max_len: int, device, dtype) -> CausalLM:
     return model
 
 
-def load_weights(model: CausalLM, tensors, device, dtype, pack: bool = False,
-                 native: bool = False) -> None:
+def load_weights(model: CausalLM, tensors, device, dtype, backend: Backend | None = None) -> None:
     """Fill a meta-initialised model from (name, tensor) pairs; every parameter must be present.
-    Then fuses q/k/v and gate/up (engine/models/llama.py's docstring) and, with `pack` where
-    packing applies (CPU float32), packs the projections: for the C panel kernel with `native`,
-    else for oneDNN (engine/models/packed_linear.py)."""
+    Then fuses q/k/v and gate/up (engine/models/llama.py's docstring) and, where the engine's
+    `backend` packs weights, packs the projections in its layout (engine/kernels/linear.py)."""
     params = dict(model.named_parameters())
     loaded = {}
     for name, tensor in tensors:
@@ -52,8 +50,8 @@ def load_weights(model: CausalLM, tensors, device, dtype, pack: bool = False,
         raise ConfigError(f"checkpoint is missing tensors: {missing[:5]}{'...' if len(missing) > 5 else ''}")
     model.load_state_dict(loaded, strict=True, assign=True)
     model.fuse_projections()
-    if pack and packed_linear.available(torch.device(device), dtype):
-        model.pack_weights(native)
+    if backend is not None and backend.packs:
+        model.pack_weights(backend)
     model.eval()
 
 

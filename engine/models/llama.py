@@ -14,32 +14,31 @@ output element is still the same dot product, so results match the unfused layer
 (tests/test_engine.py checks it). The rotary cos/sin rows are gathered once per
 forward pass instead of twice per layer.
 
-On CPU in float32, `CausalLM.pack_weights` then gives every projection and the LM head a
-packed copy of its weight, which the forward pass uses: column panels for the C panel kernel
-when the C kernels are on, else oneDNN's layout (engine/models/packed_linear.py has why).
-Without packing, with `ForwardContext.native`, a pass of up to 8 rows projects through a C
-kernel over the dense weights. With `native` an eager pass also runs each layer's small ops
-as single C calls (engine/kernels/cpu_native.py): the residual add fused into the next RMSNorm,
-RoPE of q and k, SiLU-mul and the final norm; the same arithmetic in another summation order.
-With panels, `DecoderModel.stack_layers` hands the layers, the final norm and the LM head to one
-C call for an eager decode step (`cpu_native.decode_layers`, through `CausalLM.sampled_logits`):
-the same kernels in the same order, without the Python between them, with every layer's
-pre-RoPE queries copied out for the policies' signals, when the step has no per-head holes and
-the layers have no q/k norms.
+Every op of a layer (projections, RMSNorm with the residual add, RoPE, SiLU-mul, attention's
+store and kernels) runs through the backend the pass's ForwardContext carries
+(engine/kernels/backend.py: Triton, the CPU C kernels or the torch twins, chosen once per engine),
+so each layer has one body whatever runs it. Where the backend packs weights (CPU float32),
+`CausalLM.pack_weights` gives every projection and the LM head a packed copy in its layout (C
+column panels or oneDNN's; engine/kernels/linear.py has why), and `DecoderModel.stack_layers`
+asks it for a whole decode stack over them: the C backend hands an eager whole decode step's
+layers, final norm and LM head to one C call (through `CausalLM.sampled_logits`), the same
+kernels in the same order without the Python between them, every layer's pre-RoPE queries
+copied out for the policies' signals, where the layers have no q/k norms.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from engine.attention import ForwardContext, attend
-from engine.kernels import cpu_native
-from engine.models import packed_linear
 from engine.models.rope import Rope, RopeRows
+
+if TYPE_CHECKING:
+    from engine.kernels.backend import Backend
 
 
 @dataclass(frozen=True)
@@ -91,36 +90,31 @@ class Attention(nn.Module):
         self.qkv_weight = _fuse([self.q_proj, self.k_proj, self.v_proj], "weight")
         self.qkv_bias = _fuse([self.q_proj, self.k_proj, self.v_proj], "bias")
 
-    def pack(self, native: bool = False) -> None:
+    def pack(self, ops: Backend) -> None:
         """Packed copies of the fused q/k/v and the output projection (module docstring)."""
-        self.qkv_packed = packed_linear.pack(_fused(self.qkv_weight), native)
-        self.o_packed = packed_linear.pack(self.o_proj.weight, native)
+        self.qkv_packed = ops.pack(_fused(self.qkv_weight))
+        self.o_packed = ops.pack(self.o_proj.weight)
 
     def forward(self, x: torch.Tensor, rope: RopeRows, ctx: ForwardContext):
         """x: [T, hidden], rope: the step's cos/sin rows -> [T, hidden]."""
         T = x.shape[0]
         H, KH, d = self.num_heads, self.num_kv_heads, self.head_dim
-        rotate = rope.rotate
-        if ctx.native and cpu_native.fuses(x):
-            def rotate(t):
-                return cpu_native.rope(t, rope.cos, rope.sin)
-        qkv = packed_linear.linear(x, _fused(self.qkv_weight), self.qkv_packed, self.qkv_bias,
-                                   native=ctx.native)
+        ops = ctx.backend
+        qkv = ops.linear(x, _fused(self.qkv_weight), self.qkv_packed, self.qkv_bias)
         v = qkv[:, (H + KH) * d:].view(T, KH, d)
         if self.qk_norm:
             q = self.q_norm(qkv[:, :H * d].view(T, H, d))
             k = self.k_norm(qkv[:, H * d:(H + KH) * d].view(T, KH, d))
             q_pre = q  # "after query normalisation, before RoPE": what GrowPage summarises
-            q, k = rotate(q), rotate(k)
+            q, k = ops.rope(q, rope), ops.rope(k, rope)
         else:
             # q and k rotated in one pass over their adjacent heads.
             qk = qkv[:, :(H + KH) * d].view(T, H + KH, d)
             q_pre = qk[:, :H]
-            qk = rotate(qk)
+            qk = ops.rope(qk, rope)
             q, k = qk[:, :H], qk[:, H:]
         out = attend(self.layer_idx, q_pre, q, k, v, ctx)
-        return packed_linear.linear(out.reshape(T, -1), self.o_proj.weight, self.o_packed,
-                                    native=ctx.native)
+        return ops.linear(out.reshape(T, -1), self.o_proj.weight, self.o_packed)
 
 
 class MLP(nn.Module):
@@ -138,21 +132,15 @@ class MLP(nn.Module):
         """gate/up weights -> one [2 * intermediate, hidden] tensor (module docstring)."""
         self.gate_up_weight = _fuse([self.gate_proj, self.up_proj], "weight")
 
-    def pack(self, native: bool = False) -> None:
+    def pack(self, ops: Backend) -> None:
         """Packed copies of the fused gate/up and the down projection."""
-        self.gate_up_packed = packed_linear.pack(_fused(self.gate_up_weight), native)
-        self.down_packed = packed_linear.pack(self.down_proj.weight, native)
+        self.gate_up_packed = ops.pack(_fused(self.gate_up_weight))
+        self.down_packed = ops.pack(self.down_proj.weight)
 
-    def forward(self, x: torch.Tensor, native: bool = False) -> torch.Tensor:
-        """x: [T, hidden] -> [T, hidden]; native: the CPU C kernels (module docstring)."""
-        gate_up = packed_linear.linear(x, _fused(self.gate_up_weight), self.gate_up_packed,
-                                       native=native)
-        if native and cpu_native.fuses(x):
-            act = cpu_native.silu_mul(gate_up)
-        else:
-            gate, up = gate_up.chunk(2, dim=-1)
-            act = F.silu(gate) * up
-        return packed_linear.linear(act, self.down_proj.weight, self.down_packed, native=native)
+    def forward(self, x: torch.Tensor, ops: Backend) -> torch.Tensor:
+        """x: [T, hidden] -> [T, hidden], through the pass's backend `ops`."""
+        gate_up = ops.linear(x, _fused(self.gate_up_weight), self.gate_up_packed)
+        return ops.linear(ops.silu_mul(gate_up), self.down_proj.weight, self.down_packed)
 
 
 class DecoderLayer(nn.Module):
@@ -164,18 +152,12 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, x, rope: RopeRows, ctx):
-        if ctx.native and cpu_native.fuses(x):
-            return self._forward_native(x, rope, ctx)
-        x = x + self.self_attn(self.input_layernorm(x), rope, ctx)
-        return x + self.mlp(self.post_attention_layernorm(x), native=ctx.native)
-
-    def _forward_native(self, x, rope: RopeRows, ctx):
-        """The same layer with the CPU small-op kernels (module docstring); x [T, hidden], a
-        fresh tensor of this pass, takes the attention residual in place."""
-        first, second = self.input_layernorm, self.post_attention_layernorm
-        h = cpu_native.rms_norm(x, first.weight, first.eps)
-        h = cpu_native.rms_norm(x, second.weight, second.eps, delta=self.self_attn(h, rope, ctx))
-        return x + self.mlp(h, native=True)
+        """x: [T, hidden], this pass's own tensor (the C backend adds the attention's residual
+        into it in place) -> [T, hidden]."""
+        ops = ctx.backend
+        h = ops.rms_norm(x, self.input_layernorm)
+        x, h = ops.add_rms_norm(x, self.self_attn(h, rope, ctx), self.post_attention_layernorm)
+        return x + self.mlp(h, ops)
 
 
 class DecoderModel(nn.Module):
@@ -187,71 +169,36 @@ class DecoderModel(nn.Module):
             DecoderLayer(config, i, flags) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.stack: cpu_native.LayerStack | None = None  # set by stack_layers()
+        self.stack = None  # the backend's whole-stack decode, set by stack_layers()
 
-    def stack_layers(self, head: torch.Tensor, vocab: int) -> None:
-        """The layers' norms and column panels, the final norm and the LM head's panels `head`
-        (for `vocab` outputs) as one C decode stack (module docstring), when every projection has
-        panels and the layers need nothing the C stack lacks (q/k norms)."""
+    def stack_layers(self, ops: Backend, head: torch.Tensor, vocab: int) -> None:
+        """The backend's whole decode stack over the layers' norms and packed projections, the
+        final norm and the LM head's packed copy `head` (for `vocab` outputs), where the backend
+        has one (module docstring) and the layers need nothing it lacks (q/k norms)."""
         attn = [layer.self_attn for layer in self.layers]
-        mlp = [layer.mlp for layer in self.layers]
-        packed = [t for a, m in zip(attn, mlp)
-                  for t in (a.qkv_packed, a.o_packed, m.gate_up_packed, m.down_packed)]
         first = attn[0]
-        if first.qk_norm or not all(t is not None and t.dim() == 3 for t in packed):
+        if first.qk_norm:
             return
-        self.stack = cpu_native.layer_stack(
+        self.stack = ops.layer_stack(
             [{"input_norm": layer.input_layernorm.weight.detach(), "qkv": a.qkv_packed,
               "qkv_bias": None if a.qkv_bias is None else a.qkv_bias.detach(), "o": a.o_packed,
               "post_norm": layer.post_attention_layernorm.weight.detach(),
-              "gate_up": m.gate_up_packed, "down": m.down_packed}
-             for layer, a, m in zip(self.layers, attn, mlp)],
+              "gate_up": layer.mlp.gate_up_packed, "down": layer.mlp.down_packed}
+             for layer, a in zip(self.layers, attn)],
             self.norm.weight.detach(), first.num_heads, first.num_kv_heads, first.head_dim,
             self.norm.eps, head, vocab)
 
     def forward(self, input_ids, positions, ctx, num_layers: int | None = None):
         """input_ids, positions [T] -> the final norm's output [T, hidden] (the first
-        `num_layers` layers' output, without the norm, when given). A decode step that the C
-        stack serves comes through `decode_logits` instead."""
+        `num_layers` layers' output, without the norm, when given). A decode step that the
+        backend's whole stack serves comes through `CausalLM.sampled_logits` instead."""
         x = self.embed_tokens(input_ids)
         rope = self.rope.rows(positions)  # gathered once, shared by every layer
         for layer in self.layers[:num_layers]:
             x = layer(x, rope, ctx)
         if num_layers is not None:
             return x
-        if ctx.native and cpu_native.fuses(x):  # the stack's final norm, for equal results
-            return cpu_native.rms_norm(x, self.norm.weight, self.norm.eps)
-        return self.norm(x)
-
-    def decode_logits(self, input_ids, positions, ctx) -> torch.Tensor | None:
-        """A decode step's logits [T, vocab] from one C call (layers, final norm and LM head),
-        with every layer's pre-RoPE queries recorded for the policies' signals; None when the
-        stack does not serve this pass."""
-        if not self._stacked(input_ids.shape[0], ctx):
-            return None
-        x = self.embed_tokens(input_ids)
-        rope = self.rope.rows(positions)
-        stack = self.stack
-        queries = None if ctx.capture is None else x.new_empty(
-            len(self.layers), x.shape[0], stack.q_heads, stack.head_dim)
-        logits = cpu_native.decode_layers(x, rope.cos, rope.sin, stack, ctx.kv.k, ctx.kv.v,
-                                          ctx.slot_mapping, ctx.decode_block_tables,
-                                          ctx.decode_context_lens, ctx.scale, queries, True)
-        if queries is not None:
-            ctx.capture.record_layers(queries)
-        return logits
-
-    def _stacked(self, rows: int, ctx: ForwardContext) -> bool:
-        """Whether the C decode stack runs this pass of `rows` tokens: an eager CPU float32 pass
-        of one-token items only, with the C kernels on, storing every row, without per-head holes
-        or post-RoPE query collection (pre-RoPE queries for the policies' signals come out of the
-        stack and are recorded after it). The embedding's weight stands for the pass's hidden
-        states (same device and dtype), so the check runs before the lookup."""
-        w = self.embed_tokens.weight
-        return (self.stack is not None and ctx.native and cpu_native.fuses(w)
-                and ctx.num_decode == rows > 0 and ctx.slot_mapping is not None
-                and not ctx.fused_decode and ctx.collect is None
-                and ctx.decode_holes is None and cpu_native.applies(w, ctx.kv.k, ctx.kv.v))
+        return ctx.backend.rms_norm(x, self.norm)
 
 
 class CausalLM(nn.Module):
@@ -280,17 +227,18 @@ class CausalLM(nn.Module):
 
     def sampled_logits(self, input_ids, positions, ctx, sample_rows) -> torch.Tensor | None:
         """input_ids, positions [T], sample_rows [S] (ascending rows) -> logits [S, vocab] of
-        those rows, None when S = 0. A decode step whose every row samples runs its layers, final
-        norm and LM head in one C call where the stack serves it (DecoderModel.decode_logits);
-        the same arithmetic as the forward pass and compute_logits."""
+        those rows, None when S = 0. A step whose every row samples runs its layers, final norm
+        and LM head in one call where the backend's whole stack serves it (`decode_stack`); the
+        same arithmetic as the forward pass and compute_logits."""
+        ops = ctx.backend
         if sample_rows.numel() == input_ids.numel():
-            logits = self.model.decode_logits(input_ids, positions, ctx)
+            logits = ops.decode_stack(self.model, input_ids, positions, ctx)
             if logits is not None:
                 return logits
         hidden = self.forward(input_ids, positions, ctx)
         if not sample_rows.numel():
             return None
-        return self.compute_logits(hidden[sample_rows], native=ctx.native)
+        return self.compute_logits(hidden[sample_rows], ops)
 
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up of every layer (module docstring); call after the weights are
@@ -299,22 +247,22 @@ class CausalLM(nn.Module):
             layer.self_attn.fuse()
             layer.mlp.fuse()
 
-    def pack_weights(self, native: bool = False) -> None:
-        """Packed copies of every projection and of the LM head, used by the forward pass from
-        now on (module docstring): column panels for the C kernel with `native`, else oneDNN's;
-        call after fuse_projections(), on CPU float32."""
+    def pack_weights(self, ops: Backend) -> None:
+        """Packed copies of every projection and of the LM head in the layout of the backend
+        `ops` (`Backend.packs`), used by the forward pass from now on, and the backend's whole
+        decode stack over them (module docstring); call after fuse_projections()."""
         for layer in self.model.layers:
-            layer.self_attn.pack(native)
-            layer.mlp.pack(native)
-        self.head_packed = packed_linear.pack(self._head_weight(), native)
-        self.model.stack_layers(self.head_packed, self._head_weight().shape[0])
+            layer.self_attn.pack(ops)
+            layer.mlp.pack(ops)
+        self.head_packed = ops.pack(self._head_weight())
+        self.model.stack_layers(ops, self.head_packed, self._head_weight().shape[0])
 
     def _head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.tied else self.lm_head.weight
 
-    def compute_logits(self, hidden: torch.Tensor, native: bool = False) -> torch.Tensor:
-        """hidden [N, hidden] -> [N, vocab]; native: ForwardContext.native."""
-        return packed_linear.linear(hidden, self._head_weight(), self.head_packed, native=native)
+    def compute_logits(self, hidden: torch.Tensor, ops: Backend) -> torch.Tensor:
+        """hidden [N, hidden] -> [N, vocab] through the backend `ops` (the pass's)."""
+        return ops.linear(hidden, self._head_weight(), self.head_packed)
 
 
 class LlamaForCausalLM(CausalLM):

@@ -15,7 +15,7 @@ within every repeat, so a drift of the machine's speed hits them alike):
   `repeats`).
 
 Kernels: the C panel kernel over weights packed into column panels (cpu_native.panel_linear,
-the engine's default), oneDNN's packed kernel (packed_linear's reorder, the engine's without
+the engine's default), oneDNN's packed kernel (engine/kernels/linear.py's reorder, the engine's without
 the C kernels), the C thin kernel over the dense weights (at most cpu_native.THIN_ROWS rows;
 the engine's without packing) and F.linear (MKL, dense). A kernel that is not built here is
 left out, with a note. Before timing, every kernel's output of each shape is checked against
@@ -76,16 +76,14 @@ def kernels() -> dict[str, tuple[Callable, Callable]]:
     import torch
     import torch.nn.functional as F
 
-    from engine.kernels import cpu_native
-    from engine.models import packed_linear
+    from engine.kernels import cpu_native, linear
 
     found = {}
     if cpu_native.available():
         found["C panels"] = (cpu_native.pack_panels,
                              lambda x, w, p: cpu_native.panel_linear(x, p, w.shape[0]))
     if torch.backends.mkldnn.is_available():
-        found["oneDNN packed"] = (lambda w: packed_linear.pack(w, native=False),
-                                  lambda x, w, p: packed_linear.linear(x, w, p))
+        found["oneDNN packed"] = (linear.pack_onednn, lambda x, w, p: linear.onednn_linear(x, p))
     if cpu_native.available():
         found["C thin"] = (lambda w: None, lambda x, w, p: cpu_native.linear(x, w))
     found["F.linear"] = (lambda w: None, lambda x, w, p: F.linear(x, w))

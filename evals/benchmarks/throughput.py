@@ -112,7 +112,7 @@ class WeightStream:
     """Reading `num_params` fp32 values once, with the threads torch has: a
     [num_params / 576, 576] fp32 matrix (576: the embedded model's hidden size) and the ways of
     reading it: F.linear of one row (MKL's matvec), the same product through oneDNN's packed
-    kernel (engine/models/packed_linear.py) where it applies, the engine's C kernels
+    kernel (engine/kernels/linear.py) where it applies, the engine's C kernels
     (engine/kernels/cpu_native.py: the thin one over the dense weight, the panel one over its
     packed copy) where they are built, and a plain sum. A batch-1 decode step reads every
     weight once (the tied embedding as the LM head), so the fastest read is its
@@ -128,17 +128,15 @@ class WeightStream:
         import torch
         import torch.nn.functional as F
 
-        from engine.kernels import cpu_native
-        from engine.models import packed_linear
+        from engine.kernels import cpu_native, linear
 
         self.num_params = num_params
         self.weight = weight = torch.randn(-(-num_params // 576), 576)
         row = torch.randn(1, 576)
         self.reads = {"F.linear": lambda: F.linear(row, weight), "sum": weight.sum}
-        if packed_linear.available(weight.device, weight.dtype):
-            packed = packed_linear.pack(weight)
-            if packed is not None:
-                self.reads["oneDNN packed"] = lambda: packed_linear.linear(row, weight, packed)
+        if torch.backends.mkldnn.is_available():
+            packed = linear.pack_onednn(weight)
+            self.reads["oneDNN packed"] = lambda: linear.onednn_linear(row, packed)
         if cpu_native.streams(row, weight):
             self.reads["C thin kernel"] = lambda: cpu_native.linear(row, weight)
             panels = cpu_native.pack_panels(weight)
