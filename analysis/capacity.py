@@ -21,8 +21,8 @@ Inputs and definitions:
   their mean, because B* is a property of the problem (the sweep's rule aggregates its samples).
 - Table: per class, n, the mean (the paper's marker) and the median of the problems' capacities,
   each with a 95% bootstrap interval: the mean's is the evals' nested bootstrap over problems and
-  their samples (evals/intervals.py), the median's resamples the class's problems (analysis/
-  bootstrap.py); and Spearman's rho between B* and capacity over the solved problems with a 95%
+  their samples, the median's resamples the class's problems (the cluster bootstrap; both in
+  evals/intervals.py); and Spearman's rho between B* and capacity over the solved problems with a 95%
   bootstrap interval over problems. The paper's 95% intervals are per class; it reports no
   correlation.
 
@@ -41,8 +41,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analysis.bootstrap import cluster_bootstrap, fmt_interval
 from analysis.common import spearman, use_agg_backend, write_json
+from evals.intervals import BootstrapSpec, cluster_bootstrap, fmt_interval, mean_and_interval
 
 UNSOLVED = "Unsolved"  # evals.run.sweep.UNSOLVED (kept in sync by a test)
 # Per-sample capacity fields of samples.jsonl, in order of preference: the slots a request held,
@@ -198,8 +198,6 @@ def class_mean(samples: pd.DataFrame, seed: int) -> dict:
     """Mean capacity of a class over its problems (each problem's sample mean) with the evals'
     95% interval: the nested bootstrap over problems, then samples within each drawn problem
     (evals/intervals.py, the interval every eval metric carries)."""
-    from evals.intervals import BootstrapSpec, mean_and_interval
-
     spec = BootstrapSpec(seed=seed)
     point, interval = mean_and_interval(zip(samples["uid"], samples["capacity"]), "problem", spec)
     low, high = interval if interval is not None else (None, None)
@@ -235,7 +233,7 @@ def summarize_capacity(frame: pd.DataFrame, budgets: list[int], seed: int = 0,
     others = [c for c in frame.columns if c in DEFAULT_CAPACITY_FIELDS]
     rhos = cluster_bootstrap(solved, "uid", {
         col: lambda f, c=col: spearman(f["b_star_tokens"], f[c]) for col in ["capacity", *others]},
-        seed=seed, as_arrays=True)  # numpy columns per resample (analysis/bootstrap.py)
+        seed=seed, as_arrays=True)  # numpy columns per resample (evals/intervals.py)
     return {"problems": int(len(frame)), "solved": int(len(solved)),
             "unsolved": int(len(frame) - len(solved)), "classes": classes,
             "spearman_bstar_capacity": rhos["capacity"].to_dict(),

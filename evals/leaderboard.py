@@ -462,7 +462,7 @@ def fidelity_axis(runs: Sequence[RunResult]) -> tuple[str, str]:
 
 def position_series(runs: Sequence[RunResult]) -> dict[str, list[dict]]:
     """{task title: series} for :func:`evals.plots.position_plot` from the runs whose metrics
-    carry ``by_position`` (evals.positions): per run, its buckets' delta-NLL with intervals."""
+    carry ``by_position`` (evals.run.positions): per run, its buckets' delta-NLL with intervals."""
     panels: dict[str, list[dict]] = {}
     several_models = len({r.model for r in runs}) > 1
     for task in order_tasks({r.task for r in runs}):

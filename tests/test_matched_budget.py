@@ -1,4 +1,4 @@
-"""Kara's comparison protocol (evals/matched_budget.py): a baseline run whose per-sample budgets
+"""Kara's comparison protocol (evals/run/matched_budget.py): a baseline run whose per-sample budgets
 are the compressed lengths a finished Kara run realised, and its errors before anything runs."""
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def test_budget_ratio_runs_without_the_task_budget(model_dir, tmp_path):
 
 
 def test_a_prompt_of_another_length_than_karas_is_refused(tmp_path):
-    from evals.matched_budget import MatchedBudgetError, MatchedBudgets
+    from evals.run.matched_budget import MatchedBudgetError, MatchedBudgets
 
     matched = MatchedBudgets(tmp_path, {"label": "kara"}, {("q1", 0): 70}, {("q1", 0): 50})
     assert matched.budget_for("q1", 0, 50) == 70

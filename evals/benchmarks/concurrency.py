@@ -53,7 +53,7 @@ from typing import Callable, Sequence
 
 import typer
 
-from evals.benchmarks import bench_app
+from evals.benchmarks.app import bench_app
 from evals.benchmarks.common import (
     BenchResult,
     Column,

@@ -26,7 +26,7 @@ from typing import Callable
 
 import typer
 
-from evals.benchmarks import bench_app
+from evals.benchmarks.app import bench_app
 from evals.benchmarks.common import (
     BenchResult,
     Column,

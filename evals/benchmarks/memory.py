@@ -27,7 +27,7 @@ from typing import Callable
 
 import typer
 
-from evals.benchmarks import bench_app
+from evals.benchmarks.app import bench_app
 from evals.benchmarks.common import (
     BenchResult,
     Column,

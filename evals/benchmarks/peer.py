@@ -40,7 +40,8 @@ from typing import Callable, Iterator, Optional
 import typer
 
 from engine.threads import applied_defaults
-from evals.benchmarks import bench_app, peer_vllm
+from evals.benchmarks import peer_vllm
+from evals.benchmarks.app import bench_app
 from evals.benchmarks.common import (
     BenchResult,
     Column,

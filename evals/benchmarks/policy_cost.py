@@ -50,7 +50,7 @@ from typing import Any, Callable
 
 import typer
 
-from evals.benchmarks import bench_app
+from evals.benchmarks.app import bench_app
 from evals.benchmarks.common import BenchResult, Column, Table, Target, run_bench_command
 from evals.benchmarks.options import ModelOpt, OutDirOpt, QuickOpt, ThreadsOpt
 from evals.benchmarks.workloads import rng

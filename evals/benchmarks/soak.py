@@ -34,7 +34,7 @@ from typing import Any, Callable
 import typer
 
 from engine.events import is_compaction
-from evals.benchmarks import bench_app
+from evals.benchmarks.app import bench_app
 from evals.benchmarks.common import BenchResult, Column, Table, run_bench_command
 from evals.benchmarks.options import ModelOpt, OutDirOpt, QuickOpt, ThreadsOpt, parse_ints
 

@@ -34,7 +34,7 @@ from typing import Callable, Optional
 
 import typer
 
-from evals.benchmarks import bench_app
+from evals.benchmarks.app import bench_app
 from evals.benchmarks.common import (
     BenchResult,
     Column,
@@ -237,14 +237,14 @@ def paired_floor(runs: list[InterleavedReads], threads: list[float | None],
     """Per interleaved run (threads: its steps' mean torch threads, RunStats.mean_threads), and
     for all of them pooled when there are several: the median token and read (ms), and the
     median of the per-token ratios with a 95% percentile interval from a block bootstrap
-    (blocks of PAIR_BLOCK consecutive tokens of one run, analysis/bootstrap.py's cluster
+    (blocks of PAIR_BLOCK consecutive tokens of one run, evals/intervals.py's cluster
     bootstrap; None with fewer than two blocks)."""
     import statistics
 
     import numpy as np
     import pandas as pd
 
-    from analysis.bootstrap import cluster_bootstrap
+    from evals.intervals import cluster_bootstrap
 
     frames = []
     for i, run in enumerate(runs):

@@ -43,7 +43,7 @@ from evals.run.settings import (
 class Target:
     """What a run resolves to before it reads any file: the task and its preset defaults
     (evals.tasks.base.TaskDefaults), block size and fixed KV budget, the policy arguments it uses,
-    its label and directory, the finished Kara run its budgets match (evals.matched_budget), and
+    its label and directory, the finished Kara run its budgets match (evals.run.matched_budget), and
     its max tokens and temperature (the preset's unless given)."""
 
     task: Any
@@ -86,8 +86,8 @@ def resolve_target(settings: EvalSettings) -> Target:
               R.run_label(settings.policy, args),  # trees written before the settings joined labels
               R.run_label(settings.policy, settings.policy_args)]  # and before the budget did
     matched = None
-    if settings.match_budget_to is not None:  # Kara's comparison protocol (evals.matched_budget)
-        from evals import matched_budget
+    if settings.match_budget_to is not None:  # Kara's comparison protocol (evals.run.matched_budget)
+        from evals.run import matched_budget
 
         matched = matched_budget.load(settings.match_budget_to)
         matched.check_run(settings.model, settings.task, settings.policy)

@@ -97,8 +97,8 @@ def finalize(path: Path, keys: Sequence[R.SampleKey]) -> dict:
     segments = R.read_segments(path / R.SEGMENTS_FILE)
     metrics = R.compute_metrics(records, segments, len(keys))
     describe_engine_settings(path, records, segments)
-    if any(r.get("forced_tokens") for r in records):  # a long-document task (evals.positions)
-        from evals.positions import BY_POSITION, by_position, document_curves
+    if any(r.get("forced_tokens") for r in records):  # a long-document task (evals.run.positions)
+        from evals.run.positions import BY_POSITION, by_position, document_curves
 
         config = R.read_config(path / R.CONFIG_FILE) if (path / R.CONFIG_FILE).exists() else {}
         metrics[BY_POSITION] = by_position(document_curves(path, config, records))

@@ -358,7 +358,7 @@ def _write_config(config: dict, llm, path: Path) -> None:
 
 def _admit(rendered: Sequence[Rendered], llm, writer: R.SampleWriter, segment: int,
            outcome: EvalOutcome, hooks: EvalHooks, matched=None) -> list[Rendered]:
-    """The requests ``llm`` can serve, each with its matched budget (evals.matched_budget) when the
+    """The requests ``llm`` can serve, each with its matched budget (evals.run.matched_budget) when the
     run has one; a prompt longer than the context or the pool is written at once as a failed
     sample (evals.run.plan.unfit_reason)."""
     runnable = []

@@ -60,7 +60,7 @@ class EvalSettings:
     thinking: Qwen3's thinking switch (None: the chat template's default).
     kv_budget: fixed KV budget overriding the task default (see module docstring).
     match_budget_to: a finished Kara run directory: each sample's budget is the compressed length
-        Kara realised on it (Kara's comparison protocol, evals.matched_budget).
+        Kara realised on it (Kara's comparison protocol, evals.run.matched_budget).
     kv_cache_tokens, block_size, max_num_seqs: engine knobs (block_size None: the preset's).
     compile: the engine's compiled decode step (EngineConfig.compile; None: its default). How
         the engine runs, not what it computes: not part of a run's identity.
