@@ -141,6 +141,12 @@ def test_imports_go_one_way_cli_analysis_evals_engine():
     assert upward_imports(GRAPH) == []
 
 
+def test_the_kernels_sit_below_the_models():
+    # the CPU kernels' build cache comes from engine/paths.py, not from the model loader
+    assert [f"{a}:{line} -> {b}" for a, targets in GRAPH.items() if a.startswith("engine.kernels")
+            for b, line in targets.items() if b.startswith("engine.models")] == []
+
+
 def test_no_circle_of_imports_among_the_modules_of_evals():
     cycle = find_cycle(restricted(GRAPH, "evals"))
     assert cycle is None, " -> ".join(cycle)
