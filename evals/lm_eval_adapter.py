@@ -104,7 +104,7 @@ class KvarenaLM(TemplateLM):
             raise AdapterError("give engine settings or an llm, not both")
         self.llm = llm
         self.tokenizer = llm.tokenizer
-        limit = llm.runner.max_model_len
+        limit = llm.engine_spec.max_model_len
         self._max_length = int(max_length) if max_length is not None else limit - 1
         if not 1 <= self._max_length < limit:
             raise AdapterError(f"max_length must be in [1, {limit - 1}] for this engine "
@@ -284,14 +284,14 @@ class KvarenaLM(TemplateLM):
         counts: Counter[str] = Counter()
         for run in self.runs:
             counts.update(run["counts"])
-        policy = self.llm.policy
+        policy, spec = self.llm.policy, self.llm.engine_spec
         return {
             "model_dir": str(self.llm.model_dir),
             "policy": policy.name,
             "policy_args": _policy_config(policy),
             "max_length": self.max_length,
-            "block_size": self.llm.runner.block_size,
-            "kv_pool_tokens": self.llm.runner.num_pages * self.llm.runner.block_size,
+            "block_size": spec.block_size,
+            "kv_pool_tokens": spec.num_pages * spec.block_size,
             "avg_kv_budget": statistics.fmean(self._budgets) if self._budgets else None,
             "events": dict(counts),
             "num_requests": sum(r["num_requests"] for r in self.runs),

@@ -229,7 +229,7 @@ def run_policy_cost(model: str = "default", *, quick: bool = False,
     llm = LLM(model_dir, block_size=bs, kv_cache_tokens=pool, max_num_seqs=scale.documents,
               max_num_batched_tokens=max(2048, scale.documents * scale.prompt_tokens),
               max_model_len=scale.prompt_tokens + scale.length + bs)
-    docs = documents(llm.tokenizer, scale, llm.runner.hf_config.vocab_size)
+    docs = documents(llm.tokenizer, scale, llm.vocab_size)
     prompts = [d[:scale.prompt_tokens] for d in docs]
     params = [SamplingParams(temperature=0.0, max_tokens=scale.length,
                              forced_tokens=tuple(d[scale.prompt_tokens:]), logprobs=True)

@@ -235,7 +235,7 @@ def soak_policy(model: str, policy: str, block_size: int, cfg: SoakConfig, count
     result = SoakResult(policy, block_size, count)
     prompts, params = workload(cfg, len(llm.tokenizer), block_size, count, seed=seed)
     rng = random.Random(f"abort-{cfg.seed}-{seed}-{block_size}-{policy}")
-    _watch_select(llm.policy, llm.runner.num_layers, llm.runner.num_kv_heads, result.violations)
+    _watch_select(llm.policy, llm.engine_spec.num_layers, llm.engine_spec.num_kv_heads, result.violations)
 
     def on_step(tokens: int, finished: int) -> None:
         sched = llm.last_scheduler

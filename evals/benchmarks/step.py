@@ -196,8 +196,8 @@ def _engine_step(model_dir: Path, scale: StepScale, policy: str, batch: int, ban
     tokens = batch * (scale.context + scale.new_tokens + scale.block_size)
     llm = _engine(model_dir, scale, policy, max_num_seqs=batch, kv_cache_tokens=tokens,
                   max_num_batched_tokens=batch * scale.context + batch)
-    r = llm.runner
-    prompts = _prompts(batch, scale.context, r.hf_config.vocab_size, scale.seed)
+    r, spec = llm.runner, llm.engine_spec  # the runner for its weights and KV tensors
+    prompts = _prompts(batch, scale.context, llm.vocab_size, scale.seed)
     params = SamplingParams(temperature=0.0, max_tokens=scale.new_tokens, ignore_eos=True)
     llm.generate(prompts[:1], replace(params, max_tokens=2))  # warm-up (and any compile)
     stamps: list[float] = []
@@ -206,13 +206,13 @@ def _engine_step(model_dir: Path, scale: StepScale, policy: str, batch: int, ban
     gaps = [b - a for a, b in zip(stamps[1:], stamps[2:])]  # steps after the prefill step
     ms = statistics.median(gaps) * 1000
     weights = sum(p.numel() * p.element_size() for p in r.model.parameters())
-    kv = (batch * (scale.context + scale.new_tokens // 2) * 2 * r.num_layers * r.num_kv_heads
-          * r.head_dim * r.kv.k.element_size())
+    kv = (batch * (scale.context + scale.new_tokens // 2) * 2 * spec.num_layers * spec.num_kv_heads
+          * spec.head_dim * r.kv.k.element_size())
     counts = _profile(llm, prompts, params, scale)
     log(f"{policy} batch {batch}: {ms:.2f} ms/step, {counts['kernels']:.0f} kernels/step")
     return dict(policy=policy, batch=batch, ms_step=ms, floor_ms=(weights + kv) / bandwidth * 1000,
                 vs_floor=ms / ((weights + kv) / bandwidth * 1000),
-                kernels_per_layer=counts["kernels"] / r.num_layers, **counts)
+                kernels_per_layer=counts["kernels"] / spec.num_layers, **counts)
 
 
 def _profile(llm, prompts, params, scale: StepScale) -> dict:
@@ -256,7 +256,7 @@ def _hf_step_ms(model_dir: Path, scale: StepScale, batch: int, log) -> float | N
 
     llm = _engine(model_dir, scale, max_num_seqs=1, kv_cache_tokens=scale.block_size * 2)
     hf = _hf_model(llm)
-    ids = torch.tensor(_prompts(batch, scale.context, llm.runner.hf_config.vocab_size, scale.seed),
+    ids = torch.tensor(_prompts(batch, scale.context, llm.vocab_size, scale.seed),
                        device=llm.runner.device)
     del llm
     _free()
@@ -287,7 +287,7 @@ def _agreement(model_dir: Path, scale: StepScale, shape: str, log) -> dict:
 
     n, new = scale.agreement_prompts, scale.agreement_tokens
     llm = _engine(model_dir, scale, max_num_seqs=n, kv_cache_tokens=n * (256 + new + scale.block_size))
-    prompts = _prompts(n, 64, llm.runner.hf_config.vocab_size, scale.seed + 1)
+    prompts = _prompts(n, 64, llm.vocab_size, scale.seed + 1)
     ours = [o.token_ids for o in llm.generate(prompts, SamplingParams(
         temperature=0.0, max_tokens=new, ignore_eos=True))]
     hf = _hf_model(llm)
@@ -313,7 +313,7 @@ def _sampling(model_dir: Path, scale: StepScale) -> dict:
     from engine.sampling import SamplingParams
 
     llm = _engine(model_dir, scale, max_num_seqs=4, kv_cache_tokens=4096, block_size=16)
-    prompts = _prompts(4, 24, llm.runner.hf_config.vocab_size, scale.seed)
+    prompts = _prompts(4, 24, llm.vocab_size, scale.seed)
     params = [SamplingParams(temperature=0.6, top_p=0.95, top_k=20, seed=s, max_tokens=16,
                              ignore_eos=True) for s in range(4)]
     first = [o.token_ids for o in llm.generate(prompts, params)]
@@ -334,7 +334,7 @@ def _policies_compress(model_dir: Path, scale: StepScale) -> list[dict]:
     for name in sorted(policy_registry()):
         llm = _engine(model_dir, scale, name, policy_args(name, SMALL_ARGS, 16), max_num_seqs=4,
                       kv_cache_tokens=4096, block_size=16)
-        outs = llm.generate(_prompts(4, 40, llm.runner.hf_config.vocab_size, scale.seed),
+        outs = llm.generate(_prompts(4, 40, llm.vocab_size, scale.seed),
                             SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True))
         counts = llm.last_stats.counts
         actions = {k: v for k, v in counts.items() if v and not k.startswith(("finish", "prefix"))}
@@ -354,7 +354,7 @@ def _async_equals_sync(model_dir: Path, scale: StepScale) -> dict:
         llm = _engine(model_dir, scale, "zipage", {"budget": 48, "window": 16}, max_num_seqs=4,
                       kv_cache_tokens=4096, block_size=16, async_compaction=background)
         runs.append([o.token_ids for o in llm.generate(
-            _prompts(4, 40, llm.runner.hf_config.vocab_size, scale.seed), params)])
+            _prompts(4, 40, llm.vocab_size, scale.seed), params)])
     return dict(check="async compaction equals sync (Zipage, greedy)", shape="tiny",
                 ok=runs[0] == runs[1], detail="identical tokens" if runs[0] == runs[1]
                 else "tokens differ")

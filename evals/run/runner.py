@@ -273,7 +273,7 @@ def check_data(stored: Mapping[str, Any], config: dict, path: Path, settings: Ev
 def _segment_settings(settings: EvalSettings, llm) -> dict:
     """The engine settings of one segment (R.ENGINE_SETTING_KEYS)."""
     return {"kv_cache_tokens": settings.kv_cache_tokens, "max_num_seqs": settings.max_num_seqs,
-            "num_pages": llm.runner.num_pages, "max_model_len": llm.runner.max_model_len,
+            "num_pages": llm.engine_spec.num_pages, "max_model_len": llm.engine_spec.max_model_len,
             "device": llm.config.device}
 
 
@@ -346,9 +346,9 @@ def _write_config(config: dict, llm, path: Path) -> None:
     started, and its provenance."""
     if hasattr(llm.policy, "effective_params"):
         config["policy_params"] = _jsonable(llm.policy.effective_params())
-    config["engine"] = {"device": llm.config.device, "num_pages": llm.runner.num_pages,
-                        "max_model_len": llm.runner.max_model_len,
-                        "cpu_native_kernels": llm.runner.native_kernels}
+    config["engine"] = {"device": llm.config.device, "num_pages": llm.engine_spec.num_pages,
+                        "max_model_len": llm.engine_spec.max_model_len,
+                        "cpu_native_kernels": llm.native_kernels}
     config["last_invocation"] = _now()
     # the machine's load when this invocation started: speed compares only at similar load
     config["load_average_start"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
@@ -417,7 +417,7 @@ def _stream(llm, runnable: Sequence[Rendered], writer: R.SampleWriter, segment: 
             outcome.ran += 1
             # The segment's totals so far, on disk before this sample's line can be: after a
             # kill -9 they still cover every sample written (R.seal_progress).
-            counts = {k: int(v) for k, v in llm.last_scheduler.counters.items()}
+            counts = {k: int(v) for k, v in llm.counters.items()}
             R.write_progress(path, {**line, "wall_time": time.perf_counter() - start,
                                     "samples": outcome.ran, "output_tokens": finished_tokens,
                                     "stats": {"counts": counts}})
