@@ -59,6 +59,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from engine.config import is_finite
 from evals.intervals import half_width, mean_half_width
 from evals.plots import NIAH_SCORE
 from evals.provenance import describe_key, provenance_key
@@ -555,10 +556,6 @@ def sweep_curves(runs: Sequence[RunResult]) -> dict[str, list[RunResult]]:
     return out
 
 
-def _finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def sweep_figure(task: str, runs: Sequence[RunResult]) -> SweepFigure | None:
     """The budget-sweep figure of ``task``'s runs, or None when no line has two budgets.
 
@@ -574,7 +571,7 @@ def sweep_figure(task: str, runs: Sequence[RunResult]) -> SweepFigure | None:
     if not any(len({json.dumps(named_budget_args(r), sort_keys=True) for r in rs}) > 1
                for rs in curves.values()):
         return None
-    axis = {name: ("avg_kv_kept" if all(_finite(r.metrics.get("avg_kv_kept")) for r in rs)
+    axis = {name: ("avg_kv_kept" if all(is_finite(r.metrics.get("avg_kv_kept")) for r in rs)
                    else "avg_kv_allocated") for name, rs in curves.items()}
     kept = {n for n, a in axis.items() if a == "avg_kv_kept"}
     panels: dict[str, list[dict]] = {}
@@ -588,7 +585,7 @@ def sweep_figure(task: str, runs: Sequence[RunResult]) -> SweepFigure | None:
             shown = name + (ALLOCATED_MARK if kept and name not in kept else "")
             for r in rs:
                 x, y = r.metrics.get(x_key), r.metrics.get(key)
-                if not (_finite(x) and _finite(y)):
+                if not (is_finite(x) and is_finite(y)):
                     continue
                 x_ci, y_ci = r.metrics.get(f"{x_key}_ci"), r.metrics.get(f"{key}_ci")
                 pts.append({"series": shown, "x": float(x), "y": float(y) * scale,

@@ -142,7 +142,8 @@ def slug(text: str) -> str:
 def model_slug(model: str) -> str:
     """The model's directory name: the embedded default's name, or a path's last component
     without a ``.gguf`` suffix."""
-    from engine.models.loader import DEFAULT_MODEL, EMBEDDED_MODEL_NAMES
+    from engine.config import DEFAULT_MODEL
+    from engine.models.loader import EMBEDDED_MODEL_NAMES
 
     if str(model).lower() in {n.lower() for n in EMBEDDED_MODEL_NAMES}:
         return DEFAULT_MODEL

@@ -977,8 +977,8 @@ def test_run_labels_carry_the_effective_budget_however_it_was_set(tmp_path):
     """``--kv-budget 96`` and ``-a budget=96`` name one directory, ``snapkv+budget=96``; a rerun at
     64 gets its own; the task preset's budget (and a policy without a fixed budget) keeps the bare
     label; a directory written before budgets joined labels, holding this very run, is resumed."""
+    from engine.config import DEFAULT_MODEL
     from evals.run.plan import resolve_target
-    from evals.run.settings import DEFAULT_MODEL
     from evals.tasks import get_task
 
     def label(**kw):
@@ -1007,8 +1007,8 @@ def test_run_labels_carry_the_settings_that_differ_from_the_preset(tmp_path):
     """Max tokens, temperature and block size join the label where they are not the task preset's
     (after the policy arguments: mt, T, bs), so exploring them needs no --out of its own; trees
     written before keep resuming where they are; --label names the directory instead."""
+    from engine.config import DEFAULT_MODEL
     from evals.run.plan import resolve_target
-    from evals.run.settings import DEFAULT_MODEL
     from evals.tasks import get_task
 
     cpu = get_task("gsm8k").defaults("cpu")

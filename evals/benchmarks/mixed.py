@@ -46,6 +46,7 @@ from typing import Callable
 
 import typer
 
+from engine.config import DEFAULT_MODEL
 from evals.benchmarks.app import bench_app
 from evals.benchmarks.common import (
     BenchResult,
@@ -228,7 +229,7 @@ def run_row(label: str, run, reference) -> dict:
     return row
 
 
-def run_mixed(model: str = "default", *, quick: bool = False, scale: MixedScale | None = None,
+def run_mixed(model: str = DEFAULT_MODEL, *, quick: bool = False, scale: MixedScale | None = None,
               log: Callable[[str], None] = print) -> BenchResult:
     from engine.models.loader import load_tokenizer, resolve_model
     from engine.sampling import SamplingParams

@@ -50,6 +50,7 @@ from typing import Any, Callable
 
 import typer
 
+from engine.config import DEFAULT_MODEL
 from evals.benchmarks.app import bench_app
 from evals.benchmarks.common import BenchResult, Column, Table, Target, run_bench_command
 from evals.benchmarks.options import ModelOpt, OutDirOpt, QuickOpt, ThreadsOpt
@@ -214,7 +215,7 @@ def summarise(runs: list[dict], labels: list[str]) -> list[dict]:
     return rows
 
 
-def run_policy_cost(model: str = "default", *, quick: bool = False,
+def run_policy_cost(model: str = DEFAULT_MODEL, *, quick: bool = False,
                     scale: PolicyCostScale | None = None,
                     log: Callable[[str], None] = print) -> BenchResult:
     from engine.llm import LLM

@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 import typer
 
+from engine.config import DEFAULT_MODEL
 from engine.events import is_compaction
 from evals.benchmarks.app import bench_app
 from evals.benchmarks.common import BenchResult, Column, Table, run_bench_command
@@ -314,7 +315,7 @@ BENCH = SoakConfig(requests=1000, block_sizes=(8, 16), prompt_tokens=(1, 24), ou
                    fidelity_requests=4)
 
 
-def run_soak(model: str = "default", *, quick: bool = False, cfg: SoakConfig | None = None,
+def run_soak(model: str = DEFAULT_MODEL, *, quick: bool = False, cfg: SoakConfig | None = None,
              policies: list[str] | None = None, log=print) -> BenchResult:
     cfg = cfg or (QUICK if quick else BENCH)
     names = policies or registered_policies()

@@ -34,6 +34,7 @@ from typing import Callable, Optional
 
 import typer
 
+from engine.config import DEFAULT_MODEL
 from evals.benchmarks.app import bench_app
 from evals.benchmarks.common import (
     BenchResult,
@@ -279,7 +280,7 @@ def pool_tokens(prompts: list[list[int]], max_tokens: list[int], block_size: int
     return (pages + 1) * block_size
 
 
-def run_throughput(model: str = "default", *, quick: bool = False,
+def run_throughput(model: str = DEFAULT_MODEL, *, quick: bool = False,
                    scale: ThroughputScale | None = None, block_size: int = 32,
                    compile: bool | None = None,
                    log: Callable[[str], None] = print) -> BenchResult:

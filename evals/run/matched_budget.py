@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
+from engine.config import is_int_in
 from evals import results as R
 from evals.run.settings import EvalError
 
@@ -156,6 +157,6 @@ def load(run_dir: str | Path) -> MatchedBudgets:
 
 def _record_budget(rec: dict[str, Any]) -> int | None:
     value = rec.get(FIELD)
-    if rec.get("status") != "ok" or not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    if rec.get("status") != "ok" or not is_int_in(value, 1):
         return None
     return value
