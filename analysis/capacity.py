@@ -79,7 +79,7 @@ class EvalInput:
 
 def read_sweep(path: str | Path) -> SweepInput:
     """A sweep directory (`sweep_<label>/` with sweep.csv and summary.json) or its sweep.csv."""
-    from evals import results as R
+    from evals.results.files import read_json
 
     path = Path(path)
     csv_path = path if path.suffix == ".csv" else path / "sweep.csv"
@@ -90,7 +90,7 @@ def read_sweep(path: str | Path) -> SweepInput:
     if not {"uid", "B*"} <= set(frame.columns):
         raise ValueError(f"{str(csv_path)!r} lacks the uid / B* columns of a sweep.csv")
     summary_path = csv_path.parent / "summary.json"
-    summary = R.read_json(summary_path) if summary_path.is_file() else {}
+    summary = read_json(summary_path) if summary_path.is_file() else {}
     budgets = sorted(int(c.split("@", 1)[1]) for c in frame.columns if c.startswith("c@"))
     budgets = [int(b) for b in summary.get("budgets", budgets)]
     classes = frame[["uid", "B*"]].rename(columns={"B*": "b_star"})
@@ -108,32 +108,34 @@ def read_sweep(path: str | Path) -> SweepInput:
 def _first_run_identity(runs: list) -> tuple[str | None, int | None]:
     """Model and seed of the sweep's budget runs (their config.json), when still readable."""
     from evals import results as R
+    from evals.results.files import read_json
 
     for run in runs:
         config = Path(run) / R.CONFIG_FILE
         if config.is_file():
-            data = R.read_json(config)
+            data = read_json(config)
             return _model(data.get("model")), data.get("seed")
     return None, None
 
 
 def _model(model) -> str | None:
-    from evals import results as R
+    from evals.results.labels import model_slug
 
-    return R.model_slug(str(model)) if model else None
+    return model_slug(str(model)) if model else None
 
 
 def read_eval(path: str | Path, field: str | None = None) -> EvalInput:
     """A result directory of `kvarena eval` (config.json + samples.jsonl)."""
     from evals import results as R
+    from evals.results.files import load_samples, read_json
 
     path = Path(path)
     if not (path / R.CONFIG_FILE).is_file() or not (path / R.SAMPLES_FILE).is_file():
         raise ValueError(f"eval {str(path)!r} is not a result directory (it needs "
                          f"{R.CONFIG_FILE} and {R.SAMPLES_FILE}); give the <model>/<task>/<label> "
                          "directory that `kvarena eval` wrote for GrowPage")
-    config = R.read_json(path / R.CONFIG_FILE)
-    records = list(R.load_samples(path / R.SAMPLES_FILE, repair=False).records.values())
+    config = read_json(path / R.CONFIG_FILE)
+    records = list(load_samples(path / R.SAMPLES_FILE, repair=False).records.values())
     if not records:
         raise ValueError(f"eval {str(path)!r} holds no sample")
     if field is None:

@@ -356,7 +356,7 @@ def eval_command(
         _interrupted(outcomes[-1])
     if show_leaderboard and outcomes:
         from evals.leaderboard import render_markdown
-        from evals.results import find_runs
+        from evals.results.runs import find_runs
 
         print(render_markdown(find_runs([o.path for o in outcomes])))
     _exit_if_ungraded(outcomes)

@@ -60,21 +60,14 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from engine.config import is_finite
+from engine.events import EVENT_KINDS
 from evals.intervals import half_width, mean_half_width
 from evals.plots import NIAH_SCORE
 from evals.provenance import describe_key, provenance_key
-from evals.results import (
-    EVENT_KINDS,
-    GRADED_METRICS,
-    SAMPLES_FILE,
-    RunResult,
-    budget_label_args,
-    find_runs,
-    flexible_extraction,
-    per_sample_intervals,
-    run_label,
-    slug,
-)
+from evals.results import SAMPLES_FILE
+from evals.results.labels import budget_label_args, run_label, slug
+from evals.results.metrics import GRADED_METRICS, flexible_extraction, per_sample_intervals
+from evals.results.runs import RunResult, find_runs
 from evals.tables import markdown_table, write_csv
 from evals.tasks import table1_tasks, task_title
 
@@ -645,7 +638,7 @@ def complete_intervals(run: RunResult) -> None:
 
 def named_budget(run: RunResult) -> dict:
     """``{field: budget}`` of a run whose fixed KV budget is not its task preset's, as a new run's
-    label would name it (evals.results.budget_label_args); ``{}`` otherwise, and for a run whose
+    label would name it (evals.results.labels.budget_label_args); ``{}`` otherwise, and for a run whose
     budgets were matched per sample to a Kara run."""
     from evals.run.settings import BUDGET_FIELDS, page_budget
 

@@ -392,7 +392,7 @@ def _own_parser() -> argparse.ArgumentParser:
 
 def lm_eval_runs(argv: list[str]) -> tuple[argparse.Namespace, list[tuple[str, list[str]]]]:
     """Split ``kvarena lm-eval`` arguments into ours and, per policy, its label
-    (``evals.results.run_label``, as ``kvarena eval`` names run directories) and the
+    (``evals.results.labels.run_label``, as ``kvarena eval`` names run directories) and the
     ``lm-eval run`` argument list that evaluates the ``kvarena`` model under it.
 
     Every policy and its arguments are validated here, by building it, so a bad name or value is
@@ -402,7 +402,7 @@ def lm_eval_runs(argv: list[str]) -> tuple[argparse.Namespace, list[tuple[str, l
     from engine.config import ConfigError
     from engine.policies.base import build_policy
     from evals.cli import split_policy_args
-    from evals.results import run_label
+    from evals.results.labels import run_label
 
     ours, rest = _own_parser().parse_known_args(argv)
     if "-M" in rest:

@@ -634,14 +634,16 @@ def test_analyze_rejects_bad_input_with_a_clear_message(tiny_dir, tmp_path):
 
 def _write_run(root, label: str, task: str, records: list[dict], seed: int = 0, policy="zipage"):
     from evals import results as R
+    from evals.jsonio import write_json
+    from evals.results.files import SampleWriter
 
     path = root / "smollm2-135m-instruct" / task / label
-    R.write_json(path / R.CONFIG_FILE, {"label": label, "model": "smollm2-135m-instruct",
+    write_json(path / R.CONFIG_FILE, {"label": label, "model": "smollm2-135m-instruct",
                                         "task": task, "policy": policy, "seed": seed})
-    with R.SampleWriter(path / R.SAMPLES_FILE) as writer:
+    with SampleWriter(path / R.SAMPLES_FILE) as writer:
         for rec in records:
             writer.write({"task": task, "status": "ok", **rec})
-    R.write_json(path / R.METRICS_FILE, {"complete": True})
+    write_json(path / R.METRICS_FILE, {"complete": True})
     return path
 
 

@@ -55,7 +55,8 @@ from evals.leaderboard import (
     run_prov_ids,
 )
 from evals.provenance import describe_key
-from evals.results import RunResult, find_runs, ungraded
+from evals.results.lines import ungraded
+from evals.results.runs import RunResult, find_runs
 from evals.run import fidelity
 from evals.tasks import task_title
 from evals.traces import TraceIndex

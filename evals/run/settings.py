@@ -81,7 +81,7 @@ class EvalSettings:
     trace_kept: also record, per compaction, which prompt positions each layer and KV head kept
         (engine.kept_trace) into traces.jsonl (evals.traces); off by default.
     label: the run directory's name instead of the one made from the policy, its arguments and
-        the settings that differ from the preset's (evals.results.run_label); None: that one.
+        the settings that differ from the preset's (evals.results.labels.run_label); None: that one.
     """
 
     task: str
