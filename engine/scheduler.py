@@ -219,9 +219,21 @@ class Scheduler:
 
     # -- capacity boundaries --------------------------------------------------------------------
     def _ensure_slot(self, seq: Sequence) -> bool:
-        """True when `seq` has a free slot for its next token (after any boundary decision)."""
-        if seq.physical_len < seq.num_pages * self.bm.block_size:
-            return True
+        """True when `seq` has a free slot for its next token (after any boundary decision).
+
+        A compaction with per-head counts gives back the pages past its widest count
+        (engine/compaction.py), so it can leave the pages full: the policy is then asked again,
+        at the boundary it now stands at, as an asynchronous compaction's next step would."""
+        while seq.physical_len >= seq.num_pages * self.bm.block_size:
+            before = seq.physical_len
+            if self._boundary(seq):
+                return True
+            if seq.compacting or seq.status is not SeqStatus.RUNNING or seq.physical_len >= before:
+                return False
+        return True
+
+    def _boundary(self, seq: Sequence) -> bool:
+        """Ask the policy at a full boundary and apply its decision; True when a slot is free."""
         view = self.view(seq)
         timer = StageTimer()
         with timer.stage("demand"):

@@ -557,13 +557,18 @@ def sweep_figure(task: str, runs: Sequence[RunResult]) -> SweepFigure | None:
     its points, and says so in its name (in the x label when every line does). y per panel:
     quality (``SWEEP_QUALITY``) and fidelity to FullKV (``SWEEP_FIDELITY``) with their 95%
     intervals (``SWEEP_PANELS``; the retrieval score for retrieval tasks only, elsewhere it is
-    pass@1 again). A value that is null (pass@1 over no graded sample) or not finite is not
-    drawn."""
+    pass@1 again). Only the lines with two budgets or more are drawn, beside FullKV's point. A
+    value that is null (pass@1 over no graded sample) or not finite is not drawn."""
     mine = [r for r in runs if r.task == task]
     curves = sweep_curves(mine)
-    if not any(len({json.dumps(named_budget_args(r), sort_keys=True) for r in rs}) > 1
-               for rs in curves.values()):
+    swept = {name for name, rs in curves.items()
+             if len({json.dumps(named_budget_args(r), sort_keys=True) for r in rs}) > 1}
+    if not swept:
         return None
+    # The swept lines and FullKV's point; a policy run at one budget is a point of
+    # quality_memory.png / fidelity_memory.png, not drawn here again.
+    curves = {name: rs for name, rs in curves.items()
+              if name in swept or any(not not_fullkv(r.label) for r in rs)}
     axis = {name: ("avg_kv_kept" if all(is_finite(r.metrics.get("avg_kv_kept")) for r in rs)
                    else "avg_kv_allocated") for name, rs in curves.items()}
     kept = {n for n, a in axis.items() if a == "avg_kv_kept"}
@@ -597,7 +602,7 @@ def sweep_figure(task: str, runs: Sequence[RunResult]) -> SweepFigure | None:
         note = (f"Lines marked{ALLOCATED_MARK} did not record the KV kept: their x is the KV "
                 f"allocated (whole pages; at least the KV kept).")
     title = (f"{task_title(task)}: quality and fidelity vs {x_name} over budgets "
-             f"(one line per policy and settings; 95% intervals)")
+             f"(policies run at several budgets, and FullKV; 95% intervals)")
     return SweepFigure(task, panels, ylabels, xlabel, title, note)
 
 

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from statistics import median
 from types import SimpleNamespace
 
 import pytest
 
-from evals.benchmarks import concurrency, memory, mixed, policy_cost, throughput
+from evals.benchmarks import concurrency, memory, mixed, mixed_documents, policy_cost, throughput
 from evals.benchmarks.common import (
     BenchResult,
     Column,
@@ -294,6 +295,116 @@ def test_delta_quantiles():
     assert row["decisions"] == 5 and row["above_tau"] == 0.6
 
 
+def test_mixed_documents_quick(tiny_model):
+    """`kvarena bench mixed --source documents --quick` with the variants: every configuration
+    in every repeat (rotated), FullKV's delta-NLL exactly 0 and preempted in the memory-bound
+    pool, each policy's delta-NLL the mean of its per-document values with an interval around it,
+    the comparisons' differences paired per document, the position buckets and the targets."""
+    scale = replace(mixed_documents.QUICK, variants=True)
+    result = mixed_documents.run_mixed_documents(tiny_model, scale=scale, log=lambda _: None)
+    b = scale.b
+    assert b == 16 * scale.block_size
+    table = result.table("policies")
+    labels = [r["policy"] for r in table.rows]
+    assert labels == ["full", f"zipage-{b // 2}", f"zipage-{b}", f"zipage-{2 * b}",
+                      "growpage (tau=0)", "growpage-fixed", "growpage-random",
+                      "growpage-inverse (tau=0)", "growpage-shrink (tau=0)"]
+    assert_finite_rows(result.table("events"))
+    rows = dict(zip(labels, table.rows))
+    full = rows["full"]
+    assert full["delta_nll"] == 0.0 and (full["delta_nll_lo"], full["delta_nll_hi"]) == (0.0, 0.0)
+    assert full["per_document_delta_nll"] == [0.0] * sum(scale.counts)
+    assert full["preemption"] > 0 and full["compactions"] == 0  # the pool is memory-bound
+    assert result.scale["pool_pages"] < result.scale["fullkv_pages"]
+    for label, r in rows.items():
+        per_doc = r["per_document_delta_nll"]
+        assert len(per_doc) == r["documents"] == sum(scale.counts)
+        assert r["delta_nll"] == pytest.approx(sum(per_doc) / len(per_doc))
+        assert r["delta_nll_lo"] <= r["delta_nll"] <= r["delta_nll_hi"]
+        assert r["output_tokens"] == result.scale["forced_tokens"]
+        assert math.isfinite(r["nll"]) and r["avg_kv_kept"] <= r["avg_kv_allocated"]
+        if label != "full":
+            assert r["compactions"] > 0 and r["delta_nll_lo"] < r["delta_nll_hi"]
+    for n in (b // 2, b, 2 * b):
+        assert rows[f"zipage-{n}"]["avg_kv_budget"] == n
+    assert rows["growpage-fixed"]["avg_kv_budget"] == b
+    runs = result.table("runs").rows
+    assert len(runs) == len(labels) * scale.repeats
+    assert [r["policy"] for r in runs[:len(labels)]] == labels
+    assert [r["policy"] for r in runs[len(labels):]] == labels[1:] + labels[:1]
+    for r in runs:
+        assert r["tps_vs_full"] == pytest.approx(
+            r["tps"] / next(f["tps"] for f in runs if f["policy"] == "full"
+                            and f["repeat"] == r["repeat"]))
+    assert full["tps_vs_full"] == 1.0
+    assert full["tps"] == pytest.approx(median(r["tps"] for r in runs if r["policy"] == "full"))
+    comparisons = {c["other"]: c for c in result.table("comparisons").rows}
+    assert list(comparisons) == [f"zipage-{b // 2}", f"zipage-{b}", f"zipage-{2 * b}",
+                                 "growpage-fixed"]
+    gp = rows["growpage (tau=0)"]
+    for other, c in comparisons.items():
+        diffs = [x - y for x, y in zip(gp["per_document_delta_nll"],
+                                       rows[other]["per_document_delta_nll"])]
+        assert c["delta_diff"] == pytest.approx(sum(diffs) / len(diffs))
+        assert c["delta_lo"] <= c["delta_diff"] <= c["delta_hi"]
+        assert c["budget_ratio"] == pytest.approx(gp["avg_kv_budget"] / rows[other]["avg_kv_budget"])
+        assert c["tps_min"] <= c["tps_ratio"] <= c["tps_max"]
+        assert c["fidelity_reading"] == mixed_documents.fidelity_reading(c["delta_lo"], c["delta_hi"])
+    main = comparisons[f"zipage-{b}"]
+    assert [t.value for t in result.targets] == [main["delta_hi"], main["tps_ratio"],
+                                                 main["budget_ratio"]]
+    assert any(n.startswith("The paper's claim") and f"Zipage-{b}" in n for n in result.notes)
+    positions = result.table("positions").rows
+    assert {r["policy"] for r in positions} == set(labels)
+    assert all(r["delta_nll"] == 0.0 for r in positions if r["policy"] == "full")
+    drawn = [n for name in mixed_documents.CLASSES for n in result.scale["mix"][name]["drawn"]]
+    assert sum(r["tokens"] for r in positions if r["policy"] == "full") == sum(
+        n - scale.prompt_tokens for n in drawn) == result.scale["forced_tokens"]
+    note = next(n for n in result.notes if n.startswith("growpage-random ran"))
+    assert f"{1.0 - gp['grow_ratio']:.4f}" in note
+
+
+def test_mixed_documents_readings_need_the_interval_or_every_repeat():
+    assert mixed_documents.fidelity_reading(-0.2, -0.01) == "better"
+    assert mixed_documents.fidelity_reading(0.01, 0.2) == "worse"
+    assert mixed_documents.fidelity_reading(-0.2, 0.01) == "no difference shown"
+    assert mixed_documents.side([1.1, 1.02]) == "higher"
+    assert mixed_documents.side([0.9, 0.99]) == "lower"
+    assert mixed_documents.side([1.1, 0.99]) == "no difference shown"
+
+
+def test_mixed_documents_lengths_follow_the_mix():
+    scale = mixed_documents.DocumentScale()
+    plan = mixed_documents.document_lengths(scale)
+    assert [sum(k == name for k, _ in plan) for name in mixed_documents.CLASSES] == [8, 8, 6]
+    for name, (lo, hi) in zip(mixed_documents.CLASSES, scale.lengths):
+        assert all(lo <= n <= hi for k, n in plan if k == name)
+    assert min(n for _, n in plan) >= 512 and max(n for _, n in plan) <= 4096
+    assert [k for k, _ in plan] != sorted(k for k, _ in plan)  # classes interleaved
+    assert mixed_documents.parse_bands("512-576, 600", "--lengths") == ((512, 576), (600, 600))
+    with pytest.raises(ValueError, match="--lengths"):
+        mixed_documents.parse_bands("512-x", "--lengths")
+    with pytest.raises(ValueError, match="even number of pages"):
+        mixed_documents.DocumentScale(budget=48)
+    with pytest.raises(ValueError, match="at least 2 documents"):
+        mixed_documents.DocumentScale(counts=(1, 0, 0))
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(lengths=((64, 80), (192, 224), (500, 600))), "exceed the model's context of 512"),
+    (dict(pool_fraction=0.05), "cannot hold the longest document")])
+def test_mixed_documents_refuse_bad_input_before_running(tiny_model, monkeypatch, change, message):
+    import engine.llm
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("an engine was built before the input was checked")
+
+    monkeypatch.setattr(engine.llm, "LLM", no_engine)
+    with pytest.raises(mixed_documents.DocumentWorkloadError, match=message):
+        mixed_documents.run_mixed_documents(
+            tiny_model, scale=replace(mixed_documents.QUICK, **change), log=lambda _: None)
+
+
 def test_policy_cost_quick(tiny_model):
     """`kvarena bench policy-cost --quick` with three configurations and two repeats: the tables'
     rows and columns, each run's split adding up to its wall time, every ratio computed from the
@@ -503,9 +614,14 @@ def test_policy_cost_cli_rejects_bad_scale_before_loading_a_model(args, message)
     assert out.exit_code == 2 and message in " ".join(out.output.split())
 
 
-@pytest.mark.parametrize("args, message", [(["--counts", "1,2"], "one value per kind"),
-                                           (["--repeats", "0"], "repeats must be >= 1"),
-                                           (["--counts", "1,x,2"], "--counts")])
+@pytest.mark.parametrize("args, message", [
+    (["--counts", "1,2"], "one value per kind"), (["--repeats", "0"], "repeats must be >= 1"),
+    (["--counts", "1,x,2"], "--counts"), (["--source", "pdf"], "--source must be one of"),
+    (["--lengths", "64-80,1-2,3-4"], "apply to --source documents only"),
+    (["--source", "documents", "--max-tokens", "1,2,3"], "apply to --source problems only"),
+    (["--source", "documents", "--lengths", "10-20,40-50,60-70"], "need prompt_tokens + 2"),
+    (["--source", "documents", "--budget", "48"], "even number of pages"),
+    (["--source", "documents", "--lengths", "64-x"], "--lengths")])
 def test_mixed_cli_rejects_bad_scale_before_loading_a_model(args, message):
     from typer.testing import CliRunner
 
@@ -513,6 +629,19 @@ def test_mixed_cli_rejects_bad_scale_before_loading_a_model(args, message):
 
     out = CliRunner().invoke(app, ["bench", "mixed", *args], env={"COLUMNS": "200"})
     assert out.exit_code == 2 and message in " ".join(out.output.split())
+
+
+def test_mixed_documents_cli_names_a_document_past_the_context(tiny_model, tmp_path):
+    from typer.testing import CliRunner
+
+    from cli import app
+
+    out = CliRunner().invoke(app, ["bench", "mixed", "--source", "documents", "--quick",
+                                   "--model", tiny_model, "--out-dir", str(tmp_path),
+                                   "--lengths", "64-80,192-224,500-600"], env={"COLUMNS": "200"})
+    assert out.exit_code == 2 and "exceed the model's context of 512 tokens" in " ".join(
+        out.output.split())
+    assert not list(tmp_path.iterdir())
 
 
 def test_kernels_aot_quick_compiles_decode_for_sm80(tmp_path):

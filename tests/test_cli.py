@@ -311,3 +311,23 @@ def test_new_runs_go_to_the_untracked_runs_folder():
         assert re.search(r"\[default: runs(/benchmarks)?\]", line), (command, line)
     ignored = (Path(__file__).resolve().parent.parent / ".gitignore").read_text().splitlines()
     assert "/runs/" in ignored
+
+
+def test_eval_runs_a_per_head_policy_held_at_its_budget_in_decode(tiny_dir, tmp_path):
+    """`--policy-arg decode_compress=true` reaches PyramidKV through `kvarena eval`: on long
+    documents with a short prompt it compresses during decode at the run's budget, where the
+    published prompt-only default never compresses."""
+    data = Path(__file__).parent / "fixtures" / "data" / "niah"
+    common = ("eval", "-t", "longdoc", "-m", str(tiny_dir), "--data", str(data),
+              "--task-arg", "lengths=96", "--task-arg", "documents=2", "--task-arg", "prefix=16",
+              "-p", "pyramidkv", "-a", "window=4", "--kv-budget", "32", "--block-size", "8",
+              "--threads", "1", "--no-leaderboard", "--no-fidelity", "--out", str(tmp_path))
+    invoke(*common, "-a", "decode_compress=true")
+    invoke(*common)
+    runs = {json.loads((p.parent / "config.json").read_text())["label"]: json.loads(p.read_text())
+            for p in tmp_path.rglob("metrics.json")}
+    decode = runs["pyramidkv+budget=32+decode_compress=true+window=4+bs=8"]
+    prompt_only = runs["pyramidkv+budget=32+window=4+bs=8"]
+    assert decode["events"]["compress"] >= 4 and decode["avg_kv_budget"] == 32
+    assert 32 <= decode["avg_kv_kept"] < 32 + 2 * 8
+    assert prompt_only["events"]["compress"] == 0 and prompt_only["avg_kv_kept"] > 50

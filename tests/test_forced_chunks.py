@@ -1,7 +1,8 @@
 """Forced runs (`EngineConfig.chunked_forcing`, engine/scheduler.py): a request's teacher-forced
 tokens run up to its next page boundary as one chunk, and come out as one decode step per token.
 
-For every registered policy (a policy registered later is covered by the same loop), one request
+For every registered policy (a policy registered later is covered by the same loop) and the modes
+that change when a policy decides (PyramidKV's and Ada-KV's `decode_compress`), one request
 is scored under teacher forcing with chunking on and off on a tiny random Llama, with budgets small
 enough that every compressing policy compresses several times; tokens, finish reasons, capacity
 events (actions, lengths, decisions and their numbers), kept positions, the final KV length, the
@@ -66,6 +67,17 @@ def policy_args(name: str) -> dict:
     return {"budget": 32} if "budget" in policy_fields(policy_registry()[name]) else {}
 
 
+# Modes of a registered policy that change when it decides (beyond its defaults): each is
+# tested as a policy of its own. PyramidKV's and Ada-KV's prompt-only default compresses once;
+# with decode_compress they compress at decode boundaries too.
+MODES = {
+    "pyramidkv+decode": ("pyramidkv", {**ARGS["pyramidkv"], "decode_compress": True}),
+    "adakv+decode": ("adakv", {**ARGS["adakv"], "decode_compress": True}),
+}
+PROMPT_ONLY = ("pyramidkv", "adakv")
+CASES = {**{name: (name, policy_args(name)) for name in policy_registry()}, **MODES}
+
+
 @pytest.fixture(scope="module")
 def tiny_dir(tmp_path_factory):
     return str(make_tiny_llama_dir(tmp_path_factory.mktemp("forced-chunks"), num_hidden_layers=2))
@@ -94,9 +106,11 @@ class Run:
         return max(r for step in self.rows for r in step)
 
 
-def run(model_dir: str, name: str, prompts, params, chunked: bool, **engine) -> Run:
+def run(model_dir: str, name: str, prompts, params, chunked: bool, args: dict | None = None,
+        **engine) -> Run:
     engine.setdefault("kv_cache_tokens", POOL_PAGES * BLOCK)
-    llm = LLM(model_dir, block_size=BLOCK, policy=name, policy_args=policy_args(name),
+    args = policy_args(name) if args is None else args
+    llm = LLM(model_dir, block_size=BLOCK, policy=name, policy_args=args,
               trace_kept=True, chunked_forcing=chunked, **engine)
     rows: list[list[int]] = []
     with llm.watching_logits(lambda items, logits: rows.append([it.rows for it in items])):
@@ -156,17 +170,18 @@ PROMPT = tokens(44, seed=1)
 FORCED = 160
 
 
-@pytest.mark.parametrize("name", list(policy_registry()))
-def test_forced_runs_equal_token_by_token(tiny_dir, name):
+@pytest.mark.parametrize("case", list(CASES))
+def test_forced_runs_equal_token_by_token(tiny_dir, case):
+    name, args = CASES[case]
     cls = policy_registry()[name]
     params = forced(FORCED, draw=2)
-    one = run(tiny_dir, name, [PROMPT], params, chunked=False)
-    chunked = run(tiny_dir, name, [PROMPT], params, chunked=True)
+    one = run(tiny_dir, name, [PROMPT], params, chunked=False, args=args)
+    chunked = run(tiny_dir, name, [PROMPT], params, chunked=True, args=args)
     assert one.longest == 1
     out = one.outputs[0]
     assert out.finish_reason == "forced" and out.token_ids == list(params.forced_tokens)
     if cls.compresses:  # the budgets are small enough to compress several times
-        assert one.stats.compactions >= (1 if name in ("pyramidkv", "adakv") else 3), name
+        assert one.stats.compactions >= (1 if case in PROMPT_ONLY else 3), case
     assert_same_run(one, chunked)
     if cls.chunked_forcing:
         assert chunked.longest > 1

@@ -127,3 +127,23 @@ def test_a_prompt_of_another_length_than_karas_is_refused(tmp_path):
         matched.budget_for("q1", 0, 51)
     with pytest.raises(EvalError, match="no budget for q2 sample 0"):
         matched.budget_for("q2", 0, 50)
+
+
+def test_per_head_baselines_are_matched_when_they_hold_their_budget_in_decode(model_dir, kara_run,
+                                                                              tmp_path):
+    """PyramidKV and Ada-KV as published compress the prompt only: matched to Kara's length
+    they would grow past it, so the run is refused; with decode_compress each request is held
+    at its own matched length."""
+    with pytest.raises(EvalError, match="compresses the prompt only.*decode_compress=true"):
+        run_eval(settings(model_dir, tmp_path / "x", policy="pyramidkv",
+                          policy_args={"window": 4}, match_budget_to=str(kara_run)))
+    kara = records(kara_run)
+    for policy in ("pyramidkv", "adakv"):
+        outcome = run_eval(settings(model_dir, tmp_path, policy=policy,
+                                    policy_args={"window": 4, "decode_compress": True},
+                                    match_budget_to=str(kara_run)))
+        base = records(outcome.path)
+        assert base.keys() == kara.keys()
+        for key, rec in base.items():
+            assert rec["avg_kv_budget"] == kara[key]["final_kv_len"]
+            assert rec["events"]["compress"] >= 1  # it reached its cap during decode

@@ -24,7 +24,7 @@ from engine.policies.scoring import (
     split_exactly,
 )
 from engine.policies.snapkv import snapkv_scores
-from test_policies_fixed import HKV, FakeView, L, bound, naive_pool, naive_probs, naive_topk, rand_qk
+from test_policies_fixed import HKV, HQ, FakeView, L, bound, naive_pool, naive_probs, naive_topk, rand_qk
 
 # -- naive references ---------------------------------------------------------------------------
 
@@ -196,7 +196,7 @@ def test_adakv_scores_pool_after_the_group_mean():
 @pytest.mark.parametrize("name,args,match", [
     ("pyramidkv", {"budget": 8, "window": 8}, "must exceed"),
     ("pyramidkv", {"beta": 0.5}, "beta"),
-    ("pyramidkv", {"fallback_compress": True}, "prompt only"),
+    ("pyramidkv", {"fallback_compress": True}, "fallback_compress is not supported"),
     ("pyramidkv", {"layer_budgets": "20,4.5"}, "whole token"),
     ("pyramidkv", {"window": 8, "layer_budgets": "20,4"}, "hold the window"),
     ("adakv", {"floor_alpha": 1.5}, "floor_alpha"),
@@ -527,3 +527,289 @@ def test_engine_pyramidkv_keeps_each_layers_budget_and_decodes_over_exactly_it(t
     wide = [kept[0]] * 5
     other, _ = _masked_reference(model_dir, ids, len(prompt), wide)
     assert not torch.allclose(torch.log_softmax(other[len(prompt) - 1:], -1), ref, atol=1e-3)
+
+
+# -- decode_compress: held at the budget during decode (engine/policies/per_head.py) -------------
+
+
+def naive_fill_under_caps(shares: list[Fraction], caps: list[int]) -> list[Fraction]:
+    base = [min(s, c) for s, c in zip(shares, caps)]
+    excess = sum(shares) - sum(base)
+    room = [c - b for c, b in zip(caps, base)]
+    return [b + (excess * r / sum(room) if sum(room) else 0) for b, r in zip(base, room)]
+
+
+def test_capped_counts_cut_each_share_to_its_cap_and_spread_the_excess_by_room():
+    from engine.policies.per_head import capped_counts
+    from engine.policies.scoring import fill_under_caps
+
+    shares = [[30, 5, 5], [10, 10, 20], [0, 0, 40], [13.5, 13.5, 13]]
+    caps = [[12, 40, 20], [40, 40, 40], [10, 10, 20], [14, 14, 14]]
+    got = capped_counts(torch.tensor(shares, dtype=torch.float64), torch.tensor(caps), 40)
+    for row, cap, counts in zip(shares, caps, got.tolist()):
+        real = naive_fill_under_caps([Fraction(s) for s in row], cap)
+        assert counts == naive_largest_remainder(real, 40)
+        assert sum(counts) == 40 and all(c <= k for c, k in zip(counts, cap))
+    assert got.tolist()[0] == [12, 18, 10]          # 18 over the cap: rooms 35 and 15 take 12.6, 5.4
+    assert got.tolist()[1] == [10, 10, 20]          # no cap binds: the shares as they are
+    with pytest.raises(ValueError, match="cannot hold"):
+        fill_under_caps(torch.tensor([[30.0, 10.0]]), torch.tensor([[20, 15]]))
+
+
+def test_keep_counts_never_keeps_an_invalid_entry():
+    scores = torch.tensor([[[9.0, float("nan"), 1.0, 5.0, 2.0, 3.0]]])
+    valid = torch.tensor([[[False, True, True, True, True, True]]])
+    keep = keep_counts(scores, torch.tensor([[4]]), protected_mask(6, 1), valid)
+    assert keep.slots.tolist() == [[[2, 3, 4, 5]]]  # 9.0 is padding; the NaN ranks after 1.0
+    keep = keep_counts(scores, torch.tensor([[5]]), None, valid)
+    assert keep.slots.tolist() == [[[1, 2, 3, 4, 5]]]
+    with pytest.raises(ValueError, match="exceeds the valid entries"):
+        keep_counts(scores, torch.tensor([[6]]), None, valid)
+
+
+
+class HoledView(FakeView):
+    """A FakeView after a per-head compaction: head (l, h) holds slots [0, kept[l, h]) and
+    [compacted, physical_len); the slots between hold garbage (kept None: no holes)."""
+
+    def __init__(self, keys, queries, kept, compacted, **kw):
+        super().__init__(keys, queries, **kw)
+        self.kept_, self.compacted_ = kept, compacted
+
+    def head_lens(self):
+        return None if self.kept_ is None else (self.kept_.clone(), self.compacted_)
+
+
+def holed(kept_rows, new, seed, n=8):
+    """Keys for per-head kept counts `kept_rows` [L][HKV] and `new` slots written since, the holes
+    filled with huge keys; queries of the last n tokens. Returns (view, held slot lists)."""
+    kept = torch.tensor(kept_rows)
+    compacted = int(kept.max())
+    q, k = rand_qk(n, compacted + new, seed=seed)
+    held = [[list(range(int(kept[layer, h]))) + list(range(compacted, compacted + new))
+             for h in range(HKV)] for layer in range(L)]
+    for layer in range(L):
+        for h in range(HKV):
+            k[layer, h, int(kept[layer, h]):compacted] = 1e3  # stale: must never be seen or kept
+    return HoledView(k, q, kept, compacted, num_computed=500, block_size=8), held
+
+
+def row_inputs(view, held, layer, h):
+    """One (layer, KV head)'s held keys as a sequence of its own, with its group's queries."""
+    k = view.keys_[layer:layer + 1, h:h + 1, held[layer][h]]
+    q = view.queries_[layer:layer + 1, :, h * (HQ // HKV):(h + 1) * (HQ // HKV)]
+    return q, k, causal_key_limits(q.shape[1], k.shape[2])
+
+
+def test_decode_layout_maps_held_slots_in_order_right_aligned():
+    from engine.policies.per_head import HeldLayout
+
+    view, held = holed([[10, 6], [4, 10]], new=3, seed=0)
+    layout = HeldLayout.of(view, L, HKV)
+    assert layout.counts.tolist() == [[13, 9], [7, 13]] and layout.width == 13
+    for layer in range(L):
+        for h in range(HKV):
+            n = len(held[layer][h])
+            assert layout.held[layer, h].tolist() == [False] * (13 - n) + [True] * n
+            assert layout.slots[layer, h, 13 - n:].tolist() == held[layer][h]
+    q, k = rand_qk(8, 20)
+    plain = HeldLayout.of(HoledView(k, q, None, 0), L, HKV)  # no holes: the identity
+    assert plain.slots.tolist() == [[list(range(20))] * HKV] * L and bool(plain.held.all())
+
+
+def test_pyramidkv_decode_selection_is_snapkv_over_each_layers_held_slots():
+    """With holes, each row keeps its layer's pyramid budget of SnapKV's best over the slots it
+    holds, scored as a sequence of its own (the stale hole never attends nor is kept)."""
+    pol = bound(PyramidKV, budget=40, window=8, decode_compress=True)
+    view, held = holed([[71, 71], [9, 9]], new=14, seed=1)   # a pyramid's layers, 14 tokens since
+    keep = pol.select(view, view.physical_len - 1, StageTimer())
+    budgets = naive_pyramid(40, 8, L, 500, 20)               # no cap binds: the pyramid of 500
+    assert budgets == [71, 9]
+    for layer in range(L):
+        for h in range(HKV):
+            q, k, limit = row_inputs(view, held, layer, h)
+            score = snapkv_scores(q, k, limit, window=8)[0, 0]
+            prot = protected_mask(k.shape[2], 8).tolist()
+            want = [held[layer][h][j] for j in naive_topk(score.tolist(), budgets[layer], prot)]
+            assert int(keep.counts[layer, h]) == budgets[layer]
+            assert keep.slots[layer, h, :budgets[layer]].tolist() == want
+
+
+def test_adakv_decode_selection_splits_each_layer_over_the_held_slots():
+    """Ada-KV's flattened top-k over the held slots of each layer (its own scores per row, as a
+    sequence of its own), the floor, and the per-layer total kv_heads x (budget - window)."""
+    pol = bound(AdaKV, budget=30, window=8, floor_alpha=0.2, decode_compress=True)
+    view, held = holed([[44, 30], [30, 36]], new=12, seed=2)  # every head holds > budget
+    keep = pol.select(view, view.physical_len - 1, StageTimer())
+    for layer in range(L):
+        rows = [naive_adakv_scores(*row_inputs(view, held, layer, h), 8, 7)[0, 0]
+                for h in range(HKV)]
+        width = max(len(r) for r in rows)
+        entries = sorted((-float(r[j]), h, width - len(r) + j) for h, r in enumerate(rows)
+                         for j in range(len(r) - 8))
+        chosen = [0] * HKV
+        for _, h, _ in entries[: HKV * 22]:
+            chosen[h] += 1
+        shares = [Fraction(4, 5) * c + Fraction(1, 5) * 22 for c in chosen]
+        counts = [c + 8 for c in naive_largest_remainder(shares, HKV * 22)]
+        assert keep.counts[layer].tolist() == counts and sum(counts) == HKV * 30
+        for h, r in enumerate(rows):
+            prot = protected_mask(len(r), 8).tolist()
+            want = [held[layer][h][j] for j in naive_topk(r.tolist(), counts[h], prot)]
+            assert keep.slots[layer, h, :counts[h]].tolist() == want
+
+
+def test_adakv_decode_caps_a_head_at_the_slots_it_holds():
+    """A head that gave its slots away holds fewer than its new share: it keeps all it holds and
+    the other heads of its layer take the rest, so the layer's total still holds."""
+    pol = bound(AdaKV, budget=30, window=8, floor_alpha=1.0, decode_compress=True)  # uniform 22
+    view, held = holed([[50, 12], [30, 30]], new=10, seed=3)  # layer 0 head 1 holds 22 < 30
+    keep = pol.select(view, view.physical_len - 1, StageTimer())
+    assert keep.counts.tolist() == [[38, 22], [30, 30]]
+    assert keep.slots[0, 1, :22].tolist() == held[0][1]
+
+
+def forced(n, seed, **kw):
+    from engine.sampling import SamplingParams
+
+    g = torch.Generator().manual_seed(seed)
+    tokens = tuple(torch.randint(3, 320, (n,), generator=g).tolist())
+    return SamplingParams(forced_tokens=tokens, max_tokens=n, logprobs=True, **kw)
+
+
+DECODE_CASES = [("pyramidkv", {}), ("adakv", {}), ("adakv", {"floor_alpha": 0.0})]
+
+
+@pytest.mark.parametrize("name,args", DECODE_CASES)
+def test_decode_compress_holds_each_requests_budget_through_a_long_continuation(tiny_model, name,
+                                                                                args):
+    """A 20-token prompt (never compressed as a prompt) and 200 forced tokens under per-request
+    budgets 40 and 56 (the policy's own 24 unused): many compactions, each keeping exactly the
+    request's budget (mean over layers and KV heads) with the window, kept positions ascending
+    and in the past; between them the held slots stay within a page of SnapKV's range at that
+    budget; the policy's budget is the request's at every step."""
+    from engine.llm import LLM
+
+    budgets = (40, 56)
+    llm = LLM(tiny_model, device="cpu", block_size=BS, kv_cache_tokens=BS * 96, policy=name,
+              policy_args=dict(budget=24, window=8, decode_compress=True, **args),
+              trace_kept=True)
+    outs = llm.generate(prompts([20, 20], seed=8), [forced(200, 9, kv_budget=b) for b in budgets])
+    for budget, out in zip(budgets, outs):
+        assert out.finish_reason == "forced" and out.num_output_tokens == 200
+        compressions = [e for e in out.events if e["action"] == "compress"]
+        assert len(compressions) >= 8 and len(out.kept) == len(compressions), (budget, out.events)
+        cap = (math.ceil(budget / BS) + 1) * BS  # where SnapKV at this budget compacts
+        for e in compressions:
+            held_before = e["physical_before"]   # the compaction's threshold is the mean held
+            assert e["info"]["budget"] == budget and e["info"]["kept_slots"] == budget
+            assert e["physical_after"] < held_before
+        for rec in out.kept:
+            n = out.events[rec.event]["logical_len"]
+            held = rec.positions >= 0
+            assert held.sum(dim=-1).double().mean() == budget
+            if name == "adakv":  # the total of each layer
+                assert (held.sum(dim=-1).sum(dim=-1) == held.shape[1] * budget).all()
+            for row, mask in zip(rec.positions.flatten(0, 1), held.flatten(0, 1)):
+                kept = row[mask].tolist()
+                assert kept == sorted(set(kept)) and kept[-1] < n
+                assert set(range(n - 8, n)) <= set(kept)
+        first = compressions[0]["logical_len"] - 20
+        assert min(out.kept_trace[first:]) > budget and max(out.kept_trace) < cap + BS
+        assert out.avg_kv_budget == budget and out.avg_kv_kept < budget + 2 * BS
+    if name == "pyramidkv":  # the pyramid is reached and kept: the last compactions' layers
+        for budget, out in zip(budgets, outs):
+            rec = out.kept[-1]
+            n = out.events[rec.event]["logical_len"]
+            counts = (rec.positions >= 0).sum(dim=-1)
+            assert counts.tolist() == [[b] * 2 for b in pyramid_layer_budgets(budget, 8, 3, n, 20)]
+    if args.get("floor_alpha") == 0.0:  # the heads split their layers unequally
+        assert any(e["info"]["head_kept_min"] < e["info"]["head_kept_max"]
+                   for e in outs[0].events if e["action"] == "compress")
+
+
+@pytest.mark.parametrize("name", ["pyramidkv", "adakv"])
+def test_without_decode_compress_the_prompt_only_is_compressed(tiny_model, name):
+    """The published behaviour stays the default: a prompt within the budget is never compressed,
+    the cache grows with every decoded token and the request has no nominal budget."""
+    from engine.llm import LLM
+
+    llm = LLM(tiny_model, device="cpu", block_size=BS, kv_cache_tokens=BS * 96, policy=name,
+              policy_args=dict(budget=24, window=8))
+    (out,) = llm.generate(prompts([20], seed=8), [forced(120, 9, kv_budget=40)])
+    assert not [e for e in out.events if e["action"] == "compress"]
+    assert out.final_kv_len == 20 + 120 - 1 and out.avg_kv_budget == out.avg_kv_allocated
+    assert not llm.policy.holds_budget and llm.policy.kv_budget(None, 3) is None
+
+
+@pytest.mark.parametrize("name,args", DECODE_CASES[:2])
+def test_decode_compress_compresses_a_long_prompt_as_the_prompt_path_does(tiny_model, name, args):
+    """Without holes the held layout is the identity: the prompt's compaction keeps the same
+    positions with or without decode_compress, and the tokens until the first decode compaction
+    are the same."""
+    from engine.llm import LLM
+    from engine.sampling import SamplingParams
+
+    ps = prompts([70, 61], seed=10)
+    runs = []
+    for decode in (False, True):
+        llm = LLM(tiny_model, device="cpu", block_size=BS, kv_cache_tokens=BS * 64, policy=name,
+                  policy_args=dict(budget=24, window=8, decode_compress=decode, **args),
+                  trace_kept=True)
+        runs.append(llm.generate(ps, SamplingParams(max_tokens=6, ignore_eos=True,
+                                                    temperature=0.0)))
+    for plain, decode in zip(*runs):
+        assert plain.token_ids == decode.token_ids
+        assert torch.equal(plain.kept[0].positions, decode.kept[0].positions)
+
+
+@pytest.mark.parametrize("name,args", [("pyramidkv", {}), ("adakv", {"floor_alpha": 0.0})])
+def test_decode_compress_never_reads_a_hole(tiny_model, poison_holes, monkeypatch, name, args):
+    """Recompacting over holes: with every hole filled with huge keys and values after each
+    compaction, a generation with a dozen decode compactions gives the same tokens (the holes
+    are neither attended nor kept: the engine refuses a kept hole slot on CPU)."""
+    from engine.sequence import Sequence
+
+    ps = prompts([20, 44], seed=11)
+    kw = dict(policy_args=dict(budget=32, window=8, decode_compress=True, **args),
+              max_tokens=110)
+    _, clean = run(tiny_model, name, ps, **kw)
+    events = [e for o in clean for e in o.events if e["action"] == "compress"]
+    assert len(events) >= 12 and any(e["info"]["head_kept_min"] < e["info"]["head_kept_max"]
+                                     for e in events)
+    _, masked = run(tiny_model, name, ps, setup=poison_holes, **kw)
+    assert [o.token_ids for o in masked] == [o.token_ids for o in clean]
+    monkeypatch.setattr(Sequence, "holes", lambda self: None)  # the check above can fail
+    _, unmasked = run(tiny_model, name, ps, setup=poison_holes, **kw)
+    assert [o.token_ids for o in unmasked] != [o.token_ids for o in clean]
+
+
+def test_a_compaction_that_fills_its_pages_hands_the_boundary_back(tiny_model):
+    """Alone in the engine, a per-head compaction whose widest count fills its pages (every layer
+    keeps 40 = 5 pages of 8: the uniform split of a short sequence) must not stall the request:
+    the scheduler asks the policy again at the same step, which grows a page
+    (engine/scheduler.py)."""
+    from engine.llm import LLM
+
+    llm = LLM(tiny_model, device="cpu", block_size=BS, kv_cache_tokens=BS * 64, policy="pyramidkv",
+              policy_args=dict(budget=40, window=8, decode_compress=True))
+    (out,) = llm.generate(prompts([20], seed=8), [forced(60, 9)])
+    assert out.finish_reason == "forced" and out.num_output_tokens == 60
+    i = next(i for i, e in enumerate(out.events) if e["action"] == "compress")
+    full, after = out.events[i], out.events[i + 1]
+    assert full["physical_after"] == 40 == full["pages_after"] * BS
+    assert after["action"] == "allocate" and after["logical_len"] == full["logical_len"]
+    assert after["pages_after"] == full["pages_after"] + 1
+
+
+@pytest.mark.parametrize("name", ["pyramidkv", "adakv"])
+def test_decode_compress_survives_preemption_and_returns_every_page(tiny_model, name):
+    """A pool too small for four requests: some are preempted with holes in their cache,
+    re-prefilled whole and compressed again; all finish and every page comes back."""
+    ps = prompts([20, 36, 28, 44], seed=12)
+    llm, outs = run(tiny_model, name, ps, pages=20, max_tokens=90,
+                    policy_args=dict(budget=32, window=8, decode_compress=True))
+    assert all(o.num_output_tokens == 90 and o.finish_reason == "length" for o in outs)
+    assert sum(o.num_preemptions for o in outs) >= 1
+    assert all(sum(e["action"] == "compress" for e in o.events) >= 5 for o in outs)
+    assert llm.last_scheduler.bm.num_free == llm.last_scheduler.bm.num_pages

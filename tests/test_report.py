@@ -254,8 +254,8 @@ def test_the_page_shows_the_budget_sweep_figure_of_the_leaderboard(tmp_path):
     data = build_data([root], pieces=lambda model, ids: [str(i) for i in ids])
     titles = [f["title"] for f in data["figures"]]
     assert titles == ["Drift from FullKV vs KV kept (95% intervals; 0 = FullKV)",
-                      "GSM8K: quality and fidelity vs KV kept over budgets (one line per policy and "
-                      "settings; 95% intervals)"]
+                      "GSM8K: quality and fidelity vs KV kept over budgets (policies run at "
+                      "several budgets, and FullKV; 95% intervals)"]
     assert data["figures"][1]["svg"] == svg
     page = render(data)
     assert _data_of(page)["figures"][1]["svg"] == svg
@@ -536,3 +536,19 @@ def test_outputs_are_cut_and_traces_read_line_by_line(tree, tmp_path):
     # The 4 MB of outputs are read with their samples; the 30 MB of traces never are whole.
     assert peak - baseline < 4 * 2_000_000 + 8_000_000, (peak, baseline)
     assert len(render(data)) < 2_000_000
+
+
+def test_the_page_says_at_its_top_when_its_runs_mix_code_versions(tmp_path):
+    """Runs from two commits: the header's notes count the versions and the runs whose code
+    differs from their FullKV run's; one version: no such note."""
+    from result_trees import PROV_A, PROV_B, write_run
+
+    write_run(tmp_path / "one", "gsm8k", "full", {}, 10, 100.0, PROV_A)
+    write_run(tmp_path / "one", "gsm8k", "snapkv", {"budget": 64}, 8, 64.0, PROV_A)
+    assert not any("code versions" in n for n in build_data([tmp_path / "one"])["notes"])
+    write_run(tmp_path / "two", "gsm8k", "full", {}, 10, 100.0, PROV_A)
+    write_run(tmp_path / "two", "gsm8k", "snapkv", {"budget": 64}, 8, 64.0, PROV_B)
+    write_run(tmp_path / "two", "gsm8k", "h2o", {"budget": 64}, 8, 64.0, PROV_A)
+    (note,) = [n for n in build_data([tmp_path / "two"])["notes"] if "code versions" in n]
+    assert note.startswith("These 3 runs come from 2 code versions or machines (letters A, B")
+    assert "1 of them differ from their FullKV run's" in note

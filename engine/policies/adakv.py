@@ -22,9 +22,14 @@ max-pooled (kernel 7) over the slots before the window. Unlike SnapKV's per-head
 is averaged before pooling, as AdaKV's code does; the mean over queries (not a sum) matters for the
 flattened top-k only through its scale, which is the same for every head.
 
-When it runs: after the last prefill chunk, a prompt longer than `budget` is compressed once (the
-paper compresses the prompt; decode tokens are appended uncompressed); a re-admitted request is
-compressed again. Decode boundaries GROW; a GROW the pool cannot satisfy preempts.
+When it runs (per_head.py): after the last prefill chunk, a prompt longer than `budget` is
+compressed once (the paper compresses the prompt; decode tokens are appended uncompressed); a
+re-admitted request is compressed again. Decode boundaries GROW; a GROW the pool cannot satisfy
+preempts. The paper leaves decode open; `decode_compress=True` holds the request at its budget
+during decode as the fixed-budget policies do (compact back to a mean of `budget` per head at the
+boundary where the request reaches its budget plus a write page), recomputing the adaptive split
+over heads at each boundary from the current observation window over the slots each head holds
+(per_head.py has the arithmetic and the caps).
 
 Memory: pages are sized by the largest head count of any layer plus the window; the other heads
 hold holes (docs/architecture.md "Per-head budgets"), so `avg_kv_kept` < `avg_kv_allocated`: with one
@@ -45,6 +50,7 @@ Defaults (paper/code -> here):
 | floor_alpha | 0.2 (pred.py `--floor_alpha`; config_compress: 0.5)   | 0.2                        |
 | GQA         | mean over the group before pooling (`gqa_func`)       | mean                       |
 | trigger     | prompt only                                           | prompt only                |
+| decode      | not specified (tokens appended uncompressed)          | decode_compress=False      |
 """
 
 from __future__ import annotations
@@ -56,7 +62,7 @@ import torch
 
 from engine.config import ConfigError
 from engine.policies.base import Decision, HeadKeep, PolicyView, register_policy
-from engine.policies.fixed_budget import PromptOnlyBudget
+from engine.policies.per_head import PerHeadBudget, capped_counts
 from engine.policies.scoring import (
     keep_counts,
     observation_queries,
@@ -67,12 +73,16 @@ from engine.policies.scoring import (
 from engine.policies.snapkv import SnapKV
 
 
-def adaptive_head_budgets(scores: torch.Tensor, per_head: int, floor_alpha: float) -> torch.Tensor:
+def adaptive_head_budgets(scores: torch.Tensor, per_head: int, floor_alpha: float,
+                          caps: torch.Tensor | None = None) -> torch.Tensor:
     """Ada-KV's per-head counts (window excluded) for each layer.
 
-    scores: `[layers, kv_heads, n]` of the selectable slots; per_head: B, the uniform share
-    (0 <= B <= n); floor_alpha in [0, 1]. Returns int64 `[layers, kv_heads]`, every row summing to
-    kv_heads x B, each count in [0, n] (module docstring has the steps).
+    scores: `[layers, kv_heads, n]` of the selectable slots (-inf: a slot the head does not
+    hold); per_head: B, the uniform share (0 <= B <= n); floor_alpha in [0, 1]; caps: None, or
+    int `[layers, kv_heads]` selectable slots per head (a share above its cap gives the excess to
+    the other heads, `per_head.capped_counts`). Returns int64 `[layers, kv_heads]`, every row
+    summing to kv_heads x B, each count in [0, n] and within its cap (module docstring has the
+    steps).
     """
     layers, heads, n = scores.shape
     if not 0 <= per_head <= n:
@@ -83,18 +93,22 @@ def adaptive_head_budgets(scores: torch.Tensor, per_head: int, floor_alpha: floa
     chosen = torch.zeros(layers, heads, dtype=torch.float64)
     chosen.scatter_add_(1, (best // n).cpu(), torch.ones(best.shape, dtype=torch.float64))
     shares = (1.0 - floor_alpha) * chosen + floor_alpha * per_head
+    if caps is not None:
+        return capped_counts(shares, caps.to("cpu", torch.float64), total)
     return split_exactly(shares, total)
 
 
 @register_policy
 @dataclass
-class AdaKV(PromptOnlyBudget, SnapKV):
+class AdaKV(PerHeadBudget, SnapKV):
     """Ada-KV: SnapKV-style prompt selection, head-wise adaptive budgets under a per-layer total
     (module docstring).
 
     budget: per-head average budget, window included (tokens). None: 8 pages of the block.
     window / pooling / pooling_kernel / layer_stride: the observation window and its pooling.
     floor_alpha: the safeguard share of each head's uniform budget (0: fully adaptive, 1: uniform).
+    decode_compress: also hold the request at its budget during decode (per_head.py); False:
+        the prompt only, as the paper.
     """
 
     name = "adakv"
@@ -103,7 +117,6 @@ class AdaKV(PromptOnlyBudget, SnapKV):
     floor_alpha: float = 0.2
 
     def __post_init__(self) -> None:
-        self.check_prompt_only()
         if not 0.0 <= self.floor_alpha <= 1.0:
             raise ConfigError(f"{self.name}: floor_alpha must be in [0, 1], got {self.floor_alpha}")
         super().__post_init__()
@@ -126,8 +139,15 @@ class AdaKV(PromptOnlyBudget, SnapKV):
         """Ada-KV scores of the view's slots: float32 `[layers, kv_heads, physical_len]`, pooled
         before the window (the last `window` entries unpooled; they are protected)."""
         queries, key_limit = observation_queries(view, self.window)
-        score = observation_scores(queries, view.keys(), key_limit, group_reduce="mean",
-                                   query_reduce="mean", layer_stride=self.layer_stride)
+        return self.score_keys(queries, view.keys(), key_limit)
+
+    def score_keys(self, queries: torch.Tensor, keys: torch.Tensor, key_limit: torch.Tensor,
+                   key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Ada-KV scores of `keys` `[layers, kv_heads, length, head_dim]` (`key_mask`: entries no
+        query sees, scoring.observation_probs): float32 `[layers, kv_heads, length]`."""
+        score = observation_scores(queries, keys, key_limit, group_reduce="mean",
+                                   query_reduce="mean", layer_stride=self.layer_stride,
+                                   key_mask=key_mask)
         region = max(0, score.shape[-1] - self.window)
         pooled = pool1d(score[..., :region], self.pooling_kernel, self.pooling)
         return torch.cat([pooled, score[..., region:]], dim=-1)
@@ -147,3 +167,10 @@ class AdaKV(PromptOnlyBudget, SnapKV):
         # Pad to the decision's width; finalize sizes the pages by the largest count.
         pad = keep.slots.new_zeros(*keep.slots.shape[:-1], target_len - width)
         return HeadKeep(torch.cat([keep.slots, pad], dim=-1), keep.counts)
+
+    def held_allocation(self, view: PolicyView, score: torch.Tensor, caps: torch.Tensor,
+                        budget: int) -> torch.Tensor:
+        """The adaptive split over the held slots before the window, each head within its cap."""
+        region = score.shape[-1] - self.window
+        return adaptive_head_budgets(score[..., :region], budget - self.window, self.floor_alpha,
+                                     caps - self.window) + self.window

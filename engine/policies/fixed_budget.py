@@ -156,6 +156,14 @@ class FixedBudgetPolicy(KVPolicy):
         """The cap of a request at the policy's nominal `budget`."""
         return self.pages_cap(self.budget)
 
+    @property
+    def holds_budget(self) -> bool:
+        """True when every request is held at its budget through decode (compacted back to it at
+        its page boundaries), so that a per-request budget (Kara's matched lengths,
+        evals/run/matched_budget.py) bounds the whole request. False for a policy configured to
+        compress only the prompt (per_head.py)."""
+        return True
+
     def max_pages(self, view: PolicyView) -> int | None:
         return self.pages_cap(self.request_budget(view.state))
 
@@ -190,30 +198,3 @@ class FixedBudgetPolicy(KVPolicy):
         return Decision.compress(budget, keep_pages=math.ceil(budget / self.block_size),
                                  reason="prefill", budget=budget)
 
-
-class PromptOnlyBudget:
-    """The capacity rule of a policy that compresses the prompt once and never again (PyramidKV,
-    Ada-KV, as their papers do): mix in before the FixedBudgetPolicy subclass. Decode boundaries
-    GROW; a GROW the pool cannot satisfy preempts (a compression would have to score the per-head
-    holes its prompt compression left, docs/architecture.md "Per-head budgets"); the budget of a
-    decode step is the allocated slots (the request grows past the prompt budget), so it has no
-    nominal budget during decode."""
-
-    has_budget = False
-
-    def check_prompt_only(self) -> None:
-        if self.fallback_compress:
-            raise ConfigError(f"{self.name}: compresses the prompt only; fallback_compress is not "
-                              "supported")
-
-    def max_pages(self, view: PolicyView) -> int | None:
-        return None
-
-    def kv_budget(self, state, num_pages: int) -> int | None:
-        return None
-
-    def on_boundary(self, view: PolicyView) -> Decision:
-        return Decision.grow()
-
-    def fallback(self, view: PolicyView) -> Decision | None:
-        return None

@@ -27,11 +27,14 @@ m * a (tests/test_perhead.py checks it against a loop).
 they must sum to layers x budget, each at least the window: a list that sums wrong is an error at
 bind. A prompt shorter than the largest of them is kept whole.
 
-When it runs: after the last prefill chunk, a prompt longer than `budget` is compressed (the paper
-and its code compress the prompt once; decode tokens are appended uncompressed), and a re-admitted
-request is compressed again the same way. Decode boundaries GROW (no decode-time re-compression:
-the per-head holes of a compressed request are not scored by SnapKV's window, see
-docs/architecture.md "Per-head budgets"); a GROW the pool cannot satisfy preempts.
+When it runs (per_head.py): after the last prefill chunk, a prompt longer than `budget` is
+compressed (the paper and its code compress the prompt once; decode tokens are appended
+uncompressed), and a re-admitted request is compressed again the same way. Decode boundaries GROW;
+a GROW the pool cannot satisfy preempts. The paper leaves decode open; `decode_compress=True` holds
+the request at its budget during decode as the fixed-budget policies do (compact back to a mean of
+`budget` per layer and head at the boundary where the request reaches its budget plus a write
+page), keeping the pyramid over layers at each boundary: the pyramid of a sequence of
+`num_computed` tokens, each layer capped at the slots it holds (per_head.py has the arithmetic).
 
 Memory: pages are sized by layer 0's budget (the largest); the other layers hold holes
 (docs/architecture.md), so `avg_kv_kept` < `avg_kv_allocated` by design: with one page table per
@@ -50,6 +53,7 @@ Defaults (paper/code -> here):
 | beta     | 20 (paper; `PyramidKVCluster`)                   | 20                          |
 | pooling  | maxpool, kernel 7 (run_longbench)                | max, 7                      |
 | trigger  | prompt only                                      | prompt only                 |
+| decode   | not specified (tokens appended uncompressed)     | decode_compress=False       |
 
 The window is the code's for PyramidKV (its needle script gives SnapKV 32, as kvarena's SnapKV
 default does), so at one budget the `pyramidkv` and `snapkv` rows differ in the window as well as
@@ -65,7 +69,7 @@ import torch
 
 from engine.config import ConfigError
 from engine.policies.base import Decision, EngineSpec, HeadKeep, PolicyView, register_policy
-from engine.policies.fixed_budget import PromptOnlyBudget
+from engine.policies.per_head import PerHeadBudget, capped_counts
 from engine.policies.scoring import keep_counts, split_exactly
 from engine.policies.snapkv import SnapKV
 
@@ -96,13 +100,15 @@ def pyramid_layer_budgets(budget: int, window: int, num_layers: int, length: int
 
 @register_policy
 @dataclass
-class PyramidKV(PromptOnlyBudget, SnapKV):
+class PyramidKV(PerHeadBudget, SnapKV):
     """SnapKV's prompt selection with pyramid-shaped per-layer budgets (module docstring).
 
     budget: average per-layer budget, window included (tokens). None: 8 pages of the block.
     window / pooling / pooling_kernel / layer_stride: as SnapKV's.
     beta: the pyramid's steepness (last layer's selected part = (budget - window) // beta).
     layer_budgets: explicit per-layer budgets (window included) summing to layers x budget.
+    decode_compress: also hold the request at its budget during decode (per_head.py); False:
+        the prompt only, as the paper.
     """
 
     name = "pyramidkv"
@@ -112,7 +118,6 @@ class PyramidKV(PromptOnlyBudget, SnapKV):
     layer_budgets: tuple | None = None
 
     def __post_init__(self) -> None:
-        self.check_prompt_only()
         if self.beta < 1:
             raise ConfigError(f"{self.name}: beta must be >= 1, got {self.beta}")
         super().__post_init__()
@@ -160,7 +165,20 @@ class PyramidKV(PromptOnlyBudget, SnapKV):
             return None
         return pyramid_layer_budgets(budget, self.window, self.engine.num_layers, length, self.beta)
 
-    # -- capacity (PromptOnlyBudget: decode boundaries grow) -------------------------------------
+    def held_allocation(self, view: PolicyView, score: torch.Tensor, caps: torch.Tensor,
+                        budget: int) -> torch.Tensor:
+        """Per-layer budgets (window included) of a compaction with decode_compress
+        (per_head.py): the pyramid of a `num_computed`-token sequence (or `layer_budgets`), each
+        layer within its cap (`caps` `[layers, kv_heads]`, equal across a layer's heads)."""
+        layers = self.engine.num_layers
+        shares = (list(self.layer_budgets) if self.layer_budgets is not None else
+                  pyramid_layer_budgets(budget, self.window, layers, view.num_computed, self.beta))
+        selected = torch.tensor(shares, dtype=torch.float64) - self.window
+        layer_caps = caps.min(dim=1).values - self.window
+        counts = capped_counts(selected, layer_caps, layers * (budget - self.window)) + self.window
+        return counts[:, None].expand(score.shape[:2])
+
+    # -- capacity (prompt compression; decode boundaries: per_head.py) ------------------------
     def after_prefill(self, view: PolicyView, final: bool) -> Decision | None:
         budget = self.request_budget(view.state)
         budgets = self.budgets_for(view.physical_len, budget) if final else None

@@ -79,12 +79,15 @@ def causal_key_limits(n: int, length: int, device: torch.device | str = "cpu") -
 
 def observation_probs(queries: torch.Tensor, keys: torch.Tensor,
                       key_limit: torch.Tensor | None = None,
-                      scale: float | None = None) -> torch.Tensor:
+                      scale: float | None = None,
+                      key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention of window queries over a sequence's keys, per query head.
 
     queries: `[layers, n, q_heads, head_dim]`; keys: `[layers, kv_heads, length, head_dim]`;
     key_limit: `[n]` exclusive bound of the keys query i may see (None: all keys);
-    scale: defaults to 1/sqrt(head_dim).
+    scale: defaults to 1/sqrt(head_dim); key_mask: bool `[layers, kv_heads, length]`, False for
+    an entry the head does not hold (padding of a per-head layout, `per_head.HeldLayout`), seen by
+    no query (None: every entry is held).
     Returns float32 `[layers, q_heads, n, length]`; masked keys get probability 0.
     """
     layers, n, q_heads, dim = queries.shape
@@ -99,6 +102,8 @@ def observation_probs(queries: torch.Tensor, keys: torch.Tensor,
     if key_limit is not None:
         visible = torch.arange(length, device=keys.device)[None, :] < key_limit.to(keys.device)[:, None]
         logits = logits.masked_fill(~visible, float("-inf"))
+    if key_mask is not None:
+        logits = logits.masked_fill(~key_mask.to(keys.device)[:, :, None, None, :], float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     return probs.reshape(layers, q_heads, n, length)
 
@@ -106,7 +111,8 @@ def observation_probs(queries: torch.Tensor, keys: torch.Tensor,
 def observation_scores(queries: torch.Tensor, keys: torch.Tensor,
                        key_limit: torch.Tensor | None = None, *,
                        group_reduce: str = "max", query_reduce: str = "mean",
-                       scale: float | None = None, layer_stride: int | None = None) -> torch.Tensor:
+                       scale: float | None = None, layer_stride: int | None = None,
+                       key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Per-(layer, KV head) token scores from the attention of a window of recent queries.
 
     The GQA group is reduced first (per query), then the queries: Zipage takes the max over the
@@ -115,7 +121,8 @@ def observation_scores(queries: torch.Tensor, keys: torch.Tensor,
     mean over queries (the mean always divides by n, as Zipage does).
 
     queries: `[layers, n, q_heads, head_dim]`; keys: `[layers, kv_heads, length, head_dim]`;
-    key_limit: `[n]` or None. layer_stride bounds the temporary probabilities to
+    key_limit: `[n]` or None; key_mask: bool `[layers, kv_heads, length]` or None
+    (observation_probs). layer_stride bounds the temporary probabilities to
     `[layer_stride, q_heads, n, length]` (None: all layers at once).
     Returns float32 `[layers, kv_heads, length]` (`[layers, q_heads, length]` for
     group_reduce="none").
@@ -130,7 +137,8 @@ def observation_scores(queries: torch.Tensor, keys: torch.Tensor,
     out = []
     for start in range(0, layers, stride):
         sl = slice(start, start + stride)
-        probs = observation_probs(queries[sl], keys[sl], key_limit, scale)  # [l, h, n, T]
+        mask = None if key_mask is None else key_mask[sl]
+        probs = observation_probs(queries[sl], keys[sl], key_limit, scale, mask)  # [l, h, n, T]
         per_kv = GROUP_REDUCTIONS[group_reduce](probs, group, dim=1)        # [l, kvh, n, T]
         out.append(per_kv.mean(dim=2) if query_reduce == "mean" else per_kv.sum(dim=2))
     return torch.cat(out, dim=0)
@@ -365,13 +373,17 @@ def topk_keep(scores: torch.Tensor, k: int, protected: torch.Tensor | None = Non
 
 
 def keep_counts(scores: torch.Tensor, counts: torch.Tensor,
-                protected: torch.Tensor | None = None) -> HeadKeep:
+                protected: torch.Tensor | None = None,
+                valid: torch.Tensor | None = None) -> HeadKeep:
     """Per-row top-k with per-row k (per-layer / per-head budgets): row (l, h) keeps its
     `counts[l, h]` best slots, protected slots first, ties toward the earlier slot (topk_keep's
     rule, so a row whose count equals k gives exactly topk_keep's slots).
 
     scores: `[layers, kv_heads, length]`; counts: `[layers, kv_heads]` int, each in
-    [protected per row, length]; protected: bool `[length]` or None.
+    [protected per row, length]; protected: bool `[length]` or None; valid: bool `[layers,
+    kv_heads, length]` or None: the entries a row may keep (the others rank after every valid one
+    whatever their score, and a count above a row's valid entries is an error); the protected
+    ones must be valid.
     Returns a HeadKeep: slots `[layers, kv_heads, max(counts)]`, each row's kept slots ascending
     in its first counts entries and 0 after them.
     """
@@ -388,6 +400,15 @@ def keep_counts(scores: torch.Tensor, counts: torch.Tensor,
         ranked = ranked.masked_fill(protected, float("inf"))
     ranked = torch.nan_to_num(ranked, nan=float("-inf"))
     order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
+    if valid is not None:
+        valid = valid.to(scores.device)
+        if bool((counts > valid.sum(dim=-1)).any()):
+            raise ValueError("a count exceeds the valid entries of its row")
+        if protected is not None and bool((protected & ~valid).any()):
+            raise ValueError("a protected entry is not valid")
+        # Valid entries first, each group in score order (a stable sort of the invalid flag).
+        invalid = (~valid.gather(-1, order)).to(torch.uint8)
+        order = order.gather(-1, torch.sort(invalid, dim=-1, stable=True).indices)
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(length, device=order.device)
                                             .expand_as(order).contiguous())
     kept = rank < counts[..., None]
@@ -414,6 +435,23 @@ def split_exactly(shares: torch.Tensor, total: int) -> torch.Tensor:
     if out.numel() and not bool((out.sum(dim=-1) == total).all()):
         raise ValueError(f"shares {shares.tolist()} do not sum to {total}")
     return out
+
+
+def fill_under_caps(shares: torch.Tensor, caps: torch.Tensor) -> torch.Tensor:
+    """Real shares `[..., n]` with every entry cut to its cap `[..., n]` and the excess spread over
+    the entries below their caps in proportion to their room (cap minus share), so each row keeps
+    its sum and no entry exceeds its cap. One pass suffices: the room is at least the excess when
+    the caps sum to at least the row's total (else ValueError). Entries already within their caps
+    with no excess in their row are returned as they are. `[..., n]` float64."""
+    shares, caps = shares.double(), caps.double()
+    if bool((caps.sum(dim=-1) < shares.sum(dim=-1) - 1e-6).any()):
+        raise ValueError(f"caps {caps.tolist()} cannot hold shares {shares.tolist()}")
+    base = torch.minimum(shares, caps)
+    excess = (shares - base).sum(dim=-1, keepdim=True)
+    room = caps - base
+    total_room = room.sum(dim=-1, keepdim=True)
+    spread = torch.where(total_room > 0, excess * room / total_room.clamp_min(1e-12), 0.0)
+    return torch.minimum(base + spread, caps)  # rounding must not lift an entry past its cap
 
 
 def chunk_ids(length: int, chunk_size: int, device: torch.device | str = "cpu") -> torch.Tensor:

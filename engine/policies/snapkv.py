@@ -53,18 +53,22 @@ POOLING_MODES = ("max", "avg")
 
 def snapkv_scores(queries: torch.Tensor, keys: torch.Tensor, key_limit: torch.Tensor | None, *,
                   window: int, pool_kernel: int = 7, pool_mode: str = "max",
-                  layer_stride: int | None = None) -> torch.Tensor:
+                  layer_stride: int | None = None,
+                  key_mask: torch.Tensor | None = None) -> torch.Tensor:
     """SnapKV's token scores for one request.
 
     queries: `[layers, n, q_heads, head_dim]`; keys: `[layers, kv_heads, length, head_dim]`;
     key_limit: `[n]`; window: the protected recent slots (pooling covers only the slots before
-    them, so the window's large self-attention does not bleed into its neighbours).
+    them, so the window's large self-attention does not bleed into its neighbours); key_mask:
+    bool `[layers, kv_heads, length]` or None, False for entries no query sees
+    (scoring.observation_probs).
     Returns float32 `[layers, kv_heads, length]`; the last `window` entries are unpooled (callers
     protect them anyway). Order: sum over queries and pool per query head, then mean over the
     GQA group.
     """
     per_head = observation_scores(queries, keys, key_limit, group_reduce="none",
-                                  query_reduce="sum", layer_stride=layer_stride)  # [L, Hq, T]
+                                  query_reduce="sum", layer_stride=layer_stride,
+                                  key_mask=key_mask)  # [L, Hq, T]
     region = max(0, per_head.shape[-1] - window)
     pooled = pool1d(per_head[..., :region], pool_kernel, pool_mode)
     per_head = torch.cat([pooled, per_head[..., region:]], dim=-1)
@@ -106,6 +110,13 @@ class SnapKV(WindowScored):
     def scores(self, view: PolicyView) -> torch.Tensor:
         """SnapKV scores of the view's physical slots: float32 `[layers, kv_heads, physical_len]`."""
         queries, key_limit = observation_queries(view, self.window)
-        return snapkv_scores(queries, view.keys(), key_limit, window=self.window,
+        return self.score_keys(queries, view.keys(), key_limit)
+
+    def score_keys(self, queries: torch.Tensor, keys: torch.Tensor, key_limit: torch.Tensor,
+                   key_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """SnapKV scores of `keys` `[layers, kv_heads, length, head_dim]` from window `queries`
+        `[layers, n, q_heads, head_dim]` (causal limits `[n]`; `key_mask` as snapkv_scores'):
+        float32 `[layers, kv_heads, length]`."""
+        return snapkv_scores(queries, keys, key_limit, window=self.window,
                              pool_kernel=self.pooling_kernel, pool_mode=self.pooling,
-                             layer_stride=self.layer_stride)
+                             layer_stride=self.layer_stride, key_mask=key_mask)

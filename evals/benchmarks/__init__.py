@@ -10,7 +10,8 @@ the bandwidth floor, with the GPU checks), projections (a decode step's projecti
 kernel on CPU: a chain of its weights against the plain-sum floor, and GFLOP/s per shape), forced
 (teacher forcing in forced runs against one decode step per forced token), policy-cost (every
 policy's per-token time against FullKV's on teacher-forced documents, split into decode, signals,
-decisions and compaction).
+decisions and compaction), parity (kept positions and greedy continuations of each policy against
+NVIDIA kvpress's press of the same method, run from another venv).
 
 OpenMP: importing `engine` sets a bounded spin (GOMP_SPINCOUNT) before torch loads unless the user
 set the wait policy, and the engine's thread governor follows the free cores (engine/threads.py
@@ -33,6 +34,7 @@ from evals.benchmarks import launches  # noqa: E402,F401
 from evals.benchmarks import soak  # noqa: E402,F401
 from evals.benchmarks import step  # noqa: E402,F401
 from evals.benchmarks import peer  # noqa: E402,F401
+from evals.benchmarks import parity  # noqa: E402,F401
 from evals.benchmarks import projections  # noqa: E402,F401
 from evals.benchmarks import forced  # noqa: E402,F401
 from evals.benchmarks import policy_cost  # noqa: E402,F401

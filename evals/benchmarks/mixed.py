@@ -26,7 +26,8 @@ fidelity), Table 9 shaped (primary grow decisions, grow ratio, Compress & Hold, 
 preemptions, and page allocations, which are no decisions), the demand trend delta at GrowPage's
 decisions, and the paired repeats of the TPS targets (GrowPage against GrowPage-Fixed and
 Zipage-B). Fidelity to FullKV: position-wise greedy token agreement with FullKV's outputs (a
-teacher-forced delta-NLL of FullKV's continuation would double every run and is not measured here).
+teacher-forced delta-NLL of FullKV's continuation would double every run and is not measured here;
+`--source documents` measures delta-NLL on teacher-forced documents instead, below).
 
 Targets: GrowPage's average KV budget below GrowPage-Fixed's; GrowPage TPS >= GrowPage-Fixed's
 and >= Zipage-B's (median of the paired repeats) at equal or better agreement; Random's grow ratio
@@ -35,6 +36,12 @@ within 0.05 of GrowPage's; compression overhead under 2% of decode time.
 Scale (paper -> default here): 3559 requests with outputs up to 32768 tokens -> 8 GSM8K-like (96
 tokens), 8 AMC23-like (256) and 6 AIME24-like (576) requests; 8 engine runs plus 3 x (repeats - 1)
 reruns of the target triple, about 25 minutes on 2 CPU cores. Every tau_sweep value adds one run.
+
+Sources (`--source`, the `SOURCES` registry): `problems` is the workload above; `documents`
+(evals/benchmarks/mixed_documents.py) serves long documents of 512-4096 tokens in the same 4:4:3
+mix, each a short prompt and teacher-forced text, to FullKV, Zipage at B/2, B, 2B, GrowPage and
+GrowPage-Fixed, and measures per-token fidelity (delta-NLL against FullKV with intervals over
+documents) beside TPS, C and the KV columns.
 """
 
 from __future__ import annotations
@@ -404,12 +411,51 @@ def repeat_runs(triple: tuple[str, str, str], first: dict[str, dict], repeats: i
     return out
 
 
+def problems_run(quick: bool, documents_only: dict, *, tau_sweep: str, start_sweep: str,
+                 counts: tuple, max_tokens: tuple, **common) -> tuple[Callable, MixedScale]:
+    """`--source problems`: run_mixed at MixedScale (QUICK with --quick) with the options given."""
+    extra = sorted(name for name, value in documents_only.items() if value not in (None, ""))
+    if extra:
+        raise ValueError(f"{', '.join(extra)} apply to --source documents only")
+    base = QUICK if quick else MixedScale()
+    overrides = {k: v for k, v in dict(counts=counts or None, max_tokens=max_tokens or None,
+                                       **common).items() if v is not None}
+    return run_mixed, replace(base, tau_sweep=parse_floats(tau_sweep, "--tau-sweep"),
+                              start_sweep=tuple(parse_ints(start_sweep, "--start-sweep")),
+                              **overrides)
+
+
+def documents_run(quick: bool, documents_only: dict, *, tau_sweep: str, start_sweep: str,
+                  counts: tuple, max_tokens: tuple, **common) -> tuple[Callable, object]:
+    """`--source documents`: evals.benchmarks.mixed_documents at its scale with the options
+    given."""
+    from evals.benchmarks import mixed_documents
+
+    extra = [name for name, value in (("--tau-sweep", tau_sweep), ("--start-sweep", start_sweep),
+                                      ("--max-tokens", max_tokens)) if value]
+    if extra:
+        raise ValueError(f"{', '.join(extra)} apply to --source problems only")
+    lengths = mixed_documents.parse_bands(documents_only.pop("--lengths"), "--lengths")
+    options = {k.lstrip("-").replace("-", "_"): v for k, v in documents_only.items()}
+    scale = mixed_documents.scale_from_options(quick, counts=counts or None,
+                                               lengths=lengths or None, **options, **common)
+    return mixed_documents.run_mixed_documents, scale
+
+
+# What each --source runs: (core, scale) from the command's options.
+SOURCES = {"problems": problems_run, "documents": documents_run}
+
+
 @bench_app.command("mixed")
 def mixed_command(
     ctx: typer.Context,
     model: str = ModelOpt,
     quick: bool = QuickOpt,
     threads: int = ThreadsOpt,
+    source: str = typer.Option("problems", help="'problems': GSM8K/AMC23/AIME24-like prompts "
+                               "with generated outputs (greedy agreement); 'documents': long "
+                               "teacher-forced documents, delta-NLL against FullKV "
+                               "(evals/benchmarks/mixed_documents.py)."),
     tau: float = typer.Option(0.0, help="GrowPage demand threshold (growpage, -inverse, -shrink)."),
     tau_sweep: str = typer.Option("", help="Extra GrowPage rows at these taus, e.g. 0.002,0.005."),
     budget: int = typer.Option(None, help="B in tokens: Zipage at B and 2B, GrowPage-Fixed at B "
@@ -422,25 +468,47 @@ def mixed_command(
                                   "on each request's running median, for GrowPage, -Inverse, "
                                   "-Shrink."),
     pool_fraction: float = typer.Option(None, help="Pool size as a share of FullKV's full need."),
-    counts: str = typer.Option("", help="Requests per kind gsm8k,amc23,aime24 [default: 8,8,6]."),
+    counts: str = typer.Option("", help="Requests per kind gsm8k,amc23,aime24 (default: 8,8,6); "
+                                        "documents: per class short,medium,long (8,8,6)."),
     max_tokens: str = typer.Option("", help="Output tokens per kind gsm8k,amc23,aime24 "
-                                            "[default: 96,256,576]."),
+                                            "(default: 96,256,576)."),
     repeats: int = typer.Option(None, help="Runs of the target triple (Zipage-B, GrowPage-Fixed, "
-                                           "GrowPage) [default: 3; 2 with --quick]."),
+                                           "GrowPage) (default: 3; 2 with --quick); documents: "
+                                           "runs of every configuration."),
+    lengths: str = typer.Option("", help="documents: length bands (prompt + forced tokens) per "
+                                "class short,medium,long (default: 512-576,1856-2176,3584-4096)."),
+    prompt_tokens: int = typer.Option(None, help="documents: prompt tokens before the forced "
+                                                 "text (default: 32)."),
+    block_size: int = typer.Option(None, help="documents: tokens per KV page; B is 16 pages "
+                                              "(default: 16)."),
+    variants: bool = typer.Option(None, "--variants/--no-variants",
+                                  help="documents: also GrowPage-Random, -Inverse, -Shrink "
+                                       "(default: no)."),
+    chunked_forcing: bool = typer.Option(None, "--chunked-forcing/--token-forcing",
+                                         help="documents: forced runs (faster, not decode-shaped "
+                                              "steps) or one decode step per forced token "
+                                              "(default: token)."),
     out_dir: Path = OutDirOpt,
 ):
-    """FullKV, Zipage at B and 2B, GrowPage and its four variants on a mixed workload."""
-    base = QUICK if quick else MixedScale()
-    per_kind = parse_ints(counts, "--counts") or None
-    lengths = parse_ints(max_tokens, "--max-tokens") or None
-    overrides = {k: v for k, v in dict(budget=budget, pool_fraction=pool_fraction,
-                                       counts=per_kind, max_tokens=lengths, repeats=repeats,
-                                       start_pages=start_pages).items() if v is not None}
+    """FullKV, Zipage at B and 2B, GrowPage and its four variants on a mixed workload; with
+    --source documents, long teacher-forced documents and delta-NLL against FullKV."""
+    from evals.benchmarks.mixed_documents import DocumentWorkloadError
+
+    if source not in SOURCES:
+        raise typer.BadParameter(f"--source must be one of {sorted(SOURCES)}, got {source!r}")
+    documents_only = {"--lengths": lengths, "--prompt-tokens": prompt_tokens,
+                      "--block-size": block_size, "--variants": variants,
+                      "--chunked-forcing": chunked_forcing}
     try:
-        scale = replace(base, tau=tau, tau_sweep=parse_floats(tau_sweep, "--tau-sweep"),
-                        start_sweep=tuple(parse_ints(start_sweep, "--start-sweep")),
-                        threshold=threshold, **overrides)
+        core, scale = SOURCES[source](
+            quick, documents_only, tau_sweep=tau_sweep, start_sweep=start_sweep,
+            counts=parse_ints(counts, "--counts"), max_tokens=parse_ints(max_tokens, "--max-tokens"),
+            budget=budget, pool_fraction=pool_fraction, repeats=repeats, start_pages=start_pages,
+            tau=tau, threshold=threshold)
     except ValueError as err:  # counts of the wrong length, repeats < 1, pool_fraction out of range
         raise typer.BadParameter(str(err)) from err
-    run_bench_command(run_mixed, ctx=ctx, threads=threads, out_dir=out_dir, quick=quick,
-                      model=model, scale=scale)
+    try:
+        run_bench_command(core, ctx=ctx, threads=threads, out_dir=out_dir, quick=quick,
+                          model=model, scale=scale)
+    except DocumentWorkloadError as err:  # documents past the model's context, a pool too small
+        raise typer.BadParameter(str(err)) from err

@@ -96,21 +96,26 @@ class PeerSettings:
         return "compiled" if self.compile else "eager"
 
 
-def check_peer_python(python: str) -> str:
-    """The interpreter's path if it runs and can import vllm; else PeerError, one line."""
+def check_peer_python(python: str, module: str = "vllm", install_hint: str = INSTALL_HINT,
+                      what: str = "vLLM") -> str:
+    """The interpreter's path if it runs and can import `module`; else PeerError, one line.
+
+    install_hint: how to make such a venv; what: the peer's name in the messages."""
     path = shutil.which(python) or python
     if not os.path.isfile(path):
-        raise PeerError(f"--peer-python {python}: no such file (a venv with vLLM: {INSTALL_HINT})")
+        raise PeerError(f"--peer-python {python}: no such file (a venv with {what}: {install_hint})")
     if not os.access(path, os.X_OK):
         raise PeerError(f"--peer-python {python}: not executable")
-    probe = "import importlib.util, sys; sys.exit(0 if importlib.util.find_spec('vllm') else 3)"
+    probe = (f"import importlib.util, sys; "
+             f"sys.exit(0 if importlib.util.find_spec({module!r}) else 3)")
     try:
         done = subprocess.run([path, "-c", probe], capture_output=True, timeout=120)
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise PeerError(f"--peer-python {python} did not run as a Python interpreter "
                         f"({type(exc).__name__}: {exc})") from None
     if done.returncode == 3:
-        raise PeerError(f"--peer-python {python} cannot import vllm (install it: {INSTALL_HINT})")
+        raise PeerError(f"--peer-python {python} cannot import {module} (install it: "
+                        f"{install_hint})")
     if done.returncode != 0:
         raise PeerError(f"--peer-python {python} did not run as a Python interpreter (exit "
                         f"{done.returncode})")
@@ -126,16 +131,19 @@ def kv_bytes_per_token(model_dir: Path) -> int:
 
 
 class Peer:
-    """The vLLM driver subprocess (peer_vllm.py's protocol); its stderr goes to `log_path`."""
+    """A peer driver subprocess speaking JSON lines (peer_vllm.py's protocol, by default; `driver`
+    names another script, `what` the peer in messages); its stderr goes to `log_path`."""
 
-    def __init__(self, python: str, args: list[str]) -> None:
+    def __init__(self, python: str, args: list[str], driver: Path = DRIVER,
+                 what: str = "vLLM") -> None:
+        self.what = what
         fd, self.log_path = tempfile.mkstemp(prefix="kvarena-peer-", suffix=".log")
         self._log = os.fdopen(fd, "w")
-        # vLLM runs with its own defaults: without the OpenMP variables kvarena set for itself
-        # and without kvarena's PYTHONPATH, from a folder holding no kvarena package.
+        # The peer runs with its own defaults: without the OpenMP variables kvarena set for
+        # itself and without kvarena's PYTHONPATH, from a folder holding no kvarena package.
         drop = {*applied_defaults(), "PYTHONPATH"}
         env = {k: v for k, v in os.environ.items() if k not in drop}
-        self.proc = subprocess.Popen([python, str(DRIVER), *args], stdin=subprocess.PIPE,
+        self.proc = subprocess.Popen([python, str(driver), *args], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=self._log, text=True,
                                      env=env, cwd=tempfile.gettempdir(), start_new_session=True)
         try:
@@ -160,19 +168,25 @@ class Peer:
         line = self.proc.stdout.readline()
         if not line:
             code = self.proc.wait()
-            raise PeerError(f"the vLLM driver exited (code {code}) during {what}; last lines of "
-                            f"its log {self.log_path}:\n{self._tail()}")
+            raise PeerError(f"the {self.what} driver exited (code {code}) during {what}; last "
+                            f"lines of its log {self.log_path}:\n{self._tail()}")
         reply = json.loads(line)
         if "error" in reply:
-            raise PeerError(f"the vLLM driver failed during {what}: {reply['error']}; last lines "
-                            f"of its log {self.log_path}:\n{self._tail()}")
+            raise PeerError(f"the {self.what} driver failed during {what}: {reply['error']}; "
+                            f"last lines of its log {self.log_path}:\n{self._tail()}")
         return reply
 
+    def ask(self, command: dict, what: str = "a run") -> dict:
+        """Send one command and read its answer (PeerError if the driver failed or exited)."""
+        try:
+            self.proc.stdin.write(json.dumps(command) + "\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            pass  # the driver is gone: _answer reports its exit code and log
+        return self._answer(what)
+
     def run(self, prompts: list[list[int]], max_tokens: list[int]) -> dict:
-        self.proc.stdin.write(json.dumps({"op": "run", "prompts": prompts,
-                                          "max_tokens": max_tokens}) + "\n")
-        self.proc.stdin.flush()
-        return self._answer("a run")
+        return self.ask({"op": "run", "prompts": prompts, "max_tokens": max_tokens})
 
     def close(self, keep_log: bool = False) -> None:
         """Ask the driver to quit (its process group is killed if it has not gone in 60 s) and

@@ -54,7 +54,7 @@ from engine.config import DEFAULT_MODEL
 from evals.benchmarks.app import bench_app
 from evals.benchmarks.common import BenchResult, Column, Table, Target, run_bench_command
 from evals.benchmarks.options import ModelOpt, OutDirOpt, QuickOpt, ThreadsOpt
-from evals.benchmarks.workloads import rng
+from evals.benchmarks.workloads import haystack_document, rng
 
 SOURCES = ("text", "random")
 RATIO_TARGET = 1.25
@@ -124,18 +124,7 @@ def documents(tokenizer, scale: PolicyCostScale, vocab: int) -> list[list[int]]:
     if scale.source == "random":
         r = rng(scale.seed)
         return [[r.randrange(vocab) for _ in range(need)] for _ in range(scale.documents)]
-    from evals.niah import synthetic_haystack
-
-    out = []
-    for i in range(scale.documents):
-        ids: list[int] = []
-        sentences = 300
-        while len(ids) < need:
-            text = synthetic_haystack(n_sentences=sentences, seed=scale.seed + i)
-            ids = tokenizer.encode(text, add_special_tokens=False)
-            sentences *= 2
-        out.append(ids[:need])
-    return out
+    return [haystack_document(tokenizer, need, scale.seed + i) for i in range(scale.documents)]
 
 
 class Clock:

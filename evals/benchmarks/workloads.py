@@ -1,5 +1,6 @@
 """Synthetic benchmark workloads: chat-formatted prompts of chosen token lengths built from short
-built-in math problems (no dataset files), and the request mixes the benchmarks use.
+built-in math problems (no dataset files), the request mixes the benchmarks use, and long
+documents of the NIAH task's built-in haystack prose (`haystack_document`) for teacher forcing.
 
 Prompts are token-id lists, so the engine and transformers see exactly the same input and a prompt
 length is exact. A prompt is the tokenizer's chat template around a user message whose body is a
@@ -108,6 +109,23 @@ class PromptBuilder:
             filler += self.problem_ids[i % len(self.problem_ids)]
             i += 1
         return self.head + body + filler[:extra_tokens] + self.tail
+
+
+def haystack_document(tokenizer, length: int, seed: int) -> list[int]:
+    """The first `length` token ids of the built-in generated haystack prose
+    (evals.niah.synthetic_haystack) seeded with `seed`, through `tokenizer`: one document per
+    seed, so documents of different seeds share no text beyond chance."""
+    from evals.niah import synthetic_haystack
+
+    if length < 1:
+        raise ValueError(f"a document needs at least one token, got length {length}")
+    ids: list[int] = []
+    sentences = 300
+    while len(ids) < length:
+        text = synthetic_haystack(n_sentences=sentences, seed=seed)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        sentences *= 2
+    return ids[:length]
 
 
 def rng(seed: int) -> random.Random:

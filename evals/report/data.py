@@ -717,10 +717,11 @@ def build_data(dirs: Sequence[str | Path], limits: Limits | None = None,
     _attach_files(runs, ids, notes)
     references: dict[str, dict] = {}
     entries, samples, shown_runs = _run_entries(runs, limits, pieces, references, notes)
+    prov = {run.id: run.prov for run in shown_runs}
+    _note_versions(entries, prov, notes)
     _note_missing_files(entries, notes)
     grids = niah_grids(shown_runs, titles, notes)
     in_grids = {row["run"] for g in grids for row in g["rows"]}
-    prov = {run.id: run.prov for run in shown_runs}
     kept = kept_section([r for r in shown_runs if r.id in in_grids], limits, notes)
     for e in entries:
         e["has_kept"] = e["id"] in kept
@@ -829,6 +830,17 @@ def _run_entries(runs: list[_Run], limits: Limits, pieces: Pieces, references: d
         samples[run.id] = rows
         shown_runs.append(run)
     return entries, samples, shown_runs
+
+
+def _note_versions(entries: list[dict], prov: dict[str, list[str]], notes: _Notes) -> None:
+    """A note when the runs shown come from several code versions or machines."""
+    versions = {letter for e in entries for letter in prov.get(e["id"], [])}
+    if len(versions) > 1:
+        mixed = sum(1 for e in entries if e["cautions"])
+        notes.add(f"These {len(entries)} runs come from {len(versions)} code versions or machines "
+                  f"(letters {', '.join(sorted(versions, key=lambda s: (len(s), s)))}, explained "
+                  f"under Config and provenance); {mixed} of them differ from their FullKV run's "
+                  f"(marked \u2260): a difference there is not the policy's alone.")
 
 
 def _note_missing_files(entries: list[dict], notes: _Notes) -> None:

@@ -13,7 +13,10 @@ boundary at its cap, so its cache holds between that length and one page more.
 Errors before anything runs (EvalError): RUN_DIR missing or holding no run, a run of a non-Kara
 policy, of another model or task, a sample the baseline needs that the Kara run lacks (not run,
 failed, or recorded before runs recorded `final_kv_len`), a baseline policy without a fixed
-budget, and a matched budget that does not exceed the baseline's protected tokens. A sample whose
+budget, or configured to compress the prompt only (PyramidKV and Ada-KV as published: their cache
+would grow past the matched length during decode; `decode_compress=true` holds them to it,
+engine/policies/per_head.py), and a matched budget that does not exceed the baseline's protected
+tokens. A sample whose
 prompt tokenises to another length than in the Kara run (another prompt template or thinking
 setting) is refused when its prompt is rendered, before it is submitted.
 
@@ -87,11 +90,17 @@ class MatchedBudgets:
                 f"--match-budget-to needs a fixed-budget policy (one of {fixed}), got {policy!r}")
 
     def check_samples(self, keys: Iterable[tuple[str, int]], policy: str, policy_args: dict) -> None:
-        """Every sample to run has a matched budget, and each exceeds the protected tokens of
-        `policy` built with `policy_args`."""
+        """`policy` built with `policy_args` holds its budget through decode, every sample to
+        run has a matched budget, and each exceeds the policy's protected tokens."""
         from engine.policies.base import build_policy
 
-        protected = build_policy(policy, policy_args).num_protected
+        built = build_policy(policy, policy_args)
+        if not built.holds_budget:
+            raise MatchedBudgetError(
+                f"--match-budget-to: {policy} as configured compresses the prompt only, so its "
+                f"cache grows past the matched length during decode; pass --policy-arg "
+                f"decode_compress=true to hold it there")
+        protected = built.num_protected
         keys = list(keys)
         missing = [k for k in keys if k not in self.budgets]
         if missing:
