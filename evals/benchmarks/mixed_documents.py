@@ -79,7 +79,7 @@ from evals.benchmarks.common import (
     policy_metrics,
     ratio,
 )
-from evals.benchmarks.mixed import (
+from evals.benchmarks.growpage_family import (
     PAPER_BUDGET_PAGES,
     PAPER_RANDOM_COMPRESS,
     growpage_args,
