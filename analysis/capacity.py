@@ -21,8 +21,8 @@ Inputs and definitions:
   their mean, because B* is a property of the problem (the sweep's rule aggregates its samples).
 - Table: per class, n, the mean (the paper's marker) and the median of the problems' capacities,
   each with a 95% bootstrap interval: the mean's is the evals' nested bootstrap over problems and
-  their samples (evals/intervals.py), the median's resamples the class's problems (analysis/
-  bootstrap.py); and Spearman's rho between B* and capacity over the solved problems with a 95%
+  their samples, the median's resamples the class's problems (the cluster bootstrap; both in
+  evals/intervals.py); and Spearman's rho between B* and capacity over the solved problems with a 95%
   bootstrap interval over problems. The paper's 95% intervals are per class; it reports no
   correlation.
 
@@ -41,8 +41,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analysis.bootstrap import cluster_bootstrap, fmt_interval
 from analysis.common import spearman, use_agg_backend, write_json
+from evals.intervals import BootstrapSpec, cluster_bootstrap, fmt_interval, mean_and_interval
 
 UNSOLVED = "Unsolved"  # evals.run.sweep.UNSOLVED (kept in sync by a test)
 # Per-sample capacity fields of samples.jsonl, in order of preference: the slots a request held,
@@ -79,7 +79,7 @@ class EvalInput:
 
 def read_sweep(path: str | Path) -> SweepInput:
     """A sweep directory (`sweep_<label>/` with sweep.csv and summary.json) or its sweep.csv."""
-    from evals import results as R
+    from evals.results.files import read_json
 
     path = Path(path)
     csv_path = path if path.suffix == ".csv" else path / "sweep.csv"
@@ -90,7 +90,7 @@ def read_sweep(path: str | Path) -> SweepInput:
     if not {"uid", "B*"} <= set(frame.columns):
         raise ValueError(f"{str(csv_path)!r} lacks the uid / B* columns of a sweep.csv")
     summary_path = csv_path.parent / "summary.json"
-    summary = R.read_json(summary_path) if summary_path.is_file() else {}
+    summary = read_json(summary_path) if summary_path.is_file() else {}
     budgets = sorted(int(c.split("@", 1)[1]) for c in frame.columns if c.startswith("c@"))
     budgets = [int(b) for b in summary.get("budgets", budgets)]
     classes = frame[["uid", "B*"]].rename(columns={"B*": "b_star"})
@@ -108,32 +108,34 @@ def read_sweep(path: str | Path) -> SweepInput:
 def _first_run_identity(runs: list) -> tuple[str | None, int | None]:
     """Model and seed of the sweep's budget runs (their config.json), when still readable."""
     from evals import results as R
+    from evals.results.files import read_json
 
     for run in runs:
         config = Path(run) / R.CONFIG_FILE
         if config.is_file():
-            data = R.read_json(config)
+            data = read_json(config)
             return _model(data.get("model")), data.get("seed")
     return None, None
 
 
 def _model(model) -> str | None:
-    from evals import results as R
+    from evals.results.labels import model_slug
 
-    return R.model_slug(str(model)) if model else None
+    return model_slug(str(model)) if model else None
 
 
 def read_eval(path: str | Path, field: str | None = None) -> EvalInput:
     """A result directory of `kvarena eval` (config.json + samples.jsonl)."""
     from evals import results as R
+    from evals.results.files import load_samples, read_json
 
     path = Path(path)
     if not (path / R.CONFIG_FILE).is_file() or not (path / R.SAMPLES_FILE).is_file():
         raise ValueError(f"eval {str(path)!r} is not a result directory (it needs "
                          f"{R.CONFIG_FILE} and {R.SAMPLES_FILE}); give the <model>/<task>/<label> "
                          "directory that `kvarena eval` wrote for GrowPage")
-    config = R.read_json(path / R.CONFIG_FILE)
-    records = list(R.load_samples(path / R.SAMPLES_FILE, repair=False).records.values())
+    config = read_json(path / R.CONFIG_FILE)
+    records = list(load_samples(path / R.SAMPLES_FILE, repair=False).records.values())
     if not records:
         raise ValueError(f"eval {str(path)!r} holds no sample")
     if field is None:
@@ -198,8 +200,6 @@ def class_mean(samples: pd.DataFrame, seed: int) -> dict:
     """Mean capacity of a class over its problems (each problem's sample mean) with the evals'
     95% interval: the nested bootstrap over problems, then samples within each drawn problem
     (evals/intervals.py, the interval every eval metric carries)."""
-    from evals.intervals import BootstrapSpec, mean_and_interval
-
     spec = BootstrapSpec(seed=seed)
     point, interval = mean_and_interval(zip(samples["uid"], samples["capacity"]), "problem", spec)
     low, high = interval if interval is not None else (None, None)
@@ -235,7 +235,7 @@ def summarize_capacity(frame: pd.DataFrame, budgets: list[int], seed: int = 0,
     others = [c for c in frame.columns if c in DEFAULT_CAPACITY_FIELDS]
     rhos = cluster_bootstrap(solved, "uid", {
         col: lambda f, c=col: spearman(f["b_star_tokens"], f[c]) for col in ["capacity", *others]},
-        seed=seed, as_arrays=True)  # numpy columns per resample (analysis/bootstrap.py)
+        seed=seed, as_arrays=True)  # numpy columns per resample (evals/intervals.py)
     return {"problems": int(len(frame)), "solved": int(len(solved)),
             "unsolved": int(len(frame) - len(solved)), "classes": classes,
             "spearman_bstar_capacity": rhos["capacity"].to_dict(),

@@ -132,7 +132,7 @@ def replay(
         return replay_study(model, prompt_ids, settings, path, config), path
 
     summary, path = _run(study)
-    from analysis.bootstrap import fmt_interval
+    from evals.intervals import fmt_interval
 
     gt = next(v for k, v in summary.items() if k.startswith("benefit_delta_gt"))
     le = next(v for k, v in summary.items() if k.startswith("benefit_delta_le"))
@@ -186,7 +186,7 @@ def _sparsity(model, prompt_ids, settings, path, top_p) -> dict:
 
 
 def _sparsity_report(summary: dict) -> str:
-    from analysis.bootstrap import fmt_interval
+    from evals.intervals import fmt_interval
 
     across = summary["across_requests"]
     return (f"{summary['requests']} requests (95% CI over requests): mean D_p / N_t = "
@@ -200,7 +200,7 @@ _top_p_study("sparsity", "p-coverage attention demand D_p of real decode queries
 
 
 def _demand_report(summary: dict) -> str:
-    from analysis.bootstrap import fmt_interval
+    from evals.intervals import fmt_interval
 
     main = summary["pooled"]["delta"]
     offset = summary["offset"]

@@ -20,7 +20,7 @@ from evals.jsonio import write_json  # noqa: F401  (the studies write through th
 
 # The built-in workload: 32 GSM8K/MATH-style word problems that make SmolLM2-135M-Instruct write
 # a few hundred tokens of step-by-step reasoning (the studies need long decodes, not right answers).
-# 32 requests by default, because the studies' intervals resample requests (analysis/bootstrap.py)
+# 32 requests by default, because the studies' intervals resample requests (evals/intervals.py)
 # and a handful of requests gives intervals too wide to read.
 DEFAULT_PROMPTS: tuple[str, ...] = (
     "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in "

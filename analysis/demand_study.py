@@ -56,7 +56,7 @@ instance's `demand(view, exclude)` per signal variant in `on_boundary`; each var
 instance whose preset resolves its betas at the engine's block size. config.json records them.
 
 Intervals: boundaries of one request share its trajectory, so every pooled statistic carries a 95%
-bootstrap interval over requests (analysis/bootstrap.py), not a p-value that counts boundaries as
+bootstrap interval over requests (evals/intervals.py), not a p-value that counts boundaries as
 independent draws. Its engine runs without prefix caching:
 after a cache hit the engine prefills a prompt's last token as a one-token step, which enters the
 summaries, so requests would start from differently initialised summaries depending on the cache.
@@ -74,7 +74,6 @@ import numpy as np
 import pandas as pd
 import torch
 
-from analysis.bootstrap import RESAMPLES, cluster_bootstrap, fmt_interval
 from analysis.common import (
     RunSettings,
     finite_or_none,
@@ -88,6 +87,7 @@ from analysis.tap import DecodeTap, TapState
 from engine.policies.base import Decision, EngineSpec, PolicyView, SignalSpec
 from engine.policies.demand import attention_scale, group_attention_probs, top_p_ratio
 from engine.policies.growpage import GrowPage
+from evals.intervals import RESAMPLES, cluster_bootstrap, fmt_interval
 
 PAPER_HORIZON_TOKENS = 256  # "tokens generated within the next physical KV page", b = 256
 PAPER_EXCLUDE_TOKENS = 256  # "the most recent physical KV block ... 256 tokens" (App. E.1)
@@ -379,7 +379,7 @@ def summarize_demand(frame: pd.DataFrame, resamples: int = RESAMPLES, seed: int 
     """Pooled Spearman rho (and, for the trend signals, sign agreement, its chance level and the
     agreement after centring on the median) between each predictor and each target over the
     complete decision rows, each with a 95% cluster-bootstrap interval over requests
-    (analysis/bootstrap.py: boundaries of one request are not independent draws).
+    (evals/intervals.py: boundaries of one request are not independent draws).
 
     Also delta's sign rates (the offset): positive share at every boundary with a signal, at
     decision boundaries, and the change's positive share; and rho of every delta signal and of

@@ -41,7 +41,7 @@ Choices where the paper is silent:
   evenly spaced subset per request to bound the cost (each branch decodes from the prompt).
 - Intervals: the boundaries of one request share its trajectory and its earlier decisions, so
   every summary number (mean NLLs, A overall and on each side of tau, their gap, the per-bin means,
-  Spearman(delta, A)) carries a 95% bootstrap interval over requests (analysis/bootstrap.py), not a
+  Spearman(delta, A)) carries a 95% bootstrap interval over requests (evals/intervals.py), not a
   p-value that counts boundaries as independent.
 - The KV pool is sized so that nothing is preempted and no GROW falls back. A row is `clean` when
   both forced decisions show in the events, neither branch was preempted or fell back, and the grow
@@ -60,7 +60,6 @@ from typing import ClassVar
 import numpy as np
 import pandas as pd
 
-from analysis.bootstrap import RESAMPLES, cluster_bootstrap, fmt_interval, mean_skipping_nan
 from analysis.common import (
     RunSettings,
     finite_or_none,
@@ -74,6 +73,7 @@ from analysis.common import (
 )
 from engine.policies.base import Action, Decision, PolicyView
 from engine.policies.growpage import GrowPage, GrowPageState
+from evals.intervals import RESAMPLES, cluster_bootstrap, fmt_interval, mean_skipping_nan
 
 # The one knob the replay sets: the protected recent window is half a page, as in GrowPage's b = 32
 # preset (16 of 32), because GrowPage's 16 tokens would be the whole 16-token page. Everything else
@@ -382,7 +382,7 @@ def summarize_replay(frame: pd.DataFrame, tau: float = 0.0, bins: int = 4,
         often drawn), as DataFrame.drop_duplicates("request") keeps them."""
         return f[column][np.sort(np.unique(f["request"], return_index=True)[1])]
 
-    # Statistics of `Columns` (name -> numpy array; analysis/bootstrap.py), so each of the 2,000
+    # Statistics of `Columns` (name -> numpy array; evals/intervals.py), so each of the 2,000
     # resamples slices arrays instead of building a DataFrame.
     stats = {
         "nll_full": lambda f: mean(f["nll_full"]), "nll_grow": lambda f: mean(f["nll_grow"]),

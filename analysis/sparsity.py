@@ -31,7 +31,6 @@ from typing import ClassVar
 import pandas as pd
 import torch
 
-from analysis.bootstrap import RESAMPLES, bootstrap_mean, cluster_bootstrap
 from analysis.common import (
     RunSettings,
     generate_with_probe,
@@ -42,6 +41,7 @@ from analysis.common import (
 from analysis.tap import DecodeTap, TapState
 from engine.policies.base import PolicyView
 from engine.policies.demand import head_attention_probs, top_p_working_set
+from evals.intervals import RESAMPLES, bootstrap_mean, cluster_bootstrap
 
 
 def coverage_demand(probs: torch.Tensor, p: float) -> torch.Tensor:

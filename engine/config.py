@@ -157,19 +157,18 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.block_size is None:
             self.block_size = GPU_BLOCK_SIZE if self.is_cuda else CPU_BLOCK_SIZE
-        _require_positive("block_size", self.block_size, MAX_BLOCK_SIZE,
-                          "the CPU decode kernel's page limit")
-        _require_positive("max_num_seqs", self.max_num_seqs, MAX_COUNT)
-        _require_positive("max_num_batched_tokens", self.max_num_batched_tokens, MAX_COUNT)
+        require_int("block_size", self.block_size, 1, MAX_BLOCK_SIZE,
+                    why="the CPU decode kernel's page limit")
+        require_int("max_num_seqs", self.max_num_seqs, 1, MAX_COUNT)
+        require_int("max_num_batched_tokens", self.max_num_batched_tokens, 1, MAX_COUNT)
         if self.kv_cache_tokens is not None and self.kv_cache_bytes is not None:
             raise ConfigError("give kv_cache_tokens or kv_cache_bytes, not both")
         for name, top in (("kv_cache_tokens", MAX_COUNT), ("kv_cache_bytes", None),
                           ("max_model_len", MAX_COUNT)):
             value = getattr(self, name)
             if value is not None:
-                _require_positive(name, value, top)
-        if not is_int_in(self.seed, 0, MAX_SEED):
-            raise ConfigError(f"seed must be an integer in [0, {MAX_SEED}], got {self.seed!r}")
+                require_int(name, value, 1, top)
+        require_int("seed", self.seed, 0, MAX_SEED)
         if isinstance(self.grow_watermark, bool) or not isinstance(self.grow_watermark, (int, float)) \
                 or not 0.0 <= self.grow_watermark < 1.0:
             raise ConfigError(f"grow_watermark must be a share of the pool in [0, 1), "
@@ -214,7 +213,17 @@ def is_finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _require_positive(name: str, value: Any, top: int | None = None, why: str = "") -> None:
-    if not is_int_in(value, 1, top):
-        bound = "a positive integer" if top is None else f"an integer in [1, {top}]"
-        raise ConfigError(f"{name} must be {bound}{f' ({why})' if why else ''}, got {value!r}")
+def require_int(name: str, value: Any, low: int = 1, high: int | None = None, *,
+                optional: bool = False, why: str = "", error: type[Exception] = ConfigError) -> None:
+    """Raise ``error`` ("<name> must be a positive integer / an integer >= low / an integer in
+    [low, high] (<why>) [or None], got <value>") unless ``value`` is an integer (not a bool) in
+    [low, high] (no upper bound: None), or None where ``optional``. The engine's settings, the
+    policies' fields and the model's shape fields are checked with it."""
+    if (value is None and optional) or is_int_in(value, low, high):
+        return
+    if high is not None:
+        bound = f"an integer in [{low}, {high}]"
+    else:
+        bound = "a positive integer" if low == 1 else f"an integer >= {low}"
+    raise error(f"{name} must be {bound}{f' ({why})' if why else ''}{' or None' if optional else ''}, "
+                f"got {value!r}")

@@ -72,7 +72,7 @@ import torch
 from engine.attention import ForwardContext, KVCache
 from engine.kernels import backend as backends
 from engine.kernels.paged_attention import decode_partitions
-from engine.models.loader import cache_root
+from engine.paths import cache_root
 from engine.query_state import DecodeCapture, QueryStatePool
 
 # Per-row int64 fields of the metadata buffer, in layout order: the caller's columns

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import operator
 import time
+from collections.abc import Mapping
 from contextlib import contextmanager
+from types import MappingProxyType
 from typing import Any, Callable, Iterator
 from typing import Sequence as Seq
 
@@ -57,7 +59,39 @@ class LLM:
         self.runner = ModelRunner(self.config, self.model_dir, policy.signals())
         self.eos_ids = self._eos_ids()
         self.last_stats: RunStats | None = None
+        self.last_scheduler: Scheduler | None = None
         self._bind(policy)
+
+    # -- what callers may read ------------------------------------------------------------------
+    @property
+    def engine_spec(self) -> EngineSpec:
+        """The engine's shape as policies see it: block size, layers, query and KV heads, head
+        dimension, pages in the KV pool, and the longest sequence (prompt plus output)."""
+        r = self.runner
+        return EngineSpec(r.block_size, r.num_layers, r.num_q_heads, r.num_kv_heads, r.head_dim,
+                          r.num_pages, r.max_model_len)
+
+    @property
+    def vocab_size(self) -> int:
+        """Rows of the model's embedding: every token id is below it."""
+        return int(self.runner.hf_config.vocab_size)
+
+    @property
+    def native_kernels(self) -> bool:
+        """Whether the decode step runs the C kernels (engine/kernels/cpu_native.py)."""
+        return self.runner.native_kernels
+
+    @property
+    def compiled(self) -> bool:
+        """Whether decode steps run through the compiled step (`EngineConfig.compile`)."""
+        return self.runner.graph is not None
+
+    @property
+    def counters(self) -> Mapping[str, int]:
+        """The current (or last) run's scheduler counters, read-only and live while `stream`
+        runs (`Scheduler.counters`: preemptions, fallbacks, each capacity decision, prefix-cache
+        hit tokens). Empty before the first run."""
+        return MappingProxyType(self.last_scheduler.counters if self.last_scheduler else {})
 
     def use_policy(self, policy: str | KVPolicy, **args) -> KVPolicy:
         """Run the next generations under `policy` (a registered name with its dataclass fields as
@@ -78,8 +112,8 @@ class LLM:
         """Why a prompt of `n_tokens` tokens cannot run on this engine (the model's context or the
         whole KV pool is too small), or None when it fits. The scheduler refuses such a prompt
         with the same words."""
-        r = self.runner
-        return prompt_unfit(n_tokens, r.max_model_len, r.num_pages, r.block_size)
+        spec = self.engine_spec
+        return prompt_unfit(n_tokens, spec.max_model_len, spec.num_pages, spec.block_size)
 
     @contextmanager
     def watching_logits(self, hook: Callable[[list, Any], None]) -> Iterator[None]:
@@ -103,12 +137,12 @@ class LLM:
             runner.logits_hook = previous
 
     def _bind(self, policy: KVPolicy) -> None:
-        r = self.runner
-        policy.bind(EngineSpec(r.block_size, r.num_layers, r.num_q_heads, r.num_kv_heads,
-                               r.head_dim, r.num_pages, r.max_model_len))
+        spec = self.engine_spec
+        policy.bind(spec)
         self.policy = policy
         # Outlives each generate() call, so prefix-cached pages are reused across calls too.
-        self.block_manager = BlockManager(r.num_pages, r.block_size, self.config.enable_prefix_caching)
+        self.block_manager = BlockManager(spec.num_pages, spec.block_size,
+                                          self.config.enable_prefix_caching)
 
     @staticmethod
     def _policy(policy: str | KVPolicy, args: dict) -> KVPolicy:
@@ -216,7 +250,7 @@ class LLM:
     def _token_ids(self, ids: Seq[int], what: str) -> list[int]:
         """``ids`` as ints; ConfigError unless each is an integer the model's embedding has a row
         for (an id past it would fail deep in the forward pass as an IndexError)."""
-        vocab = int(self.runner.hf_config.vocab_size)
+        vocab = self.vocab_size
         out = []
         for t in ids:
             try:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.config import MAX_GENERATOR_SEED, ConfigError, is_finite, is_int_in
+from engine.config import MAX_GENERATOR_SEED, ConfigError, is_finite, is_int_in, require_int
 
 # Temperatures below this decode greedily (as vLLM's do): logits divided by a smaller one overflow
 # to infinities, whose softmax is NaN.
@@ -65,20 +65,17 @@ class SamplingParams:
                               f"{self.temperature!r}")
         if not (is_finite(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise ConfigError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not is_int_in(self.top_k, 0):
-            raise ConfigError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        require_int("top_k", self.top_k, 0, why="0 disables it")
         if self.seed is not None and not is_int_in(self.seed, 0, MAX_GENERATOR_SEED):
             raise ConfigError(f"seed must be an integer in [0, 2**64 - 1] or None, got {self.seed!r}")
-        if not is_int_in(self.max_tokens, 1):
-            raise ConfigError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        require_int("max_tokens", self.max_tokens, 1)
         if isinstance(self.stop, str):
             self.stop = (self.stop,)
         self.stop = tuple(self.stop)
         if not all(isinstance(s, str) and s for s in self.stop):
             raise ConfigError(f"stop strings must be non-empty strings, got {list(self.stop)!r}")
         self.forced_tokens = tuple(int(t) for t in self.forced_tokens)
-        if self.kv_budget is not None and (not isinstance(self.kv_budget, int)
-                                           or isinstance(self.kv_budget, bool) or self.kv_budget < 1):
+        if self.kv_budget is not None and not is_int_in(self.kv_budget, 1):
             raise ConfigError(f"kv_budget must be a positive number of tokens or None, "
                               f"got {self.kv_budget!r}")
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
@@ -305,17 +306,10 @@ def eval_command(
     """Evaluate policies on tasks: runs/<model>/<task>/<label>/ with config, per-sample JSONL
     (written as samples finish; re-running resumes) and metrics; the label is the policy, its
     arguments and the settings that differ from the task preset's, or --label."""
-    from engine.config import ConfigError
-    from evals.grading.pool import WorkerStartError
-    from evals.results import ResultsError
-    from evals.run.runner import run_eval
-    from evals.run.settings import EvalError
-
     set_threads(threads)
     if label is not None and len(policy) > 1:
         fail(f"--label names one run directory per task: give one --policy with it, not {len(policy)}")
-    outcomes = []
-    try:
+    with _run_errors(grading_exit=True):
         base = _base_settings(task_arg, model=model, data=data, limit=limit, samples=samples,
                               max_tokens=max_tokens, seed=seed, temperature=temperature,
                               preset=preset, thinking=thinking, kv_budget=kv_budget,
@@ -329,21 +323,56 @@ def eval_command(
         per_policy = split_policy_args(policy_arg, policy)
         # Policies outer, tasks inner: the engine loads once per policy.
         plan = [_for_run(base, t, p, per_policy[p]) for p in policy for t in task]
-        with _progress() as bar:
-            hooks = RichHooks(bar)
-            if workers or ray_address:
-                outcomes = _distributed().run_distributed(plan, workers or "auto", ray_address,
-                                                          hooks, threads)
-                for outcome in outcomes:
-                    _print_summary(outcome)
-            else:
-                for settings in plan:
-                    outcome = run_eval(settings, hooks)
-                    outcomes.append(outcome)
-                    if outcome.interrupted:
-                        break
-                    _print_summary(outcome)
+        outcomes = _run_evals(plan, workers, ray_address, threads)
+    if outcomes and outcomes[-1].interrupted:
+        _interrupted(outcomes[-1])
+    if show_leaderboard and outcomes:
+        from evals.leaderboard import render_markdown
+        from evals.results.runs import find_runs
+
+        print(render_markdown(find_runs([o.path for o in outcomes])))
+    _exit_if_ungraded(outcomes)
+
+
+def _run_evals(plan: list, workers: Optional[str], ray_address: Optional[str], threads: int) -> list:
+    """Run ``plan`` (EvalSettings) under the live display, on Ray workers or one after another
+    (stopping at the first interrupted run), printing each run's summary line; the outcomes."""
+    from evals.run.runner import run_eval
+
+    outcomes = []
+    with _progress() as bar:
+        hooks = RichHooks(bar)
+        if workers or ray_address:
+            outcomes = _distributed().run_distributed(plan, workers or "auto", ray_address,
+                                                      hooks, threads)
+            for outcome in outcomes:
+                _print_summary(outcome)
+        else:
+            for settings in plan:
+                outcome = run_eval(settings, hooks)
+                outcomes.append(outcome)
+                if outcome.interrupted:
+                    break
+                _print_summary(outcome)
+    return outcomes
+
+
+@contextmanager
+def _run_errors(grading_exit: bool = False):
+    """What `kvarena eval` and `kvarena sweep` make of an error while they plan and run: a bad
+    setting is a usage error, a results directory that cannot be used or written one line
+    (``_results_error``), Ctrl-C or SIGTERM the stop message (``_stopped_early``); with
+    ``grading_exit``, a grading worker that could not start exits ``UNGRADED_EXIT``."""
+    from engine.config import ConfigError
+    from evals.grading.pool import WorkerStartError
+    from evals.results import ResultsError
+    from evals.run.settings import EvalError
+
+    try:
+        yield
     except WorkerStartError as e:
+        if not grading_exit:
+            raise
         console.print(f"[bold red]error:[/] {e}", soft_wrap=True)
         raise typer.Exit(UNGRADED_EXIT) from None
     except (EvalError, ConfigError) as e:
@@ -352,14 +381,6 @@ def eval_command(
         _results_error(e)
     except KeyboardInterrupt as e:
         _stopped_early(e)
-    if outcomes and outcomes[-1].interrupted:
-        _interrupted(outcomes[-1])
-    if show_leaderboard and outcomes:
-        from evals.leaderboard import render_markdown
-        from evals.results import find_runs
-
-        print(render_markdown(find_runs([o.path for o in outcomes])))
-    _exit_if_ungraded(outcomes)
 
 
 # `kvarena eval`'s exit status when grading left samples without a verdict (or could not start).
@@ -473,9 +494,6 @@ def sweep_command(
     """Minimum sufficient KV budget per request (GrowPage Eq. 1, Fig. 2): a fixed-budget policy over
     a set of budgets; CSV and a histogram PNG per task. `kvarena leaderboard` then draws quality
     and fidelity against the KV kept over the budgets (sweep_<task>.png)."""
-    from engine.config import ConfigError
-    from evals.results import ResultsError
-    from evals.run.settings import EvalError
     from evals.run.sweep import run_sweep
 
     set_threads(threads)
@@ -484,7 +502,7 @@ def sweep_command(
     except ValueError:
         fail(f"--budgets {budgets!r} must be comma-separated integers, e.g. 128,256,512")
     results = []
-    try:
+    with _run_errors():
         base = _base_settings(task_arg, model=model, data=data, limit=limit, samples=samples,
                               max_tokens=max_tokens, seed=seed, temperature=temperature,
                               preset=preset, thinking=thinking, kv_cache_tokens=kv_cache_tokens,
@@ -503,12 +521,6 @@ def sweep_command(
                     results.append(run_sweep(settings, values, rule, hooks))
                     if results[-1].interrupted:
                         break
-    except (EvalError, ConfigError) as e:
-        fail(str(e))
-    except (ResultsError, OSError) as e:
-        _results_error(e)
-    except KeyboardInterrupt as e:
-        _stopped_early(e)
     for r in results:
         classes = ", ".join(f"{k}: {v}" for k, v in r.classes.items())
         console.print(f"[green]{r.task}[/] B* ({r.rule} of samples) -> {classes}")

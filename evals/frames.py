@@ -21,6 +21,8 @@ from typing import Any, Iterable
 import pandas as pd
 
 from evals import results as R
+from evals.results.files import load_samples, read_json
+from evals.results.metrics import GRADED_METRICS
 
 # The columns that name a run, first in both frames.
 RUN_COLUMNS = ("label", "task", "policy", "model")
@@ -28,10 +30,10 @@ RUN_COLUMNS = ("label", "task", "policy", "model")
 
 def metrics_frame(runs: Any) -> pd.DataFrame:
     """One row per run: ``RUN_COLUMNS``, then every key of its ``metrics.json``; the accuracy
-    columns (``R.GRADED_METRICS``) are floats, NaN where no sample was graded."""
-    rows = [{**_run_columns(path), **R.read_json(path / R.METRICS_FILE)} for path in _paths(runs)]
+    columns (``evals.results.metrics.GRADED_METRICS``) are floats, NaN where no sample was graded."""
+    rows = [{**_run_columns(path), **read_json(path / R.METRICS_FILE)} for path in _paths(runs)]
     frame = pd.DataFrame(rows)
-    for name in R.GRADED_METRICS:
+    for name in GRADED_METRICS:
         if name in frame:
             frame[name] = pd.to_numeric(frame[name], errors="coerce").astype(float)
     return frame
@@ -44,7 +46,7 @@ def samples_frame(runs: Any) -> pd.DataFrame:
     rows = []
     for path in _paths(runs):
         names = _run_columns(path)
-        for record in R.load_samples(path / R.SAMPLES_FILE, repair=False).records.values():
+        for record in load_samples(path / R.SAMPLES_FILE, repair=False).records.values():
             rows.append({**names, **record})
     return pd.DataFrame(rows)
 
@@ -59,7 +61,7 @@ def _paths(runs: Any) -> list[Path]:
 
 
 def _run_columns(path: Path) -> dict:
-    config = R.read_json(path / R.CONFIG_FILE)
+    config = read_json(path / R.CONFIG_FILE)
     task = config.get("task")
     return {"label": config.get("label", path.name), "task": task, "policy": config.get("policy"),
             "model": config.get("model")}

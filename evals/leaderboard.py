@@ -59,21 +59,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
+from engine.config import is_finite
+from engine.events import EVENT_KINDS
 from evals.intervals import half_width, mean_half_width
 from evals.plots import NIAH_SCORE
 from evals.provenance import describe_key, provenance_key
-from evals.results import (
-    EVENT_KINDS,
-    GRADED_METRICS,
-    SAMPLES_FILE,
-    RunResult,
-    budget_label_args,
-    find_runs,
-    flexible_extraction,
-    per_sample_intervals,
-    run_label,
-    slug,
-)
+from evals.results import SAMPLES_FILE
+from evals.results.labels import budget_label_args, run_label, slug
+from evals.results.metrics import GRADED_METRICS, flexible_extraction, per_sample_intervals
+from evals.results.runs import RunResult, find_runs
 from evals.tables import markdown_table, write_csv
 from evals.tasks import table1_tasks, task_title
 
@@ -462,7 +456,7 @@ def fidelity_axis(runs: Sequence[RunResult]) -> tuple[str, str]:
 
 def position_series(runs: Sequence[RunResult]) -> dict[str, list[dict]]:
     """{task title: series} for :func:`evals.plots.position_plot` from the runs whose metrics
-    carry ``by_position`` (evals.positions): per run, its buckets' delta-NLL with intervals."""
+    carry ``by_position`` (evals.run.positions): per run, its buckets' delta-NLL with intervals."""
     panels: dict[str, list[dict]] = {}
     several_models = len({r.model for r in runs}) > 1
     for task in order_tasks({r.task for r in runs}):
@@ -555,10 +549,6 @@ def sweep_curves(runs: Sequence[RunResult]) -> dict[str, list[RunResult]]:
     return out
 
 
-def _finite(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def sweep_figure(task: str, runs: Sequence[RunResult]) -> SweepFigure | None:
     """The budget-sweep figure of ``task``'s runs, or None when no line has two budgets.
 
@@ -579,7 +569,7 @@ def sweep_figure(task: str, runs: Sequence[RunResult]) -> SweepFigure | None:
     # quality_memory.png / fidelity_memory.png, not drawn here again.
     curves = {name: rs for name, rs in curves.items()
               if name in swept or any(not not_fullkv(r.label) for r in rs)}
-    axis = {name: ("avg_kv_kept" if all(_finite(r.metrics.get("avg_kv_kept")) for r in rs)
+    axis = {name: ("avg_kv_kept" if all(is_finite(r.metrics.get("avg_kv_kept")) for r in rs)
                    else "avg_kv_allocated") for name, rs in curves.items()}
     kept = {n for n, a in axis.items() if a == "avg_kv_kept"}
     panels: dict[str, list[dict]] = {}
@@ -593,7 +583,7 @@ def sweep_figure(task: str, runs: Sequence[RunResult]) -> SweepFigure | None:
             shown = name + (ALLOCATED_MARK if kept and name not in kept else "")
             for r in rs:
                 x, y = r.metrics.get(x_key), r.metrics.get(key)
-                if not (_finite(x) and _finite(y)):
+                if not (is_finite(x) and is_finite(y)):
                     continue
                 x_ci, y_ci = r.metrics.get(f"{x_key}_ci"), r.metrics.get(f"{key}_ci")
                 pts.append({"series": shown, "x": float(x), "y": float(y) * scale,
@@ -653,7 +643,7 @@ def complete_intervals(run: RunResult) -> None:
 
 def named_budget(run: RunResult) -> dict:
     """``{field: budget}`` of a run whose fixed KV budget is not its task preset's, as a new run's
-    label would name it (evals.results.budget_label_args); ``{}`` otherwise, and for a run whose
+    label would name it (evals.results.labels.budget_label_args); ``{}`` otherwise, and for a run whose
     budgets were matched per sample to a Kara run."""
     from evals.run.settings import BUDGET_FIELDS, page_budget
 

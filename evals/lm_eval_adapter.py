@@ -104,7 +104,7 @@ class KvarenaLM(TemplateLM):
             raise AdapterError("give engine settings or an llm, not both")
         self.llm = llm
         self.tokenizer = llm.tokenizer
-        limit = llm.runner.max_model_len
+        limit = llm.engine_spec.max_model_len
         self._max_length = int(max_length) if max_length is not None else limit - 1
         if not 1 <= self._max_length < limit:
             raise AdapterError(f"max_length must be in [1, {limit - 1}] for this engine "
@@ -284,14 +284,14 @@ class KvarenaLM(TemplateLM):
         counts: Counter[str] = Counter()
         for run in self.runs:
             counts.update(run["counts"])
-        policy = self.llm.policy
+        policy, spec = self.llm.policy, self.llm.engine_spec
         return {
             "model_dir": str(self.llm.model_dir),
             "policy": policy.name,
             "policy_args": _policy_config(policy),
             "max_length": self.max_length,
-            "block_size": self.llm.runner.block_size,
-            "kv_pool_tokens": self.llm.runner.num_pages * self.llm.runner.block_size,
+            "block_size": spec.block_size,
+            "kv_pool_tokens": spec.num_pages * spec.block_size,
             "avg_kv_budget": statistics.fmean(self._budgets) if self._budgets else None,
             "events": dict(counts),
             "num_requests": sum(r["num_requests"] for r in self.runs),
@@ -392,7 +392,7 @@ def _own_parser() -> argparse.ArgumentParser:
 
 def lm_eval_runs(argv: list[str]) -> tuple[argparse.Namespace, list[tuple[str, list[str]]]]:
     """Split ``kvarena lm-eval`` arguments into ours and, per policy, its label
-    (``evals.results.run_label``, as ``kvarena eval`` names run directories) and the
+    (``evals.results.labels.run_label``, as ``kvarena eval`` names run directories) and the
     ``lm-eval run`` argument list that evaluates the ``kvarena`` model under it.
 
     Every policy and its arguments are validated here, by building it, so a bad name or value is
@@ -402,7 +402,7 @@ def lm_eval_runs(argv: list[str]) -> tuple[argparse.Namespace, list[tuple[str, l
     from engine.config import ConfigError
     from engine.policies.base import build_policy
     from evals.cli import split_policy_args
-    from evals.results import run_label
+    from evals.results.labels import run_label
 
     ours, rest = _own_parser().parse_known_args(argv)
     if "-M" in rest:

@@ -175,7 +175,7 @@ def position_plot(panels: Mapping[str, Sequence[Mapping[str, Any]]], path: str |
                   title: str = "", ylabel: str = "delta-NLL vs FullKV (nats/token)") -> Path:
     """delta-NLL against position in the document (StreamingLLM's Fig. 3 shape), one panel per
     task: panels {panel title: series}, a series ``{"series": name, "buckets": rows}`` with rows
-    as evals.positions.by_position writes them (``start``, ``end``, ``delta_nll``,
+    as evals.run.positions.by_position writes them (``start``, ``end``, ``delta_nll``,
     ``delta_nll_ci``). Each bucket is drawn at its midpoint on a log-2 axis with its interval as
     an error bar and a shaded band; the zero line is FullKV."""
     fig, axes, names, style = _panel_grid(panels, panel_width=4.6)

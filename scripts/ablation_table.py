@@ -18,7 +18,7 @@ per-sample `samples.jsonl` that `kvarena eval` writes. Per run it prints, as a m
   problems' own spread).
 
 Every interval is a 95% percentile bootstrap over problems (whole problems resampled,
-analysis/bootstrap.py), the same for every column; a ratio such as the grow share is recomputed on
+evals/intervals.py), the same for every column; a ratio such as the grow share is recomputed on
 each resample from the drawn samples' counts.
 """
 
@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analysis.bootstrap import cluster_bootstrap, mean_skipping_nan
+from evals.intervals import cluster_bootstrap, mean_skipping_nan
 
 DECISIONS = ("grow", "compress", "shrink")
 
@@ -68,7 +68,7 @@ def _context(rec: dict) -> int | None:
 
 
 def grow_share(f) -> float:
-    """f: a DataFrame or `Columns` (analysis/bootstrap.py) with the DECISIONS counts."""
+    """f: a DataFrame or `Columns` (evals/intervals.py) with the DECISIONS counts."""
     total = sum(float(np.sum(f[d])) for d in DECISIONS)
     return float(np.sum(f["grow"]) / total) if total else float("nan")
 

@@ -7,6 +7,9 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from evals import results as R
+from evals.jsonio import dumps_line, write_json
+from evals.results.labels import run_dir, run_label
+from evals.results.metrics import compute_metrics
 
 PROV_A = {"git": {"commit": "a" * 40, "dirty": False, "diff_sha256": None},
           "machine": {"cpu": "CPU X", "cpu_count": 2, "device": "cpu"}}
@@ -30,22 +33,22 @@ def write_run(root: Path, task: str, policy: str, args: dict, solved: int, budge
     """A finished run of 20 problems x 2 samples under ``root``; ``fields(record)`` adds fields
     to each sample line (fidelity, KV kept); ``settings`` are generation settings the label
     names (``max_tokens``...), also written to config.json with ``config``."""
-    label = R.run_label(policy, args, settings)
-    path = R.run_dir(root, "tiny", task, label)
+    label = run_label(policy, args, settings)
+    path = run_dir(root, "tiny", task, label)
     records = samples(task, 20, solved, budget)
     for r in records:
         r.update(fields(r) if fields else {})
     segments = [{"wall_time": 4.0, "output_tokens": 800, "status": "complete"}]
-    metrics = R.compute_metrics(records, segments, len(records))
+    metrics = compute_metrics(records, segments, len(records))
     if not with_intervals:  # a run written before metrics carried intervals
         metrics = {k: v for k, v in metrics.items() if not k.endswith("_ci") and k != "intervals"}
     config = {"label": label, "model": "tiny", "task": task, "policy": policy,
               "policy_args": args, "user_policy_args": args, **(settings or {}), **(config or {})}
     if provenance is not None:
         config["provenance"] = provenance
-    R.write_json(path / R.CONFIG_FILE, config)
-    R.write_json(path / R.METRICS_FILE, metrics)
-    (path / R.SAMPLES_FILE).write_text("".join(R.dumps_line(r) for r in records))
+    write_json(path / R.CONFIG_FILE, config)
+    write_json(path / R.METRICS_FILE, metrics)
+    (path / R.SAMPLES_FILE).write_text("".join(dumps_line(r) for r in records))
     return path
 
 

@@ -117,7 +117,7 @@ def test_bad_prompt_inputs_are_named(tmp_path):
 
 
 def test_cluster_bootstrap_resamples_whole_requests():
-    from analysis.bootstrap import bootstrap_mean, cluster_bootstrap
+    from evals.intervals import bootstrap_mean, cluster_bootstrap
 
     gen = np.random.default_rng(0)
     means = gen.normal(size=10)
@@ -135,7 +135,7 @@ def test_cluster_bootstrap_resamples_whole_requests():
 
 
 def test_cluster_bootstrap_interval_shrinks_with_more_requests():
-    from analysis.bootstrap import cluster_bootstrap
+    from evals.intervals import cluster_bootstrap
 
     gen = np.random.default_rng(1)
 
@@ -150,7 +150,7 @@ def test_cluster_bootstrap_interval_shrinks_with_more_requests():
 
 
 def test_cluster_bootstrap_reports_undefined_intervals():
-    from analysis.bootstrap import cluster_bootstrap, fmt_interval
+    from evals.intervals import cluster_bootstrap, fmt_interval
 
     one = pd.DataFrame({"request": [0, 0, 0], "x": [1.0, 2.0, 3.0], "y": [1.0, 3.0, 2.0]})
     rho = cluster_bootstrap(one, "request", {"rho": lambda f: spearman(f["x"], f["y"])})["rho"]
@@ -634,14 +634,16 @@ def test_analyze_rejects_bad_input_with_a_clear_message(tiny_dir, tmp_path):
 
 def _write_run(root, label: str, task: str, records: list[dict], seed: int = 0, policy="zipage"):
     from evals import results as R
+    from evals.jsonio import write_json
+    from evals.results.files import SampleWriter
 
     path = root / "smollm2-135m-instruct" / task / label
-    R.write_json(path / R.CONFIG_FILE, {"label": label, "model": "smollm2-135m-instruct",
+    write_json(path / R.CONFIG_FILE, {"label": label, "model": "smollm2-135m-instruct",
                                         "task": task, "policy": policy, "seed": seed})
-    with R.SampleWriter(path / R.SAMPLES_FILE) as writer:
+    with SampleWriter(path / R.SAMPLES_FILE) as writer:
         for rec in records:
             writer.write({"task": task, "status": "ok", **rec})
-    R.write_json(path / R.METRICS_FILE, {"complete": True})
+    write_json(path / R.METRICS_FILE, {"complete": True})
     return path
 
 

@@ -22,6 +22,8 @@ import pytest
 ray = pytest.importorskip("ray", reason="Ray is the optional extra .[ray] (make setup installs it)")
 
 from evals import results as R  # noqa: E402
+from evals.results.files import load_samples, read_json, read_segments, write_progress  # noqa: E402
+from evals.results.lines import ungraded  # noqa: E402
 from evals.run.distributed import SHARDS_DIR, merge_shard, read_shard, run_distributed  # noqa: E402
 from evals.run.plan import resolve_target  # noqa: E402
 from evals.run.runner import run_eval  # noqa: E402
@@ -70,7 +72,7 @@ def settings_for(model_dir, out, policy="full", **extra) -> EvalSettings:
 
 
 def samples_of(path: Path) -> dict:
-    records = R.load_samples(path / R.SAMPLES_FILE, repair=False).records
+    records = load_samples(path / R.SAMPLES_FILE, repair=False).records
     return {k: {f: v for f, v in r.items() if f not in SAMPLE_TIMING} for k, r in records.items()}
 
 
@@ -80,7 +82,7 @@ def scheduling(key: str) -> bool:
 
 
 def metrics_of(path: Path) -> dict:
-    metrics = R.read_json(path / R.METRICS_FILE)
+    metrics = read_json(path / R.METRICS_FILE)
     return {k: v for k, v in metrics.items() if not scheduling(k)}
 
 
@@ -97,7 +99,7 @@ def same(x, y) -> bool:
 
 
 def differing(a: Path, b: Path) -> list[str]:
-    ma, mb = R.read_json(a / R.METRICS_FILE), R.read_json(b / R.METRICS_FILE)
+    ma, mb = read_json(a / R.METRICS_FILE), read_json(b / R.METRICS_FILE)
     return sorted(k for k in set(ma) | set(mb) if ma.get(k) != mb.get(k))
 
 
@@ -120,12 +122,12 @@ def test_two_workers_equal_a_single_process_run_and_resume(local_ray, model_dir,
               f"{differing(one.path, two.path)}")
         assert same(ma, mb)
         assert two.ran == 8 and not two.interrupted
-        segments = R.read_segments(two.path / R.SEGMENTS_FILE)
+        segments = read_segments(two.path / R.SEGMENTS_FILE)
         assert len(segments) >= 2 and all(s["merged_from"] for s in segments)  # one per job
-        assert {r["segment"] for r in R.load_samples(two.path / R.SAMPLES_FILE).records.values()} \
+        assert {r["segment"] for r in load_samples(two.path / R.SAMPLES_FILE).records.values()} \
             <= {s["segment"] for s in segments}
         assert not (two.path / SHARDS_DIR).exists() or not any((two.path / SHARDS_DIR).iterdir())
-        wall = R.read_json(two.path / R.CONFIG_FILE)["distributed"]
+        wall = read_json(two.path / R.CONFIG_FILE)["distributed"]
         assert wall["workers"] == 2 and wall["samples"] == 8 and wall["tps"] > 0
         # the workers' prompts are merged too: every sample's prompt is in the run's file
         from evals.run.prompts import read_prompts
@@ -148,22 +150,22 @@ def test_a_stopped_workers_shard_is_merged_not_rerun(local_ray, model_dir, tmp_p
     # What a worker killed after three samples leaves behind: its shard under the run directory.
     planned = Messages()
     run_eval(dataclasses.replace(base, only_keys=frozenset()), planned)  # plans, runs nothing
-    assert len(planned.todo) == 8 and not R.load_samples(path / R.SAMPLES_FILE).records
+    assert len(planned.todo) == 8 and not load_samples(path / R.SAMPLES_FILE).records
     keys = planned.todo[:3]
     shard_out = path / SHARDS_DIR / "stopped-job"
     stopped = run_eval(dataclasses.replace(base, out=str(shard_out), only_keys=frozenset(keys)))
-    R.write_progress(stopped.path, {"segment": 7, "status": "running", "samples": 3})  # killed
-    finished = R.load_samples(stopped.path / R.SAMPLES_FILE).records
+    write_progress(stopped.path, {"segment": 7, "status": "running", "samples": 3})  # killed
+    finished = load_samples(stopped.path / R.SAMPLES_FILE).records
 
     hooks = Messages()
     outcome = run_distributed([base], workers=2, hooks=hooks, threads=1)[0]
     assert any("left by a stopped worker" in line for line in hooks.lines)
     assert outcome.ran == 8 - len(keys)  # the three finished samples did not run again
-    merged = R.load_samples(path / R.SAMPLES_FILE).records
+    merged = load_samples(path / R.SAMPLES_FILE).records
     assert len(merged) == 8
     for key in keys:
         assert merged[key]["output"] == finished[key]["output"]
-    sealed = [s for s in R.read_segments(path / R.SEGMENTS_FILE) if s.get("status") == "killed"]
+    sealed = [s for s in read_segments(path / R.SEGMENTS_FILE) if s.get("status") == "killed"]
     assert sealed and sealed[0]["merged_from"] == "stopped-job/7"
     assert not shard_out.exists()
 
@@ -183,7 +185,7 @@ def test_merging_is_idempotent_and_never_overwrites_a_finished_sample(model_dir,
     assert (fresh / "traces.jsonl").read_text() == (first.path / "traces.jsonl").read_text()
     assert merge_shard(fresh, shard, source="job-1") == []
     assert len((fresh / "traces.jsonl").read_text().splitlines()) == 2
-    assert len(R.read_segments(fresh / R.SEGMENTS_FILE)) == 1
+    assert len(read_segments(fresh / R.SEGMENTS_FILE)) == 1
     changed = {**shard, "config": {**shard["config"], "policy": "zipage"}}
     with pytest.raises(R.ResultsMismatchError):
         merge_shard(fresh, changed, source="job-2")
@@ -200,7 +202,7 @@ def test_a_merged_sample_replaces_the_runs_ungraded_line_of_it(model_dir, tmp_pa
     (target / R.SAMPLES_FILE).write_text("\n".join([json.dumps(lost), kept[1]]) + "\n")
     written = merge_shard(target, shard, source="job-1")
     assert [(r["uid"], r["sample"]) for r in written] == [(lost["uid"], lost["sample"])]
-    assert not any(R.ungraded(r) for r in R.load_samples(target / R.SAMPLES_FILE).records.values())
+    assert not any(ungraded(r) for r in load_samples(target / R.SAMPLES_FILE).records.values())
     # a shard's own ungraded line never replaces one
     ungraded_shard = {**shard, "records": [{**r, "correct": None, "score": None,
                                             "reason": "grading_infra"} for r in shard["records"]]}
@@ -222,7 +224,7 @@ def test_a_worker_that_dies_is_a_clear_error_and_keeps_its_samples(local_ray, mo
     with pytest.raises(D.EvalError, match="worker failed .*run the same command again"):
         run_distributed([base], workers=1, threads=1)
     path = resolve_target(base).path
-    assert len(R.load_samples(path / R.SAMPLES_FILE).records) >= 1  # the dead worker's sample
+    assert len(load_samples(path / R.SAMPLES_FILE).records) >= 1  # the dead worker's sample
     monkeypatch.setattr(D, "_WORKER", None)
     outcome = run_distributed([base], workers=2, threads=1)[0]
     assert outcome.metrics["samples_done"] == 8 and outcome.ran == 8 - outcome.resumed

@@ -465,3 +465,25 @@ def test_watching_logits_chains_and_restores_the_hook(llama_dir):
             raise RuntimeError("boom")
     llm.generate(PROMPTS[:1], GREEDY)
     assert sum(first) == 3 * GREEDY.max_tokens and sum(second) == 2 * GREEDY.max_tokens
+
+
+def test_read_only_properties_report_the_engine_and_its_last_run(llama_dir):
+    """What evals read of an engine: its shape (`engine_spec`, `vocab_size`), its kernels, and
+    the current run's scheduler counters, live during `stream` and not writable."""
+    llm = LLM(str(llama_dir), block_size=4, kv_cache_tokens=96)
+    spec = llm.engine_spec
+    assert (spec.block_size, spec.num_pages, spec.num_layers) == (4, 24, 2)
+    assert spec.max_model_len == llm.runner.max_model_len and spec.num_kv_heads == llm.runner.num_kv_heads
+    assert llm.vocab_size == llm.runner.hf_config.vocab_size
+    assert llm.native_kernels == llm.runner.native_kernels and llm.compiled is False
+    assert dict(llm.counters) == {}
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    seen = []
+    for _ in llm.stream(PROMPTS, params, on_step=lambda *_: seen.append(llm.counters["preemption"])):
+        pass
+    assert seen[-1] == llm.counters["preemption"] == llm.last_scheduler.counters["preemption"] > 0
+    assert seen[0] == 0  # live: counted as the run goes, not only at its end
+    with pytest.raises(TypeError):
+        llm.counters["preemption"] = 0
+    with pytest.raises(AttributeError):
+        llm.engine_spec = spec

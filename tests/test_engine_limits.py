@@ -150,3 +150,24 @@ def test_a_vanishing_top_p_or_temperature_picks_the_most_likely_token(kwargs):
     params = SamplingParams(seed=1, **kwargs)
     picked = sample(logits, [params] * 3, [request_generator(i, "cpu") for i in range(3)])
     assert picked == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("args, kwargs, message", [
+    (("n", 0), {}, "n must be a positive integer, got 0"),
+    (("n", True), {}, "n must be a positive integer, got True"),
+    (("n", 1.0, 0), {}, "n must be an integer >= 0, got 1.0"),
+    (("n", 9, 1, 8), {"why": "a page limit"}, "n must be an integer in [1, 8] (a page limit), got 9"),
+    (("kara: period", "3", 1), {"optional": True}, "kara: period must be a positive integer or None, "
+                                                   "got '3'"),
+])
+def test_require_int_names_the_setting_its_range_and_the_value(args, kwargs, message):
+    """The one integer check of settings, policy fields and model shapes (engine/config.py)."""
+    from engine.config import require_int
+
+    with pytest.raises(ConfigError) as e:
+        require_int(*args, **kwargs)
+    assert str(e.value) == message
+    with pytest.raises(ValueError, match="^n must"):
+        require_int("n", -1, error=ValueError)
+    require_int("n", None, optional=True)
+    require_int("n", 8, 1, 8)

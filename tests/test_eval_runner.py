@@ -12,7 +12,14 @@ from typer.testing import CliRunner
 
 from engine.events import event_counts
 from evals import results as R
+from evals.jsonio import write_json
 from evals.leaderboard import build_leaderboard
+from evals.results.files import SampleWriter, load_samples, read_segments
+from evals.results.identity import MIXED
+from evals.results.labels import run_dir, slug
+from evals.results.lock import RunLock
+from evals.results.metrics import compute_metrics
+from evals.results.runs import find_runs
 from evals.run.runner import run_eval
 from evals.run.settings import EvalError, EvalHooks, EvalSettings, resolve_policy_args
 from evals.run.sweep import analyze_sweep, min_sufficient_budget, run_sweep
@@ -126,7 +133,7 @@ def test_resume_refuses_other_settings(model_dir, tmp_path):
 def test_cut_line_is_dropped_and_repaired(tmp_path):
     path = tmp_path / R.SAMPLES_FILE
     path.write_text('{"uid": "a", "sample": 0}\n{"uid": "a", "sample": 0}\n{"uid": "b", "sam')
-    loaded = R.load_samples(path)
+    loaded = load_samples(path)
     assert list(loaded.records) == [("a", 0)] and loaded.duplicates == 1
     assert loaded.dropped_lines and path.read_text().endswith("}\n")
 
@@ -262,8 +269,8 @@ def test_every_task_format_two_policies_and_the_leaderboard(model_dir, tmp_path)
     md = board.files["leaderboard.md"].read_text()
     assert f"| tiny-llama | {full} |" in md and f"| tiny-llama | {zipage} |" in md and "TPOT" in md
     assert " ± " in md.split(f"| tiny-llama | {full} |")[1].splitlines()[0]
-    for name in ("quality_memory.png", f"niah_tiny-llama_{R.slug(full)}.png",
-                 f"niah_tiny-llama_{R.slug(zipage)}.png"):
+    for name in ("quality_memory.png", f"niah_tiny-llama_{slug(full)}.png",
+                 f"niah_tiny-llama_{slug(zipage)}.png"):
         assert board.files[name].read_bytes()[:4] == b"\x89PNG"
 
 
@@ -287,7 +294,7 @@ def test_config_records_provenance(model_dir, tmp_path):
     # A resumed run from other code keeps the earlier invocation's provenance.
     config = json.loads((outcome.path / R.CONFIG_FILE).read_text())
     config["provenance"]["git"]["commit"] = "0" * 40
-    R.write_json(outcome.path / R.CONFIG_FILE, config)
+    write_json(outcome.path / R.CONFIG_FILE, config)
     (outcome.path / R.SAMPLES_FILE).write_text("")
     again = run_eval(settings(model_dir, tmp_path, limit=1, max_tokens=4))
     prov = json.loads((again.path / R.CONFIG_FILE).read_text())["provenance"]
@@ -318,7 +325,7 @@ def test_sweep_classifies_every_request(model_dir, tmp_path):
     # The budgets' runs make one line of the leaderboard's sweep figure, on the KV kept.
     from evals.leaderboard import sweep_figure
 
-    fig = sweep_figure("gsm8k", R.find_runs([tmp_path]))
+    fig = sweep_figure("gsm8k", find_runs([tmp_path]))
     points = sorted((p["series"], p["x"], p["y"]) for p in fig.panels["pass@1"])
     assert points == sorted(("zipage+mt=12+T=0.7+bs=4", o.metrics["avg_kv_kept"], 100 * o.metrics["pass@1"])
                             for o in result.outcomes)
@@ -405,12 +412,12 @@ def test_failed_samples_are_retried_and_config_stays_honest(model_dir, tmp_path)
 
     bigger = run_eval(settings(model_dir, tmp_path / "out", kv_cache_tokens=512, **kw))
     assert bigger.ran == 1 and bigger.failed == 1  # the pool one runs; the context one fails again
-    recs = R.load_samples(bigger.path / R.SAMPLES_FILE).records
+    recs = load_samples(bigger.path / R.SAMPLES_FILE).records
     assert recs[("gsm8k/2", 0)]["status"] == "ok" and recs[("gsm8k/1", 0)]["status"] == "failed"
     assert bigger.metrics["failed"] == 1 and bigger.metrics["samples_done"] == 3
     config = json.loads((bigger.path / R.CONFIG_FILE).read_text())
     # gsm8k/0 came from the 256-token pool, the others from 512: config.json says so.
-    assert config["kv_cache_tokens"] == config["engine"] == R.MIXED
+    assert config["kv_cache_tokens"] == config["engine"] == MIXED
     by_pool = {s["kv_cache_tokens"]: s["samples"] for s in config["engine_settings"]["settings"]}
     assert by_pool == {256: 1, 512: 2}
 
@@ -426,7 +433,7 @@ def test_ctrl_c_segment_keeps_its_engine_counters(model_dir, tmp_path):
     kw = dict(samples=2, temperature=0.8, max_num_seqs=3, **NO_FIDELITY)
     first = run_eval(settings(model_dir, tmp_path, **kw), StopAfter(3))
     assert first.interrupted
-    (segment,) = R.read_segments(first.path / R.SEGMENTS_FILE)
+    (segment,) = read_segments(first.path / R.SEGMENTS_FILE)
     assert segment["status"] == "interrupted" and segment["stats"]["counts"]
     assert _finished_by_engine(first.metrics) == len(lines(first.path)) == first.metrics["samples_done"]
     assert first.metrics["tps"] and first.metrics["total_time_s"] > 0
@@ -468,10 +475,10 @@ def test_kill_9_totals_cover_every_written_sample(model_dir, tmp_path):
     run = next(tmp_path.rglob(R.SAMPLES_FILE)).parent
     written = len(lines(run))
     assert written >= 3 and (run / R.PROGRESS_FILE).exists()
-    assert not R.read_segments(run / R.SEGMENTS_FILE)  # the killed segment never wrote its line
+    assert not read_segments(run / R.SEGMENTS_FILE)  # the killed segment never wrote its line
 
     resumed = run_eval(settings(model_dir, tmp_path, **kw))
-    segments = R.read_segments(resumed.path / R.SEGMENTS_FILE)
+    segments = read_segments(resumed.path / R.SEGMENTS_FILE)
     assert [s["status"] for s in segments] == ["killed", "complete"]
     killed = segments[0]
     assert killed["wall_time"] > 0 and killed["stats"]["counts"]
@@ -538,8 +545,8 @@ def _no_model(monkeypatch):
 _HOLDER = """
 import sys
 from pathlib import Path
-from evals import results as R
-with R.RunLock(Path(sys.argv[1])):
+from evals.results.lock import RunLock
+with RunLock(Path(sys.argv[1])):
     print("locked", flush=True)
     sys.stdin.read()
 """
@@ -579,8 +586,8 @@ def test_run_lock_is_reentrant_in_one_process_and_exclusive_across_processes(tmp
     import subprocess
     import sys
 
-    with R.RunLock(tmp_path / "run"):
-        with R.RunLock(tmp_path / "run"):  # a driver planning a run it holds
+    with RunLock(tmp_path / "run"):
+        with RunLock(tmp_path / "run"):  # a driver planning a run it holds
             pass
         probe = subprocess.run([sys.executable, "-c", _HOLDER, str(tmp_path / "run")],
                                input="", capture_output=True, text=True, cwd=ROOT, env=_env(),
@@ -614,7 +621,7 @@ def test_a_failed_sample_write_fails_the_run_and_keeps_what_was_written(model_di
     from cli import app
 
     calls = {"n": 0}
-    real = R.SampleWriter._append
+    real = SampleWriter._append
 
     def flaky(self, data):
         calls["n"] += 1
@@ -624,7 +631,7 @@ def test_a_failed_sample_write_fails_the_run_and_keeps_what_was_written(model_di
         real(self, data)
 
     with monkeypatch.context() as m:
-        m.setattr(R.SampleWriter, "_append", flaky)
+        m.setattr(SampleWriter, "_append", flaky)
         result = CliRunner(env=WIDE).invoke(app, _cli_args(model_dir, tmp_path, "--samples", "2",
                                                            "--temperature", "0.8", "--max-num-seqs", "3"))
     assert result.exit_code == 1, result.output
@@ -633,7 +640,7 @@ def test_a_failed_sample_write_fails_the_run_and_keeps_what_was_written(model_di
     run = run_path(model_dir, tmp_path, temperature=0.8)
     kept = lines(run)  # every line whole: the half line was cut back
     assert len(kept) == 2 and (run / R.SAMPLES_FILE).read_text().endswith("}\n")
-    (segment,) = R.read_segments(run / R.SEGMENTS_FILE)
+    (segment,) = read_segments(run / R.SEGMENTS_FILE)
     assert segment["status"] == "error" and not (run / R.PROGRESS_FILE).exists()
     again = run_eval(settings(model_dir, tmp_path, samples=2, temperature=0.8, max_num_seqs=3,
                               **NO_FIDELITY))
@@ -648,7 +655,7 @@ def test_segment_totals_count_only_the_samples_written(model_dir, tmp_path, monk
     import errno
 
     calls = {"n": 0}
-    real = R.SampleWriter._append
+    real = SampleWriter._append
 
     def flaky(self, data):
         calls["n"] += 1
@@ -658,11 +665,11 @@ def test_segment_totals_count_only_the_samples_written(model_dir, tmp_path, monk
 
     kw = dict(samples=2, temperature=0.8, max_num_seqs=3, **NO_FIDELITY)
     with monkeypatch.context() as m:
-        m.setattr(R.SampleWriter, "_append", flaky)
+        m.setattr(SampleWriter, "_append", flaky)
         with pytest.raises(R.ResultsWriteError):
             run_eval(settings(model_dir, tmp_path, **kw))
     run = run_path(model_dir, tmp_path, temperature=0.8)
-    (segment,) = R.read_segments(run / R.SEGMENTS_FILE)
+    (segment,) = read_segments(run / R.SEGMENTS_FILE)
     kept = [r for r in lines(run) if r["status"] == "ok"]
     assert segment["status"] == "error"
     assert segment["samples"] == segment["written"] == len(kept) == 2
@@ -670,7 +677,7 @@ def test_segment_totals_count_only_the_samples_written(model_dir, tmp_path, monk
     assert segment["lost"] >= 1
     again = run_eval(settings(model_dir, tmp_path, **kw))
     m = again.metrics
-    assert m["complete"] and sum(s["output_tokens"] for s in R.read_segments(run / R.SEGMENTS_FILE)) \
+    assert m["complete"] and sum(s["output_tokens"] for s in read_segments(run / R.SEGMENTS_FILE)) \
         == m["output_tokens"] == sum(r["output_tokens"] for r in lines(run))
     assert m["tps"] == pytest.approx(m["output_tokens"] / m["total_time_s"])
 
@@ -679,11 +686,12 @@ _FSIZE_WRITER = """
 import json, resource, signal, sys
 from pathlib import Path
 from evals import results as R
+from evals.results.files import SampleWriter, encode_line
 
 path = Path(sys.argv[1])
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # past the limit a write fails with EFBIG instead
 limits = resource.getrlimit(resource.RLIMIT_FSIZE)
-writer = R.SampleWriter(path)
+writer = SampleWriter(path)
 writer.write({"uid": "a", "sample": 0, "output": "x" * 100})
 resource.setrlimit(resource.RLIMIT_FSIZE, (path.stat().st_size + 40, limits[1]))
 try:
@@ -694,7 +702,7 @@ finally:
     resource.setrlimit(resource.RLIMIT_FSIZE, limits)  # room again before the writer closes
 writer.close()
 with open(path, "ab") as f:  # the next invocation appends
-    f.write(R.encode_line({"uid": "c", "sample": 0}))
+    f.write(encode_line({"uid": "c", "sample": 0}))
 """
 
 
@@ -883,7 +891,7 @@ def test_sigterm_records_an_interrupted_segment(model_dir, tmp_path):
     got = _signalled(model_dir, tmp_path, "sigterm")
     assert got["interrupted"] and got["signal"] == "SIGTERM" and got["dropped"] == 0
     run = run_path(model_dir, tmp_path, temperature=0.8)
-    (segment,) = R.read_segments(run / R.SEGMENTS_FILE)
+    (segment,) = read_segments(run / R.SEGMENTS_FILE)
     assert segment["status"] == "interrupted" and segment["signal"] == "SIGTERM"
     assert segment["samples"] == segment["written"] == got["ran"] == got["done"] == len(lines(run)) >= 3
     assert not (run / R.PROGRESS_FILE).exists()
@@ -896,7 +904,7 @@ def test_a_second_ctrl_c_drops_ungraded_samples_says_so_and_records_the_segment(
     got = _signalled(model_dir, tmp_path, "twice")
     assert got["interrupted"] and got["signal"] == "SIGINT" and got["dropped"] >= 1
     run = run_path(model_dir, tmp_path, temperature=0.8)
-    (segment,) = R.read_segments(run / R.SEGMENTS_FILE)
+    (segment,) = read_segments(run / R.SEGMENTS_FILE)
     assert segment["status"] == "interrupted"
     assert segment["written"] == len(lines(run)) == got["done"] == got["ran"] - got["dropped"]
     assert segment["samples"] == len(lines(run)) and segment["lost"] == got["dropped"]
@@ -977,8 +985,8 @@ def test_run_labels_carry_the_effective_budget_however_it_was_set(tmp_path):
     """``--kv-budget 96`` and ``-a budget=96`` name one directory, ``snapkv+budget=96``; a rerun at
     64 gets its own; the task preset's budget (and a policy without a fixed budget) keeps the bare
     label; a directory written before budgets joined labels, holding this very run, is resumed."""
+    from engine.config import DEFAULT_MODEL
     from evals.run.plan import resolve_target
-    from evals.run.settings import DEFAULT_MODEL
     from evals.tasks import get_task
 
     def label(**kw):
@@ -994,9 +1002,9 @@ def test_run_labels_carry_the_effective_budget_however_it_was_set(tmp_path):
         == "snapkv+budget_ratio=0.3"
     assert label(policy="full", kv_budget=96) == "full"
     assert label(policy="growpage", kv_budget=96) == "growpage"
-    earlier = R.run_dir(tmp_path, DEFAULT_MODEL, "gsm8k", "snapkv")
+    earlier = run_dir(tmp_path, DEFAULT_MODEL, "gsm8k", "snapkv")
     cpu = get_task("gsm8k").defaults("cpu")
-    R.write_json(earlier / R.CONFIG_FILE, {"label": "snapkv", "policy_args": {"budget": 128},
+    write_json(earlier / R.CONFIG_FILE, {"label": "snapkv", "policy_args": {"budget": 128},
                                            "max_tokens": cpu.max_tokens, "temperature": cpu.temperature,
                                            "block_size": cpu.block_size})
     assert label(policy="snapkv", kv_budget=128) == "snapkv"        # resumed where it is
@@ -1007,8 +1015,8 @@ def test_run_labels_carry_the_settings_that_differ_from_the_preset(tmp_path):
     """Max tokens, temperature and block size join the label where they are not the task preset's
     (after the policy arguments: mt, T, bs), so exploring them needs no --out of its own; trees
     written before keep resuming where they are; --label names the directory instead."""
+    from engine.config import DEFAULT_MODEL
     from evals.run.plan import resolve_target
-    from evals.run.settings import DEFAULT_MODEL
     from evals.tasks import get_task
 
     cpu = get_task("gsm8k").defaults("cpu")
@@ -1027,20 +1035,20 @@ def test_run_labels_carry_the_settings_that_differ_from_the_preset(tmp_path):
     assert label(policy="zipage", policy_args={"window": 8}, max_tokens=64) == "zipage+window=8+mt=64"
     got = target(policy="full", max_tokens=64, temperature=0.0)
     assert (got.max_tokens, got.temperature, got.block_size) == (64, 0.0, cpu.block_size)
-    assert got.path == R.run_dir(tmp_path, DEFAULT_MODEL, "gsm8k", "full+mt=64+T=0")
+    assert got.path == run_dir(tmp_path, DEFAULT_MODEL, "gsm8k", "full+mt=64+T=0")
 
     # A tree written before settings joined labels: `snapkv+budget=96` (budget-era) or bare
     # `full` (older) holding this very run is resumed there; other settings get their own.
     for old, kw in (("snapkv+budget=96", dict(policy="snapkv", kv_budget=96)),
                     ("full", dict(policy="full"))):
         args = {"budget": 96} if kw["policy"] == "snapkv" else {}
-        R.write_json(R.run_dir(tmp_path, DEFAULT_MODEL, "gsm8k", old) / R.CONFIG_FILE,
+        write_json(run_dir(tmp_path, DEFAULT_MODEL, "gsm8k", old) / R.CONFIG_FILE,
                      {"label": old, "policy_args": args, "max_tokens": 512, "temperature": 0.0,
                       "block_size": cpu.block_size})
         assert label(**kw, max_tokens=512, temperature=0.0) == old
         assert label(**kw, max_tokens=256, temperature=0.0) == f"{old}+mt=256+T=0"
     # once the new directory exists it is the one used
-    R.run_dir(tmp_path, DEFAULT_MODEL, "gsm8k", "full+mt=512+T=0").mkdir(parents=True)
+    run_dir(tmp_path, DEFAULT_MODEL, "gsm8k", "full+mt=512+T=0").mkdir(parents=True)
     assert label(policy="full", max_tokens=512, temperature=0.0) == "full+mt=512+T=0"
 
     assert label(policy="snapkv", kv_budget=96, max_tokens=512, label="long-try") == "long-try"
@@ -1119,7 +1127,7 @@ def test_samples_grading_could_not_judge_have_no_verdict_and_are_graded_on_resum
     assert again.ran == 3 and again.ungraded == 0 and again.metrics["ungraded"] == 0
     assert "running again 3 sample(s) that grading could not judge" in hooks.messages
     assert again.metrics["pass@1"] is not None and again.metrics["samples_done"] == 3
-    latest = R.load_samples(again.path / R.SAMPLES_FILE).records
+    latest = load_samples(again.path / R.SAMPLES_FILE).records
     assert all(r["reason"] != "grading_infra" and isinstance(r["correct"], bool) for r in latest.values())
 
 
@@ -1138,7 +1146,7 @@ def test_pass1_is_over_the_graded_samples_when_some_are_not(model_dir, tmp_path,
     outcome = run_eval(settings(model_dir, tmp_path, limit=3, samples=2, temperature=0.8, **NO_FIDELITY))
     graded = [r for r in lines(outcome.path) if r["reason"] != "grading_infra"]
     assert outcome.ungraded == 2 and len(graded) == 4
-    expected = R.compute_metrics(graded, R.read_segments(outcome.path / R.SEGMENTS_FILE), 4)
+    expected = compute_metrics(graded, read_segments(outcome.path / R.SEGMENTS_FILE), 4)
     assert outcome.metrics["pass@1"] == expected["pass@1"] is not None
     assert outcome.metrics["problems"] == 3
 
@@ -1182,4 +1190,4 @@ def test_run_eval_from_a_script_without_main_guard_stops_with_one_error(model_di
     run = run_path(model_dir, tmp_path / "runs", max_tokens=4, temperature=0.0)  # the script's run
     metrics = json.loads((run / R.METRICS_FILE).read_text())
     assert metrics["pass@1"] is None and metrics["ungraded"] == metrics["samples_done"] >= 1
-    assert R.read_segments(run / R.SEGMENTS_FILE)[-1]["status"] == "error"
+    assert read_segments(run / R.SEGMENTS_FILE)[-1]["status"] == "error"

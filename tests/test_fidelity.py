@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from evals import results as R
+from evals.results.files import read_json
 from evals.run import fidelity as F
 from evals.run.runner import run_eval
 from evals.run.settings import EvalHooks, EvalSettings
@@ -113,7 +114,7 @@ def test_fullkv_forced_pass_reproduces_the_reference(model_dir, tmp_path):
     from evals.run.plan import render_requests
 
     full = run(model_dir, tmp_path)
-    config = R.read_json(full.path / R.CONFIG_FILE)
+    config = read_json(full.path / R.CONFIG_FILE)
     fid = F.Fidelity(tmp_path, config, "full", {})
     fid.is_full = False  # run the forced pass a FullKV run skips by construction
     llm = LLM(str(model_dir), policy="full", block_size=4, kv_cache_tokens=1024)

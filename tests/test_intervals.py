@@ -14,6 +14,8 @@ from evals.intervals import (
     point_estimate,
     wilson_interval,
 )
+from evals.results.lines import validate_sample
+from evals.results.metrics import compute_metrics
 
 SPEC = BootstrapSpec(replicates=1000, seed=3)
 
@@ -125,7 +127,7 @@ def test_metrics_carry_an_interval_next_to_every_per_sample_mean():
                                 "flexible_extracted": "1" if (p + j) % 4 else None})
                for p in range(12) for j in range(3)]
     segments = [{"wall_time": 2.0, "output_tokens": 400, "status": "complete"}]
-    m = R.compute_metrics(records, segments, len(records))
+    m = compute_metrics(records, segments, len(records))
     for name in ("pass@1", "accuracy", "extraction_rate", "mean_score", "mean_output_tokens",
                  "tpot_ms", "avg_kv_budget", "fid_delta_nll", "fid_first_divergence",
                  "pass@1_flexible", "extraction_rate_flexible"):
@@ -138,7 +140,7 @@ def test_metrics_carry_an_interval_next_to_every_per_sample_mean():
     assert m["tps"] == 200.0 and "tps_ci" not in m
     assert "tps" in m["intervals"]["run_level"] and m["intervals"]["level"] == 0.95
     # Same records, same intervals (the seed is fixed).
-    assert R.compute_metrics(records, segments, len(records))["pass@1_ci"] == m["pass@1_ci"]
+    assert compute_metrics(records, segments, len(records))["pass@1_ci"] == m["pass@1_ci"]
 
 
 def _ungraded(uid, sample):
@@ -150,27 +152,27 @@ def test_ungraded_samples_count_in_no_accuracy_figure():
     graded = [_record(f"gsm8k/{p}", 0, p % 2 == 0, details={"flexible_correct": p % 2 == 0})
               for p in range(6)]
     lost = [_ungraded(f"gsm8k/{p}", 1) for p in range(6)] + [_ungraded("gsm8k/9", 0)]
-    m = R.compute_metrics(graded + lost, [], len(graded + lost))
-    alone = R.compute_metrics(graded, [], len(graded))
+    m = compute_metrics(graded + lost, [], len(graded + lost))
+    alone = compute_metrics(graded, [], len(graded))
     assert m["ungraded"] == 7 and alone["ungraded"] == 0 and m["samples_done"] == 13
     for name in ("pass@1", "accuracy", "extraction_rate", "mean_score", "pass@1_flexible"):
         assert m[name] == alone[name] and m[f"{name}_ci"] == alone[f"{name}_ci"], name
     assert m["pass@1"] == pytest.approx(0.5) and m["reasons"]["grading_infra"] == 7
-    none = R.compute_metrics(lost, [], len(lost))
+    none = compute_metrics(lost, [], len(lost))
     assert none["ungraded"] == 7 and none["samples_done"] == 7
     for name in ("pass@1", "accuracy", "extraction_rate", "mean_score", "pass@1_ci"):
         assert none[name] is None, name
 
 
 def test_a_null_verdict_is_read_only_on_an_ungraded_sample():
-    assert R.validate_sample(_ungraded("gsm8k/0", 0), "here")["correct"] is None
+    assert validate_sample(_ungraded("gsm8k/0", 0), "here")["correct"] is None
     with pytest.raises(R.ResultsCorruptError, match="'correct' is null on a graded sample"):
-        R.validate_sample({**_record("gsm8k/0", 0, True), "correct": None}, "here")
+        validate_sample({**_record("gsm8k/0", 0, True), "correct": None}, "here")
 
 
 def test_flexible_reading_only_for_tasks_that_record_it():
     records = [_record(f"math500/{p}", 0, p % 2 == 0) for p in range(4)]
     for r in records:
         r["task"] = "math500"
-    m = R.compute_metrics(records, [], len(records))
+    m = compute_metrics(records, [], len(records))
     assert "pass@1_flexible" not in m and m["pass@1_ci"] is not None

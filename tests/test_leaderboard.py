@@ -9,8 +9,13 @@ import numpy as np
 import pytest
 
 from evals import results as R
+from evals.jsonio import dumps_line, write_json
 from evals.leaderboard import build_leaderboard, memory_points, series_name
 from evals.plots import quality_memory_plot
+from evals.results.files import read_json
+from evals.results.labels import run_dir
+from evals.results.metrics import compute_metrics
+from evals.results.runs import find_runs, with_nominal_budget
 from result_trees import PROV_A, PROV_B, write_run
 
 
@@ -30,7 +35,7 @@ def test_markdown_shows_value_plus_minus_half_width(results_root, tmp_path):
     board = build_leaderboard([results_root], tmp_path / "board")
     md = board.markdown
     full = next(line for line in md.splitlines() if line.startswith("| tiny | full |"))
-    run = R.find_runs([results_root / "tiny" / "gsm8k" / "full"])[0]
+    run = find_runs([results_root / "tiny" / "gsm8k" / "full"])[0]
     lo, hi = run.metrics["pass@1_ci"]
     assert f"| 50.0 ± {(hi - lo) / 2 * 100:.1f} |" in full
     # Table 7: total time is run-level (no ±), TPOT a per-sample mean (±).
@@ -50,10 +55,10 @@ def test_markdown_shows_value_plus_minus_half_width(results_root, tmp_path):
 def test_avg_names_its_tasks_and_is_blank_where_a_row_lacks_one(results_root, tmp_path):
     write_run(results_root, "gsm8k", "snapkv", {"budget": 64}, 5, 64, PROV_A)  # no math500 run
     write_run(results_root, "gsm8k", "kara", {}, 5, 90, PROV_A)
-    kara = R.run_dir(results_root, "tiny", "gsm8k", "kara") / R.CONFIG_FILE
+    kara = run_dir(results_root, "tiny", "gsm8k", "kara") / R.CONFIG_FILE
     config = json.loads(kara.read_text())
     config["policy_params"] = {"schedule": "window_fill", "steady_kept_share": 0.5446}
-    R.write_json(kara, config)
+    write_json(kara, config)
     md = build_leaderboard([results_root], tmp_path / "board").markdown
     table1 = md.split("## Total time")[0]
     header = next(line for line in table1.splitlines() if line.startswith("| model |"))
@@ -90,7 +95,7 @@ def test_runs_csv_paths_are_relative_to_the_results_root(results_root, tmp_path)
 
 
 def test_quality_memory_points_and_figure(results_root, tmp_path):
-    runs = R.find_runs([results_root])
+    runs = find_runs([results_root])
     assert series_name(next(r for r in runs if r.label == "zipage+budget=64")) == "zipage"
     panels = memory_points(runs)
     assert list(panels) == ["GSM8K", "MATH500"]
@@ -117,8 +122,8 @@ def test_fidelity_and_allocated_columns_appear_when_measured(tmp_path):
         for i, r in enumerate(recs):
             r.update(fid_delta_nll=drift * (1 + i % 3), fid_agreement=1.0 - drift * (i % 2),
                      avg_kv_allocated=50.0 + i % 5)
-        (path / R.SAMPLES_FILE).write_text("".join(R.dumps_line(r) for r in recs))
-        R.write_json(path / R.METRICS_FILE, R.compute_metrics(recs, [], len(recs)))
+        (path / R.SAMPLES_FILE).write_text("".join(dumps_line(r) for r in recs))
+        write_json(path / R.METRICS_FILE, compute_metrics(recs, [], len(recs)))
     board = build_leaderboard([root], tmp_path / "board")
     assert "delta-NLL (nats/token)" in board.markdown and "fidelity_memory.png" in board.files
     assert "NIAH KV allocated (tokens)" in board.markdown
@@ -136,9 +141,9 @@ def test_a_row_never_mixes_fixed_budgets(tmp_path):
         write_run(root, task, "snapkv", {}, 5, budget, PROV_A)
         write_run(root, task, "zipage", {}, 5, 512, PROV_A)
         for policy, value in (("snapkv", budget), ("zipage", 512)):
-            path = R.run_dir(root, "tiny", task, policy) / R.CONFIG_FILE
-            config = R.read_json(path)
-            R.write_json(path, {**config, "policy_args": {"budget": value}, "block_size": 32,
+            path = run_dir(root, "tiny", task, policy) / R.CONFIG_FILE
+            config = read_json(path)
+            write_json(path, {**config, "policy_args": {"budget": value}, "block_size": 32,
                                 "task_defaults": {"kv_budget": 512}})
     board = build_leaderboard([root], tmp_path / "board")
     rows = [line.split("|")[2].strip() for line in board.markdown.split("## Total time")[0].splitlines()
@@ -154,8 +159,8 @@ def _lose_grades(path: Path, which) -> None:
     for r in recs:
         if which(r):
             r.update(correct=None, score=None, reason="grading_infra", details={"error": "died"})
-    (path / R.SAMPLES_FILE).write_text("".join(R.dumps_line(r) for r in recs))
-    R.write_json(path / R.METRICS_FILE, R.compute_metrics(recs, [], len(recs)))
+    (path / R.SAMPLES_FILE).write_text("".join(dumps_line(r) for r in recs))
+    write_json(path / R.METRICS_FILE, compute_metrics(recs, [], len(recs)))
 
 
 def test_runs_with_ungraded_samples_say_so_everywhere(tmp_path):
@@ -206,7 +211,7 @@ def test_nominal_budget_is_blank_for_policies_without_one():
     metrics = {"avg_kv_budget": 300.0, "avg_kv_budget_ci": [290.0, 310.0]}
     for policy, nominal in (("full", None), ("kara", None), ("pyramidkv", None),
                             ("snapkv", 300.0), ("growpage", 300.0)):
-        got = R.with_nominal_budget(metrics, {"policy": policy})
+        got = with_nominal_budget(metrics, {"policy": policy})
         assert got["kv_budget_nominal"] == nominal, policy
         assert got["avg_kv_budget"] == 300.0  # the allocated reading stays where it was
 
@@ -224,7 +229,7 @@ def test_budget_sweep_figure_has_one_line_per_policy_and_settings(tmp_path):
     from result_trees import write_sweep_tree
 
     root = write_sweep_tree(tmp_path / "results")
-    fig = sweep_figure("gsm8k", R.find_runs([root]))
+    fig = sweep_figure("gsm8k", find_runs([root]))
     assert list(fig.panels) == ["pass@1", "delta-NLL vs FullKV", "token agreement"]
     assert fig.xlabel == "average KV kept (tokens per request)" and "KV kept over budgets" in fig.title
     grow = "growpage [x: KV allocated]"  # written before runs recorded the KV kept
@@ -257,19 +262,19 @@ def test_budget_sweep_lines_keep_settings_apart_and_need_two_budgets(tmp_path):
         for b in (64, 128):
             write_run(root / f"s{samples}", "gsm8k", "zipage", {"budget": b}, 3, b, PROV_A,
                       config={"samples": samples})
-    curves = sweep_curves(R.find_runs([root]))
+    curves = sweep_curves(find_runs([root]))
     assert {name: sorted(r.config["policy_args"]["budget"] for r in rs) for name, rs in curves.items()} \
         == {"zipage (samples=1)": [64, 128], "zipage (samples=3)": [64, 128]}
     niah = tmp_path / "niah"  # a retrieval task: its partial-credit score beside pass@1
     for b, solved in ((64, 4), (128, 12)):
         write_run(niah, "niah", "zipage", {"budget": b}, solved, b, PROV_A,
                   fields=lambda r, b=b: {"score": 1.0 if r["correct"] else 0.5, "avg_kv_kept": float(b)})
-    fig = sweep_figure("niah", R.find_runs([niah]))
+    fig = sweep_figure("niah", find_runs([niah]))
     assert list(fig.panels) == ["pass@1", "retrieval score (partial credit)"]
     assert _lines(fig.panels["retrieval score (partial credit)"]) == {"zipage": [(64.0, 0.6), (128.0, 0.8)]}
     assert _lines(fig.panels["pass@1"]) == {"zipage": [(64.0, 20.0), (128.0, 60.0)]}
     one = tmp_path / "one"
     write_run(one, "gsm8k", "full", {}, 10, 300, PROV_A)
     write_run(one, "gsm8k", "zipage", {"budget": 64}, 3, 64, PROV_A)
-    assert sweep_figure("gsm8k", R.find_runs([one])) is None  # nobody swept: no sweep figure
+    assert sweep_figure("gsm8k", find_runs([one])) is None  # nobody swept: no sweep figure
     assert "sweep_gsm8k.png" not in build_leaderboard([one], tmp_path / "board").files

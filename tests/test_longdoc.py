@@ -1,5 +1,5 @@
 """The long-document tasks (evals/tasks/longdoc.py, longdoc_needle.py) and the position buckets
-(evals/positions.py), on the fixture corpora and a tiny random Llama (tests/tiny_models.py)."""
+(evals/run/positions.py), on the fixture corpora and a tiny random Llama (tests/tiny_models.py)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from evals import results as R
-from evals.positions import by_position
 from evals.problem import DataUnavailableError
+from evals.run.positions import by_position
 from evals.run.runner import run_eval
 from evals.run.settings import EvalError, EvalHooks, EvalSettings
 from evals.tasks import get_task

@@ -1,4 +1,4 @@
-"""Kara's comparison protocol (evals/matched_budget.py): a baseline run whose per-sample budgets
+"""Kara's comparison protocol (evals/run/matched_budget.py): a baseline run whose per-sample budgets
 are the compressed lengths a finished Kara run realised, and its errors before anything runs."""
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from evals import results as R
+from evals.jsonio import write_json
+from evals.results.files import read_json
 from evals.run.runner import run_eval
 from evals.run.settings import EvalError, EvalSettings
 from tiny_models import make_tiny_llama_dir
@@ -55,7 +57,7 @@ def test_baseline_gets_karas_realised_length_per_sample(model_dir, kara_run, tmp
     for key, rec in base.items():  # the request's own budget is Kara's final length for that sample
         assert rec["avg_kv_budget"] == kara[key]["final_kv_len"]
         assert rec["prompt_tokens"] == kara[key]["prompt_tokens"]
-    config = R.read_json(outcome.path / R.CONFIG_FILE)
+    config = read_json(outcome.path / R.CONFIG_FILE)
     assert config["match_budget_to"]["label"] == kara_run.name
     assert config["match_budget_to"]["policy"] == "kara"
 
@@ -98,11 +100,11 @@ def test_matched_budget_errors_come_before_the_run(model_dir, kara_run, tmp_path
     other = run_eval(settings(model_dir, tmp_path / "full", policy="full"))
     fails("a run of policy 'full', not Kara's", policy="snapkv", match_budget_to=str(other.path))
     # another model: the source's config names its model
-    config = R.read_json(kara_run / R.CONFIG_FILE)
+    config = read_json(kara_run / R.CONFIG_FILE)
     moved = tmp_path / "moved"
     moved.mkdir()
     (moved / R.SAMPLES_FILE).write_text((kara_run / R.SAMPLES_FILE).read_text())
-    R.write_json(moved / R.CONFIG_FILE, {**config, "model": "another-model"})
+    write_json(moved / R.CONFIG_FILE, {**config, "model": "another-model"})
     fails("a run of model 'another-model'", policy="snapkv", match_budget_to=str(moved))
     assert not (tmp_path / "x").exists() or not any((tmp_path / "x").rglob(R.SAMPLES_FILE))
 
@@ -110,14 +112,14 @@ def test_matched_budget_errors_come_before_the_run(model_dir, kara_run, tmp_path
 def test_budget_ratio_runs_without_the_task_budget(model_dir, tmp_path):
     outcome = run_eval(settings(model_dir, tmp_path, policy="rkv",
                                 policy_args={"budget_ratio": 0.5, "window": 4}))
-    config = R.read_json(outcome.path / R.CONFIG_FILE)
+    config = read_json(outcome.path / R.CONFIG_FILE)
     assert config["policy_args"] == {"budget_ratio": 0.5, "window": 4}  # no preset budget added
     for rec in records(outcome.path).values():
         assert rec["avg_kv_budget"] == -(-rec["prompt_tokens"] // 2)
 
 
 def test_a_prompt_of_another_length_than_karas_is_refused(tmp_path):
-    from evals.matched_budget import MatchedBudgetError, MatchedBudgets
+    from evals.run.matched_budget import MatchedBudgetError, MatchedBudgets
 
     matched = MatchedBudgets(tmp_path, {"label": "kara"}, {("q1", 0): 70}, {("q1", 0): 50})
     assert matched.budget_for("q1", 0, 50) == 70

@@ -193,7 +193,7 @@ def test_each_run_compares_with_the_fullkv_run_of_its_settings():
     """Labels name settings that differ from the preset's, so one task may hold several FullKV
     runs: a run compares with the one of its own settings, else the plain ``full``."""
     from evals.report.data import COMPARED_SETTINGS, comparability, fullkv_run
-    from evals.results import RunResult
+    from evals.results.runs import RunResult
 
     def run(label, **config):
         base = {k: None for k in COMPARED_SETTINGS}

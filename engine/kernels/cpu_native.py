@@ -79,6 +79,8 @@ from pathlib import Path
 
 import torch
 
+from engine.paths import cache_root
+
 SOURCES = tuple(Path(__file__).with_name("cpu") / name
                 for name in ("paged_decode.c", "thin_linear.c", "panel_gemm.c",
                              "decode_layers.c", "abi.c"))
@@ -531,8 +533,6 @@ def _build(rebuild: bool = False) -> tuple[Path, bool]:
     now: the cached file when it matches its stamp (size and SHA-256, written beside it), else a
     new build. A cached file that fails the check (cut short by a full disk or a torn copy) is
     never mapped: a truncated ELF file killed the process with SIGBUS."""
-    from engine.models.loader import cache_root
-
     compiler = os.environ.get("CC") or "cc"
     key = _key(_compiler_identity(compiler), _cpu_features())
     target = cache_root() / "native" / key / LIBRARY

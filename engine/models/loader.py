@@ -39,7 +39,7 @@ and rms_norm_eps comes back as the float32 value (9.99999997e-07, not 1e-06; ``_
 It also cannot write the cache: ``save_pretrained`` refuses with "The model is quantized with
 gguf and is not serializable". The tokenizer is the one step delegated (``_save_tokenizer``).
 
-Cache layout: ``$KVARENA_CACHE`` (default ``~/.cache/kvarena``) ``/gguf/<stem>-<key>/``, where the
+Cache layout: ``$KVARENA_CACHE`` (engine/paths.py) ``/gguf/<stem>-<key>/``, where the
 key hashes the file's name, size, mtime and first/last 64 KiB plus ``CONVERTER_VERSION``, so a
 changed file (or a changed converter) gets a fresh directory. A conversion is written to a hidden
 temporary directory next to it and renamed into place when complete, so an interrupted conversion
@@ -65,6 +65,7 @@ from typing import Any
 import numpy as np
 
 from engine.config import DEFAULT_MODEL, ConfigError
+from engine.paths import cache_root
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +80,6 @@ HUB_ID_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_
 # What the engine reads from a hub snapshot: never *.bin / *.pth / *.gguf duplicates of the weights.
 HUB_ALLOW_PATTERNS = ("*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken", "*.jinja")
 
-CACHE_ENV = "KVARENA_CACHE"
-DEFAULT_CACHE_ROOT = Path("~/.cache/kvarena")
 # Bump when the conversion output changes, so stale cache directories are not reused.
 CONVERTER_VERSION = 1
 CONVERSION_MARKER = "kvarena_gguf_source.json"
@@ -385,11 +384,6 @@ def load_tokenizer(model_dir: str | os.PathLike):
 
 # ----------------------------------------------------------------------------------------------
 # GGUF cache
-
-
-def cache_root() -> Path:
-    """``$KVARENA_CACHE`` or ``~/.cache/kvarena``."""
-    return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE_ROOT).expanduser()
 
 
 def gguf_cache_dir(gguf_path: str | os.PathLike) -> Path:

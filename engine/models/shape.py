@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from engine.config import ConfigError, is_finite, is_int_in
+from engine.config import ConfigError, is_finite, require_int
 
 # Fields that are counts or sizes when given (transformers fills the ones left out).
 POSITIVE_INTS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -28,8 +28,8 @@ def check_config(fields: Mapping[str, Any], where: str, resolved: bool = False) 
     transformers' defaults filled in (head_dim then follows from hidden_size when unset)."""
     for name in POSITIVE_INTS:
         value = fields.get(name)
-        if value is not None and not is_int_in(value, 1):
-            raise ConfigError(f"{where}: {name} must be a positive integer, got {value!r}")
+        if value is not None:
+            require_int(f"{where}: {name}", value, 1)
     for name in POSITIVE_REALS:
         value = fields.get(name)
         if value is not None and not (is_finite(value) and value > 0):

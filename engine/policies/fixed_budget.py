@@ -22,7 +22,7 @@ number of always-kept tokens (`num_protected`, named by `protected_label` in err
 
 Per-request budgets (one mechanism for every fixed-budget policy). A request's budget is, in order:
 1. `SamplingParams.kv_budget` when the request carries one (tokens; Kara's comparison protocol
-   gives each baseline sequence the compressed length Kara realised on it, evals/matched_budget.py);
+   gives each baseline sequence the compressed length Kara realised on it, evals/run/matched_budget.py);
 2. `budget_ratio` when set: `ceil(budget_ratio * prompt_tokens)`, the *kept* share of the request's
    *prompt* length (kvpress's convention for the length: the context a press compresses; kvpress's
    `compression_ratio` is the *removed* share, so `compression_ratio=c` is `budget_ratio=1-c`);
@@ -160,7 +160,7 @@ class FixedBudgetPolicy(KVPolicy):
     def holds_budget(self) -> bool:
         """True when every request is held at its budget through decode (compacted back to it at
         its page boundaries), so that a per-request budget (Kara's matched lengths,
-        evals/matched_budget.py) bounds the whole request. False for a policy configured to
+        evals/run/matched_budget.py) bounds the whole request. False for a policy configured to
         compress only the prompt (per_head.py)."""
         return True
 

@@ -124,7 +124,7 @@ from typing import ClassVar, Protocol
 
 import torch
 
-from engine.config import ConfigError
+from engine.config import ConfigError, require_int
 from engine.policies.base import (
     Action,
     Decision,
@@ -365,11 +365,11 @@ class GrowPage(KVPolicy):
         if not -1.0 <= self.tau <= 1.0:
             raise ConfigError(f"{self.name}: tau compares ratio differences, need |tau| <= 1, "
                               f"got {self.tau}")
-        _check_int(self.name, "k_loc", self.k_loc, minimum=0, optional=True)
-        _check_int(self.name, "protected_recent", self.protected_recent, minimum=0)
-        _check_int(self.name, "initial_capacity", self.initial_capacity, minimum=1, optional=True)
-        _check_int(self.name, "max_capacity", self.max_capacity, minimum=1, optional=True)
-        _check_int(self.name, "layer_chunk", self.layer_chunk, minimum=1)
+        require_int(f"{self.name}: k_loc", self.k_loc, 0, optional=True)
+        require_int(f"{self.name}: protected_recent", self.protected_recent, 0)
+        require_int(f"{self.name}: initial_capacity", self.initial_capacity, 1, optional=True)
+        require_int(f"{self.name}: max_capacity", self.max_capacity, 1, optional=True)
+        require_int(f"{self.name}: layer_chunk", self.layer_chunk, 1)
         if (self.initial_capacity is not None and self.max_capacity is not None
                 and self.max_capacity < self.initial_capacity):
             raise ConfigError(
@@ -626,11 +626,3 @@ def _state(view: PolicyView) -> GrowPageState:
             "GrowPageState from its new_state()"
         )
     return view.state
-
-
-def _check_int(policy: str, key: str, value, minimum: int, optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ConfigError(f"{policy}: {key} must be an integer >= {minimum}"
-                          f"{' or None' if optional else ''}, got {value!r}")

@@ -31,9 +31,9 @@ import random
 from dataclasses import dataclass
 from typing import ClassVar
 
-from engine.config import ConfigError
+from engine.config import ConfigError, require_int
 from engine.policies.base import Action, Decision, EngineSpec, PolicyView, register_policy
-from engine.policies.growpage import CapacityRule, GrowPage, _check_int, _state
+from engine.policies.growpage import CapacityRule, GrowPage, _state
 
 PAPER_SHRINK_MIN_PAGES = 4  # 1024 tokens at b = 256
 PAPER_FIXED_PAGES = 16  # GrowPage-Fixed's 4096 tokens at b = 256
@@ -116,7 +116,7 @@ class GrowPageFixed(GrowPage):
             if getattr(self, key) is not None:
                 raise ConfigError(f"{self.name}: its capacity is `budget`; {key} does not apply "
                                   f"(got {key}={getattr(self, key)})")
-        _check_int(self.name, "budget", self.budget, minimum=1, optional=True)
+        require_int(f"{self.name}: budget", self.budget, 1, optional=True)
 
     def bind(self, engine: EngineSpec) -> None:
         super().bind(engine)
@@ -166,7 +166,7 @@ class GrowPageRandom(GrowPage):
         if not 0.0 <= self.compress_prob <= 1.0:
             raise ConfigError(f"{self.name}: compress_prob must be in [0, 1], "
                               f"got {self.compress_prob}")
-        _check_int(self.name, "seed", self.seed, minimum=0)
+        require_int(f"{self.name}: seed", self.seed, 0)
 
     def make_rule(self) -> CapacityRule:
         return RandomRule(self.compress_prob, random.Random(self.seed))
@@ -203,7 +203,7 @@ class GrowPageShrink(GrowPage):
         if self.shrink_threshold > self.tau:
             raise ConfigError(f"{self.name}: shrink_threshold {self.shrink_threshold} must be "
                               f"<= tau {self.tau}")
-        _check_int(self.name, "min_capacity", self.min_capacity, minimum=1, optional=True)
+        require_int(f"{self.name}: min_capacity", self.min_capacity, 1, optional=True)
 
     def bind(self, engine: EngineSpec) -> None:
         super().bind(engine)

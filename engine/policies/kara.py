@@ -111,7 +111,7 @@ from typing import Callable, ClassVar, NamedTuple
 
 import torch
 
-from engine.config import ConfigError
+from engine.config import ConfigError, require_int
 from engine.policies import token2chunk as t2c
 from engine.policies.base import (
     Decision,
@@ -305,12 +305,12 @@ class Kara(KVPolicy):
         _choice("schedule", self.schedule, list(SCHEDULES))
         _choice("subset", self.subset, list(SUBSETS))
         _choice("scoring", self.scoring, list(SCORINGS))
-        _int_at_least("window_tokens", self.window_tokens, 2, optional=True)
-        _int_at_least("buffer_tokens", self.buffer_tokens, 1, optional=True)
-        _int_at_least("max_chunk_gap", self.max_chunk_gap, 1)
-        _int_at_least("chunk_budget", self.chunk_budget, 0, optional=True)
-        _int_at_least("period", self.period, 1, optional=True)
-        _int_at_least("max_seqs_per_period", self.max_seqs_per_period, 1, optional=True)
+        require_int("kara: window_tokens", self.window_tokens, 2, optional=True)
+        require_int("kara: buffer_tokens", self.buffer_tokens, 1, optional=True)
+        require_int("kara: max_chunk_gap", self.max_chunk_gap, 1)
+        require_int("kara: chunk_budget", self.chunk_budget, 0, optional=True)
+        require_int("kara: period", self.period, 1, optional=True)
+        require_int("kara: max_seqs_per_period", self.max_seqs_per_period, 1, optional=True)
         if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) \
                 or not 0.0 < self.ratio <= 1.0:
             raise ConfigError(f"kara: ratio must be a number in (0, 1], got {self.ratio!r}")
@@ -599,10 +599,3 @@ class KaraWithoutToken2Chunk(Kara):
 def _choice(name: str, value: object, valid: list[str]) -> None:
     if value not in valid:
         raise ConfigError(f"kara: {name} must be one of {valid}, got {value!r}")
-
-
-def _int_at_least(name: str, value: object, low: int, optional: bool = False) -> None:
-    if value is None and optional:
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(f"kara: {name} must be an integer >= {low}, got {value!r}")

@@ -9,7 +9,7 @@ cache grows with the output. `kv_budget` is then the allocated slots: no nominal
 Held to the budget during decode (`decode_compress=True`). Neither paper says what a decoding
 request does (PyramidKV and Ada-KV compress the prompt and append decode tokens uncompressed), yet
 Kara (Sec. 4, Fig. 5) compares both as decode-time baselines at the per-sequence length Kara
-realised (evals/matched_budget.py) without saying how they run. kvarena's choice: the fixed-budget
+realised (evals/run/matched_budget.py) without saying how they run. kvarena's choice: the fixed-budget
 capacity rule (fixed_budget.py) with the policy's allocation re-applied at every compaction.
 - Budget. B is the request's budget (`request_budget`: `budget`, `budget_ratio`, or its own
   `SamplingParams.kv_budget`, e.g. matched to Kara): the kept slots averaged over (layer, KV
@@ -137,7 +137,7 @@ class PerHeadBudget(WindowScored):
     decode_compress: bool = False
 
     # No nominal budget as published (prompt only); with decode_compress `kv_budget` reads the
-    # request's budget, but the class answers for the registry's name (evals/results.py).
+    # request's budget, but the class answers for the registry's name (evals/results/runs.py).
     has_budget: ClassVar[bool] = False
 
     def __post_init__(self) -> None:

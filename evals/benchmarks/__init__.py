@@ -1,6 +1,6 @@
 """Benchmarks: workloads run side by side in one process, printing ratios (never timed tests).
 
-Commands (each module registers its own on `bench_app`): throughput (engine vs transformers),
+Commands (each module registers its own on `bench_app`, app.py): throughput (engine vs transformers),
 memory (fixed-budget policies under a small KV pool), mixed (GrowPage and its variants on a mixed
 workload), concurrency (Kara's concurrency-throughput effect and fidelity), soak (every
 policy under random load with aborts and preemption: requests done, pages leaked), peer (FullKV
@@ -23,9 +23,7 @@ The command modules are imported in the order `kvarena bench --help` lists them.
 
 import engine  # noqa: F401  (first: sets OpenMP's spin before anything loads torch)
 
-import typer
-
-bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks (side-by-side ratios in one run).")
+from evals.benchmarks.app import bench_app  # noqa: E402,F401  (cli.py adds it as `kvarena bench`)
 
 from evals.benchmarks import throughput  # noqa: E402,F401
 from evals.benchmarks import memory  # noqa: E402,F401

@@ -281,7 +281,7 @@ def run_engine(model: str, prompts: Sequence[list[int]], params, *, label: str,
     llm = LLM(model, **engine_kwargs)
     try:
         if warmup:
-            warm = [list(prompts[0][:4])] + ([list(prompts[0][:3])] if llm.runner.graph else [])
+            warm = [list(prompts[0][:4])] + ([list(prompts[0][:3])] if llm.compiled else [])
             for batch in ([warm[:1], warm] if len(warm) > 1 else [warm]):
                 llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=3))
         start, cpu = time.perf_counter(), time.process_time()

@@ -46,14 +46,14 @@ output sees two firings. (b) uses 6 requests x 256 tokens. About 30 minutes on 2
 from __future__ import annotations
 
 import math
-import random
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
 import typer
 
-from evals.benchmarks import bench_app
+from engine.config import DEFAULT_MODEL
+from evals.benchmarks.app import bench_app
 from evals.benchmarks.common import (
     BenchResult,
     Column,
@@ -208,21 +208,21 @@ def mean_of(rows: list[dict], key: str) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def paired_interval(a: list[float], b: list[float], seed: int = 0) -> tuple[float, float, float]:
-    """Mean of a - b over paired requests and a 95% percentile bootstrap interval."""
+def paired_interval(a: list[float], b: list[float], seed: int = 0
+                    ) -> tuple[float, float | None, float | None]:
+    """Mean of a - b over paired requests and its 95% percentile bootstrap interval over the
+    requests (evals.intervals.bootstrap_mean; no interval with fewer than two requests)."""
+    from evals.intervals import bootstrap_mean  # numpy: only when the bench runs
+
     diffs = [x - y for x, y in zip(a, b, strict=True)]
-    rng = random.Random(seed)
-    means = sorted(sum(rng.choice(diffs) for _ in diffs) / len(diffs)
-                   for _ in range(BOOTSTRAP_RESAMPLES))
-    lo = means[int(0.025 * BOOTSTRAP_RESAMPLES)]
-    hi = means[int(0.975 * BOOTSTRAP_RESAMPLES) - 1]
-    return sum(diffs) / len(diffs), lo, hi
+    mean = bootstrap_mean(diffs, BOOTSTRAP_RESAMPLES, seed=seed)
+    return mean.estimate, mean.low, mean.high
 
 
 # -- the benchmark ------------------------------------------------------------------------------
 
 
-def run_concurrency(model: str = "default", *, quick: bool = False,
+def run_concurrency(model: str = DEFAULT_MODEL, *, quick: bool = False,
                     scale: ConcurrencyScale | None = None,
                     log: Callable[[str], None] = print) -> BenchResult:
     from engine.models.loader import load_tokenizer, resolve_model

@@ -26,7 +26,8 @@ from typing import Callable
 
 import typer
 
-from evals.benchmarks import bench_app
+from engine.config import DEFAULT_MODEL
+from evals.benchmarks.app import bench_app
 from evals.benchmarks.common import (
     BenchResult,
     Column,
@@ -80,7 +81,7 @@ def documents(builder: PromptBuilder, scale: ForcedScale) -> tuple[list[list[int
     return prompts, params
 
 
-def run_forced(model: str = "default", *, quick: bool = False, scale: ForcedScale | None = None,
+def run_forced(model: str = DEFAULT_MODEL, *, quick: bool = False, scale: ForcedScale | None = None,
                log: Callable[[str], None] = print) -> BenchResult:
     from engine.models.loader import load_tokenizer, resolve_model
     from engine.policies.base import build_policy, policy_fields

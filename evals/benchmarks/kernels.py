@@ -31,7 +31,7 @@ from typing import Callable
 
 import typer
 
-from evals.benchmarks import bench_app
+from evals.benchmarks.app import bench_app
 from evals.benchmarks.common import BenchResult, Column, Table, Target, run_bench_command
 from evals.benchmarks.options import OutDirOpt, QuickOpt, ThreadsOpt, parse_ints
 

@@ -27,7 +27,8 @@ from typing import Callable
 
 import typer
 
-from evals.benchmarks import bench_app
+from engine.config import DEFAULT_MODEL
+from evals.benchmarks.app import bench_app
 from evals.benchmarks.common import (
     BenchResult,
     Column,
@@ -85,7 +86,7 @@ def pool_for(prompts: list[list[int]], max_tokens: int, resident: int, block_siz
     return resident * -(-longest // block_size) * block_size
 
 
-def run_memory(model: str = "default", *, quick: bool = False, scale: MemoryScale | None = None,
+def run_memory(model: str = DEFAULT_MODEL, *, quick: bool = False, scale: MemoryScale | None = None,
                log: Callable[[str], None] = print) -> BenchResult:
     from engine.models.loader import load_tokenizer, resolve_model
     from engine.sampling import SamplingParams

@@ -53,7 +53,8 @@ from typing import Callable
 
 import typer
 
-from evals.benchmarks import bench_app
+from engine.config import DEFAULT_MODEL
+from evals.benchmarks.app import bench_app
 from evals.benchmarks.common import (
     BenchResult,
     Column,
@@ -64,6 +65,12 @@ from evals.benchmarks.common import (
     ratio,
     run_bench_command,
     run_engine,
+)
+from evals.benchmarks.growpage_family import (
+    PAPER_BUDGET_PAGES,
+    PAPER_RANDOM_COMPRESS,
+    growpage_args,
+    tau_label,
 )
 from evals.benchmarks.options import (
     ModelOpt,
@@ -76,10 +83,7 @@ from evals.benchmarks.options import (
 from evals.benchmarks.workloads import PromptBuilder, rng
 
 KINDS = ("gsm8k", "amc23", "aime24")
-TAU_POLICIES = ("growpage", "growpage-inverse", "growpage-shrink")
 VARIANTS = ("growpage-fixed", "growpage-random", "growpage-inverse", "growpage-shrink")
-PAPER_BUDGET_PAGES = 16  # 4096 tokens at b = 256: GrowPage-Fixed's and Zipage's budget (App. H.1)
-PAPER_RANDOM_COMPRESS = 0.7  # the paper's Random, used when GrowPage made no decision
 
 
 @dataclass(frozen=True)
@@ -153,12 +157,6 @@ def mixed_workload(builder: PromptBuilder, scale: MixedScale) -> tuple[list, lis
     return prompts, [n for _, _, n in queue], [kind for kind, _, _ in queue]
 
 
-def tau_label(policy: str, tau: float, threshold: str = "fixed") -> str:
-    if policy not in TAU_POLICIES:
-        return policy
-    return f"{policy} (tau={tau:g}{', median threshold' if threshold != 'fixed' else ''})"
-
-
 def start_label(pages: int) -> str:
     return f"growpage (start={pages} pages)"
 
@@ -180,27 +178,6 @@ def configs(scale: MixedScale, random_compress: float = PAPER_RANDOM_COMPRESS
         out.append((start_label(pages), "growpage",
                     {**args, "initial_capacity": pages * scale.block_size}))
     return out
-
-
-def growpage_args(policy: str, scale: MixedScale, tau: float,
-                  random_compress: float = PAPER_RANDOM_COMPRESS) -> dict:
-    """GrowPage-family arguments: Fixed gets B as its budget; the others their own start (or the
-    explicit start_pages), never B."""
-    args: dict = {"protected_recent": scale.protected_recent}
-    if policy == "growpage-fixed":
-        args["budget"] = scale.b
-        return args
-    if scale.start_pages is not None:
-        args["initial_capacity"] = scale.start_pages * scale.block_size
-    if policy in TAU_POLICIES:
-        args["tau"] = tau
-        if scale.threshold != "fixed":
-            args["threshold"] = scale.threshold
-    if policy == "growpage-shrink" and tau < -0.005:
-        args["shrink_threshold"] = tau
-    if policy == "growpage-random":
-        args["compress_prob"] = round(random_compress, 4)
-    return args
 
 
 QUANTILE_KEYS = ("min", "p10", "p25", "median", "p75", "p90", "max")
@@ -235,7 +212,7 @@ def run_row(label: str, run, reference) -> dict:
     return row
 
 
-def run_mixed(model: str = "default", *, quick: bool = False, scale: MixedScale | None = None,
+def run_mixed(model: str = DEFAULT_MODEL, *, quick: bool = False, scale: MixedScale | None = None,
               log: Callable[[str], None] = print) -> BenchResult:
     from engine.models.loader import load_tokenizer, resolve_model
     from engine.sampling import SamplingParams

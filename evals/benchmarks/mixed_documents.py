@@ -44,7 +44,7 @@ mean over its forced tokens of the policy's NLL minus FullKV's on the very same 
 (log p_FullKV - log p_policy, nats/token), then the mean over documents with a 95% percentile
 bootstrap interval over documents (evals.intervals; paired: both sides are the same tokens);
 FullKV's is 0 by construction. By position: the same per bucket of document positions
-(evals.positions). Fidelity and event counts are those of repeat 1 (the schedule is the same in
+(evals.run.positions). Fidelity and event counts are those of repeat 1 (the schedule is the same in
 every repeat; the notes give the largest log-probability difference between repeats). The
 comparisons table puts GrowPage beside Zipage at B/2, B, 2B and GrowPage-Fixed: its budget, TPS
 and delta-NLL differences (paired per document, with an interval); a fidelity difference is read
@@ -67,6 +67,7 @@ from typing import Callable
 
 import numpy as np
 
+from engine.config import DEFAULT_MODEL
 from evals.benchmarks.common import (
     BenchResult,
     Column,
@@ -78,7 +79,7 @@ from evals.benchmarks.common import (
     policy_metrics,
     ratio,
 )
-from evals.benchmarks.mixed import (
+from evals.benchmarks.growpage_family import (
     PAPER_BUDGET_PAGES,
     PAPER_RANDOM_COMPRESS,
     growpage_args,
@@ -86,7 +87,7 @@ from evals.benchmarks.mixed import (
 )
 from evals.benchmarks.workloads import haystack_document, rng
 from evals.intervals import mean_and_interval
-from evals.positions import by_position
+from evals.run.positions import by_position
 
 CLASSES = ("short", "medium", "long")
 VARIANTS = ("growpage-random", "growpage-inverse", "growpage-shrink")
@@ -249,7 +250,7 @@ def per_document(run: EngineRun, reference: EngineRun) -> list[dict]:
     return out
 
 
-def run_mixed_documents(model: str = "default", *, quick: bool = False,
+def run_mixed_documents(model: str = DEFAULT_MODEL, *, quick: bool = False,
                         scale: DocumentScale | None = None,
                         log: Callable[[str], None] = print) -> BenchResult:
     from engine.llm import LLM
@@ -450,7 +451,7 @@ def fmt(value: float | None) -> str:
 
 
 def position_rows(labels: list[str], fidelity: dict) -> list[dict]:
-    """evals.positions' buckets per configuration: NLL and delta-NLL with intervals over
+    """evals.run.positions' buckets per configuration: NLL and delta-NLL with intervals over
     documents."""
     rows = []
     for label in labels:
@@ -528,7 +529,7 @@ def comparisons_table(comparisons: list[dict], scale: DocumentScale) -> Table:
 
 def positions_table(rows: list[dict]) -> Table:
     return Table(
-        "positions", "delta-NLL by document position (evals.positions buckets, repeat 1)",
+        "positions", "delta-NLL by document position (evals.run.positions buckets, repeat 1)",
         [Column("policy", "policy"), Column("bucket", "positions"),
          Column("documents", "documents", "d"), Column("tokens", "tokens", "d"),
          Column("nll", "NLL", ".4f"), Column("delta_nll", "delta-NLL", ".4f"),

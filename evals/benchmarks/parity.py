@@ -43,7 +43,8 @@ from typing import Callable, Sequence
 import typer
 
 import evals
-from evals.benchmarks import bench_app, peer_kvpress
+from evals.benchmarks import peer_kvpress
+from evals.benchmarks.app import bench_app
 from evals.benchmarks.common import (
     BenchResult,
     Column,

@@ -39,8 +39,10 @@ from typing import Callable, Iterator, Optional
 
 import typer
 
+from engine.config import DEFAULT_MODEL
 from engine.threads import applied_defaults
-from evals.benchmarks import bench_app, peer_vllm
+from evals.benchmarks import peer_vllm
+from evals.benchmarks.app import bench_app
 from evals.benchmarks.common import (
     BenchResult,
     Column,
@@ -235,7 +237,7 @@ def describe_processes(info: dict) -> str:
     return "; ".join(parts) or "no process information"
 
 
-def run_peer(model: str = "default", *, peer: PeerSettings, quick: bool = False,
+def run_peer(model: str = DEFAULT_MODEL, *, peer: PeerSettings, quick: bool = False,
              scale: ThroughputScale | None = None, block_size: int = 32,
              log: Callable[[str], None] = print) -> BenchResult:
     import torch

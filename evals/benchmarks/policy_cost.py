@@ -50,7 +50,8 @@ from typing import Any, Callable
 
 import typer
 
-from evals.benchmarks import bench_app
+from engine.config import DEFAULT_MODEL
+from evals.benchmarks.app import bench_app
 from evals.benchmarks.common import BenchResult, Column, Table, Target, run_bench_command
 from evals.benchmarks.options import ModelOpt, OutDirOpt, QuickOpt, ThreadsOpt
 from evals.benchmarks.workloads import haystack_document, rng
@@ -203,57 +204,94 @@ def summarise(runs: list[dict], labels: list[str]) -> list[dict]:
     return rows
 
 
-def run_policy_cost(model: str = "default", *, quick: bool = False,
+def run_policy_cost(model: str = DEFAULT_MODEL, *, quick: bool = False,
                     scale: PolicyCostScale | None = None,
                     log: Callable[[str], None] = print) -> BenchResult:
-    from engine.llm import LLM
     from engine.models.loader import resolve_model
-    from engine.sampling import SamplingParams
 
     scale = scale or (QUICK if quick else PolicyCostScale())
-    model_dir = resolve_model(model)
-    bs = scale.block_size
-    per_request = -(-(scale.prompt_tokens + scale.length + 1) // bs) + 1
-    pool = scale.documents * per_request * bs
-    llm = LLM(model_dir, block_size=bs, kv_cache_tokens=pool, max_num_seqs=scale.documents,
-              max_num_batched_tokens=max(2048, scale.documents * scale.prompt_tokens),
-              max_model_len=scale.prompt_tokens + scale.length + bs)
-    docs = documents(llm.tokenizer, scale, llm.runner.hf_config.vocab_size)
-    prompts = [d[:scale.prompt_tokens] for d in docs]
-    params = [SamplingParams(temperature=0.0, max_tokens=scale.length,
-                             forced_tokens=tuple(d[scale.prompt_tokens:]), logprobs=True)
-              for d in docs]
-    llm.generate([prompts[0][:4]], SamplingParams(temperature=0.0, max_tokens=3))  # warm-up
+    llm, pool = _engine(resolve_model(model), scale)
+    prompts, params = _forced_documents(llm, scale)
     configs = scale.configs()
     labels = [label for label, _, _ in configs]
     runs = []
     for repeat in range(1, scale.repeats + 1):
         shift = (repeat - 1) % len(configs)
         for label, policy, args in configs[shift:] + configs[:shift]:
-            llm.use_policy(policy, **args)
-            signals, hooks = Clock(), Clock()
-            signals.wrap(llm.runner.queries, SIGNAL_METHODS)
-            hooks.wrap(llm.policy, DECISION_METHODS)
-            start, cpu = time.perf_counter(), time.process_time()
-            try:
-                outputs = llm.generate(prompts, params)
-            finally:
-                wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-                signals.unwrap()
-                hooks.unwrap()
-            stats = llm.last_stats
-            if any(o.num_output_tokens != scale.length for o in outputs) \
-                    or stats.counts.get("preemption"):
-                raise RuntimeError(f"{label}: the documents did not decode in lockstep "
-                                   f"(counts {stats.counts})")
-            runs.append(split_row(label, repeat, wall, cpu, stats, signals.seconds,
-                                  hooks.seconds, scale.length))
+            runs.append(_timed_run(llm, label, policy, args, prompts, params, scale, repeat))
             log(f"repeat {repeat} {label}: {runs[-1]['per_token_ms']:.2f} ms/token, "
-                f"{stats.compactions} compactions")
+                f"{runs[-1]['compactions']} compactions")
     rows = summarise(runs, labels)
     args_of = {label: args for label, _, args in configs}
     for row in rows:
         row["args"] = ", ".join(f"{k}={v}" for k, v in args_of[row["policy"]].items())
+    targets = [Target.check(f"{r['policy']}: per-token time / FullKV's", r["ratio"], "<",
+                            RATIO_TARGET) for r in rows if r["policy"] != "full"]
+    for r in rows:
+        if r["policy"] == "growpage":
+            targets.append(Target.check("growpage: (signals + decisions) / decode",
+                                        r["overhead_share"], "<", GROWPAGE_OVERHEAD_TARGET))
+    notes = [f"{r['policy']} made no compaction (the documents stay within what it keeps)"
+             for r in rows if r["policy"] != "full" and not r["compactions"]]
+    scale_dict = {**scale.__dict__, "model": str(model), "pool_tokens": pool,
+                  "policies": ",".join(labels)}
+    return BenchResult("policy-cost", "Policy cost per decode step against FullKV",
+                       scale_dict, _policy_cost_tables(rows, runs, scale), targets, notes)
+
+
+def _engine(model_dir, scale: PolicyCostScale):
+    """One engine for every configuration (policies swapped with `use_policy`), its pool holding
+    every document at full length at once; returns (engine, pool tokens)."""
+    from engine.llm import LLM
+
+    bs = scale.block_size
+    per_request = -(-(scale.prompt_tokens + scale.length + 1) // bs) + 1
+    pool = scale.documents * per_request * bs
+    llm = LLM(model_dir, block_size=bs, kv_cache_tokens=pool, max_num_seqs=scale.documents,
+              max_num_batched_tokens=max(2048, scale.documents * scale.prompt_tokens),
+              max_model_len=scale.prompt_tokens + scale.length + bs)
+    return llm, pool
+
+
+def _forced_documents(llm, scale: PolicyCostScale) -> tuple[list[list[int]], list]:
+    """The documents' prompts and their continuations as forced tokens (with log-probabilities),
+    after one warm-up generation."""
+    from engine.sampling import SamplingParams
+
+    docs = documents(llm.tokenizer, scale, llm.vocab_size)
+    prompts = [d[:scale.prompt_tokens] for d in docs]
+    params = [SamplingParams(temperature=0.0, max_tokens=scale.length,
+                             forced_tokens=tuple(d[scale.prompt_tokens:]), logprobs=True)
+              for d in docs]
+    llm.generate([prompts[0][:4]], SamplingParams(temperature=0.0, max_tokens=3))  # warm-up
+    return prompts, params
+
+
+def _timed_run(llm, label: str, policy: str, args: dict, prompts: list, params: list,
+               scale: PolicyCostScale, repeat: int) -> dict:
+    """One configuration's run over every document, its signal writes and decision hooks
+    clocked; its row (``split_row``). RuntimeError when the documents did not decode in
+    lockstep (a preemption, or a request that stopped early)."""
+    llm.use_policy(policy, **args)
+    signals, hooks = Clock(), Clock()
+    signals.wrap(llm.runner.queries, SIGNAL_METHODS)
+    hooks.wrap(llm.policy, DECISION_METHODS)
+    start, cpu = time.perf_counter(), time.process_time()
+    try:
+        outputs = llm.generate(prompts, params)
+    finally:
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+        signals.unwrap()
+        hooks.unwrap()
+    stats = llm.last_stats
+    if any(o.num_output_tokens != scale.length for o in outputs) or stats.counts.get("preemption"):
+        raise RuntimeError(f"{label}: the documents did not decode in lockstep "
+                           f"(counts {stats.counts})")
+    return split_row(label, repeat, wall, cpu, stats, signals.seconds, hooks.seconds, scale.length)
+
+
+def _policy_cost_tables(rows: list[dict], runs: list[dict], scale: PolicyCostScale) -> list[Table]:
+    """The per-policy medians and every run."""
     ms = ".2f"
     table = Table(
         "policies", "Per-token time against FullKV's, split by where it goes (median of repeats)",
@@ -284,18 +322,7 @@ def run_policy_cost(model: str = "default", *, quick: bool = False,
          Column("execute_ms", "execute", ".3f"), Column("other_ms", "other", ".3f"),
          Column("wall_s", "wall s", ".2f")],
         runs, "Configurations rotate by one each repeat.")
-    targets = [Target.check(f"{r['policy']}: per-token time / FullKV's", r["ratio"], "<",
-                            RATIO_TARGET) for r in rows if r["policy"] != "full"]
-    for r in rows:
-        if r["policy"] == "growpage":
-            targets.append(Target.check("growpage: (signals + decisions) / decode",
-                                        r["overhead_share"], "<", GROWPAGE_OVERHEAD_TARGET))
-    notes = [f"{r['policy']} made no compaction (the documents stay within what it keeps)"
-             for r in rows if r["policy"] != "full" and not r["compactions"]]
-    scale_dict = {**scale.__dict__, "model": str(model), "pool_tokens": pool,
-                  "policies": ",".join(labels)}
-    return BenchResult("policy-cost", "Policy cost per decode step against FullKV",
-                       scale_dict, [table, run_table], targets, notes)
+    return [table, run_table]
 
 
 @bench_app.command("policy-cost")

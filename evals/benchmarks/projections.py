@@ -32,7 +32,7 @@ from typing import Callable
 
 import typer
 
-from evals.benchmarks import bench_app
+from evals.benchmarks.app import bench_app
 from evals.benchmarks.common import BenchResult, Column, Table, run_bench_command, wall_times
 from evals.benchmarks.options import OutDirOpt, QuickOpt, ThreadsOpt, parse_ints
 

@@ -33,8 +33,9 @@ from typing import Any, Callable
 
 import typer
 
+from engine.config import DEFAULT_MODEL
 from engine.events import is_compaction
-from evals.benchmarks import bench_app
+from evals.benchmarks.app import bench_app
 from evals.benchmarks.common import BenchResult, Column, Table, run_bench_command
 from evals.benchmarks.options import ModelOpt, OutDirOpt, QuickOpt, ThreadsOpt, parse_ints
 
@@ -235,7 +236,7 @@ def soak_policy(model: str, policy: str, block_size: int, cfg: SoakConfig, count
     result = SoakResult(policy, block_size, count)
     prompts, params = workload(cfg, len(llm.tokenizer), block_size, count, seed=seed)
     rng = random.Random(f"abort-{cfg.seed}-{seed}-{block_size}-{policy}")
-    _watch_select(llm.policy, llm.runner.num_layers, llm.runner.num_kv_heads, result.violations)
+    _watch_select(llm.policy, llm.engine_spec.num_layers, llm.engine_spec.num_kv_heads, result.violations)
 
     def on_step(tokens: int, finished: int) -> None:
         sched = llm.last_scheduler
@@ -314,7 +315,7 @@ BENCH = SoakConfig(requests=1000, block_sizes=(8, 16), prompt_tokens=(1, 24), ou
                    fidelity_requests=4)
 
 
-def run_soak(model: str = "default", *, quick: bool = False, cfg: SoakConfig | None = None,
+def run_soak(model: str = DEFAULT_MODEL, *, quick: bool = False, cfg: SoakConfig | None = None,
              policies: list[str] | None = None, log=print) -> BenchResult:
     cfg = cfg or (QUICK if quick else BENCH)
     names = policies or registered_policies()

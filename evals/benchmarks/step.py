@@ -48,7 +48,7 @@ from pathlib import Path
 
 import typer
 
-from evals.benchmarks import bench_app
+from evals.benchmarks.app import bench_app
 from evals.benchmarks.common import BenchResult, Column, Table, run_bench_command
 from evals.benchmarks.options import OutDirOpt, QuickOpt, ThreadsOpt, parse_floats, parse_ints
 
@@ -289,20 +289,20 @@ def _engine_rows(model_dir: Path, scale: StepScale, mode: str, policy: str, band
     llm = _engine(model_dir, scale, policy, max_num_seqs=biggest, kv_cache_tokens=tokens,
                   max_num_batched_tokens=biggest * scale.context + biggest,
                   compile=MODES[mode])
-    r = llm.runner
+    r, spec = llm.runner, llm.engine_spec  # the runner for its weights and KV tensors
     warm = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
     for batch in scale.batches:  # warm-up: each batch's buckets (and any compile)
-        llm.generate(_prompts(batch, 8, r.hf_config.vocab_size, scale.seed), warm)
+        llm.generate(_prompts(batch, 8, llm.vocab_size, scale.seed), warm)
     # and a full-context request, whose decode crosses a page boundary: the policy's decision
     # and compaction paths run once (lazy initialisation, kernel compiles) before timing.
-    llm.generate(_prompts(1, scale.context, r.hf_config.vocab_size, scale.seed + 3), warm)
+    llm.generate(_prompts(1, scale.context, llm.vocab_size, scale.seed + 3), warm)
     log(f"{mode} {policy}: engine ready in {time.perf_counter() - start:.1f} s")
     weights = sum(p.numel() * p.element_size() for p in r.model.parameters())
     rows = []
     for batch in scale.batches:
-        prompts = _prompts(batch, scale.context, r.hf_config.vocab_size, scale.seed)
-        kv = (batch * (scale.context + scale.new_tokens // 2) * 2 * r.num_layers
-              * r.num_kv_heads * r.head_dim * r.kv.k.element_size())
+        prompts = _prompts(batch, scale.context, llm.vocab_size, scale.seed)
+        kv = (batch * (scale.context + scale.new_tokens // 2) * 2 * spec.num_layers
+              * spec.num_kv_heads * spec.head_dim * r.kv.k.element_size())
         floor_ms = (weights + kv) / bandwidth * 1000
         for t in scale.temperatures:
             # Temperature alone (no top-p / top-k): the reference samples the same way.
@@ -311,10 +311,10 @@ def _engine_rows(model_dir: Path, scale: StepScale, mode: str, policy: str, band
             row = _timed_and_profiled(llm, prompts, params, scale)
             ref_ms = ref.get((batch, t))
             row.update(policy=policy, mode=mode, temperature=t, batch=batch,
-                       max_model_len=r.max_model_len, floor_ms=floor_ms,
+                       max_model_len=spec.max_model_len, floor_ms=floor_ms,
                        vs_floor=row["ms_step"] / floor_ms, ref_ms=ref_ms,
                        vs_ref=row["ms_step"] / ref_ms if ref_ms else None,
-                       kernels_per_layer=row["kernels"] / r.num_layers)
+                       kernels_per_layer=row["kernels"] / spec.num_layers)
             log(f"{mode} {policy} batch {batch} T={t}: {row['ms_step']:.2f} ms/step "
                 f"({row['vs_ref'] or float('nan'):.2f}x reference), {row['kernels']:.0f} kernels, "
                 f"{row['syncs']:.1f} syncs/step, overhead {row['overhead']:.1%}")
@@ -404,7 +404,7 @@ def _e2e_rows(model_dir: Path, shape: str, scale: StepScale, log) -> list[dict]:
                           block_size=bs, max_num_seqs=n, compile=MODES[mode],
                           kv_cache_tokens=n * (scale.e2e_prompt + scale.e2e_new + 2 * bs),
                           max_num_batched_tokens=max(n * scale.e2e_prompt, 2048))
-            prompts = _prompts(n, scale.e2e_prompt, llm.runner.hf_config.vocab_size,
+            prompts = _prompts(n, scale.e2e_prompt, llm.vocab_size,
                                scale.seed + 2)
             params = SamplingParams(temperature=0.0, max_tokens=scale.e2e_new, ignore_eos=True)
             llm.generate(prompts[:1], replace(params, max_tokens=3))  # warm-up (and any compile)
@@ -426,7 +426,7 @@ def _hf_step_ms(model_dir: Path, scale: StepScale, batch: int, log) -> float | N
 
     llm = _engine(model_dir, scale, max_num_seqs=1, kv_cache_tokens=scale.block_size * 2)
     hf = _hf_model(llm)
-    ids = torch.tensor(_prompts(batch, scale.context, llm.runner.hf_config.vocab_size, scale.seed),
+    ids = torch.tensor(_prompts(batch, scale.context, llm.vocab_size, scale.seed),
                        device=llm.runner.device)
     del llm
     _free()
@@ -457,7 +457,7 @@ def _agreement(model_dir: Path, scale: StepScale, shape: str, log) -> dict:
 
     n, new = scale.agreement_prompts, scale.agreement_tokens
     llm = _engine(model_dir, scale, max_num_seqs=n, kv_cache_tokens=n * (256 + new + scale.block_size))
-    prompts = _prompts(n, 64, llm.runner.hf_config.vocab_size, scale.seed + 1)
+    prompts = _prompts(n, 64, llm.vocab_size, scale.seed + 1)
     ours = [o.token_ids for o in llm.generate(prompts, SamplingParams(
         temperature=0.0, max_tokens=new, ignore_eos=True))]
     hf = _hf_model(llm)
@@ -483,7 +483,7 @@ def _sampling(model_dir: Path, scale: StepScale) -> dict:
     from engine.sampling import SamplingParams
 
     llm = _engine(model_dir, scale, max_num_seqs=4, kv_cache_tokens=4096, block_size=16)
-    prompts = _prompts(4, 24, llm.runner.hf_config.vocab_size, scale.seed)
+    prompts = _prompts(4, 24, llm.vocab_size, scale.seed)
     params = [SamplingParams(temperature=0.6, top_p=0.95, top_k=20, seed=s, max_tokens=16,
                              ignore_eos=True) for s in range(4)]
     first = [o.token_ids for o in llm.generate(prompts, params)]
@@ -515,7 +515,7 @@ def _policies_compress(model_dir: Path, scale: StepScale) -> list[dict]:
         prompt_len = 2 * max([v for v in args.values() if isinstance(v, int)] + [64])
         llm = _engine(model_dir, scale, name, args, max_num_seqs=4, kv_cache_tokens=4096,
                       block_size=16)
-        outs = llm.generate(_prompts(4, prompt_len, llm.runner.hf_config.vocab_size, scale.seed),
+        outs = llm.generate(_prompts(4, prompt_len, llm.vocab_size, scale.seed),
                             SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True))
         kinds: dict[str, int] = {}
         for o in outs:
@@ -539,7 +539,7 @@ def _async_equals_sync(model_dir: Path, scale: StepScale) -> dict:
         llm = _engine(model_dir, scale, "zipage", {"budget": 48, "window": 16}, max_num_seqs=4,
                       kv_cache_tokens=4096, block_size=16, async_compaction=background)
         runs.append([o.token_ids for o in llm.generate(
-            _prompts(4, 40, llm.runner.hf_config.vocab_size, scale.seed), params)])
+            _prompts(4, 40, llm.vocab_size, scale.seed), params)])
     return dict(check="async compaction equals sync (Zipage, greedy)", shape="tiny",
                 ok=runs[0] == runs[1], detail="identical tokens" if runs[0] == runs[1]
                 else "tokens differ")

@@ -126,6 +126,27 @@ class _Worker:
         self.conn.close()
 
 
+class _Calls:
+    """One ``map``'s calls: their answers, those waiting (``pending``), those handed to a worker
+    (``busy``: worker -> (call, deadline)), those reserved for a fresh worker's second run
+    (``reserved``: worker -> call), how often each ran, and why workers did not start."""
+
+    def __init__(self, fn: Callable[[Any], Any], items: Sequence[Any], bound: float,
+                 on_timeout: Callable[[Any], Any], on_error: Callable[[Any, str], Any],
+                 on_infra: Callable[[Any, str], Any]):
+        self.fn, self.items, self.bound = fn, items, bound
+        self.on_timeout, self.on_error, self.on_infra = on_timeout, on_error, on_infra
+        self.results: list[Any] = [None] * len(items)
+        self.pending = deque(range(len(items)))
+        self.reserved: dict[_Worker, int] = {}
+        self.busy: dict[_Worker, tuple[int, float]] = {}
+        self.runs = [0] * len(items)
+        self.failures: list[str] = []
+
+    def answer_infra(self, i: int, why: str) -> None:
+        self.results[i] = self.on_infra(self.items[i], why)
+
+
 class GradingPool:
     """Time-bounded process pool.
 
@@ -210,96 +231,104 @@ class GradingPool:
         none started, gives ``on_infra(item, message)`` (default :class:`GradingInfraError`).
         """
         bound = self.timeout_s if timeout_s is None else timeout_s
-        on_timeout = on_timeout or (lambda item: TimeoutError(f"call exceeded {bound} s"))
-        on_error = on_error or (lambda item, msg: RuntimeError(msg))
-        on_infra = on_infra or (lambda item, msg: GradingInfraError(msg))
-        results: list[Any] = [None] * len(items)
-        pending = deque(range(len(items)))
-        reserved: dict[_Worker, int] = {}  # a fresh worker's call: one given a second run
-        busy: dict[_Worker, tuple[int, float]] = {}
-        runs = [0] * len(items)
-        failures: list[str] = []  # why workers did not start, in this call
-
-        def call_failed(w: _Worker, i: int, timed_out: bool) -> None:
-            """The worker overran or died in call ``i``: a fresh one runs it once more."""
-            fresh = self._replace(w)
-            runs[i] += 1
-            if runs[i] < 2:
-                reserved[fresh] = i
-                self.regraded += 1
-            elif timed_out:
-                results[i] = on_timeout(items[i])
-                self.timeouts += 1
-            else:
-                results[i] = on_infra(items[i], "its grading worker died, twice")
-
-        def start_failed(w: _Worker, why: str, fatal: bool, reported: bool = False) -> None:
-            """``w`` did not start. If it failed (``fatal``: it died, or its initializer raised)
-            before any worker ever started, nothing can be graded: raise. Otherwise it leaves the
-            pool (a slow start is the machine's state, not the script's), and the call it was to
-            run again has no answer."""
-            if fatal and not self._started:
-                error = _start_error(w, why, reported)
-                self.close()
-                raise error from None
-            self.start_failures += 1
-            failures.append(why)
-            w.kill()
-            self._pool.remove(w)
-            if w in reserved:
-                i = reserved.pop(w)
-                results[i] = on_infra(items[i], f"no grading worker to run it again ({why})")
-
+        calls = _Calls(fn, items, bound,
+                       on_timeout or (lambda item: TimeoutError(f"call exceeded {bound} s")),
+                       on_error or (lambda item, msg: RuntimeError(msg)),
+                       on_infra or (lambda item, msg: GradingInfraError(msg)))
         while len(self._pool) < min(self.workers, len(items)):
             self._pool.append(self._new_worker())
-        while pending or busy or reserved:
-            for w in list(self._pool):  # hand calls to ready, idle workers: each clock starts here
-                if not w.ready or w in busy or (w not in reserved and not pending):
-                    continue
-                i = reserved.pop(w) if w in reserved else pending.popleft()
-                try:
-                    w.conn.send((fn, items[i]))
-                except OSError:  # it died idle: the call waits for a fresh worker
-                    reserved[self._replace(w)] = i
-                    continue
-                busy[w] = (i, time.monotonic() + bound)
+        while calls.pending or calls.busy or calls.reserved:
+            self._hand_out(calls)
             starting = [w for w in self._pool if not w.ready]
-            if not busy and not starting:  # no worker left to take the calls still waiting
-                why = failures[-1] if failures else "none was started"
-                for i in pending:
-                    results[i] = on_infra(items[i], f"no grading worker could start ({why})")
-                pending.clear()
+            if not calls.busy and not starting:  # no worker left to take the calls still waiting
+                why = calls.failures[-1] if calls.failures else "none was started"
+                for i in calls.pending:
+                    calls.answer_infra(i, f"no grading worker could start ({why})")
+                calls.pending.clear()
                 continue
-            deadlines = [d for _, d in busy.values()] + [w.start_deadline for w in starting]
-            by_conn = {w.conn: w for w in [*busy, *starting]}
-            got = wait(list(by_conn), timeout=max(0.0, min(deadlines) - time.monotonic()))
-            for conn in got:
-                w = by_conn[conn]
-                try:
-                    kind, value = conn.recv()
-                except (EOFError, OSError):
-                    if w in busy:
-                        call_failed(w, busy.pop(w)[0], timed_out=False)
-                    else:
-                        w.process.join(5)
-                        start_failed(w, f"exit code {w.process.exitcode}", fatal=True)
-                    continue
-                if kind == _READY:
-                    w.ready = self._started = True
-                elif kind == _START_ERROR:
-                    start_failed(w, value, fatal=True, reported=True)
+            self._receive(calls, starting)
+            self._expire(calls)
+        return calls.results
+
+    def _hand_out(self, calls: _Calls) -> None:
+        """Hand waiting calls to ready, idle workers: each call's clock starts here."""
+        for w in list(self._pool):
+            if not w.ready or w in calls.busy or (w not in calls.reserved and not calls.pending):
+                continue
+            i = calls.reserved.pop(w) if w in calls.reserved else calls.pending.popleft()
+            try:
+                w.conn.send((calls.fn, calls.items[i]))
+            except OSError:  # it died idle: the call waits for a fresh worker
+                calls.reserved[self._replace(w)] = i
+                continue
+            calls.busy[w] = (i, time.monotonic() + calls.bound)
+
+    def _receive(self, calls: _Calls, starting: list[_Worker]) -> None:
+        """Wait for the first message (an answer, a worker ready or failed to start, a death)
+        until the nearest deadline, and take every message that came."""
+        deadlines = [d for _, d in calls.busy.values()] + [w.start_deadline for w in starting]
+        by_conn = {w.conn: w for w in [*calls.busy, *starting]}
+        got = wait(list(by_conn), timeout=max(0.0, min(deadlines) - time.monotonic()))
+        for conn in got:
+            w = by_conn[conn]
+            try:
+                kind, value = conn.recv()
+            except (EOFError, OSError):
+                if w in calls.busy:
+                    self._call_failed(calls, w, calls.busy.pop(w)[0], timed_out=False)
                 else:
-                    i, _ = busy.pop(w)
-                    results[i] = value if kind == "ok" else on_error(items[i], value)
-            now = time.monotonic()
-            for w, (i, deadline) in list(busy.items()):
-                if now >= deadline:
-                    busy.pop(w)
-                    call_failed(w, i, timed_out=True)
-            for w in [w for w in self._pool if not w.ready and now >= w.start_deadline]:
-                if not w.conn.poll():  # (a message that came just now is read first)
-                    start_failed(w, f"not ready within {self.start_timeout_s:g} s", fatal=False)
-        return results
+                    w.process.join(5)
+                    self._start_failed(calls, w, f"exit code {w.process.exitcode}", fatal=True)
+                continue
+            if kind == _READY:
+                w.ready = self._started = True
+            elif kind == _START_ERROR:
+                self._start_failed(calls, w, value, fatal=True, reported=True)
+            else:
+                i, _ = calls.busy.pop(w)
+                calls.results[i] = value if kind == "ok" else calls.on_error(calls.items[i], value)
+
+    def _expire(self, calls: _Calls) -> None:
+        """Calls past their bound and workers past their start-up bound."""
+        now = time.monotonic()
+        for w, (i, deadline) in list(calls.busy.items()):
+            if now >= deadline:
+                calls.busy.pop(w)
+                self._call_failed(calls, w, i, timed_out=True)
+        for w in [w for w in self._pool if not w.ready and now >= w.start_deadline]:
+            if not w.conn.poll():  # (a message that came just now is read first)
+                self._start_failed(calls, w, f"not ready within {self.start_timeout_s:g} s",
+                                   fatal=False)
+
+    def _call_failed(self, calls: _Calls, w: _Worker, i: int, timed_out: bool) -> None:
+        """The worker overran or died in call ``i``: a fresh one runs it once more."""
+        fresh = self._replace(w)
+        calls.runs[i] += 1
+        if calls.runs[i] < 2:
+            calls.reserved[fresh] = i
+            self.regraded += 1
+        elif timed_out:
+            calls.results[i] = calls.on_timeout(calls.items[i])
+            self.timeouts += 1
+        else:
+            calls.answer_infra(i, "its grading worker died, twice")
+
+    def _start_failed(self, calls: _Calls, w: _Worker, why: str, fatal: bool,
+                      reported: bool = False) -> None:
+        """``w`` did not start. If it failed (``fatal``: it died, or its initializer raised)
+        before any worker ever started, nothing can be graded: raise. Otherwise it leaves the
+        pool (a slow start is the machine's state, not the script's), and the call it was to
+        run again has no answer."""
+        if fatal and not self._started:
+            error = _start_error(w, why, reported)
+            self.close()
+            raise error from None
+        self.start_failures += 1
+        calls.failures.append(why)
+        w.kill()
+        self._pool.remove(w)
+        if w in calls.reserved:
+            calls.answer_infra(calls.reserved.pop(w), f"no grading worker to run it again ({why})")
 
     def _new_worker(self) -> _Worker:
         return _Worker(self._ctx, self.initializer, self.start_timeout_s)

@@ -55,7 +55,8 @@ from evals.leaderboard import (
     run_prov_ids,
 )
 from evals.provenance import describe_key
-from evals.results import RunResult, find_runs, ungraded
+from evals.results.lines import ungraded
+from evals.results.runs import RunResult, find_runs
 from evals.run import fidelity
 from evals.tasks import task_title
 from evals.traces import TraceIndex
@@ -710,88 +711,15 @@ def build_data(dirs: Sequence[str | Path], limits: Limits | None = None,
     limits = limits or Limits()
     pieces = pieces or Pieces()
     notes = _Notes()
-    skipped: list[str] = []
-    results = find_runs(dirs, skipped)
-    for line in skipped:
-        notes.add(f"Not shown: the run {' '.join(clean_text(line).split())[:400]}.")
-    if not results:
-        raise FileNotFoundError(f"no result directories (config.json + metrics.json) under "
-                                f"{[str(d) for d in dirs]}; run `kvarena eval` first")
-    for r in results:
-        try:
-            complete_intervals(r)
-        except Exception as e:  # a samples.jsonl no interval can be computed from
-            notes.skip(clean_text(r.path.as_posix()), "the intervals", e)
-    tasks = order_tasks({r.task for r in results})
-    results.sort(key=lambda r: (r.model, tasks.index(r.task), not_fullkv(r.label), r.label,
-                                str(r.path)))
-    results = [_usable_provenance(r, notes) for r in results]
+    results = _read_results(dirs, notes)
     runs, titles = _label_and_group(results, dirs, notes)
     ids = provenance_ids(results)
-    fulls: dict[str, list[_Run]] = {}  # a task directory may hold FullKV runs of several settings
-    for run in runs:
-        if not not_fullkv(run.label) or run.result.config.get("policy") == FULL:
-            fulls.setdefault(run.group, []).append(run)
-        run.prov = run_prov_ids(run.result, ids)
-    for run in runs:
-        candidates = fulls.get(run.group, [])
-        chosen = fullkv_run(run.result, [f.result for f in candidates])
-        run.full = next((f for f in candidates if f.result is chosen), None)
-        try:
-            run.records = run.result.samples()
-        except Exception as e:  # a typed error in samples.jsonl (ResultsCorruptError), a directory
-            notes.skip(run.id, "the samples", e)
-        try:
-            run.traces = TraceIndex(run.result.path)
-            if run.traces.dropped:
-                notes.skip(run.id, f"{run.traces.dropped} line(s) of traces.jsonl",
-                           "cut short or not a trace: a write stopped by a kill")
-        except OSError as e:
-            notes.skip(run.id, "traces.jsonl", e)
+    _attach_files(runs, ids, notes)
     references: dict[str, dict] = {}
-    entries, samples, shown_runs = [], {}, []
-    for run in runs:
-        where = run.id
-        try:
-            shown = _shown_records(run, limits, notes)
-            keys = {(str(r["uid"]), int(r["sample"])) for r in shown}
-            forced = fidelity.read_forced(run.result.path, keys)
-            try:
-                refs = fidelity.reference_entries(run.result.path, run.config, keys)
-            except (KeyError, TypeError, ValueError):  # a config without the reference's settings
-                refs = {}
-            has_forced = (run.result.path / fidelity.FORCED_FILE).is_file()
-            seen = Cleaned()
-            entry = clean(_run_entry(run, has_forced), seen)
-            seen.note(notes, where, "metrics.json or config.json")
-            seen = Cleaned()
-            rows = clean(_sample_entries(run, shown, forced, refs, pieces, references, limits, notes),
-                         seen)
-            seen.note(notes, where, "its samples")
-        except Exception as e:  # whatever a hand edit put there: this run is left out, not the page
-            notes.skip(where, "the run", e)
-            continue
-        entries.append(entry)
-        samples[run.id] = rows
-        shown_runs.append(run)
+    entries, samples, shown_runs = _run_entries(runs, limits, pieces, references, notes)
     prov = {run.id: run.prov for run in shown_runs}
-    versions = {letter for e in entries for letter in prov.get(e["id"], [])}
-    if len(versions) > 1:
-        mixed = sum(1 for e in entries if e["cautions"])
-        notes.add(f"These {len(entries)} runs come from {len(versions)} code versions or machines "
-                  f"(letters {', '.join(sorted(versions, key=lambda s: (len(s), s)))}, explained "
-                  f"under Config and provenance); {mixed} of them differ from their FullKV run's "
-                  f"(marked \u2260): a difference there is not the policy's alone.")
-    missing = [e["id"] for e in entries if not e["has_traces"]]
-    if missing:
-        notes.add(f"{len(missing)} of {len(entries)} runs have no traces.jsonl (written by eval runs "
-                  f"since it was added): their capacity curves and token-level outputs are not "
-                  f"shown, and their outputs are compared as text.")
-    unforced = [e["id"] for e in entries if not e["has_forced"] and e["policy"] != FULL
-                and e["config"].get("fidelity", True)]
-    if unforced:
-        notes.add(f"{len(unforced)} runs have no forced_logprobs.jsonl: their per-token delta-NLL "
-                  f"shading is not shown (their per-sample means are).")
+    _note_versions(entries, prov, notes)
+    _note_missing_files(entries, notes)
     grids = niah_grids(shown_runs, titles, notes)
     in_grids = {row["run"] for g in grids for row in g["rows"]}
     kept = kept_section([r for r in shown_runs if r.id in in_grids], limits, notes)
@@ -823,3 +751,107 @@ def build_data(dirs: Sequence[str | Path], limits: Limits | None = None,
     seen.note(notes, "the traces and references", "the page's other sections")
     data["notes"] = clean(notes.lines, Cleaned())
     return data
+
+
+def _read_results(dirs: Sequence[str | Path], notes: _Notes) -> list[RunResult]:
+    """Every readable run at or below ``dirs`` with its intervals completed, in the page's order
+    (model, task, FullKV first, label, path), a provenance it cannot use left out; the runs that
+    could not be read are notes. FileNotFoundError when there is none."""
+    skipped: list[str] = []
+    results = find_runs(dirs, skipped)
+    for line in skipped:
+        notes.add(f"Not shown: the run {' '.join(clean_text(line).split())[:400]}.")
+    if not results:
+        raise FileNotFoundError(f"no result directories (config.json + metrics.json) under "
+                                f"{[str(d) for d in dirs]}; run `kvarena eval` first")
+    for r in results:
+        try:
+            complete_intervals(r)
+        except Exception as e:  # a samples.jsonl no interval can be computed from
+            notes.skip(clean_text(r.path.as_posix()), "the intervals", e)
+    tasks = order_tasks({r.task for r in results})
+    results.sort(key=lambda r: (r.model, tasks.index(r.task), not_fullkv(r.label), r.label,
+                                str(r.path)))
+    return [_usable_provenance(r, notes) for r in results]
+
+
+def _attach_files(runs: list[_Run], ids: dict, notes: _Notes) -> None:
+    """Give each run its provenance ids, the FullKV run of its group it is compared with, its
+    sample records and its traces; what cannot be read is a note."""
+    fulls: dict[str, list[_Run]] = {}  # a task directory may hold FullKV runs of several settings
+    for run in runs:
+        if not not_fullkv(run.label) or run.result.config.get("policy") == FULL:
+            fulls.setdefault(run.group, []).append(run)
+        run.prov = run_prov_ids(run.result, ids)
+    for run in runs:
+        candidates = fulls.get(run.group, [])
+        chosen = fullkv_run(run.result, [f.result for f in candidates])
+        run.full = next((f for f in candidates if f.result is chosen), None)
+        try:
+            run.records = run.result.samples()
+        except Exception as e:  # a typed error in samples.jsonl (ResultsCorruptError), a directory
+            notes.skip(run.id, "the samples", e)
+        try:
+            run.traces = TraceIndex(run.result.path)
+            if run.traces.dropped:
+                notes.skip(run.id, f"{run.traces.dropped} line(s) of traces.jsonl",
+                           "cut short or not a trace: a write stopped by a kill")
+        except OSError as e:
+            notes.skip(run.id, "traces.jsonl", e)
+
+
+def _run_entries(runs: list[_Run], limits: Limits, pieces: Pieces, references: dict[str, dict],
+                 notes: _Notes) -> tuple[list[dict], dict[str, list], list[_Run]]:
+    """(the leaderboard's entries, each run's sample rows by run id, the runs shown): a run
+    whose files hold what the page cannot show is left out, with a note, not the page."""
+    entries, samples, shown_runs = [], {}, []
+    for run in runs:
+        where = run.id
+        try:
+            shown = _shown_records(run, limits, notes)
+            keys = {(str(r["uid"]), int(r["sample"])) for r in shown}
+            forced = fidelity.read_forced(run.result.path, keys)
+            try:
+                refs = fidelity.reference_entries(run.result.path, run.config, keys)
+            except (KeyError, TypeError, ValueError):  # a config without the reference's settings
+                refs = {}
+            has_forced = (run.result.path / fidelity.FORCED_FILE).is_file()
+            seen = Cleaned()
+            entry = clean(_run_entry(run, has_forced), seen)
+            seen.note(notes, where, "metrics.json or config.json")
+            seen = Cleaned()
+            rows = clean(_sample_entries(run, shown, forced, refs, pieces, references, limits, notes),
+                         seen)
+            seen.note(notes, where, "its samples")
+        except Exception as e:  # whatever a hand edit put there: this run is left out, not the page
+            notes.skip(where, "the run", e)
+            continue
+        entries.append(entry)
+        samples[run.id] = rows
+        shown_runs.append(run)
+    return entries, samples, shown_runs
+
+
+def _note_versions(entries: list[dict], prov: dict[str, list[str]], notes: _Notes) -> None:
+    """A note when the runs shown come from several code versions or machines."""
+    versions = {letter for e in entries for letter in prov.get(e["id"], [])}
+    if len(versions) > 1:
+        mixed = sum(1 for e in entries if e["cautions"])
+        notes.add(f"These {len(entries)} runs come from {len(versions)} code versions or machines "
+                  f"(letters {', '.join(sorted(versions, key=lambda s: (len(s), s)))}, explained "
+                  f"under Config and provenance); {mixed} of them differ from their FullKV run's "
+                  f"(marked \u2260): a difference there is not the policy's alone.")
+
+
+def _note_missing_files(entries: list[dict], notes: _Notes) -> None:
+    """A note for the runs written before traces.jsonl or forced_logprobs.jsonl existed."""
+    missing = [e["id"] for e in entries if not e["has_traces"]]
+    if missing:
+        notes.add(f"{len(missing)} of {len(entries)} runs have no traces.jsonl (written by eval runs "
+                  f"since it was added): their capacity curves and token-level outputs are not "
+                  f"shown, and their outputs are compared as text.")
+    unforced = [e["id"] for e in entries if not e["has_forced"] and e["policy"] != FULL
+                and e["config"].get("fidelity", True)]
+    if unforced:
+        notes.add(f"{len(unforced)} runs have no forced_logprobs.jsonl: their per-token delta-NLL "
+                  f"shading is not shown (their per-sample means are).")

@@ -54,6 +54,19 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from evals import results as R
+from evals.jsonio import write_json
+from evals.results.files import (
+    SampleWriter,
+    append_segment,
+    check_writable,
+    load_samples,
+    read_json,
+    read_segments,
+    seal_progress,
+)
+from evals.results.identity import check_identity
+from evals.results.lines import replaceable
+from evals.results.lock import RunLock
 from evals.run import prompts
 from evals.run.plan import resolve_target
 from evals.run.runner import run_eval
@@ -117,11 +130,11 @@ def run_distributed(settings_list: Sequence[EvalSettings], workers: int | str = 
         for run in runs:
             path = resolve_target(run.settings).path
             try:
-                R.check_writable(path)
+                check_writable(path)
             except OSError as e:
                 raise EvalError(f"results directory {path} cannot be written ({e}); pass a "
                                 f"writable --out") from None
-            held.enter_context(R.RunLock(path))
+            held.enter_context(RunLock(path))
         return _run_all(runs, workers, address, hooks, threads)
 
 
@@ -282,11 +295,11 @@ def _finish(run: _Run, hooks: EvalHooks, workers: int) -> EvalOutcome:
     outcome.resumed = max(0, outcome.resumed - run.ran)
     if run.jobs:
         wall = (run.ended or time.perf_counter()) - (run.started or time.perf_counter())
-        config = R.read_json(run.path / R.CONFIG_FILE)
+        config = read_json(run.path / R.CONFIG_FILE)
         config["distributed"] = {"workers": workers, "jobs": run.jobs, "samples": run.ran,
                                  "output_tokens": run.output_tokens, "wall_time": wall,
                                  "tps": run.output_tokens / wall if wall > 0 else None}
-        R.write_json(run.path / R.CONFIG_FILE, config)
+        write_json(run.path / R.CONFIG_FILE, config)
     return outcome
 
 
@@ -325,31 +338,31 @@ def merge_shard(path: Path, shard: dict, source: str) -> list[dict]:
     """Merge one shard (``{"config", "segments", "records"}``) into run directory ``path``;
     returns the sample records written. Idempotent: merging the same shard twice adds nothing."""
     if (path / R.CONFIG_FILE).exists():
-        config = R.read_json(path / R.CONFIG_FILE)
-        R.check_identity(config, shard["config"], path)
+        config = read_json(path / R.CONFIG_FILE)
+        check_identity(config, shard["config"], path)
         for key in ("policy_params", "engine", "provenance", "last_invocation"):
             if key in shard["config"]:
                 config[key] = shard["config"][key]
-        R.write_json(path / R.CONFIG_FILE, config)
+        write_json(path / R.CONFIG_FILE, config)
     else:
-        R.write_json(path / R.CONFIG_FILE, shard["config"])
-    existing = R.read_segments(path / R.SEGMENTS_FILE)
+        write_json(path / R.CONFIG_FILE, shard["config"])
+    existing = read_segments(path / R.SEGMENTS_FILE)
     mapped = {s["merged_from"]: s["segment"] for s in existing if s.get("merged_from")}
     next_id = 1 + max((int(s.get("segment", -1)) for s in existing), default=-1)
     for seg in sorted(shard["segments"], key=lambda s: int(s.get("segment", 0))):
         tag = f"{source}/{seg.get('segment')}"
         if tag not in mapped:  # segment lines first: a crash before the samples loses nothing
             mapped[tag] = next_id
-            R.append_segment(path / R.SEGMENTS_FILE, {**seg, "segment": next_id, "merged_from": tag})
+            append_segment(path / R.SEGMENTS_FILE, {**seg, "segment": next_id, "merged_from": tag})
             next_id += 1
-    have = R.load_samples(path / R.SAMPLES_FILE).records
+    have = load_samples(path / R.SAMPLES_FILE).records
     written = []
-    with R.SampleWriter(path / R.SAMPLES_FILE) as writer:
+    with SampleWriter(path / R.SAMPLES_FILE) as writer:
         for rec in shard["records"]:
             key = (str(rec["uid"]), int(rec["sample"]))
-            if key in have and not R.replaceable(have[key]):
+            if key in have and not replaceable(have[key]):
                 continue
-            if key in have and R.replaceable(rec):
+            if key in have and replaceable(rec):
                 continue
             rec = {**rec, "segment": mapped.get(f"{source}/{rec.get('segment')}", rec.get("segment"))}
             writer.write(rec)
@@ -390,13 +403,13 @@ def _merge_side_files(path: Path, files: dict, keys: set) -> None:
 def read_shard(run_path: Path) -> dict:
     """A shard run directory as ``{"config", "segments", "records", "side_files", "prompts"}``
     (a killed worker's progress file sealed into a segment line first)."""
-    R.seal_progress(run_path)
-    config = R.read_json(run_path / R.CONFIG_FILE) if (run_path / R.CONFIG_FILE).exists() else {}
+    seal_progress(run_path)
+    config = read_json(run_path / R.CONFIG_FILE) if (run_path / R.CONFIG_FILE).exists() else {}
     side = {name: (run_path / name).read_text(encoding="utf-8") for name in _side_files()
             if (run_path / name).exists()}
     prompts_file = run_path / prompts.PROMPTS_FILE
-    return {"config": config, "segments": R.read_segments(run_path / R.SEGMENTS_FILE),
-            "records": list(R.load_samples(run_path / R.SAMPLES_FILE).records.values()),
+    return {"config": config, "segments": read_segments(run_path / R.SEGMENTS_FILE),
+            "records": list(load_samples(run_path / R.SAMPLES_FILE).records.values()),
             "side_files": side,
             "prompts": prompts_file.read_text(encoding="utf-8") if prompts_file.exists() else ""}
 

@@ -82,6 +82,9 @@ from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
 import numpy as np
 
 from evals import results as R
+from evals.jsonio import FILE_MODE, dumps_line, set_mode, write_json
+from evals.results.labels import model_slug, slug
+from evals.results.lock import holder, read_holder
 from evals.run import engines
 from evals.run.progress import track
 from evals.run.prompts import prompt_hash
@@ -94,7 +97,7 @@ PASSES_FILE = "fidelity_passes.jsonl"
 FORCED_FILE = "forced_logprobs.jsonl"
 FULL_POLICY = "full"
 
-# The per-sample fields. evals.results puts the mean of each (over the samples where it is not
+# The per-sample fields. evals.results.metrics puts the mean of each (over the samples where it is not
 # None) and its 95% interval into metrics.json; fid_first_divergence's mean is thus over the
 # samples that diverged.
 FIELDS = ("fid_delta_nll", "fid_worst_window", "fid_first_divergence", "fid_agreement",
@@ -174,7 +177,7 @@ def reference_key(config: Mapping[str, Any]) -> tuple[str, dict]:
                                            "data_source", "max_tokens", "temperature", "seed",
                                            "thinking")}
     digest = hashlib.sha1(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:10]
-    name = R.slug(f"mt{settings['max_tokens']}-T{float(settings['temperature']):g}-"
+    name = slug(f"mt{settings['max_tokens']}-T{float(settings['temperature']):g}-"
                   f"s{settings['seed']}-{digest}")
     return name, settings
 
@@ -196,10 +199,10 @@ class Reference:
     @classmethod
     def open(cls, out: str | Path, config: Mapping[str, Any]) -> "Reference":
         name, settings = reference_key(config)
-        path = Path(out) / R.model_slug(config["model_spec"]) / R.slug(config["task"]) / REFERENCE_DIR / name
+        path = Path(out) / model_slug(config["model_spec"]) / slug(config["task"]) / REFERENCE_DIR / name
         path.mkdir(parents=True, exist_ok=True)
         if not (path / KEY_FILE).exists():
-            R.write_json(path / KEY_FILE, settings)
+            write_json(path / KEY_FILE, settings)
         ref = cls(path, {})
         ref.refresh()
         return ref
@@ -237,13 +240,13 @@ class Reference:
         key = (uid, sample, sha)
         if key in self.entries:
             return self.entries[key]
-        fd = os.open(self.path / REFERENCE_FILE, os.O_RDWR | os.O_APPEND | os.O_CREAT, R.FILE_MODE)
+        fd = os.open(self.path / REFERENCE_FILE, os.O_RDWR | os.O_APPEND | os.O_CREAT, FILE_MODE)
         try:
-            R.set_mode(fd)
+            set_mode(fd)
             fcntl.flock(fd, fcntl.LOCK_EX)  # released by close
             self.refresh()
             if key not in self.entries:
-                data = R.dumps_line(entry).encode("utf-8")
+                data = dumps_line(entry).encode("utf-8")
                 size = os.fstat(fd).st_size
                 if size and os.pread(fd, 1, size - 1) != b"\n":
                     data = b"\n" + data  # a line cut by a crash stays a line of its own
@@ -259,17 +262,17 @@ class Reference:
         """Hold the directory's generation lock (``<dir>/.lock``) for the block, waiting for
         another invocation that holds it (``on_message`` says whose). A dead holder holds
         nothing: the kernel releases its lock."""
-        fd = os.open(self.path / R.LOCK_FILE, os.O_RDWR | os.O_CREAT, R.FILE_MODE)
+        fd = os.open(self.path / R.LOCK_FILE, os.O_RDWR | os.O_CREAT, FILE_MODE)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 on_message(f"FullKV reference: waiting for another kvarena invocation that is "
-                           f"generating it ({R.read_holder(fd)})")
+                           f"generating it ({read_holder(fd)})")
                 fcntl.flock(fd, fcntl.LOCK_EX)
-            R.set_mode(fd)
+            set_mode(fd)
             os.ftruncate(fd, 0)
-            os.pwrite(fd, json.dumps(R.holder()).encode("utf-8") + b"\n", 0)
+            os.pwrite(fd, json.dumps(holder()).encode("utf-8") + b"\n", 0)
             try:
                 yield
             finally:
@@ -451,7 +454,7 @@ class Fidelity:
     def write_forced(self, run_path: Path, segment: int) -> int:
         """Append this invocation's forced-pass log-probabilities to the run's
         ``forced_logprobs.jsonl`` (module docstring); returns the number of lines written."""
-        lines = [R.dumps_line({"uid": uid, "sample": sample, "prompt_sha": sha, "segment": segment,
+        lines = [dumps_line({"uid": uid, "sample": sample, "prompt_sha": sha, "segment": segment,
                                **encode_logprobs(lp)})
                  for (uid, sample, sha), lp in self.forced.items()]
         if lines:
@@ -463,7 +466,7 @@ class Fidelity:
         """Append this invocation's pass times to the run's ``fidelity_passes.jsonl``."""
         line = {"segment": segment, "reference": str(self.reference.path), **self.timing}
         with open(Path(run_path) / PASSES_FILE, "a", encoding="utf-8") as f:
-            f.write(R.dumps_line(line))
+            f.write(dumps_line(line))
         return line
 
 

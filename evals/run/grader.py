@@ -12,6 +12,7 @@ from typing import Callable
 
 from evals import results as R
 from evals.problem import GRADING_INFRA, Problem
+from evals.results.files import SampleWriter, WriterClosed
 from evals.run.records import small_meta
 
 
@@ -28,7 +29,7 @@ class BackgroundGrader:
     ``error`` (the run checks it and stops); nothing more is written after it.
     """
 
-    def __init__(self, writer: R.SampleWriter, on_sample: Callable[[dict], None], *,
+    def __init__(self, writer: SampleWriter, on_sample: Callable[[dict], None], *,
                  workers: int, timeout_s: float):
         self.writer = writer
         self.on_sample = on_sample
@@ -125,7 +126,7 @@ class BackgroundGrader:
             except R.ResultsWriteError as e:  # the run stops on it (evals.run.runner)
                 self.error = e
                 return
-            except R.WriterClosed:  # abandoned by a second stop signal
+            except WriterClosed:  # abandoned by a second stop signal
                 return
             self.pending -= 1
             try:

@@ -27,6 +27,8 @@ from engine.policies.base import policy_lineage
 from evals import results as R
 from evals.jsonio import to_jsonable
 from evals.problem import DataUnavailableError, Problem, ProblemSet
+from evals.results.files import read_config
+from evals.results.labels import budget_label_args, run_dir, run_label, setting_label_args
 from evals.run.prompts import prompt_hash
 from evals.run.settings import (
     MAX_PLAN_KEYS,
@@ -43,7 +45,7 @@ from evals.run.settings import (
 class Target:
     """What a run resolves to before it reads any file: the task and its preset defaults
     (evals.tasks.base.TaskDefaults), block size and fixed KV budget, the policy arguments it uses,
-    its label and directory, the finished Kara run its budgets match (evals.matched_budget), and
+    its label and directory, the finished Kara run its budgets match (evals.run.matched_budget), and
     its max tokens and temperature (the preset's unless given)."""
 
     task: Any
@@ -62,8 +64,8 @@ class Target:
 def resolve_target(settings: EvalSettings) -> Target:
     """The run's ``Target``. Its label is ``settings.label`` when given; else the policy and the
     user's arguments plus the fixed budget where that is not the task preset's
-    (evals.results.budget_label_args), then the generation settings that differ from the preset's
-    (evals.results.setting_label_args), then Kara's run for a matched budget. A directory written
+    (evals.results.labels.budget_label_args), then the generation settings that differ from the preset's
+    (evals.results.labels.setting_label_args), then Kara's run for a matched budget. A directory written
     before the budget or the settings joined the label, holding this very run (the same policy
     arguments and settings), keeps being used, so an earlier tree resumes where it is."""
     task = load_task(settings)
@@ -78,23 +80,23 @@ def resolve_target(settings: EvalSettings) -> Target:
     default_args = resolve_policy_args(settings.policy, settings.policy_args, defaults.kv_budget,
                                        block_size, task_args)
     field = budget_field(settings.policy)
-    named = R.budget_label_args(field, policy_args, settings.policy_args, default_args.get(field))
+    named = budget_label_args(field, policy_args, settings.policy_args, default_args.get(field))
     generation = {"max_tokens": max_tokens, "temperature": temperature, "block_size": block_size}
-    shown = R.setting_label_args(generation, dataclasses.asdict(defaults))
+    shown = setting_label_args(generation, dataclasses.asdict(defaults))
     args = {**settings.policy_args, **named}
-    labels = [R.run_label(settings.policy, args, shown),
-              R.run_label(settings.policy, args),  # trees written before the settings joined labels
-              R.run_label(settings.policy, settings.policy_args)]  # and before the budget did
+    labels = [run_label(settings.policy, args, shown),
+              run_label(settings.policy, args),  # trees written before the settings joined labels
+              run_label(settings.policy, settings.policy_args)]  # and before the budget did
     matched = None
-    if settings.match_budget_to is not None:  # Kara's comparison protocol (evals.matched_budget)
-        from evals import matched_budget
+    if settings.match_budget_to is not None:  # Kara's comparison protocol (evals.run.matched_budget)
+        from evals.run import matched_budget
 
         matched = matched_budget.load(settings.match_budget_to)
         matched.check_run(settings.model, settings.task, settings.policy)
         labels = [matched.run_label(label) for label in labels]
     label = settings.label or _existing_label(settings, labels, policy_args, generation)
     return Target(task, preset, defaults, block_size, budget, policy_args, label,
-                  R.run_dir(settings.out, settings.model, settings.task, label), matched,
+                  run_dir(settings.out, settings.model, settings.task, label), matched,
                   max_tokens, temperature)
 
 
@@ -104,15 +106,15 @@ def _existing_label(settings: EvalSettings, labels: Sequence[str], policy_args: 
     order) names one whose config.json holds these policy arguments and generation settings (a
     tree written before budgets or settings joined labels)."""
     label = labels[0]
-    if R.run_dir(settings.out, settings.model, settings.task, label).exists():
+    if run_dir(settings.out, settings.model, settings.task, label).exists():
         return label
     wanted = to_jsonable({"policy_args": dict(policy_args), **generation})
     for earlier in dict.fromkeys(labels[1:]):
-        old = R.run_dir(settings.out, settings.model, settings.task, earlier) / R.CONFIG_FILE
+        old = run_dir(settings.out, settings.model, settings.task, earlier) / R.CONFIG_FILE
         if earlier == label or not old.is_file():
             continue
         try:
-            stored = R.read_config(old)
+            stored = read_config(old)
         except (OSError, R.ResultsError):
             continue
         if all(to_jsonable(stored.get(k)) == v for k, v in wanted.items()):

@@ -19,8 +19,8 @@ import json
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from evals import results as R
 from evals.jsonio import open_append
+from evals.results.files import encode_line, repair_tail
 
 PROMPTS_FILE = "prompts.jsonl"
 
@@ -66,10 +66,10 @@ def write_new_prompts(run_dir: Path, rows: Iterable[tuple[str, str | None, str, 
     new = []
     for uid, sha, text, n_tokens in rows:
         if sha is not None and sha not in known:
-            new.append(R.encode_line({"uid": uid, "prompt_sha": sha, "prompt_tokens": n_tokens,
+            new.append(encode_line({"uid": uid, "prompt_sha": sha, "prompt_tokens": n_tokens,
                                       "prompt": text}))
             known.add(sha)
     if new:
-        R.repair_tail(path)  # a line torn by a kill is cut before more are appended
+        repair_tail(path)  # a line torn by a kill is cut before more are appended
         with open_append(path) as f:
             f.write(b"".join(new))

@@ -22,7 +22,12 @@ from typing import Any, Mapping, Sequence
 
 from engine.events import event_counts
 from evals import results as R
+from evals.jsonio import write_json
 from evals.problem import Problem
+from evals.results.files import load_samples, read_config, read_segments, set_modes
+from evals.results.identity import MIXED, engine_settings_summary
+from evals.results.lines import ungraded
+from evals.results.metrics import compute_metrics
 
 # Meta values larger than this (JSON characters) stay out of sample lines (contexts, tests).
 _META_MAX_CHARS = 200
@@ -92,47 +97,47 @@ def fidelity_none() -> dict:
 
 def finalize(path: Path, keys: Sequence[R.SampleKey]) -> dict:
     """Recompute metrics.json from the files (and the NIAH heatmap, if the samples have a grid)."""
-    records_by_key = R.load_samples(path / R.SAMPLES_FILE, repair=False).records
+    records_by_key = load_samples(path / R.SAMPLES_FILE, repair=False).records
     records = [records_by_key[k] for k in keys if k in records_by_key]
-    segments = R.read_segments(path / R.SEGMENTS_FILE)
-    metrics = R.compute_metrics(records, segments, len(keys))
+    segments = read_segments(path / R.SEGMENTS_FILE)
+    metrics = compute_metrics(records, segments, len(keys))
     describe_engine_settings(path, records, segments)
-    if any(r.get("forced_tokens") for r in records):  # a long-document task (evals.positions)
-        from evals.positions import BY_POSITION, by_position, document_curves
+    if any(r.get("forced_tokens") for r in records):  # a long-document task (evals.run.positions)
+        from evals.run.positions import BY_POSITION, by_position, document_curves
 
-        config = R.read_config(path / R.CONFIG_FILE) if (path / R.CONFIG_FILE).exists() else {}
+        config = read_config(path / R.CONFIG_FILE) if (path / R.CONFIG_FILE).exists() else {}
         metrics[BY_POSITION] = by_position(document_curves(path, config, records))
     grid = niah_records(records)
     if grid:
         from evals.plots import niah_heatmap
 
-        config = R.read_config(path / R.CONFIG_FILE) if (path / R.CONFIG_FILE).exists() else {}
+        config = read_config(path / R.CONFIG_FILE) if (path / R.CONFIG_FILE).exists() else {}
         metrics["niah_mean_score"] = sum(r["score"] for r in grid) / len(grid)
         niah_heatmap(grid, path / R.NIAH_HEATMAP_FILE, title=config.get("label", path.name))
-    R.write_json(path / R.METRICS_FILE, metrics)
-    R.set_modes(path)
+    write_json(path / R.METRICS_FILE, metrics)
+    set_modes(path)
     return metrics
 
 
 def describe_engine_settings(path: Path, records: Sequence[Mapping[str, Any]],
                              segments: Sequence[Mapping[str, Any]]) -> None:
-    """config.json's engine fields describe the samples held (R.engine_settings_summary): the one
+    """config.json's engine fields describe the samples held (engine_settings_summary): the one
     setting they all came from, or ``"mixed"`` with ``engine_settings`` listing each."""
     if not (path / R.CONFIG_FILE).exists() or not records:
         return
-    config = R.read_config(path / R.CONFIG_FILE)
-    summary = R.engine_settings_summary(records, segments)
+    config = read_config(path / R.CONFIG_FILE)
+    summary = engine_settings_summary(records, segments)
     config["engine_settings"] = summary
     if summary["mixed"]:
         for name in ("kv_cache_tokens", "max_num_seqs", "engine"):
-            config[name] = R.MIXED
+            config[name] = MIXED
     elif not summary["settings"][0].get("unknown"):
         one = summary["settings"][0]
         config["kv_cache_tokens"], config["max_num_seqs"] = one["kv_cache_tokens"], one["max_num_seqs"]
         # what the invocation recorded beside them (the C kernels in use) stays
         earlier = config.get("engine") if isinstance(config.get("engine"), dict) else {}
         config["engine"] = {**earlier, **{k: one[k] for k in ("device", "num_pages", "max_model_len")}}
-    R.write_json(path / R.CONFIG_FILE, config)
+    write_json(path / R.CONFIG_FILE, config)
 
 
 def niah_records(records: Sequence[Mapping[str, Any]]) -> list[dict]:
@@ -141,7 +146,7 @@ def niah_records(records: Sequence[Mapping[str, Any]]) -> list[dict]:
     rows = []
     for r in records:
         meta = r.get("meta") or {}
-        if "context_length" in meta and "depth_percent" in meta and not R.ungraded(r):
+        if "context_length" in meta and "depth_percent" in meta and not ungraded(r):
             rows.append({"context_length": meta["context_length"], "depth_percent": meta["depth_percent"],
                          "score": float(r.get("score") or 0.0)})
     return rows
@@ -157,7 +162,7 @@ def invocation_provenance(path: Path) -> dict:
 
     current = run_provenance()
     config_path = path / R.CONFIG_FILE
-    old = R.read_config(config_path).get("provenance") if config_path.exists() else None
+    old = read_config(config_path).get("provenance") if config_path.exists() else None
     history = [{k: v for k, v in old.items() if k != "earlier"}, *(old.get("earlier") or [])] if old else []
     earlier, seen = [], {provenance_key(current)}
     for prev in history:

@@ -38,12 +38,12 @@ How a run proceeds:
    finished samples that did not), so TPS never counts a token twice across a resume. Killed
    outright, the run leaves ``progress.json`` (the segment's totals as of its last finished
    request, written before that request's sample line), which the next invocation turns into
-   the segment's line, counting the sample lines that reached the file (evals.results).
+   the segment's line, counting the sample lines that reached the file (evals.results.files).
 
 Guards, all before the model loads: the run directory is created and locked (one writer,
-``R.RunLock``); the data file's SHA-256 is in config.json and a resumed run whose data file
+``RunLock``); the data file's SHA-256 is in config.json and a resumed run whose data file
 changed stops (``allow_data_change`` overrides it, and the earlier hashes are listed under
-``data_sha256_earlier``); the results files are validated line by line (``R.validate_sample``)
+``data_sha256_earlier``); the results files are validated line by line (``validate_sample``)
 and a torn last line cut. A prompt is measured before it is tokenized in full: one of more than
 ``L x max_model_len`` characters (``L``: the tokenizer's longest token, in characters) cannot fit
 the context, which its first ``L x max_model_len`` characters confirm, so it is recorded as a
@@ -67,7 +67,25 @@ from typing import Any, Mapping, Sequence
 
 from evals import interrupts
 from evals import results as R
+from evals.jsonio import write_json
 from evals.problem import data_fingerprint
+from evals.results.files import (
+    SampleWriter,
+    append_segment,
+    check_writable,
+    end_progress,
+    load_samples,
+    next_segment,
+    read_config,
+    read_segments,
+    repair_tail,
+    seal_progress,
+    write_progress,
+)
+from evals.results.identity import check_identity
+from evals.results.labels import model_slug
+from evals.results.lines import ungraded
+from evals.results.lock import RunLock
 from evals.run import engines, fidelity, prompts
 from evals.run.grader import BackgroundGrader
 from evals.run.plan import (
@@ -105,13 +123,13 @@ def run_eval(settings: EvalSettings, hooks: EvalHooks | None = None) -> EvalOutc
     target = resolve_target(settings)
     path = target.path
     try:  # before anything heavy loads: a run that cannot write its results must not start
-        R.check_writable(path)
+        check_writable(path)
     except (OSError, ValueError) as e:
         if isinstance(e, R.ResultsError):
             raise
         raise EvalError(f"results directory {path} cannot be written ({e}); pass a writable "
                         f"--out") from None
-    with R.RunLock(path), interrupts.StopSignals() as stops:
+    with RunLock(path), interrupts.StopSignals() as stops:
         outcome = _run_locked(settings, hooks, target)
         if stops.again.is_set() or stops.signal:  # a signal while the run was finishing
             outcome.interrupted = True
@@ -151,25 +169,25 @@ def _run_locked(settings: EvalSettings, hooks: EvalHooks, target: Target) -> Eva
     if matched is not None:
         config["match_budget_to"] = matched.describe()
     if stored is not None:
-        R.check_identity(stored, config, path)
+        check_identity(stored, config, path)
         check_data(stored, config, path, settings, hooks)
-    killed = R.seal_progress(path)
+    killed = seal_progress(path)
     if killed:
         hooks.on_message(f"segment {killed.get('segment')} was killed; its progress is kept as a "
                          f"segment line")
-        segments = R.read_segments(path / R.SEGMENTS_FILE)
+        segments = read_segments(path / R.SEGMENTS_FILE)
     retry = failed_to_retry(loaded.records, segments, settings)
     if retry:
         hooks.on_message(f"retrying {len(retry)} sample(s) that failed for an engine reason")
-    ungraded = {k for k, r in loaded.records.items() if R.ungraded(r)}
-    retry |= ungraded
+    not_judged = {k for k, r in loaded.records.items() if ungraded(r)}
+    retry |= not_judged
     done = set(loaded.records) - retry
     todo = [k for k in plan.keys if k not in done]
     if hasattr(hooks, "on_plan"):  # optional: hooks objects need not subclass EvalHooks
         hooks.on_plan(path, list(todo))
     if settings.only_keys is not None:
         todo = [k for k in todo if k in settings.only_keys]
-    again = sum(1 for k in todo if k in ungraded)
+    again = sum(1 for k in todo if k in not_judged)
     if again:
         hooks.on_message(f"running again {again} sample(s) that grading could not judge")
     if matched is not None:
@@ -178,7 +196,7 @@ def _run_locked(settings: EvalSettings, hooks: EvalHooks, target: Target) -> Eva
                           skipped_rows=config["skipped_rows"])
     hooks.on_start(label, settings.task, len(plan.keys), len(todo), path)
     if todo:
-        segment = R.next_segment(path, loaded.records.values())
+        segment = next_segment(path, loaded.records.values())
         context = model_context(model_dir)
         rendered = render_requests(settings, plan, todo, tokenizer, context, temperature, max_tokens)
         check_forced(rendered, context, target.block_size)
@@ -195,7 +213,7 @@ def _run_locked(settings: EvalSettings, hooks: EvalHooks, target: Target) -> Eva
             raise EvalError(f"the engine could not allocate its memory ({str(e).splitlines()[0]}); "
                             f"lower --kv-cache-tokens or --max-num-seqs") from None
     else:
-        R.write_json(path / R.CONFIG_FILE, {**R.read_config(path / R.CONFIG_FILE), **_latest(config)}
+        write_json(path / R.CONFIG_FILE, {**read_config(path / R.CONFIG_FILE), **_latest(config)}
                      if (path / R.CONFIG_FILE).exists() else config)
     outcome.metrics = finalize(path, plan.keys)
     outcome.ungraded = outcome.metrics.get("ungraded") or 0
@@ -215,15 +233,15 @@ def ungraded_warning(task: str, label: str, metrics: Mapping[str, Any]) -> str:
 def _read_run_dir(path: Path, hooks: EvalHooks):
     """(stored config.json or None, segment lines, loaded samples) of a run directory, a torn
     last line cut and unreadable lines dropped, each reported through ``hooks``."""
-    stored = R.read_config(path / R.CONFIG_FILE) if (path / R.CONFIG_FILE).exists() else None
-    for cut in filter(None, (R.repair_tail(path / R.SAMPLES_FILE),
-                             R.repair_tail(path / R.SEGMENTS_FILE))):
+    stored = read_config(path / R.CONFIG_FILE) if (path / R.CONFIG_FILE).exists() else None
+    for cut in filter(None, (repair_tail(path / R.SAMPLES_FILE),
+                             repair_tail(path / R.SEGMENTS_FILE))):
         hooks.on_message(f"warning: {cut}")
     dropped: list[str] = []
-    segments = R.read_segments(path / R.SEGMENTS_FILE, dropped)
+    segments = read_segments(path / R.SEGMENTS_FILE, dropped)
     for problem in dropped:
         hooks.on_message(f"warning: dropped an unreadable segment line ({problem})")
-    loaded = R.load_samples(path / R.SAMPLES_FILE)
+    loaded = load_samples(path / R.SAMPLES_FILE)
     for problem in loaded.dropped_lines:
         hooks.on_message(f"{path / R.SAMPLES_FILE}: dropped an unreadable line ({problem})")
     return stored, segments, loaded
@@ -231,9 +249,9 @@ def _read_run_dir(path: Path, hooks: EvalHooks):
 
 def _run_config(settings: EvalSettings, target: Target, problems, n_samples: int, planned: int,
                 max_tokens: int, temperature: float) -> dict:
-    """config.json's settings of a run (its identity, R.IDENTITY, and what describes it)."""
+    """config.json's settings of a run (its identity, IDENTITY, and what describes it)."""
     return {
-        "label": target.label, "model": R.model_slug(settings.model), "model_spec": settings.model,
+        "label": target.label, "model": model_slug(settings.model), "model_spec": settings.model,
         "task": settings.task, "task_options": _jsonable(settings.task_options),
         "data": settings.data, "data_source": data_source(problems.source),
         "data_sha256": data_fingerprint(problems.files),
@@ -271,9 +289,9 @@ def check_data(stored: Mapping[str, Any], config: dict, path: Path, settings: Ev
 
 
 def _segment_settings(settings: EvalSettings, llm) -> dict:
-    """The engine settings of one segment (R.ENGINE_SETTING_KEYS)."""
+    """The engine settings of one segment (ENGINE_SETTING_KEYS)."""
     return {"kv_cache_tokens": settings.kv_cache_tokens, "max_num_seqs": settings.max_num_seqs,
-            "num_pages": llm.runner.num_pages, "max_model_len": llm.runner.max_model_len,
+            "num_pages": llm.engine_spec.num_pages, "max_model_len": llm.engine_spec.max_model_len,
             "device": llm.config.device}
 
 
@@ -294,10 +312,10 @@ def _generate(settings: EvalSettings, config: dict, rendered: list[Rendered], ta
     empty = {"segment": segment, "status": "running", "started": _now(), "wall_time": 0.0,
              "samples": 0, "output_tokens": 0, "stats": None, "failed": 0,
              "settings": _segment_settings(settings, llm)}
-    R.write_progress(path, empty)
+    write_progress(path, empty)
     prompts.write_new_prompts(path, ((r.problem.uid, r.prompt_sha, r.text, r.n_tokens)
                                      for r in rendered))
-    writer = R.SampleWriter(path / R.SAMPLES_FILE)
+    writer = SampleWriter(path / R.SAMPLES_FILE)
     streamed = False
     try:
         runnable = _admit(rendered, llm, writer, segment, outcome, hooks, target.matched)
@@ -310,9 +328,9 @@ def _generate(settings: EvalSettings, config: dict, rendered: list[Rendered], ta
             streamed = True
             _stream(llm, runnable, writer, segment, path, settings, hooks, outcome, fid)
         else:  # only failed samples: still a segment, so they keep the settings that failed them
-            R.append_segment(path / R.SEGMENTS_FILE, {**empty, "status": "complete",
+            append_segment(path / R.SEGMENTS_FILE, {**empty, "status": "complete",
                                                       "failed": outcome.failed})
-            R.end_progress(path)
+            end_progress(path)
         if fid is not None:
             fid.write_timing(path, segment)
             fid.write_forced(path, segment)
@@ -325,9 +343,9 @@ def _generate(settings: EvalSettings, config: dict, rendered: list[Rendered], ta
         stops = interrupts.current()
         stops.begin_stop()
         status = "interrupted" if isinstance(e, KeyboardInterrupt) else "error"
-        R.append_segment(path / R.SEGMENTS_FILE, {**empty, "status": status, "failed": outcome.failed,
+        append_segment(path / R.SEGMENTS_FILE, {**empty, "status": status, "failed": outcome.failed,
                                                   "signal": stops.signal})
-        R.end_progress(path)
+        end_progress(path)
         if status == "error":
             raise
         outcome.interrupted = True
@@ -346,19 +364,19 @@ def _write_config(config: dict, llm, path: Path) -> None:
     started, and its provenance."""
     if hasattr(llm.policy, "effective_params"):
         config["policy_params"] = _jsonable(llm.policy.effective_params())
-    config["engine"] = {"device": llm.config.device, "num_pages": llm.runner.num_pages,
-                        "max_model_len": llm.runner.max_model_len,
-                        "cpu_native_kernels": llm.runner.native_kernels}
+    config["engine"] = {"device": llm.config.device, "num_pages": llm.engine_spec.num_pages,
+                        "max_model_len": llm.engine_spec.max_model_len,
+                        "cpu_native_kernels": llm.native_kernels}
     config["last_invocation"] = _now()
     # the machine's load when this invocation started: speed compares only at similar load
     config["load_average_start"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     config["provenance"] = invocation_provenance(path)
-    R.write_json(path / R.CONFIG_FILE, config)
+    write_json(path / R.CONFIG_FILE, config)
 
 
-def _admit(rendered: Sequence[Rendered], llm, writer: R.SampleWriter, segment: int,
+def _admit(rendered: Sequence[Rendered], llm, writer: SampleWriter, segment: int,
            outcome: EvalOutcome, hooks: EvalHooks, matched=None) -> list[Rendered]:
-    """The requests ``llm`` can serve, each with its matched budget (evals.matched_budget) when the
+    """The requests ``llm`` can serve, each with its matched budget (evals.run.matched_budget) when the
     run has one; a prompt longer than the context or the pool is written at once as a failed
     sample (evals.run.plan.unfit_reason)."""
     runnable = []
@@ -377,7 +395,7 @@ def _admit(rendered: Sequence[Rendered], llm, writer: R.SampleWriter, segment: i
     return runnable
 
 
-def _stream(llm, runnable: Sequence[Rendered], writer: R.SampleWriter, segment: int, path: Path,
+def _stream(llm, runnable: Sequence[Rendered], writer: SampleWriter, segment: int, path: Path,
             settings: EvalSettings, hooks: EvalHooks, outcome: EvalOutcome, fid=None) -> None:
     """Generate ``runnable`` (``fid.requests`` in the same order), hand finished requests to the
     grader, record the segment (also when stopped)."""
@@ -416,9 +434,9 @@ def _stream(llm, runnable: Sequence[Rendered], writer: R.SampleWriter, segment: 
             finished_tokens += out.num_output_tokens
             outcome.ran += 1
             # The segment's totals so far, on disk before this sample's line can be: after a
-            # kill -9 they still cover every sample written (R.seal_progress).
-            counts = {k: int(v) for k, v in llm.last_scheduler.counters.items()}
-            R.write_progress(path, {**line, "wall_time": time.perf_counter() - start,
+            # kill -9 they still cover every sample written (seal_progress).
+            counts = {k: int(v) for k, v in llm.counters.items()}
+            write_progress(path, {**line, "wall_time": time.perf_counter() - start,
                                     "samples": outcome.ran, "output_tokens": finished_tokens,
                                     "stats": {"counts": counts}})
             grader.submit(r.problem, record)
@@ -450,12 +468,12 @@ def _stream(llm, runnable: Sequence[Rendered], writer: R.SampleWriter, segment: 
         traces.close()
         # The totals count what reached samples.jsonl (TPS divides them by the engine's wall
         # time); ``lost``: samples the engine finished that were dropped or failed to write.
-        R.append_segment(path / R.SEGMENTS_FILE, {
+        append_segment(path / R.SEGMENTS_FILE, {
             **line, "status": status, "wall_time": wall, "samples": outcome.ran - lost,
             "output_tokens": grader.written_tokens, "stats": stats, "written": outcome.ran - lost,
             "lost": lost, "signal": stops.signal,
         })
-        R.end_progress(path)
+        end_progress(path)
         _warn_if_never_compressed(llm, status, path, settings, hooks)
     if grader.error is not None:
         raise grader.error

@@ -17,9 +17,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping
 
-from engine.config import MAX_BLOCK_SIZE, MAX_COUNT, MAX_SEED, is_finite, is_int_in
-
-DEFAULT_MODEL = "smollm2-135m-instruct"
+from engine.config import (
+    DEFAULT_MODEL,
+    MAX_BLOCK_SIZE,
+    MAX_COUNT,
+    MAX_SEED,
+    is_finite,
+    is_int_in,
+    require_int,
+)
 
 # Policy fields that take the task's fixed KV budget, in order of preference (module docstring).
 BUDGET_FIELDS = ("budget",)
@@ -60,7 +66,7 @@ class EvalSettings:
     thinking: Qwen3's thinking switch (None: the chat template's default).
     kv_budget: fixed KV budget overriding the task default (see module docstring).
     match_budget_to: a finished Kara run directory: each sample's budget is the compressed length
-        Kara realised on it (Kara's comparison protocol, evals.matched_budget).
+        Kara realised on it (Kara's comparison protocol, evals.run.matched_budget).
     kv_cache_tokens, block_size, max_num_seqs: engine knobs (block_size None: the preset's).
     compile: the engine's compiled decode step (EngineConfig.compile; None: its default). How
         the engine runs, not what it computes: not part of a run's identity.
@@ -75,7 +81,7 @@ class EvalSettings:
     trace_kept: also record, per compaction, which prompt positions each layer and KV head kept
         (engine.kept_trace) into traces.jsonl (evals.traces); off by default.
     label: the run directory's name instead of the one made from the policy, its arguments and
-        the settings that differ from the preset's (evals.results.run_label); None: that one.
+        the settings that differ from the preset's (evals.results.labels.run_label); None: that one.
     """
 
     task: str
@@ -114,14 +120,11 @@ class EvalSettings:
             if value is not None and not is_int_in(value, 1, top):
                 raise EvalError(f"{name} must be an integer in [1, {top}] or unset, got {value!r}")
         for name, top in (("max_num_seqs", MAX_COUNT), ("grading_workers", MAX_GRADING_WORKERS)):
-            value = getattr(self, name)
-            if not is_int_in(value, 1, top):
-                raise EvalError(f"{name} must be an integer in [1, {top}], got {value!r}")
+            require_int(name, getattr(self, name), 1, top, error=EvalError)
         if self.temperature is not None and not (is_finite(self.temperature) and self.temperature >= 0):
             raise EvalError(f"temperature must be a finite number >= 0 (0 = greedy), got "
                             f"{self.temperature!r}")
-        if not is_int_in(self.seed, 0, MAX_SEED):
-            raise EvalError(f"seed must be an integer in [0, {MAX_SEED}], got {self.seed!r}")
+        require_int("seed", self.seed, 0, MAX_SEED, error=EvalError)
         from evals.tasks.base import SCALES  # here: the task registry loads with the first run
 
         if self.preset is not None and self.preset not in SCALES:

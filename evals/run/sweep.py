@@ -28,6 +28,10 @@ from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
 from evals import results as R
+from evals.jsonio import write_json
+from evals.results.files import load_samples
+from evals.results.labels import run_dir
+from evals.results.lines import ungraded
 from evals.run.plan import resolve_target
 from evals.run.runner import run_eval
 from evals.run.settings import EvalError, EvalHooks, EvalOutcome, EvalSettings, budget_field
@@ -127,8 +131,8 @@ def analyze_sweep(base: EvalSettings, budgets: Sequence[int], rule: str,
     uids: list[str] = []
     for b, outcome in zip(budgets, outcomes):
         per: dict[str, list[bool]] = {}
-        for rec in R.load_samples(outcome.path / R.SAMPLES_FILE, repair=False).records.values():
-            if not R.ungraded(rec):  # no verdict: neither sufficient nor not
+        for rec in load_samples(outcome.path / R.SAMPLES_FILE, repair=False).records.values():
+            if not ungraded(rec):  # no verdict: neither sufficient nor not
                 per.setdefault(rec["uid"], []).append(bool(rec.get("correct")))
         for uid, marks in per.items():
             if uid not in tallies:
@@ -149,12 +153,12 @@ def analyze_sweep(base: EvalSettings, budgets: Sequence[int], rule: str,
     classes = {str(b): sum(1 for r in rows if r["B*"] == b) for b in budgets}
     classes[UNSOLVED] = sum(1 for r in rows if r["B*"] == UNSOLVED)
     label = resolve_target(base).label  # the policy, its arguments and the settings, no budget
-    path = R.run_dir(base.out, base.model, base.task, f"sweep_{label}")
+    path = run_dir(base.out, base.model, base.task, f"sweep_{label}")
     path.mkdir(parents=True, exist_ok=True)
     result = SweepResult(base.task, list(budgets), rule, rows, classes, path, outcomes=list(outcomes))
     columns = ["uid"] + [f"{k}@{b}" for b in budgets for k in ("correct", "c")] + ["B*"]
     result.files["sweep.csv"] = write_csv(path / "sweep.csv", rows, columns)
-    R.write_json(path / "summary.json", {
+    write_json(path / "summary.json", {
         "task": base.task, "policy": base.policy, "policy_args": base.policy_args,
         "budgets": list(budgets), "rule": rule, "samples": base.samples, "requests": len(rows),
         "classes": classes, "runs": [str(o.path) for o in outcomes],

@@ -30,7 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
+from engine.config import is_int_in
 from evals import results as R
+from evals.results.files import load_samples, read_json
+from evals.results.labels import model_slug, slug
 from evals.run.settings import EvalError
 
 FIELD = "final_kv_len"  # the per-sample record field holding Kara's realised compressed length
@@ -59,7 +62,7 @@ class MatchedBudgets:
 
     def run_label(self, label: str) -> str:
         """The matched run's label: the baseline's plus the Kara run it matches."""
-        return R.slug(f"{label}+matched={self.label}")
+        return slug(f"{label}+matched={self.label}")
 
     def describe(self) -> dict:
         """What config.json records about the source."""
@@ -71,10 +74,10 @@ class MatchedBudgets:
         from engine.policies.base import policy_registry
         from engine.policies.fixed_budget import FixedBudgetPolicy
 
-        if R.model_slug(model) != self.config.get("model"):
+        if model_slug(model) != self.config.get("model"):
             raise MatchedBudgetError(
                 f"--match-budget-to {self.source}: a run of model {self.config.get('model')!r}, "
-                f"not {R.model_slug(model)!r}")
+                f"not {model_slug(model)!r}")
         if task != self.config.get("task"):
             raise MatchedBudgetError(
                 f"--match-budget-to {self.source}: a run of task {self.config.get('task')!r}, "
@@ -142,7 +145,7 @@ def load(run_dir: str | Path) -> MatchedBudgets:
             f"--match-budget-to {path}: no finished run there (no {R.CONFIG_FILE}); give the "
             f"directory of a Kara run, results/<model>/<task>/<label>")
     try:
-        config = R.read_json(config_path)
+        config = read_json(config_path)
     except (OSError, ValueError) as e:
         raise MatchedBudgetError(f"--match-budget-to {path}: unreadable {R.CONFIG_FILE} ({e})") from None
     policy = config.get("policy")
@@ -152,7 +155,7 @@ def load(run_dir: str | Path) -> MatchedBudgets:
             f"--match-budget-to {path}: a run of policy {policy!r}, not Kara's; the protocol "
             f"matches baselines to Kara's realised compressed lengths")
     budgets, prompts = {}, {}
-    for key, rec in R.load_samples(path / R.SAMPLES_FILE, repair=False).records.items():
+    for key, rec in load_samples(path / R.SAMPLES_FILE, repair=False).records.items():
         value = _record_budget(rec)
         if value is not None:
             budgets[key], prompts[key] = value, rec.get("prompt_tokens")
@@ -165,6 +168,6 @@ def load(run_dir: str | Path) -> MatchedBudgets:
 
 def _record_budget(rec: dict[str, Any]) -> int | None:
     value = rec.get(FIELD)
-    if rec.get("status") != "ok" or not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    if rec.get("status") != "ok" or not is_int_in(value, 1):
         return None
     return value
