@@ -214,6 +214,10 @@ def test_nominal_budget_is_blank_for_policies_without_one():
         got = with_nominal_budget(metrics, {"policy": policy})
         assert got["kv_budget_nominal"] == nominal, policy
         assert got["avg_kv_budget"] == 300.0  # the allocated reading stays where it was
+    for policy in ("pyramidkv", "adakv"):  # held at their budget in decode: a nominal one
+        got = with_nominal_budget(metrics, {"policy": policy,
+                                            "policy_args": {"decode_compress": True}})
+        assert got["kv_budget_nominal"] == 300.0, policy
 
 
 def _lines(points):

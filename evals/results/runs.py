@@ -38,12 +38,18 @@ class RunResult:
 def with_nominal_budget(metrics: dict, config: Mapping[str, Any]) -> dict:
     """``metrics`` with ``kv_budget_nominal`` (and its interval): the average KV budget where the
     run's policy has a nominal one (``KVPolicy.has_budget``: a fixed budget, GrowPage's
-    capacity), None where it has none (FullKV, prompt-only and retention policies, whose
-    ``avg_kv_budget`` is their allocated slots). Derived when read, so older trees get it too."""
-    from engine.policies.base import policy_registry
+    capacity, PyramidKV/Ada-KV with ``decode_compress``), None where it has none (FullKV,
+    prompt-only and retention policies, whose ``avg_kv_budget`` is their allocated slots). Derived
+    when read, so older trees get it too."""
+    from engine.policies.base import build_policy, policy_registry
 
     cls = policy_registry().get(str(config.get("policy")))
     nominal = cls is not None and cls.has_budget
+    if cls is not None and not nominal and hasattr(cls, "holds_budget"):
+        try:  # a prompt-only policy run with decode_compress holds a budget too
+            nominal = build_policy(str(config["policy"]), config.get("policy_args") or {}).holds_budget
+        except Exception:  # arguments of another code version: no nominal budget claimed
+            nominal = False
     return {**metrics, "kv_budget_nominal": metrics.get("avg_kv_budget") if nominal else None,
             "kv_budget_nominal_ci": metrics.get("avg_kv_budget_ci") if nominal else None}
 
