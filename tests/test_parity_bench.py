@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import io
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,19 +15,11 @@ import torch
 
 from evals.benchmarks import parity, peer, peer_kvpress
 from evals.benchmarks.parity import METHODS, KeptAgreement, compare_kept, verdict
+from peer_venv import wrapper
 from tiny_models import make_tiny_llama_dir
 
 REPO = Path(__file__).resolve().parents[1]
 FAKE_PEER = Path(__file__).parent / "fixtures" / "fake_kvpress_peer.py"
-
-
-def wrapper(tmp_path: Path, name: str, pythonpath: list[Path]) -> str:
-    """An executable that runs this interpreter with `pythonpath` first (a peer venv)."""
-    path = tmp_path / name
-    joined = ":".join(str(p) for p in pythonpath)
-    path.write_text(f'#!/bin/sh\nPYTHONPATH="{joined}" exec "{sys.executable}" "$@"\n')
-    path.chmod(0o755)
-    return str(path)
 
 
 @pytest.fixture

@@ -17,21 +17,13 @@ import pytest
 
 from engine.threads import applied_defaults
 from evals.benchmarks import peer, peer_vllm, throughput
+from peer_venv import wrapper
 from tiny_models import make_tiny_llama_dir
 
 REPO = Path(__file__).resolve().parents[1]
 FAKE_VLLM = Path(__file__).parent / "fixtures" / "fake_vllm"
 SCALE = replace(throughput.QUICK, repeats=2, uniform_requests=2, mixed_requests=3,
                 mixed_tokens=(2, 6))
-
-
-def wrapper(tmp_path: Path, name: str, pythonpath: list[Path]) -> str:
-    """An executable that runs this interpreter with `pythonpath` first (the fake peer venv)."""
-    path = tmp_path / name
-    joined = ":".join(str(p) for p in pythonpath)
-    path.write_text(f'#!/bin/sh\nPYTHONPATH="{joined}" exec "{sys.executable}" "$@"\n')
-    path.chmod(0o755)
-    return str(path)
 
 
 @pytest.fixture(scope="module")

@@ -56,7 +56,9 @@ def test_long_run_labels_wrap_between_arguments_not_inside_them():
     assert lines == ["growpage-shrink", "+initial_capacity=64", "+min_capacity=64"]
 
 
-def test_niah_heatmap_writes_png_and_svg_naming_its_score(tmp_path, monkeypatch):
+@pytest.fixture
+def saved_figures(monkeypatch):
+    """Every figure plots._save writes, in order (it still writes them)."""
     figures = []
     original = plots._save
 
@@ -65,6 +67,11 @@ def test_niah_heatmap_writes_png_and_svg_naming_its_score(tmp_path, monkeypatch)
         return original(fig, path, **kwargs)
 
     monkeypatch.setattr(plots, "_save", keep)
+    return figures
+
+
+def test_niah_heatmap_writes_png_and_svg_naming_its_score(tmp_path, saved_figures):
+    figures = saved_figures
     path = plots.niah_heatmap(cells(lambda n, d: d / 100), tmp_path / "h.png", title="t")
     assert path.exists() and (tmp_path / "h.svg").read_text().lstrip().startswith("<?xml")
     assert " ".join(figures[0].get_suptitle().split()) == "retrieval score (partial credit), not pass@1"
@@ -88,15 +95,8 @@ def test_quality_memory_plot_writes_svg_beside_png(tmp_path):
     assert path.exists() and (tmp_path / "q.svg").exists()
 
 
-def test_sweep_lines_carry_interval_bands_and_each_panel_its_own_label(tmp_path, monkeypatch):
-    figures = []
-    original = plots._save
-
-    def keep(fig, path, **kwargs):
-        figures.append(fig)
-        return original(fig, path, **kwargs)
-
-    monkeypatch.setattr(plots, "_save", keep)
+def test_sweep_lines_carry_interval_bands_and_each_panel_its_own_label(tmp_path, saved_figures):
+    figures = saved_figures
 
     def points(scale):
         line = [{"series": "zipage", "x": x, "y": y * scale, "y_ci": ((y - 1) * scale, (y + 1) * scale)}
