@@ -1,10 +1,13 @@
 """The GrowPage family as the mixed-workload benches run it (`bench mixed`, problems and
 documents): the paper's budget B and Random's compression probability, each variant's arguments
-(`growpage_args`) and its row label (`tau_label`)."""
+(`growpage_args`), its row label (`tau_label`) and the Table 9-shaped events table
+(`events_table`)."""
 
 from __future__ import annotations
 
 from typing import Any
+
+from evals.benchmarks.common import Column, Table
 
 TAU_POLICIES = ("growpage", "growpage-inverse", "growpage-shrink")
 PAPER_BUDGET_PAGES = 16  # 4096 tokens at b = 256: GrowPage-Fixed's and Zipage's budget (App. H.1)
@@ -37,3 +40,24 @@ def growpage_args(policy: str, scale: Any, tau: float,
     if policy == "growpage-random":
         args["compress_prob"] = round(random_compress, 4)
     return args
+
+
+def events_table(rows: list[dict], run: str, compactions: bool = False) -> Table:
+    """Table 9 shape: the capacity-control events of `run` (which run the rows come from), with a
+    column of every compaction when `compactions`."""
+    extra = [Column("compactions", "compactions", "d")] if compactions else []
+    return Table(
+        "events", f"Table 9 shape: capacity-control events ({run})",
+        [Column("policy", "policy"), Column("grow_decisions", "grow", "d"),
+         Column("grow_ratio", "grow ratio", ".3f"), Column("compress", "Compress & Hold", "d"),
+         Column("shrink", "shrink", "d"), Column("fallback", "fallback", "d"),
+         Column("preemption", "preempt", "d"), Column("allocate", "allocate (no decision)", "d"),
+         *extra],
+        rows,
+        "grow = primary grow decisions (granted + those that fell back); grow ratio = grow / "
+        "(grow + Compress & Hold + shrink), the primary decisions before fallback handling "
+        "(Table 9's caption); fallback = grow decisions the pool could not safely satisfy "
+        "(free-page watermark), answered by Compress & Hold; allocate = pages received below a "
+        "policy's start or cap, not decisions. FullKV makes no decision (ratio '-'); the fixed "
+        "budgets only compress (ratio 0)." + (" compactions = every compaction run." if compactions
+                                              else ""))

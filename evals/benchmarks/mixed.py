@@ -69,6 +69,7 @@ from evals.benchmarks.common import (
 from evals.benchmarks.growpage_family import (
     PAPER_BUDGET_PAGES,
     PAPER_RANDOM_COMPRESS,
+    events_table,
     growpage_args,
     tau_label,
 )
@@ -255,7 +256,7 @@ def run_mixed(model: str = DEFAULT_MODEL, *, quick: bool = False, scale: MixedSc
     triple = target_triple(scale)
     repeats = repeat_runs(triple, by, scale.repeats, lambda label: run_config(*used[label]))
 
-    tables = [table8(rows, scale, pool_pages, full_pages), table9(rows), Table(
+    tables = [table8(rows, scale, pool_pages, full_pages), events_table(rows, "same run"), Table(
         "deltas", "Demand trend delta = r_S - r_L at GrowPage's capacity decisions",
         [Column("policy", "policy"), Column("decisions", "decisions", "d")]
         + [Column(k, k, ".4f") for k in QUANTILE_KEYS]
@@ -301,22 +302,6 @@ def table8(rows: list[dict], scale: MixedScale, pool_pages: int, full_pages: int
         "output token. agree / prefix vs FullKV = position-wise / identical-prefix share of "
         "FullKV's greedy tokens, per request, averaged. overhead = every capacity event's stage "
         "timers / (forward + compaction seconds).")
-
-
-def table9(rows: list[dict]) -> Table:
-    return Table(
-        "events", "Table 9 shape: capacity-control events (same run)",
-        [Column("policy", "policy"), Column("grow_decisions", "grow", "d"),
-         Column("grow_ratio", "grow ratio", ".3f"), Column("compress", "Compress & Hold", "d"),
-         Column("shrink", "shrink", "d"), Column("fallback", "fallback", "d"),
-         Column("preemption", "preempt", "d"), Column("allocate", "allocate (no decision)", "d")],
-        rows,
-        "grow = primary grow decisions (granted + those that fell back); grow ratio = grow / "
-        "(grow + Compress & Hold + shrink), the primary decisions before fallback handling "
-        "(Table 9's caption); fallback = grow decisions the pool could not safely satisfy "
-        "(free-page watermark), answered by Compress & Hold; allocate = pages received below a "
-        "policy's start or cap, not decisions. FullKV makes no decision (ratio '-'); the fixed "
-        "budgets only compress (ratio 0).")
 
 
 def repeats_table(triple: tuple[str, str, str], repeats: list[dict]) -> Table:

@@ -82,6 +82,7 @@ from evals.benchmarks.common import (
 from evals.benchmarks.growpage_family import (
     PAPER_BUDGET_PAGES,
     PAPER_RANDOM_COMPRESS,
+    events_table,
     growpage_args,
     tau_label,
 )
@@ -318,7 +319,8 @@ def run_mixed_documents(model: str = DEFAULT_MODEL, *, quick: bool = False,
     positions = position_rows(labels, fidelity)
     drift = repeat_drift(runs)
 
-    tables = [policies_table(rows, scale, pool_pages, full_pages), events_table(rows),
+    tables = [policies_table(rows, scale, pool_pages, full_pages),
+              events_table(rows, "repeat 1", compactions=True),
               comparisons_table(comparisons, scale), positions_table(positions),
               runs_table(run_rows)]
     main = next(c for c in comparisons if c["other"] == f"zipage-{scale.b}")
@@ -491,20 +493,6 @@ def policies_table(rows: list[dict], scale: DocumentScale, pool_pages: int,
         "documents of each one's mean -log p of its forced tokens; delta-NLL = mean over "
         "documents of each one's mean (NLL - FullKV's NLL) on the same tokens (nats/token), "
         "with a 95% bootstrap interval over documents (paired); FullKV's is 0 by construction.")
-
-
-def events_table(rows: list[dict]) -> Table:
-    return Table(
-        "events", "Table 9 shape: capacity-control events (repeat 1)",
-        [Column("policy", "policy"), Column("grow_decisions", "grow", "d"),
-         Column("grow_ratio", "grow ratio", ".3f"), Column("compress", "Compress & Hold", "d"),
-         Column("shrink", "shrink", "d"), Column("fallback", "fallback", "d"),
-         Column("preemption", "preempt", "d"), Column("allocate", "allocate (no decision)", "d"),
-         Column("compactions", "compactions", "d")],
-        rows,
-        "As in `bench mixed`: grow = primary grow decisions (granted + fell back); grow ratio "
-        "over the primary decisions before fallback handling; fallback = grows the pool could "
-        "not safely satisfy, answered by Compress & Hold; compactions = every compaction run.")
 
 
 def comparisons_table(comparisons: list[dict], scale: DocumentScale) -> Table:
