@@ -8,7 +8,6 @@ import os
 
 os.environ["TRITON_INTERPRET"] = "1"  # before anything imports triton
 
-import shutil  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -27,10 +26,9 @@ from engine.kernels.paged_attention import (  # noqa: E402
 from engine.kernels.store_kv import store_kv_torch  # noqa: E402
 from engine.models.llama import RMSNorm  # noqa: E402
 from engine.models.rope import RopeRows  # noqa: E402
+from test_cpu_native import needs_kernel  # noqa: E402
 from test_kernels import DECODE_HOLES, _decode_case, _holes, _prefill_case, _store_case  # noqa: E402
 
-needs_kernel = pytest.mark.skipif(not cpu_native.available() and shutil.which("cc") is None,
-                                  reason="no C compiler here (the fallback is tested below)")
 onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch without oneDNN")
 
 
