@@ -208,6 +208,25 @@ def test_topk_keep_is_sorted_protects_and_breaks_ties_to_earlier_slots():
         topk_keep(scores, 5, prot)
 
 
+@pytest.mark.parametrize("length,k", [(40, 36), (40, 5), (40, 0), (40, 40), (1, 1), (300, 150)])
+def test_topk_keep_matches_a_stable_sort_on_plateaus_nan_and_signed_zeros(length, k):
+    # Both branches (a top-k of the dropped slots, of the kept ones) against a stable sort:
+    # whole-row plateaus, NaN ("never keep" unless protected), -0.0 tied with +0.0, infinities.
+    g = torch.Generator().manual_seed(length + k)
+    scores = (torch.randint(-2, 3, (2, 3, length), generator=g) * 0.5).float()
+    scores[0, 0] = 1.0
+    scores[0, 1, ::5] = float("nan")
+    scores[0, 2, ::3] = -0.0
+    scores[1, 0, ::7] = float("-inf")
+    scores[1, 1] = torch.randn(length, generator=g)
+    prot = protected_mask(length, min(k, 3))
+    keep = topk_keep(scores, k, prot)
+    for a in range(2):
+        for b in range(3):
+            row = [float("-inf") if math.isnan(v) else v for v in scores[a, b].tolist()]
+            assert keep[a, b].tolist() == naive_topk(row, k, prot.tolist())
+
+
 def test_chunk_scores_and_selection_match_chunk_loop():
     g = torch.Generator().manual_seed(2)
     rows = torch.rand(4, 47, generator=g)

@@ -96,12 +96,17 @@ def observation_probs(queries: torch.Tensor, keys: torch.Tensor,
         raise ValueError(f"{q_heads} query heads is not a multiple of {kv_heads} KV heads")
     group = q_heads // kv_heads
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
-    # [L, n, kvh, g, d] x [L, kvh, T, d] -> [L, kvh, g, n, T]; no materialised repeat of the keys.
-    q = queries.float().reshape(layers, n, kv_heads, group, dim)
-    logits = torch.einsum("lnkgd,lktd->lkgnt", q, keys.float()) * scale
+    # One batched matmul per (layer, KV head): [L*kvh, g*n, d] x [L*kvh, d, T] -> [L, kvh, g, n, T],
+    # no materialised repeat of the keys.
+    q = queries.float().reshape(layers, n, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
+    q = q.reshape(layers * kv_heads, group * n, dim)
+    k = keys.float().reshape(layers * kv_heads, length, dim)
+    logits = torch.bmm(q, k.transpose(1, 2)).mul_(scale).view(layers, kv_heads, group, n, length)
     if key_limit is not None:
-        visible = torch.arange(length, device=keys.device)[None, :] < key_limit.to(keys.device)[:, None]
-        logits = logits.masked_fill(~visible, float("-inf"))
+        # An additive 0 / -inf bias `[n, T]`: the same values as a masked fill, at the cost of one
+        # in-place add instead of a broadcast fill of the whole tensor.
+        hidden = torch.arange(length, device=keys.device)[None, :] >= key_limit.to(keys.device)[:, None]
+        logits.add_(torch.zeros(hidden.shape, device=keys.device).masked_fill_(hidden, float("-inf")))
     if key_mask is not None:
         logits = logits.masked_fill(~key_mask.to(keys.device)[:, :, None, None, :], float("-inf"))
     probs = torch.softmax(logits, dim=-1)
@@ -350,12 +355,39 @@ def protected_mask(length: int, recent: int, sink: int = 0,
 # -- selection --------------------------------------------------------------------------------
 
 
+def ranking_keys(scores: torch.Tensor) -> torch.Tensor:
+    """Unique int64 keys `[..., length]` that order each row's slots as a stable descending sort
+    of `scores` (float, no NaN) does: higher score first, ties toward the earlier slot.
+
+    The float32 score's bits are mapped to an int32 that orders like the float (-0.0 folded into
+    +0.0 first), shifted up 32 bits, and the slot's reversed index fills the low 32 bits. Unique
+    keys let an unstable top-k stand in for a full stable sort.
+    """
+    bits = (scores.float() + 0.0).view(torch.int32)
+    bits = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(torch.int64)
+    slot = torch.arange(scores.shape[-1], device=scores.device)
+    return bits * (1 << 32) + ((1 << 32) - 1 - slot)
+
+
+def mask_slots(mask: torch.Tensor, k: int) -> torch.Tensor:
+    """Ascending indices of the True entries of each row of bool `mask` `[..., length]`, where
+    every row holds exactly k: int64 `[..., k]`. Static shapes (a cumulative count and a scatter
+    into a spare column), so no host sync on a device."""
+    rank = mask.cumsum(-1) - 1
+    column = torch.where(mask, rank, torch.full_like(rank, k))
+    out = torch.zeros(*mask.shape[:-1], k + 1, dtype=torch.long, device=mask.device)
+    slot = torch.arange(mask.shape[-1], device=mask.device).expand_as(column)
+    return out.scatter_(-1, column, slot)[..., :k]
+
+
 def topk_keep(scores: torch.Tensor, k: int, protected: torch.Tensor | None = None) -> torch.Tensor:
     """Indices of the k best slots per row, protected slots always included, ascending.
 
     scores: `[..., length]`; protected: bool `[length]` or broadcastable to scores, with at most k
-    True per row. Ties break toward the earlier slot (a stable sort), so results are reproducible
-    and a naive reference can match them exactly (max-pooling creates plateaus of equal scores).
+    True per row. Ties break toward the earlier slot (a stable sort's order, through
+    `ranking_keys`), so results are reproducible and a naive reference can match them exactly
+    (max-pooling creates plateaus of equal scores). A top-k of the smaller side (the kept or the
+    dropped slots) marks a mask instead of sorting whole rows.
     Returns int64 `[..., k]`, sorted ascending in every row.
     """
     length = scores.shape[-1]
@@ -367,9 +399,14 @@ def topk_keep(scores: torch.Tensor, k: int, protected: torch.Tensor | None = Non
             raise ValueError(f"{int(protected.sum(dim=-1).max())} protected slots exceed k={k}")
         ranked = ranked.masked_fill(protected, float("inf"))
     # NaN would sort unpredictably; treat it as "never keep" unless protected.
-    ranked = torch.nan_to_num(ranked, nan=float("-inf"))
-    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices[..., :k]
-    return torch.sort(order, dim=-1).values
+    key = ranking_keys(torch.nan_to_num(ranked, nan=float("-inf")))
+    if length - k <= k:
+        dropped = torch.topk(key, length - k, dim=-1, largest=False).indices
+        kept = torch.ones(key.shape, dtype=torch.bool, device=key.device).scatter_(-1, dropped, False)
+    else:
+        chosen = torch.topk(key, k, dim=-1).indices
+        kept = torch.zeros(key.shape, dtype=torch.bool, device=key.device).scatter_(-1, chosen, True)
+    return mask_slots(kept, k)
 
 
 def keep_counts(scores: torch.Tensor, counts: torch.Tensor,
