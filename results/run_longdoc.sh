@@ -5,7 +5,8 @@
 # repository root with the data root reached through a relative path (a `data` link, ignored by
 # git), so no machine path is recorded:
 #     DATA=data bash results/run_longdoc.sh
-# Re-running resumes. POLICIES / BUDGETS2 / DOCS override the sets below.
+# Re-running resumes. POLICIES / BUDGETS2 / DOCS override the sets below; an entry may carry
+# policy arguments after "+" (pyramidkv+decode_compress=true).
 set -euo pipefail
 DATA=${DATA:?set DATA to the benchmark data root (niah/ inside)}
 OUT=${OUT:-results/longdoc}
@@ -18,11 +19,23 @@ COMMON=(--task longdoc --data "$DATA/niah" --preset cpu-paper --task-arg lengths
 POLICIES=${POLICIES:-"full snapkv growpage streamingllm h2o zipage growpage-fixed tova rkv"}
 # The second budget (512) for the fixed-budget policies named here.
 BUDGETS2=${BUDGETS2:-"snapkv"}
+# "name+k=v+k=v" -> --policy name -a k=v -a k=v
+policy_args() {
+    local name=${1%%+*} rest=${1#*+} out
+    out=(--policy "$name")
+    if [[ $rest != "$1" ]]; then
+        IFS=+ read -ra kvs <<< "$rest"
+        for kv in "${kvs[@]}"; do out+=(-a "$kv"); done
+    fi
+    printf '%s\n' "${out[@]}"
+}
 for p in $POLICIES; do
-    "$KV" eval "${COMMON[@]}" --policy "$p"
+    mapfile -t args < <(policy_args "$p")
+    "$KV" eval "${COMMON[@]}" "${args[@]}"
 done
 for p in $BUDGETS2; do
-    "$KV" eval "${COMMON[@]}" --policy "$p" --kv-budget 512
+    mapfile -t args < <(policy_args "$p")
+    "$KV" eval "${COMMON[@]}" "${args[@]}" --kv-budget 512
 done
 "$KV" leaderboard "$OUT" --out "$OUT/leaderboard"
 "$KV" report "$OUT" --out "$OUT/report.html"
