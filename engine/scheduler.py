@@ -26,7 +26,9 @@ earlier rows, and every row's logits score (and sample, for the random stream) i
 k stops at the free slots of the pages the request holds, so a boundary policy sees the same
 boundaries: the decision before the run's first token is taken as for a decode, and the next one
 after its last. It also stops at the request's max_tokens and the model's context, so a run never
-finishes early. Runs take what the step's token budget leaves after the one-token decodes, prefill
+finishes early, and at the policy's `forced_run_limit` (Kara's window fill: the run ends where
+its tail fills a window, so `periodic` compresses it before the next token, as token by token).
+Runs take what the step's token budget leaves after the one-token decodes, prefill
 chunks and admissions, so every other request's share of a step is what it would be token by
 token. Afterwards each token is accounted for as its own decode step (traces, `kv_budget`, stop
 checks).
@@ -81,9 +83,10 @@ class Scheduler:
         self.finished: list[Sequence] = []
         self._scheduled: set[int] = set()
         # Decided once per run: a policy that overrides `periodic` (say a subclass of one that
-        # opted in) must see every step, so its forced tokens run one by one.
+        # opted in) must see every step, so its forced tokens run one by one, unless the class
+        # that defines its `periodic` also bounds its runs (`forced_run_limit`).
         self.chunked_forcing = (config.chunked_forcing and policy.chunked_forcing
-                                and type(policy).periodic is KVPolicy.periodic)
+                                and _periodic_is_bounded(type(policy)))
         # Free pages a capacity-decision GROW must leave (vLLM: int(watermark x blocks)).
         self.grow_reserve = int(config.grow_watermark * block_manager.num_pages)
 
@@ -182,9 +185,11 @@ class Scheduler:
         tokens that are forced, up to the free slots of its pages, its max_tokens and the model's
         context (the last token of the run may end the request, no earlier one can)."""
         p, done = seq.params, seq.num_output_tokens
-        return min(len(p.forced_tokens) - done, p.max_tokens - done,
-                   self.runner.max_model_len - seq.logical_len,
-                   seq.num_pages * self.bm.block_size - seq.physical_len)
+        run = min(len(p.forced_tokens) - done, p.max_tokens - done,
+                  self.runner.max_model_len - seq.logical_len,
+                  seq.num_pages * self.bm.block_size - seq.physical_len)
+        limit = self.policy.forced_run_limit(self.view(seq)) if run > 1 else None
+        return run if limit is None else min(run, limit)
 
     def _chunk(self, seq: Sequence, budget: int, reserve: int = 0) -> WorkItem | None:
         """The next prefill chunk that fits the token budget and the free pages, leaving `reserve`
@@ -484,3 +489,12 @@ def grow_kind(decision: Decision) -> str:
         return label
     return "grow" if "delta" in decision.info else "allocate"
 
+
+def _periodic_is_bounded(cls: type) -> bool:
+    """Whether forced runs may skip steps of `cls.periodic`: it is KVPolicy's (no schedule), or
+    the class that defines it defines `forced_run_limit` too (at it or below it)."""
+    owner = next(c for c in cls.__mro__ if "periodic" in vars(c))
+    if owner is KVPolicy:
+        return True
+    bound = next(c for c in cls.__mro__ if "forced_run_limit" in vars(c))
+    return bound is not KVPolicy and issubclass(bound, owner)

@@ -878,6 +878,69 @@ def test_kvllm_through_engine_compresses_trailing_windows_once_per_period(llama_
     assert all(o.num_output_tokens == 64 for o in outs)
 
 
+@pytest.mark.parametrize("schedule", ["window_fill", "kvllm"])
+def test_query_cache_reads_the_decoded_queries_and_recomputes_only_what_it_lacks(
+        llama_dir, monkeypatch, schedule):
+    """query_cache=True: every decode-time window's queries come from the recent-query cache,
+    equal to a recomputation over the same slots for the m slots past the window's buffer (the
+    buffer's were decoded before the previous window was compressed, module docstring); the
+    compressions are those of the recomputing policy."""
+    import engine.policies.kara as kara_module
+
+    real, seen = kara_module._span_queries, []
+
+    def spy(view, lo, hi, cached):
+        recomputed = view.recompute_queries(lo, hi)
+        seen.append((real(view, lo, hi, cached), recomputed, cached))
+        return seen[-1][0]
+
+    args = dict(SMALL, schedule=schedule)
+    llm_plain, plain = generate(llama_dir, "kara", max_tokens=64, policy_args=args)
+    monkeypatch.setattr(kara_module, "_span_queries", spy)
+    llm, cached = generate(llama_dir, "kara", max_tokens=64, policy_args={**args, "query_cache": True})
+    assert llm.policy.signals() == SignalSpec(recent_queries=16)
+    assert len(seen) == llm.last_scheduler.counters["periodic_compress"] > 3
+    buffer = llm.policy.buffer_tokens
+    for got, recomputed, was_cached in seen:
+        assert was_cached and got.shape == recomputed.shape
+        torch.testing.assert_close(got[:, buffer:], recomputed[:, buffer:], rtol=1e-4, atol=1e-4)
+    def compressions(engine):
+        events = engine.last_scheduler.events
+        first = min(e.seq_id for e in events)
+        return [(e.seq_id - first, e.physical_before, e.physical_after) for e in events]
+
+    assert compressions(llm) == compressions(llm_plain)
+
+
+def test_span_queries_fall_back_to_recomputation_outside_the_cache():
+    class View:
+        num_computed, physical_len = 40, 30        # slot s holds position s + 10
+
+        def recent_queries(self, rope=True):
+            return torch.arange(8.0).view(1, 8, 1, 1), torch.arange(32, 40)
+
+        def recompute_queries(self, lo, hi):
+            return torch.full((1, hi - lo, 1, 1), -1.0)
+
+    import engine.policies.kara as kara_module
+
+    span = kara_module._span_queries
+    assert span(View(), 24, 30, True).flatten().tolist() == [2, 3, 4, 5, 6, 7]   # positions 34-39
+    assert span(View(), 20, 26, True).flatten().tolist() == [-1] * 6             # 30-35: not all held
+    assert span(View(), 24, 30, False).flatten().tolist() == [-1] * 6
+
+
+def test_forced_runs_stop_where_the_window_fills():
+    policy = make_policy(**{**SMALL, "schedule": "window_fill"})
+    view = FakeView(policy, num_prompt_tokens=20)
+    view.append(10)                                            # a tail of 10 of |W| = 16
+    assert policy.forced_run_limit(view) == 6
+    view.append(6)
+    assert policy.forced_run_limit(view) == 1                  # a full window waits for periodic
+    kvllm = make_policy(**{**SMALL, "schedule": "kvllm"})
+    assert kvllm.forced_run_limit(FakeView(kvllm, num_prompt_tokens=20)) == 1
+
+
 # -- Kara's own setup in evals ------------------------------------------------------------------
 
 

@@ -225,10 +225,11 @@ class KVPolicy:
     # policies), whose budget column stays blank in tables (evals/leaderboard.py).
     has_budget: ClassVar[bool] = False
     # True for a policy that acts only at capacity boundaries (`on_boundary`, `fallback`,
-    # `select`), with no `periodic` schedule and no state that must see every decode step: the
-    # scheduler may then run a request's forced tokens up to its next page boundary as one
-    # chunk (teacher forcing at prefill speed, engine/scheduler.py). False (the default) runs
-    # every forced token as its own decode step.
+    # `select`), or whose `periodic` can say when it next acts on a request
+    # (`forced_run_limit`), and that keeps no state that must see every decode step: the
+    # scheduler may then run a request's forced tokens up to its next page boundary (or that
+    # limit) as one chunk (teacher forcing at prefill speed, engine/scheduler.py). False (the
+    # default) runs every forced token as its own decode step.
     chunked_forcing: ClassVar[bool] = False
     engine: EngineSpec | None = field(default=None, init=False, repr=False, compare=False)
 
@@ -272,6 +273,15 @@ class KVPolicy:
 
     def periodic(self, step: int, views: list[PolicyView]) -> list[tuple[PolicyView, Decision]]:
         return []
+
+    def forced_run_limit(self, view: PolicyView) -> int | None:
+        """For a policy whose `periodic` acts on a request's own state (not on the step count):
+        the most decode steps the request can take, from now, before `periodic` may act on it
+        (>= 1), so its forced tokens can run as one chunk up to there. None (the default): no
+        limit of the policy's own (a boundary policy's runs stop at the page boundary anyway).
+        The scheduler lets a policy that overrides `periodic` run forced chunks only where the
+        class that defines `periodic` also defines this (engine/scheduler.py)."""
+        return None
 
     def select(self, view: PolicyView, target_len: int, timer: StageTimer) -> torch.Tensor:
         raise NotImplementedError(f"policy {self.name!r} never compresses")

@@ -81,6 +81,28 @@ Retention, two numbers. r is Eq. 5's candidate ratio: ceil(r m) candidates per w
 request's generated slots kept in steady state is `steady_kept_share` (above). Benchmarks label
 Kara rows with the kept share, not r.
 
+Queries (Sec. 3.1, "Efficient implementation"). The paper recomputes the window's query states at
+each compression, "an additional forward pass on the tokens in the current window" over the
+existing KV cache, which "avoids maintaining an explicit query cache during decoding": the
+default here. It costs a |W|-token forward pass per m tokens generated (|W| / m = 1.14 extra
+tokens of compute per token at either preset), cheap where decode is bound by memory (a GPU) and
+about doubling the work where every token is bound by compute (a CPU forced pass).
+`query_cache=True` reads the engine's recent-query cache instead (|W| post-RoPE queries kept
+per running request, `SignalSpec.recent_queries`), recomputing only what it does not hold (a
+prompt window, a window after a preemption). The memory it costs is the paper's reason: |W| x
+layers x query heads x head_dim per request, 512 x 36 x 32 x 128 x 2 bytes = 151 MB in bf16 for
+Qwen3-8B at the paper preset, 32 x 30 x 9 x 64 x 4 bytes = 2.2 MB for SmolLM2 in fp32 at the
+cpu-paper one. The values differ in one respect: a cached query was computed when its token
+was decoded, so the first |U| queries of a sliding window (the previous window's buffer) saw
+the previous window uncompressed, where the recomputation sees it compressed; the other m are
+the same up to kernel rounding.
+
+Forced runs. Under "window_fill" a request is compressed exactly when its tail fills a window,
+so `forced_run_limit` tells the scheduler how many tokens it can take before that (|W| - tail)
+and teacher-forced tokens run as chunks up to there, with the same compressions as token by
+token. The periodic schedules ("kvllm", "tiled_periodic") count engine steps, which a chunk
+would skip, so their forced tokens run one decode step each.
+
 Ablations (Table 1; registered variants, same count kept as Kara):
 - "kara-wo-biattn" (scoring="buffer"): scores W \\ U with the queries of U only ("w/o
   Bi-Attention"; U follows W \\ U, so this is causal attention from the buffer).
@@ -118,6 +140,7 @@ from engine.policies.base import (
     EngineSpec,
     KVPolicy,
     PolicyView,
+    SignalSpec,
     StageTimer,
     pages_for,
     register_policy,
@@ -138,6 +161,8 @@ class Schedule:
     """One schedule's rules (see the module docstring).
 
     due(policy, step): whether periodic() fires at this global step.
+    fill_triggered: it fires on a request's own tail filling a window (every step), so the steps
+        to a request's next compression are known (`Kara.forced_run_limit`).
     trailing_only: decode-time compressions take only the trailing |W| slots (KvLLM) rather than
         every complete window of the tail's stride-m tiling (sliding window).
     frozen_buffer: a compressed window's buffer is never re-touched: the boundary moves past it,
@@ -147,6 +172,7 @@ class Schedule:
     """
 
     due: Callable[["Kara", int], bool]
+    fill_triggered: bool
     trailing_only: bool
     frozen_buffer: bool
     default_period: Callable[["Kara"], int | None]
@@ -171,11 +197,11 @@ def _sliding_share(policy: "Kara") -> float:
 
 
 SCHEDULES: dict[str, Schedule] = {
-    "kvllm": Schedule(_every_period, trailing_only=True, frozen_buffer=True,
+    "kvllm": Schedule(_every_period, fill_triggered=False, trailing_only=True, frozen_buffer=True,
                       default_period=_kvllm_period, kept_share=_kvllm_share),
-    "window_fill": Schedule(lambda p, step: True, trailing_only=False, frozen_buffer=False,
+    "window_fill": Schedule(lambda p, step: True, fill_triggered=True, trailing_only=False, frozen_buffer=False,
                             default_period=lambda p: None, kept_share=_sliding_share),
-    "tiled_periodic": Schedule(_every_period, trailing_only=False, frozen_buffer=False,
+    "tiled_periodic": Schedule(_every_period, fill_triggered=False, trailing_only=False, frozen_buffer=False,
                                default_period=lambda p: p.window_tokens,
                                kept_share=_sliding_share),
 }
@@ -197,25 +223,40 @@ SUBSETS: dict[str, Callable[[Candidate], tuple]] = {
 }
 
 
-def _window_queries(view: PolicyView, starts: torch.Tensor, offset: int,
-                    length: int) -> torch.Tensor:
+def _span_queries(view: PolicyView, lo: int, hi: int, cached: bool) -> torch.Tensor:
+    """Post-RoPE queries of uncompressed slots [lo, hi): [layers, hi - lo, q_heads, d], from the
+    recent-query cache when `cached` and it holds them all, else recomputed (module docstring,
+    "Queries")."""
+    if cached:
+        queries, positions = view.recent_queries(rope=True)
+        first = view.num_computed - view.physical_len + lo     # the logical position of slot lo
+        if positions.numel():
+            start = first - int(positions[0])
+            if start >= 0 and start + hi - lo <= positions.numel() \
+                    and int(positions[start + hi - lo - 1]) == first + hi - lo - 1:
+                return queries[:, start:start + hi - lo]
+    return view.recompute_queries(lo, hi)
+
+
+def _window_queries(view: PolicyView, starts: torch.Tensor, offset: int, length: int,
+                    cached: bool) -> torch.Tensor:
     """Queries of slots [s + offset, s + offset + length) for each window start s:
-    [layers, n, length, q_heads, d], from one recomputation over the span they cover."""
+    [layers, n, length, q_heads, d], from one span covering them (`_span_queries`)."""
     lo = int(starts[0]) + offset
     hi = int(starts[-1]) + offset + length
-    q = view.recompute_queries(lo, hi)                                   # [L, hi - lo, Hq, d]
+    q = _span_queries(view, lo, hi, cached)                              # [L, hi - lo, Hq, d]
     idx = (starts - starts[0])[:, None] + torch.arange(length, device=starts.device)
     return q[:, idx.to(q.device)]
 
 
 def _all_window_queries(policy: "Kara", view: PolicyView, starts: torch.Tensor) -> torch.Tensor:
     """Every query of each window (Eq. 4): [layers, n, |W|, q_heads, d]."""
-    return _window_queries(view, starts, 0, policy.window_tokens)
+    return _window_queries(view, starts, 0, policy.window_tokens, policy.query_cache)
 
 
 def _buffer_queries(policy: "Kara", view: PolicyView, starts: torch.Tensor) -> torch.Tensor:
     """The queries of each window's buffer only ("w/o Bi-Attention"): [layers, n, |U|, q_heads, d]."""
-    return _window_queries(view, starts, policy.stride, policy.buffer_tokens)
+    return _window_queries(view, starts, policy.stride, policy.buffer_tokens, policy.query_cache)
 
 
 SCORINGS: dict[str, Callable[..., torch.Tensor]] = {
@@ -275,12 +316,14 @@ class Kara(KVPolicy):
     compress_prompt: compress the prompt window-wise after prefill.
     scoring: "bidirectional" (Eq. 4) or "buffer" (the "w/o Bi-Attention" ablation).
     use_token2chunk: False is the "w/o Token2Chunk" ablation.
+    query_cache: read the window's queries from the engine's recent-query cache instead of
+        recomputing them (module docstring, "Queries"); False is the paper's recomputation.
     """
 
     name: ClassVar[str] = "kara"
-    # Its schedules compress inside a page: `periodic` decides every step on the uncompressed
-    # tail, so forced tokens run one decode step each.
-    chunked_forcing: ClassVar[bool] = False
+    # Its schedules compress inside a page; forced runs stop where the window fills
+    # (`forced_run_limit`; the periodic schedules run token by token).
+    chunked_forcing: ClassVar[bool] = True
     # fields a registered variant fixes (an ablation row is its name, not a free combination)
     pinned: ClassVar[dict[str, object]] = {}
 
@@ -297,6 +340,7 @@ class Kara(KVPolicy):
     compress_prompt: bool = False
     scoring: str = "bidirectional"
     use_token2chunk: bool = True
+    query_cache: bool = False
     _from_preset: tuple[str, ...] = field(default=(), init=False, repr=False, compare=False)
     _period_from_schedule: bool = field(default=False, init=False, repr=False, compare=False)
 
@@ -314,7 +358,7 @@ class Kara(KVPolicy):
         if isinstance(self.ratio, bool) or not isinstance(self.ratio, (int, float)) \
                 or not 0.0 < self.ratio <= 1.0:
             raise ConfigError(f"kara: ratio must be a number in (0, 1], got {self.ratio!r}")
-        for name in ("compress_prompt", "use_token2chunk"):
+        for name in ("compress_prompt", "use_token2chunk", "query_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(
                     f"kara: {name} must be True or False, got {getattr(self, name)!r}")
@@ -328,15 +372,29 @@ class Kara(KVPolicy):
             self._resolve(self.preset)
 
     # -- configuration ------------------------------------------------------------------------
+    def prepare(self, block_size: int) -> None:
+        """Resolve the preset from the block size, before `signals()` reads |W|."""
+        self._resolve(self._preset_for(block_size))
+
     def bind(self, engine: EngineSpec) -> None:
         super().bind(engine)
-        preset = self.preset
-        if preset == "auto":
-            preset = "paper" if engine.block_size >= AUTO_PAPER_MIN_BLOCK else "cpu"
-        self._resolve(preset)
+        self._resolve(self._preset_for(engine.block_size))
         if self._period_from_schedule:
             self.period = SCHEDULES[self.schedule].default_period(self)
         self._check_period()
+
+    def _preset_for(self, block_size: int) -> str:
+        if self.preset != "auto":
+            return self.preset
+        return "paper" if block_size >= AUTO_PAPER_MIN_BLOCK else "cpu"
+
+    def signals(self) -> SignalSpec:
+        """The window's queries when they are read from the cache (`query_cache`)."""
+        if not self.query_cache:
+            return SignalSpec()
+        if self.window_tokens is None:
+            raise RuntimeError("kara: signals() needs the block size (prepare) first")
+        return SignalSpec(recent_queries=self.window_tokens)
 
     def _resolve(self, preset: str) -> None:
         for key in self._from_preset:
@@ -395,7 +453,7 @@ class Kara(KVPolicy):
                 "chunk_budget": self.chunk_budget, "max_chunk_gap": self.max_chunk_gap,
                 "schedule": self.schedule, "period": self.period,
                 "compress_prompt": self.compress_prompt, "scoring": self.scoring,
-                "use_token2chunk": self.use_token2chunk,
+                "use_token2chunk": self.use_token2chunk, "query_cache": self.query_cache,
                 "window_kept_share": self.window_kept_share,
                 "steady_kept_share": self.steady_kept_share}
 
@@ -465,6 +523,13 @@ class Kara(KVPolicy):
     # -- scheduler hooks ----------------------------------------------------------------------
     def on_boundary(self, view: PolicyView) -> Decision:
         return Decision.grow()
+
+    def forced_run_limit(self, view: PolicyView) -> int | None:
+        """Tokens the request can take before `periodic` may compress it: until its tail fills
+        a window under "window_fill" (at least 1), one under the step-counted schedules."""
+        if not SCHEDULES[self.schedule].fill_triggered:
+            return 1
+        return max(1, self.window_tokens - self.tail_len(view))
 
     def fallback(self, view: PolicyView) -> Decision | None:
         return self._decision(view, self.ready_windows(view), "fallback", room_for_next=True)

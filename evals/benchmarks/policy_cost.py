@@ -11,9 +11,10 @@ task's built-in haystack through the model's tokenizer) or uniform random token 
 Configurations (block size 16, `--block-size`): FullKV; every fixed-budget policy at a budget of
 256 tokens (Zipage also with its redundancy term, the per-page "lightning" form); GrowPage at its
 defaults with protected_recent = 8 (half a page below a block of 16) and Kara with |W| = 32,
-|U| = 4, alpha = 2 (both the `cpu-paper` preset's values, evals/tasks/base.py); PyramidKV and
-Ada-KV compress the prompt only, which here is shorter than their budget, so they cost only their
-signals. One engine loads the model once; every repeat runs all configurations one after another
+|U| = 4, alpha = 2 (both the `cpu-paper` preset's values, evals/tasks/base.py), recomputing its
+window's queries as the paper does and reading them from the query cache (`query_cache`);
+PyramidKV and Ada-KV as published compress the prompt only, which here is shorter than their
+budget, so they cost only their signals, and in their decode-time mode (`decode_compress`). One engine loads the model once; every repeat runs all configurations one after another
 (`LLM.use_policy`), the order rotated by one each repeat.
 
 The split of a run's wall time (`LLM.generate`), each divided by the tokens of one request (L),
@@ -74,8 +75,12 @@ def default_configs(budget: int, block_size: int = 16) -> tuple[tuple[str, str, 
         out.append((name, name, {"budget": budget}))
         if name == "zipage":
             out.append(("zipage +redundancy", name, {"budget": budget, "redundancy": True}))
+        if name in ("pyramidkv", "adakv"):
+            out.append((f"{name} +decode", name, {"budget": budget, "decode_compress": True}))
     out.append(("growpage", "growpage", {"protected_recent": min(8, block_size // 2)}))
-    out.append(("kara", "kara", {"window_tokens": 32, "buffer_tokens": 4, "chunk_budget": 2}))
+    kara = {"window_tokens": 32, "buffer_tokens": 4, "chunk_budget": 2}
+    out.append(("kara", "kara", kara))
+    out.append(("kara +query_cache", "kara", {**kara, "query_cache": True}))
     return tuple(out)
 
 
