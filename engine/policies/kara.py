@@ -197,12 +197,13 @@ def _sliding_share(policy: "Kara") -> float:
 
 
 SCHEDULES: dict[str, Schedule] = {
-    "kvllm": Schedule(_every_period, fill_triggered=False, trailing_only=True, frozen_buffer=True,
-                      default_period=_kvllm_period, kept_share=_kvllm_share),
-    "window_fill": Schedule(lambda p, step: True, fill_triggered=True, trailing_only=False, frozen_buffer=False,
-                            default_period=lambda p: None, kept_share=_sliding_share),
-    "tiled_periodic": Schedule(_every_period, fill_triggered=False, trailing_only=False, frozen_buffer=False,
-                               default_period=lambda p: p.window_tokens,
+    "kvllm": Schedule(_every_period, fill_triggered=False, trailing_only=True,
+                      frozen_buffer=True, default_period=_kvllm_period, kept_share=_kvllm_share),
+    "window_fill": Schedule(lambda p, step: True, fill_triggered=True, trailing_only=False,
+                            frozen_buffer=False, default_period=lambda p: None,
+                            kept_share=_sliding_share),
+    "tiled_periodic": Schedule(_every_period, fill_triggered=False, trailing_only=False,
+                               frozen_buffer=False, default_period=lambda p: p.window_tokens,
                                kept_share=_sliding_share),
 }
 

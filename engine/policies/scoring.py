@@ -77,6 +77,24 @@ def causal_key_limits(n: int, length: int, device: torch.device | str = "cpu") -
     return torch.arange(length - n + 1, length + 1, device=device, dtype=torch.long)
 
 
+def window_logits(queries: torch.Tensor, keys: torch.Tensor,
+                  scale: float | None = None) -> torch.Tensor:
+    """Scaled attention logits of window queries, grouped by KV head: float32
+    `[layers, kv_heads, group, n, length]` from queries `[layers, n, q_heads, head_dim]` and keys
+    `[layers, kv_heads, length, head_dim]` (scale: 1/sqrt(head_dim) by default). One batched
+    matmul per (layer, KV head), `[g*n, d] x [d, T]`, with no materialised repeat of the keys."""
+    layers, n, q_heads, dim = queries.shape
+    kv_heads, length = keys.shape[1], keys.shape[2]
+    if q_heads % kv_heads:
+        raise ValueError(f"{q_heads} query heads is not a multiple of {kv_heads} KV heads")
+    group = q_heads // kv_heads
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    q = queries.float().reshape(layers, n, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
+    q = q.reshape(layers * kv_heads, group * n, dim)
+    k = keys.float().reshape(layers * kv_heads, length, dim)
+    return torch.bmm(q, k.transpose(1, 2)).mul_(scale).view(layers, kv_heads, group, n, length)
+
+
 def observation_probs(queries: torch.Tensor, keys: torch.Tensor,
                       key_limit: torch.Tensor | None = None,
                       scale: float | None = None,
@@ -90,18 +108,9 @@ def observation_probs(queries: torch.Tensor, keys: torch.Tensor,
     no query (None: every entry is held).
     Returns float32 `[layers, q_heads, n, length]`; masked keys get probability 0.
     """
-    layers, n, q_heads, dim = queries.shape
-    kv_heads, length = keys.shape[1], keys.shape[2]
-    if q_heads % kv_heads:
-        raise ValueError(f"{q_heads} query heads is not a multiple of {kv_heads} KV heads")
-    group = q_heads // kv_heads
-    scale = 1.0 / math.sqrt(dim) if scale is None else scale
-    # One batched matmul per (layer, KV head): [L*kvh, g*n, d] x [L*kvh, d, T] -> [L, kvh, g, n, T],
-    # no materialised repeat of the keys.
-    q = queries.float().reshape(layers, n, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
-    q = q.reshape(layers * kv_heads, group * n, dim)
-    k = keys.float().reshape(layers * kv_heads, length, dim)
-    logits = torch.bmm(q, k.transpose(1, 2)).mul_(scale).view(layers, kv_heads, group, n, length)
+    layers, n, q_heads, _ = queries.shape
+    length = keys.shape[2]
+    logits = window_logits(queries, keys, scale)                         # [L, kvh, g, n, T]
     if key_limit is not None:
         # An additive 0 / -inf bias `[n, T]`: the same values as a masked fill, at the cost of one
         # in-place add instead of a broadcast fill of the whole tensor.
@@ -111,6 +120,11 @@ def observation_probs(queries: torch.Tensor, keys: torch.Tensor,
         logits = logits.masked_fill(~key_mask.to(keys.device)[:, :, None, None, :], float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     return probs.reshape(layers, q_heads, n, length)
+
+
+# Attention probabilities held at once by observation_scores when the caller sets no layer stride
+# (floats): 4 MB, which keeps a chunk in the CPU's cache through the softmax and the reductions.
+_PROBS_ELEMS = 1 << 20
 
 
 def observation_scores(queries: torch.Tensor, keys: torch.Tensor,
@@ -128,7 +142,7 @@ def observation_scores(queries: torch.Tensor, keys: torch.Tensor,
     queries: `[layers, n, q_heads, head_dim]`; keys: `[layers, kv_heads, length, head_dim]`;
     key_limit: `[n]` or None; key_mask: bool `[layers, kv_heads, length]` or None
     (observation_probs). layer_stride bounds the temporary probabilities to
-    `[layer_stride, q_heads, n, length]` (None: all layers at once).
+    `[layer_stride, q_heads, n, length]` (None: as many layers as `_PROBS_ELEMS` holds).
     Returns float32 `[layers, kv_heads, length]` (`[layers, q_heads, length]` for
     group_reduce="none").
     """
@@ -136,9 +150,11 @@ def observation_scores(queries: torch.Tensor, keys: torch.Tensor,
         raise ValueError(f"group_reduce must be one of {sorted(GROUP_REDUCTIONS)}, got {group_reduce!r}")
     if query_reduce not in ("mean", "sum"):
         raise ValueError(f"query_reduce must be 'mean' or 'sum', got {query_reduce!r}")
-    layers = queries.shape[0]
-    group = queries.shape[2] // keys.shape[1]
-    stride = layers if layer_stride is None else max(1, layer_stride)
+    layers, n, q_heads, _ = queries.shape
+    group = q_heads // keys.shape[1]
+    if layer_stride is None:
+        layer_stride = _PROBS_ELEMS // max(1, q_heads * n * keys.shape[2])
+    stride = max(1, layer_stride)
     out = []
     for start in range(0, layers, stride):
         sl = slice(start, start + stride)
@@ -163,18 +179,15 @@ def grouped_logit_probs(queries: torch.Tensor, keys: torch.Tensor, key_end: int,
     """
     if group_reduce not in ("max", "sum"):
         raise ValueError(f"group_reduce must be 'max' or 'sum', got {group_reduce!r}")
-    layers, n, q_heads, dim = queries.shape
-    kv_heads = keys.shape[1]
-    group = q_heads // kv_heads
-    scale = 1.0 / math.sqrt(dim) if scale is None else scale
-    q = queries.float().reshape(layers, n, kv_heads, group, dim)
-    logits = torch.einsum("lnkgd,lktd->lkgnt", q, keys[:, :, :key_end].float()) * scale
+    logits = window_logits(queries, keys[:, :, :key_end], scale)         # [L, kvh, g, n, T']
     reduced = logits.amax(dim=2) if group_reduce == "max" else logits.sum(dim=2)  # [L, kvh, n, T']
     return torch.softmax(reduced, dim=-1)
 
 
-# Similarities held at once by the redundancy score (floats; layers are taken together up to it).
-_SIM_ELEMS = 1 << 22
+# Similarities held at once by the redundancy score (floats; layers are taken together up to it):
+# 2 MB, so the several elementwise passes over a chunk (threshold, last similar key, sums) find
+# it in the CPU's cache instead of streaming a larger one from memory each time.
+_SIM_ELEMS = 1 << 19
 
 
 def key_redundancy(keys: torch.Tensor, *, threshold: float = 0.5, temperature: float = 1.0,

@@ -14,7 +14,8 @@ defaults with protected_recent = 8 (half a page below a block of 16) and Kara wi
 |U| = 4, alpha = 2 (both the `cpu-paper` preset's values, evals/tasks/base.py), recomputing its
 window's queries as the paper does and reading them from the query cache (`query_cache`);
 PyramidKV and Ada-KV as published compress the prompt only, which here is shorter than their
-budget, so they cost only their signals, and in their decode-time mode (`decode_compress`). One engine loads the model once; every repeat runs all configurations one after another
+budget, so they cost only their signals, and in their decode-time mode (`decode_compress`).
+One engine loads the model once; every repeat runs all configurations one after another
 (`LLM.use_policy`), the order rotated by one each repeat.
 
 The split of a run's wall time (`LLM.generate`), each divided by the tokens of one request (L),
