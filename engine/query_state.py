@@ -109,6 +109,9 @@ class QueryStatePool:
         self._released: list[int] = []
         self._unused = 0
         self.plan: CapturePlan | None = None
+        self.num_layers = num_layers
+        self._stash: torch.Tensor | None = None   # [layers, T, q_heads, d], `record` until `flush`
+        self._stashed = False
 
     @property
     def active(self) -> bool:
@@ -218,8 +221,20 @@ class QueryStatePool:
         return [recent, ring, torch.where(ema, slot, self.scratch), init.long()]
 
     def record(self, layer: int, q_pre: torch.Tensor) -> None:
-        """q_pre: [T, q_heads, d] pre-RoPE queries of this layer for the step's rows."""
-        self._write(layer, q_pre)
+        """q_pre: [T, q_heads, d] pre-RoPE queries of this layer for the step's rows. Kept until
+        `flush`, which writes every layer's at once: the same writes as layer by layer, in a
+        handful of tensor ops a step instead of that many per layer."""
+        stash = self._stash
+        if stash is None or stash.shape[1:] != q_pre.shape or stash.dtype != q_pre.dtype:
+            stash = self._stash = q_pre.new_empty((self.num_layers, *q_pre.shape))
+        stash[layer].copy_(q_pre)
+        self._stashed = True
+
+    def flush(self) -> None:
+        """Write the queries `record` kept this step (the runner calls it after the forward)."""
+        if self._stashed:
+            self._stashed = False
+            self._write(slice(None), self._stash)
 
     def record_layers(self, q_pre: torch.Tensor) -> None:
         """q_pre: [layers, T, q_heads, d], every layer's pre-RoPE queries of the step's rows at

@@ -317,7 +317,10 @@ class ModelRunner:
             return self._graph_forward(items)
         input_ids, positions, ctx, sample_rows = self._prepare(items)
         ctx.whole_step = whole
-        return self.model.sampled_logits(input_ids, positions, ctx, sample_rows)
+        logits = self.model.sampled_logits(input_ids, positions, ctx, sample_rows)
+        if ctx.capture is not None:
+            ctx.capture.flush()
+        return logits
 
     def _graph_forward(self, items: list[WorkItem]) -> torch.Tensor | None:
         """`forward` through the DecodeGraph: one metadata copy, the graph, the sampled rows."""

@@ -258,6 +258,7 @@ def test_a_forced_runs_ema_is_the_rule_applied_row_by_row(init):
     pool.prepare([(0, 1, 10, 1 - slot, False), (1, 5, 20, slot, True)])  # a prefill row, a run
     for layer in range(layers):
         pool.record(layer, q[layer])
+    pool.flush()
     expected = start.clone()
     for j in range(1, 6):
         ema_update(expected, q[:, j], betas, init and j == 1)

@@ -284,6 +284,7 @@ def test_query_pool_eager_writes_are_ema_update_bit_for_bit(qdtype):
         pools[0].record_layers(q)
         for layer in range(L):
             pools[1].record(layer, q[layer])
+        pools[1].flush()
         for row, slot in enumerate(slots[0]):
             ema_update(ref[:, slot], q[:, row], betas, not ready[slot])
             ready[slot] = True

@@ -23,7 +23,7 @@ i.e. per decode step at equal batch:
 - decode: the model's steps, `RunStats.forward_seconds` (the sum of `StepRecord.seconds`: forward
   pass and sampling of every step, the prompts' one prefill step included) minus the signals;
 - signals: the query-signal writes the runner makes inside those steps (recent-query ring, EMA
-  summaries: `QueryStatePool.prepare` / `prepare_decode` / `record` / `record_layers`), timed by
+  summaries: `QueryStatePool.prepare` / `prepare_decode` / `record` / `flush` / `record_layers`), timed by
   wrapping those methods of the run's pool; the C decode stack's own output of the queries stays
   in decode;
 - decisions: the policy's capacity decisions, the `demand` stage of every capacity event (the
@@ -61,7 +61,7 @@ from evals.benchmarks.workloads import haystack_document, rng
 SOURCES = ("text", "random")
 RATIO_TARGET = 1.25
 GROWPAGE_OVERHEAD_TARGET = 0.05
-SIGNAL_METHODS = ("prepare", "prepare_decode", "record", "record_layers")
+SIGNAL_METHODS = ("prepare", "prepare_decode", "record", "record_layers", "flush")
 DECISION_METHODS = ("periodic", "after_prefill", "fallback")
 
 
