@@ -27,6 +27,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from engine.policies.scoring import window_logits
+
 # Index of each timescale along the "views" axis of the pool and of every tensor below.
 SHORT, LONG = 0, 1
 
@@ -79,10 +81,8 @@ def group_attention_probs(
     is the attention mass each cached key receives from the group as a whole, and it weighs every
     query head equally rather than letting one sharp head decide (as a max would).
     """
-    layers, views, q_heads, _ = queries.shape
-    kv_heads = keys.shape[1]
-    probs = head_attention_probs(queries, keys, scale)
-    return probs.reshape(layers, views, kv_heads, q_heads // kv_heads, -1).mean(dim=3)
+    logits = window_logits(queries, keys, scale)                         # [L, kvh, g, views, n]
+    return logits.softmax(dim=-1).mean(dim=2).transpose(1, 2)
 
 
 def top_p_working_set(probs: torch.Tensor, p: float) -> torch.Tensor:
