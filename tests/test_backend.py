@@ -97,11 +97,19 @@ def test_attention_ops_are_their_kernels(backend):
     q, k_cache, v_cache, tables, base, qlens, scale = _prefill_case(torch.float32, (4, 2), seed=4)
     ctx = _context(ops, k_cache, v_cache, prefill_block_tables=tables, prefill_base_lens=base,
                    prefill_q_lens=qlens, scale=scale)
-    prefill = paged_prefill_attention_triton if backend == "triton" \
-        else paged_prefill_attention_torch
+    prefill = {"c": cpu_native.prefill_rows, "torch": paged_prefill_attention_torch,
+               "triton": paged_prefill_attention_triton}[backend]
     for h in (None, _holes(2, [[(0, 8)], [(0, 0)], [(1, 2)], [(0, 0)]])):
         expected = prefill(q, k_cache, v_cache, tables, base, qlens, scale, h)
         assert torch.equal(ops.prefill(q, k_cache, v_cache, ctx, h), expected)
+    if backend == "c":  # chunks longer than C_PREFILL_ROWS rows: the twin
+        long_case = _prefill_case(torch.float32, (4, 2), seed=5, base=(3, 40),
+                                  qlens=(B.C_PREFILL_ROWS + 1, 2), lq_max=B.C_PREFILL_ROWS + 1)
+        q, k_cache, v_cache, tables, base, qlens, scale = long_case
+        ctx = _context(ops, k_cache, v_cache, prefill_block_tables=tables,
+                       prefill_base_lens=base, prefill_q_lens=qlens, scale=scale)
+        assert torch.equal(ops.prefill(q, k_cache, v_cache, ctx, None),
+                           paged_prefill_attention_torch(*long_case))
 
 
 @needs_kernel

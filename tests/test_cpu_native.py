@@ -16,15 +16,18 @@ import pytest
 import torch
 
 from engine.kernels import cpu_native
-from engine.kernels.paged_attention import paged_decode_attention_torch
+from engine.kernels.paged_attention import paged_decode_attention_torch, paged_prefill_attention_torch
 from test_kernels import (
     DECODE_HOLES,
     _decode_case,
     _holes,
+    _prefill_case,
     _store_case,
     assert_close,
     naive_decode,
     naive_decode_holes,
+    naive_prefill,
+    naive_prefill_holes,
     naive_store,
 )
 from tiny_models import make_tiny_llama_dir, make_tiny_qwen2_dir, make_tiny_qwen3_dir
@@ -64,6 +67,23 @@ def test_decode_holes_match_the_masked_loop():
     # The holes change the answer (the check could fail); empty holes change nothing.
     assert not torch.allclose(out.double(), naive_decode(*case), atol=1e-3)
     assert torch.equal(cpu_native.decode(*case, torch.zeros_like(holes)), cpu_native.decode(*case))
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads", [(4, 2), (9, 3), (4, 4)], ids=["gqa", "smollm2", "mha"])
+def test_prefill_rows_match_the_loop_reference_and_the_twin(heads):
+    """Chunks as decode rows: a chunk mid-page after a long base, a chunk from slot 0, an empty
+    (padded) one and a single row; then per-head holes below each chunk's base."""
+    case = _prefill_case(F32, heads, seed=9)
+    out = cpu_native.prefill_rows(*case)
+    assert out.shape == case[0].shape and out.dtype == F32
+    assert_close(out, naive_prefill(*case), F32)
+    assert_close(out, paged_prefill_attention_torch(*case), F32)
+    assert out[2].abs().max() == 0 and out[0, 5:].abs().max() == 0  # padded rows
+    holes = _holes(heads[1], [[(0, 20), (4, 18)], [(0, 0)], [(1, 3)], [(0, 0), (0, 5)]])
+    with_holes = cpu_native.prefill_rows(*case, holes)
+    assert_close(with_holes, naive_prefill_holes(*case, holes), F32)
+    assert not torch.allclose(with_holes, out, atol=1e-3)
 
 
 @needs_kernel

@@ -9,7 +9,8 @@ asks again per call.
 - `triton`, on CUDA: the Triton kernels for the attention; F.linear; torch for RMSNorm, RoPE
   and SiLU-mul. A compiled step is captured as CUDA graphs.
 - `c`, on the CPU in float32 with cpu_native_kernels and the C library loaded: the C store and
-  decode attention, reading the pages in place (prefill chunks keep the twin: SDPA); the
+  decode attention, reading the pages in place (chunks of up to C_PREFILL_ROWS rows too, a row
+  at a time; longer prefill chunks keep the twin: SDPA); the
   projections over column panels packed at load (cpu_packed_weights), else the C thin kernel up
   to cpu_native.THIN_ROWS rows and F.linear above; RMSNorm with the residual add, RoPE and
   SiLU-mul as one C call each.
@@ -175,6 +176,19 @@ def _c_store(key, value, k_cache_l, v_cache_l, ctx: ForwardContext) -> None:
 def _c_decode(q, k_cache_l, v_cache_l, ctx: ForwardContext, holes) -> torch.Tensor:
     return cpu_native.decode(q, k_cache_l, v_cache_l, ctx.decode_block_tables,
                              ctx.decode_context_lens, ctx.scale, holes)
+
+
+# Chunks of at most this many rows (a forced run's page, a short prefill tail) run through the C
+# decode kernel one row at a time, reading the pages in place (cpu_native.prefill_rows); longer
+# ones through the twin, whose SDPA matmuls share each gathered page among all the chunk's rows.
+C_PREFILL_ROWS = 32
+
+
+def _c_prefill(q, k_cache_l, v_cache_l, ctx: ForwardContext, holes) -> torch.Tensor:
+    if q.shape[1] > C_PREFILL_ROWS:
+        return _twin_prefill(q, k_cache_l, v_cache_l, ctx, holes)
+    return cpu_native.prefill_rows(q, k_cache_l, v_cache_l, ctx.prefill_block_tables,
+                                   ctx.prefill_base_lens, ctx.prefill_q_lens, ctx.scale, holes)
 
 
 def _store_then_decode(store: Callable, decode: Callable) -> Callable:
@@ -346,7 +360,7 @@ def c_kernels(packed: bool) -> Backend:
     return _with_graph({"linear": _panels_op if packed else _thin_op,
                         "store_and_decode": _graph_c_store_and_decode},
                        name="c", cuda_graphs=False, store=_c_store, decode=_c_decode,
-                       prefill=_twin_prefill,
+                       prefill=_c_prefill,
                        store_and_decode=_store_then_decode(_c_store, _c_decode),
                        rms_norm=_c_rms_norm, add_rms_norm=_c_add_rms_norm, rope=_c_rope,
                        silu_mul=_c_silu_mul, decode_stack=_c_decode_stack, **projections)

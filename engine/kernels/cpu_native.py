@@ -16,6 +16,9 @@ OpenMP threads. The measurements behind each are in results/benchmarks/cpu-kerne
         q [B, q_heads, head_dim]; block_tables [B, max_blocks] (-1 padded); context_lens [B];
         holes [B, kv_heads, 2] or None; out [B, q_heads, head_dim]: paged_decode_attention's
         contract (paged_attention.py), with the same zeros for rows or heads that see nothing.
+    prefill_rows(q, k_cache_l, v_cache_l, block_tables, base_lens, q_lens, scale, holes=None)
+        A chunk step's attention (paged_prefill_attention's contract) as one decode row per
+        query row, each seeing its causal prefix: short chunks over long contexts.
 
     rms_norm(x, weight, eps, delta=None), rope(x, cos, sin), silu_mul(gate_up)
         One C call each where torch runs several ops. The C backend's eager form calls them
@@ -265,6 +268,31 @@ def decode(q, k_cache_l, v_cache_l, block_tables, context_lens, scale, holes=Non
                               head_dim, block, pages, float(scale))
     _raise_on(rc)
     return out
+
+
+def prefill_rows(q, k_cache_l, v_cache_l, block_tables, base_lens, q_lens, scale, holes=None):
+    """A chunk step's paged attention, one decode-kernel row per query row: row i of sequence b
+    sees slots [0, base_lens[b] + i] of its pages, read in place. paged_prefill_attention's
+    contract (paged_attention.py): q [Bp, Lq_max, q_heads, head_dim] padded; block_tables
+    [Bp, max_blocks]; base_lens, q_lens [Bp]; holes [Bp, kv_heads, 2] or None -> out
+    [Bp, Lq_max, q_heads, head_dim], zeros on padded rows.
+
+    For short chunks over long contexts (a forced run's page of rows against thousands of slots)
+    this reads the pages where they lie, where the twin gathers every page into a dense copy and
+    runs a masked SDPA; the backend picks it up to C_PREFILL_ROWS rows (engine/kernels/backend.py).
+    """
+    batch, lq_max, q_heads, head_dim = q.shape
+    base, qlen = _int64(base_lens), _int64(q_lens)
+    valid = torch.arange(lq_max)[None, :] < qlen[:, None]                 # [Bp, Lq]
+    flat = valid.flatten().nonzero().squeeze(1)                           # [R] row b * Lq + i
+    seq, row = flat // lq_max, flat % lq_max
+    out = torch.zeros(batch * lq_max, q_heads, head_dim)
+    if flat.numel():
+        rows = q.reshape(batch * lq_max, q_heads, head_dim).index_select(0, flat)
+        out[flat] = decode(rows, k_cache_l, v_cache_l, block_tables.index_select(0, seq),
+                           base[seq] + row + 1, scale,
+                           None if holes is None else holes.index_select(0, seq))
+    return out.view(batch, lq_max, q_heads, head_dim)
 
 
 @dataclass(frozen=True)
