@@ -51,6 +51,7 @@ class LLM:
         if model is not None:
             kwargs["model"] = str(model)
         self.config = EngineConfig.from_kwargs(**kwargs)
+        threads.govern_unset()
         self.model_dir = resolve_model(self.config.model,
                                        need_weights=self.config.load_format != "dummy")
         self.tokenizer = load_tokenizer(self.model_dir)

@@ -31,6 +31,10 @@ What this module does:
 - `set_threads(n)` sets torch's intra-op threads, capped at the CPUs this process may use (its
   affinity mask and cgroup CPU quota; `os.cpu_count()` sees neither), and makes n the governor's
   limit; `adaptive=False` pins the count instead.
+- `govern_unset()`, called when an `LLM` is built, puts torch's own count under the governor
+  where nothing called `set_threads` (a script using the engine as a library): without it two
+  such processes on one machine ran at 0.29x of one alone together
+  (results/benchmarks/cpu-threads-notes.md).
 - `adapt()`, called once per engine step (engine/llm.py), lets the governor act.
 
 Threads are not bound to cores: on a shared machine a bound thread cannot move to a core another
@@ -165,6 +169,14 @@ def set_threads(threads: int, adaptive: bool = True) -> int:
     torch.set_num_threads(threads)
     GOVERNOR.reset(threads, os.cpu_count() or usable, enabled=adaptive)
     return threads
+
+
+def govern_unset() -> None:
+    """Where nothing chose the thread count (`set_threads` never ran), make torch's own count,
+    capped at usable_cpus(), the governor's limit; a caller that wants a pinned count calls
+    `set_threads(n, adaptive=False)` first."""
+    if not GOVERNOR.configured:
+        set_threads(min(current(), usable_cpus()))
 
 
 def current() -> int:

@@ -115,16 +115,18 @@ print(json.dumps({"state": threads.openmp_state()["threads"], "mean": llm.last_s
 """
 
 
-def test_an_llm_made_from_python_records_the_threads_it_runs_with(tmp_path):
-    """Without set_threads (an ``LLM()`` made from Python) torch runs with its own count and no
-    governor: that count is what the state records, not the governor's unset default."""
+def test_an_llm_made_from_python_governs_the_threads_it_was_given(tmp_path):
+    """Without set_threads (an ``LLM()`` made from Python) torch's own count becomes the
+    governor's limit, so such a process gives up threads to others as a CLI run does; the state
+    records it (the count now and the mean follow the machine's load, at most the limit)."""
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{REPO / 'tests'}"}
     out = subprocess.run([sys.executable, "-c", LLM_PROBE, str(tmp_path)], cwd=REPO, text=True,
                          capture_output=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
-    assert got["state"] == {"adaptive": False, "limit": 2, "current": 2, "lowest": 2, "changes": 0}
-    assert got["mean"] == 2
+    state = got["state"]
+    assert state["adaptive"] is True and state["limit"] == 2
+    assert 1 <= state["lowest"] <= state["current"] <= 2 and 1 <= got["mean"] <= 2
 
 
 class Machine:
