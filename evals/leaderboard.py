@@ -11,6 +11,8 @@
 - ``runs.csv``: every run's metrics in long form (one row per model x task x label), with the
   interval bounds, the provenance and the run's path relative to the results root it was found
   under.
+- ``paired.csv`` (and a markdown section): delta-NLL differences between runs of one nominal
+  budget on the same samples, each against the group's lowest-drift run (evals.paired).
 - ``quality_memory.png``: pass@1 (%) against the average KV budget, one panel per task, one
   point per policy and budget, 95% intervals as error bars; ``fidelity_memory.png`` the same
   with delta-NLL when the runs have it.
@@ -62,6 +64,7 @@ from typing import Any, Sequence
 from engine.config import is_finite
 from engine.events import EVENT_KINDS
 from evals.intervals import half_width, mean_half_width
+from evals.paired import PairedRow, paired_markdown, paired_rows, write_paired_csv
 from evals.plots import NIAH_SCORE
 from evals.provenance import describe_key, provenance_key
 from evals.results import SAMPLES_FILE
@@ -698,7 +701,10 @@ def build_leaderboard(dirs: Sequence[str | Path], out: str | Path) -> Leaderboar
         "memory.csv": write_table_csv(runs, "memory", out / "memory.csv"),
         "runs.csv": write_runs_csv(runs, out / "runs.csv", dirs, ids),
     }
-    md = render_markdown(runs, ids)
+    pairs = paired_rows(runs)
+    if pairs:
+        files["paired.csv"] = write_paired_csv(pairs, out / "paired.csv")
+    md = render_markdown(runs, ids, pairs)
     (out / "leaderboard.md").write_text(md + "\n", encoding="utf-8")
     files["leaderboard.md"] = out / "leaderboard.md"
     panels = memory_points(runs)
@@ -738,7 +744,8 @@ def build_leaderboard(dirs: Sequence[str | Path], out: str | Path) -> Leaderboar
     return Leaderboard(runs, tasks, _row_order(runs), files, md)
 
 
-def render_markdown(runs: Sequence[RunResult], ids: dict[tuple, str] | None = None) -> str:
+def render_markdown(runs: Sequence[RunResult], ids: dict[tuple, str] | None = None,
+                    pairs: Sequence[PairedRow] = ()) -> str:
     ids = ids or provenance_ids(runs)
     prov = row_provenance(runs, ids)
     notes = ("Values: `value ± h`, h = half-width of the 95% interval (bootstrap over problems, "
@@ -760,6 +767,8 @@ def render_markdown(runs: Sequence[RunResult], ids: dict[tuple, str] | None = No
              table_markdown(runs, "table7", prov, settings)]
     if _halves(runs, "memory"):
         parts += ["## Memory and fidelity to FullKV", table_markdown(runs, "memory", prov, settings)]
+    if pairs:
+        parts.append(paired_markdown(pairs))
     if any(r.metrics.get("ungraded") for r in runs):
         notes += (" (n ungraded) = samples of the run without a verdict because grading itself "
                   "failed (a grading worker died or could not start): its pass@1 is over the "

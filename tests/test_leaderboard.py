@@ -16,7 +16,7 @@ from evals.results.files import read_json
 from evals.results.labels import run_dir
 from evals.results.metrics import compute_metrics
 from evals.results.runs import find_runs, with_nominal_budget
-from result_trees import PROV_A, PROV_B, write_run
+from result_trees import PROV_A, PROV_B, fidelity, write_run
 
 
 @pytest.fixture
@@ -282,3 +282,31 @@ def test_budget_sweep_lines_keep_settings_apart_and_need_two_budgets(tmp_path):
     write_run(one, "gsm8k", "zipage", {"budget": 64}, 3, 64, PROV_A)
     assert sweep_figure("gsm8k", find_runs([one])) is None  # nobody swept: no sweep figure
     assert "sweep_gsm8k.png" not in build_leaderboard([one], tmp_path / "board").files
+
+
+def test_paired_differences_at_equal_nominal_budget(tmp_path):
+    """Against the group's lowest-drift run on the same samples: a constant offset is separated,
+    an offset that alternates in sign around 0 is not; FullKV (no nominal budget) is in no group,
+    and a budget held by one run alone makes no row."""
+    root = tmp_path / "results"
+    offsets = {"zipage": lambda p: 0.0, "snapkv": lambda p: 0.05,
+               "tova": lambda p: 0.03 if p % 2 else -0.028, "full": lambda p: -0.1}
+    for policy, offset in offsets.items():
+        path = write_run(root, "longdoc", policy, {}, 0, 256, PROV_A)
+        recs = [json.loads(x) for x in (path / R.SAMPLES_FILE).read_text().splitlines()]
+        for r in recs:
+            p = int(r["uid"].split("/")[1])
+            r["fid_delta_nll"] = 0.1 + 0.01 * (p % 5) + offset(p)
+        (path / R.SAMPLES_FILE).write_text("".join(dumps_line(r) for r in recs))
+        write_json(path / R.METRICS_FILE, compute_metrics(recs, [], len(recs)))
+    write_run(root, "longdoc", "h2o", {"budget": 512}, 0, 512, PROV_A,
+              fields=fidelity(500.0, 0.2, 0.5, 510.0))
+    board = build_leaderboard([root], tmp_path / "board")
+    with open(board.files["paired.csv"], newline="") as f:
+        rows = {r["label"]: r for r in csv.DictReader(f)}
+    assert set(rows) == {"snapkv", "tova"}
+    assert {r["reference"] for r in rows.values()} == {"zipage"}
+    assert float(rows["snapkv"]["diff"]) == pytest.approx(0.05)
+    assert rows["snapkv"]["separated"] == "True" and rows["tova"]["separated"] == "False"
+    assert float(rows["tova"]["lo"]) < 0 < float(rows["tova"]["hi"])
+    assert "## Paired differences at equal nominal budget" in board.markdown
