@@ -52,12 +52,11 @@ MAX_GENERATOR_SEED = 2**64 - 1  # torch.Generator.manual_seed's range
 MAX_BLOCK_SIZE = 1024
 
 # Whether decode steps run as one compiled graph (engine/decode_graph.py) unless `compile` is
-# given. Measured side by side on the 2-core CPU (scripts/compile_ab.py, SmolLM2-135M fp32, 2
-# threads, load 1.3-1.7): batch 1 19.1 vs 19.4 tok/s eager, batch 32 132.8 vs 128.6, identical
-# greedy tokens, and a first compile of 23 s: no gain worth the compile, so eager. On a GPU the
-# compiled step's launches per layer drop from 26-36 to 10 (results/benchmarks/launches.md), but
-# its CUDA graphs have not run on a GPU yet, so `compile=True` there is opt-in until they have.
-COMPILE_DEFAULT = False
+# given, per device type, each chosen by a side-by-side measurement on that device
+# (scripts/compile_ab.py; results/benchmarks/peer.md): on the CPU eager, the compiled step gaining
+# nothing worth its first compile; on CUDA eager until the compiled step's CUDA graphs have been
+# timed on a GPU (scripts/gpu_check.sh), then whichever that measurement favours.
+COMPILE_DEFAULT = {"cpu": False, "cuda": False, "meta": False}
 
 
 @dataclass
@@ -93,7 +92,8 @@ class EngineConfig:
         compaction.
     compile: run decode steps as one compiled graph (torch.compile; on CUDA one captured CUDA
         graph per batch-size bucket and block-table width; engine/decode_graph.py); False is eager (vLLM's
-        enforce_eager), for debugging. Prefill and mixed steps are always eager.
+        enforce_eager), for debugging; None: COMPILE_DEFAULT for the device. Prefill and mixed
+        steps are always eager.
     cpu_packed_weights: on CPU in float32, give the projections and the LM head packed copies
         of their weights, made once at load (engine/kernels/linear.py): column panels for
         the C panel kernel with cpu_native_kernels, else oneDNN's layout; at the cost of a
@@ -130,7 +130,7 @@ class EngineConfig:
     seed: int = 0
     load_format: str = "auto"
     trace_kept: bool = False
-    compile: bool = COMPILE_DEFAULT
+    compile: bool | None = None
     cpu_packed_weights: bool = True
     cpu_native_kernels: bool = True
     chunked_forcing: bool = True
@@ -152,6 +152,8 @@ class EngineConfig:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device not in ("cpu", "cuda", "meta") and not self.device.startswith("cuda:"):
             raise ConfigError(f"device must be 'auto', 'cpu', 'cuda' or 'meta', got {self.device!r}")
+        if self.compile is None:
+            self.compile = COMPILE_DEFAULT[self.device.split(":")[0]]
         for name in ("compile", "cpu_packed_weights", "cpu_native_kernels", "chunked_forcing"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"{name} must be True or False, got {getattr(self, name)!r}")

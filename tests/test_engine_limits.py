@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine import memory
-from engine.config import MAX_BLOCK_SIZE, ConfigError, EngineConfig
+from engine.config import COMPILE_DEFAULT, MAX_BLOCK_SIZE, ConfigError, EngineConfig
 from engine.llm import LLM
 from engine.models.random_model import write_config_dir
 from engine.sampling import SamplingParams, request_generator, sample
@@ -110,6 +110,15 @@ def test_engine_settings_past_their_limits_are_one_line():
         with pytest.raises(ConfigError) as e:
             EngineConfig.from_kwargs(device="cpu", **kwargs)
         assert message in _one_line(e)
+
+
+def test_the_compiled_step_defaults_per_device_and_an_explicit_choice_stands(monkeypatch):
+    monkeypatch.setitem(COMPILE_DEFAULT, "cpu", True)
+    assert EngineConfig.from_kwargs(device="cpu").compile is True
+    assert EngineConfig.from_kwargs(device="cpu", compile=False).compile is False
+    assert EngineConfig.from_kwargs(device="meta").compile is COMPILE_DEFAULT["meta"]
+    with pytest.raises(ConfigError, match="compile must be True or False"):
+        EngineConfig.from_kwargs(device="cpu", compile="yes")
 
 
 def test_the_block_limit_is_the_cpu_kernels():
