@@ -5,16 +5,27 @@
 # repository root with the data root reached through a relative path (a `data` link, ignored by
 # git), so no machine path is recorded:
 #     DATA=data bash results/run_longdoc.sh
+# TASK=longdoc-needle runs the decode-time needle instead (results/needle/README.md): the needle
+# in the forced part of 1024-, 2048- and 4096-token documents at depths 25% and 75%, asked at the
+# end (256 to 3072 tokens after it was decoded).
 # Re-running resumes. POLICIES / BUDGETS2 / DOCS override the sets below; an entry may carry
 # policy arguments after "+" (pyramidkv+decode_compress=true).
 set -euo pipefail
 DATA=${DATA:?set DATA to the benchmark data root (niah/ inside)}
-OUT=${OUT:-results/longdoc}
+TASK=${TASK:-longdoc}
 KV=${KV:-.venv/bin/kvarena}
 DOCS=${DOCS:-16}
-COMMON=(--task longdoc --data "$DATA/niah" --preset cpu-paper --task-arg lengths=4096
-        --task-arg "documents=$DOCS" --kv-cache-tokens $((DOCS * 4096 + 1024)) --threads 2
-        --out "$OUT" --no-leaderboard)
+case $TASK in
+    longdoc) OUT=${OUT:-results/longdoc}
+             TASK_ARGS=(--task-arg lengths=4096 --task-arg "documents=$DOCS")
+             POOL=$((DOCS * 4096 + 1024)) ;;
+    longdoc-needle) OUT=${OUT:-results/needle}
+             TASK_ARGS=(--task-arg lengths=1024,2048,4096 --task-arg depths=25.0,75.0)
+             POOL=$((2 * (1024 + 2048 + 4096) + 6 * 64)) ;;
+    *) echo "TASK must be longdoc or longdoc-needle, got $TASK" >&2; exit 2 ;;
+esac
+COMMON=(--task "$TASK" --data "$DATA/niah" --preset cpu-paper "${TASK_ARGS[@]}"
+        --kv-cache-tokens "$POOL" --threads 2 --out "$OUT" --no-leaderboard)
 # At the preset's budget (256); GrowPage runs at its own start (9 pages) and capacity.
 POLICIES=${POLICIES:-"full snapkv growpage streamingllm h2o zipage growpage-fixed tova rkv"}
 # The second budget (512) for the fixed-budget policies named here.
