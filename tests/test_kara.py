@@ -978,3 +978,24 @@ def test_niah_eval_compresses_kara_prompts(llama_dir, tmp_path):
     assert config["policy_args"]["compress_prompt"] is True
     assert "compress_prompt" not in config["user_policy_args"]
     assert outcome.metrics["events"]["prefill_compress"] > 0
+
+
+def test_the_cpu_paper_preset_lets_token2chunk_form_a_chunk():
+    """At cpu-paper's alpha and gamma Token2Chunk keeps a different set than the "w/o
+    Token2Chunk" ablation when the top candidates leave a one-token hole: with the paper's gamma
+    of 8 (alpha // gamma = 0 chunks) the two were identical."""
+    from evals.tasks import get_task
+
+    args = get_task("longdoc").policy_args_for(("kara",), "cpu-paper")
+    alpha, gamma = args["chunk_budget"], args["max_chunk_gap"]
+    assert alpha // gamma >= 1
+    m = 28
+    scores = torch.linspace(0.0, 0.1, m).unsqueeze(0)  # low everywhere
+    scores[0, [4, 6]] = 5.0
+    scores[0, 20:30] = torch.linspace(1.0, 2.0, 8)  # the best singles, far from 4 and 6
+    with_chunks = t2c.select_window(scores, 0.1, gamma, alpha, use_token2chunk=True)
+    singles = t2c.select_window(scores, 0.1, gamma, alpha, use_token2chunk=False)
+    assert 5 in with_chunks.keep[0].tolist() and 5 not in singles.keep[0].tolist()
+    assert int(with_chunks.chunk_tokens[0]) >= 1
+    eight = t2c.select_window(scores, 0.1, 8, alpha, use_token2chunk=True)
+    assert torch.equal(eight.keep, singles.keep)

@@ -117,7 +117,8 @@ def test_cpu_preset():
     assert (d.block_size, d.kv_budget, d.max_tokens) == (16, 256, 1024)
     assert get_task("aime24").defaults("cpu-paper").max_tokens == 2048
     args = get_task("gsm8k").policy_args_for(("kara-wo-t2c", "kara"), "cpu-paper")
-    assert args == {"window_tokens": 32, "buffer_tokens": 4, "chunk_budget": 2}
+    assert args == {"window_tokens": 32, "buffer_tokens": 4, "chunk_budget": 2,
+                    "max_chunk_gap": 2}
     assert get_task("niah").policy_args_for(("kara",), "cpu-paper")["compress_prompt"] is True
     assert get_task("gsm8k").policy_args_for(("growpage",), "cpu") == {}
     with pytest.raises(ValueError, match="valid scales"):

@@ -79,7 +79,7 @@ def default_configs(budget: int, block_size: int = 16) -> tuple[tuple[str, str, 
         if name in ("pyramidkv", "adakv"):
             out.append((f"{name} +decode", name, {"budget": budget, "decode_compress": True}))
     out.append(("growpage", "growpage", {"protected_recent": min(8, block_size // 2)}))
-    kara = {"window_tokens": 32, "buffer_tokens": 4, "chunk_budget": 2}
+    kara = {"window_tokens": 32, "buffer_tokens": 4, "chunk_budget": 2, "max_chunk_gap": 2}
     out.append(("kara", "kara", kara))
     out.append(("kara +query_cache", "kara", {**kara, "query_cache": True}))
     return tuple(out)

@@ -119,12 +119,15 @@ CPU_PAPER_MAX_TOKENS_CAP = 4096
 # - Kara: the paper's |W| = 512, |U| = 64, alpha = 32 at b = 256, divided by 16: |W| = 32 (2
 #   pages, as in the paper), |U| = 4, alpha = 2, so the window keeps ceil(0.4 x 28) + 2 = 14 of
 #   its 28 compressible slots (0.50; the paper's 212 of 448 is 0.47); KvLLM's period follows as
-#   (floor(32 / 16) + 1) x 16 = 48 steps, 3 pages as the paper's 768. gamma = 8 is a phrase
-#   length, not a sequence scale, and stays.
+#   (floor(32 / 16) + 1) x 16 = 48 steps, 3 pages as the paper's 768. Token2Chunk forms at most
+#   alpha // gamma chunks (the paper's 32 // 8 = 4): with the paper's gamma = 8 and alpha = 2 that
+#   is none, and Kara would equal its "w/o Token2Chunk" ablation token for token (it did). The
+#   paper does not pin gamma at this scale; gamma = 2 is the largest that lets one chunk form
+#   (2 // 2 = 1: a one-token hole between two candidates filled as a chunk).
 PRESET_POLICY_ARGS: Mapping[str, Mapping[str, Mapping[str, Any]]] = {
     "cpu-paper": {
         "growpage": {"protected_recent": 8},
-        "kara": {"window_tokens": 32, "buffer_tokens": 4, "chunk_budget": 2},
+        "kara": {"window_tokens": 32, "buffer_tokens": 4, "chunk_budget": 2, "max_chunk_gap": 2},
     },
 }
 
