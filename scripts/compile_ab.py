@@ -3,7 +3,7 @@
 Both engines are loaded once and warmed up (the compiled one builds its batch-1 and bucketed
 graphs), then each workload runs eager, compiled, compiled, eager; the best of each mode is
 printed, and the greedy tokens of both modes are compared. This is the measurement behind
-`engine.config.COMPILE_DEFAULT` (results/benchmarks/peer.md).
+`engine.config.COMPILE_DEFAULT["cpu"]` (results/benchmarks/cpu-kernels-notes.md).
 
     .venv/bin/python scripts/compile_ab.py      # on a quiet machine (check `uptime` first)
 """
