@@ -53,9 +53,10 @@ MAX_BLOCK_SIZE = 1024
 
 # Whether decode steps run as one compiled graph (engine/decode_graph.py) unless `compile` is
 # given, per device type, each chosen by a side-by-side measurement on that device
-# (scripts/compile_ab.py; results/benchmarks/cpu-kernels-notes.md): on the CPU eager, the compiled step gaining
-# nothing worth its first compile; on CUDA eager until the compiled step's CUDA graphs have been
-# timed on a GPU (scripts/gpu_check.sh), then whichever that measurement favours.
+# (scripts/compile_ab.py; results/benchmarks/cpu-kernels-notes.md): on the CPU eager, the
+# compiled step gaining nothing worth its first compile; on CUDA eager until the compiled
+# step's CUDA graphs have been timed on a GPU (scripts/gpu_check.sh), then whichever that
+# measurement favours.
 COMPILE_DEFAULT = {"cpu": False, "cuda": False, "meta": False}
 
 
