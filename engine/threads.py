@@ -32,9 +32,8 @@ What this module does:
   affinity mask and cgroup CPU quota; `os.cpu_count()` sees neither), and makes n the governor's
   limit; `adaptive=False` pins the count instead.
 - `govern_unset()`, called when an `LLM` is built, puts torch's own count under the governor
-  where nothing called `set_threads` (a script using the engine as a library): without it two
-  such processes on one machine ran at 0.29x of one alone together
-  (results/benchmarks/cpu-threads-notes.md).
+  where nothing called `set_threads` (a script using the engine as a library), so two such
+  processes share the machine as CLI runs do (results/benchmarks/cpu-threads-notes.md).
 - `adapt()`, called once per engine step (engine/llm.py), lets the governor act.
 
 Threads are not bound to cores: on a shared machine a bound thread cannot move to a core another

@@ -75,7 +75,7 @@ def paired_rows(runs: Sequence[RunResult]) -> list[PairedRow]:
     for (model, task, budget), members in sorted(groups.items()):
         if len(members) < 2:
             continue
-        ref, ref_values = min(members, key=lambda m: sum(m[1].values()) / len(m[1]))
+        ref, ref_values = min(members, key=lambda m: m[0].metrics[METRIC])
         for run, values in members:
             if run is ref:
                 continue
