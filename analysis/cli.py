@@ -207,7 +207,8 @@ def _demand_report(summary: dict) -> str:
     lines = [
         f"{summary['complete']} complete of {summary['decision_boundaries']} decision boundaries "
         f"({summary['boundaries']} in all), {summary['requests']} requests (95% CI over requests)",
-        f"Spearman(delta, change) = {fmt_interval(main['spearman'])}",
+        f"Spearman(delta, change) = {fmt_interval(main['spearman'])}; position partialled "
+        f"{fmt_interval(main['partial_spearman'])}",
         f"sign agreement = {fmt_interval(main['sign_agreement'])}, chance level "
         f"{fmt_interval(main['chance_sign_agreement'])}, after centring delta on its median "
         f"{fmt_interval(main['centred_sign_agreement'])}",
@@ -220,7 +221,8 @@ def _demand_report(summary: dict) -> str:
         if name != "future_change":
             flag = " [shares a term with delta]" if target["shares_term_with_delta"] else ""
             lines.append(f"alternative target {name}{flag}: Spearman = "
-                         f"{fmt_interval(main.get('spearman_' + name))}")
+                         f"{fmt_interval(main.get('spearman_' + name))}; position partialled "
+                         f"{fmt_interval(main.get('partial_spearman_' + name))}")
     if "control" in summary:
         lines.append(f"control: Spearman(measured change, latent change) = "
                      f"{summary['control']['spearman_target_vs_latent']:.3f}")
@@ -241,10 +243,30 @@ def demand(
     exclude_tokens: int = typer.Option(
         256, "--exclude-tokens", help="Most recent tokens left out of the candidate set C_t "
         "(paper: 256, its last page)."),
-    control: str = typer.Option("none", "--control", help="'synthetic': the positive control, "
-                                "the same pipeline on a synthetic attention process whose future "
-                                "demand is known (no model is loaded)."),
+    control: str = typer.Option("none", "--control", help="A synthetic control instead of the "
+                                "model (no model is loaded): 'positive' (future demand known by "
+                                "construction), 'negative' (nothing to predict), 'nuisance' "
+                                "(sinks, recency and drift, nothing to predict), 'nuisance-signal' "
+                                "(the same with the positive control's signal)."),
     requests: int = typer.Option(16, "--control-requests", help="Requests of the control."),
+    control_tokens: Optional[int] = typer.Option(
+        None, "--control-tokens", help="Tokens per control request (default: 1.5 periods after "
+        "the warm-up); set it to the model study's document length."),
+    control_period: Optional[int] = typer.Option(
+        None, "--control-period", help="Period of the control's oscillation in tokens (default: "
+        "8 x (tau_L + horizon))."),
+    documents: Optional[int] = typer.Option(
+        None, "--documents", help="Run on N long documents teacher-forced from --data (the "
+        "longdoc task's documents) instead of generating from prompts."),
+    doc_tokens: int = typer.Option(4096, "--doc-tokens", help="Tokens per document "
+                                   "(--documents)."),
+    data: Optional[str] = typer.Option(None, "--data", help="Corpus of the documents (as "
+                                       "`kvarena eval -t longdoc --data`)."),
+    initial_capacity: Optional[int] = typer.Option(
+        None, "--initial-capacity", help="Tokens from which boundaries are decisions (default: "
+        "GrowPage's start at the block size)."),
+    per_query: bool = typer.Option(True, "--per-query/--no-per-query", help="Also the "
+                                   "per-query targets (a sort per query; slow on long documents)."),
     resamples: int = typer.Option(2000, "--resamples", help="Bootstrap resamples of every "
                                   "interval (fewer: a quicker, coarser look)."),
     top_p: float = TopPOpt,
@@ -259,8 +281,12 @@ def demand(
 ):
     """Spearman correlation of GrowPage's delta_t with the future attention-demand change
     (Fig. 6), at GrowPage's decision boundaries; --control synthetic runs the positive control."""
-    if control not in ("none", "synthetic"):
-        fail(f"--control must be 'none' or 'synthetic', got {control!r}")
+    from analysis.demand_control import CONTROLS
+
+    if control not in ("none", *CONTROLS):
+        fail(f"--control must be 'none' or one of {', '.join(CONTROLS)}, got {control!r}")
+    if documents is not None and (documents < 1 or prompts_file or num_prompts):
+        fail("--documents takes N >= 1 and replaces --prompts-file / --num-prompts")
     if horizon_tokens < 1 or exclude_tokens < 1:
         fail("--horizon-tokens and --exclude-tokens must be >= 1")
     if resamples < 1:
@@ -270,19 +296,28 @@ def demand(
         from analysis.demand_study import DemandConfig, demand_study
 
         config = DemandConfig(top_p=top_p, horizon_tokens=horizon_tokens,
-                              exclude_tokens=exclude_tokens, resamples=resamples)
-        if control == "synthetic":
+                              exclude_tokens=exclude_tokens, resamples=resamples,
+                              initial_capacity=initial_capacity, per_query=per_query)
+        if control != "none":
             import torch
 
             from analysis.demand_control import SyntheticProcess, control_study
 
             torch.set_num_threads(threads)
-            path = out or RESULTS_ROOT / (f"demand-control-synthetic-h{horizon_tokens}"
+            length = (f"-t{control_tokens}-b{block_size}" if control_tokens else "") + \
+                (f"-p{control_period}" if control_period else "")
+            path = out or RESULTS_ROOT / (f"demand-control-{control}{length}-h{horizon_tokens}"
                                           f"-e{exclude_tokens}-n{requests}")
-            console.print(f"[bold]demand[/]: positive control, {requests} synthetic requests "
+            console.print(f"[bold]demand[/]: {control} control, {requests} synthetic requests "
                           f"-> {path}")
-            return control_study(SyntheticProcess(requests=requests, seed=seed), config,
-                                 path), path
+            process = SyntheticProcess(**{
+                "requests": requests, "seed": seed, "tokens": control_tokens,
+                "period": control_period, **CONTROLS[control],
+                **({"block_size": block_size} if control_tokens else {})})
+            return control_study(process, config, path), path
+        if documents is not None:
+            return _demand_documents(model, documents, doc_tokens, data, block_size, config,
+                                     out, threads)
         prompt_ids, settings, path = _prepare(
             "demand", model, prompts_file, num_prompts, max_tokens, block_size, temperature,
             seed, chat, out, threads, ignore_eos,
@@ -291,6 +326,35 @@ def demand(
 
     summary, path = _run(study)
     console.print(f"[green]{escape(_demand_report(summary))}[/]  ({escape(str(path))})")
+
+
+def _demand_documents(model: str, documents: int, doc_tokens: int, data, block_size: int,
+                      config, out: Optional[Path], threads: int):
+    """The demand study on long documents: the longdoc task's documents, each a 64-token prompt
+    and the rest teacher-forced, so every query is one of real text at thousands of tokens."""
+    from analysis.common import RunSettings
+    from analysis.demand_study import demand_study
+    from engine.models.loader import load_tokenizer, resolve_model
+    from engine.threads import set_threads
+    from evals.tasks.longdoc import LongDoc
+
+    set_threads(threads)
+    task = LongDoc(lengths=(doc_tokens,), documents=documents)
+    problems = task.load(data, tokenizer=load_tokenizer(resolve_model(model))).problems
+    requests = [task.token_request(p) for p in problems]
+    settings = RunSettings(model=model, block_size=block_size, max_tokens=doc_tokens - task.prefix,
+                           num_prompts=len(requests), temperature=0.0, seed=0, chat=False,
+                           ignore_eos=True)
+    path = out or RESULTS_ROOT / (f"demand-docs-{_model_tag(model)}-b{block_size}-d{documents}"
+                                  f"x{doc_tokens}-h{config.horizon_tokens}"
+                                  f"-e{config.exclude_tokens}")
+    console.print(f"[bold]demand[/]: {len(requests)} documents x {doc_tokens} tokens "
+                  f"({task.prefix}-token prompt, the rest forced), block {block_size} -> {path}")
+    summary = demand_study(model, [list(r.prompt) for r in requests], settings, path, config,
+                           forced=[list(r.forced) for r in requests],
+                           extra={"documents": documents, "doc_tokens": doc_tokens,
+                                  "prefix_tokens": task.prefix, "corpus": task.corpus})
+    return summary, path
 
 
 @analyze_app.command()

@@ -157,6 +157,27 @@ def spearman(x: Sequence[float], y: Sequence[float]) -> float:
     return pearson(average_ranks(a), average_ranks(b))
 
 
+def partial_spearman(x: Sequence[float], y: Sequence[float], z: Sequence[float]) -> float:
+    """Spearman's rho of x and y with z partialled out: the Pearson correlation of the residuals
+    of rank(x) and rank(y) after a least-squares line on rank(z), over the triples where all three
+    are finite (ranks taken on those triples). Two quantities that both follow z correlate in raw
+    rho; this is what is left of it once z's linear part (in ranks) is removed."""
+    a, b, c = (np.asarray(v, dtype=np.float64) for v in (x, y, z))
+    if not a.shape == b.shape == c.shape or a.ndim != 1:
+        raise ValueError(f"need three 1-D sequences of equal length, got {a.shape}, {b.shape}, "
+                         f"{c.shape}")
+    keep = np.isfinite(a) & np.isfinite(b) & np.isfinite(c)
+    if keep.sum() < 3:
+        return math.nan
+    ra, rb, rc = (average_ranks(v[keep]) for v in (a, b, c))
+    rc = rc - rc.mean()
+    denom = float((rc * rc).sum())
+    if denom == 0:
+        return pearson(ra, rb)
+    residual = [r - r.mean() - rc * float(((r - r.mean()) * rc).sum()) / denom for r in (ra, rb)]
+    return pearson(*residual)
+
+
 def sign_agreement(x: Sequence[float], y: Sequence[float]) -> float:
     """Fraction of finite pairs whose signs agree, over pairs where neither value is zero (a zero
     carries no direction); NaN when no pair qualifies."""
@@ -220,10 +241,19 @@ def progress(description: str, total: int, enabled: bool = True) -> Iterator[Cal
 def generate_with_probe(label: str, probe_type: type, make_probe: Callable[[], Any], model: str,
                         prompt_ids: list[list[int]], max_tokens: int, block_size: int,
                         max_num_seqs: int, temperature: float, seed: int, show_progress: bool,
-                        llm=None, ignore_eos: bool = False) -> tuple[Any, list]:
+                        llm=None, ignore_eos: bool = False,
+                        forced: Sequence[Sequence[int]] | None = None) -> tuple[Any, list]:
     """FullKV generation of every prompt under a recording policy (a probe); returns (the probe,
     outputs). llm: an existing LLM whose policy is a `probe_type` (tests); else one is built for
-    `model` with make_probe(), no prefix caching and a pool sized by `pool_tokens`."""
+    `model` with make_probe(), no prefix caching and a pool sized by `pool_tokens`.
+    forced: per prompt, its teacher-forced continuation (long documents); each request then
+    decodes exactly those tokens, one decode step per token (a probe never allows forced runs
+    as chunks, `KVPolicy.chunked_forcing`), and `max_tokens` is ignored."""
+    if forced is not None:
+        if len(forced) != len(prompt_ids) or not all(len(f) for f in forced):
+            raise ValueError(f"forced: one non-empty continuation per prompt, got {len(forced)} "
+                             f"for {len(prompt_ids)} prompts")
+        max_tokens = max(len(f) for f in forced)
     from engine.llm import LLM
     from engine.sampling import SamplingParams
 
@@ -238,9 +268,15 @@ def generate_with_probe(label: str, probe_type: type, make_probe: Callable[[], A
         raise TypeError(f"the {label} study needs an LLM whose policy is a "
                         f"{probe_type.__name__}, got {probe.name!r}")
     probe.reset()
-    params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens,
-                            ignore_eos=ignore_eos)
-    with progress(label, max_tokens * len(prompt_ids), show_progress) as on_step:
+    if forced is None:
+        params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens,
+                                ignore_eos=ignore_eos)
+        total = max_tokens * len(prompt_ids)
+    else:
+        params = [SamplingParams(temperature=temperature, seed=seed, max_tokens=len(f),
+                                 ignore_eos=True, forced_tokens=tuple(f)) for f in forced]
+        total = sum(len(f) for f in forced)
+    with progress(label, total, show_progress) as on_step:
         outputs = llm.generate(prompt_ids, params, on_step=on_step)
     return probe, outputs
 

@@ -26,7 +26,22 @@ current one's) is written beside the measured change, so the control also shows 
 what it should.
 
 The block size defaults to the horizon (the paper's geometry: the horizon is one page), which keeps
-the number of boundaries, and so the window computations, small.
+the number of boundaries, and so the window computations, small. `tokens` sets each request's
+length instead of `periods`, so a control runs at the model study's own length and block size.
+
+Controls (CONTROLS, each a set of overrides of SyntheticProcess):
+- "positive": the oscillation above; delta must recover it (rho well above 0).
+- "negative": amplitude 0, a constant latent: nothing to predict, rho's interval must cover 0.
+- "nuisance": amplitude 0 plus what real attention has and the process above lacks: attention
+  sinks (the first `sinks` slots get `sink_logit` more), recency (every key's logit rises by
+  `recency` per position, so attention falls off by e every 1 / recency tokens behind the query;
+  softmax is shift-invariant, so a fixed slope per slot is a decay with distance) and a slow drift
+  of the latent over the request (`drift`, in units of pi / 2 over the whole request: negative
+  concentrates attention as history grows, as the model does). Anything rho finds here comes from
+  structure with no future demand change to anticipate; it also shows which target definition
+  the windows' different distances bias (module docstring of demand_study).
+- "nuisance-signal": the same nuisances with the oscillation: is it still recovered?
+Sinks and recency use two more key / query coordinates (head_dim >= 4), only when switched on.
 """
 
 from __future__ import annotations
@@ -61,7 +76,9 @@ class SyntheticProcess:
     (None: 8 x (tau_L of the main signal + horizon)); noise: std of theta's per-token noise
     (radians); amplitude: of the latent oscillation, in units of pi / 2 (0: a constant latent,
     nothing to predict, the negative control); sharpness: scale of the keys' spike coordinate;
-    prompt_tokens: keys before the first query; block_size: page size (None: the horizon)."""
+    prompt_tokens: keys before the first query; block_size: page size (None: the horizon);
+    tokens: each request's length (None: from `periods`); sinks, sink_logit, recency, drift: the
+    nuisances (module docstring; 0 = off)."""
 
     requests: int = 16
     periods: float = 1.5
@@ -75,6 +92,11 @@ class SyntheticProcess:
     head_dim: int = 8
     prompt_tokens: int = 32
     block_size: int | None = None
+    tokens: int | None = None
+    sinks: int = 0
+    sink_logit: float = 0.0
+    recency: float = 0.0
+    drift: float = 0.0
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -89,6 +111,22 @@ class SyntheticProcess:
         if not 0.0 <= self.amplitude <= 0.5:
             raise ValueError(f"synthetic control: amplitude must be in [0, 0.5], got "
                              f"{self.amplitude}")
+        if self.sinks < 0 or self.recency < 0 or (self.tokens is not None and self.tokens < 2):
+            raise ValueError("synthetic control: need sinks >= 0, recency >= 0, tokens >= 2")
+        if self.nuisance_keys and self.head_dim < 4:
+            raise ValueError("synthetic control: sinks and recency need head_dim >= 4")
+
+    @property
+    def nuisance_keys(self) -> bool:
+        return (self.sinks > 0 and self.sink_logit != 0) or self.recency > 0
+
+
+CONTROLS: dict[str, dict] = {
+    "positive": {},
+    "negative": {"amplitude": 0.0},
+    "nuisance": {"amplitude": 0.0, "sinks": 4, "sink_logit": 4.0, "recency": 1 / 128, "drift": -0.4},
+    "nuisance-signal": {"sinks": 4, "sink_logit": 4.0, "recency": 1 / 128, "drift": -0.4},
+}
 
 
 class SyntheticView:
@@ -157,8 +195,39 @@ class SyntheticView:
         self.length += 1
 
 
-def _latent(t: np.ndarray, period: float, phase: float, amplitude: float) -> np.ndarray:
-    return (math.pi / 2) * (0.5 + amplitude * np.sin(2 * math.pi * t / period + phase))
+def _latent(t: np.ndarray, period: float, phase: float, amplitude: float,
+            drift: float = 0.0) -> np.ndarray:
+    """The latent angle: oscillation plus a linear drift over the request, kept in [0, pi / 2]."""
+    trend = drift * (t / max(len(t) - 1, 1) - 0.5)
+    value = (math.pi / 2) * (0.5 + amplitude * np.sin(2 * math.pi * t / period + phase) + trend)
+    return np.clip(value, 0.0, math.pi / 2)
+
+
+def synthetic_request(process: SyntheticProcess, total: int, period: float,
+                      gen: np.random.Generator) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+    """One request of the process (module docstring): keys [layers, kv_heads, total, d], queries
+    [layers, q_heads, total, d] and the latent angle [total]; its period is drawn within +-25% of
+    `period` and its phase uniformly. Key j's logit for the query at t (scaled by 1 / sqrt(d)) is
+    sharpness cos(theta_t) z_j + sin(theta_t), plus sink_logit for j < sinks and recency * j."""
+    d = process.head_dim
+    z = torch.from_numpy(gen.standard_normal((process.layers, process.kv_heads, total))).float()
+    keys = torch.zeros(process.layers, process.kv_heads, total, d)
+    keys[..., 0] = process.sharpness * z
+    keys[..., 1] = 1.0
+    if process.nuisance_keys:  # logit += k[2] + k[3] through two constant query coordinates
+        keys[..., :process.sinks, 2] = process.sink_logit
+        keys[..., 3] = process.recency * torch.arange(total, dtype=torch.float32)
+    request_period = period * gen.uniform(0.75, 1.25)
+    latent = _latent(np.arange(total), request_period, gen.uniform(0, 2 * math.pi),
+                     process.amplitude, process.drift)
+    theta = latent[None, None, :] + process.noise * gen.standard_normal(
+        (process.layers, process.q_heads, total))
+    queries = torch.zeros(process.layers, process.q_heads, total, d)
+    queries[..., 0] = torch.from_numpy(np.cos(theta)).float() * math.sqrt(d)
+    queries[..., 1] = torch.from_numpy(np.sin(theta)).float() * math.sqrt(d)
+    if process.nuisance_keys:
+        queries[..., 2:4] = math.sqrt(d)
+    return keys, queries, latent
 
 
 def run_control(process: SyntheticProcess, config: DemandConfig) -> tuple[pd.DataFrame, dict]:
@@ -174,26 +243,13 @@ def run_control(process: SyntheticProcess, config: DemandConfig) -> tuple[pd.Dat
     period = process.period or round(8 * (tau_long + horizon))
     start = recorder.start_pages * block
     warmup = max(start, config.exclude_tokens + horizon, process.prompt_tokens)
-    total = int(warmup + process.periods * period + horizon + block)
+    total = process.tokens or int(warmup + process.periods * period + horizon + block)
     gen = np.random.default_rng(process.seed)
     latents: dict[int, np.ndarray] = {}
     betas = recorder.signals().ema_betas
-    d = process.head_dim
     for index in range(process.requests):
         state = recorder.new_state()
-        z = torch.from_numpy(gen.standard_normal((process.layers, process.kv_heads, total))).float()
-        keys = torch.zeros(process.layers, process.kv_heads, total, d)
-        keys[..., 0] = process.sharpness * z
-        keys[..., 1] = 1.0
-        request_period = period * gen.uniform(0.75, 1.25)
-        latent = _latent(np.arange(total), request_period, gen.uniform(0, 2 * math.pi),
-                         process.amplitude)
-        latents[index] = latent
-        theta = latent[None, None, :] + process.noise * gen.standard_normal(
-            (process.layers, process.q_heads, total))
-        queries = torch.zeros(process.layers, process.q_heads, total, d)
-        queries[..., 0] = torch.from_numpy(np.cos(theta)).float() * math.sqrt(d)
-        queries[..., 1] = torch.from_numpy(np.sin(theta)).float() * math.sqrt(d)
+        keys, queries, latents[index] = synthetic_request(process, total, period, gen)
         view = SyntheticView(state, keys, process.prompt_tokens, block, betas)
         view.length = process.prompt_tokens - 1  # the last prompt row's query comes first
         for position in range(process.prompt_tokens - 1, total - 1):

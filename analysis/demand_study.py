@@ -28,6 +28,20 @@ Choices where the paper is silent (and why):
   distributions (each query restricted to C_t and renormalised; a GQA group's query heads averaged
   as GrowPage does), i.e. the attention mass the window as a whole puts on each candidate; its
   Top-p ratio is averaged over layers and KV heads like Eq. 8.
+- The two windows sit at different distances from C_t: with exclude = horizon = h the current
+  window's queries are 1..h tokens past C_t's end, the future window's h+1..2h. Under a recency
+  bias the nearer window concentrates more on C_t's newest slots, so the paper's change carries a
+  built-in offset. `future_change_sym` measures each window over the candidate set of its own
+  start instead (the current window over C_{t-h}, all slots but the e tokens before it), so both
+  windows are e+1..e+h tokens past their set; the sets differ by the h slots between them. An
+  exponential recency profile is memoryless, so renormalised over C_t both windows of the paper's
+  target see the same profile and it stays unbiased, while the symmetric target's ratios over sets
+  of different sizes carry an offset (tested on the synthetic process): the paper's definition
+  stays the main target. A heavier-tailed recency profile is not modelled.
+- A shared term with nothing to predict: the short summary's recent queries are part of the
+  current window, so a noisy r_S moves r_current the same way and the change the other way; with
+  nothing to predict rho sits below 0, the more so the longer the short summary's time constant
+  (the negative control, analysis/demand_control.py). Read a model's rho against that null level.
 - Alternative targets (TARGETS): the mean of per-query ratios (`future_change_q`), and the change
   from the boundary's own query alone (`future_change_last` = r_future - r_current_last). The last
   one *shares a term with delta*: r_current_last is the working set of the newest decode query,
@@ -42,6 +56,10 @@ Choices where the paper is silent (and why):
   `delta_bS0_bL099`, (0.9, 0.99) `delta_bL099`, (0.99, 0.999) `delta_bS099`, the entropy metric,
   GrowPage's CPU presets "auto" (0.9, 1 - 1 / (3.9 b)) and "ratio" (the paper's ratio of 100, at
   b = 16 the same pair as (0, 0.99)), and two level predictors: r_S alone and r_current.
+- Position: delta and the change can both follow how far decoding has progressed (the long summary
+  starts at the first query; attention concentrates as history grows). Beside each raw rho the
+  summary gives the position-partialled one (`partial_spearman`: rank residuals after a line on
+  the position's rank), which is what is left of the association once position is controlled.
 - The offset: delta's sign rates at all boundaries, at decision boundaries, and the change's, with
   the chance level of sign agreement (p_d p_c + (1 - p_d)(1 - p_c) from the two marginal rates) and
   the agreement after centring delta on its median (what is left once a constant offset is gone).
@@ -78,6 +96,7 @@ from analysis.common import (
     RunSettings,
     finite_or_none,
     generate_with_probe,
+    partial_spearman,
     sign_agreement,
     spearman,
     use_agg_backend,
@@ -86,7 +105,7 @@ from analysis.common import (
 from analysis.tap import DecodeTap, TapState
 from engine.policies.base import Decision, EngineSpec, PolicyView, SignalSpec
 from engine.policies.demand import attention_scale, group_attention_probs, top_p_ratio
-from engine.policies.growpage import GrowPage
+from engine.policies.growpage import DEFAULT_INITIAL_PAGES, GrowPage
 from evals.intervals import RESAMPLES, cluster_bootstrap, fmt_interval
 
 PAPER_HORIZON_TOKENS = 256  # "tokens generated within the next physical KV page", b = 256
@@ -112,6 +131,8 @@ MAIN_TARGET = "future_change"
 TARGETS: dict[str, tuple[str, bool]] = {
     "future_change": ("r_future - r_current (window working sets on C_t; the paper's)", False),
     "future_change_q": ("mean per-query ratio of the future window - of the current one", False),
+    "future_change_sym": ("r_future on C_t - r_current on C_{t-h}: each window over the candidate "
+                          "set of its own start, at the same distance from it", False),
     "future_change_last": ("r_future - r_current_last (the boundary's newest query alone): "
                            "r_current_last is nearly r_S of the beta_S = 0 summary, so this "
                            "target shares a term with delta (opposite signs)", True),
@@ -135,7 +156,7 @@ class _EmaPairView:
 
 
 def window_ratios(queries: torch.Tensor, keys: torch.Tensor, p: float,
-                  layer_chunk: int = 8) -> tuple[float, float, float]:
+                  layer_chunk: int = 8, per_query: bool = True) -> tuple[float, float, float]:
     """Working-set ratios of a window of real queries over candidate keys.
 
     queries: [m, layers, q_heads, head_dim] post-RoPE, oldest first;
@@ -143,15 +164,19 @@ def window_ratios(queries: torch.Tensor, keys: torch.Tensor, p: float,
     Returns (ratio of the window's mean distribution, mean of the per-query ratios, ratio of the
     window's last query), each averaged over layers and KV heads (see the module docstring).
     Layers are processed `layer_chunk` at a time to bound the [layers, m, q_heads, c] temporaries.
+    per_query=False skips the per-query ratios (a sort per query; NaN in their places).
     """
     scale = attention_scale(keys.shape[-1])
-    aggregate, per_query = [], []
+    aggregate, per_query_ratios = [], []
     for lo in range(0, keys.shape[0], layer_chunk):
         hi = min(lo + layer_chunk, keys.shape[0])
         probs = group_attention_probs(queries[:, lo:hi].transpose(0, 1), keys[lo:hi], scale)
         aggregate.append(top_p_ratio(probs.mean(dim=1), p))  # probs: [l, m, kv_heads, c]
-        per_query.append(top_p_ratio(probs, p))  # [l, m, kv_heads]
-    per_query_mean = torch.cat(per_query).mean(dim=(0, 2))  # [m]
+        if per_query:
+            per_query_ratios.append(top_p_ratio(probs, p))  # [l, m, kv_heads]
+    if not per_query:
+        return float(torch.cat(aggregate).mean()), math.nan, math.nan
+    per_query_mean = torch.cat(per_query_ratios).mean(dim=(0, 2))  # [m]
     return (float(torch.cat(aggregate).mean()), float(per_query_mean.mean()),
             float(per_query_mean[-1]))
 
@@ -178,6 +203,8 @@ class DemandRecorder(DecodeTap):
         engine's block size (`prepare`).
     initial_capacity: GrowPage's start in tokens for every variant (None: GrowPage's default);
         boundaries below it are no decisions and enter no statistic.
+    per_query: also compute the per-query targets (`future_change_q`, `future_change_last`): one
+        sort per query and candidate set, the costly part on long documents.
     """
 
     name: ClassVar[str] = "analysis-demand"
@@ -186,6 +213,7 @@ class DemandRecorder(DecodeTap):
     exclude_tokens: int = PAPER_EXCLUDE_TOKENS
     variants: dict = field(default_factory=lambda: {k: dict(v) for k, v in DEFAULT_VARIANTS.items()})
     initial_capacity: int | None = None
+    per_query: bool = True
 
     def __post_init__(self) -> None:
         if MAIN_SIGNAL not in self.variants:
@@ -246,6 +274,7 @@ class DemandRecorder(DecodeTap):
             row["future_change"] = row["r_future"] - row["r_current"]
             row["future_change_q"] = row["r_future_q"] - row["r_current_q"]
             row["future_change_last"] = row["r_future"] - row["r_current_last"]
+            row["future_change_sym"] = row["r_future"] - row["r_current_sym"]
 
     def on_boundary(self, view: PolicyView) -> Decision:
         state: DemandState = view.state
@@ -258,12 +287,17 @@ class DemandRecorder(DecodeTap):
         nan_signals = {name: math.nan for name in self.variants} | {"r_S": math.nan, "r_L": math.nan}
         row.update(nan_signals if candidates <= 0 else self._signals(view))
         row.update(current_queries=0, r_current=math.nan, r_current_q=math.nan,
-                   r_current_last=math.nan, future_queries=0, r_future=math.nan,
-                   r_future_q=math.nan, future_change=math.nan, future_change_q=math.nan,
-                   future_change_last=math.nan)
+                   r_current_last=math.nan, r_current_sym=math.nan, future_queries=0,
+                   r_future=math.nan, r_future_q=math.nan, future_change=math.nan,
+                   future_change_q=math.nan, future_change_last=math.nan,
+                   future_change_sym=math.nan)
         if decision and candidates > 0:
             current = self._window(state, position - self.horizon_tokens, position)
             row.update(self._targets("current", current, view.keys(end=candidates)))
+            own = candidates - self.horizon_tokens  # C_{t-h}: the current window's own set
+            if current and own > 0:
+                row["r_current_sym"] = window_ratios(torch.stack(current), view.keys(end=own),
+                                                     self.top_p, per_query=False)[0]
             state.pending.append(row)
         state.rows.append(row)
         return Decision.grow(delta=row[MAIN_SIGNAL], r_S=row["r_S"], r_L=row["r_L"])
@@ -284,7 +318,8 @@ class DemandRecorder(DecodeTap):
     def _targets(self, which: str, queries: list[torch.Tensor], keys: torch.Tensor) -> dict:
         out: dict = {f"{which}_queries": len(queries)}
         if queries:
-            agg, per_query, last = window_ratios(torch.stack(queries), keys, self.top_p)
+            agg, per_query, last = window_ratios(torch.stack(queries), keys, self.top_p,
+                                                 per_query=self.per_query)
             out[f"r_{which}"], out[f"r_{which}_q"] = agg, per_query
             if which == "current":
                 out["r_current_last"] = last
@@ -314,6 +349,7 @@ class DemandConfig:
     horizon_tokens: int = PAPER_HORIZON_TOKENS
     exclude_tokens: int = PAPER_EXCLUDE_TOKENS
     initial_capacity: int | None = None
+    per_query: bool = True
     max_num_seqs: int = 32
     variants: dict | None = None  # None: DEFAULT_VARIANTS
     resamples: int = RESAMPLES  # bootstrap resamples of every interval
@@ -322,18 +358,19 @@ class DemandConfig:
         variants = {k: dict(v) for k, v in (self.variants or DEFAULT_VARIANTS).items()}
         return DemandRecorder(top_p=self.top_p, horizon_tokens=self.horizon_tokens,
                               exclude_tokens=self.exclude_tokens, variants=variants,
-                              initial_capacity=self.initial_capacity)
+                              initial_capacity=self.initial_capacity, per_query=self.per_query)
 
 
 def run_demand(model: str, prompt_ids: list[list[int]], max_tokens: int, block_size: int,
                temperature: float = 0.0, seed: int = 0, config: DemandConfig = DemandConfig(),
-               show_progress: bool = True, llm=None,
-               ignore_eos: bool = False) -> tuple[pd.DataFrame, list]:
+               show_progress: bool = True, llm=None, ignore_eos: bool = False,
+               forced: list[list[int]] | None = None) -> tuple[pd.DataFrame, list]:
     """FullKV generation of every prompt with the probe; returns (per-boundary frame, outputs).
-    llm: an existing LLM built with a `DemandRecorder` policy (tests)."""
+    llm: an existing LLM built with a `DemandRecorder` policy (tests); forced: per prompt, a
+    teacher-forced continuation (long documents: the queries are those of real text)."""
     probe, outputs = generate_with_probe(
         "demand", DemandRecorder, config.recorder, model, prompt_ids, max_tokens, block_size,
-        config.max_num_seqs, temperature, seed, show_progress, llm, ignore_eos)
+        config.max_num_seqs, temperature, seed, show_progress, llm, ignore_eos, forced)
     frame = demand_frame(probe.states, probe.horizon_tokens)
     frame.attrs["variants"] = probe.variant_params()  # the betas each signal actually used
     return frame, outputs
@@ -388,9 +425,11 @@ def summarize_demand(frame: pd.DataFrame, resamples: int = RESAMPLES, seed: int 
     rows = (frame[frame["complete"]] if len(frame) else frame).reset_index(drop=True)
     stats = {}
     for col in predictor_columns(frame):
-        for target in TARGETS:
+        for target in (t for t in TARGETS if t in frame.columns):  # older CSVs lack some
             stats[f"{col}/spearman:{target}"] = \
                 lambda f, c=col, t=target: spearman(f[c], f[t])
+            stats[f"{col}/partial_spearman:{target}"] = \
+                lambda f, c=col, t=target: partial_spearman(f[c], f[t], f["position"])
         if col.startswith("delta"):
             stats[f"{col}/sign_agreement"] = lambda f, c=col: sign_agreement(f[c], f[MAIN_TARGET])
             stats[f"{col}/chance_sign_agreement"] = \
@@ -407,7 +446,7 @@ def summarize_demand(frame: pd.DataFrame, resamples: int = RESAMPLES, seed: int 
     for key, interval in intervals.items():
         group, name = key.split("/") if "/" in key else (None, key)
         if group is not None and group != "position":
-            name = "spearman" if name == f"spearman:{MAIN_TARGET}" else name
+            name = name.removesuffix(f":{MAIN_TARGET}")
             pooled.setdefault(group, {})[name.replace(":", "_")] = interval.to_dict()
     per_request = {}
     for request, g in rows.groupby("request"):
@@ -473,8 +512,9 @@ def plot_demand(frame: pd.DataFrame, summary: dict, path: Path) -> None:
     main = summary["pooled"].get(MAIN_SIGNAL, {})
     left.set_title(f"GrowPage delta_t vs future demand change ({len(rows)} boundaries, "
                    f"{summary['requests']} requests)\nSpearman rho = "
-                   f"{fmt_interval(main.get('spearman'))}\nsign agreement = "
-                   f"{fmt_interval(main.get('sign_agreement'))} (chance "
+                   f"{fmt_interval(main.get('spearman'))}, position partialled "
+                   f"{fmt_interval(main.get('partial_spearman'))}\nsign agreement = "
+                   f"{fmt_interval(main.get('sign_agreement'))}\n(chance "
                    f"{fmt_interval(main.get('chance_sign_agreement'))}; centred "
                    f"{fmt_interval(main.get('centred_sign_agreement'))})  (95% CI over requests)",
                    fontsize=9)
@@ -514,7 +554,16 @@ def write_demand_outputs(frame: pd.DataFrame, out: Path, config: dict) -> dict:
             "before and after it; raise --max-tokens (or --ignore-eos) or lower the horizon")
     out.mkdir(parents=True, exist_ok=True)
     frame.to_csv(out / "demand.csv", index=False, float_format="%.6g")
-    summary = summarize_demand(frame, resamples=config.get("resamples", RESAMPLES))
+    resamples = config.get("resamples", RESAMPLES)
+    summary = summarize_demand(frame, resamples=resamples)
+    start = DEFAULT_INITIAL_PAGES * config.get("block_size", 0)
+    late = frame[frame["position"] >= start].reset_index(drop=True)
+    if config.get("initial_capacity") and config["initial_capacity"] < start and \
+            late["complete"].any():
+        # decisions started early (to have more of them): the same statistics at GrowPage's own
+        # decision boundaries, its default start at this block size
+        summary["at_growpage_start"] = {"from_position": start,
+                                        **summarize_demand(late, resamples=resamples)}
     plot_demand(frame, summary, out / "demand.png")
     write_json(out / "summary.json", summary)
     write_json(out / "config.json", {**config, "variant_params": frame.attrs.get("variants")})
@@ -522,10 +571,13 @@ def write_demand_outputs(frame: pd.DataFrame, out: Path, config: dict) -> dict:
 
 
 def demand_study(model: str, prompt_ids: list[list[int]], settings: RunSettings, out: Path,
-                 config: DemandConfig = DemandConfig(), show_progress: bool = True) -> dict:
-    """Run on the model, then write the outputs (`write_demand_outputs`)."""
+                 config: DemandConfig = DemandConfig(), show_progress: bool = True,
+                 forced: list[list[int]] | None = None, extra: dict | None = None) -> dict:
+    """Run on the model, then write the outputs (`write_demand_outputs`). forced: see
+    `run_demand`; extra: more settings for config.json (the documents' source)."""
     frame, _ = run_demand(model, prompt_ids, settings.max_tokens, settings.block_size,
                           settings.temperature, settings.seed, config, show_progress,
-                          ignore_eos=settings.ignore_eos)
+                          ignore_eos=settings.ignore_eos, forced=forced)
     return write_demand_outputs(frame, out, {**settings.__dict__, **config.__dict__,
+                                             **(extra or {}),
                                              "variants": config.variants or DEFAULT_VARIANTS})

@@ -14,6 +14,7 @@ from analysis.common import (
     RunSettings,
     average_ranks,
     load_prompts,
+    partial_spearman,
     pool_tokens,
     quantile_bins,
     sign_agreement,
@@ -79,6 +80,23 @@ def test_spearman_agrees_with_pandas_rank_correlation_and_drops_nan_pairs():
     assert spearman([1.0, 2.0, 3.0], [3.0, 2.0, 1.0]) == pytest.approx(-1.0)
     assert math.isnan(spearman([1.0, 1.0, 1.0], [1.0, 2.0, 3.0]))  # constant side
     assert math.isnan(spearman([1.0], [2.0]))
+
+
+def test_partial_spearman_removes_what_two_series_share_through_position():
+    gen = np.random.default_rng(0)
+    position = np.arange(400, dtype=float)
+    x = position + 40 * gen.standard_normal(400)  # both follow position, independent otherwise
+    y = position + 40 * gen.standard_normal(400)
+    assert spearman(x, y) > 0.8
+    assert abs(partial_spearman(x, y, position)) < 0.15
+    # a relation beyond position survives, and equals the residual correlation computed directly
+    y2 = position + 40 * gen.standard_normal(400) + 60 * (x - position)
+    rx, ry, rz = average_ranks(x), average_ranks(y2), average_ranks(position)
+    res = [r - np.polyval(np.polyfit(rz, r, 1), rz) for r in (rx, ry)]
+    assert partial_spearman(x, y2, position) == pytest.approx(np.corrcoef(*res)[0, 1])
+    assert partial_spearman(x, y2, position) > 0.5
+    assert math.isnan(partial_spearman([1.0, 2.0], [1.0, 2.0], [0.0, 1.0]))  # < 3 triples
+    assert partial_spearman(x, x, np.zeros(400)) == pytest.approx(1.0)  # constant z: plain rho
 
 
 def test_sign_agreement_ignores_zero_pairs():
@@ -300,6 +318,7 @@ def test_demand_windows_span_the_horizon_on_the_candidates_left_by_the_exclusion
     frame = pd.DataFrame(state.rows)
     done = frame[(frame["future_queries"] == horizon) & (frame["current_queries"] == horizon)]
     assert len(done) >= 5
+    checked_sym = 0
     for _, row in done.iterrows():
         m, c = int(row["position"]), int(row["candidates"])
         assert c == m - exclude
@@ -309,6 +328,15 @@ def test_demand_windows_span_the_horizon_on_the_candidates_left_by_the_exclusion
         assert row["r_current_last"] == pytest.approx(current[2])
         assert row["r_future"] == pytest.approx(future[0])
         assert row["r_future_q"] == pytest.approx(future[1])
+        # the symmetric target: the current window over C_{t-h}, its own start's candidate set
+        if c <= horizon:  # C_{t-h} is empty
+            assert math.isnan(row["r_current_sym"])
+            continue
+        own = window_ratios(queries[m - horizon:m], keys[:, :, :c - horizon], recorder.top_p)
+        assert row["r_current_sym"] == pytest.approx(own[0])
+        assert row["future_change_sym"] == pytest.approx(future[0] - own[0])
+        checked_sym += 1
+    assert checked_sym >= 3
 
 
 def test_demand_signal_is_growpages_own_delta(tiny_dir):
@@ -408,6 +436,53 @@ def test_positive_control_recovers_the_known_future_demand(amplitude):
         assert abs(main["spearman"]["estimate"]) < 0.3
 
 
+def test_synthetic_nuisances_add_sink_and_recency_logits():
+    """Key j's logit for the query at t is sharpness cos(theta_t) z_j + sin(theta_t), plus the
+    sink logit for the first slots and recency * j (a decay of e every 1 / recency tokens behind
+    the query, as softmax ignores the constant -recency * t); without nuisances only the first."""
+    from analysis.demand_control import CONTROLS, SyntheticProcess, synthetic_request
+
+    process = SyntheticProcess(**CONTROLS["nuisance"])
+    keys, queries, latent = synthetic_request(process, 300, 200.0, np.random.default_rng(0))
+    d = process.head_dim
+    logits = torch.einsum("lhtd,lksd->lhts", queries, keys) / math.sqrt(d)
+    base = torch.einsum("lhtd,lksd->lhts", queries[..., :2], keys[..., :2]) / math.sqrt(d)
+    extra = (logits - base)[0, 0, 5]  # one query; the same extra for every query
+    expected = process.recency * torch.arange(300.0)
+    expected[:process.sinks] += process.sink_logit
+    assert torch.allclose(extra, expected, atol=1e-4)
+    assert latent[-1] < latent[0]  # negative drift: attention concentrates over the request
+    plain = SyntheticProcess()
+    keys, queries, _ = synthetic_request(plain, 300, 200.0, np.random.default_rng(0))
+    assert not keys[..., 2:].any() and not queries[..., 2:].any()
+    with pytest.raises(ValueError, match="head_dim"):
+        SyntheticProcess(recency=0.01, head_dim=2)
+
+
+def test_controls_run_at_a_given_length_and_block():
+    """--control-tokens sets each request's length and the block its own (the model study's)."""
+    from analysis.demand_control import CONTROLS, SyntheticProcess, run_control
+    from analysis.demand_study import DemandConfig, summarize_demand
+
+    config = DemandConfig(**{**CONTROL_CONFIG, "initial_capacity": 64})
+    for name in ("negative", "nuisance"):
+        frame, settings = run_control(SyntheticProcess(requests=4, tokens=400, block_size=16,
+                                                       **CONTROLS[name]), config)
+        assert settings["tokens_per_request"] == 400 and settings["block_size"] == 16
+        assert (frame["position"] % 16 == 0).all() and frame["position"].max() < 400
+        rows = frame[frame["complete"]]
+        assert len(rows) > 40 and rows["position"].min() >= 64
+        summary = summarize_demand(frame, resamples=100)
+        assert "partial_spearman" in summary["pooled"]["delta"]
+    # exponential recency is memoryless: renormalised over C_t, the nearer and the farther window
+    # see the same profile, so with nothing to predict the paper's change has no offset; the
+    # symmetric one compares ratios over candidate sets of different sizes, and has one
+    frame, _ = run_control(SyntheticProcess(requests=4, tokens=400, block_size=16, amplitude=0.0,
+                                            recency=1 / 16), config)
+    rows = frame[frame["complete"]]
+    assert abs(rows["future_change"].mean()) < 0.002 and rows["future_change_sym"].mean() < -0.01
+
+
 def test_control_study_writes_the_studys_outputs(tmp_path):
     from analysis.demand_control import SyntheticProcess, control_study
     from analysis.demand_study import DemandConfig
@@ -458,6 +533,9 @@ def test_demand_summary_bootstraps_over_requests():
         sign_agreement(done["delta"] - done["delta"].median(), done["future_change"]))
     assert summary["spearman_position"]["delta"]["estimate"] == pytest.approx(
         spearman(done["delta"], done["position"]))
+    assert main["partial_spearman"]["estimate"] == pytest.approx(
+        partial_spearman(done["delta"], done["future_change"], done["position"]))
+    assert "spearman_future_change_sym" not in main  # a column this frame lacks is left out
 
 
 # -- counterfactual replay -------------------------------------------------------------------
@@ -590,6 +668,52 @@ def test_analyze_commands_write_their_outputs(tiny_dir, tmp_path, command, extra
         summary = json.loads((out / "summary.json").read_text())
         assert config["resamples"] == 200
         assert summary["pooled"]["delta"]["spearman"]["resamples"] == 200
+
+
+def test_demand_on_documents_forces_the_text_and_records_its_boundaries(tiny_dir, tmp_path):
+    """--documents: the longdoc task's documents, a 64-token prompt and the rest teacher-forced,
+    so the probe sees the queries of that text, one decode step per token."""
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from analysis.cli import analyze_app
+    from analysis.demand_study import DemandConfig
+
+    forced = [list(range(20, 60)), list(range(30, 58))]
+    llm = LLM(str(tiny_dir), block_size=BLOCK, kv_cache_tokens=512,
+              policy=DemandRecorder(**TINY_DEMAND))
+    frame, outs = run_demand(str(tiny_dir), PROMPTS, 5, BLOCK, show_progress=False, llm=llm,
+                             config=DemandConfig(**TINY_DEMAND), forced=forced)
+    assert [list(o.token_ids) for o in outs] == forced  # max_tokens (5) is not what stops them
+    for r, prompt in enumerate(PROMPTS):
+        assert frame.loc[frame["request"] == r, "position"].tolist() == expected_boundaries(
+            len(prompt), len(forced[r]), BLOCK)
+    with pytest.raises(ValueError, match="one non-empty continuation per prompt"):
+        run_demand(str(tiny_dir), PROMPTS, 5, BLOCK, show_progress=False, llm=llm,
+                   forced=forced[:1])
+
+    essays = Path(__file__).parent / "fixtures" / "data" / "niah"
+    out = tmp_path / "docs"
+    with pytest.warns(UserWarning, match="empty file"):  # the fixture's empty essay is reported
+        result = CliRunner().invoke(analyze_app, [
+            "demand", "--model", str(tiny_dir), "--documents", "2", "--doc-tokens", "112",
+            "--data", str(essays), "--block-size", str(BLOCK), "--horizon-tokens", "8",
+            "--exclude-tokens", "8", "--initial-capacity", "24", "--resamples", "100", "--out",
+            str(out), "--threads", "1"])
+    assert result.exit_code == 0, result.output
+    config = json.loads((out / "config.json").read_text())
+    assert config["documents"] == 2 and config["doc_tokens"] == 112 and config["prefix_tokens"] == 64
+    rows = pd.read_csv(out / "demand.csv")
+    assert rows["request"].nunique() == 2 and rows["position"].max() < 112
+    assert rows["complete"].any()
+    # decisions from 24 tokens, below GrowPage's own start (9 pages = 36): both are summarised
+    late = json.loads((out / "summary.json").read_text())["at_growpage_start"]
+    assert late["from_position"] == 9 * BLOCK
+    assert late["complete"] == int((rows["complete"] & (rows["position"] >= 36)).sum()) > 0
+    bad = CliRunner().invoke(analyze_app, ["demand", "--model", str(tiny_dir), "--documents", "2",
+                                           "--num-prompts", "3", "--threads", "1"])
+    assert bad.exit_code == 2 and "replaces --prompts-file" in " ".join(bad.output.split())
 
 
 def test_replay_defaults_sample_score_four_pages_and_name_the_directory_by_them(
