@@ -280,7 +280,7 @@ def demand(
     threads: int = ThreadsOpt,
 ):
     """Spearman correlation of GrowPage's delta_t with the future attention-demand change
-    (Fig. 6), at GrowPage's decision boundaries; --control synthetic runs the positive control."""
+    (Fig. 6), at GrowPage's decision boundaries; --control runs a synthetic control instead."""
     from analysis.demand_control import CONTROLS
 
     if control not in ("none", *CONTROLS):

@@ -263,6 +263,8 @@ def run_control(process: SyntheticProcess, config: DemandConfig) -> tuple[pd.Dat
 
     def latent_change(row) -> float:
         lat, m = latents[int(row["request"])], int(row["position"])
+        if m < horizon or m + horizon > len(lat):  # a window runs off the request
+            return math.nan
         return float(lat[m:m + horizon].mean() - lat[m - horizon:m].mean())
 
     frame["latent_change"] = frame.apply(latent_change, axis=1) if len(frame) else []
