@@ -84,6 +84,14 @@ def test_prefill_rows_match_the_loop_reference_and_the_twin(heads):
     with_holes = cpu_native.prefill_rows(*case, holes)
     assert_close(with_holes, naive_prefill_holes(*case, holes), F32)
     assert not torch.allclose(with_holes, out, atol=1e-3)
+    # a step's layers share one plan of the row layout: the same results, built once
+    q, _, _, tables, base_lens, q_lens, _ = case
+    plan = cpu_native.rows_plan(tables, base_lens, q_lens, q.shape[1])
+    assert torch.equal(cpu_native.prefill_rows(*case, plan=plan), out)
+    assert torch.equal(cpu_native.prefill_rows(*case, holes, plan=plan), with_holes)
+    with pytest.raises(ValueError, match="padded rows"):
+        cpu_native.prefill_rows(*case, plan=cpu_native.rows_plan(tables, base_lens, q_lens,
+                                                                 q.shape[1] + 1))
 
 
 @needs_kernel

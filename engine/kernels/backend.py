@@ -187,8 +187,12 @@ C_PREFILL_ROWS = 32
 def _c_prefill(q, k_cache_l, v_cache_l, ctx: ForwardContext, holes) -> torch.Tensor:
     if q.shape[1] > C_PREFILL_ROWS:
         return _twin_prefill(q, k_cache_l, v_cache_l, ctx, holes)
+    if ctx.rows_plan is None:  # the first layer builds it, the others reuse it
+        ctx.rows_plan = cpu_native.rows_plan(ctx.prefill_block_tables, ctx.prefill_base_lens,
+                                             ctx.prefill_q_lens, q.shape[1])
     return cpu_native.prefill_rows(q, k_cache_l, v_cache_l, ctx.prefill_block_tables,
-                                   ctx.prefill_base_lens, ctx.prefill_q_lens, ctx.scale, holes)
+                                   ctx.prefill_base_lens, ctx.prefill_q_lens, ctx.scale, holes,
+                                   plan=ctx.rows_plan)
 
 
 def _store_then_decode(store: Callable, decode: Callable) -> Callable:

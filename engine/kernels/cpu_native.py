@@ -270,28 +270,52 @@ def decode(q, k_cache_l, v_cache_l, block_tables, context_lens, scale, holes=Non
     return out
 
 
-def prefill_rows(q, k_cache_l, v_cache_l, block_tables, base_lens, q_lens, scale, holes=None):
+@dataclass(frozen=True)
+class RowsPlan:
+    """prefill_rows' index work, the same for every layer of a step (built once per step):
+    flat [R] (b * Lq_max + i of each valid row), tables [R, max_blocks] (its sequence's pages),
+    lens [R] int64 (slots it sees), seq [R] (its sequence, to pick per-layer holes), lq_max."""
+
+    flat: torch.Tensor
+    seq: torch.Tensor
+    tables: torch.Tensor
+    lens: torch.Tensor
+    lq_max: int
+
+
+def rows_plan(block_tables, base_lens, q_lens, lq_max: int) -> RowsPlan:
+    """The row layout of a chunk step (prefill_rows' contract) for `lq_max` padded rows."""
+    base, qlen = _int64(base_lens), _int64(q_lens)
+    valid = torch.arange(lq_max)[None, :] < qlen[:, None]                 # [Bp, Lq]
+    flat = valid.flatten().nonzero().squeeze(1)                           # [R] row b * Lq + i
+    seq, row = flat // lq_max, flat % lq_max
+    return RowsPlan(flat, seq, _int64(block_tables.index_select(0, seq)), base[seq] + row + 1,
+                    lq_max)
+
+
+def prefill_rows(q, k_cache_l, v_cache_l, block_tables, base_lens, q_lens, scale, holes=None,
+                 plan: RowsPlan | None = None):
     """A chunk step's paged attention, one decode-kernel row per query row: row i of sequence b
     sees slots [0, base_lens[b] + i] of its pages, read in place. paged_prefill_attention's
     contract (paged_attention.py): q [Bp, Lq_max, q_heads, head_dim] padded; block_tables
     [Bp, max_blocks]; base_lens, q_lens [Bp]; holes [Bp, kv_heads, 2] or None -> out
-    [Bp, Lq_max, q_heads, head_dim], zeros on padded rows.
+    [Bp, Lq_max, q_heads, head_dim], zeros on padded rows. plan: `rows_plan` of the same
+    tables and lengths, which every layer of a step shares (None: built here).
 
     For short chunks over long contexts (a forced run's page of rows against thousands of slots)
     this reads the pages where they lie, where the twin gathers every page into a dense copy and
     runs a masked SDPA; the backend picks it up to C_PREFILL_ROWS rows (engine/kernels/backend.py).
     """
     batch, lq_max, q_heads, head_dim = q.shape
-    base, qlen = _int64(base_lens), _int64(q_lens)
-    valid = torch.arange(lq_max)[None, :] < qlen[:, None]                 # [Bp, Lq]
-    flat = valid.flatten().nonzero().squeeze(1)                           # [R] row b * Lq + i
-    seq, row = flat // lq_max, flat % lq_max
+    if plan is None:
+        plan = rows_plan(block_tables, base_lens, q_lens, lq_max)
+    elif plan.lq_max != lq_max:
+        raise ValueError(f"a rows plan for {plan.lq_max} padded rows, q has {lq_max}")
     out = torch.zeros(batch * lq_max, q_heads, head_dim)
-    if flat.numel():
-        rows = q.reshape(batch * lq_max, q_heads, head_dim).index_select(0, flat)
-        out[flat] = decode(rows, k_cache_l, v_cache_l, block_tables.index_select(0, seq),
-                           base[seq] + row + 1, scale,
-                           None if holes is None else holes.index_select(0, seq))
+    if plan.flat.numel():
+        rows = q.reshape(batch * lq_max, q_heads, head_dim).index_select(0, plan.flat)
+        out[plan.flat] = decode(rows, k_cache_l, v_cache_l, plan.tables, plan.lens, scale,
+                                None if holes is None else holes.index_select(0, plan.seq))
     return out.view(batch, lq_max, q_heads, head_dim)
 
 
