@@ -364,6 +364,21 @@ def test_mixed_documents_quick(tiny_model):
     assert f"{1.0 - gp['grow_ratio']:.4f}" in note
 
 
+def test_mixed_documents_start_sweep_adds_growpage_rows_at_each_start():
+    """--start-sweep on documents: a GrowPage row per start (pages of the scale's block), with
+    the options of the GrowPage row otherwise."""
+    core, scale = mixed.documents_run(False, {"--lengths": "", "--pool-fraction": None},
+                                      tau_sweep="", start_sweep="6,12", counts=(), max_tokens=())
+    assert core is mixed_documents.run_mixed_documents and scale.start_sweep == (6, 12)
+    configs = {label: (policy, args) for label, policy, args in
+               mixed_documents.document_configs(scale)}
+    main = configs["growpage (tau=0)"][1]
+    for pages in (6, 12):
+        policy, args = configs[mixed.start_label(pages)]
+        assert policy == "growpage" and args == {**main, "initial_capacity": pages * 16}
+    assert list(configs)[-2:] == [mixed.start_label(6), mixed.start_label(12)]
+
+
 def test_mixed_documents_readings_need_the_interval_or_every_repeat():
     assert mixed_documents.fidelity_reading(-0.2, -0.01) == "better"
     assert mixed_documents.fidelity_reading(0.01, 0.2) == "worse"
@@ -621,7 +636,8 @@ def test_policy_cost_cli_rejects_bad_scale_before_loading_a_model(args, message)
     (["--source", "documents", "--max-tokens", "1,2,3"], "apply to --source problems only"),
     (["--source", "documents", "--lengths", "10-20,40-50,60-70"], "need prompt_tokens + 2"),
     (["--source", "documents", "--budget", "48"], "even number of pages"),
-    (["--source", "documents", "--lengths", "64-x"], "--lengths")])
+    (["--source", "documents", "--lengths", "64-x"], "--lengths"),
+    (["--source", "documents", "--start-sweep", "6,1"], "start_sweep pages must be at least 2")])
 def test_mixed_cli_rejects_bad_scale_before_loading_a_model(args, message):
     from typer.testing import CliRunner
 

@@ -1,6 +1,6 @@
 """The GrowPage family as the mixed-workload benches run it (`bench mixed`, problems and
 documents): the paper's budget B and Random's compression probability, each variant's arguments
-(`growpage_args`), its row label (`tau_label`) and the Table 9-shaped events table
+(`growpage_args`), its row labels (`tau_label`, `start_label`) and the Table 9-shaped events table
 (`events_table`)."""
 
 from __future__ import annotations
@@ -18,6 +18,11 @@ def tau_label(policy: str, tau: float, threshold: str = "fixed") -> str:
     if policy not in TAU_POLICIES:
         return policy
     return f"{policy} (tau={tau:g}{', median threshold' if threshold != 'fixed' else ''})"
+
+
+def start_label(pages: int) -> str:
+    """The row of a start-capacity sweep (GrowPage at an initial capacity of `pages`)."""
+    return f"growpage (start={pages} pages)"
 
 
 def growpage_args(policy: str, scale: Any, tau: float,

@@ -71,6 +71,7 @@ from evals.benchmarks.growpage_family import (
     PAPER_RANDOM_COMPRESS,
     events_table,
     growpage_args,
+    start_label,
     tau_label,
 )
 from evals.benchmarks.options import (
@@ -156,10 +157,6 @@ def mixed_workload(builder: PromptBuilder, scale: MixedScale) -> tuple[list, lis
     prompts = [builder.class_prompt(kind, i, r.randint(*scale.prompt_extra))
                for kind, i, _ in queue]
     return prompts, [n for _, _, n in queue], [kind for kind, _, _ in queue]
-
-
-def start_label(pages: int) -> str:
-    return f"growpage (start={pages} pages)"
 
 
 def configs(scale: MixedScale, random_compress: float = PAPER_RANDOM_COMPRESS
@@ -392,10 +389,12 @@ def documents_run(quick: bool, documents_only: dict, *, tau_sweep: str, start_sw
     given."""
     from evals.benchmarks import mixed_documents
 
-    extra = [name for name, value in (("--tau-sweep", tau_sweep), ("--start-sweep", start_sweep),
-                                      ("--max-tokens", max_tokens)) if value]
+    extra = [name for name, value in (("--tau-sweep", tau_sweep), ("--max-tokens", max_tokens))
+             if value]
     if extra:
         raise ValueError(f"{', '.join(extra)} apply to --source problems only")
+    if start_sweep:
+        documents_only["--start-sweep"] = tuple(parse_ints(start_sweep, "--start-sweep"))
     lengths = mixed_documents.parse_bands(documents_only.pop("--lengths"), "--lengths")
     options = {k.lstrip("-").replace("-", "_"): v for k, v in documents_only.items()}
     scale = mixed_documents.scale_from_options(quick, counts=counts or None,

@@ -84,6 +84,7 @@ from evals.benchmarks.growpage_family import (
     PAPER_RANDOM_COMPRESS,
     events_table,
     growpage_args,
+    start_label,
     tau_label,
 )
 from evals.benchmarks.workloads import haystack_document, rng
@@ -106,7 +107,8 @@ class DocumentScale:
     prompt_tokens: the prompt, the rest is forced. budget: B in tokens (None: 16 pages; Zipage
     runs at B/2, B and 2B, so B is an even number of pages). pool_fraction: the KV pool as a
     share of the pages FullKV needs for every document at full length. tau / threshold /
-    protected_recent / start_pages: the GrowPage family's, as in mixed.MixedScale. variants: add
+    protected_recent / start_pages / start_sweep: the GrowPage family's, as in mixed.MixedScale
+    (start_sweep: extra GrowPage rows at these starts, in pages). variants: add
     GrowPage-Random, -Inverse and -Shrink. chunked_forcing: forced runs instead of one decode step
     per forced token. repeats: runs of every configuration, the order rotated each repeat."""
 
@@ -120,6 +122,7 @@ class DocumentScale:
     threshold: str = "fixed"
     protected_recent: int = 8
     start_pages: int | None = None
+    start_sweep: tuple[int, ...] = ()
     variants: bool = False
     chunked_forcing: bool = False
     max_num_seqs: int = 64
@@ -153,6 +156,8 @@ class DocumentScale:
                              f"got {self.protected_recent}")
         if self.start_pages is not None and self.start_pages < 2:
             raise ValueError(f"start_pages must be at least 2, got {self.start_pages}")
+        if any(p < 2 for p in self.start_sweep):
+            raise ValueError(f"start_sweep pages must be at least 2, got {self.start_sweep}")
         if self.threshold not in ("fixed", "median"):
             raise ValueError(f"threshold must be 'fixed' or 'median', got {self.threshold!r}")
 
@@ -206,6 +211,10 @@ def document_configs(scale: DocumentScale, random_compress: float = PAPER_RANDOM
     for policy in policies:
         out.append((tau_label(policy, scale.tau, scale.threshold), policy,
                     growpage_args(policy, scale, scale.tau, random_compress)))
+    for pages in scale.start_sweep:
+        args = growpage_args("growpage", scale, scale.tau, random_compress)
+        out.append((start_label(pages), "growpage",
+                    {**args, "initial_capacity": pages * scale.block_size}))
     return out
 
 
