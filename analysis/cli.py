@@ -11,6 +11,7 @@ the commands, so `kvarena --help` does not pay for torch and the engine.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -34,6 +35,11 @@ TemperatureOpt = typer.Option(0.0, "--temperature", help="Reference decoding: 0 
 SeedOpt = typer.Option(0, "--seed", help="Base seed (request i uses seed + i when sampling).")
 ChatOpt = typer.Option(True, "--chat/--no-chat", help="Wrap prompts in the chat template.")
 TopPOpt = typer.Option(0.99, "--top-p", help="Coverage p of the working sets (GrowPage: 0.99).")
+DocumentsOpt = typer.Option(None, "--documents", help="Run on N long documents teacher-forced "
+                            "from --data (the longdoc task's documents) instead of prompts.")
+DocTokensOpt = typer.Option(4096, "--doc-tokens", help="Tokens per document (--documents).")
+DataOpt = typer.Option(None, "--data", help="Corpus of the documents (as `kvarena eval -t "
+                       "longdoc --data`).")
 
 
 def _model_tag(model: str) -> str:
@@ -103,12 +109,17 @@ def replay(
     ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Reference runs to --max-tokens."),
     temperature: float = typer.Option(0.6, "--temperature", help="Reference decoding (paper: "
                                       "0.6, App. F.1; 0 = greedy)."),
+    documents: Optional[int] = DocumentsOpt,
+    doc_tokens: int = DocTokensOpt,
+    data: Optional[str] = DataOpt,
     seed: int = SeedOpt,
     chat: bool = ChatOpt,
     out: Optional[Path] = OutOpt,
     threads: int = ThreadsOpt,
 ):
-    """Counterfactual Compress & Hold vs Grow by One Page: NLL of the next reference tokens."""
+    """Counterfactual Compress & Hold vs Grow by One Page: NLL of the next reference tokens.
+    With --documents the reference is the text itself (FullKV teacher-forced on it)."""
+    _check_documents(documents, prompts_file, num_prompts)
 
     def study():
         from analysis.replay import (
@@ -123,12 +134,17 @@ def replay(
         typed = build_policy("growpage", args)  # validates names and coerces CLI strings
         growpage = {k: getattr(typed, k) for k in args}
         per_request = f"-k{max_boundaries}" if max_boundaries else ""
-        suffix = f"-w{resolved_window(window, block_size)}{per_request}-temp{temperature:g}"
-        prompt_ids, settings, path = _prepare("replay", model, prompts_file, num_prompts,
-                                              max_tokens, block_size, temperature, seed, chat,
-                                              out, threads, suffix=suffix)
         config = ReplayConfig(window=window, max_boundaries=max_boundaries, growpage=growpage,
                               ignore_eos=ignore_eos)
+        suffix = f"-w{resolved_window(window, block_size)}{per_request}"
+        if documents is not None:
+            docs = _documents("replay", model, documents, doc_tokens, data, block_size, threads,
+                              out, suffix)
+            return replay_study(model, docs.prompts, docs.settings, docs.path, config,
+                                forced=docs.forced, extra=docs.info), docs.path
+        prompt_ids, settings, path = _prepare("replay", model, prompts_file, num_prompts,
+                                              max_tokens, block_size, temperature, seed, chat,
+                                              out, threads, suffix=f"{suffix}-temp{temperature:g}")
         return replay_study(model, prompt_ids, settings, path, config), path
 
     summary, path = _run(study)
@@ -255,13 +271,9 @@ def demand(
     control_period: Optional[int] = typer.Option(
         None, "--control-period", help="Period of the control's oscillation in tokens (default: "
         "8 x (tau_L + horizon))."),
-    documents: Optional[int] = typer.Option(
-        None, "--documents", help="Run on N long documents teacher-forced from --data (the "
-        "longdoc task's documents) instead of generating from prompts."),
-    doc_tokens: int = typer.Option(4096, "--doc-tokens", help="Tokens per document "
-                                   "(--documents)."),
-    data: Optional[str] = typer.Option(None, "--data", help="Corpus of the documents (as "
-                                       "`kvarena eval -t longdoc --data`)."),
+    documents: Optional[int] = DocumentsOpt,
+    doc_tokens: int = DocTokensOpt,
+    data: Optional[str] = DataOpt,
     initial_capacity: Optional[int] = typer.Option(
         None, "--initial-capacity", help="Tokens from which boundaries are decisions (default: "
         "GrowPage's start at the block size)."),
@@ -285,8 +297,7 @@ def demand(
 
     if control not in ("none", *CONTROLS):
         fail(f"--control must be 'none' or one of {', '.join(CONTROLS)}, got {control!r}")
-    if documents is not None and (documents < 1 or prompts_file or num_prompts):
-        fail("--documents takes N >= 1 and replaces --prompts-file / --num-prompts")
+    _check_documents(documents, prompts_file, num_prompts)
     if horizon_tokens < 1 or exclude_tokens < 1:
         fail("--horizon-tokens and --exclude-tokens must be >= 1")
     if resamples < 1:
@@ -316,8 +327,12 @@ def demand(
                 **({"block_size": block_size} if control_tokens else {})})
             return control_study(process, config, path), path
         if documents is not None:
-            return _demand_documents(model, documents, doc_tokens, data, block_size, config,
-                                     out, threads)
+            from analysis.demand_study import demand_study
+
+            docs = _documents("demand", model, documents, doc_tokens, data, block_size, threads,
+                              out, f"-h{horizon_tokens}-e{exclude_tokens}")
+            return demand_study(model, docs.prompts, docs.settings, docs.path, config,
+                                forced=docs.forced, extra=docs.info), docs.path
         prompt_ids, settings, path = _prepare(
             "demand", model, prompts_file, num_prompts, max_tokens, block_size, temperature,
             seed, chat, out, threads, ignore_eos,
@@ -328,12 +343,28 @@ def demand(
     console.print(f"[green]{escape(_demand_report(summary))}[/]  ({escape(str(path))})")
 
 
-def _demand_documents(model: str, documents: int, doc_tokens: int, data, block_size: int,
-                      config, out: Optional[Path], threads: int):
-    """The demand study on long documents: the longdoc task's documents, each a 64-token prompt
-    and the rest teacher-forced, so every query is one of real text at thousands of tokens."""
+def _check_documents(documents, prompts_file, num_prompts) -> None:
+    if documents is not None and (documents < 1 or prompts_file or num_prompts):
+        fail("--documents takes N >= 1 and replaces --prompts-file / --num-prompts")
+
+
+@dataclass(frozen=True)
+class Documents:
+    """A study's long documents: prompts (the first tokens) and forced continuations, the run's
+    settings, its output directory and what config.json records about the documents."""
+
+    prompts: list
+    forced: list
+    settings: object
+    path: Path
+    info: dict
+
+
+def _documents(study: str, model: str, documents: int, doc_tokens: int, data, block_size: int,
+               threads: int, out: Optional[Path], suffix: str) -> Documents:
+    """The longdoc task's documents for a study: each a 64-token prompt and the rest
+    teacher-forced, so every query is one of real text at thousands of tokens."""
     from analysis.common import RunSettings
-    from analysis.demand_study import demand_study
     from engine.models.loader import load_tokenizer, resolve_model
     from engine.threads import set_threads
     from evals.tasks.longdoc import LongDoc
@@ -345,16 +376,13 @@ def _demand_documents(model: str, documents: int, doc_tokens: int, data, block_s
     settings = RunSettings(model=model, block_size=block_size, max_tokens=doc_tokens - task.prefix,
                            num_prompts=len(requests), temperature=0.0, seed=0, chat=False,
                            ignore_eos=True)
-    path = out or RESULTS_ROOT / (f"demand-docs-{_model_tag(model)}-b{block_size}-d{documents}"
-                                  f"x{doc_tokens}-h{config.horizon_tokens}"
-                                  f"-e{config.exclude_tokens}")
-    console.print(f"[bold]demand[/]: {len(requests)} documents x {doc_tokens} tokens "
+    path = out or RESULTS_ROOT / (f"{study}-docs-{_model_tag(model)}-b{block_size}-d{documents}"
+                                  f"x{doc_tokens}{suffix}")
+    console.print(f"[bold]{study}[/]: {len(requests)} documents x {doc_tokens} tokens "
                   f"({task.prefix}-token prompt, the rest forced), block {block_size} -> {path}")
-    summary = demand_study(model, [list(r.prompt) for r in requests], settings, path, config,
-                           forced=[list(r.forced) for r in requests],
-                           extra={"documents": documents, "doc_tokens": doc_tokens,
-                                  "prefix_tokens": task.prefix, "corpus": task.corpus})
-    return summary, path
+    return Documents([list(r.prompt) for r in requests], [list(r.forced) for r in requests],
+                     settings, path, {"documents": documents, "doc_tokens": doc_tokens,
+                                      "prefix_tokens": task.prefix, "corpus": task.corpus})
 
 
 @analyze_app.command()

@@ -4,6 +4,7 @@ Analysis", Figure 7).
 1. Reference: FullKV decodes each prompt (sampled with a per-request seed, at 0.6 by default in the
    CLI as in the paper's App. F.1, or greedy) and records the log-probability of every output
    token; this token sequence is the shared future of every branch, and its NLL is the floor.
+   On long documents (`forced`) the reference is FullKV teacher-forced on the document's text.
 2. Natural run: GrowPage, teacher-forced on the reference (`SamplingParams(forced_tokens=...)`), so
    its capacity boundaries and decisions are those GrowPage makes on that trajectory. Every boundary
    where GrowPage estimates demand (capacity control is on) is a *demand boundary* k, with its
@@ -246,14 +247,22 @@ class ReplayResult:
 
 def run_replay(model: str, prompt_ids: list[list[int]], max_tokens: int, block_size: int,
                temperature: float = 0.0, seed: int = 0, config: ReplayConfig = ReplayConfig(),
-               show_progress: bool = True) -> ReplayResult:
-    """Reference, natural GrowPage run, then both branches at every selected demand boundary."""
+               show_progress: bool = True,
+               forced: list[list[int]] | None = None) -> ReplayResult:
+    """Reference, natural GrowPage run, then both branches at every selected demand boundary.
+    forced: per prompt, a text to teacher-force as the reference (long documents) instead of
+    decoding one; `max_tokens` is then the longest of them."""
     import gc
 
     from engine.llm import LLM
     from engine.sampling import SamplingParams
 
     window = resolved_window(config.window, block_size)
+    if forced is not None:
+        if len(forced) != len(prompt_ids) or not all(len(f) for f in forced):
+            raise ValueError(f"forced: one non-empty text per prompt, got {len(forced)} for "
+                             f"{len(prompt_ids)} prompts")
+        max_tokens = max(len(f) for f in forced)
     longest = max(len(p) for p in prompt_ids) + max_tokens + window
     full = LLM(model, block_size=block_size, policy="full", max_num_seqs=config.max_num_seqs,
                enable_prefix_caching=False,
@@ -261,7 +270,8 @@ def run_replay(model: str, prompt_ids: list[list[int]], max_tokens: int, block_s
                                            block_size))
     ref_params = [SamplingParams(temperature=temperature, seed=seed + i, max_tokens=max_tokens,
                                  logprobs=True, ignore_eos=config.ignore_eos)
-                  for i in range(len(prompt_ids))]
+                  for i in range(len(prompt_ids))] if forced is None else \
+        [_teacher(f, len(f)) for f in forced]
     with progress("reference (FullKV)", max_tokens * len(prompt_ids), show_progress) as on_step:
         references = full.generate(prompt_ids, ref_params, on_step=on_step)
     del full
@@ -468,11 +478,13 @@ def plot_replay(frame: pd.DataFrame, summary: dict, path: Path, tau: float = 0.0
 
 
 def replay_study(model: str, prompt_ids: list[list[int]], settings: RunSettings, out: Path,
-                 config: ReplayConfig = ReplayConfig(), show_progress: bool = True) -> dict:
-    """Run, then write replay.csv, boundaries.csv, replay.png, summary.json, config.json."""
+                 config: ReplayConfig = ReplayConfig(), show_progress: bool = True,
+                 forced: list[list[int]] | None = None, extra: dict | None = None) -> dict:
+    """Run, then write replay.csv, boundaries.csv, replay.png, summary.json, config.json.
+    forced: see `run_replay`; extra: more settings for config.json (the documents' source)."""
     out.mkdir(parents=True, exist_ok=True)
     result = run_replay(model, prompt_ids, settings.max_tokens, settings.block_size,
-                        settings.temperature, settings.seed, config, show_progress)
+                        settings.temperature, settings.seed, config, show_progress, forced)
     if result.rows.empty:
         raise RuntimeError("no demand boundary with a full window: raise --max-tokens or lower "
                            "the GrowPage initial_capacity / --block-size")
@@ -490,5 +502,5 @@ def replay_study(model: str, prompt_ids: list[list[int]], settings: RunSettings,
                                      "growpage": config.growpage,
                                      "growpage_params": result.policy_params,
                                      "ignore_eos": config.ignore_eos,
-                                     "max_num_seqs": config.max_num_seqs})
+                                     "max_num_seqs": config.max_num_seqs, **(extra or {})})
     return summary

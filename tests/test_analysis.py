@@ -607,6 +607,43 @@ def test_replay_nll_full_is_fullkv_teacher_forcing_and_branches_are_clean(tiny_d
             - rows["request"].map({i: len(p) for i, p in enumerate(REPLAY_PROMPTS)})).all()
 
 
+def test_replay_on_documents_takes_the_text_as_the_reference(tiny_dir, tmp_path):
+    """forced texts: the reference is FullKV teacher-forced on them (its tokens are the text),
+    and the branches score windows of that text; --documents drives it from the CLI."""
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from analysis.cli import analyze_app
+
+    texts = [list(range(40, 70)), list(range(20, 44))]
+    config = ReplayConfig(growpage=dict(TINY_GROWPAGE), max_num_seqs=8, window=BLOCK)
+    result = run_replay(str(tiny_dir), REPLAY_PROMPTS, 5, BLOCK, config=config,
+                        show_progress=False, forced=texts)
+    assert [list(r.token_ids) for r in result.references] == texts
+    rows = result.rows
+    assert len(rows) >= 4 and rows["clean"].all()
+    for r, ref in enumerate(result.references):
+        for _, row in rows[rows["request"] == r].iterrows():
+            o = int(row["output_index"])
+            assert row["nll_full"] == pytest.approx(window_nll(ref.token_logprobs, o, BLOCK))
+    with pytest.raises(ValueError, match="one non-empty text per prompt"):
+        run_replay(str(tiny_dir), REPLAY_PROMPTS, 5, BLOCK, config=config, show_progress=False,
+                   forced=texts[:1])
+
+    out = tmp_path / "docs"
+    with pytest.warns(UserWarning, match="empty file"):  # the fixture's empty essay is reported
+        result = CliRunner().invoke(analyze_app, [
+            "replay", "--model", str(tiny_dir), "--documents", "2", "--doc-tokens", "96",
+            "--data", str(Path(__file__).parent / "fixtures" / "data" / "niah"), "--block-size",
+            str(BLOCK), "--max-boundaries", "2", "-a", "initial_capacity=8", "-a",
+            "protected_recent=2", "--out", str(out), "--threads", "1"])
+    assert result.exit_code == 0, result.output
+    config = json.loads((out / "config.json").read_text())
+    assert config["documents"] == 2 and config["doc_tokens"] == 96
+    assert len(pd.read_csv(out / "replay.csv")) == 4  # 2 boundaries of each document
+
+
 def test_replay_study_writes_csv_png_and_summary(tiny_dir, tmp_path):
     settings = RunSettings(str(tiny_dir), BLOCK, 24, 2, 0.0, 0, False)
     config = ReplayConfig(growpage=dict(TINY_GROWPAGE), max_boundaries=2, max_num_seqs=8,
