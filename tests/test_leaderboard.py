@@ -310,3 +310,26 @@ def test_paired_differences_at_equal_nominal_budget(tmp_path):
     assert rows["snapkv"]["separated"] == "True" and rows["tova"]["separated"] == "False"
     assert float(rows["tova"]["lo"]) < 0 < float(rows["tova"]["hi"])
     assert "## Paired differences at equal nominal budget" in board.markdown
+
+
+def test_matched_runs_are_paired_against_the_run_they_matched(tmp_path):
+    """A run made with --match-budget-to is paired against the run its config names (Kara's
+    protocol), on the same samples; a run that matched nothing present is not."""
+    root = tmp_path / "results"
+    drift = {"kara": 0.1, "snapkv": 0.04, "streamingllm": 0.1}
+    for policy, base in drift.items():
+        matched = {} if policy == "kara" else {"match_budget_to": {"label": "kara"}}
+        if policy == "streamingllm":
+            matched = {"match_budget_to": {"label": "absent"}}
+        path = write_run(root, "longdoc", policy, {}, 0, 256, PROV_A, config=matched)
+        recs = [json.loads(x) for x in (path / R.SAMPLES_FILE).read_text().splitlines()]
+        for r in recs:
+            r["fid_delta_nll"] = base + 0.01 * (int(r["uid"].split("/")[1]) % 3)
+        (path / R.SAMPLES_FILE).write_text("".join(dumps_line(r) for r in recs))
+        write_json(path / R.METRICS_FILE, compute_metrics(recs, [], len(recs)))
+    board = build_leaderboard([root], tmp_path / "board")
+    with open(board.files["paired.csv"], newline="") as f:
+        rows = [r for r in csv.DictReader(f) if r["pairing"] == "matched"]
+    assert [(r["label"], r["reference"]) for r in rows] == [("snapkv", "kara")]
+    assert float(rows[0]["diff"]) == pytest.approx(-0.06) and rows[0]["separated"] == "True"
+    assert "## Paired against the matched run (Kara's protocol)" in board.markdown
