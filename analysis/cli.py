@@ -298,6 +298,8 @@ def demand(
     if control not in ("none", *CONTROLS):
         fail(f"--control must be 'none' or one of {', '.join(CONTROLS)}, got {control!r}")
     _check_documents(documents, prompts_file, num_prompts)
+    if documents is not None and control != "none":
+        fail("--documents runs the model study; a --control runs without a model")
     if horizon_tokens < 1 or exclude_tokens < 1:
         fail("--horizon-tokens and --exclude-tokens must be >= 1")
     if resamples < 1:
@@ -327,8 +329,6 @@ def demand(
                 **({"block_size": block_size} if control_tokens else {})})
             return control_study(process, config, path), path
         if documents is not None:
-            from analysis.demand_study import demand_study
-
             docs = _documents("demand", model, documents, doc_tokens, data, block_size, threads,
                               out, f"-h{horizon_tokens}-e{exclude_tokens}")
             return demand_study(model, docs.prompts, docs.settings, docs.path, config,
