@@ -48,5 +48,15 @@ for p in $BUDGETS2; do
     mapfile -t args < <(policy_args "$p")
     "$KV" eval "${COMMON[@]}" "${args[@]}" --kv-budget 512
 done
+# Kara's comparison protocol (its Fig. 5): each document's budget is the length Kara kept on it
+# (--match-budget-to its run); PyramidKV and Ada-KV in their decode-time mode.
+KARA_MATCHED=${KARA_MATCHED:-"snapkv chunkkv streamingllm pyramidkv+decode_compress=true adakv+decode_compress=true"}
+if [[ $TASK == longdoc ]]; then
+    for p in $KARA_MATCHED; do
+        mapfile -t args < <(policy_args "$p")
+        "$KV" eval "${COMMON[@]}" "${args[@]}" \
+            --match-budget-to "$OUT/smollm2-135m-instruct/longdoc/kara"
+    done
+fi
 "$KV" leaderboard "$OUT" --out "$OUT/leaderboard"
 "$KV" report "$OUT" --out "$OUT/report.html"
