@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# The demand study (GrowPage Fig. 6) at the papers' geometry and its controls at the same length
-# and block (results/analysis/README.md): 16 documents x 4096 tokens of the NIAH essays,
+# GrowPage's analysis studies on long documents (results/analysis/README.md): the demand study
+# (Fig. 6) at the paper's geometry, its controls at the same length and block, and the
+# counterfactual replay (Fig. 7). Demand: 16 documents x 4096 tokens of the NIAH essays,
 # teacher-forced (a 64-token prompt), block 256 so a boundary is the paper's page and the
 # horizon and exclusion are one page (256 tokens), the paper's betas (0.9, 0.999), decisions
 # from 1024 tokens (summarised again from GrowPage's own 9-page start, 2304); then the synthetic
-# controls with 16 requests of 4096 tokens at block 256. Run from the repository root:
-#     DATA=data bash results/analysis/run_demand.sh
+# controls with 16 requests of 4096 tokens at block 256. Replay: the same documents and block,
+# GrowPage's own start (9 pages) and protected window (16), the 256 tokens after each forced
+# decision scored, the first and last usable demand boundary of each document. Run from the
+# repository root:
+#     DATA=data bash results/analysis/run_documents.sh
 set -euo pipefail
 DATA=${DATA:?set DATA to the benchmark data root (niah/ inside)}
 KV=${KV:-.venv/bin/kvarena}
@@ -19,3 +23,5 @@ for period in 4096 2048; do  # faster demand changes than the default 8 x (tau_L
     "$KV" analyze demand --control positive --control-tokens 4096 --control-period "$period" \
         "${GEOMETRY[@]}" --threads 1
 done
+"$KV" analyze replay --documents 16 --doc-tokens 4096 --data "$DATA" --block-size 256 \
+    --window 256 --max-boundaries 2 -a protected_recent=16 --threads 2
