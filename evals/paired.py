@@ -67,6 +67,13 @@ def _per_sample(run: RunResult) -> dict[tuple[str, str], float]:
     return out
 
 
+def paired_difference(run: RunResult, ref: RunResult, budget: float = float("nan"),
+                      pairing: str = "chosen") -> PairedRow | None:
+    """`run` minus `ref` on the samples both scored, for any two runs of one task (a comparison
+    the leaderboard's groups do not make, e.g. at budgets a few slots apart)."""
+    return _pair(run, _per_sample(run), ref, _per_sample(ref), budget, pairing)
+
+
 def _pair(run: RunResult, values: dict, ref: RunResult, ref_values: dict, budget: float,
           pairing: str) -> PairedRow | None:
     """run minus ref over the samples both scored, with its interval (None: nothing shared)."""

@@ -57,6 +57,18 @@ if [[ $TASK == longdoc ]]; then
         "$KV" eval "${COMMON[@]}" "${args[@]}" \
             --match-budget-to "$OUT/smollm2-135m-instruct/longdoc/kara"
     done
+    # The same at Kara's average KV instead of its final length: 1088 = its avg_kv_budget on
+    # these documents (metrics.json), 68 pages.
+    for p in ${KARA_AVERAGE:-"snapkv"}; do
+        mapfile -t args < <(policy_args "$p")
+        "$KV" eval "${COMMON[@]}" "${args[@]}" --kv-budget 1088
+    done
+    # GrowPage's equal-memory comparison: Zipage at GrowPage's average KV, 1744 = its avg_kv_kept
+    # (1740) rounded up to a page, 109 pages.
+    for p in ${GROWPAGE_AVERAGE:-"zipage"}; do
+        mapfile -t args < <(policy_args "$p")
+        "$KV" eval "${COMMON[@]}" "${args[@]}" --kv-budget 1744
+    done
 fi
 "$KV" leaderboard "$OUT" --out "$OUT/leaderboard"
 "$KV" report "$OUT" --out "$OUT/report.html"

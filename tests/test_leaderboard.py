@@ -333,3 +333,8 @@ def test_matched_runs_are_paired_against_the_run_they_matched(tmp_path):
     assert [(r["label"], r["reference"]) for r in rows] == [("snapkv", "kara")]
     assert float(rows[0]["diff"]) == pytest.approx(-0.06) and rows[0]["separated"] == "True"
     assert "## Paired against the matched run (Kara's protocol)" in board.markdown
+    from evals.paired import paired_difference
+
+    runs = {r.label: r for r in find_runs([root])}
+    chosen = paired_difference(runs["streamingllm"], runs["snapkv"])
+    assert chosen.diff == pytest.approx(0.06) and chosen.separated and chosen.samples == 40
