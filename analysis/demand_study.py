@@ -30,8 +30,8 @@ Choices where the paper is silent (and why):
   Top-p ratio is averaged over layers and KV heads like Eq. 8.
 - The two windows sit at different distances from C_t: with exclude = horizon = h the current
   window's queries are 1..h tokens past C_t's end, the future window's h+1..2h. Under a recency
-  bias the nearer window concentrates more on C_t's newest slots, so the paper's change carries a
-  built-in offset. `future_change_sym` measures each window over the candidate set of its own
+  bias the nearer window could concentrate more on C_t's newest slots and give the paper's change
+  a built-in offset. `future_change_sym` measures each window over the candidate set of its own
   start instead (the current window over C_{t-h}, all slots but the e tokens before it), so both
   windows are e+1..e+h tokens past their set; the sets differ by the h slots between them. An
   exponential recency profile is memoryless, so renormalised over C_t both windows of the paper's

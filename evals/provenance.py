@@ -92,10 +92,22 @@ def device_name() -> str:
     return "cpu"
 
 
+def cpu_isa() -> str:
+    """The widest vector instruction set torch's CPU kernels use here ("AVX2", "AVX512", ...):
+    one CPU model name can cover machines of either kind, and CPU speeds differ with it."""
+    try:
+        import torch
+
+        return str(torch.backends.cpu.get_cpu_capability())
+    except Exception:  # an old torch without the query must not stop a run recording itself
+        return "unknown"
+
+
 def machine() -> dict:
-    """Facts that identify the kind of machine: CPU model and count, memory, OS, device."""
-    return {"cpu": cpu_model(), "cpu_count": os.cpu_count(), "memory": memory_total(),
-            "platform": platform.platform(), "device": device_name()}
+    """Facts that identify the kind of machine: CPU model, vector instruction set and count,
+    memory, OS, device."""
+    return {"cpu": cpu_model(), "cpu_isa": cpu_isa(), "cpu_count": os.cpu_count(),
+            "memory": memory_total(), "platform": platform.platform(), "device": device_name()}
 
 
 def portable_arg(arg: str) -> str:
@@ -148,14 +160,15 @@ def run_provenance(ctx=None) -> dict:
 
 def provenance_key(prov: dict | None) -> tuple[Any, ...]:
     """What two runs must share to count as produced by the same code on the same machine:
-    commit, fingerprint of uncommitted changes to the code (CODE_PATHS), CPU model and count,
-    device. ``("unknown",)`` for a run recorded before provenance existed."""
+    commit, fingerprint of uncommitted changes to the code (CODE_PATHS), CPU model (with its
+    vector instruction set, where recorded) and count, device. ``("unknown",)`` for a run
+    recorded before provenance existed."""
     if not prov:
         return ("unknown",)
     git, mach = prov.get("git") or {}, prov.get("machine") or {}
     digest = git["code_diff_sha256"] if "code_diff_sha256" in git else git.get("diff_sha256")
-    return (git.get("commit"), digest, mach.get("cpu"), mach.get("cpu_count"),
-            mach.get("device"))
+    cpu = mach.get("cpu") if mach.get("cpu_isa") is None else f"{mach['cpu']} ({mach['cpu_isa']})"
+    return (git.get("commit"), digest, cpu, mach.get("cpu_count"), mach.get("device"))
 
 
 def describe_key(key: tuple[Any, ...]) -> str:

@@ -35,6 +35,10 @@ def test_provenance_key_separates_code_and_machines():
     assert P.provenance_key(old)[1] == "aaa"
     assert P.describe_key(P.provenance_key(engine_edit)) == (
         "commit cccccccccc + uncommitted code changes (diff ccc); 2 x X; device cpu")
+    # One CPU model name covers machines with different vector units: recorded, they split runs.
+    isa = {**base, "machine": {**base["machine"], "cpu_isa": "AVX512"}}
+    assert P.provenance_key(isa) != key and "2 x X (AVX512)" in P.describe_key(P.provenance_key(isa))
+    assert P.machine()["cpu_isa"] not in ("", None)
 
 
 def test_run_provenance_fields():

@@ -201,7 +201,8 @@ def machine_facts(threads: int) -> dict:
     """The machine and code state of a benchmark (evals.provenance), plus its thread settings."""
     mach, vers = provenance.machine(), provenance.versions()
     return {
-        "cpu": mach["cpu"], "cpu_count": mach["cpu_count"], "memory": mach["memory"],
+        "cpu": mach["cpu"], "cpu_isa": mach["cpu_isa"], "cpu_count": mach["cpu_count"],
+        "memory": mach["memory"],
         "platform": mach["platform"], "device": mach["device"], "python": vers["python"],
         "torch": vers["torch"], "transformers": vers["transformers"], "kvarena": vers["kvarena"],
         "torch_threads": threads, **openmp_state(),
