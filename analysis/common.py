@@ -238,6 +238,15 @@ def progress(description: str, total: int, enabled: bool = True) -> Iterator[Cal
         yield on_step
 
 
+def forced_length(forced: Sequence[Sequence[int]], prompt_ids: Sequence[Sequence[int]]) -> int:
+    """The longest of the per-prompt teacher-forced texts (the output length a study must
+    provide for); ValueError unless there is one non-empty text per prompt."""
+    if len(forced) != len(prompt_ids) or not all(len(f) for f in forced):
+        raise ValueError(f"forced: one non-empty continuation per prompt, got {len(forced)} "
+                         f"for {len(prompt_ids)} prompts")
+    return max(len(f) for f in forced)
+
+
 def generate_with_probe(label: str, probe_type: type, make_probe: Callable[[], Any], model: str,
                         prompt_ids: list[list[int]], max_tokens: int, block_size: int,
                         max_num_seqs: int, temperature: float, seed: int, show_progress: bool,
@@ -250,10 +259,7 @@ def generate_with_probe(label: str, probe_type: type, make_probe: Callable[[], A
     decodes exactly those tokens, one decode step per token (a probe never allows forced runs
     as chunks, `KVPolicy.chunked_forcing`), and `max_tokens` is ignored."""
     if forced is not None:
-        if len(forced) != len(prompt_ids) or not all(len(f) for f in forced):
-            raise ValueError(f"forced: one non-empty continuation per prompt, got {len(forced)} "
-                             f"for {len(prompt_ids)} prompts")
-        max_tokens = max(len(f) for f in forced)
+        max_tokens = forced_length(forced, prompt_ids)
     from engine.llm import LLM
     from engine.sampling import SamplingParams
 

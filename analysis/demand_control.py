@@ -121,11 +121,12 @@ class SyntheticProcess:
         return (self.sinks > 0 and self.sink_logit != 0) or self.recency > 0
 
 
+NUISANCES = {"sinks": 4, "sink_logit": 4.0, "recency": 1 / 128, "drift": -0.4}
 CONTROLS: dict[str, dict] = {
     "positive": {},
     "negative": {"amplitude": 0.0},
-    "nuisance": {"amplitude": 0.0, "sinks": 4, "sink_logit": 4.0, "recency": 1 / 128, "drift": -0.4},
-    "nuisance-signal": {"sinks": 4, "sink_logit": 4.0, "recency": 1 / 128, "drift": -0.4},
+    "nuisance": {"amplitude": 0.0, **NUISANCES},
+    "nuisance-signal": dict(NUISANCES),
 }
 
 

@@ -64,6 +64,7 @@ import pandas as pd
 from analysis.common import (
     RunSettings,
     finite_or_none,
+    forced_length,
     pearson,
     pool_tokens,
     progress,
@@ -259,10 +260,7 @@ def run_replay(model: str, prompt_ids: list[list[int]], max_tokens: int, block_s
 
     window = resolved_window(config.window, block_size)
     if forced is not None:
-        if len(forced) != len(prompt_ids) or not all(len(f) for f in forced):
-            raise ValueError(f"forced: one non-empty text per prompt, got {len(forced)} for "
-                             f"{len(prompt_ids)} prompts")
-        max_tokens = max(len(f) for f in forced)
+        max_tokens = forced_length(forced, prompt_ids)
     longest = max(len(p) for p in prompt_ids) + max_tokens + window
     full = LLM(model, block_size=block_size, policy="full", max_num_seqs=config.max_num_seqs,
                enable_prefix_caching=False,
@@ -272,7 +270,8 @@ def run_replay(model: str, prompt_ids: list[list[int]], max_tokens: int, block_s
                                  logprobs=True, ignore_eos=config.ignore_eos)
                   for i in range(len(prompt_ids))] if forced is None else \
         [_teacher(f, len(f)) for f in forced]
-    with progress("reference (FullKV)", max_tokens * len(prompt_ids), show_progress) as on_step:
+    total = sum(p.max_tokens for p in ref_params)
+    with progress("reference (FullKV)", total, show_progress) as on_step:
         references = full.generate(prompt_ids, ref_params, on_step=on_step)
     del full
     gc.collect()

@@ -97,8 +97,8 @@ def matched_rows(runs: Sequence[RunResult]) -> list[PairedRow]:
         if ref is None or run.metrics.get(METRIC) is None or ref.metrics.get(METRIC) is None:
             continue
         budget = run.metrics.get("avg_kv_budget")
-        row = _pair(run, _per_sample(run), ref, _per_sample(ref),
-                    float(budget) if isinstance(budget, (int, float)) else float("nan"), MATCHED)
+        row = paired_difference(
+            run, ref, float(budget) if isinstance(budget, (int, float)) else float("nan"), MATCHED)
         if row is not None:
             rows.append(row)
     return sorted(rows, key=lambda r: (r.model, r.task, r.diff))

@@ -627,7 +627,7 @@ def test_replay_on_documents_takes_the_text_as_the_reference(tiny_dir, tmp_path)
         for _, row in rows[rows["request"] == r].iterrows():
             o = int(row["output_index"])
             assert row["nll_full"] == pytest.approx(window_nll(ref.token_logprobs, o, BLOCK))
-    with pytest.raises(ValueError, match="one non-empty text per prompt"):
+    with pytest.raises(ValueError, match="one non-empty continuation per prompt"):
         run_replay(str(tiny_dir), REPLAY_PROMPTS, 5, BLOCK, config=config, show_progress=False,
                    forced=texts[:1])
 

@@ -393,12 +393,12 @@ def documents_run(quick: bool, documents_only: dict, *, tau_sweep: str, start_sw
              if value]
     if extra:
         raise ValueError(f"{', '.join(extra)} apply to --source problems only")
-    if start_sweep:
-        documents_only["--start-sweep"] = tuple(parse_ints(start_sweep, "--start-sweep"))
     lengths = mixed_documents.parse_bands(documents_only.pop("--lengths"), "--lengths")
+    sweep = tuple(parse_ints(start_sweep, "--start-sweep"))
     options = {k.lstrip("-").replace("-", "_"): v for k, v in documents_only.items()}
     scale = mixed_documents.scale_from_options(quick, counts=counts or None,
-                                               lengths=lengths or None, **options, **common)
+                                               lengths=lengths or None, start_sweep=sweep or None,
+                                               **options, **common)
     return mixed_documents.run_mixed_documents, scale
 
 

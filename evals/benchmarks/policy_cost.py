@@ -57,6 +57,7 @@ from evals.benchmarks.app import bench_app
 from evals.benchmarks.common import BenchResult, Column, Table, Target, run_bench_command
 from evals.benchmarks.options import ModelOpt, OutDirOpt, QuickOpt, ThreadsOpt
 from evals.benchmarks.workloads import haystack_document, rng
+from evals.tasks.base import PRESET_POLICY_ARGS
 
 SOURCES = ("text", "random")
 RATIO_TARGET = 1.25
@@ -79,7 +80,7 @@ def default_configs(budget: int, block_size: int = 16) -> tuple[tuple[str, str, 
         if name in ("pyramidkv", "adakv"):
             out.append((f"{name} +decode", name, {"budget": budget, "decode_compress": True}))
     out.append(("growpage", "growpage", {"protected_recent": min(8, block_size // 2)}))
-    kara = {"window_tokens": 32, "buffer_tokens": 4, "chunk_budget": 2, "max_chunk_gap": 2}
+    kara = dict(PRESET_POLICY_ARGS["cpu-paper"]["kara"])  # the window the long-document runs use
     out.append(("kara", "kara", kara))
     out.append(("kara +query_cache", "kara", {**kara, "query_cache": True}))
     return tuple(out)
