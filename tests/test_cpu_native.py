@@ -288,6 +288,39 @@ def test_panel_linear_matches_f_linear(rows):
                                    rtol=0, atol=0)
 
 
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler here")
+def test_panel_linear_gives_the_same_bits_with_and_without_avx512(tmp_path):
+    """The panel kernel's AVX-512 tile (12 rows x two panels) and its AVX2 tile (6 rows x one
+    panel) sum each output in the same order (cpu/panel_gemm.c): built both ways, they agree bit
+    for bit. On a CPU without AVX-512 both builds are the AVX2 one."""
+    import ctypes
+
+    source = ROOT / "engine/kernels/cpu/panel_gemm.c"
+    libraries = []
+    for extra in ((), ("-mno-avx512f",)):
+        target = tmp_path / f"panels{len(libraries)}.so"
+        subprocess.run(["cc", *cpu_native.COMPILE_FLAGS, *extra, "-shared", f"-I{source.parent}",
+                        str(source), "-o", str(target)], check=True, capture_output=True)
+        libraries.append(ctypes.CDLL(str(target)))
+
+    def run(library, x, panels, bias, out_features):
+        y = x.new_empty(x.shape[0], out_features)
+        pointers = (ctypes.c_void_p(t.data_ptr()) for t in (panels, bias, y))
+        library.kv_panel_linear(ctypes.c_void_p(x.data_ptr()), ctypes.c_int64(x.shape[1]),
+                                *pointers, *(ctypes.c_int64(n) for n in (*x.shape, out_features)))
+        return y
+
+    gen = torch.Generator().manual_seed(5)
+    # an odd panel count (the AVX-512 tile's last one alone), a partial last panel, a model shape
+    for out_features, in_features in ((40, 13), (1, 5), (960, 576)):
+        weight, bias = torch.randn(out_features, in_features, generator=gen), \
+            torch.randn(out_features, generator=gen)
+        panels = cpu_native.pack_panels(weight)
+        for rows in (1, 2, 7, 12, 13, 25, 32, 200):
+            x = torch.randn(rows, in_features, generator=gen)
+            assert torch.equal(*(run(lib, x, panels, bias, out_features) for lib in libraries))
+
 @needs_kernel
 def test_panel_linear_checks_its_inputs_and_passes_opcheck():
     from engine.kernels import backend

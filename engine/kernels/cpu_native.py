@@ -28,7 +28,7 @@ OpenMP threads. The measurements behind each are in results/benchmarks/cpu-kerne
     pack_panels(weight) -> panels; panel_linear(x, panels, out_features, bias=None) -> out
         x [T, in] @ weight [out, in]^T (+ bias) for any T over the weight's column panels
         [ceil(out / PANEL), in, PANEL], packed once at load: the engine's CPU projections and
-        LM head (cpu/panel_gemm.c, a 6 x 16 register tile; engine/kernels/linear.py).
+        LM head (cpu/panel_gemm.c, a register tile sized for AVX2 or AVX-512; engine/kernels/linear.py).
     linear(x, weight, bias=None) -> out
         The same product for T <= THIN_ROWS (`streams(x, weight)`) over the dense weight, each
         weight streamed once (cpu/thin_linear.c): the projections of a small decode batch when
@@ -98,7 +98,7 @@ ENV_SWITCH = "KVARENA_NATIVE"
 # The most rows `linear` takes: from 12 rows on oneDNN's blocked kernel was faster
 # (results/benchmarks/cpu-kernels-notes.md: the figures).
 THIN_ROWS = 8
-# Output columns per panel of `pack_panels` (KV_PANEL: two AVX2 vectors).
+# Output columns per panel of `pack_panels` (KV_PANEL: one 64-byte line).
 PANEL = 16
 # The kernels' return codes: their names in cpu/kvarena_native.h, and what each means.
 ERRORS = {1: ("KV_BAD_PAGE",

@@ -11,10 +11,11 @@ results/benchmarks/cpu-kernels-notes.md ("Packed projections", "Thin projections
 
 Column panels (the C backend's, where the C library is built): engine/kernels/cpu/panel_gemm.c
 packs each weight into panels of 16 output columns, [ceil(out / 16), in, 16]
-(`cpu_native.pack_panels`), and runs a 6-row x 16-column register tile over them, the panel read
-front to back. From two rows on it was the fastest of the three kernels here; at one row it tied
-with the thin kernel. Each output is one accumulator lane summed over the inputs in order, so a
-row's result does not depend on the batch it is in.
+(`cpu_native.pack_panels`), and runs a register tile over them (6 rows x one panel with AVX2,
+12 rows x two panels with AVX-512), each panel read front to back. From two rows on it was the
+fastest kernel here on either instruction set (results/benchmarks/projections*.md); at one row
+it ties with the thin kernel. Each output is one accumulator lane summed over the inputs in
+order, so a row's result does not depend on the batch it is in (nor on the instruction set).
 
 What it costs: the packed tensors are a second copy of the projection weights (the dense
 parameters stay, so state_dict, checkpoint names and `load_state` are unchanged): about the size

@@ -18,7 +18,8 @@
 enum { KV_OK = 0, KV_BAD_PAGE = 1, KV_BAD_LENGTH = 2, KV_BAD_SLOT = 3, KV_BAD_HOLE = 4,
        KV_BAD_SHAPE = 5, KV_NO_MEMORY = 6 };
 
-/* Output columns per panel of kv_pack_panels / kv_panel_linear: two AVX2 vectors. */
+/* Output columns per panel of kv_pack_panels / kv_panel_linear: one 64-byte line (two AVX2
+   vectors, one AVX-512 vector). */
 #define KV_PANEL 16
 
 /* A layer's tensor addresses in kv_decode_layers' weights table, in this order
