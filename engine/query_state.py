@@ -67,8 +67,9 @@ def ema_update(
 @dataclass
 class CapturePlan:
     """Row indices for one step, on the pool's device. recent_*: [R]; ema_*: [E], the one-token
-    decodes; run_*: the N forced runs' F rows (module docstring): run_rows, run_index (the run of
-    each row) [F], run_slots, run_init [N], and their EMA weights run_weights [F, num_betas] and
+    decodes; run_*: the N forced runs (module docstring): run_slots, run_init [N]; their EMA
+    weights over the step's first S rows, run_weights [N * num_betas, S] (row n * num_betas + i
+    weighs run n's rows for beta i, zero elsewhere; S = one past the last run row), and
     run_decay [N, num_betas] (fp32)."""
 
     recent_rows: torch.Tensor
@@ -77,8 +78,6 @@ class CapturePlan:
     ema_rows: torch.Tensor
     ema_slots: torch.Tensor
     ema_init: torch.Tensor
-    run_rows: torch.Tensor | None = None
-    run_index: torch.Tensor | None = None
     run_slots: torch.Tensor | None = None
     run_init: torch.Tensor | None = None
     run_weights: torch.Tensor | None = None
@@ -185,17 +184,21 @@ class QueryStatePool:
                    slots: list[int], init: list[bool], lengths: list[int]) -> None:
         """The forced runs' part of the plan, with their EMA weights computed once for every
         layer: row j of a run of k rows weighs (1 - beta) beta^(k-1-j), or beta^(k-1) as the first
-        row of an initialising run; the old summaries decay by beta^k."""
+        row of an initialising run; the old summaries decay by beta^k. The weights are laid out
+        as a matrix over the step's rows, so `_write` sums every run with one matmul."""
         columns = [rows, index, exps, first, slots, init, lengths]
         sizes = [len(c) for c in columns]
         parts = upload([int(x) for c in columns for x in c], self.device).split(sizes)
         rows_t, index_t, exps_t, first_t, slots_t, init_t, lengths_t = parts
         beta = self.betas
-        power = beta ** exps_t.to(beta.dtype).unsqueeze(1)
+        power = beta ** exps_t.to(beta.dtype).unsqueeze(1)                   # [F, betas]
+        weights = torch.where(first_t.bool().unsqueeze(1), power, (1.0 - beta) * power)
+        k = beta.numel()
+        matrix = weights.new_zeros(len(slots), k, max(rows) + 1)
+        matrix[index_t, :, rows_t] = weights
         plan = self.plan
-        plan.run_rows, plan.run_index, plan.run_slots = rows_t, index_t, slots_t
-        plan.run_init = init_t.bool()
-        plan.run_weights = torch.where(first_t.bool().unsqueeze(1), power, (1.0 - beta) * power)
+        plan.run_slots, plan.run_init = slots_t, init_t.bool()
+        plan.run_weights = matrix.view(len(slots) * k, -1)
         plan.run_decay = beta ** lengths_t.to(beta.dtype).unsqueeze(1)
 
     def prepare_decode(self, slots: list[int], positions: list[int],
@@ -253,12 +256,12 @@ class QueryStatePool:
             self.ema[layers, plan.ema_slots] = ema_update(
                 self.ema[layers, plan.ema_slots], q_pre[..., plan.ema_rows, :, :], self.betas,
                 plan.ema_init)
-        if self.ema is not None and plan.run_rows is not None:
-            # [(layers,) F, betas, q_heads, d] weighted rows, summed per run (module docstring)
-            q = q_pre[..., plan.run_rows, :, :].to(self.ema.dtype).unsqueeze(-3)
-            terms = q * plan.run_weights[:, :, None, None]
+        if self.ema is not None and plan.run_slots is not None:
+            # each run's weighted rows summed (module docstring): [(layers,) N, betas, q_heads, d]
+            weights = plan.run_weights
+            q = q_pre[..., :weights.shape[1], :, :].flatten(-2).to(self.ema.dtype)
             old = self.ema[layers, plan.run_slots]
-            total = torch.zeros_like(old).index_add_(old.dim() - 4, plan.run_index, terms)
+            total = torch.matmul(weights, q).view(old.shape)
             decayed = old * plan.run_decay[:, :, None, None] + total
             self.ema[layers, plan.run_slots] = torch.where(
                 plan.run_init[:, None, None, None], total, decayed)
