@@ -62,6 +62,7 @@ from analysis.demand_study import (
     demand_frame,
     write_demand_outputs,
 )
+from engine.kernels import dense_query_probs
 from engine.policies.base import EngineSpec
 from engine.policies.growpage import time_constants
 from engine.query_state import ema_update
@@ -174,6 +175,12 @@ class SyntheticView:
     def keys(self, layers: slice | None = None, start: int = 0, end: int | None = None):
         end = self.length if end is None else end
         return self._keys[layers or slice(None), :, start:end]
+
+    def query_probs(self, queries: torch.Tensor, layers: slice | None = None,
+                    length: int | None = None, scale: float | None = None,
+                    group_mean: bool = False) -> torch.Tensor:
+        return dense_query_probs(queries, self.keys(layers, end=length), scale=scale,
+                                 group_mean=group_mean)
 
     def recent_queries(self, rope: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         return self._query.unsqueeze(1), torch.tensor([self.length - 1])

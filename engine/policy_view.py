@@ -70,6 +70,11 @@ class SeqView:
     def values(self, layers: slice | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
         return self._runner.gather_slots(self._runner.kv.v, self.seq, layers, start, end)
 
+    def query_probs(self, queries: torch.Tensor, layers: slice | None = None,
+                    length: int | None = None, scale: float | None = None,
+                    group_mean: bool = False) -> torch.Tensor:
+        return self._runner.query_probs(self.seq, queries, layers, length, scale, group_mean)
+
     def slot_scores(self) -> torch.Tensor:
         scores = self._runner.kv.scores
         if scores is None:

@@ -415,6 +415,20 @@ class ModelRunner:
         dense = torch.index_select(c, 2, table).flatten(2, 3)
         return dense[:, :, start - first * bs: end - first * bs]
 
+    def query_probs(self, seq: Sequence, queries: torch.Tensor, layers: slice | None = None,
+                    length: int | None = None, scale: float | None = None,
+                    group_mean: bool = False) -> torch.Tensor:
+        """PolicyView.query_probs: queries [layers, n, q_heads, d] over the sequence's physical
+        slots [0, length), through the backend's kernel (the keys read where they lie)."""
+        length = seq.physical_len if length is None else length
+        if not 0 <= length <= seq.physical_len:
+            raise ValueError(f"length {length} outside 0..{seq.physical_len}")
+        pages = -(-length // self.block_size)
+        table = torch.tensor(seq.block_table[:pages], dtype=torch.long, device=self.device)
+        cache = self.kv.k if layers is None else self.kv.k[layers]
+        scale = queries.shape[-1] ** -0.5 if scale is None else scale
+        return self.backend.query_probs(queries, cache, table, length, None, scale, group_mean)
+
     @torch.inference_mode()
     def recompute_queries(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
         """Post-RoPE queries of uncompressed physical slots [start, end): [layers, n, q_heads, d].

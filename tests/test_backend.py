@@ -14,8 +14,11 @@ import torch  # noqa: E402
 from torch.nn import functional as F  # noqa: E402
 
 from engine.attention import ForwardContext, KVCache  # noqa: E402
+from engine.kernels import (
+    attention_scores,  # noqa: E402
+    cpu_native,  # noqa: E402
+)
 from engine.kernels import backend as B  # noqa: E402
-from engine.kernels import cpu_native  # noqa: E402
 from engine.kernels import linear as linear_ops  # noqa: E402
 from engine.kernels.paged_attention import (  # noqa: E402
     paged_decode_attention_torch,
@@ -81,6 +84,9 @@ def test_attention_ops_are_their_kernels(backend):
     ops = {"c": B.c_kernels(True), "torch": B.twins(False), "triton": B.triton()}[backend]
     reference_decode = {"c": cpu_native.decode, "torch": paged_decode_attention_torch,
                         "triton": paged_decode_attention_triton}[backend]
+    assert ops.query_probs is {"c": attention_scores.paged_query_probs_c,
+                               "torch": attention_scores.paged_query_probs_torch,
+                               "triton": attention_scores.paged_query_probs_triton}[backend]
     q, k_cache, v_cache, tables, lens, scale = _decode_case(torch.float32, (4, 2), seed=3)
     holes = _holes(2, DECODE_HOLES)
     for h in (None, holes):

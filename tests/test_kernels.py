@@ -24,6 +24,7 @@ from engine.kernels import (
     compact_slots,
     compact_slots_torch,
     compact_slots_triton,
+    cpu_native,
     has_order_hazard,
     paged_decode_attention,
     paged_decode_attention_torch,
@@ -32,6 +33,7 @@ from engine.kernels import (
     paged_prefill_attention_torch,
     paged_prefill_attention_triton,
     paged_query_probs,
+    paged_query_probs_c,
     paged_query_probs_torch,
     paged_query_probs_triton,
     store_kv,
@@ -418,6 +420,21 @@ def test_query_probs_twin_and_triton(dtype, heads, limits):
     torch.testing.assert_close(twin.double(), want, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(paged_query_probs_triton(*case), twin, atol=1e-5, rtol=1e-4)
     assert torch.equal(paged_query_probs(*case), twin)
+    # the C kernel (CPU float32), also over a slice of the cache's layers (its layer stride)
+    c_kernel = dtype == torch.float32 and cpu_native.available()
+    if c_kernel:
+        torch.testing.assert_close(paged_query_probs_c(*case), twin, atol=1e-6, rtol=1e-5)
+        queries, k_cache, *rest = case
+        torch.testing.assert_close(paged_query_probs_c(queries[1:], k_cache[1:], *rest),
+                                   twin[1:], atol=1e-6, rtol=1e-5)
+    # each GQA group's mean, every implementation
+    q_heads, kv_heads = heads
+    mean = want.view(2, kv_heads, q_heads // kv_heads, 5, 37).mean(dim=2)
+    for impl in (paged_query_probs_torch, paged_query_probs_triton,
+                 *((paged_query_probs_c,) if c_kernel else ())):
+        got = impl(*case, group_mean=True)
+        assert got.shape == (2, kv_heads, 5, 37)
+        torch.testing.assert_close(got.double(), mean, atol=1e-5, rtol=1e-4)
 
 
 def test_query_probs_rejects_bad_input():
@@ -428,6 +445,9 @@ def test_query_probs_rejects_bad_input():
         paged_query_probs(queries, k_cache, table, length, limit[:3], scale)
     with pytest.raises(ValueError, match="layer count"):
         paged_query_probs(queries[:1], k_cache, table, length, limit, scale)
+    if cpu_native.available():  # the C kernel checks the pages it reads
+        with pytest.raises(ValueError, match="outside the cache"):
+            paged_query_probs_c(queries, k_cache, table + k_cache.shape[2], length, limit, scale)
 
 
 # ----------------------------------------------------------------------------- compaction

@@ -6,7 +6,9 @@ C kernels (``cpu_native.py``). Importing this package never imports triton; the 
 are defined on first use (modules ``_tl_*``)."""
 
 from engine.kernels.attention_scores import (
+    dense_query_probs,
     paged_query_probs,
+    paged_query_probs_c,
     paged_query_probs_torch,
     paged_query_probs_triton,
 )
@@ -34,6 +36,7 @@ __all__ = [
     "compact_slots",
     "compact_slots_torch",
     "compact_slots_triton",
+    "dense_query_probs",
     "has_order_hazard",
     "paged_decode_attention",
     "paged_decode_attention_torch",
@@ -42,6 +45,7 @@ __all__ = [
     "paged_prefill_attention_torch",
     "paged_prefill_attention_triton",
     "paged_query_probs",
+    "paged_query_probs_c",
     "paged_query_probs_torch",
     "paged_query_probs_triton",
     "store_kv",

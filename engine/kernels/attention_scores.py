@@ -1,9 +1,10 @@
 """Attention probabilities of one sequence's cached queries over its paged keys (all layers).
 
-Used by token-scoring KV policies (SnapKV/Zipage-style query windows, Kara's recomputed window
-queries) at compression time. Triton version for CUDA tensors, torch twin otherwise:
+Used by KV policies at compression time (GrowPage's demand estimate and scores, through the
+engine's backend: engine/kernels/backend.py). Triton version for CUDA tensors, the C kernel on
+CPU float32 where the C library is built (cpu/paged_decode.c), a torch twin otherwise:
 
-``paged_query_probs(queries, k_cache, block_table, length, key_limit, scale) -> probs``
+``paged_query_probs(queries, k_cache, block_table, length, key_limit, scale, group_mean=False) -> probs``
 
     queries:     [layers, n, q_heads, head_dim]   post-RoPE queries of one sequence
     k_cache:     [layers, kv_heads, num_blocks, block_size, head_dim]   (the whole cache)
@@ -13,7 +14,8 @@ queries) at compression time. Triton version for CUDA tensors, torch twin otherw
                  values are clamped to [0, length]
     scale:       float      logit scale, usually head_dim ** -0.5
     probs:       [layers, q_heads, n, length] fp32; softmax over keys. A query whose limit
-                 is 0 sees nothing and gets an all-zero row (not NaN).
+                 is 0 sees nothing and gets an all-zero row (not NaN). With group_mean=True,
+                 [layers, kv_heads, n, length]: the mean of each GQA group's rows.
 
 GQA: query head h reads kv head h // (q_heads // kv_heads). Logits are computed in fp32.
 """
@@ -71,29 +73,48 @@ def _masked_softmax(logits: torch.Tensor, limits: torch.Tensor) -> torch.Tensor:
     return probs.masked_fill_((limits == 0)[None, None, :, None], 0.0)
 
 
-def paged_query_probs_torch(queries, k_cache, block_table, length, key_limit, scale):
-    """Torch twin of :func:`paged_query_probs` (module docstring has the shapes).
+def _group_mean(probs: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """probs [layers, q_heads, n, length] -> [layers, kv_heads, n, length]: each GQA group's mean."""
+    layers, q_heads, n, length = probs.shape
+    return probs.view(layers, kv_heads, q_heads // kv_heads, n, length).mean(dim=2)
 
-    Gathers the used pages of every layer at once and computes all layers' logits with one
-    batched matmul per query group (GQA without expanding the keys).
-    """
-    length = _validate(queries, k_cache, block_table, length, key_limit)
+
+def dense_query_probs(queries, keys, key_limit=None, scale=None, group_mean=False):
+    """:func:`paged_query_probs` over keys already dense, [layers, kv_heads, length, head_dim]
+    (the torch twin's math after its gather; views that hold dense keys call it directly).
+    One batched matmul, [group * n, d] x [d, length] per (layer, KV head): GQA without
+    expanding the keys. scale None: head_dim ** -0.5."""
     layers, n, q_heads, head_dim = queries.shape
-    kv_heads, block_size = k_cache.shape[1], k_cache.shape[3]
+    kv_heads, length = keys.shape[1], keys.shape[2]
+    check(q_heads % kv_heads == 0, f"q_heads {q_heads} is not a multiple of kv_heads {kv_heads}")
     group = q_heads // kv_heads
+    scale = head_dim ** -0.5 if scale is None else float(scale)
     limits = _limits(key_limit, n, length, queries.device)
+    q = queries.float().view(layers, n, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
+    logits = torch.bmm(q.reshape(layers * kv_heads, group * n, head_dim),
+                       keys.float().reshape(layers * kv_heads, length, head_dim).transpose(1, 2))
+    logits = logits.view(layers, q_heads, n, length).mul_(scale)
+    if key_limit is not None:
+        hidden = torch.arange(length, device=queries.device)[None, :] >= limits[:, None]
+        logits.masked_fill_(hidden[None, None], float("-inf"))
+    probs = _masked_softmax(logits, limits)
+    return _group_mean(probs, kv_heads) if group_mean else probs
+
+
+def paged_query_probs_torch(queries, k_cache, block_table, length, key_limit, scale,
+                            group_mean=False):
+    """Torch twin of :func:`paged_query_probs` (module docstring has the shapes): gathers the
+    used pages of every layer at once, then :func:`dense_query_probs`."""
+    length = _validate(queries, k_cache, block_table, length, key_limit)
+    block_size = k_cache.shape[3]
     pages = block_table[: -(-length // block_size)]
     # [layers, kv_heads, length, head_dim]: one index_select over the page axis.
-    keys = torch.index_select(k_cache, 2, pages).flatten(2, 3)[:, :, :length].float()
-    q = queries.float().view(layers, n, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-    logits = torch.matmul(q, keys.transpose(2, 3).unsqueeze(2))  # [L, kvh, g, n, length]
-    logits = logits.reshape(layers, q_heads, n, length).mul_(float(scale))
-    hidden = torch.arange(length, device=queries.device)[None, :] >= limits[:, None]  # [n, length]
-    logits.masked_fill_(hidden[None, None], float("-inf"))
-    return _masked_softmax(logits, limits)
+    keys = torch.index_select(k_cache, 2, pages).flatten(2, 3)[:, :, :length]
+    return dense_query_probs(queries, keys, key_limit, scale, group_mean)
 
 
-def paged_query_probs_triton(queries, k_cache, block_table, length, key_limit, scale):
+def paged_query_probs_triton(queries, k_cache, block_table, length, key_limit, scale,
+                             group_mean=False):
     """Triton version of :func:`paged_query_probs` (same signature).
 
     A Triton kernel writes the masked fp32 logits tile by tile (program = (layer x q head,
@@ -107,13 +128,29 @@ def paged_query_probs_triton(queries, k_cache, block_table, length, key_limit, s
     limits = _limits(key_limit, queries.shape[1], length, queries.device)
     logits = _tl_attention_scores.launch_logits(queries, k_cache, block_table, length, limits,
                                                 float(scale))
-    return _masked_softmax(logits, limits)
+    probs = _masked_softmax(logits, limits)
+    return _group_mean(probs, k_cache.shape[1]) if group_mean else probs
 
 
-def paged_query_probs(queries, k_cache, block_table, length, key_limit, scale):
-    """Softmax attention probabilities [layers, q_heads, n, length] in fp32 (module docstring).
+def paged_query_probs_c(queries, k_cache, block_table, length, key_limit, scale,
+                        group_mean=False):
+    """The C kernel's :func:`paged_query_probs` (CPU float32, cpu_native.query_probs): each
+    (layer, KV head) task reads its keys where they lie, once for every query of its group,
+    instead of a gather and a matmul over the copy."""
+    from engine.kernels import cpu_native
 
-    Triton on CUDA, torch twin otherwise.
+    length = _validate(queries, k_cache, block_table, length, key_limit)
+    limits = _limits(key_limit, queries.shape[1], length, queries.device)
+    return cpu_native.query_probs(queries, k_cache, block_table, length, limits, scale,
+                                  group_mean)
+
+
+def paged_query_probs(queries, k_cache, block_table, length, key_limit, scale,
+                      group_mean=False):
+    """Softmax attention probabilities [layers, q_heads, n, length] in fp32 (module docstring);
+    with group_mean, [layers, kv_heads, n, length]: each GQA group's mean.
+
+    Triton on CUDA, torch twin otherwise (the engine picks the C kernel through its backend).
     """
     impl = paged_query_probs_triton if use_triton(queries) else paged_query_probs_torch
-    return impl(queries, k_cache, block_table, length, key_limit, scale)
+    return impl(queries, k_cache, block_table, length, key_limit, scale, group_mean)

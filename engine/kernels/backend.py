@@ -40,6 +40,9 @@ The ops, by signature (an instance's fields):
         q [Bp, Lq_max, q_heads, d] of ctx's chunks, padded; holes [Bp, kv_heads, 2] or None.
     store_and_decode(layer, q, key, value, ctx) -> [T, q_heads, d]
         a step of one-token rows: layer `layer`'s store (when ctx stores) then its decode.
+    query_probs(queries, k_cache, table, length, key_limit, scale, group_mean) -> probs
+        a policy's attention probabilities over one sequence's pages
+        (attention_scores.paged_query_probs' contract): Triton, the C kernel or the twin.
     linear(x, weight, packed, bias=None) -> [T, out]
         x [T, in], weight [out, in], packed: `pack(weight)` (None where nothing is packed).
     rms_norm(x, norm) -> [T, dim]; add_rms_norm(x, delta, norm) -> (x + delta, its norm)
@@ -66,7 +69,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch.nn import functional as F
 
-from engine.kernels import cpu_native
+from engine.kernels import attention_scores, cpu_native
 from engine.kernels import linear as linear_ops
 from engine.kernels import ops as _ops  # noqa: F401  (registers torch.ops.kvarena.*)
 from engine.kernels.paged_attention import (
@@ -99,6 +102,7 @@ class Backend:
     decode: Callable
     prefill: Callable
     store_and_decode: Callable
+    query_probs: Callable
     linear: Callable
     rms_norm: Callable
     add_rms_norm: Callable
@@ -350,6 +354,7 @@ def triton() -> Backend:
     """CUDA: the Triton kernels, torch for the rest; compiled steps replay CUDA graphs."""
     return _with_graph({}, name="triton", projections="F.linear", packs=False, cuda_graphs=True,
                        store=_triton_store, decode=_triton_decode, prefill=_triton_prefill,
+                       query_probs=attention_scores.paged_query_probs_triton,
                        store_and_decode=_store_then_decode(_triton_store, _triton_decode),
                        linear=_f_linear, decode_stack=_no_stack, pack=_no_pack,
                        layer_stack=_no_stack, **_TORCH_SMALL_OPS)
@@ -364,7 +369,7 @@ def c_kernels(packed: bool) -> Backend:
     return _with_graph({"linear": _panels_op if packed else _thin_op,
                         "store_and_decode": _graph_c_store_and_decode},
                        name="c", cuda_graphs=False, store=_c_store, decode=_c_decode,
-                       prefill=_c_prefill,
+                       prefill=_c_prefill, query_probs=attention_scores.paged_query_probs_c,
                        store_and_decode=_store_then_decode(_c_store, _c_decode),
                        rms_norm=_c_rms_norm, add_rms_norm=_c_add_rms_norm, rope=_c_rope,
                        silu_mul=_c_silu_mul, decode_stack=_c_decode_stack, **projections)
@@ -377,7 +382,7 @@ def twins(onednn: bool) -> Backend:
         dict(projections="F.linear", packs=False, linear=_f_linear, pack=_no_pack)
     return _with_graph({"linear": _onednn_op if onednn else _f_linear},
                        name="torch", cuda_graphs=False, store=_twin_store, decode=_twin_decode,
-                       prefill=_twin_prefill,
+                       prefill=_twin_prefill, query_probs=attention_scores.paged_query_probs_torch,
                        store_and_decode=_store_then_decode(_twin_store, _twin_decode),
                        decode_stack=_no_stack, layer_stack=_no_stack, **projections,
                        **_TORCH_SMALL_OPS)

@@ -19,6 +19,13 @@ OpenMP threads. The measurements behind each are in results/benchmarks/cpu-kerne
     prefill_rows(q, k_cache_l, v_cache_l, block_tables, base_lens, q_lens, scale, holes=None)
         A chunk step's attention (paged_prefill_attention's contract) as one decode row per
         query row, each seeing its causal prefix: short chunks over long contexts.
+    query_probs(queries, k_cache, table, length, limits, scale, group_mean=False) -> probs
+        Attention probabilities of one sequence's queries over its first `length` cached keys,
+        read in place: queries [layers, n, q_heads, head_dim]; k_cache [layers, kv_heads,
+        num_blocks, block_size, head_dim] (layers may be a slice of the cache); table
+        [>= ceil(length / block_size)]; limits [n]; probs [layers, q_heads, n, length], or with
+        group_mean [layers, kv_heads, n, length], each GQA group's mean
+        (attention_scores.paged_query_probs' contract; the policies' scores).
 
     rms_norm(x, weight, eps, delta=None), rope(x, cos, sin), silu_mul(gate_up)
         One C call each where torch runs several ops. The C backend's eager form calls them
@@ -108,13 +115,13 @@ ERRORS = {1: ("KV_BAD_PAGE",
           4: ("KV_BAD_HOLE",
               "a hole is not a (start, end) range with 0 <= start <= end <= the newest slot"),
           5: ("KV_BAD_SHAPE", "q_heads / kv_heads, head_dim or block_size exceed the kernel's limits"),
-          6: ("KV_NO_MEMORY", "no memory for the decode step's scratch buffers")}
+          6: ("KV_NO_MEMORY", "no memory for the kernel's scratch buffers")}
 # A layer's tensors in `LayerStack.table`, in cpu/kvarena_native.h's order (KV_INPUT_NORM ...).
 LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down")
 # The interface's version, KV_ABI_VERSION in cpu/kvarena_native.h: raised with it when a
 # signature in `_declare` or a constant above changes meaning. At load the library reports its
 # constants (kv_abi); any that differ from `_expected_abi()` leave the torch ops in its place.
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 # The cache entry: the library and its stamp (`_build`).
 LIBRARY, STAMP = "libkvarena_cpu.so", "libkvarena_cpu.json"
@@ -266,6 +273,32 @@ def decode(q, k_cache_l, v_cache_l, block_tables, context_lens, scale, holes=Non
                               v_cache_l.data_ptr(), tables.data_ptr(), tables.shape[1],
                               lens.data_ptr(), hole_ptr, out.data_ptr(), batch, q_heads, kv_heads,
                               head_dim, block, pages, float(scale))
+    _raise_on(rc)
+    return out
+
+
+def query_probs(queries, k_cache, table, length: int, limits, scale,
+                group_mean: bool = False) -> torch.Tensor:
+    """Module docstring: [layers, n, q_heads, d] over the sequence's first `length` slots ->
+    [layers, q_heads, n, length], or [layers, kv_heads, n, length] with `group_mean`.
+    limits: [n] int64, each in [0, length]."""
+    layers, n, q_heads, head_dim = queries.shape
+    if k_cache.dim() != 5 or k_cache.shape[0] != layers or k_cache.shape[-1] != head_dim:
+        raise ValueError(f"queries {tuple(queries.shape)} do not fit caches "
+                         f"{tuple(k_cache.shape)} (one entry per layer, one head_dim)")
+    _, kv_heads, pages, block, _ = k_cache.shape
+    _require_contiguous(k_cache[0])
+    queries = queries.contiguous()
+    _require_cpu_float32(queries)
+    table, limits = _int64(table), _int64(limits)
+    if not 0 <= length <= table.numel() * block or limits.shape != (n,):
+        raise ValueError(f"length {length} or limits {tuple(limits.shape)} do not fit "
+                         f"{table.numel()} pages of {block} and {n} queries")
+    out = torch.empty(layers, kv_heads if group_mean else q_heads, n, length)
+    rc = _library().kv_query_probs(queries.data_ptr(), k_cache.data_ptr(), k_cache.stride(0),
+                                   table.data_ptr(), limits.data_ptr(), length, out.data_ptr(),
+                                   layers, n, q_heads, kv_heads, head_dim, block, pages,
+                                   float(scale), int(group_mean))
     _raise_on(rc)
     return out
 
@@ -562,6 +595,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kv_decode.restype = ctypes.c_int
     lib.kv_decode.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR,
                               _I64, _I64, _I64, _I64, _I64, _I64, _F32]
+    lib.kv_query_probs.restype = ctypes.c_int
+    lib.kv_query_probs.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, *[_I64] * 7, _F32,
+                                   ctypes.c_int]
     lib.kv_add_rms_norm.restype = None
     lib.kv_add_rms_norm.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32]
     lib.kv_rope.restype = None

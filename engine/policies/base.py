@@ -162,6 +162,14 @@ class PolicyView(Protocol):
     def values(self, layers: slice | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
         """Values, same layout as keys()."""
 
+    def query_probs(self, queries: torch.Tensor, layers: slice | None = None,
+                    length: int | None = None, scale: float | None = None,
+                    group_mean: bool = False) -> torch.Tensor:
+        """Softmax attention of queries [layers, n, q_heads, head_dim] (post-RoPE; `layers` of
+        the model's) over the keys of physical slots [0, length) (default: all), computed in
+        float32 where the keys lie: [layers, q_heads, n, length], or with group_mean [layers,
+        kv_heads, n, length] (each GQA group's mean). scale None: head_dim ** -0.5."""
+
     def recent_queries(self, rope: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """The last n queries (n = min(signals().recent_queries, available)), oldest first.
 

@@ -10,7 +10,7 @@ The pieces, in the order a capacity boundary uses them:
 3. (RoPE at the current position is applied by the caller through the engine's view.)
 4. `group_attention_probs` turns the summaries into one attention distribution per
    (layer, view, KV head) over a candidate key set, averaging the distributions of the query heads
-   of a GQA group.
+   of a GQA group (the engine computes the same from its pages in place, `PolicyView.query_probs`).
 5. A demand metric (`DEMAND_METRICS`: Top-p working-set ratio K/|C| of Eq. 7, or the entropy
    variant of Table 2) maps each distribution to a ratio, and `demand_trend` averages the ratios
    over layers and KV heads (Eq. 8): delta = r_S - r_L.
@@ -27,7 +27,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from engine.policies.scoring import window_logits
+from engine.kernels import dense_query_probs
 
 # Index of each timescale along the "views" axis of the pool and of every tensor below.
 SHORT, LONG = 0, 1
@@ -81,8 +81,7 @@ def group_attention_probs(
     is the attention mass each cached key receives from the group as a whole, and it weighs every
     query head equally rather than letting one sharp head decide (as a max would).
     """
-    logits = window_logits(queries, keys, scale)                         # [L, kvh, g, views, n]
-    return logits.softmax(dim=-1).mean(dim=2).transpose(1, 2)
+    return dense_query_probs(queries, keys, scale=scale, group_mean=True).transpose(1, 2)
 
 
 def top_p_working_set(probs: torch.Tensor, p: float) -> torch.Tensor:

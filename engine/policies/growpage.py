@@ -142,7 +142,6 @@ from engine.policies.demand import (
     attention_scale,
     calibrate_rms,
     demand_trend,
-    group_attention_probs,
     view_ratios,
 )
 
@@ -583,14 +582,19 @@ class GrowPage(KVPolicy):
         candidates = view.physical_len - (self.block_size if exclude is None else exclude)
         if candidates <= 0:
             return Demand(0.0, 0.0, 0)
+        ratios = [view_ratios(probs, self.metric, self.top_p)
+                  for probs in self._summary_probs(view, candidates)]
+        return demand_trend(torch.cat(ratios), candidates)
+
+    def _summary_probs(self, view: PolicyView, candidates: int):
+        """Per chunk of layers, the summaries' attention over slots [0, candidates), one
+        distribution per KV head (demand.group_attention_probs' contract, computed by the engine
+        where the keys lie): [layers', 2 (SHORT, LONG), kv_heads, candidates]."""
         queries = self.summary_queries(view)
         scale = attention_scale(queries.shape[-1])
-        ratios = []
         for lo, hi in self._layer_chunks(queries.shape[0]):
-            keys = view.keys(slice(lo, hi))[:, :, :candidates]
-            probs = group_attention_probs(queries[lo:hi], keys, scale)
-            ratios.append(view_ratios(probs, self.metric, self.top_p))
-        return demand_trend(torch.cat(ratios), candidates)
+            yield view.query_probs(queries[lo:hi], slice(lo, hi), candidates, scale,
+                                   group_mean=True).transpose(1, 2)
 
     def select(self, view: PolicyView, target_len: int, timer: StageTimer) -> torch.Tensor:
         """Compress & Hold selection (Eq. 9-10): [layers, kv_heads, target_len] kept slots."""
@@ -600,14 +604,9 @@ class GrowPage(KVPolicy):
         protected = min(self.protected_recent, target_len)
         candidates = n - protected
         with timer.stage("score"):
-            queries = self.summary_queries(view)
-            scale = attention_scale(queries.shape[-1])
-            scores = []
-            for lo, hi in self._layer_chunks(queries.shape[0]):
-                keys = view.keys(slice(lo, hi))[:, :, :candidates]
-                probs = group_attention_probs(queries[lo:hi], keys, scale)
-                scores.append(probs.amax(dim=1))  # s = max(a_S, a_L)
-            scores = torch.cat(scores)
+            # s = max(a_S, a_L)
+            scores = torch.cat([probs.amax(dim=1)
+                                for probs in self._summary_probs(view, candidates)])
         with timer.stage("topk"):
             keep = local_global_keep(scores, target_len - protected, self.block_size,
                                      self.k_loc_slots)

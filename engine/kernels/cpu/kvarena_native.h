@@ -12,9 +12,10 @@
 #include <stdint.h>
 #include <string.h>
 
-#define KV_ABI_VERSION 1
+#define KV_ABI_VERSION 2
 
-/* Return codes of kv_store, kv_decode and kv_decode_layers (cpu_native.ERRORS words them). */
+/* Return codes of kv_store, kv_decode, kv_query_probs and kv_decode_layers (cpu_native.ERRORS
+   words them). */
 enum { KV_OK = 0, KV_BAD_PAGE = 1, KV_BAD_LENGTH = 2, KV_BAD_SLOT = 3, KV_BAD_HOLE = 4,
        KV_BAD_SHAPE = 5, KV_NO_MEMORY = 6 };
 
@@ -52,6 +53,11 @@ int kv_decode(const float *q, int64_t q_stride, const float *k_cache, const floa
               const int64_t *tables, int64_t table_stride, const int64_t *lens,
               const int64_t *holes, float *out, int64_t batch, int64_t q_heads, int64_t kv_heads,
               int64_t head_dim, int64_t block, int64_t num_pages, float scale);
+int kv_query_probs(const float *q, const float *k_cache, int64_t layer_stride,
+                   const int64_t *table, const int64_t *limits, int64_t length, float *out,
+                   int64_t layers, int64_t n, int64_t q_heads, int64_t kv_heads,
+                   int64_t head_dim, int64_t block, int64_t num_pages, float scale,
+                   int group_mean);
 void kv_add_rms_norm(float *x, const float *delta, const float *weight, float *out, int64_t rows,
                      int64_t dim, float eps);
 void kv_rope(const float *x, int64_t x_stride, const float *cos, const float *sin, float *out,

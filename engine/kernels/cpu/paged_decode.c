@@ -20,6 +20,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "kvarena_native.h"
 
@@ -172,6 +173,116 @@ int kv_decode(const float *q, int64_t q_stride, const float *k_cache, const floa
 #pragma omp atomic write
                 error = rc;
             }
+        }
+    }
+    return error;
+}
+
+/* ------------------------------------------------------------------------------------------
+   Attention probabilities of one sequence's queries over its cached keys, read in place
+   (attention_scores.py's paged_query_probs contract; the policies' scores, GrowPage's demand):
+
+     q        [layers, n, q_heads, head_dim] contiguous (post-RoPE)
+     k_cache  layer l's keys at k_cache + l * layer_stride: [kv_heads, num_pages * block, head_dim]
+     table    [ceil(length / block)] the sequence's page ids
+     limits   [n] query i sees keys j < limits[i] (0 <= limits[i] <= length)
+     out      [layers, q_heads, n, length] contiguous: softmax over the visible keys, 0 past them
+              (a row that sees nothing is all zeros); with group_mean, [layers, kv_heads, n,
+              length]: the mean of the group's query heads' rows
+
+   One task per (layer, KV head): the logits of every query and head of its group, page by
+   page, so each key is read from memory once for all of them (a gather of the pages followed
+   by a matmul reads them three times); then the softmax of each row in place, and with
+   group_mean their mean over the group. */
+
+static inline __attribute__((always_inline)) void
+page_logits(const float *restrict q, int64_t rows, int64_t q_stride, const int64_t head_dim,
+            const float *restrict keys, int64_t count, float scale, float *restrict logits,
+            int64_t out_stride) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float *qr = q + r * q_stride;
+        float *lr = logits + r * out_stride;
+        for (int64_t j = 0; j < count; j++) {
+            const float *kj = keys + j * head_dim;
+            float dot = 0.0f;
+            for (int64_t d = 0; d < head_dim; d++) dot += qr[d] * kj[d];
+            lr[j] = dot * scale;
+        }
+    }
+}
+
+static inline void softmax_row(float *row, int64_t visible, int64_t length) {
+    for (int64_t j = visible; j < length; j++) row[j] = 0.0f;
+    if (visible == 0) return;
+    float top = row[0];
+    for (int64_t j = 1; j < visible; j++) top = row[j] > top ? row[j] : top;
+    float total = 0.0f;
+    for (int64_t j = 0; j < visible; j++) {
+        row[j] = expf(row[j] - top);
+        total += row[j];
+    }
+    const float inv = 1.0f / total;
+    for (int64_t j = 0; j < visible; j++) row[j] *= inv;
+}
+
+int kv_query_probs(const float *q, const float *k_cache, int64_t layer_stride,
+                   const int64_t *table, const int64_t *limits, int64_t length, float *out,
+                   int64_t layers, int64_t n, int64_t q_heads, int64_t kv_heads,
+                   int64_t head_dim, int64_t block, int64_t num_pages, float scale,
+                   int group_mean) {
+    if (length < 0 || n < 0 || kv_heads < 1 || q_heads % kv_heads) return KV_BAD_SHAPE;
+    const int64_t group = q_heads / kv_heads, pages = (length + block - 1) / block;
+    for (int64_t p = 0; p < pages; p++)
+        if (table[p] < 0 || table[p] >= num_pages) return KV_BAD_PAGE;
+    for (int64_t i = 0; i < n; i++)
+        if (limits[i] < 0 || limits[i] > length) return KV_BAD_LENGTH;
+    const int64_t slots = num_pages * block;
+    int error = KV_OK;
+#pragma omp parallel for collapse(2) schedule(static) if (layers * q_heads * n * length > 32768)
+    for (int64_t l = 0; l < layers; l++) {
+        for (int64_t h = 0; h < kv_heads; h++) {
+            const float *keys = k_cache + l * layer_stride + h * slots * head_dim;
+            /* head g of the group, query i: row (g, i) of out[l, h * group + g, i], or of a
+               scratch buffer that the group's mean reads */
+            float *rows = group_mean ? malloc((size_t)(group * n * length) * sizeof(float))
+                                     : out + (l * q_heads + h * group) * n * length;
+            if (rows == 0) {
+#pragma omp atomic write
+                error = KV_NO_MEMORY;
+                continue;
+            }
+            for (int64_t p = 0; p < pages; p++) {
+                const int64_t first = p * block;
+                const int64_t count = length - first < block ? length - first : block;
+                const float *kp = keys + table[p] * block * head_dim;
+                for (int64_t g = 0; g < group; g++) {
+                    const float *qg = q + (l * n * q_heads + h * group + g) * head_dim;
+                    float *lg = rows + g * n * length + first;
+                    switch (head_dim) { /* a constant for the common sizes: the dot unrolls */
+                    case 64:
+                        page_logits(qg, n, q_heads * 64, 64, kp, count, scale, lg, length);
+                        break;
+                    case 128:
+                        page_logits(qg, n, q_heads * 128, 128, kp, count, scale, lg, length);
+                        break;
+                    default:
+                        page_logits(qg, n, q_heads * head_dim, head_dim, kp, count, scale, lg,
+                                    length);
+                        break;
+                    }
+                }
+            }
+            for (int64_t r = 0; r < group * n; r++)
+                softmax_row(rows + r * length, limits[r % n], length);
+            if (!group_mean) continue;
+            float *mean = out + (l * kv_heads + h) * n * length;
+            const float share = 1.0f / (float)group;
+            for (int64_t r = 0; r < n * length; r++) {
+                float total = 0.0f;
+                for (int64_t g = 0; g < group; g++) total += rows[g * n * length + r];
+                mean[r] = total * share;
+            }
+            free(rows);
         }
     }
     return error;
