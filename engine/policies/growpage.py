@@ -319,7 +319,10 @@ class GrowPage(KVPolicy):
         allocates a page without a decision. None = 9 pages (the paper does not state it; module
         docstring). Never a fixed baseline's budget.
     max_capacity: tokens (a multiple of b) a request never grows past; None = unbounded.
-    layer_chunk: layers scored per pass (bounds the temporary [layers, heads, n] score tensors).
+    layer_chunk: layers scored per pass (bounds the temporaries: a gathered copy of the keys
+        where the backend gathers, the [layers, heads, n] probabilities); None: as many as
+        keep them under LAYER_CHUNK_BYTES at the engine's maximum length (all 30 of SmolLM2's
+        at 8k; 7 of an 8B model's with 8 KV heads of 128 and 32 query heads at 32k).
     """
 
     name = "growpage"
@@ -339,7 +342,7 @@ class GrowPage(KVPolicy):
     protected_recent: int = 16
     initial_capacity: int | None = None
     max_capacity: int | None = None
-    layer_chunk: int = 8
+    layer_chunk: int | None = None
 
     def __post_init__(self) -> None:
         if self.preset not in BETA_PRESETS:
@@ -368,7 +371,7 @@ class GrowPage(KVPolicy):
         require_int(f"{self.name}: protected_recent", self.protected_recent, 0)
         require_int(f"{self.name}: initial_capacity", self.initial_capacity, 1, optional=True)
         require_int(f"{self.name}: max_capacity", self.max_capacity, 1, optional=True)
-        require_int(f"{self.name}: layer_chunk", self.layer_chunk, 1)
+        require_int(f"{self.name}: layer_chunk", self.layer_chunk, 1, optional=True)
         if (self.initial_capacity is not None and self.max_capacity is not None
                 and self.max_capacity < self.initial_capacity):
             raise ConfigError(
@@ -416,6 +419,7 @@ class GrowPage(KVPolicy):
                               f"({2 * b} tokens) so Compress & Hold keeps a page of history")
         self.growth_cap_pages = self._pages("max_capacity", self.max_capacity, None)
         self.min_pages: int | None = None  # only GrowPage-Shrink returns pages
+        self.chunk_layers = self.layer_chunk or _chunk_layers(engine)
         self.rule: CapacityRule = self.make_rule()
 
     def _pages(self, knob: str, tokens: int | None, default_pages: int | None) -> int | None:
@@ -614,8 +618,21 @@ class GrowPage(KVPolicy):
             return keep_to_slots(keep, protected)
 
     def _layer_chunks(self, layers: int) -> list[tuple[int, int]]:
-        step = self.layer_chunk
+        step = self.chunk_layers
         return [(lo, min(lo + step, layers)) for lo in range(0, layers, step)]
+
+
+# What one pass of the demand estimate or the scores may hold in temporaries (untuned).
+LAYER_CHUNK_BYTES = 1 << 30
+
+
+def _chunk_layers(engine: EngineSpec) -> int:
+    """Layers per pass (`layer_chunk` None): per layer at the engine's maximum length, a float32
+    copy of the keys (kv_heads x length x head_dim) and the two views' logits and probabilities
+    per query head (2 x 2 x q_heads x length)."""
+    length = engine.max_model_len
+    per_layer = 4 * length * (engine.num_kv_heads * engine.head_dim + 4 * engine.num_q_heads)
+    return max(1, min(engine.num_layers, LAYER_CHUNK_BYTES // per_layer))
 
 
 def _state(view: PolicyView) -> GrowPageState:
