@@ -11,6 +11,7 @@ from engine.kernels.attention_scores import (
     paged_query_probs_c,
     paged_query_probs_torch,
     paged_query_probs_triton,
+    window_logits,
 )
 from engine.kernels.compact import (
     compact_kv,
@@ -51,4 +52,5 @@ __all__ = [
     "store_kv",
     "store_kv_torch",
     "store_kv_triton",
+    "window_logits",
 ]

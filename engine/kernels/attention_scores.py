@@ -22,10 +22,12 @@ GQA: query head h reads kv head h // (q_heads // kv_heads). Logits are computed 
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
 
+from engine.kernels import cpu_native
 from engine.kernels._common import check, check_dim, check_integer, check_ndim, check_same_device, use_triton
 
 
@@ -79,21 +81,32 @@ def _group_mean(probs: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return probs.view(layers, kv_heads, q_heads // kv_heads, n, length).mean(dim=2)
 
 
+def window_logits(queries: torch.Tensor, keys: torch.Tensor,
+                  scale: float | None = None) -> torch.Tensor:
+    """Scaled attention logits of window queries, grouped by KV head: float32
+    `[layers, kv_heads, group, n, length]` from queries `[layers, n, q_heads, head_dim]` and keys
+    `[layers, kv_heads, length, head_dim]` (scale: 1/sqrt(head_dim) by default). One batched
+    matmul per (layer, KV head), `[g*n, d] x [d, T]`, with no materialised repeat of the keys."""
+    layers, n, q_heads, dim = queries.shape
+    kv_heads, length = keys.shape[1], keys.shape[2]
+    if q_heads % kv_heads:
+        raise ValueError(f"{q_heads} query heads is not a multiple of {kv_heads} KV heads")
+    group = q_heads // kv_heads
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    q = queries.float().reshape(layers, n, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
+    q = q.reshape(layers * kv_heads, group * n, dim)
+    k = keys.float().reshape(layers * kv_heads, length, dim)
+    return torch.bmm(q, k.transpose(1, 2)).mul_(scale).view(layers, kv_heads, group, n, length)
+
+
 def dense_query_probs(queries, keys, key_limit=None, scale=None, group_mean=False):
     """:func:`paged_query_probs` over keys already dense, [layers, kv_heads, length, head_dim]
-    (the torch twin's math after its gather; views that hold dense keys call it directly).
-    One batched matmul, [group * n, d] x [d, length] per (layer, KV head): GQA without
-    expanding the keys. scale None: head_dim ** -0.5."""
-    layers, n, q_heads, head_dim = queries.shape
+    (the torch twin's math after its gather; views that hold dense keys call it directly), over
+    :func:`window_logits`. scale None: head_dim ** -0.5."""
+    layers, n, q_heads, _ = queries.shape
     kv_heads, length = keys.shape[1], keys.shape[2]
-    check(q_heads % kv_heads == 0, f"q_heads {q_heads} is not a multiple of kv_heads {kv_heads}")
-    group = q_heads // kv_heads
-    scale = head_dim ** -0.5 if scale is None else float(scale)
     limits = _limits(key_limit, n, length, queries.device)
-    q = queries.float().view(layers, n, kv_heads, group, head_dim).permute(0, 2, 3, 1, 4)
-    logits = torch.bmm(q.reshape(layers * kv_heads, group * n, head_dim),
-                       keys.float().reshape(layers * kv_heads, length, head_dim).transpose(1, 2))
-    logits = logits.view(layers, q_heads, n, length).mul_(scale)
+    logits = window_logits(queries, keys, scale).view(layers, q_heads, n, length)
     if key_limit is not None:
         hidden = torch.arange(length, device=queries.device)[None, :] >= limits[:, None]
         logits.masked_fill_(hidden[None, None], float("-inf"))
@@ -137,8 +150,6 @@ def paged_query_probs_c(queries, k_cache, block_table, length, key_limit, scale,
     """The C kernel's :func:`paged_query_probs` (CPU float32, cpu_native.query_probs): each
     (layer, KV head) task reads its keys where they lie, once for every query of its group,
     instead of a gather and a matmul over the copy."""
-    from engine.kernels import cpu_native
-
     length = _validate(queries, k_cache, block_table, length, key_limit)
     limits = _limits(key_limit, queries.shape[1], length, queries.device)
     return cpu_native.query_probs(queries, k_cache, block_table, length, limits, scale,

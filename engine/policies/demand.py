@@ -56,14 +56,7 @@ def head_attention_probs(queries: torch.Tensor, keys: torch.Tensor, scale: float
     Returns [layers, m, q_heads, n], rows summing to 1. Query head h reads KV head
     h // (q_heads // kv_heads) (GQA), as the model's attention does.
     """
-    layers, m, q_heads, dim = queries.shape
-    kv_heads = keys.shape[1]
-    if q_heads % kv_heads:
-        raise ValueError(f"q_heads {q_heads} is not a multiple of kv_heads {kv_heads}")
-    group = q_heads // kv_heads
-    q = queries.float().reshape(layers, m, kv_heads, group, dim)
-    logits = torch.einsum("lmkgd,lknd->lmkgn", q, keys.float()) * scale
-    return logits.softmax(dim=-1).reshape(layers, m, q_heads, -1)
+    return dense_query_probs(queries, keys, scale=scale).transpose(1, 2)
 
 
 def group_attention_probs(

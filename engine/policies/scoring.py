@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from engine.kernels import window_logits
 from engine.policies.base import HeadKeep
 
 # -- GQA group reductions ---------------------------------------------------------------------
@@ -75,24 +76,6 @@ def causal_key_limits(n: int, length: int, device: torch.device | str = "cpu") -
     protecting (at least) its query window. Returns int64 `[n]`.
     """
     return torch.arange(length - n + 1, length + 1, device=device, dtype=torch.long)
-
-
-def window_logits(queries: torch.Tensor, keys: torch.Tensor,
-                  scale: float | None = None) -> torch.Tensor:
-    """Scaled attention logits of window queries, grouped by KV head: float32
-    `[layers, kv_heads, group, n, length]` from queries `[layers, n, q_heads, head_dim]` and keys
-    `[layers, kv_heads, length, head_dim]` (scale: 1/sqrt(head_dim) by default). One batched
-    matmul per (layer, KV head), `[g*n, d] x [d, T]`, with no materialised repeat of the keys."""
-    layers, n, q_heads, dim = queries.shape
-    kv_heads, length = keys.shape[1], keys.shape[2]
-    if q_heads % kv_heads:
-        raise ValueError(f"{q_heads} query heads is not a multiple of {kv_heads} KV heads")
-    group = q_heads // kv_heads
-    scale = 1.0 / math.sqrt(dim) if scale is None else scale
-    q = queries.float().reshape(layers, n, kv_heads, group, dim).permute(0, 2, 3, 1, 4)
-    q = q.reshape(layers * kv_heads, group * n, dim)
-    k = keys.float().reshape(layers * kv_heads, length, dim)
-    return torch.bmm(q, k.transpose(1, 2)).mul_(scale).view(layers, kv_heads, group, n, length)
 
 
 def observation_probs(queries: torch.Tensor, keys: torch.Tensor,

@@ -236,6 +236,7 @@ int kv_query_probs(const float *q, const float *k_cache, int64_t layer_stride,
         if (table[p] < 0 || table[p] >= num_pages) return KV_BAD_PAGE;
     for (int64_t i = 0; i < n; i++)
         if (limits[i] < 0 || limits[i] > length) return KV_BAD_LENGTH;
+    if (n == 0 || length == 0) return KV_OK; /* an empty output */
     const int64_t slots = num_pages * block;
     int error = KV_OK;
 #pragma omp parallel for collapse(2) schedule(static) if (layers * q_heads * n * length > 32768)
