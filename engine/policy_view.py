@@ -75,6 +75,10 @@ class SeqView:
                     group_mean: bool = False) -> torch.Tensor:
         return self._runner.query_probs(self.seq, queries, layers, length, scale, group_mean)
 
+    def key_redundancy(self, threshold: float = 0.5, temperature: float = 1.0,
+                       spare_first: bool = False) -> torch.Tensor:
+        return self._runner.key_redundancy(self.seq, threshold, temperature, spare_first)
+
     def slot_scores(self) -> torch.Tensor:
         scores = self._runner.kv.scores
         if scores is None:

@@ -429,6 +429,16 @@ class ModelRunner:
         scale = queries.shape[-1] ** -0.5 if scale is None else scale
         return self.backend.query_probs(queries, cache, table, length, None, scale, group_mean)
 
+    def key_redundancy(self, seq: Sequence, threshold: float, temperature: float,
+                       spare_first: bool) -> torch.Tensor:
+        """PolicyView.key_redundancy: [layers, kv_heads, physical_len] over the sequence's
+        physical slots, through the backend's kernel."""
+        length = seq.physical_len
+        pages = -(-length // self.block_size)
+        table = torch.tensor(seq.block_table[:pages], dtype=torch.long, device=self.device)
+        return self.backend.key_redundancy(self.kv.k, table, length, threshold, temperature,
+                                           spare_first)
+
     @torch.inference_mode()
     def recompute_queries(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
         """Post-RoPE queries of uncompressed physical slots [start, end): [layers, n, q_heads, d].

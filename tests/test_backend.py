@@ -17,6 +17,7 @@ from engine.attention import ForwardContext, KVCache  # noqa: E402
 from engine.kernels import (
     attention_scores,  # noqa: E402
     cpu_native,  # noqa: E402
+    redundancy,  # noqa: E402
 )
 from engine.kernels import backend as B  # noqa: E402
 from engine.kernels import linear as linear_ops  # noqa: E402
@@ -87,6 +88,9 @@ def test_attention_ops_are_their_kernels(backend):
     assert ops.query_probs is {"c": attention_scores.paged_query_probs_c,
                                "torch": attention_scores.paged_query_probs_torch,
                                "triton": attention_scores.paged_query_probs_triton}[backend]
+    assert ops.key_redundancy is {"c": redundancy.paged_key_redundancy_c,
+                                  "torch": redundancy.paged_key_redundancy_torch,
+                                  "triton": redundancy.paged_key_redundancy_torch}[backend]
     q, k_cache, v_cache, tables, lens, scale = _decode_case(torch.float32, (4, 2), seed=3)
     holes = _holes(2, DECODE_HOLES)
     for h in (None, holes):

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from engine.config import ConfigError
+from engine.kernels.redundancy import key_redundancy
 from engine.policies.base import EngineSpec, StageTimer, build_policy
 from engine.policies.fixed_budget import BudgetState
-from engine.policies.scoring import key_redundancy
 
 L, HQ, HKV, D = 2, 4, 2, 8
 G = HQ // HKV
@@ -69,6 +69,10 @@ class FakeView:
 
     def keys(self, layers=None):
         return self.keys_
+
+    def key_redundancy(self, threshold=0.5, temperature=1.0, spare_first=False):
+        return key_redundancy(self.keys_, threshold=threshold, temperature=temperature,
+                              spare_first=spare_first)
 
     def recent_queries(self, rope=True):
         n = min(self.cache, self.num_computed)
@@ -398,7 +402,7 @@ def test_key_redundancy_all_pairs_is_the_dense_form_bit_for_bit(threshold, spare
                                                                  monkeypatch):
     """All pairs, layers taken together or one at a time (`_SIM_ELEMS`): the same float32 ops
     on the same matrices as the dense form, so the same bits."""
-    import engine.policies.scoring as scoring
+    import engine.kernels.redundancy as redundancy
 
     g = torch.Generator().manual_seed(10)
     for length in (1, 2, 33, 272):
@@ -407,8 +411,8 @@ def test_key_redundancy_all_pairs_is_the_dense_form_bit_for_bit(threshold, spare
             k[:, :, length // 2] = k[:, :, length // 3] * 3.0
             k[:, :, length - 1] = k[:, :, 0]
         want = dense_redundancy(k, threshold, 0.4, None, spare_first)
-        for elems in (scoring._SIM_ELEMS, 1):
-            monkeypatch.setattr(scoring, "_SIM_ELEMS", elems)
+        for elems in (redundancy._SIM_ELEMS, 1):
+            monkeypatch.setattr(redundancy, "_SIM_ELEMS", elems)
             got = key_redundancy(k, threshold=threshold, temperature=0.4,
                                  spare_first=spare_first)
             assert torch.equal(got, want)
@@ -421,7 +425,7 @@ def test_key_redundancy_per_page_equals_the_dense_form(threshold, spare_first, m
     multiple, pages of 1): the per-page form equals the [H, T, T] form up to the order of float32
     additions in the column sums (the dense form's order is torch's reduction kernel's, which
     depends on the column's place in the row), whether layers are taken together or not."""
-    import engine.policies.scoring as scoring
+    import engine.kernels.redundancy as redundancy
 
     g = torch.Generator().manual_seed(11)
     for length, block in ((272, 16), (203, 16), (40, 8), (9, 1), (5, 8)):
@@ -432,7 +436,7 @@ def test_key_redundancy_per_page_equals_the_dense_form(threshold, spare_first, m
         got = key_redundancy(k, threshold=threshold, temperature=0.4, block=block,
                              spare_first=spare_first)
         torch.testing.assert_close(got, want, rtol=2e-6, atol=0.0)
-        monkeypatch.setattr(scoring, "_SIM_ELEMS", 1)
+        monkeypatch.setattr(redundancy, "_SIM_ELEMS", 1)
         assert torch.equal(key_redundancy(k, threshold=threshold, temperature=0.4, block=block,
                                           spare_first=spare_first), got)
         monkeypatch.undo()

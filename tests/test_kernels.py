@@ -40,6 +40,7 @@ from engine.kernels import (
     store_kv_torch,
     store_kv_triton,
 )
+from engine.kernels.redundancy import paged_key_redundancy_c, paged_key_redundancy_torch
 
 DTYPES = [torch.float32, torch.float16]
 # (q_heads, kv_heads): GQA and MQA.
@@ -448,6 +449,53 @@ def test_query_probs_rejects_bad_input():
     if cpu_native.available():  # the C kernel checks the pages it reads
         with pytest.raises(ValueError, match="outside the cache"):
             paged_query_probs_c(queries, k_cache, table + k_cache.shape[2], length, limit, scale)
+
+
+# ----------------------------------------------------------------------------- key redundancy
+
+def _redundancy_case(length, seed, layers=3, kv_heads=2, block_size=8, head_dim=16):
+    """A paged cache whose sequence repeats some keys (scaled copies: cosine 1), so the sparing
+    of each key's last similar key and the first-slot rule both act."""
+    gen = _gen(seed)
+    tables, num_blocks = make_tables([length], block_size, gen)
+    k_cache = _randn(gen, layers, kv_heads, num_blocks, block_size, head_dim)
+    slots = slots_of(tables[0], length, block_size)
+    for src, dst in ((0, length - 1), (length // 3, length // 2), (1, length // 4)):
+        if 0 < dst < length and src != dst:
+            (dp, do), (sp, so) = slots[dst], slots[src]
+            k_cache[:, :, dp, do] = 2.5 * k_cache[:, :, sp, so]
+    return k_cache, tables[0]
+
+
+@pytest.mark.skipif(not cpu_native.available(), reason="the C library is not built here")
+@pytest.mark.parametrize("threshold", [0.5, 0.0, -0.3])
+@pytest.mark.parametrize("spare_first", [False, True])
+def test_key_redundancy_c_equals_the_twin(threshold, spare_first):
+    """The C kernel (strips of S through the panel kernel, column sums from row sums) against
+    the twin (all pairs, in torch) over the same pages: lengths below, at and across a strip of
+    48 rows and a 16-column panel, a slice of the cache's layers, both temperatures in use."""
+    for length, temperature in ((1, 1.0), (5, 0.4), (47, 1.0), (100, 0.4), (203, 1.0)):
+        k_cache, table = _redundancy_case(length, seed=length)
+        twin = paged_key_redundancy_torch(k_cache, table, length, threshold, temperature,
+                                          spare_first)
+        got = paged_key_redundancy_c(k_cache, table, length, threshold, temperature, spare_first)
+        assert got.shape == (3, 2, length)
+        torch.testing.assert_close(got, twin, rtol=2e-5, atol=1e-7)
+        torch.testing.assert_close(
+            paged_key_redundancy_c(k_cache[1:], table, length, threshold, temperature,
+                                   spare_first), twin[1:], rtol=2e-5, atol=1e-7)
+
+
+@pytest.mark.skipif(not cpu_native.available(), reason="the C library is not built here")
+def test_key_redundancy_c_checks_its_input():
+    k_cache, table = _redundancy_case(20, seed=1)
+    with pytest.raises(ValueError, match="outside the cache"):
+        paged_key_redundancy_c(k_cache, table + k_cache.shape[2], 20)
+    with pytest.raises(ValueError, match="does not fit"):
+        paged_key_redundancy_c(k_cache, table, table.numel() * k_cache.shape[3] + 1)
+    with pytest.raises(ValueError, match="temperature"):
+        paged_key_redundancy_c(k_cache, table, 20, temperature=0.0)
+    assert paged_key_redundancy_c(k_cache, table, 0).shape == (3, 2, 0)
 
 
 # ----------------------------------------------------------------------------- compaction

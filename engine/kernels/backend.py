@@ -43,6 +43,9 @@ The ops, by signature (an instance's fields):
     query_probs(queries, k_cache, table, length, key_limit, scale, group_mean) -> probs
         a policy's attention probabilities over one sequence's pages
         (attention_scores.paged_query_probs' contract): Triton, the C kernel or the twin.
+    key_redundancy(k_cache, table, length, threshold, temperature, spare_first) -> [L, H, length]
+        R-KV's redundancy of one sequence's cached keys (redundancy.paged_key_redundancy's
+        contract): the C kernel, or the twin (a gather and matmuls, on CUDA too).
     linear(x, weight, packed, bias=None) -> [T, out]
         x [T, in], weight [out, in], packed: `pack(weight)` (None where nothing is packed).
     rms_norm(x, norm) -> [T, dim]; add_rms_norm(x, delta, norm) -> (x + delta, its norm)
@@ -69,7 +72,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch.nn import functional as F
 
-from engine.kernels import attention_scores, cpu_native
+from engine.kernels import attention_scores, cpu_native, redundancy
 from engine.kernels import linear as linear_ops
 from engine.kernels import ops as _ops  # noqa: F401  (registers torch.ops.kvarena.*)
 from engine.kernels.paged_attention import (
@@ -103,6 +106,7 @@ class Backend:
     prefill: Callable
     store_and_decode: Callable
     query_probs: Callable
+    key_redundancy: Callable
     linear: Callable
     rms_norm: Callable
     add_rms_norm: Callable
@@ -355,6 +359,7 @@ def triton() -> Backend:
     return _with_graph({}, name="triton", projections="F.linear", packs=False, cuda_graphs=True,
                        store=_triton_store, decode=_triton_decode, prefill=_triton_prefill,
                        query_probs=attention_scores.paged_query_probs_triton,
+                       key_redundancy=redundancy.paged_key_redundancy_torch,
                        store_and_decode=_store_then_decode(_triton_store, _triton_decode),
                        linear=_f_linear, decode_stack=_no_stack, pack=_no_pack,
                        layer_stack=_no_stack, **_TORCH_SMALL_OPS)
@@ -370,6 +375,7 @@ def c_kernels(packed: bool) -> Backend:
                         "store_and_decode": _graph_c_store_and_decode},
                        name="c", cuda_graphs=False, store=_c_store, decode=_c_decode,
                        prefill=_c_prefill, query_probs=attention_scores.paged_query_probs_c,
+                       key_redundancy=redundancy.paged_key_redundancy_c,
                        store_and_decode=_store_then_decode(_c_store, _c_decode),
                        rms_norm=_c_rms_norm, add_rms_norm=_c_add_rms_norm, rope=_c_rope,
                        silu_mul=_c_silu_mul, decode_stack=_c_decode_stack, **projections)
@@ -383,6 +389,7 @@ def twins(onednn: bool) -> Backend:
     return _with_graph({"linear": _onednn_op if onednn else _f_linear},
                        name="torch", cuda_graphs=False, store=_twin_store, decode=_twin_decode,
                        prefill=_twin_prefill, query_probs=attention_scores.paged_query_probs_torch,
+                       key_redundancy=redundancy.paged_key_redundancy_torch,
                        store_and_decode=_store_then_decode(_twin_store, _twin_decode),
                        decode_stack=_no_stack, layer_stack=_no_stack, **projections,
                        **_TORCH_SMALL_OPS)

@@ -26,6 +26,9 @@ OpenMP threads. The measurements behind each are in results/benchmarks/cpu-kerne
         [>= ceil(length / block_size)]; limits [n]; probs [layers, q_heads, n, length], or with
         group_mean [layers, kv_heads, n, length], each GQA group's mean
         (attention_scores.paged_query_probs' contract; the policies' scores).
+    key_redundancy(k_cache, table, length, threshold, temperature, spare_first=False) -> red
+        R-KV's key redundancy of one sequence's first `length` cached keys, read in place:
+        [layers, kv_heads, length] (redundancy.key_redundancy's definition; cpu/key_redundancy.c).
 
     rms_norm(x, weight, eps, delta=None), rope(x, cos, sin), silu_mul(gate_up)
         One C call each where torch runs several ops. The C backend's eager form calls them
@@ -93,7 +96,7 @@ from engine.paths import cache_root
 
 SOURCES = tuple(Path(__file__).with_name("cpu") / name
                 for name in ("paged_decode.c", "thin_linear.c", "panel_gemm.c",
-                             "decode_layers.c", "abi.c"))
+                             "decode_layers.c", "key_redundancy.c", "abi.c"))
 # The prototypes, return codes and constants the sources share (and this file: ABI below).
 HEADER = Path(__file__).with_name("cpu") / "kvarena_native.h"
 # -ffast-math compiles the sources only: linked with it, GCC adds crtfastmath.o, whose initializer
@@ -121,7 +124,7 @@ LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "d
 # The interface's version, KV_ABI_VERSION in cpu/kvarena_native.h: raised with it when a
 # signature in `_declare` or a constant above changes meaning. At load the library reports its
 # constants (kv_abi); any that differ from `_expected_abi()` leave the torch ops in its place.
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 # The cache entry: the library and its stamp (`_build`).
 LIBRARY, STAMP = "libkvarena_cpu.so", "libkvarena_cpu.json"
@@ -299,6 +302,31 @@ def query_probs(queries, k_cache, table, length: int, limits, scale,
                                    table.data_ptr(), limits.data_ptr(), length, out.data_ptr(),
                                    layers, n, q_heads, kv_heads, head_dim, block, pages,
                                    float(scale), int(group_mean))
+    _raise_on(rc)
+    return out
+
+
+def key_redundancy(k_cache, table, length: int, threshold: float, temperature: float,
+                   spare_first: bool = False) -> torch.Tensor:
+    """Module docstring: R-KV's redundancy of one sequence's first `length` cached keys, read in
+    place. k_cache [layers, kv_heads, num_blocks, block_size, head_dim] (layers may be a slice of
+    the cache); table [>= ceil(length / block_size)] -> [layers, kv_heads, length]."""
+    if k_cache.dim() != 5:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} is not [layers, kv_heads, pages, "
+                         f"block, head_dim]")
+    layers, kv_heads, pages, block, head_dim = k_cache.shape
+    _require_contiguous(k_cache[0])
+    _require_cpu_float32(k_cache)
+    table = _int64(table)
+    if not 0 <= length <= table.numel() * block:
+        raise ValueError(f"length {length} does not fit {table.numel()} pages of {block}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    out = torch.empty(layers, kv_heads, length)
+    rc = _library().kv_key_redundancy(k_cache.data_ptr(), k_cache.stride(0), table.data_ptr(),
+                                      length, out.data_ptr(), layers, kv_heads, head_dim, block,
+                                      pages, float(threshold), float(temperature),
+                                      int(spare_first))
     _raise_on(rc)
     return out
 
@@ -598,6 +626,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kv_query_probs.restype = ctypes.c_int
     lib.kv_query_probs.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, *[_I64] * 7, _F32,
                                    ctypes.c_int]
+    lib.kv_key_redundancy.restype = ctypes.c_int
+    lib.kv_key_redundancy.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, *[_I64] * 5, _F32, _F32,
+                                      ctypes.c_int]
     lib.kv_add_rms_norm.restype = None
     lib.kv_add_rms_norm.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32]
     lib.kv_rope.restype = None

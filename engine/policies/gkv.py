@@ -11,7 +11,7 @@ compression, for the slots before the last `window`:
   compression, s_j for a slot written since (`smooth_method="max"`, the score cache); it is
   persisted per slot and compacted with the KV (SignalSpec.slot_scores);
 - final score g_j * lambda - (1 - lambda) * R_j / max(R), with R the R-KV key redundancy
-  (`suppressing_redundancy`, scoring.key_redundancy) normalised by its maximum;
+  (`suppressing_redundancy`, PolicyView.key_redundancy) normalised by its maximum;
 - the top `target_len - window` slots are kept per (layer, KV head), plus the window.
 
 When it runs: G-KV compresses every `divide_length` (128) decoded tokens once the cache exceeds
@@ -51,7 +51,6 @@ from engine.policies.fixed_budget import BudgetState
 from engine.policies.scored import WindowScored
 from engine.policies.scoring import (
     decayed_max,
-    key_redundancy,
     max_normalise,
     mix_redundancy,
     observation_queries,
@@ -66,13 +65,15 @@ class GKVState(BudgetState):
     scored_len: int = 0
 
 
-def gkv_scores(queries: torch.Tensor, keys: torch.Tensor, key_limit: torch.Tensor | None, *,
-               window: int, old_scores: torch.Tensor | None = None, scored_len: int = 0,
-               alpha: float = 0.8, mix_lambda: float = 0.5) -> tuple[torch.Tensor, torch.Tensor]:
+def gkv_scores(queries: torch.Tensor, keys: torch.Tensor, key_limit: torch.Tensor | None,
+               redundancy: torch.Tensor, *, window: int, old_scores: torch.Tensor | None = None,
+               scored_len: int = 0, alpha: float = 0.8,
+               mix_lambda: float = 0.5) -> tuple[torch.Tensor, torch.Tensor]:
     """G-KV's selection and global scores of one request.
 
     queries: `[layers, n, q_heads, head_dim]`; keys: `[layers, kv_heads, length, head_dim]`;
-    key_limit: `[n]`; old_scores: persisted `[layers, kv_heads, length]`, read for slots
+    key_limit: `[n]`; redundancy: R-KV's all-pairs key redundancy `[layers, kv_heads, length]`
+    (PolicyView.key_redundancy); old_scores: persisted `[layers, kv_heads, length]`, read for slots
     `< scored_len`. Returns (selection score with +inf on the window, global score to persist), both
     float32 `[layers, kv_heads, length]` (the window's global score is its local score).
     """
@@ -84,8 +85,8 @@ def gkv_scores(queries: torch.Tensor, keys: torch.Tensor, key_limit: torch.Tenso
     if old_scores is not None and scored_len > 0:
         merged[..., :scored_len] = decayed_max(local[..., :scored_len],
                                                old_scores[..., :scored_len].float(), alpha)
-    redundancy = max_normalise(key_redundancy(keys)[..., :region])
-    score = mix_redundancy(merged[..., :region], redundancy, mix_lambda)
+    score = mix_redundancy(merged[..., :region], max_normalise(redundancy[..., :region]),
+                           mix_lambda)
     inf = torch.full((*score.shape[:2], window), float("inf"), device=score.device)
     return torch.cat([score, inf], dim=-1), merged
 
@@ -127,7 +128,8 @@ class GKV(WindowScored):
         """The selection score; the merged global score is persisted per slot."""
         state = self.scored_state(view)
         queries, key_limit = observation_queries(view, self.window)
-        score, merged = gkv_scores(queries, view.keys(), key_limit, window=self.window,
+        score, merged = gkv_scores(queries, view.keys(), key_limit, view.key_redundancy(),
+                                   window=self.window,
                                    old_scores=view.slot_scores() if state.scored_len else None,
                                    scored_len=state.scored_len, alpha=self.alpha,
                                    mix_lambda=self.mix_lambda)

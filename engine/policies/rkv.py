@@ -7,9 +7,9 @@ Zefan-Cai/R-KV, `rkv/compression/r1_kv.py`, `rkv/utils.py`). For the slots befor
 - importance I_j (Sec. 3, "importance scoring"): the window queries' logits are reduced over each
   GQA group by a max (`compute_attention_scores`, pooling="max"), softmaxed over the keys before
   the window, averaged over the window queries and smoothed by a 1-D max-pool (kernel 7);
-- redundancy R_j (Sec. 3, "redundancy estimation"; scoring.key_redundancy): cosine similarity of
-  the normalised keys (all slots, diagonal zeroed), each key's most recent similar key (cosine >
-  0.5) spared, mean over the keys, softmax over the sequence;
+- redundancy R_j (Sec. 3, "redundancy estimation"; engine/kernels/redundancy.py): cosine
+  similarity of the normalised keys (all slots, diagonal zeroed), each key's most recent similar
+  key (cosine > 0.5) spared, mean over the keys, softmax over the sequence;
 - final score Z_j = lambda * I_j - (1 - lambda) * R_j; the top `target_len - window` slots are kept
   per (layer, KV head), plus the window.
 
@@ -36,7 +36,7 @@ scripts run R-KV with 0.1); we take the code's value. R-KV's code zeroes similar
 key without any similar key (an indexing artefact of its max over masked indices): slot 0's mean
 similarity then drops by the share of unmatched keys, its redundancy with it, and the first token
 (an attention sink) is implicitly protected. The paper describes no such rule, so by default
-scoring.key_redundancy spares only an actual similar key and slot 0 competes like any other
+the redundancy spares only an actual similar key and slot 0 competes like any other
 (R-KV then keeps no sink unless its score earns one); `code_sink=True` reproduces the code.
 The GQA handling (max over the group's logits before the softmax) is the code's; the paper does
 not discuss GQA.
@@ -53,28 +53,26 @@ from engine.policies.base import PolicyView, register_policy
 from engine.policies.scored import WindowScored
 from engine.policies.scoring import (
     grouped_logit_probs,
-    key_redundancy,
     mix_redundancy,
     observation_queries,
     pool1d,
 )
 
 
-def rkv_scores(queries: torch.Tensor, keys: torch.Tensor, *, window: int, kernel: int = 7,
-               mix_lambda: float = 0.07, threshold: float = 0.5,
-               code_sink: bool = False) -> torch.Tensor:
+def rkv_scores(queries: torch.Tensor, keys: torch.Tensor, redundancy: torch.Tensor, *,
+               window: int, kernel: int = 7, mix_lambda: float = 0.07) -> torch.Tensor:
     """R-KV's final scores Z of one request's slots.
 
     queries: `[layers, n, q_heads, head_dim]` (the window's, post-RoPE); keys:
-    `[layers, kv_heads, length, head_dim]`. Returns float32 `[layers, kv_heads, length]`; the last
-    `window` entries are +inf (always kept).
+    `[layers, kv_heads, length, head_dim]`; redundancy: the keys' R-KV redundancy `[layers,
+    kv_heads, length]` (PolicyView.key_redundancy, at the policy's threshold). Returns float32
+    `[layers, kv_heads, length]`; the last `window` entries are +inf (always kept).
     """
     length = keys.shape[2]
     region = length - window
     importance = grouped_logit_probs(queries, keys, region, group_reduce="max").mean(dim=2)
     importance = pool1d(importance, kernel, "max")                                # [L, H, T-w]
-    redundancy = key_redundancy(keys, threshold=threshold, spare_first=code_sink)[..., :region]
-    score = mix_redundancy(importance, redundancy, mix_lambda)
+    score = mix_redundancy(importance, redundancy[..., :region], mix_lambda)
     inf = torch.full((*score.shape[:2], length - region), float("inf"), device=score.device)
     return torch.cat([score, inf], dim=-1)
 
@@ -114,6 +112,6 @@ class RKV(WindowScored):
 
     def scores(self, view: PolicyView) -> torch.Tensor:
         queries, _ = observation_queries(view, self.window)
-        return rkv_scores(queries, view.keys(), window=self.window, kernel=self.kernel_size,
-                          mix_lambda=self.mix_lambda, threshold=self.threshold,
-                          code_sink=self.code_sink)
+        redundancy = view.key_redundancy(threshold=self.threshold, spare_first=self.code_sink)
+        return rkv_scores(queries, view.keys(), redundancy, window=self.window,
+                          kernel=self.kernel_size, mix_lambda=self.mix_lambda)

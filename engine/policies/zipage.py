@@ -35,7 +35,7 @@ for the rest:
 |                 | (Config: off, 0.2, 0.4)        |                                         |
 | layer_stride    | 8 layers per scoring launch    | 8                                       |
 
-Redundancy (reference notes B.5 step 5, R-KV's term; scoring.key_redundancy): after pooling, the
+Redundancy (reference notes B.5 step 5, R-KV's term; engine/kernels/redundancy.py): after pooling, the
 score becomes `lambda * score - (1 - lambda) * redundancy`, where a key's redundancy is the softmax
 (temperature 0.4) over the sequence of its mean cosine similarity to the other keys of its page
 ("lightning": pairs within a page, divided by the page size; `redundancy_scope="all"` compares all
@@ -63,12 +63,12 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import ConfigError
+from engine.kernels.redundancy import key_redundancy
 from engine.policies.base import EngineSpec, PolicyView, SignalSpec, register_policy
 from engine.policies.fixed_budget import BudgetState
 from engine.policies.scored import WindowScored
 from engine.policies.scoring import (
     decayed_max,
-    key_redundancy,
     mix_redundancy,
     observation_queries,
     observation_scores,
@@ -218,8 +218,11 @@ class Zipage(WindowScored):
         if self.use_global_score:
             view.set_slot_scores(persist)
         if self.redundancy:
-            block = self.block_size if self.redundancy_scope == "block" else None
-            red = key_redundancy(keys, temperature=self.redundancy_temperature, block=block)
+            if self.redundancy_scope == "block":
+                red = key_redundancy(keys, temperature=self.redundancy_temperature,
+                                     block=self.block_size)
+            else:
+                red = view.key_redundancy(temperature=self.redundancy_temperature)
             score = mix_redundancy(score, red, self.redundancy_lambda)
         return score
 

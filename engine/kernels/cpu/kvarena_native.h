@@ -12,10 +12,10 @@
 #include <stdint.h>
 #include <string.h>
 
-#define KV_ABI_VERSION 2
+#define KV_ABI_VERSION 3
 
-/* Return codes of kv_store, kv_decode, kv_query_probs and kv_decode_layers (cpu_native.ERRORS
-   words them). */
+/* Return codes of kv_store, kv_decode, kv_query_probs, kv_key_redundancy and kv_decode_layers
+   (cpu_native.ERRORS words them). */
 enum { KV_OK = 0, KV_BAD_PAGE = 1, KV_BAD_LENGTH = 2, KV_BAD_SLOT = 3, KV_BAD_HOLE = 4,
        KV_BAD_SHAPE = 5, KV_NO_MEMORY = 6 };
 
@@ -72,6 +72,12 @@ void kv_linear(const float *x, int64_t x_stride, const float *w, const float *bi
 void kv_pack_panels(const float *w, float *panels, int64_t N, int64_t K);
 void kv_panel_linear(const float *x, int64_t x_stride, const float *panels, const float *bias,
                      float *y, int64_t T, int64_t K, int64_t N);
+
+/* key_redundancy.c */
+int kv_key_redundancy(const float *k_cache, int64_t layer_stride, const int64_t *table,
+                      int64_t length, float *out, int64_t layers, int64_t kv_heads,
+                      int64_t head_dim, int64_t block, int64_t num_pages, float threshold,
+                      float temperature, int spare_first);
 
 /* decode_layers.c */
 int kv_decode_layers(float *x, const float *cos, const float *sin, const int64_t *weights,

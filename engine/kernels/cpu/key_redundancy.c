@@ -1,0 +1,111 @@
+/* R-KV's key redundancy over one sequence's cached keys, read from the pages where they lie
+   (engine/kernels/redundancy.py has the definition and the torch twin this equals).
+
+   Per (layer, KV head), with K the sequence's first `length` keys, L2-normalised:
+     S = K K^T with the diagonal zeroed; for each row i, its last similar key
+     last(i) = max { j : S[i, j] > threshold } is spared (S[i, last(i)] := 0) and, with
+     spare_first, a row without one has S[i, 0] := 0; redundancy[j] = softmax_j(colsum_j / length
+     / temperature), colsum_j = sum_i S[i, j].
+
+   How: S comes from the panel kernel (panel_gemm.c), the keys packed as the "weight", a strip of
+   STRIP rows at a time, so memory is O(length x STRIP), not O(length^2). Each output of that
+   kernel is one FMA chain over head_dim in order, so S[i, j] and S[j, i] are the same bits: the
+   column sums are the row sums, less the spared entries, and every pass over S is along a row.
+   One (layer, head) per OpenMP task; the panel kernel then runs on its task's thread. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "kvarena_native.h"
+
+/* S rows held at once per task (a strip of STRIP x length floats). */
+#define STRIP 48
+
+/* One (layer, head): the keys of `length` slots in the pages of `keys` (block x head_dim each,
+   found through table) -> out[length]. */
+static int redundancy_head(const float *keys, const int64_t *table, int64_t length,
+                           int64_t head_dim, int64_t block, float threshold, float temperature,
+                           int spare_first, float *out) {
+    const int64_t d = head_dim, panels = (length + KV_PANEL - 1) / KV_PANEL;
+    float *unit = malloc((size_t)(length * d) * sizeof(float));
+    float *packed = malloc((size_t)(panels * d * KV_PANEL) * sizeof(float));
+    float *strip = malloc((size_t)(STRIP * length) * sizeof(float));
+    int64_t *spared = malloc((size_t)length * sizeof(int64_t)); /* column row i spares, or -1 */
+    float *value = malloc((size_t)length * sizeof(float));      /* S[i, spared[i]] */
+    int error = KV_OK;
+    if (unit == 0 || packed == 0 || strip == 0 || spared == 0 || value == 0) {
+        error = KV_NO_MEMORY;
+        goto done;
+    }
+    for (int64_t t = 0; t < length; t++) {
+        const float *k = keys + (table[t / block] * block + t % block) * d;
+        float squares = 0.0f;
+        for (int64_t i = 0; i < d; i++) squares += k[i] * k[i];
+        const float norm = sqrtf(squares) + 1e-8f;
+        for (int64_t i = 0; i < d; i++) unit[t * d + i] = k[i] / norm;
+    }
+    kv_pack_panels(unit, packed, length, d);
+    for (int64_t i0 = 0; i0 < length; i0 += STRIP) {
+        const int64_t rows = length - i0 < STRIP ? length - i0 : STRIP;
+        kv_panel_linear(unit + i0 * d, d, packed, 0, strip, rows, d, length);
+        for (int64_t r = 0; r < rows; r++) {
+            float *row = strip + r * length;
+            const int64_t i = i0 + r;
+            row[i] = 0.0f;
+            float total = 0.0f;
+            int64_t found = -1;
+            for (int64_t j = 0; j < length; j++) {
+                total += row[j];
+                found = row[j] > threshold ? j : found;
+            }
+            out[i] = total; /* row i's sum = column i's sum before sparing (S is symmetric) */
+            spared[i] = found >= 0 ? found : spare_first ? 0 : -1;
+            value[i] = spared[i] >= 0 ? row[spared[i]] : 0.0f;
+        }
+    }
+    for (int64_t i = 0; i < length; i++)
+        if (spared[i] >= 0) out[spared[i]] -= value[i];
+    /* softmax over the slots of colsum / length / temperature */
+    float top = -3.0e38f;
+    for (int64_t j = 0; j < length; j++) {
+        out[j] = out[j] / (float)length / temperature;
+        top = out[j] > top ? out[j] : top;
+    }
+    float total = 0.0f;
+    for (int64_t j = 0; j < length; j++) {
+        out[j] = expf(out[j] - top);
+        total += out[j];
+    }
+    for (int64_t j = 0; j < length; j++) out[j] /= total;
+done:
+    free(unit), free(packed), free(strip), free(spared), free(value);
+    return error;
+}
+
+int kv_key_redundancy(const float *k_cache, int64_t layer_stride, const int64_t *table,
+                      int64_t length, float *out, int64_t layers, int64_t kv_heads,
+                      int64_t head_dim, int64_t block, int64_t num_pages, float threshold,
+                      float temperature, int spare_first) {
+    if (length < 0 || kv_heads < 1 || head_dim < 1 || block < 1 || !(temperature > 0.0f))
+        return KV_BAD_SHAPE;
+    const int64_t pages = (length + block - 1) / block;
+    for (int64_t p = 0; p < pages; p++)
+        if (table[p] < 0 || table[p] >= num_pages) return KV_BAD_PAGE;
+    if (length == 0) return KV_OK; /* an empty output */
+    const int64_t slots = num_pages * block;
+    int error = KV_OK;
+#pragma omp parallel for collapse(2) schedule(dynamic)
+    for (int64_t l = 0; l < layers; l++)
+        for (int64_t h = 0; h < kv_heads; h++) {
+            const int rc = redundancy_head(k_cache + l * layer_stride + h * slots * head_dim,
+                                           table, length, head_dim, block, threshold,
+                                           temperature, spare_first,
+                                           out + (l * kv_heads + h) * length);
+            if (rc != KV_OK) {
+#pragma omp atomic write
+                error = rc;
+            }
+        }
+    return error;
+}
