@@ -24,6 +24,7 @@ from evals.benchmarks.common import (
     render_markdown,
     write_result,
 )
+from evals.tasks.base import PRESET_POLICY_ARGS
 from tiny_models import make_tiny_llama_dir
 
 quiet = dict(quick=True, log=lambda message: None)
@@ -377,6 +378,32 @@ def test_mixed_documents_start_sweep_adds_growpage_rows_at_each_start():
         policy, args = configs[mixed.start_label(pages)]
         assert policy == "growpage" and args == {**main, "initial_capacity": pages * 16}
     assert list(configs)[-2:] == [mixed.start_label(6), mixed.start_label(12)]
+
+
+def test_mixed_documents_kara_rows_and_a_chosen_subset():
+    """--kara adds Kara under both schedules (the cpu-paper preset's window) and SnapKV at B;
+    --configs keeps FullKV and the labels named, in base order, and refuses an unknown label
+    or GrowPage-Random without GrowPage before any model loads."""
+    core, scale = mixed.documents_run(False, {"--lengths": "", "--kara": True, "--configs": ""},
+                                      tau_sweep="", start_sweep="", counts=(), max_tokens=())
+    configs = {label: (policy, args) for label, policy, args in
+               mixed_documents.document_configs(scale)}
+    kara = dict(PRESET_POLICY_ARGS["cpu-paper"]["kara"])
+    assert list(configs)[-3:] == ["kara-kvllm", "kara-window-fill", "snapkv-256"]
+    assert configs["kara-kvllm"] == ("kara", {**kara, "schedule": "kvllm"})
+    assert configs["kara-window-fill"] == ("kara", {**kara, "schedule": "window_fill"})
+    assert configs["snapkv-256"] == ("snapkv", {"budget": 256})
+    _, chosen = mixed.documents_run(False, {"--lengths": "", "--kara": True,
+                                            "--configs": "snapkv-256, kara-kvllm"},
+                                    tau_sweep="", start_sweep="", counts=(), max_tokens=())
+    assert [label for label, _, _ in mixed_documents.document_configs(chosen)] == [
+        "full", "kara-kvllm", "snapkv-256"]
+    pairs = mixed_documents.comparison_pairs(chosen, "growpage (tau=0)")
+    assert ("kara-kvllm", "snapkv-256") in pairs and ("kara-kvllm", "full") in pairs
+    for configs_text, message in (("kara-kvllm", "unknown configuration"),
+                                  ("growpage-random", "choose GrowPage's row too")):
+        with pytest.raises(ValueError, match=message):
+            mixed_documents.scale_from_options(False, variants=True, configs=(configs_text,))
 
 
 def test_mixed_documents_readings_need_the_interval_or_every_repeat():

@@ -394,11 +394,12 @@ def documents_run(quick: bool, documents_only: dict, *, tau_sweep: str, start_sw
     if extra:
         raise ValueError(f"{', '.join(extra)} apply to --source problems only")
     lengths = mixed_documents.parse_bands(documents_only.pop("--lengths"), "--lengths")
+    configs = tuple(c.strip() for c in (documents_only.pop("--configs", "") or "").split(",") if c.strip())
     sweep = tuple(parse_ints(start_sweep, "--start-sweep"))
     options = {k.lstrip("-").replace("-", "_"): v for k, v in documents_only.items()}
     scale = mixed_documents.scale_from_options(quick, counts=counts or None,
                                                lengths=lengths or None, start_sweep=sweep or None,
-                                               **options, **common)
+                                               configs=configs or None, **options, **common)
     return mixed_documents.run_mixed_documents, scale
 
 
@@ -444,6 +445,12 @@ def mixed_command(
     variants: bool = typer.Option(None, "--variants/--no-variants",
                                   help="documents: also GrowPage-Random, -Inverse, -Shrink "
                                        "(default: no)."),
+    kara: bool = typer.Option(None, "--kara/--no-kara",
+                              help="documents: also Kara under KvLLM's periodic schedule and its "
+                                   "window-fill trigger, and SnapKV at B (default: no)."),
+    configs: str = typer.Option("", help="documents: run only these configurations (labels, "
+                                "comma-separated; FullKV always runs), e.g. "
+                                "kara-kvllm,kara-window-fill,snapkv-256."),
     chunked_forcing: bool = typer.Option(None, "--chunked-forcing/--token-forcing",
                                          help="documents: forced runs (faster, not decode-shaped "
                                               "steps) or one decode step per forced token "
@@ -457,8 +464,8 @@ def mixed_command(
     if source not in SOURCES:
         raise typer.BadParameter(f"--source must be one of {sorted(SOURCES)}, got {source!r}")
     documents_only = {"--lengths": lengths, "--prompt-tokens": prompt_tokens,
-                      "--block-size": block_size, "--variants": variants,
-                      "--chunked-forcing": chunked_forcing}
+                      "--block-size": block_size, "--variants": variants, "--kara": kara,
+                      "--configs": configs, "--chunked-forcing": chunked_forcing}
     try:
         core, scale = SOURCES[source](
             quick, documents_only, tau_sweep=tau_sweep, start_sweep=start_sweep,
