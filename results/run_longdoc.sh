@@ -7,7 +7,7 @@
 #     DATA=data bash results/run_longdoc.sh
 # TASK=longdoc-needle runs the decode-time needle instead (results/needle/README.md): the needle
 # in the forced part of 1024-, 2048- and 4096-token documents at depths 25% and 75%, asked at the
-# end (256 to 3072 tokens after it was decoded).
+# end (256 to 3072 tokens after it was decoded); LENGTHS and DEPTHS override the grid.
 # Re-running resumes. POLICIES / BUDGETS2 / DOCS override the sets below; an entry may carry
 # policy arguments after "+" (pyramidkv+decode_compress=true).
 set -euo pipefail
@@ -20,8 +20,14 @@ case $TASK in
              TASK_ARGS=(--task-arg lengths=4096 --task-arg "documents=$DOCS")
              POOL=$((DOCS * 4096 + 1024)) ;;
     longdoc-needle) OUT=${OUT:-results/needle}
-             TASK_ARGS=(--task-arg lengths=1024,2048,4096 --task-arg depths=25.0,75.0)
-             POOL=$((2 * (1024 + 2048 + 4096) + 6 * 64)) ;;
+             LENGTHS=${LENGTHS:-1024,2048,4096} DEPTHS=${DEPTHS:-25.0,75.0}
+             TASK_ARGS=(--task-arg "lengths=$LENGTHS" --task-arg "depths=$DEPTHS")
+             # every cell at once: each length plus its 64-token prompt, once per depth
+             IFS=, read -ra lens <<< "$LENGTHS"
+             IFS=, read -ra deps <<< "$DEPTHS"
+             POOL=0
+             for n in "${lens[@]}"; do POOL=$((POOL + n + 64)); done
+             POOL=$((POOL * ${#deps[@]})) ;;
     *) echo "TASK must be longdoc or longdoc-needle, got $TASK" >&2; exit 2 ;;
 esac
 COMMON=(--task "$TASK" --data "$DATA/niah" --preset cpu-paper "${TASK_ARGS[@]}"

@@ -242,6 +242,28 @@ def test_a_policy_that_overrides_periodic_runs_token_by_token(tiny_dir):
     assert llm.last_scheduler.chunked_forcing
 
 
+def test_a_forced_runs_ema_write_stays_on_the_device():
+    """The forced runs' plan and EMA write with the pool on `meta`: every index and weight is
+    uploaded once by `prepare`, and `flush` mixes no host tensor with the device's (a CUDA run
+    would otherwise copy or sync per step) nor syncs (meta refuses both)."""
+    from device_guard import DeviceGuard
+
+    layers, heads, dim = 2, 4, 8
+    pool = QueryStatePool(SignalSpec(recent_queries=3, ema_betas=(0.5, 0.9)), layers, 3, heads,
+                          dim, "meta", torch.float32)
+    slots = [pool.bind() for _ in range(3)]
+    # a one-token decode, a forced run of 4 rows and one of 2 (both initialising)
+    pool.prepare([(0, 1, 10, slots[0], True), (1, 4, 20, slots[1], True),
+                  (5, 2, 30, slots[2], True)])
+    assert pool.plan.run_weights.device.type == "meta"
+    assert pool.plan.run_weights.shape == (2 * 2, 7)
+    q = torch.empty(layers, 7, heads, dim, device="meta")
+    with DeviceGuard("meta"):
+        for layer in range(layers):
+            pool.record(layer, q[layer])
+        pool.flush()
+
+
 @pytest.mark.parametrize("init", [True, False])
 def test_a_forced_runs_ema_is_the_rule_applied_row_by_row(init):
     """QueryStatePool: the closed form of a run of k rows equals k decode updates in order

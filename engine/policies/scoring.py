@@ -100,7 +100,7 @@ def observation_probs(queries: torch.Tensor, keys: torch.Tensor,
         hidden = torch.arange(length, device=keys.device)[None, :] >= key_limit.to(keys.device)[:, None]
         logits.add_(torch.zeros(hidden.shape, device=keys.device).masked_fill_(hidden, float("-inf")))
     if key_mask is not None:
-        logits = logits.masked_fill(~key_mask.to(keys.device)[:, :, None, None, :], float("-inf"))
+        logits.masked_fill_(~key_mask.to(keys.device)[:, :, None, None, :], float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     return probs.reshape(layers, q_heads, n, length)
 

@@ -1,5 +1,6 @@
 """`kvarena bench mixed --source documents`: GrowPage against Zipage and FullKV on long documents,
-with per-token fidelity (GrowPage Table 1 / Fig. 5's comparison, Tables 8-9's columns).
+with per-token fidelity (GrowPage Table 1 / Fig. 5's comparison, Tables 8-9's columns), and
+Kara's schedules on the same pool.
 
 Workload. Each request is a short prompt (the first `prompt_tokens` tokens of a document) followed
 by the rest of the document teacher-forced (`SamplingParams(forced_tokens=..., logprobs=True)`),
@@ -32,7 +33,9 @@ the KV kept per request.
 Configurations (mixed.py's page counts, App. H.1): FullKV; Zipage at B/2, B and 2B (B = 16 pages);
 GrowPage at the paper's rule (tau = 0, its own 9-page start, never B) and GrowPage-Fixed at B;
 `variants` adds GrowPage-Random (frequency-matched to GrowPage's measured grow ratio),
--Inverse and -Shrink. GrowPage protects 8 recent slots as in `bench mixed`. One engine (one model
+-Inverse and -Shrink; `kara` adds Kara under KvLLM's periodic schedule and under its window-fill
+trigger, and SnapKV at B (Kara's Fig. 1 question on this pool); `configs` runs a subset.
+GrowPage protects 8 recent slots as in `bench mixed`. One engine (one model
 load, one pool) runs every configuration (`LLM.use_policy`); each repeat runs them all, the order
 rotated by one per repeat, so a drift in the machine's load favours none (the bench framework
 records the load average at both ends, and each run its own at its start).
@@ -394,7 +397,7 @@ def run_mixed_documents(model: str = DEFAULT_MODEL, *, quick: bool = False,
                   "B": scale.b, "model": str(model), "model_context": limit, "mix": mix,
                   "forced_tokens": sum(len(p.forced_tokens) for p in params),
                   "pool_pages": pool_pages, "fullkv_pages": full_pages}
-    return BenchResult("mixed-documents", "GrowPage against Zipage and FullKV on long documents "
+    return BenchResult("mixed-documents", "Policies on a memory-bound mix of long documents "
                        "(teacher-forced, delta-NLL against FullKV)", scale_dict, tables, targets,
                        notes)
 
