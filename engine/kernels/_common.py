@@ -104,10 +104,13 @@ def upload(values: list[int], device) -> torch.Tensor:
     ``torch.tensor(values, device="cuda")`` copies from pageable memory, which blocks the host
     until the stream has drained up to the copy: a hidden sync per call. Staging the values in
     pinned memory lets the copy be queued asynchronously (torch's pinned-memory allocator keeps
-    the staging buffer alive until the copy has run). On CPU this is just ``torch.tensor``.
+    the staging buffer alive until the copy has run). On CPU this is just ``torch.tensor``; on
+    another device (``meta`` in the device-discipline tests) a plain copy.
     """
     host = torch.tensor(values, dtype=torch.long)
     device = torch.device(device)
-    if device.type != "cuda":
+    if device.type == "cpu":
         return host
+    if device.type != "cuda":
+        return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
