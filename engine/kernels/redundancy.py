@@ -6,7 +6,8 @@ is the definition, over dense keys `[layers, kv_heads, length, head_dim]` (all p
 Zipage's per-page form). The paged forms score one sequence's cached keys through its block
 table, as a policy view asks for them (engine/kernels/backend.py picks one per engine):
 
-``paged_key_redundancy(k_cache, block_table, length, threshold, temperature, spare_first)``
+``paged_key_redundancy_{torch,c}(k_cache, block_table, length, threshold, temperature,
+spare_first)``
 
     k_cache:     [layers, kv_heads, num_blocks, block_size, head_dim]
     block_table: [nb] int, the sequence's pages in order; keys 0..length-1 are scored
