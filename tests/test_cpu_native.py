@@ -487,6 +487,49 @@ def test_a_library_of_another_interface_leaves_the_torch_ops_after_one_warning(m
     assert "the torch ops run instead" in str(caught[0].message)
 
 
+@needs_kernel
+def test_the_kernels_run_on_torchs_openmp_runtime():
+    """Loading the library maps no OpenMP runtime beyond the one torch brought (a second one
+    would be a second thread pool spinning against torch's)."""
+    code = ("import json, torch\n"
+            "from engine.kernels import cpu_native\n"
+            "before = cpu_native.openmp_runtimes()\n"
+            "print(json.dumps([cpu_native.available(), sorted(before),\n"
+            "                  sorted(cpu_native.openmp_runtimes())]))\n")
+    done = _fresh_python(code)
+    assert done.returncode == 0, done.stderr
+    loaded, before, after = json.loads(done.stdout.splitlines()[-1])
+    assert loaded and len(before) == 1 and after == before, done.stdout
+
+
+MAPS = ("7f01-7f02 r-xp 00000000 08:01 11 /venv/torch/lib/libgomp.so.1\n"
+        "7f03-7f04 r--p 00000000 08:01 12 /venv/torch/lib/libtorch_cpu.so\n"
+        "7f05-7f06 rw-p 00000000 00:00 0 \n"
+        "7f07-7f08 r-xp 00000000 08:01 13 /usr/lib/llvm/lib/libomp.so.5\n")
+
+
+def test_a_library_with_its_own_openmp_runtime_is_refused(monkeypatch):
+    """The maps' runtimes by file name, and the refusal when loading adds one: a clear warning,
+    then the torch ops."""
+    assert cpu_native.openmp_runtimes(MAPS) == {"/venv/torch/lib/libgomp.so.1",
+                                                "/usr/lib/llvm/lib/libomp.so.5"}
+    torch_only = cpu_native.openmp_runtimes(MAPS.rsplit("\n", 2)[0])
+    assert torch_only == {"/venv/torch/lib/libgomp.so.1"}
+    cpu_native._check_openmp(torch_only, torch_only)
+    cpu_native._check_openmp(None, None)  # maps unreadable: not checked
+    with pytest.raises(RuntimeError, match=r"its own OpenMP runtime \(/usr/lib/llvm/lib/libomp"):
+        cpu_native._check_openmp(torch_only, cpu_native.openmp_runtimes(MAPS))
+    if not cpu_native.available():
+        return
+    seen = iter([torch_only, cpu_native.openmp_runtimes(MAPS)])
+    monkeypatch.setattr(cpu_native, "openmp_runtimes", lambda maps=None: next(seen))
+    monkeypatch.setattr(cpu_native, "_lib", None)
+    monkeypatch.setattr(cpu_native, "_tried", False)
+    with pytest.warns(RuntimeWarning) as caught:
+        assert not cpu_native.available() and not cpu_native.available()
+    assert len(caught) == 1 and "libomp.so.5" in str(caught[0].message)
+
+
 # /proc/cpuinfo as x86 and ARM Linux write it (abridged): the feature list is `flags` on one,
 # `Features` on the other.
 CPUINFO_X86 = ("processor\t: 0\nvendor_id\t: GenuineIntel\nmodel name\t: Xeon\n"

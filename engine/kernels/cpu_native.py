@@ -62,7 +62,9 @@ known by its --version output), flags and CPU features (``$KVARENA_CACHE/native/
 size and SHA-256 stamped beside it; a cached file that does not match its stamp, or does not
 load, is built again. At load the library reports the constants it shares with this module
 (cpu/kvarena_native.h: the interface version, return codes, panel width, layer table order),
-checked against ours. Without a compiler, or if the build, the load or that check fails,
+checked against ours, and it must not have brought an OpenMP runtime of its own into the
+process (its kernels run on torch's OpenMP threads; a clang build would load libomp beside
+torch's libgomp). Without a compiler, or if the build, the load or those checks fail,
 `available()` is False, a warning says why once, and the torch ops run as before.
 ``KVARENA_NATIVE=0`` turns it off.
 
@@ -82,6 +84,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
@@ -572,7 +575,9 @@ def _load() -> ctypes.CDLL | None:
 
 def _open(path: Path) -> ctypes.CDLL:
     """dlopen path and type its functions; a library without them is closed again, or a rebuilt
-    file at the same path would resolve to its handle (the loader matches on the path)."""
+    file at the same path would resolve to its handle (the loader matches on the path). A
+    library that brought its own OpenMP runtime into the process is refused (`_check_openmp`)."""
+    before = openmp_runtimes()
     lib = ctypes.CDLL(str(path))
     try:
         _declare(lib)
@@ -580,7 +585,42 @@ def _open(path: Path) -> ctypes.CDLL:
         _ctypes.dlclose(lib._handle)
         raise
     _check_abi(_abi(lib))
+    _check_openmp(before, openmp_runtimes())
     return lib
+
+
+# File names of OpenMP runtimes: GNU (libgomp, also as torch wheels bundle it, libgomp-<hash>),
+# LLVM (libomp), Intel (libiomp5).
+_OPENMP_RUNTIME = re.compile(r"^lib(gomp|omp|iomp5)([-.][^/]*)?\.so(\.[0-9.]+)?$")
+
+
+def openmp_runtimes(maps: str | None = None) -> set[str] | None:
+    """The OpenMP runtime files mapped into this process (/proc/self/maps, or the text given);
+    None where the maps cannot be read (not Linux)."""
+    if maps is None:
+        try:
+            maps = Path("/proc/self/maps").read_text()
+        except OSError:
+            return None
+    fields = (line.split(maxsplit=5) for line in maps.splitlines())
+    paths = {f[5].strip() for f in fields if len(f) == 6}
+    return {p for p in paths if _OPENMP_RUNTIME.match(Path(p).name)}
+
+
+def _check_openmp(before: set[str] | None, after: set[str] | None) -> None:
+    """Raise RuntimeError if loading the library mapped an OpenMP runtime that was not there
+    before (torch's, loaded with torch): its kernels would run on a second thread pool beside
+    torch's, each sized to every core, and each team would spin while the other works (a
+    library built by clang links libomp; a conda torch may bundle libiomp5 where gcc links
+    libgomp). Not checked where the process's maps cannot be read."""
+    if before is None or after is None:
+        return
+    added = sorted(after - before)
+    if added:
+        raise RuntimeError(
+            f"the library loads its own OpenMP runtime ({', '.join(added)}) beside torch's "
+            f"({', '.join(sorted(before)) or 'none loaded'}); build it with the compiler that "
+            f"links torch's runtime (gcc for a pip torch: CC=gcc)")
 
 
 def _expected_abi() -> dict[str, int]:
