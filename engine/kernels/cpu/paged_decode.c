@@ -14,9 +14,10 @@
 
    Every index read from the tables, lengths, holes and slot mapping is checked before it is
    used; a bad one stops the kernel with an error code (KV_*, kvarena_native.h) instead of
-   reading or writing out of bounds, and the caller raises. Compiled with OpenMP: the process's
-   runtime is torch's own (same soname, already loaded), so the threads are torch's, set by
-   torch.set_num_threads. */
+   reading or writing out of bounds, and the caller raises. Compiled with OpenMP: built by gcc
+   beside a pip torch, the runtime it links is torch's own (same soname, already loaded), so the
+   threads are torch's, set by torch.set_num_threads; cpu_native.py refuses a build that loads
+   another runtime (clang's libomp). */
 
 #include <math.h>
 #include <stdint.h>
