@@ -7,7 +7,8 @@
 #     DATA=data bash results/run_longdoc.sh
 # TASK=longdoc-needle runs the decode-time needle instead (results/needle/README.md): the needle
 # in the forced part of 1024-, 2048- and 4096-token documents at depths 25% and 75%, asked at the
-# end (256 to 3072 tokens after it was decoded); LENGTHS and DEPTHS override the grid.
+# end (256 to 3072 tokens after it was decoded); LENGTHS and DEPTHS override the grid
+# (results/needle-grid/README.md has the 15-cell run's commands).
 # Re-running resumes. POLICIES / BUDGETS2 / DOCS override the sets below; an entry may carry
 # policy arguments after "+" (pyramidkv+decode_compress=true).
 set -euo pipefail
