@@ -89,6 +89,12 @@ class Scheduler:
                                 and _periodic_is_bounded(type(policy)))
         # Free pages a capacity-decision GROW must leave (vLLM: int(watermark x blocks)).
         self.grow_reserve = int(config.grow_watermark * block_manager.num_pages)
+        # Decided once: whether the policy prepares a step's boundary decisions together
+        # (KVPolicy.prepare_boundaries); the share of that work each request's decision is
+        # charged with in its event's "demand" stage, by sequence id.
+        self.prepares_boundaries = \
+            type(policy).prepare_boundaries is not KVPolicy.prepare_boundaries
+        self._prepared_seconds: dict[int, float] = {}
 
     # -- requests -------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -139,6 +145,8 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         items: list[WorkItem] = []
         self._scheduled = set()  # victims are never taken from requests already in this step
+        if self.prepares_boundaries:
+            self._prepare_boundaries()
         for seq in list(self.running):
             if budget == 0:
                 break
@@ -237,10 +245,24 @@ class Scheduler:
                 return False
         return True
 
+    def _prepare_boundaries(self) -> None:
+        """Hand the policy every decoding request that stands at a full boundary, before any is
+        asked (KVPolicy.prepare_boundaries), and charge each an equal share of the time."""
+        full = [seq for seq in self.running
+                if seq.status is SeqStatus.RUNNING and not seq.compacting
+                and not seq.is_prefilling and seq.physical_len >= seq.num_pages * self.bm.block_size]
+        if not full:
+            return
+        start = time.perf_counter()
+        self.policy.prepare_boundaries([self.view(seq) for seq in full])
+        share = (time.perf_counter() - start) / len(full)
+        self._prepared_seconds = {seq.seq_id: share for seq in full}
+
     def _boundary(self, seq: Sequence) -> bool:
         """Ask the policy at a full boundary and apply its decision; True when a slot is free."""
         view = self.view(seq)
         timer = StageTimer()
+        timer.stages["demand"] = self._prepared_seconds.pop(seq.seq_id, 0.0)
         with timer.stage("demand"):
             decision = self.policy.on_boundary(view)
         if decision.action is not Action.GROW and decision.target_len is not None \

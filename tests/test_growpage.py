@@ -793,6 +793,61 @@ def test_engine_default_capacity_is_monotone_and_decisions_are_recorded(tiny_dir
     assert_no_page_leak(llm)
 
 
+def test_engine_prepares_a_steps_boundary_decisions_with_one_transfer(tiny_dir, monkeypatch):
+    """Requests that reach a boundary in the same step get their demand computed together and
+    brought to the host in one transfer (prepare_boundaries); every decision, delta and token is
+    the same as when each request's demand is computed and read on its own."""
+    import engine.policies.growpage as growpage
+    from engine.policies.base import KVPolicy
+
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14, 15, 16, 17, 18], [20, 21, 22, 23, 24, 25, 26]]
+    transfers = []
+
+    def counted(trends):
+        transfers.append(len(trends))
+        return [t.tolist() for t in trends]
+
+    monkeypatch.setattr(growpage, "_to_host", counted)
+
+    def decisions(llm):
+        events = [e for e in llm.last_scheduler.events if "delta" in e.info]
+        first = min(e.seq_id for e in events)
+        return [(e.seq_id - first, e.action, e.info["delta"]) for e in events]
+
+    policy = GrowPage(initial_capacity=3 * BLOCK, protected_recent=4)
+    llm, batched = run(tiny_dir, policy, prompts=prompts, kv_cache_tokens=64 * BLOCK)
+    together = decisions(llm)
+    assert llm.last_scheduler.prepares_boundaries
+    assert len(together) == sum(transfers) and max(transfers) == 3  # three at one step
+    assert all("demand" in e.stages for e in llm.last_scheduler.events)
+
+    transfers.clear()
+    monkeypatch.setattr(GrowPage, "prepare_boundaries", KVPolicy.prepare_boundaries)
+    policy = GrowPage(initial_capacity=3 * BLOCK, protected_recent=4)
+    llm, alone = run(tiny_dir, policy, prompts=prompts, kv_cache_tokens=64 * BLOCK)
+    assert not llm.last_scheduler.prepares_boundaries
+    assert decisions(llm) == together and set(transfers) == {1}
+    assert [o.token_ids for o in alone] == [o.token_ids for o in batched]
+
+
+def test_a_prepared_demand_is_used_only_where_the_request_still_stands():
+    """prepare_boundaries' demand serves the next decision of a request whose KV has not moved
+    since; one that has moved (a preemption, a compaction) gets its demand computed again."""
+    policy = bound(GrowPage(protected_recent=2, initial_capacity=8))
+    calls = []
+    real = policy._trend
+    policy._trend = lambda view, candidates: calls.append(candidates) or real(view, candidates)
+    view = boundary_view(4, state=GrowPageState(active=True))
+    policy.prepare_boundaries([view])
+    assert len(calls) == 1 and view.state.prepared is not None
+    first = policy.on_boundary(view)
+    assert len(calls) == 1 and view.state.prepared is None  # used, not computed again
+    policy.prepare_boundaries([view])
+    view.state.prepared = (view.physical_len + 1, *view.state.prepared[1:])  # the KV moved
+    again = policy.on_boundary(view)
+    assert len(calls) == 3 and again.info["delta"] == first.info["delta"]
+
+
 class EmaRecorder(GrowPage):
     """GrowPage that snapshots each running request's query state once per scheduler step."""
 

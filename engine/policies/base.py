@@ -276,6 +276,15 @@ class KVPolicy:
         """The request lost all its KV and will be re-prefilled (prompt + generated tokens); reset
         whatever in `state` refers to physical slots (e.g. a compressed-region boundary)."""
 
+    def prepare_boundaries(self, views: list[PolicyView]) -> None:
+        """Called once per step, before `on_boundary`, with every decoding request that stands
+        at a full boundary (the scheduler then asks them one by one). A policy whose boundary
+        decision reads device results can compute them for all of them here and bring them to
+        the host together: one wait for the device per step instead of one per request. The
+        requests may be asked in any order, or not at all this step (the step's token budget),
+        and a decision may change another's KV first (a preemption): what is prepared must be
+        checked against the request when it is used."""
+
     def on_boundary(self, view: PolicyView) -> Decision:
         return Decision.grow()
 

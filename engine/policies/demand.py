@@ -145,10 +145,16 @@ def demand_trend(ratios: torch.Tensor, candidates: int) -> Demand:
 
     ratios: [layers, 2 (SHORT, LONG), kv_heads]; candidates: |C|, recorded for accounting.
     """
+    r_short, r_long = trend_means(ratios).tolist()
+    return Demand(r_short, r_long, candidates)
+
+
+def trend_means(ratios: torch.Tensor) -> torch.Tensor:
+    """(r_S, r_L) of Eq. 8 where the ratios lie (no host transfer): [layers, 2, kv_heads] ->
+    float64 [2]."""
     if ratios.dim() != 3 or ratios.shape[1] != 2:
         raise ValueError(f"ratios must be [layers, 2, kv_heads], got {tuple(ratios.shape)}")
-    r = ratios.double().mean(dim=(0, 2))
-    return Demand(float(r[SHORT]), float(r[LONG]), candidates)
+    return ratios.double().mean(dim=(0, 2))
 
 
 def view_ratios(probs: torch.Tensor, metric: str, p: float) -> torch.Tensor:

@@ -141,7 +141,7 @@ from engine.policies.demand import (
     Demand,
     attention_scale,
     calibrate_rms,
-    demand_trend,
+    trend_means,
     view_ratios,
 )
 
@@ -289,6 +289,7 @@ class GrowPageState:
     preempted: set by `on_preempt`, cleared when the re-admitted request is compressed back.
     last_demand: the latest demand numbers, attached to a fallback's event record.
     deltas: every delta this request's decisions computed, oldest first (threshold="median").
+    prepared: its next decision's demand, computed with the step's other boundaries.
     """
 
     active: bool = False
@@ -296,6 +297,9 @@ class GrowPageState:
     preempted: bool = False
     last_demand: dict = field(default_factory=dict)
     deltas: list = field(default_factory=list)
+    # (physical_len, num_computed, Demand) from `prepare_boundaries`: used by the next boundary
+    # decision when the request is still where it was
+    prepared: tuple | None = None
 
 
 @register_policy
@@ -482,7 +486,7 @@ class GrowPage(KVPolicy):
         info: dict = {"reason": self.rule.reason}
         delta = None
         if self.rule.needs_demand:
-            demand = self.demand(view)
+            demand = self._prepared(view, state) or self.demand(view)
             state.last_demand = demand.info()
             delta = demand.delta - self._offset(state)
             state.deltas.append(demand.delta)
@@ -586,9 +590,43 @@ class GrowPage(KVPolicy):
         candidates = view.physical_len - (self.block_size if exclude is None else exclude)
         if candidates <= 0:
             return Demand(0.0, 0.0, 0)
+        r_short, r_long = _to_host([self._trend(view, candidates)])[0]
+        return Demand(r_short, r_long, candidates)
+
+    def _trend(self, view: PolicyView, candidates: int) -> torch.Tensor:
+        """(r_S, r_L) over the first `candidates` slots, where the keys lie: float64 [2]."""
         ratios = [view_ratios(probs, self.metric, self.top_p)
                   for probs in self._summary_probs(view, candidates)]
-        return demand_trend(torch.cat(ratios), candidates)
+        return trend_means(torch.cat(ratios))
+
+    def prepare_boundaries(self, views: list[PolicyView]) -> None:
+        """The demand of every request whose boundary will be a decision this step, computed
+        request by request on the device and brought to the host at once (KVPolicy's
+        docstring); each is used by the request's `on_boundary` if its KV has not changed."""
+        if not self.rule.needs_demand:
+            return
+        pending = []
+        for view in views:
+            state = _state(view)
+            candidates = view.physical_len - self.block_size
+            if candidates <= 0 or (not state.active and view.num_pages < self.initial_pages):
+                continue  # no demand to compute, or an allocation below the start
+            pending.append((view, state, candidates, self._trend(view, candidates)))
+        if not pending:
+            return
+        for (view, state, candidates, _), (r_short, r_long) in zip(
+                pending, _to_host([trend for *_, trend in pending])):
+            state.prepared = (view.physical_len, view.num_computed,
+                              Demand(r_short, r_long, candidates))
+
+    @staticmethod
+    def _prepared(view: PolicyView, state: GrowPageState) -> Demand | None:
+        """The demand `prepare_boundaries` computed for this request, if it still stands where
+        it stood then (taken once)."""
+        prepared, state.prepared = state.prepared, None
+        if prepared is None or prepared[:2] != (view.physical_len, view.num_computed):
+            return None
+        return prepared[2]
 
     def _summary_probs(self, view: PolicyView, candidates: int):
         """Per chunk of layers, the summaries' attention over slots [0, candidates), one
@@ -642,3 +680,9 @@ def _state(view: PolicyView) -> GrowPageState:
             "GrowPageState from its new_state()"
         )
     return view.state
+
+
+def _to_host(trends: list[torch.Tensor]) -> list[list[float]]:
+    """Float64 [2] tensors, on the device, as Python pairs: one transfer (one wait for the
+    device) for all of them."""
+    return torch.stack(trends).tolist()
