@@ -370,24 +370,30 @@ def _fresh_python(code: str, **env: str) -> subprocess.CompletedProcess:
                           env={**os.environ, "PYTHONPATH": str(ROOT), **env}, cwd=ROOT, timeout=300)
 
 
+def _around_loading(setup: str, probe: str) -> list:
+    """In a fresh process: [whether the library loaded, `probe` (a JSON-able expression) before
+    it loaded, the same after]."""
+    code = (f"import json\n{setup}from engine.kernels import cpu_native\n"
+            f"before = {probe}\n"
+            f"print(json.dumps([cpu_native.available(), before, {probe}]))\n")
+    done = _fresh_python(code)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
 @needs_kernel
 def test_loading_the_library_keeps_subnormals():
     # Linked with -ffast-math, the library ran crtfastmath's initializer at load, which turns on
     # flush-to-zero and denormals-are-zero for the process: torch's and numpy's arithmetic too.
     # The values leave as raw bytes: under denormals-are-zero even repr() of one prints 0.0.
-    code = ("import json, struct, numpy, torch\n"
-            "from engine.kernels import cpu_native\n"
-            "def probe():\n"
-            "    values = ((torch.tensor(1e-40) * 1).item(), numpy.float32(1e-40) * 1,\n"
-            "              numpy.float64(1e-310) * 1)\n"
-            "    return [struct.pack('<d', v).hex() for v in values]\n"
-            "before = probe()\n"
-            "print(json.dumps([cpu_native.available(), before, probe()]))\n")
-    done = _fresh_python(code)
-    assert done.returncode == 0, done.stderr
-    loaded, before, after = json.loads(done.stdout.splitlines()[-1])
+    setup = ("import struct, numpy, torch\n"
+             "def probe():\n"
+             "    values = ((torch.tensor(1e-40) * 1).item(), numpy.float32(1e-40) * 1,\n"
+             "              numpy.float64(1e-310) * 1)\n"
+             "    return [struct.pack('<d', v).hex() for v in values]\n")
+    loaded, before, after = _around_loading(setup, "probe()")
     zero = struct.pack("<d", 0.0).hex()
-    assert loaded and zero not in before, done.stdout
+    assert loaded and zero not in before, before
     assert after == before
 
 
@@ -491,15 +497,9 @@ def test_a_library_of_another_interface_leaves_the_torch_ops_after_one_warning(m
 def test_the_kernels_run_on_torchs_openmp_runtime():
     """Loading the library maps no OpenMP runtime beyond the one torch brought (a second one
     would be a second thread pool spinning against torch's)."""
-    code = ("import json, torch\n"
-            "from engine.kernels import cpu_native\n"
-            "before = cpu_native.openmp_runtimes()\n"
-            "print(json.dumps([cpu_native.available(), sorted(before),\n"
-            "                  sorted(cpu_native.openmp_runtimes())]))\n")
-    done = _fresh_python(code)
-    assert done.returncode == 0, done.stderr
-    loaded, before, after = json.loads(done.stdout.splitlines()[-1])
-    assert loaded and len(before) == 1 and after == before, done.stdout
+    loaded, before, after = _around_loading("import torch\n",
+                                            "sorted(cpu_native.openmp_runtimes())")
+    assert loaded and len(before) == 1 and after == before, (before, after)
 
 
 MAPS = ("7f01-7f02 r-xp 00000000 08:01 11 /venv/torch/lib/libgomp.so.1\n"
