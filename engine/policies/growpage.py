@@ -550,6 +550,7 @@ class GrowPage(KVPolicy):
         if not isinstance(state, GrowPageState):
             raise RuntimeError(f"GrowPage got {type(state).__name__} state at preemption")
         state.preempted = True
+        state.prepared = None  # its summaries restart with the re-prefilled request
 
     def _grow(self, state: GrowPageState, pages: int, info: dict) -> Decision:
         state.capacity_pages = pages + 1
