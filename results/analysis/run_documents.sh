@@ -15,7 +15,7 @@ DATA=${DATA:?set DATA to the benchmark data root (niah/ inside)}
 KV=${KV:-.venv/bin/kvarena}
 GEOMETRY=(--block-size 256 --initial-capacity 1024)
 "$KV" analyze demand --documents 16 --doc-tokens 4096 --data "$DATA" "${GEOMETRY[@]}" \
-    --no-per-query --threads 2
+    --per-query --threads 2
 for control in positive negative nuisance nuisance-signal; do
     "$KV" analyze demand --control "$control" --control-tokens 4096 "${GEOMETRY[@]}" --threads 1
 done
