@@ -410,7 +410,7 @@ class ModelRunner:
             raise ValueError(f"slot range [{start}, {end}) outside 0..{seq.physical_len}")
         bs = self.block_size
         first, last = start // bs, -(-end // bs)
-        table = torch.tensor(seq.block_table[first:last], dtype=torch.long, device=self.device)
+        table = self._pages(seq, first, last)
         c = cache if layers is None else cache[layers]
         dense = torch.index_select(c, 2, table).flatten(2, 3)
         return dense[:, :, start - first * bs: end - first * bs]
@@ -423,8 +423,7 @@ class ModelRunner:
         length = seq.physical_len if length is None else length
         if not 0 <= length <= seq.physical_len:
             raise ValueError(f"length {length} outside 0..{seq.physical_len}")
-        pages = -(-length // self.block_size)
-        table = torch.tensor(seq.block_table[:pages], dtype=torch.long, device=self.device)
+        table = self._pages(seq, 0, -(-length // self.block_size))
         cache = self.kv.k if layers is None else self.kv.k[layers]
         scale = queries.shape[-1] ** -0.5 if scale is None else scale
         return self.backend.query_probs(queries, cache, table, length, None, scale, group_mean)
@@ -434,10 +433,14 @@ class ModelRunner:
         """PolicyView.key_redundancy: [layers, kv_heads, physical_len] over the sequence's
         physical slots, through the backend's kernel."""
         length = seq.physical_len
-        pages = -(-length // self.block_size)
-        table = torch.tensor(seq.block_table[:pages], dtype=torch.long, device=self.device)
+        table = self._pages(seq, 0, -(-length // self.block_size))
         return self.backend.key_redundancy(self.kv.k, table, length, threshold, temperature,
                                            spare_first)
+
+    def _pages(self, seq: Sequence, first: int, last: int) -> torch.Tensor:
+        """The sequence's pages [first, last) of its block table, int64 on the device, uploaded
+        without a host sync (`upload`)."""
+        return upload(seq.block_table[first:last], self.device)
 
     @torch.inference_mode()
     def recompute_queries(self, seq: Sequence, start: int, end: int) -> torch.Tensor:

@@ -119,11 +119,16 @@ def paged_query_probs_torch(queries, k_cache, block_table, length, key_limit, sc
     """Torch twin of :func:`paged_query_probs` (module docstring has the shapes): gathers the
     used pages of every layer at once, then :func:`dense_query_probs`."""
     length = _validate(queries, k_cache, block_table, length, key_limit)
-    block_size = k_cache.shape[3]
-    pages = block_table[: -(-length // block_size)]
-    # [layers, kv_heads, length, head_dim]: one index_select over the page axis.
-    keys = torch.index_select(k_cache, 2, pages).flatten(2, 3)[:, :, :length]
-    return dense_query_probs(queries, keys, key_limit, scale, group_mean)
+    return dense_query_probs(queries, dense_keys(k_cache, block_table, length), key_limit, scale,
+                             group_mean)
+
+
+def dense_keys(k_cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
+    """One sequence's first `length` cached keys as a dense copy, [layers, kv_heads, length,
+    head_dim], from k_cache [layers, kv_heads, num_blocks, block_size, head_dim] through its
+    block table [nb] (int): one index_select over the page axis (the twins' gather)."""
+    pages = block_table[: -(-length // k_cache.shape[3])]
+    return torch.index_select(k_cache, 2, pages).flatten(2, 3)[:, :, :length]
 
 
 def paged_query_probs_triton(queries, k_cache, block_table, length, key_limit, scale,

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import cpu_native
+from engine.kernels.attention_scores import dense_keys
 
 # Similarities held at once by the redundancy score (floats; layers are taken together up to it):
 # 2 MB, so the several elementwise passes over a chunk (threshold, last similar key, sums) find
@@ -136,12 +137,10 @@ def _page_redundancy(keys: torch.Tensor, threshold: float, temperature: float, b
 def paged_key_redundancy_torch(k_cache: torch.Tensor, block_table: torch.Tensor, length: int,
                                threshold: float = 0.5, temperature: float = 1.0,
                                spare_first: bool = False) -> torch.Tensor:
-    """Module docstring: the used pages gathered (one index_select over the page axis), then
+    """Module docstring: the used pages gathered (attention_scores.dense_keys), then
     `key_redundancy` over all pairs."""
-    pages = block_table[: -(-length // k_cache.shape[3])]
-    keys = torch.index_select(k_cache, 2, pages.long()).flatten(2, 3)[:, :, :length]
-    return key_redundancy(keys, threshold=threshold, temperature=temperature,
-                          spare_first=spare_first)
+    return key_redundancy(dense_keys(k_cache, block_table, length), threshold=threshold,
+                          temperature=temperature, spare_first=spare_first)
 
 
 def paged_key_redundancy_c(k_cache: torch.Tensor, block_table: torch.Tensor, length: int,
