@@ -150,7 +150,7 @@ class Scheduler:
         for seq in list(self.running):
             if budget == 0:
                 break
-            if seq.status is SeqStatus.RUNNING and not seq.compacting and not seq.is_prefilling:
+            if self._decoding(seq):
                 if self._ensure_slot(seq):
                     items.append(WorkItem(seq, 1))
                     self._scheduled.add(seq.seq_id)
@@ -237,7 +237,7 @@ class Scheduler:
         A compaction with per-head counts gives back the pages past its widest count
         (engine/compaction.py), so it can leave the pages full: the policy is then asked again,
         at the boundary it now stands at, as an asynchronous compaction's next step would."""
-        while seq.physical_len >= seq.num_pages * self.bm.block_size:
+        while self._full(seq):
             before = seq.physical_len
             if self._boundary(seq):
                 return True
@@ -245,12 +245,20 @@ class Scheduler:
                 return False
         return True
 
+    @staticmethod
+    def _decoding(seq: Sequence) -> bool:
+        """A running request past its prefill with no compaction in flight: it decodes this
+        step if it can."""
+        return seq.status is SeqStatus.RUNNING and not seq.compacting and not seq.is_prefilling
+
+    def _full(self, seq: Sequence) -> bool:
+        """Its pages hold no free slot: the next token needs a boundary decision."""
+        return seq.physical_len >= seq.num_pages * self.bm.block_size
+
     def _prepare_boundaries(self) -> None:
         """Hand the policy every decoding request that stands at a full boundary, before any is
         asked (KVPolicy.prepare_boundaries), and charge each an equal share of the time."""
-        full = [seq for seq in self.running
-                if seq.status is SeqStatus.RUNNING and not seq.compacting
-                and not seq.is_prefilling and seq.physical_len >= seq.num_pages * self.bm.block_size]
+        full = [seq for seq in self.running if self._decoding(seq) and self._full(seq)]
         if not full:
             return
         start = time.perf_counter()

@@ -15,11 +15,11 @@ from engine.policies.base import Action, EngineSpec, SignalSpec, StageTimer, bui
 from engine.policies.demand import (
     Demand,
     calibrate_rms,
-    demand_trend,
     entropy_ratio,
     group_attention_probs,
     top_p_ratio,
     top_p_working_set,
+    trend_means,
 )
 from engine.policies.growpage import (
     GrowPage,
@@ -406,9 +406,9 @@ def test_demand_delta_against_naive_reference_with_gqa(metric):
     assert demand.delta != 0.0  # the random summaries do differ
 
 
-def test_demand_trend_averages_over_layers_and_kv_heads():
+def test_trend_means_average_over_layers_and_kv_heads():
     ratios = torch.tensor([[[0.1, 0.3], [0.2, 0.2]], [[0.5, 0.7], [0.4, 0.4]]])
-    d = demand_trend(ratios, 10)
+    d = Demand(*trend_means(ratios).tolist(), 10)
     assert d.r_short == pytest.approx(0.4) and d.r_long == pytest.approx(0.3)
     assert d.delta == pytest.approx(0.1)
     assert d.info() == {"delta": d.delta, "r_S": d.r_short, "r_L": d.r_long, "candidates": 10}

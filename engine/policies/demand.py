@@ -12,7 +12,7 @@ The pieces, in the order a capacity boundary uses them:
    (layer, view, KV head) over a candidate key set, averaging the distributions of the query heads
    of a GQA group (the engine computes the same from its pages in place, `PolicyView.query_probs`).
 5. A demand metric (`DEMAND_METRICS`: Top-p working-set ratio K/|C| of Eq. 7, or the entropy
-   variant of Table 2) maps each distribution to a ratio, and `demand_trend` averages the ratios
+   variant of Table 2) maps each distribution to a ratio, and `trend_means` averages the ratios
    over layers and KV heads (Eq. 8): delta = r_S - r_L.
 
 Everything here is computed in float32 (float64 for the cumulative sums), whatever the model dtype.
@@ -140,18 +140,10 @@ class Demand:
                 "candidates": self.candidates}
 
 
-def demand_trend(ratios: torch.Tensor, candidates: int) -> Demand:
-    """Average per-(layer, KV head) ratios into the request-level trend (Eq. 8).
-
-    ratios: [layers, 2 (SHORT, LONG), kv_heads]; candidates: |C|, recorded for accounting.
-    """
-    r_short, r_long = trend_means(ratios).tolist()
-    return Demand(r_short, r_long, candidates)
-
-
 def trend_means(ratios: torch.Tensor) -> torch.Tensor:
-    """(r_S, r_L) of Eq. 8 where the ratios lie (no host transfer): [layers, 2, kv_heads] ->
-    float64 [2]."""
+    """Average per-(layer, KV head) ratios into the request-level (r_S, r_L) of Eq. 8, where
+    the ratios lie (no host transfer; `Demand` holds them on the host):
+    [layers, 2 (SHORT, LONG), kv_heads] -> float64 [2]."""
     if ratios.dim() != 3 or ratios.shape[1] != 2:
         raise ValueError(f"ratios must be [layers, 2, kv_heads], got {tuple(ratios.shape)}")
     return ratios.double().mean(dim=(0, 2))

@@ -479,7 +479,7 @@ class GrowPage(KVPolicy):
         state = _state(view)
         state.last_demand = {}
         pages = view.num_pages
-        if not state.active and pages < self.initial_pages:
+        if self._below_start(state, pages):
             state.capacity_pages = pages + 1
             return Decision.grow(action="allocate", reason="below_initial")
         state.active = True
@@ -504,6 +504,10 @@ class GrowPage(KVPolicy):
         if action is Action.SHRINK:
             return self._shrink(state, pages, info)
         return self._hold(state, pages, info)
+
+    def _below_start(self, state: GrowPageState, pages: int) -> bool:
+        """A boundary below the initial capacity before any decision: page allocation."""
+        return not state.active and pages < self.initial_pages
 
     def _offset(self, state: GrowPageState) -> float:
         """What the rule subtracts from delta: 0 ("fixed"), or the median of the request's
@@ -610,7 +614,7 @@ class GrowPage(KVPolicy):
         for view in views:
             state = _state(view)
             candidates = view.physical_len - self.block_size
-            if candidates <= 0 or (not state.active and view.num_pages < self.initial_pages):
+            if candidates <= 0 or self._below_start(state, view.num_pages):
                 continue  # no demand to compute, or an allocation below the start
             pending.append((view, state, candidates, self._trend(view, candidates)))
         if not pending:
