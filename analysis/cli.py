@@ -223,7 +223,8 @@ def _demand_report(summary: dict) -> str:
     lines = [
         f"{summary['complete']} complete of {summary['decision_boundaries']} decision boundaries "
         f"({summary['boundaries']} in all), {summary['requests']} requests (95% CI over requests)",
-        f"Spearman(delta, change) = {fmt_interval(main['spearman'])}; position partialled "
+        f"Spearman(delta, {summary['main_target']}) = {fmt_interval(main['spearman'])}; "
+        f"position partialled "
         f"{fmt_interval(main['partial_spearman'])}",
         f"sign agreement = {fmt_interval(main['sign_agreement'])}, chance level "
         f"{fmt_interval(main['chance_sign_agreement'])}, after centring delta on its median "
@@ -234,7 +235,7 @@ def _demand_report(summary: dict) -> str:
         f"; change > 0 at {fmt_interval(offset.get('change_positive_complete_rows'))}",
     ]
     for name, target in summary["targets"].items():
-        if name != "future_change":
+        if name != summary["main_target"]:
             flag = " [shares a term with delta]" if target["shares_term_with_delta"] else ""
             lines.append(f"alternative target {name}{flag}: Spearman = "
                          f"{fmt_interval(main.get('spearman_' + name))}; position partialled "
@@ -318,7 +319,7 @@ def demand(
 
             torch.set_num_threads(threads)
             length = (f"-t{control_tokens}-b{block_size}" if control_tokens else "") + \
-                (f"-p{control_period}" if control_period else "")
+                (f"-p{control_period}" if control_period else "") + (f"-s{seed}" if seed else "")
             path = out or RESULTS_ROOT / (f"demand-control-{control}{length}-h{horizon_tokens}"
                                           f"-e{exclude_tokens}-n{requests}")
             console.print(f"[bold]demand[/]: {control} control, {requests} synthetic requests "

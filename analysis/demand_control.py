@@ -291,7 +291,7 @@ def control_study(process: SyntheticProcess, config: DemandConfig, out: Path) ->
     rows = frame[frame["complete"]]
     summary["control"] = {
         "process": "synthetic (analysis/demand_control.py)",
-        "spearman_target_vs_latent": spearman(rows["future_change"], rows["latent_change"]),
+        "spearman_target_vs_latent": spearman(rows[summary["main_target"]], rows["latent_change"]),
         "spearman_delta_vs_latent": spearman(rows[MAIN_SIGNAL], rows["latent_change"]),
     }
     write_json(out / "summary.json", summary)

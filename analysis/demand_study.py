@@ -38,10 +38,15 @@ Choices where the paper is silent (and why):
   target see the same profile and it stays unbiased, while the symmetric target's ratios over sets
   of different sizes carry an offset (tested on the synthetic process): the paper's definition
   stays the main target. A heavier-tailed recency profile is not modelled.
-- A shared term with nothing to predict: the short summary's recent queries are part of the
-  current window, so a noisy r_S moves r_current the same way and the change the other way; with
-  nothing to predict rho sits below 0, the more so the longer the short summary's time constant
-  (the negative control, analysis/demand_control.py). Read a model's rho against that null level.
+- The main target holds out the summaries' shared queries (`future_change_held`). In the paper's
+  target the short summary's recent queries are part of the current window, so a noisy r_S moves
+  r_current the same way and the change the other way: with nothing to predict rho sits below 0
+  (the negative control, analysis/demand_control.py), the more so the longer the short summary's
+  time constant. The paper does not say which queries make the "current working set". The main
+  target leaves out the window's newest g queries, g chosen from the betas so that the short and
+  the long summary put equal weight on the rest (`held_out_queries`; 15 of 256 at the paper's
+  setting): delta's noise then cancels in its covariance with r_current_held, and the negative
+  control's rho centres on 0. The paper's own target stays in every summary as `future_change`.
 - Alternative targets (TARGETS): the mean of per-query ratios (`future_change_q`), and the change
   from the boundary's own query alone (`future_change_last` = r_future - r_current_last). The last
   one *shares a term with delta*: r_current_last is the working set of the newest decode query,
@@ -126,13 +131,48 @@ DEFAULT_VARIANTS: dict[str, dict] = {
 }
 MAIN_SIGNAL = "delta"
 LEVEL_PREDICTORS = ("r_S", "r_current")
-MAIN_TARGET = "future_change"
+HELD_TARGET, PAPER_TARGET = "future_change_held", "future_change"
+def held_out_queries(betas: tuple[float, float], horizon: int) -> int | None:
+    """How many of the current window's newest queries the held-out target drops: the g where
+    both summaries put the same weight on the window's other horizon - g queries, the first zero
+    of d(g) = (beta_S^g - beta_S^h) - (beta_L^g - beta_L^h) (EMA weight (1 - beta) beta^age,
+    newest age 0), rounded to the nearer integer. Under independent per-query noise, delta =
+    r_S - r_L then shares no net noise with r_current_held. Paper's betas (0.9, 0.999) and
+    h = 256: d(14) = 0.229 - 0.986 + 0.774 = 0.017, d(15) = 0.206 - 0.985 + 0.774 = -0.005,
+    so g = 15. None where no g < h balances them: a window too short for the short summary (the
+    paper's betas need h >= 46) or a short summary that forgets no faster than the long one."""
+    short, long_ = betas
+
+    def d(g: int) -> float:
+        return (short ** g - short ** horizon) - (long_ ** g - long_ ** horizon)
+
+    if d(0) < 0:  # the long summary outweighs the short one on the whole window already
+        return None
+    for g in range(horizon):
+        if d(g) <= 0:
+            return g if g == 0 or -d(g) <= d(g - 1) else g - 1
+    return None
+
+
+def main_target(frame: pd.DataFrame) -> str:
+    """The held-out target where the run could define it (`held_out_queries`), else the paper's
+    (whose null level is below 0)."""
+    if HELD_TARGET in frame.columns and frame[HELD_TARGET].notna().any():
+        return HELD_TARGET
+    return PAPER_TARGET
+
+
 # target -> (description, shares a term with delta)
 TARGETS: dict[str, tuple[str, bool]] = {
-    "future_change": ("r_future - r_current (window working sets on C_t; the paper's)", False),
+    "future_change": ("r_future - r_current (window working sets on C_t; the paper's): the "
+                      "current window holds the short summary's queries, so a noisy r_S moves "
+                      "the change the other way", True),
     "future_change_q": ("mean per-query ratio of the future window - of the current one", False),
     "future_change_sym": ("r_future on C_t - r_current on C_{t-h}: each window over the candidate "
                           "set of its own start, at the same distance from it", False),
+    "future_change_held": ("r_future - r_current_held: the current window without its newest g "
+                           "queries, g balancing the short and the long summary's weight on the "
+                           "rest, so delta's query noise cancels (the main target)", False),
     "future_change_last": ("r_future - r_current_last (the boundary's newest query alone): "
                            "r_current_last is nearly r_S of the beta_S = 0 summary, so this "
                            "target shares a term with delta (opposite signs)", True),
@@ -244,6 +284,8 @@ class DemandRecorder(DecodeTap):
                 pair.append(betas.index(beta))
             self.pairs[name] = (pair[0], pair[1])
         self.betas = tuple(betas)
+        self.held_gap = held_out_queries(self.estimators[MAIN_SIGNAL].betas,
+                                         self.horizon_tokens)
 
     def signals(self) -> SignalSpec:
         if not self.betas:
@@ -275,6 +317,7 @@ class DemandRecorder(DecodeTap):
             row["future_change_q"] = row["r_future_q"] - row["r_current_q"]
             row["future_change_last"] = row["r_future"] - row["r_current_last"]
             row["future_change_sym"] = row["r_future"] - row["r_current_sym"]
+            row["future_change_held"] = row["r_future"] - row["r_current_held"]
 
     def on_boundary(self, view: PolicyView) -> Decision:
         state: DemandState = view.state
@@ -287,13 +330,18 @@ class DemandRecorder(DecodeTap):
         nan_signals = {name: math.nan for name in self.variants} | {"r_S": math.nan, "r_L": math.nan}
         row.update(nan_signals if candidates <= 0 else self._signals(view))
         row.update(current_queries=0, r_current=math.nan, r_current_q=math.nan,
-                   r_current_last=math.nan, r_current_sym=math.nan, future_queries=0,
-                   r_future=math.nan, r_future_q=math.nan, future_change=math.nan,
-                   future_change_q=math.nan, future_change_last=math.nan,
-                   future_change_sym=math.nan)
+                   r_current_last=math.nan, r_current_sym=math.nan, r_current_held=math.nan,
+                   future_queries=0, r_future=math.nan, r_future_q=math.nan,
+                   future_change=math.nan, future_change_q=math.nan, future_change_last=math.nan,
+                   future_change_sym=math.nan, future_change_held=math.nan)
         if decision and candidates > 0:
             current = self._window(state, position - self.horizon_tokens, position)
             row.update(self._targets("current", current, view.keys(end=candidates)))
+            held = [] if self.held_gap is None else \
+                self._window(state, position - self.horizon_tokens, position - self.held_gap)
+            if held:  # the current window less its newest held_gap queries
+                row["r_current_held"] = window_ratios(torch.stack(held), view.keys(end=candidates),
+                                                      self.top_p, per_query=False)[0]
             own = candidates - self.horizon_tokens  # C_{t-h}: the current window's own set
             if current and own > 0:
                 row["r_current_sym"] = window_ratios(torch.stack(current), view.keys(end=own),
@@ -423,37 +471,37 @@ def summarize_demand(frame: pd.DataFrame, resamples: int = RESAMPLES, seed: int 
     the target with the position (a signal that only tracks how far decoding has progressed
     shows rho(delta, position) near 1)."""
     rows = (frame[frame["complete"]] if len(frame) else frame).reset_index(drop=True)
+    target = main_target(rows)
     stats = {}
     for col in predictor_columns(frame):
-        for target in (t for t in TARGETS if t in frame.columns):  # older CSVs lack some
-            stats[f"{col}/spearman:{target}"] = \
-                lambda f, c=col, t=target: spearman(f[c], f[t])
-            stats[f"{col}/partial_spearman:{target}"] = \
-                lambda f, c=col, t=target: partial_spearman(f[c], f[t], f["position"])
+        for name in (t for t in TARGETS if t in frame.columns):  # older CSVs lack some
+            stats[f"{col}/spearman:{name}"] = lambda f, c=col, t=name: spearman(f[c], f[t])
+            stats[f"{col}/partial_spearman:{name}"] = \
+                lambda f, c=col, t=name: partial_spearman(f[c], f[t], f["position"])
         if col.startswith("delta"):
-            stats[f"{col}/sign_agreement"] = lambda f, c=col: sign_agreement(f[c], f[MAIN_TARGET])
+            stats[f"{col}/sign_agreement"] = lambda f, c=col: sign_agreement(f[c], f[target])
             stats[f"{col}/chance_sign_agreement"] = \
-                lambda f, c=col: chance_sign_agreement(f[c], f[MAIN_TARGET])
+                lambda f, c=col: chance_sign_agreement(f[c], f[target])
             stats[f"{col}/centred_sign_agreement"] = \
-                lambda f, c=col: centred_sign_agreement(f[c], f[MAIN_TARGET])
+                lambda f, c=col: centred_sign_agreement(f[c], f[target])
             stats[f"{col}/positive_fraction"] = _positive(col)
-    for col in [c for c in predictor_columns(frame) if c.startswith("delta")] + [MAIN_TARGET]:
+    for col in [c for c in predictor_columns(frame) if c.startswith("delta")] + [target]:
         stats[f"position/{col}"] = lambda f, c=col: spearman(f[c], f["position"])
-    stats["change_positive_fraction"] = _positive(MAIN_TARGET)
+    stats["change_positive_fraction"] = _positive(target)
     intervals = cluster_bootstrap(rows, "request", stats, resamples=resamples, seed=seed,
                                   as_arrays=True) if len(rows) else {}
     pooled: dict = {}
     for key, interval in intervals.items():
         group, name = key.split("/") if "/" in key else (None, key)
         if group is not None and group != "position":
-            name = name.removesuffix(f":{MAIN_TARGET}")
+            name = name.removesuffix(f":{target}")
             pooled.setdefault(group, {})[name.replace(":", "_")] = interval.to_dict()
     per_request = {}
     for request, g in rows.groupby("request"):
         per_request[int(request)] = {
             "n": int(len(g)),
-            "spearman_delta": finite_or_none(spearman(g[MAIN_SIGNAL], g[MAIN_TARGET])),
-            "sign_agreement_delta": finite_or_none(sign_agreement(g[MAIN_SIGNAL], g[MAIN_TARGET])),
+            "spearman_delta": finite_or_none(spearman(g[MAIN_SIGNAL], g[target])),
+            "sign_agreement_delta": finite_or_none(sign_agreement(g[MAIN_SIGNAL], g[target])),
         }
 
     def get(key: str) -> dict | None:
@@ -463,7 +511,7 @@ def summarize_demand(frame: pd.DataFrame, resamples: int = RESAMPLES, seed: int 
             "decision_boundaries": int(frame["decision"].sum()) if len(frame) else 0,
             "complete": int(len(rows)),
             "requests": int(rows["request"].nunique()) if len(rows) else 0,
-            "target": TARGETS[MAIN_TARGET][0],
+            "main_target": target, "target": TARGETS[target][0],
             "targets": {name: {"description": d, "shares_term_with_delta": shared}
                         for name, (d, shared) in TARGETS.items()},
             "intervals": "95% percentile bootstrap over requests (whole requests resampled)",
@@ -471,11 +519,12 @@ def summarize_demand(frame: pd.DataFrame, resamples: int = RESAMPLES, seed: int 
             "spearman_position": {key.split("/", 1)[1]: value.to_dict()
                                   for key, value in intervals.items()
                                   if key.startswith("position/")},
-            "offset": sign_rates(frame, resamples, seed),
+            "offset": sign_rates(frame, target, resamples, seed),
             "change_positive_fraction": get("change_positive_fraction")}
 
 
-def sign_rates(frame: pd.DataFrame, resamples: int = RESAMPLES, seed: int = 0) -> dict:
+def sign_rates(frame: pd.DataFrame, target: str, resamples: int = RESAMPLES,
+               seed: int = 0) -> dict:
     """delta's positive share at every boundary with a signal, at decision boundaries and at the
     complete rows, beside the change's (complete rows), each with its interval over requests."""
     if not len(frame):
@@ -488,7 +537,7 @@ def sign_rates(frame: pd.DataFrame, resamples: int = RESAMPLES, seed: int = 0) -
         "delta_positive_complete_rows":
             lambda f: _positive(MAIN_SIGNAL)(f[f["complete"]]) if f["complete"].any() else math.nan,
         "change_positive_complete_rows":
-            lambda f: _positive(MAIN_TARGET)(f[f["complete"]]) if f["complete"].any() else math.nan,
+            lambda f: _positive(target)(f[f["complete"]]) if f["complete"].any() else math.nan,
     }
     intervals = cluster_bootstrap(signal, "request", stats, resamples=resamples, seed=seed,
                                   as_arrays=True) if len(signal) else {}
@@ -505,7 +554,7 @@ def plot_demand(frame: pd.DataFrame, summary: dict, path: Path) -> None:
     rows = frame[frame["complete"]]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5), constrained_layout=True)
     for request, g in rows.groupby("request"):
-        left.scatter(g[MAIN_SIGNAL], g["future_change"], s=10, alpha=0.6,
+        left.scatter(g[MAIN_SIGNAL], g[summary["main_target"]], s=10, alpha=0.6,
                      color=f"C{int(request) % 10}")
     left.axhline(0, color="grey", linewidth=0.8)
     left.axvline(0, color="grey", linewidth=0.8)
@@ -519,7 +568,9 @@ def plot_demand(frame: pd.DataFrame, summary: dict, path: Path) -> None:
                    f"{fmt_interval(main.get('centred_sign_agreement'))})  (95% CI over requests)",
                    fontsize=9)
     left.set_xlabel("delta_t = r_S - r_L at the decision boundary")
-    left.set_ylabel("r_future - r_current (next vs last horizon of tokens)")
+    left.set_ylabel(f"{summary['main_target']}: next horizon of tokens vs the last\n"
+                    + ("(less its newest held-out queries)" if summary["main_target"] == HELD_TARGET
+                       else "(the paper's target)"))
     names = list(summary["pooled"])
     entries = [summary["pooled"][n]["spearman"] for n in names]
     ypos = np.arange(len(names))

@@ -20,7 +20,7 @@ from analysis.common import (
     sign_agreement,
     spearman,
 )
-from analysis.demand_study import DemandRecorder, demand_study, run_demand
+from analysis.demand_study import DEFAULT_VARIANTS, DemandRecorder, demand_study, run_demand
 from analysis.replay import (
     ForcedGrowPage,
     ForcePlan,
@@ -259,8 +259,11 @@ def expected_boundaries(prompt_len: int, output_tokens: int, block: int) -> list
     return [m for m in range(prompt_len, prompt_len + output_tokens - 1) if m % block == 0]
 
 
-# The tiny study: horizon and exclusion of one page, GrowPage's control from 3 pages.
-TINY_DEMAND = dict(horizon_tokens=BLOCK, exclude_tokens=BLOCK, initial_capacity=3 * BLOCK)
+# The tiny study: horizon and exclusion of one page, GrowPage's control from 3 pages; the main
+# signal's short summary is the newest query (beta_S = 0), whose weight a one-page window can
+# hold out (the paper's 0.9 needs a window of 46 tokens, `held_out_queries`).
+TINY_DEMAND = dict(horizon_tokens=BLOCK, exclude_tokens=BLOCK, initial_capacity=3 * BLOCK,
+                   variants={**DEFAULT_VARIANTS, "delta": {"preset": "paper", "beta_short": 0.0}})
 
 
 def test_demand_study_records_one_row_per_boundary(tiny_dir):
@@ -328,6 +331,12 @@ def test_demand_windows_span_the_horizon_on_the_candidates_left_by_the_exclusion
         assert row["r_current_last"] == pytest.approx(current[2])
         assert row["r_future"] == pytest.approx(future[0])
         assert row["r_future_q"] == pytest.approx(future[1])
+        # the held-out target: the current window less its newest query (betas (0.5, 0.9),
+        # h = 10: d(0) = 0.999 - 0.651 > 0 >= d(1) = 0.499 - 0.551, |d(1)| nearer 0)
+        assert recorder.held_gap == 1
+        held = window_ratios(queries[m - horizon:m - 1], keys[:, :, :c], recorder.top_p)
+        assert row["r_current_held"] == pytest.approx(held[0])
+        assert row["future_change_held"] == pytest.approx(future[0] - held[0])
         # the symmetric target: the current window over C_{t-h}, its own start's candidate set
         if c <= horizon:  # C_{t-h} is empty
             assert math.isnan(row["r_current_sym"])
@@ -394,7 +403,7 @@ def test_demand_study_writes_csv_png_and_summary(tiny_dir, tmp_path):
     rho = summary["pooled"]["delta"]["spearman"]
     assert rho["clusters"] == summary["requests"] == frame.loc[frame["complete"], "request"].nunique()
     assert [n for n, t in summary["targets"].items() if t["shares_term_with_delta"]] == \
-        ["future_change_last"]
+        ["future_change", "future_change_last"]
     offset = summary["offset"]
     signal = frame[frame["delta"].notna()]
     assert offset["delta_positive_all_boundaries"]["estimate"] == pytest.approx(
@@ -431,9 +440,32 @@ def test_positive_control_recovers_the_known_future_demand(amplitude):
     if amplitude:
         assert main["spearman"]["estimate"] > 0.6 and main["spearman"]["low"] > 0.4
         assert main["sign_agreement"]["estimate"] > main["chance_sign_agreement"]["estimate"] + 0.15
-        assert spearman(rows["future_change"], rows["latent_change"]) > 0.8
+        assert spearman(rows["future_change_held"], rows["latent_change"]) > 0.8
     else:
         assert abs(main["spearman"]["estimate"]) < 0.3
+
+
+def test_held_out_target_has_no_null_offset_where_the_papers_target_has_one():
+    """With nothing to predict (amplitude 0) the paper's change shares the short summary's query
+    noise with delta and correlates negatively with it; the held-out target, whose window leaves
+    out the newest queries that balance the two summaries' weights, centres on 0 (pooled over 48
+    requests, seeds 0-1: paper's -0.14 and -0.12, held-out 0.00 and 0.00)."""
+    from analysis.demand_control import SyntheticProcess, run_control
+    from analysis.demand_study import DemandConfig, held_out_queries
+
+    assert held_out_queries((0.5, 0.95), 16) == 1
+    assert held_out_queries((0.9, 0.999), 256) == 15  # the paper's betas and page
+    assert held_out_queries((0.0, 0.999), 256) == 1
+    # no balance: a short summary no faster than the long one, a window too short for it
+    assert held_out_queries((0.999, 0.9), 16) is None
+    assert held_out_queries((0.9, 0.999), 45) is None and held_out_queries((0.9, 0.999), 46) == 43
+    for seed in (0, 1):
+        frame, _ = run_control(SyntheticProcess(requests=48, amplitude=0.0, seed=seed),
+                               DemandConfig(**CONTROL_CONFIG))
+        rows = frame[frame["complete"]]
+        assert len(rows) > 1000
+        assert spearman(rows["delta"], rows["future_change"]) < -0.08
+        assert abs(spearman(rows["delta"], rows["future_change_held"])) < 0.05
 
 
 def test_synthetic_nuisances_add_sink_and_recency_logits():
@@ -506,35 +538,35 @@ def test_demand_summary_bootstraps_over_requests():
     frame = pd.DataFrame({
         "request": np.repeat(np.arange(6), 10), "position": np.tile(np.arange(10) * 16, 6),
         "delta": delta, "delta_bS0": gen.normal(size=n), "r_S": gen.random(n),
-        "r_current": gen.random(n), "future_change": delta + 0.5 * gen.normal(size=n),
+        "r_current": gen.random(n), "future_change_held": delta + 0.5 * gen.normal(size=n),
         "complete": True, "decision": True})
-    frame["future_change_q"] = frame["future_change"]
-    frame["future_change_last"] = -frame["future_change"]
+    frame["future_change"] = frame["future_change_q"] = frame["future_change_held"]
+    frame["future_change_last"] = -frame["future_change_held"]
     frame.loc[frame.index[-1], "complete"] = False  # left out of every statistic
     done = frame[frame["complete"]]
     summary = summarize_demand(frame, resamples=300)
     main = summary["pooled"]["delta"]
     assert summary["requests"] == 6 and summary["complete"] == n - 1
     assert main["spearman"]["estimate"] == pytest.approx(spearman(done["delta"],
-                                                                  done["future_change"]))
+                                                                  done["future_change_held"]))
     assert main["spearman"]["clusters"] == 6 and main["spearman"]["low"] > 0.3
     assert main["spearman_future_change_last"]["estimate"] == pytest.approx(
         -main["spearman"]["estimate"])
     assert main["sign_agreement"]["estimate"] == pytest.approx(
-        sign_agreement(done["delta"], done["future_change"]))
+        sign_agreement(done["delta"], done["future_change_held"]))
     assert "sign_agreement" not in summary["pooled"]["r_S"]
     from analysis.demand_study import chance_sign_agreement
 
-    p_d, p_c = (done["delta"] > 0).mean(), (done["future_change"] > 0).mean()
+    p_d, p_c = (done["delta"] > 0).mean(), (done["future_change_held"] > 0).mean()
     assert main["chance_sign_agreement"]["estimate"] == pytest.approx(
         p_d * p_c + (1 - p_d) * (1 - p_c))
     assert chance_sign_agreement(pd.Series([1.0, 2.0]), pd.Series([-1.0, -2.0])) == 0.0
     assert main["centred_sign_agreement"]["estimate"] == pytest.approx(
-        sign_agreement(done["delta"] - done["delta"].median(), done["future_change"]))
+        sign_agreement(done["delta"] - done["delta"].median(), done["future_change_held"]))
     assert summary["spearman_position"]["delta"]["estimate"] == pytest.approx(
         spearman(done["delta"], done["position"]))
     assert main["partial_spearman"]["estimate"] == pytest.approx(
-        partial_spearman(done["delta"], done["future_change"], done["position"]))
+        partial_spearman(done["delta"], done["future_change_held"], done["position"]))
     assert "spearman_future_change_sym" not in main  # a column this frame lacks is left out
 
 
@@ -705,6 +737,9 @@ def test_analyze_commands_write_their_outputs(tiny_dir, tmp_path, command, extra
         summary = json.loads((out / "summary.json").read_text())
         assert config["resamples"] == 200
         assert summary["pooled"]["delta"]["spearman"]["resamples"] == 200
+        # a 4-token window cannot hold out the paper's short summary: the paper's target, named
+        assert summary["main_target"] == "future_change"
+        assert "Spearman(delta, future_change) =" in " ".join(result.output.split())
 
 
 def test_demand_on_documents_forces_the_text_and_records_its_boundaries(tiny_dir, tmp_path):
