@@ -335,16 +335,17 @@ class DemandRecorder(DecodeTap):
                    future_change=math.nan, future_change_q=math.nan, future_change_last=math.nan,
                    future_change_sym=math.nan, future_change_held=math.nan)
         if decision and candidates > 0:
+            keys = view.keys(end=candidates)  # C_t, gathered once for the three targets
             current = self._window(state, position - self.horizon_tokens, position)
-            row.update(self._targets("current", current, view.keys(end=candidates)))
+            row.update(self._targets("current", current, keys))
             held = [] if self.held_gap is None else \
                 self._window(state, position - self.horizon_tokens, position - self.held_gap)
             if held:  # the current window less its newest held_gap queries
-                row["r_current_held"] = window_ratios(torch.stack(held), view.keys(end=candidates),
-                                                      self.top_p, per_query=False)[0]
+                row["r_current_held"] = window_ratios(torch.stack(held), keys, self.top_p,
+                                                      per_query=False)[0]
             own = candidates - self.horizon_tokens  # C_{t-h}: the current window's own set
             if current and own > 0:
-                row["r_current_sym"] = window_ratios(torch.stack(current), view.keys(end=own),
+                row["r_current_sym"] = window_ratios(torch.stack(current), keys[:, :, :own],
                                                      self.top_p, per_query=False)[0]
             state.pending.append(row)
         state.rows.append(row)

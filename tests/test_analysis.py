@@ -449,7 +449,7 @@ def test_held_out_target_has_no_null_offset_where_the_papers_target_has_one():
     """With nothing to predict (amplitude 0) the paper's change shares the short summary's query
     noise with delta and correlates negatively with it; the held-out target, whose window leaves
     out the newest queries that balance the two summaries' weights, centres on 0 (pooled over 48
-    requests, seeds 0-1: paper's -0.14 and -0.12, held-out 0.00 and 0.00)."""
+    requests at two seeds)."""
     from analysis.demand_control import SyntheticProcess, run_control
     from analysis.demand_study import DemandConfig, held_out_queries
 
