@@ -70,6 +70,9 @@ class SeqView:
     def values(self, layers: slice | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
         return self._runner.gather_slots(self._runner.kv.v, self.seq, layers, start, end)
 
+    def keys_at(self, slots: torch.Tensor) -> torch.Tensor:
+        return self._runner.gather_head_slots(self._runner.kv.k, self.seq, slots)
+
     def query_probs(self, queries: torch.Tensor, layers: slice | None = None,
                     length: int | None = None, scale: float | None = None,
                     group_mean: bool = False) -> torch.Tensor:

@@ -415,6 +415,24 @@ class ModelRunner:
         dense = torch.index_select(c, 2, table).flatten(2, 3)
         return dense[:, :, start - first * bs: end - first * bs]
 
+    def gather_head_slots(self, cache: torch.Tensor, seq: Sequence,
+                          slots: torch.Tensor) -> torch.Tensor:
+        """PolicyView.keys_at for any cache [layers, kv_heads, pages, bs, *rest]: slots int64
+        [layers, kv_heads, n] of the sequence's physical slots -> [layers, kv_heads, n, *rest],
+        one index_select of whole rows (no dense copy of the sequence first)."""
+        layers, heads, pages, bs = cache.shape[:4]
+        if slots.dim() != 3 or slots.shape[:2] != (layers, heads):
+            raise ValueError(f"slots {tuple(slots.shape)} must be [{layers}, {heads}, n]")
+        n = seq.physical_len
+        if slots.numel() and not 0 <= int(slots.min()) <= int(slots.max()) < n:
+            raise ValueError(f"slots outside the sequence's physical slots 0..{n - 1}")
+        table = self._pages(seq, 0, -(-n // bs))
+        slots = slots.to(self.device, torch.long)
+        flat = table[slots // bs] * bs + slots % bs
+        flat += torch.arange(layers * heads, device=self.device).view(layers, heads, 1) * (pages * bs)
+        rows = cache.reshape(layers * heads * pages * bs, -1).index_select(0, flat.flatten())
+        return rows.view(*slots.shape, *cache.shape[4:])
+
     def query_probs(self, seq: Sequence, queries: torch.Tensor, layers: slice | None = None,
                     length: int | None = None, scale: float | None = None,
                     group_mean: bool = False) -> torch.Tensor:

@@ -67,6 +67,16 @@ def test_decode_holes_match_the_masked_loop():
     # The holes change the answer (the check could fail); empty holes change nothing.
     assert not torch.allclose(out.double(), naive_decode(*case), atol=1e-3)
     assert torch.equal(cpu_native.decode(*case, torch.zeros_like(holes)), cpu_native.decode(*case))
+    # The hole's slots are never read: NaN keys and values there leave the output as it was.
+    q, k_cache, v_cache, tables, lens, _ = case
+    block = k_cache.shape[2]
+    for b in range(len(lens)):
+        for h in range(k_cache.shape[0]):
+            for slot in range(int(holes[b, h, 0]), int(holes[b, h, 1])):
+                page = int(tables[b, slot // block])
+                k_cache[h, page, slot % block] = float("nan")
+                v_cache[h, page, slot % block] = float("nan")
+    assert torch.equal(cpu_native.decode(*case, holes), out)
 
 
 @needs_kernel

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from fractions import Fraction
+from typing import ClassVar
 
 import pytest
 import torch
@@ -348,6 +349,35 @@ def test_engine_holes_are_masked_and_pages_sized_by_the_largest_head(tiny_model,
     _, unmasked = run(tiny_model, "adakv", ps, policy_args=args, max_tokens=16,
                       setup=poison_holes)
     assert [o.token_ids for o in unmasked] != [o.token_ids for o in clean]
+
+
+class _CheckedKeys(AdaKV):
+    """Ada-KV checking, at every compaction, that the held layout's keys read from the pages
+    (`view.keys_at`) are the dense keys gathered in the layout, and that a slot past the
+    sequence is refused; `layouts` records whether each layout was the identity."""
+
+    name = "adakv-test-checked-keys"
+    layouts: ClassVar[list] = []
+
+    def select(self, view, target_len, timer):
+        from engine.policies.per_head import HeldLayout
+
+        layout = HeldLayout.of(view, self.engine.num_layers, self.engine.num_kv_heads)
+        dense = view.keys()
+        want = dense.gather(2, layout.slots[..., None].expand(*layout.slots.shape, dense.shape[-1]))
+        assert torch.equal(view.keys_at(layout.slots), want)
+        assert torch.equal(layout.keys(view), want)
+        with pytest.raises(ValueError, match="outside the sequence's physical slots"):
+            view.keys_at(torch.full_like(layout.slots, view.physical_len))
+        self.layouts.append(layout.identity)
+        return super().select(view, target_len, timer)
+
+
+def test_engine_keys_at_reads_the_held_layout_from_the_pages(tiny_model):
+    _CheckedKeys.layouts.clear()
+    pol = _CheckedKeys(budget=24, window=8, floor_alpha=0.0, decode_compress=True)
+    run(tiny_model, pol, prompts([70, 52], seed=3), max_tokens=40)
+    assert True in _CheckedKeys.layouts and _CheckedKeys.layouts.count(False) >= 2
 
 
 class _FirstChunk(AdaKV):

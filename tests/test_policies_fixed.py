@@ -285,6 +285,9 @@ class FakeView:
     def keys(self, layers=None):
         return self.keys_
 
+    def keys_at(self, slots):
+        return self.keys_.gather(2, slots[..., None].expand(*slots.shape, self.keys_.shape[-1]))
+
     def recent_queries(self, rope=True):
         n = self.queries_.shape[1]
         return self.queries_, torch.arange(self.num_computed - n, self.num_computed)

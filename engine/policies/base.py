@@ -162,6 +162,11 @@ class PolicyView(Protocol):
     def values(self, layers: slice | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
         """Values, same layout as keys()."""
 
+    def keys_at(self, slots: torch.Tensor) -> torch.Tensor:
+        """Keys of per-(layer, KV head) physical slots, read from the pages in one gather:
+        slots int64 [layers, kv_heads, n], each in [0, physical_len) -> [layers, kv_heads, n,
+        head_dim] (entry [l, h, i] is head h of layer l at slot slots[l, h, i])."""
+
     def query_probs(self, queries: torch.Tensor, layers: slice | None = None,
                     length: int | None = None, scale: float | None = None,
                     group_mean: bool = False) -> torch.Tensor:

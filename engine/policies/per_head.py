@@ -90,11 +90,13 @@ class HeldLayout:
     slots:  `[layers, kv_heads, width]` int64: entry a of row (l, h) is the physical slot of its
             held slot number a - (width - counts[l, h]); 0 for padding.
     held:   `[layers, kv_heads, width]` bool: False for the padding in front of a shorter row.
+    identity: no holes, so entry a of every row is slot a.
     """
 
     counts: torch.Tensor
     slots: torch.Tensor
     held: torch.Tensor
+    identity: bool = False
 
     @property
     def width(self) -> int:
@@ -113,13 +115,12 @@ class HeldLayout:
         index = torch.arange(width) - (width - counts)[..., None]  # held slot number, < 0: padding
         held = index >= 0
         slots = torch.where(index < kept[..., None], index, index - kept[..., None] + compacted)
-        return HeldLayout(counts, torch.where(held, slots, 0), held)
+        return HeldLayout(counts, torch.where(held, slots, 0), held, identity=holes is None)
 
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
-        """Per-slot data `[layers, kv_heads, physical_len, ...]` in this layout: `[..., width, ...]`."""
-        index = self.slots.to(x.device)
-        index = index.view(*index.shape, *([1] * (x.dim() - 3))).expand(*index.shape, *x.shape[3:])
-        return x.gather(2, index)
+    def keys(self, view: PolicyView) -> torch.Tensor:
+        """The view's keys in this layout, read from the pages in one gather (the identity
+        reads the slots in order): `[layers, kv_heads, width, head_dim]`."""
+        return view.keys() if self.identity else view.keys_at(self.slots)
 
 
 @dataclass
@@ -183,7 +184,7 @@ class PerHeadBudget(WindowScored):
             queries, _ = observation_queries(view, self.window)
             limit = causal_key_limits(queries.shape[1], layout.width, queries.device)
             held = layout.held.to(queries.device)
-            score = self.score_keys(queries, layout.gather(view.keys()), limit, held)
+            score = self.score_keys(queries, layout.keys(view), limit, held)
             score = score.masked_fill(~held, float("-inf"))
         with timer.stage("window_mask"):
             protected = protected_mask(layout.width, self.window, 0, score.device)

@@ -57,9 +57,10 @@ int kv_store(const float *key, const float *value, int64_t key_stride, int64_t v
 }
 
 /* One (row, kv head): the group's query heads against that head's visible slots, page by page
-   with a running maximum (online softmax), so no buffer grows with the context. Masked slots
-   (the hole) score MASKED and weigh exp(MASKED - top) = 0, so the loops have no branches and
-   vectorize (expf through glibc's vector variants under -ffast-math). */
+   with a running maximum (online softmax), so no buffer grows with the context. The hole's
+   slots are neither read nor computed: each page is two ranges, [0, a) and [b, n) (a == b where
+   the hole misses the page), and a page inside the hole is skipped; the loops over a range have
+   no branches and vectorize (expf through glibc's vector variants under -ffast-math). */
 static inline __attribute__((always_inline)) int
 attend_head(const float *restrict q, int64_t group, const int64_t head_dim,
             const float *restrict keys, const float *restrict values,
@@ -77,34 +78,42 @@ attend_head(const float *restrict q, int64_t group, const int64_t head_dim,
         if (page < 0 || page >= num_pages) return KV_BAD_PAGE;
         int64_t first = p * block;
         int64_t n = len - first < block ? len - first : block;
+        /* the page's slots outside the hole: [0, a) and [b, n) */
+        int64_t a = hole_start - first, b = hole_end - first;
+        a = a < 0 ? 0 : (a > n ? n : a);
+        b = b < a ? a : (b > n ? n : b);
+        if (a == 0 && b == n) continue; /* every slot of the page is in the hole */
         const float *kp = keys + page * block * head_dim;
         const float *vp = values + page * block * head_dim;
         for (int64_t g = 0; g < group; g++) {
             const float *qg = q + g * head_dim;
             float page_top = MASKED;
-            for (int64_t j = 0; j < n; j++) {
-                const float *kj = kp + j * head_dim;
-                float dot = 0.0f;
-                for (int64_t d = 0; d < head_dim; d++) dot += qg[d] * kj[d];
-                int64_t slot = first + j;
-                float s = (slot >= hole_start && slot < hole_end) ? MASKED : dot * scale;
-                scores[j] = s; /* consumed below, before the group's next head */
-                page_top = s > page_top ? s : page_top;
+            for (int r = 0; r < 2; r++) {
+                const int64_t lo = r ? b : 0, hi = r ? n : a;
+                for (int64_t j = lo; j < hi; j++) {
+                    const float *kj = kp + j * head_dim;
+                    float dot = 0.0f;
+                    for (int64_t d = 0; d < head_dim; d++) dot += qg[d] * kj[d];
+                    scores[j] = dot * scale; /* consumed below, before the group's next head */
+                    page_top = scores[j] > page_top ? scores[j] : page_top;
+                }
             }
-            if (page_top <= MASKED) continue; /* every slot of the page is in the hole */
             float new_top = page_top > top[g] ? page_top : top[g];
             float keep = expf(top[g] - new_top);
             float page_total = 0.0f;
-            for (int64_t j = 0; j < n; j++) {
-                scores[j] = expf(scores[j] - new_top);
-                page_total += scores[j];
-            }
             float *ag = acc + g * head_dim;
             for (int64_t d = 0; d < head_dim; d++) ag[d] *= keep;
-            for (int64_t j = 0; j < n; j++) {
-                const float *vj = vp + j * head_dim;
-                float w = scores[j];
-                for (int64_t d = 0; d < head_dim; d++) ag[d] += w * vj[d];
+            for (int r = 0; r < 2; r++) {
+                const int64_t lo = r ? b : 0, hi = r ? n : a;
+                for (int64_t j = lo; j < hi; j++) {
+                    scores[j] = expf(scores[j] - new_top);
+                    page_total += scores[j];
+                }
+                for (int64_t j = lo; j < hi; j++) {
+                    const float *vj = vp + j * head_dim;
+                    float w = scores[j];
+                    for (int64_t d = 0; d < head_dim; d++) ag[d] += w * vj[d];
+                }
             }
             total[g] = total[g] * keep + page_total;
             top[g] = new_top;
