@@ -205,6 +205,14 @@ int kv_decode(const float *q, int64_t q_stride, const float *k_cache, const floa
    by a matmul reads them three times); then the softmax of each row in place, and with
    group_mean their mean over the group. */
 
+/* Pages lie anywhere in the cache, and the hardware prefetcher, which follows a stream, stops
+   at a page's end: each page's keys are requested PREFETCH_PAGES pages ahead. */
+#define PREFETCH_PAGES 1
+
+static inline void prefetch_page(const float *p, int64_t floats) {
+    for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(p + i, 0, 3);
+}
+
 static inline __attribute__((always_inline)) void
 page_logits(const float *restrict q, int64_t rows, int64_t q_stride, const int64_t head_dim,
             const float *restrict keys, int64_t count, float scale, float *restrict logits,
@@ -266,6 +274,9 @@ int kv_query_probs(const float *q, const float *k_cache, int64_t layer_stride,
                 const int64_t first = p * block;
                 const int64_t count = length - first < block ? length - first : block;
                 const float *kp = keys + table[p] * block * head_dim;
+                if (p + PREFETCH_PAGES < pages) /* the table was checked above */
+                    prefetch_page(keys + table[p + PREFETCH_PAGES] * block * head_dim,
+                                  block * head_dim);
                 for (int64_t g = 0; g < group; g++) {
                     const float *qg = q + (l * n * q_heads + h * group + g) * head_dim;
                     float *lg = rows + g * n * length + first;
