@@ -59,7 +59,7 @@ from analysis.demand_study import (
     DEFAULT_VARIANTS,
     MAIN_SIGNAL,
     DemandConfig,
-    demand_frame,
+    recorded_frame,
     write_demand_outputs,
 )
 from engine.kernels import dense_query_probs
@@ -266,8 +266,7 @@ def run_control(process: SyntheticProcess, config: DemandConfig) -> tuple[pd.Dat
             query = queries[:, :, position]
             view.step(query)
             recorder.observe(view, state, query, position)
-    frame = demand_frame(recorder.states, horizon)
-    frame.attrs["variants"] = recorder.variant_params()
+    frame = recorded_frame(recorder)
 
     def latent_change(row) -> float:
         lat, m = latents[int(row["request"])], int(row["position"])

@@ -420,9 +420,16 @@ def run_demand(model: str, prompt_ids: list[list[int]], max_tokens: int, block_s
     probe, outputs = generate_with_probe(
         "demand", DemandRecorder, config.recorder, model, prompt_ids, max_tokens, block_size,
         config.max_num_seqs, temperature, seed, show_progress, llm, ignore_eos, forced)
-    frame = demand_frame(probe.states, probe.horizon_tokens)
-    frame.attrs["variants"] = probe.variant_params()  # the betas each signal actually used
-    return frame, outputs
+    return recorded_frame(probe), outputs
+
+
+def recorded_frame(recorder: DemandRecorder) -> pd.DataFrame:
+    """`demand_frame` of a recorder's requests; its attrs hold the betas each signal used and g
+    of the held-out target (None: the paper's target is the main one), for config.json."""
+    frame = demand_frame(recorder.states, recorder.horizon_tokens)
+    frame.attrs["variants"] = recorder.variant_params()
+    frame.attrs["held_out_queries"] = recorder.held_gap
+    return frame
 
 
 def predictor_columns(frame: pd.DataFrame) -> list[str]:
@@ -618,7 +625,8 @@ def write_demand_outputs(frame: pd.DataFrame, out: Path, config: dict) -> dict:
                                         **summarize_demand(late, resamples=resamples)}
     plot_demand(frame, summary, out / "demand.png")
     write_json(out / "summary.json", summary)
-    write_json(out / "config.json", {**config, "variant_params": frame.attrs.get("variants")})
+    write_json(out / "config.json", {**config, "variant_params": frame.attrs.get("variants"),
+                                     "held_out_queries": frame.attrs.get("held_out_queries")})
     return summary
 
 

@@ -20,7 +20,13 @@ from analysis.common import (
     sign_agreement,
     spearman,
 )
-from analysis.demand_study import DEFAULT_VARIANTS, DemandRecorder, demand_study, run_demand
+from analysis.demand_study import (
+    DEFAULT_VARIANTS,
+    DemandRecorder,
+    demand_study,
+    held_out_queries,
+    run_demand,
+)
 from analysis.replay import (
     ForcedGrowPage,
     ForcePlan,
@@ -413,6 +419,7 @@ def test_demand_study_writes_csv_png_and_summary(tiny_dir, tmp_path):
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["temperature"] == 0.6 and config["horizon_tokens"] == BLOCK
     assert config["variant_params"]["delta"]["beta_long"] == 0.999
+    assert config["held_out_queries"] == held_out_queries((0.0, 0.999), BLOCK) == 1
 
 
 
@@ -451,7 +458,7 @@ def test_held_out_target_has_no_null_offset_where_the_papers_target_has_one():
     out the newest queries that balance the two summaries' weights, centres on 0 (pooled over 48
     requests at two seeds)."""
     from analysis.demand_control import SyntheticProcess, run_control
-    from analysis.demand_study import DemandConfig, held_out_queries
+    from analysis.demand_study import DemandConfig
 
     assert held_out_queries((0.5, 0.95), 16) == 1
     assert held_out_queries((0.9, 0.999), 256) == 15  # the paper's betas and page
@@ -463,7 +470,7 @@ def test_held_out_target_has_no_null_offset_where_the_papers_target_has_one():
         frame, _ = run_control(SyntheticProcess(requests=48, amplitude=0.0, seed=seed),
                                DemandConfig(**CONTROL_CONFIG))
         rows = frame[frame["complete"]]
-        assert len(rows) > 1000
+        assert len(rows) > 1000 and frame.attrs["held_out_queries"] == 1
         assert spearman(rows["delta"], rows["future_change"]) < -0.08
         assert abs(spearman(rows["delta"], rows["future_change_held"])) < 0.05
 
