@@ -63,7 +63,6 @@ class ForwardContext:
     store_plan, decode_plan: the torch twins' checks and index tensors, built by the first layer
         and reused by the others: every layer has the same shapes, slots, tables and lengths,
         and at batch 1 this per-layer index work was a visible share of a decode step.
-    rows_plan: the same for the C backend's short chunks (cpu_native.RowsPlan).
     """
 
     kv: KVCache
@@ -85,7 +84,6 @@ class ForwardContext:
     whole_step: bool = False
     store_plan: StorePlan | None = None
     decode_plan: DecodePlan | None = None
-    rows_plan: object | None = None
 
 
 def attend(layer: int, q_pre: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

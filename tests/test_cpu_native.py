@@ -24,6 +24,7 @@ from test_kernels import (
     _prefill_case,
     _store_case,
     assert_close,
+    make_tables,
     naive_decode,
     naive_decode_holes,
     naive_prefill,
@@ -94,14 +95,52 @@ def test_prefill_rows_match_the_loop_reference_and_the_twin(heads):
     with_holes = cpu_native.prefill_rows(*case, holes)
     assert_close(with_holes, naive_prefill_holes(*case, holes), F32)
     assert not torch.allclose(with_holes, out, atol=1e-3)
-    # a step's layers share one plan of the row layout: the same results, built once
-    q, _, _, tables, base_lens, q_lens, _ = case
-    plan = cpu_native.rows_plan(tables, base_lens, q_lens, q.shape[1])
-    assert torch.equal(cpu_native.prefill_rows(*case, plan=plan), out)
-    assert torch.equal(cpu_native.prefill_rows(*case, holes, plan=plan), with_holes)
-    with pytest.raises(ValueError, match="padded rows"):
-        cpu_native.prefill_rows(*case, plan=cpu_native.rows_plan(tables, base_lens, q_lens,
-                                                                 q.shape[1] + 1))
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "q{}-kv{}-d{}-bs{}".format(*s))
+def test_prefill_rows_tiles_pages_and_holes(shape):
+    """Chunks of 20 and 17 rows (two tiles of up to 16), a padded chunk and a short one, over
+    the head and page sizes of the decode test; per-head holes below each base, whose slots are
+    never read (NaN keys and values there change nothing)."""
+    q_heads, kv_heads, head_dim, block = shape
+    gen = torch.Generator().manual_seed(11)
+    base, qlens, lq_max = (37, 0, 5, 70), (20, 17, 0, 3), 20
+    tables, num_blocks = make_tables([max(b + n, 1) for b, n in zip(base, qlens)], block, gen,
+                                     dtype=torch.int64)
+    k_cache = torch.randn(kv_heads, num_blocks, block, head_dim, generator=gen)
+    v_cache = torch.randn(kv_heads, num_blocks, block, head_dim, generator=gen)
+    q = torch.randn(len(base), lq_max, q_heads, head_dim, generator=gen)
+    case = (q, k_cache, v_cache, tables, torch.tensor(base), torch.tensor(qlens), head_dim**-0.5)
+    out = cpu_native.prefill_rows(*case)
+    assert_close(out, naive_prefill(*case), F32)
+    assert out[2].abs().max() == 0 and out[3, 3:].abs().max() == 0  # padded rows
+    holes = _holes(kv_heads, [[(3, 30), (0, 37)], [(0, 0)], [(0, 0)], [(10, 64), (0, 70), (69, 70)]])
+    with_holes = cpu_native.prefill_rows(*case, holes)
+    assert_close(with_holes, naive_prefill_holes(*case, holes), F32)
+    assert not torch.allclose(with_holes, out, atol=1e-3)
+    for b in range(len(base)):
+        for h in range(kv_heads):
+            for slot in range(int(holes[b, h, 0]), int(holes[b, h, 1])):
+                page = int(tables[b, slot // block])
+                k_cache[h, page, slot % block] = float("nan")
+                v_cache[h, page, slot % block] = float("nan")
+    assert torch.equal(cpu_native.prefill_rows(*case, holes), with_holes)
+
+
+@needs_kernel
+def test_prefill_rows_rejects_bad_pages_lengths_and_holes():
+    q, k_cache, v_cache, tables, base_lens, q_lens, scale = _prefill_case(F32, (4, 2), seed=9)
+    bad = tables.clone()
+    bad[0, 0] = k_cache.shape[1]
+    with pytest.raises(ValueError, match="page"):
+        cpu_native.prefill_rows(q, k_cache, v_cache, bad, base_lens, q_lens, scale)
+    with pytest.raises(ValueError, match="length"):
+        cpu_native.prefill_rows(q, k_cache, v_cache, tables, base_lens + 1000, q_lens, scale)
+    hole_past_base = _holes(2, [[(0, 21)], [(0, 0)], [(0, 0)], [(0, 0)]])  # base 20
+    with pytest.raises(ValueError, match="hole"):
+        cpu_native.prefill_rows(q, k_cache, v_cache, tables, base_lens, q_lens, scale,
+                                hole_past_base)
 
 
 @needs_kernel

@@ -9,8 +9,8 @@ asks again per call.
 - `triton`, on CUDA: the Triton kernels for the attention; F.linear; torch for RMSNorm, RoPE
   and SiLU-mul. A compiled step is captured as CUDA graphs.
 - `c`, on the CPU in float32 with cpu_native_kernels and the C library loaded: the C store and
-  decode attention, reading the pages in place (chunks of up to C_PREFILL_ROWS rows too, a row
-  at a time; longer prefill chunks keep the twin: SDPA); the
+  decode attention, reading the pages in place (chunks of up to C_PREFILL_ROWS rows too, a tile
+  of rows against each page; longer prefill chunks keep the twin: SDPA); the
   projections over column panels packed at load (cpu_packed_weights), else the C thin kernel up
   to cpu_native.THIN_ROWS rows and F.linear above; RMSNorm with the residual add, RoPE and
   SiLU-mul as one C call each.
@@ -187,20 +187,16 @@ def _c_decode(q, k_cache_l, v_cache_l, ctx: ForwardContext, holes) -> torch.Tens
 
 
 # Chunks of at most this many rows (a forced run's page, a short prefill tail) run through the C
-# decode kernel one row at a time, reading the pages in place (cpu_native.prefill_rows); longer
-# ones through the twin, whose SDPA matmuls share each gathered page among all the chunk's rows.
+# chunk kernel, reading the pages in place (cpu_native.prefill_rows); longer ones through the
+# twin, whose SDPA matmuls share each gathered page among all the chunk's rows.
 C_PREFILL_ROWS = 32
 
 
 def _c_prefill(q, k_cache_l, v_cache_l, ctx: ForwardContext, holes) -> torch.Tensor:
     if q.shape[1] > C_PREFILL_ROWS:
         return _twin_prefill(q, k_cache_l, v_cache_l, ctx, holes)
-    if ctx.rows_plan is None:  # the first layer builds it, the others reuse it
-        ctx.rows_plan = cpu_native.rows_plan(ctx.prefill_block_tables, ctx.prefill_base_lens,
-                                             ctx.prefill_q_lens, q.shape[1])
     return cpu_native.prefill_rows(q, k_cache_l, v_cache_l, ctx.prefill_block_tables,
-                                   ctx.prefill_base_lens, ctx.prefill_q_lens, ctx.scale, holes,
-                                   plan=ctx.rows_plan)
+                                   ctx.prefill_base_lens, ctx.prefill_q_lens, ctx.scale, holes)
 
 
 def _store_then_decode(store: Callable, decode: Callable) -> Callable:

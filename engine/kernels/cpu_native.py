@@ -17,8 +17,8 @@ OpenMP threads. The measurements behind each are in results/benchmarks/cpu-kerne
         holes [B, kv_heads, 2] or None; out [B, q_heads, head_dim]: paged_decode_attention's
         contract (paged_attention.py), with the same zeros for rows or heads that see nothing.
     prefill_rows(q, k_cache_l, v_cache_l, block_tables, base_lens, q_lens, scale, holes=None)
-        A chunk step's attention (paged_prefill_attention's contract) as one decode row per
-        query row, each seeing its causal prefix: short chunks over long contexts.
+        A chunk step's attention (paged_prefill_attention's contract), each row seeing its
+        causal prefix, a tile of rows against each page at once: short chunks over long contexts.
     query_probs(queries, k_cache, table, length, limits, scale, group_mean=False) -> probs
         Attention probabilities of one sequence's queries over its first `length` cached keys,
         read in place: queries [layers, n, q_heads, head_dim]; k_cache [layers, kv_heads,
@@ -127,7 +127,7 @@ LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "d
 # The interface's version, KV_ABI_VERSION in cpu/kvarena_native.h: raised with it when a
 # signature in `_declare` or a constant above changes meaning. At load the library reports its
 # constants (kv_abi); any that differ from `_expected_abi()` leave the torch ops in its place.
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 # The cache entry: the library and its stamp (`_build`).
 LIBRARY, STAMP = "libkvarena_cpu.so", "libkvarena_cpu.json"
@@ -334,53 +334,43 @@ def key_redundancy(k_cache, table, length: int, threshold: float, temperature: f
     return out
 
 
-@dataclass(frozen=True)
-class RowsPlan:
-    """prefill_rows' index work, the same for every layer of a step (built once per step):
-    flat [R] (b * Lq_max + i of each valid row), tables [R, max_blocks] (its sequence's pages),
-    lens [R] int64 (slots it sees), seq [R] (its sequence, to pick per-layer holes), lq_max."""
-
-    flat: torch.Tensor
-    seq: torch.Tensor
-    tables: torch.Tensor
-    lens: torch.Tensor
-    lq_max: int
-
-
-def rows_plan(block_tables, base_lens, q_lens, lq_max: int) -> RowsPlan:
-    """The row layout of a chunk step (prefill_rows' contract) for `lq_max` padded rows."""
-    base, qlen = _int64(base_lens), _int64(q_lens)
-    valid = torch.arange(lq_max)[None, :] < qlen[:, None]                 # [Bp, Lq]
-    flat = valid.flatten().nonzero().squeeze(1)                           # [R] row b * Lq + i
-    seq, row = flat // lq_max, flat % lq_max
-    return RowsPlan(flat, seq, _int64(block_tables.index_select(0, seq)), base[seq] + row + 1,
-                    lq_max)
-
-
-def prefill_rows(q, k_cache_l, v_cache_l, block_tables, base_lens, q_lens, scale, holes=None,
-                 plan: RowsPlan | None = None):
-    """A chunk step's paged attention, one decode-kernel row per query row: row i of sequence b
-    sees slots [0, base_lens[b] + i] of its pages, read in place. paged_prefill_attention's
-    contract (paged_attention.py): q [Bp, Lq_max, q_heads, head_dim] padded; block_tables
-    [Bp, max_blocks]; base_lens, q_lens [Bp]; holes [Bp, kv_heads, 2] or None -> out
-    [Bp, Lq_max, q_heads, head_dim], zeros on padded rows. plan: `rows_plan` of the same
-    tables and lengths, which every layer of a step shares (None: built here).
+def prefill_rows(q, k_cache_l, v_cache_l, block_tables, base_lens, q_lens, scale, holes=None):
+    """A chunk step's paged attention: row i of sequence b sees slots [0, base_lens[b] + i] of
+    its pages, read in place. paged_prefill_attention's contract (paged_attention.py): q
+    [Bp, Lq_max, q_heads, head_dim] padded; block_tables [Bp, max_blocks]; base_lens, q_lens
+    [Bp]; holes [Bp, kv_heads, 2] or None -> out [Bp, Lq_max, q_heads, head_dim], zeros on
+    padded rows.
 
     For short chunks over long contexts (a forced run's page of rows against thousands of slots)
-    this reads the pages where they lie, where the twin gathers every page into a dense copy and
-    runs a masked SDPA; the backend picks it up to C_PREFILL_ROWS rows (engine/kernels/backend.py).
+    this reads the pages where they lie, each page once for a tile of up to 16 rows and their
+    group's heads, where the twin gathers every page into a dense copy and runs a masked SDPA;
+    the backend picks it up to C_PREFILL_ROWS rows (engine/kernels/backend.py).
     """
     batch, lq_max, q_heads, head_dim = q.shape
-    if plan is None:
-        plan = rows_plan(block_tables, base_lens, q_lens, lq_max)
-    elif plan.lq_max != lq_max:
-        raise ValueError(f"a rows plan for {plan.lq_max} padded rows, q has {lq_max}")
-    out = torch.zeros(batch * lq_max, q_heads, head_dim)
-    if plan.flat.numel():
-        rows = q.reshape(batch * lq_max, q_heads, head_dim).index_select(0, plan.flat)
-        out[plan.flat] = decode(rows, k_cache_l, v_cache_l, plan.tables, plan.lens, scale,
-                                None if holes is None else holes.index_select(0, plan.seq))
-    return out.view(batch, lq_max, q_heads, head_dim)
+    kv_heads, pages, block, cache_head_dim = k_cache_l.shape
+    _require_caches(k_cache_l, v_cache_l)
+    if q_heads % kv_heads or cache_head_dim != head_dim:
+        raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(k_cache_l.shape)} "
+                         f"(q_heads a multiple of kv_heads, one head_dim)")
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch \
+            or base_lens.shape != (batch,) or q_lens.shape != (batch,) \
+            or (holes is not None and holes.shape != (batch, kv_heads, 2)):
+        raise ValueError(f"block_tables {tuple(block_tables.shape)}, base_lens, q_lens or holes "
+                         f"do not fit {batch} sequences and {kv_heads} kv heads")
+    q = q.contiguous()
+    _require_cpu_float32(q)
+    tables, base, qlen = _int64(block_tables), _int64(base_lens), _int64(q_lens)
+    hole_ptr = None
+    if holes is not None:
+        holes = _int64(holes)
+        hole_ptr = holes.data_ptr()
+    out = torch.zeros(batch, lq_max, q_heads, head_dim)
+    rc = _library().kv_prefill_chunks(q.data_ptr(), k_cache_l.data_ptr(), v_cache_l.data_ptr(),
+                                      tables.data_ptr(), tables.shape[1], base.data_ptr(),
+                                      qlen.data_ptr(), hole_ptr, out.data_ptr(), batch, lq_max,
+                                      q_heads, kv_heads, head_dim, block, pages, float(scale))
+    _raise_on(rc)
+    return out
 
 
 @dataclass(frozen=True)
@@ -663,6 +653,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kv_decode.restype = ctypes.c_int
     lib.kv_decode.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR,
                               _I64, _I64, _I64, _I64, _I64, _I64, _F32]
+    lib.kv_prefill_chunks.restype = ctypes.c_int
+    lib.kv_prefill_chunks.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR,
+                                      *[_I64] * 7, _F32]
     lib.kv_query_probs.restype = ctypes.c_int
     lib.kv_query_probs.argtypes = [_PTR, _PTR, _I64, _PTR, _PTR, _I64, _PTR, *[_I64] * 7, _F32,
                                    ctypes.c_int]

@@ -12,10 +12,10 @@
 #include <stdint.h>
 #include <string.h>
 
-#define KV_ABI_VERSION 3
+#define KV_ABI_VERSION 4
 
-/* Return codes of kv_store, kv_decode, kv_query_probs, kv_key_redundancy and kv_decode_layers
-   (cpu_native.ERRORS words them). */
+/* Return codes of kv_store, kv_decode, kv_prefill_chunks, kv_query_probs, kv_key_redundancy
+   and kv_decode_layers (cpu_native.ERRORS words them). */
 enum { KV_OK = 0, KV_BAD_PAGE = 1, KV_BAD_LENGTH = 2, KV_BAD_SLOT = 3, KV_BAD_HOLE = 4,
        KV_BAD_SHAPE = 5, KV_NO_MEMORY = 6 };
 
@@ -53,6 +53,11 @@ int kv_decode(const float *q, int64_t q_stride, const float *k_cache, const floa
               const int64_t *tables, int64_t table_stride, const int64_t *lens,
               const int64_t *holes, float *out, int64_t batch, int64_t q_heads, int64_t kv_heads,
               int64_t head_dim, int64_t block, int64_t num_pages, float scale);
+int kv_prefill_chunks(const float *q, const float *k_cache, const float *v_cache,
+                      const int64_t *tables, int64_t table_stride, const int64_t *base_lens,
+                      const int64_t *q_lens, const int64_t *holes, float *out, int64_t batch,
+                      int64_t lq_max, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                      int64_t block, int64_t num_pages, float scale);
 int kv_query_probs(const float *q, const float *k_cache, int64_t layer_stride,
                    const int64_t *table, const int64_t *limits, int64_t length, float *out,
                    int64_t layers, int64_t n, int64_t q_heads, int64_t kv_heads,
@@ -72,6 +77,10 @@ void kv_linear(const float *x, int64_t x_stride, const float *w, const float *bi
 void kv_pack_panels(const float *w, float *panels, int64_t N, int64_t K);
 void kv_panel_linear(const float *x, int64_t x_stride, const float *panels, const float *bias,
                      float *y, int64_t T, int64_t K, int64_t N);
+/* The two above on the calling thread, for a caller that is itself one of a thread team. */
+void kv_pack_small(const float *w, float *panels, int64_t N, int64_t K);
+void kv_panel_small(const float *x, int64_t x_stride, const float *panels, float *y, int64_t T,
+                    int64_t K, int64_t N);
 
 /* key_redundancy.c */
 int kv_key_redundancy(const float *k_cache, int64_t layer_stride, const int64_t *table,

@@ -22,6 +22,7 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "kvarena_native.h"
 
@@ -182,6 +183,233 @@ int kv_decode(const float *q, int64_t q_stride, const float *k_cache, const floa
             if (rc != KV_OK) {
 #pragma omp atomic write
                 error = rc;
+            }
+        }
+    }
+    return error;
+}
+
+/* ------------------------------------------------------------------------------------------
+   A chunk step's paged attention (cpu_native.prefill_rows' contract): row i of sequence b sees
+   slots [0, base_lens[b] + i] of its pages, less its per-head hole.
+
+     q       [batch, lq_max, q_heads, head_dim] contiguous; rows past q_lens[b] are padding
+     tables  [batch, table_stride] page ids; base_lens, q_lens [batch]
+     holes   [batch, kv_heads, 2] int64 (start, end) or NULL; a hole ends at or below the base
+     out     [batch, lq_max, q_heads, head_dim]; padded rows are left as they are
+
+   One task per (sequence, KV head, tile of up to CHUNK_ROWS rows). The tile's rows x the
+   group's query heads are V query vectors, packed once into panels (panel_gemm.c's layout), so
+   each page's keys are read once for all V as the rows of one small product, [n, V] logits,
+   where the decode kernel reads and reduces every key once per row and head. Each vector then
+   updates its online softmax and its values as attend_head does, over the page's slots it sees
+   outside the hole. A forced run's page at b = 16 is one tile per KV head: with 3 KV heads a
+   single sequence gives two threads three tasks, which measured faster than 8-row tiles that
+   read every page twice as often. */
+#define CHUNK_ROWS 16
+
+#if defined(__AVX512F__)
+typedef float pv_vec __attribute__((vector_size(64)));
+#define PV_REGS 24 /* of 32 vector registers, for accumulators */
+#else
+typedef kv_v8 pv_vec;
+#define PV_REGS 12 /* of 16 */
+#endif
+#define PV_LANES ((int64_t)(sizeof(pv_vec) / sizeof(float)))
+
+/* acc[v] = acc[v] * keep[v] + sum_j w[j, v] * vp[j] for v < vecs and j in [0, hi0) and
+   [lo1, hi1): w [n, stride] (a page's weights, one row per slot), vp [n, head_dim], acc
+   [stride, head_dim]. With head_dim a small multiple of the vector, a block of `take` vectors'
+   accumulators stays in registers while each value row is read once for the block. */
+static inline __attribute__((always_inline)) void
+weigh_values(float *restrict acc, const int64_t head_dim, const float *restrict keep,
+             const float *restrict w, int64_t stride, int64_t vecs, const float *restrict vp,
+             int64_t hi0, int64_t lo1, int64_t hi1) {
+    const int64_t nv = head_dim / PV_LANES;
+    if (head_dim % PV_LANES == 0 && nv <= PV_REGS) {
+        const int64_t take = PV_REGS / nv; /* vectors per register block; stride is a multiple */
+        for (int64_t v0 = 0; v0 < vecs; v0 += take) {
+            pv_vec a[PV_REGS];
+            for (int64_t u = 0; u < take; u++)
+                for (int64_t d = 0; d < nv; d++) {
+                    memcpy(&a[u * nv + d], acc + (v0 + u) * head_dim + d * PV_LANES,
+                           sizeof(pv_vec));
+                    a[u * nv + d] *= keep[v0 + u];
+                }
+            for (int r = 0; r < 2; r++) {
+                const int64_t lo = r ? lo1 : 0, hi = r ? hi1 : hi0;
+                for (int64_t j = lo; j < hi; j++) {
+                    pv_vec x[PV_REGS];
+                    for (int64_t d = 0; d < nv; d++)
+                        memcpy(&x[d], vp + j * head_dim + d * PV_LANES, sizeof(pv_vec));
+                    for (int64_t u = 0; u < take; u++) {
+                        const pv_vec b = (pv_vec){0} + w[j * stride + v0 + u];
+                        for (int64_t d = 0; d < nv; d++) a[u * nv + d] += b * x[d];
+                    }
+                }
+            }
+            for (int64_t u = 0; u < take; u++)
+                for (int64_t d = 0; d < nv; d++)
+                    memcpy(acc + (v0 + u) * head_dim + d * PV_LANES, &a[u * nv + d],
+                           sizeof(pv_vec));
+        }
+        return;
+    }
+    for (int64_t v = 0; v < vecs; v++) {
+        float *av = acc + v * head_dim;
+        for (int64_t d = 0; d < head_dim; d++) av[d] *= keep[v];
+        for (int r = 0; r < 2; r++) {
+            const int64_t lo = r ? lo1 : 0, hi = r ? hi1 : hi0;
+            for (int64_t j = lo; j < hi; j++)
+                for (int64_t d = 0; d < head_dim; d++) av[d] += w[j * stride + v] * vp[j * head_dim + d];
+        }
+    }
+}
+
+/* The register block of weigh_values: vectors are padded to a multiple of it. */
+static inline int64_t value_block(int64_t head_dim) {
+    const int64_t nv = head_dim / PV_LANES;
+    return head_dim % PV_LANES == 0 && nv <= PV_REGS ? PV_REGS / nv : 1;
+}
+
+static inline __attribute__((always_inline)) int
+chunk_tile(const float *q, int64_t q_row, const float *keys, const float *values,
+           const int64_t *table, int64_t base, int64_t rows, int64_t group, const int64_t head_dim,
+           int64_t block, int64_t hole_start, int64_t hole_end, float scale, float *out) {
+    const int64_t vecs = rows * group, vb = value_block(head_dim);
+    const int64_t width = (vecs + vb - 1) / vb * vb; /* columns of the logits, vectors padded */
+    const int64_t panels = (width + KV_PANEL - 1) / KV_PANEL;
+    float *qt = malloc((size_t)(width * head_dim * 2 + panels * KV_PANEL * head_dim +
+                                block * width + width * 5) * sizeof(float));
+    if (qt == 0) return KV_NO_MEMORY;
+    float *acc = qt + width * head_dim, *packed = acc + width * head_dim;
+    float *s = packed + panels * KV_PANEL * head_dim, *top = s + block * width;
+    float *total = top + width, *keep = total + width, *page_top = keep + width;
+    float *page_total = page_top + width;
+    memset(qt, 0, (size_t)(width * head_dim * 2) * sizeof(float)); /* padding vectors and acc */
+    for (int64_t v = 0; v < width; v++) { /* vector v: row v / group, head v % group */
+        if (v < vecs)
+            memcpy(qt + v * head_dim, q + (v / group) * q_row + (v % group) * head_dim,
+                   (size_t)head_dim * sizeof(float));
+        top[v] = MASKED;
+        total[v] = 0.0f;
+    }
+    kv_pack_small(qt, packed, width, head_dim);
+    const int64_t len = base + rows; /* the last row's slots */
+    const int64_t pages = (len + block - 1) / block;
+    for (int64_t p = 0; p < pages; p++) {
+        const int64_t first = p * block, n = len - first < block ? len - first : block;
+        int64_t a = hole_start - first, b = hole_end - first; /* outside the hole: [0, a), [b, n) */
+        a = a < 0 ? 0 : (a > n ? n : a);
+        b = b < a ? a : (b > n ? n : b);
+        if (a == 0 && b == n) continue; /* every slot of the page is in the hole */
+        const float *kp = keys + table[p] * block * head_dim;
+        const float *vp = values + table[p] * block * head_dim;
+        kv_panel_small(kp, head_dim, packed, s, n, head_dim, width); /* s [n, width] */
+        /* Row v / group sees slots up to base + v / group: only pages past base hide some. */
+        const int causal = first + n - 1 > base;
+        for (int64_t v = 0; v < width; v++) {
+            page_top[v] = MASKED;
+            page_total[v] = 0.0f;
+        }
+        for (int r = 0; r < 2; r++) {
+            const int64_t lo = r ? b : 0, hi = r ? n : a;
+            for (int64_t j = lo; j < hi; j++) {
+                float *sj = s + j * width;
+                for (int64_t v = 0; v < width; v++) sj[v] *= scale;
+                if (causal)
+                    for (int64_t v = 0; v < vecs; v++)
+                        if (first + j > base + v / group) sj[v] = MASKED;
+                for (int64_t v = 0; v < width; v++)
+                    page_top[v] = sj[v] > page_top[v] ? sj[v] : page_top[v];
+            }
+        }
+        for (int64_t v = 0; v < width; v++) {
+            /* a vector that has seen no slot yet keeps its weights at exactly 0 */
+            const float new_top = page_top[v] > top[v] ? page_top[v] : top[v];
+            page_top[v] = new_top > 0.5f * MASKED ? new_top : 0.0f;
+            keep[v] = expf(top[v] - page_top[v]);
+            top[v] = new_top;
+        }
+        for (int r = 0; r < 2; r++) {
+            const int64_t lo = r ? b : 0, hi = r ? n : a;
+            for (int64_t j = lo; j < hi; j++) {
+                float *sj = s + j * width;
+                for (int64_t v = 0; v < width; v++) {
+                    sj[v] = expf(sj[v] - page_top[v]);
+                    page_total[v] += sj[v];
+                }
+            }
+        }
+        for (int64_t v = 0; v < width; v++) total[v] = total[v] * keep[v] + page_total[v];
+        weigh_values(acc, head_dim, keep, s, width, width, vp, a, b, n);
+    }
+    for (int64_t v = 0; v < vecs; v++) {
+        float *o = out + (v / group) * q_row + (v % group) * head_dim;
+        const float inv = total[v] > 0.0f ? 1.0f / total[v] : 0.0f;
+        for (int64_t d = 0; d < head_dim; d++) o[d] = acc[v * head_dim + d] * inv;
+    }
+    free(qt);
+    return KV_OK;
+}
+
+/* chunk_tile with head_dim a constant for the common sizes. */
+static int chunk_tile_any(const float *q, int64_t q_row, const float *keys, const float *values,
+                          const int64_t *table, int64_t base, int64_t rows, int64_t group,
+                          int64_t head_dim, int64_t block, int64_t hole_start, int64_t hole_end,
+                          float scale, float *out) {
+#define TILE(D) chunk_tile(q, q_row, keys, values, table, base, rows, group, D, block, \
+                           hole_start, hole_end, scale, out)
+    switch (head_dim) {
+    case 64: return TILE(64);
+    case 128: return TILE(128);
+    default: return TILE(head_dim);
+    }
+#undef TILE
+}
+
+int kv_prefill_chunks(const float *q, const float *k_cache, const float *v_cache,
+                      const int64_t *tables, int64_t table_stride, const int64_t *base_lens,
+                      const int64_t *q_lens, const int64_t *holes, float *out, int64_t batch,
+                      int64_t lq_max, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                      int64_t block, int64_t num_pages, float scale) {
+    if (kv_heads < 1 || q_heads % kv_heads || block < 1 || head_dim < 1) return KV_BAD_SHAPE;
+    for (int64_t b = 0; b < batch; b++) {
+        if (q_lens[b] < 0 || q_lens[b] > lq_max || base_lens[b] < 0) return KV_BAD_LENGTH;
+        if (q_lens[b] == 0) continue;
+        const int64_t pages = (base_lens[b] + q_lens[b] + block - 1) / block;
+        if (pages > table_stride) return KV_BAD_LENGTH;
+        for (int64_t p = 0; p < pages; p++) {
+            const int64_t page = tables[b * table_stride + p];
+            if (page < 0 || page >= num_pages) return KV_BAD_PAGE;
+        }
+        for (int64_t h = 0; holes != 0 && h < kv_heads; h++) {
+            const int64_t *hole = holes + (b * kv_heads + h) * 2;
+            if (hole[0] < 0 || hole[1] < hole[0] || (hole[1] > hole[0] && hole[1] > base_lens[b]))
+                return KV_BAD_HOLE;
+        }
+    }
+    const int64_t group = q_heads / kv_heads, slots = num_pages * block;
+    const int64_t tiles = (lq_max + CHUNK_ROWS - 1) / CHUNK_ROWS, q_row = q_heads * head_dim;
+    int error = KV_OK;
+#pragma omp parallel for collapse(3) schedule(dynamic, 1)
+    for (int64_t b = 0; b < batch; b++) {
+        for (int64_t h = 0; h < kv_heads; h++) {
+            for (int64_t t = 0; t < tiles; t++) {
+                const int64_t i0 = t * CHUNK_ROWS;
+                if (i0 >= q_lens[b]) continue;
+                const int64_t rows = q_lens[b] - i0 < CHUNK_ROWS ? q_lens[b] - i0 : CHUNK_ROWS;
+                const int64_t hs = holes != 0 ? holes[(b * kv_heads + h) * 2] : 0;
+                const int64_t he = holes != 0 ? holes[(b * kv_heads + h) * 2 + 1] : 0;
+                const int64_t at = ((b * lq_max + i0) * q_heads + h * group) * head_dim;
+                int rc = chunk_tile_any(q + at, q_row, k_cache + h * slots * head_dim,
+                                        v_cache + h * slots * head_dim, tables + b * table_stride,
+                                        base_lens[b] + i0, rows, group, head_dim, block, hs, he,
+                                        scale, out + at);
+                if (rc != KV_OK) {
+#pragma omp atomic write
+                    error = rc;
+                }
             }
         }
     }

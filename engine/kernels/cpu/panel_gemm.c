@@ -54,15 +54,19 @@ static inline vec load(const float *p) {
 
 static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
 
+/* Panel p of w: rows 16p .. 16p + 15 of w, one line per k. */
+static inline void pack_panel(const float *w, float *panels, int64_t N, int64_t K, int64_t p) {
+    for (int64_t k = 0; k < K; k++)
+        for (int c = 0; c < KV_PANEL; c++) {
+            const int64_t n = p * KV_PANEL + c;
+            panels[(p * K + k) * KV_PANEL + c] = n < N ? w[n * K + k] : 0.0f;
+        }
+}
+
 void kv_pack_panels(const float *w, float *panels, int64_t N, int64_t K) {
     const int64_t P = (N + KV_PANEL - 1) / KV_PANEL;
 #pragma omp parallel for schedule(static) if (N * K > KV_PARALLEL_MIN)
-    for (int64_t p = 0; p < P; p++)
-        for (int64_t k = 0; k < K; k++)
-            for (int c = 0; c < KV_PANEL; c++) {
-                const int64_t n = p * KV_PANEL + c;
-                panels[(p * K + k) * KV_PANEL + c] = n < N ? w[n * K + k] : 0.0f;
-            }
+    for (int64_t p = 0; p < P; p++) pack_panel(w, panels, N, K, p);
 }
 
 /* y[m, n0 .. n0 + 16 * panels - 1] for m < rows (1 .. TILE_ROWS) of x, against `panels`
@@ -121,25 +125,44 @@ static void group(const float *x, int64_t x_stride, const float *panel, int64_t 
     }
 }
 
+/* Tile i (panels i * TILE_PANELS ...) against x rows [t0, t0 + rows), rows <= BLOCK_ROWS. */
+static inline void tile_rows(const float *x, int64_t x_stride, const float *panels,
+                             const float *bias, float *y, int64_t K, int64_t N, int64_t i,
+                             int64_t t0, int64_t rows) {
+    const int64_t P = (N + KV_PANEL - 1) / KV_PANEL;
+    const int64_t groups = (rows + TILE_ROWS - 1) / TILE_ROWS;
+    const int64_t p = i * TILE_PANELS;
+    const int take_panels = (int)(P - p < TILE_PANELS ? P - p : TILE_PANELS);
+    int64_t t = t0;
+    for (int64_t g = 0; g < groups; g++) {
+        /* the first rows % groups groups take one row more */
+        const int take = (int)(rows / groups + (g < rows % groups));
+        group(x + t * x_stride, x_stride, panels + p * K * KV_PANEL, K, bias, y + t * N, N,
+              p * KV_PANEL, take, take_panels);
+        t += take;
+    }
+}
+
 void kv_panel_linear(const float *x, int64_t x_stride, const float *panels, const float *bias,
                      float *y, int64_t T, int64_t K, int64_t N) {
     const int64_t P = (N + KV_PANEL - 1) / KV_PANEL;
     const int64_t tiles = (P + TILE_PANELS - 1) / TILE_PANELS;
     for (int64_t t0 = 0; t0 < T; t0 += BLOCK_ROWS) {
         const int64_t rows = T - t0 < BLOCK_ROWS ? T - t0 : BLOCK_ROWS;
-        const int64_t groups = (rows + TILE_ROWS - 1) / TILE_ROWS;
 #pragma omp parallel for schedule(static) if (N * K > KV_PARALLEL_MIN)
-        for (int64_t i = 0; i < tiles; i++) {
-            const int64_t p = i * TILE_PANELS;
-            const int take_panels = (int)(P - p < TILE_PANELS ? P - p : TILE_PANELS);
-            int64_t t = t0;
-            for (int64_t g = 0; g < groups; g++) {
-                /* the first rows % groups groups take one row more */
-                const int take = (int)(rows / groups + (g < rows % groups));
-                group(x + t * x_stride, x_stride, panels + p * K * KV_PANEL, K, bias, y + t * N, N,
-                      p * KV_PANEL, take, take_panels);
-                t += take;
-            }
-        }
+        for (int64_t i = 0; i < tiles; i++) tile_rows(x, x_stride, panels, bias, y, K, N, i, t0, rows);
+    }
+}
+
+void kv_pack_small(const float *w, float *panels, int64_t N, int64_t K) {
+    for (int64_t p = 0; p < (N + KV_PANEL - 1) / KV_PANEL; p++) pack_panel(w, panels, N, K, p);
+}
+
+void kv_panel_small(const float *x, int64_t x_stride, const float *panels, float *y, int64_t T,
+                    int64_t K, int64_t N) {
+    const int64_t tiles = ((N + KV_PANEL - 1) / KV_PANEL + TILE_PANELS - 1) / TILE_PANELS;
+    for (int64_t t0 = 0; t0 < T; t0 += BLOCK_ROWS) {
+        const int64_t rows = T - t0 < BLOCK_ROWS ? T - t0 : BLOCK_ROWS;
+        for (int64_t i = 0; i < tiles; i++) tile_rows(x, x_stride, panels, 0, y, K, N, i, t0, rows);
     }
 }
