@@ -29,6 +29,7 @@ from test_kernels import (
     naive_decode_holes,
     naive_prefill,
     naive_prefill_holes,
+    naive_probs,
     naive_store,
 )
 from tiny_models import make_tiny_llama_dir, make_tiny_qwen2_dir, make_tiny_qwen3_dir
@@ -369,6 +370,54 @@ def test_panel_linear_gives_the_same_bits_with_and_without_avx512(tmp_path):
         for rows in (1, 2, 7, 12, 13, 25, 32, 200):
             x = torch.randn(rows, in_features, generator=gen)
             assert torch.equal(*(run(lib, x, panels, bias, out_features) for lib in libraries))
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler here")
+def test_query_probs_dots_with_and_without_avx512(tmp_path):
+    """kv_query_probs takes a vector's worth of keys' dots at once where head_dim is a small
+    multiple of the vector (16 lanes with AVX-512, 8 without) and the rest one at a time: built
+    both ways, over head sizes that take either path, pages of 8-32 slots and lengths that leave
+    a partial last page, both equal the float64 definition, with and without the group mean."""
+    import ctypes
+
+    sources = [ROOT / "engine/kernels/cpu" / name for name in ("paged_decode.c", "panel_gemm.c")]
+    libraries = []
+    for extra in ((), ("-mno-avx512f",)):
+        target = tmp_path / f"probs{len(libraries)}.so"
+        subprocess.run(["cc", *cpu_native.COMPILE_FLAGS, *extra, "-shared",
+                        f"-I{sources[0].parent}", *map(str, sources), "-o", str(target), "-lm"],
+                       check=True, capture_output=True)
+        libraries.append(ctypes.CDLL(str(target)))
+
+    def run(library, queries, k_cache, table, length, limits, scale, group_mean):
+        layers, n, q_heads, head_dim = queries.shape
+        _, kv_heads, pages, block, _ = k_cache.shape
+        out = torch.empty(layers, kv_heads if group_mean else q_heads, n, length)
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        rc = library.kv_query_probs(
+            ptr(queries.data_ptr()), ptr(k_cache.data_ptr()), i64(k_cache.stride(0)),
+            ptr(table.data_ptr()), ptr(limits.data_ptr()), i64(length), ptr(out.data_ptr()),
+            *(i64(v) for v in (layers, n, q_heads, kv_heads, head_dim, block, pages)),
+            ctypes.c_float(scale), ctypes.c_int(group_mean))
+        assert rc == 0
+        return out
+
+    gen = torch.Generator().manual_seed(12)
+    for head_dim, block, length in ((64, 16, 77), (128, 32, 70), (16, 8, 37), (40, 16, 50),
+                                    (64, 16, 16)):
+        q_heads, kv_heads, layers = 6, 2, 2
+        tables, num_blocks = make_tables([length], block, gen, dtype=torch.int64)
+        k_cache = torch.randn(layers, kv_heads, num_blocks, block, head_dim, generator=gen)
+        queries = torch.randn(layers, 3, q_heads, head_dim, generator=gen)
+        limits = torch.tensor([length, length - 5, 1])
+        case = (queries, k_cache, tables[0], length, limits, head_dim**-0.5)
+        want = naive_probs(*case)
+        mean = want.view(layers, kv_heads, q_heads // kv_heads, 3, length).mean(dim=2)
+        for library in libraries:
+            torch.testing.assert_close(run(library, *case, 0).double(), want, atol=1e-6,
+                                       rtol=1e-5)
+            torch.testing.assert_close(run(library, *case, 1).double(), mean, atol=1e-6,
+                                       rtol=1e-5)
+
 
 @needs_kernel
 def test_panel_linear_checks_its_inputs_and_passes_opcheck():

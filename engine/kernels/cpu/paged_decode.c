@@ -441,14 +441,80 @@ static inline void prefetch_page(const float *p, int64_t floats) {
     for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(p + i, 0, 3);
 }
 
+#if defined(__AVX512F__)
+static const int64_t BITREV[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+#define HALVE(a, b, ...) (__builtin_shufflevector(a, b, __VA_ARGS__))
+/* Lane j of the result: the sum of the lanes of v[BITREV[j]]. A transpose-and-add in four
+   levels, each adding two vectors' halves side by side, where summing one vector's lanes alone
+   takes as many steps for one number. */
+static inline __attribute__((always_inline)) pv_vec sum_lanes(pv_vec *v) {
+    for (int i = 0; i < 8; i++)
+        v[i] = HALVE(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22,
+                     23) +
+               HALVE(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28,
+                     29, 30, 31);
+    for (int i = 0; i < 4; i++)
+        v[i] = HALVE(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25,
+                     26, 27) +
+               HALVE(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29,
+                     30, 31);
+    for (int i = 0; i < 2; i++)
+        v[i] = HALVE(v[2 * i], v[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13,
+                     28, 29) +
+               HALVE(v[2 * i], v[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15,
+                     30, 31);
+    return HALVE(v[0], v[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+           HALVE(v[0], v[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
+#else
+static const int64_t BITREV[8] = {0, 4, 2, 6, 1, 5, 3, 7};
+#define HALVE(a, b, ...) (__builtin_shufflevector(a, b, __VA_ARGS__))
+/* The same in three levels for 8 lanes. */
+static inline __attribute__((always_inline)) pv_vec sum_lanes(pv_vec *v) {
+    for (int i = 0; i < 4; i++)
+        v[i] = HALVE(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+               HALVE(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int i = 0; i < 2; i++)
+        v[i] = HALVE(v[2 * i], v[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+               HALVE(v[2 * i], v[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return HALVE(v[0], v[1], 0, 8, 2, 10, 4, 12, 6, 14) +
+           HALVE(v[0], v[1], 1, 9, 3, 11, 5, 13, 7, 15);
+}
+#endif
+
+/* logits[r, j] = scale * q[r] . keys[j] for r < rows, j < count. With head_dim a small
+   multiple of the vector, PV_LANES keys at a time: each key's products stay one vector, and
+   sum_lanes turns PV_LANES of them into PV_LANES dots at once (keys fed in BITREV order so the
+   dots come out in order); the rest one dot at a time. */
 static inline __attribute__((always_inline)) void
 page_logits(const float *restrict q, int64_t rows, int64_t q_stride, const int64_t head_dim,
             const float *restrict keys, int64_t count, float scale, float *restrict logits,
             int64_t out_stride) {
+    const int64_t nv = head_dim / PV_LANES;
+    const int64_t whole = head_dim % PV_LANES == 0 && nv <= 8 ? count / PV_LANES * PV_LANES : 0;
     for (int64_t r = 0; r < rows; r++) {
         const float *qr = q + r * q_stride;
         float *lr = logits + r * out_stride;
-        for (int64_t j = 0; j < count; j++) {
+        if (whole > 0) {
+            pv_vec qv[8];
+            for (int64_t d = 0; d < nv; d++) memcpy(&qv[d], qr + d * PV_LANES, sizeof(pv_vec));
+            for (int64_t j0 = 0; j0 < whole; j0 += PV_LANES) {
+                pv_vec acc[PV_LANES];
+                for (int64_t i = 0; i < PV_LANES; i++) {
+                    const float *kj = keys + (j0 + BITREV[i]) * head_dim;
+                    pv_vec k;
+                    memcpy(&k, kj, sizeof k);
+                    acc[i] = qv[0] * k;
+                    for (int64_t d = 1; d < nv; d++) {
+                        memcpy(&k, kj + d * PV_LANES, sizeof k);
+                        acc[i] += qv[d] * k;
+                    }
+                }
+                const pv_vec dots = sum_lanes(acc) * scale;
+                memcpy(lr + j0, &dots, sizeof dots);
+            }
+        }
+        for (int64_t j = whole; j < count; j++) {
             const float *kj = keys + j * head_dim;
             float dot = 0.0f;
             for (int64_t d = 0; d < head_dim; d++) dot += qr[d] * kj[d];
@@ -527,11 +593,12 @@ int kv_query_probs(const float *q, const float *k_cache, int64_t layer_stride,
             if (!group_mean) continue;
             float *mean = out + (l * kv_heads + h) * n * length;
             const float share = 1.0f / (float)group;
-            for (int64_t r = 0; r < n * length; r++) {
-                float total = 0.0f;
-                for (int64_t g = 0; g < group; g++) total += rows[g * n * length + r];
-                mean[r] = total * share;
+            memcpy(mean, rows, (size_t)(n * length) * sizeof(float));
+            for (int64_t g = 1; g < group; g++) { /* a row at a time, so each add is a vector */
+                const float *rg = rows + g * n * length;
+                for (int64_t r = 0; r < n * length; r++) mean[r] += rg[r];
             }
+            for (int64_t r = 0; r < n * length; r++) mean[r] *= share;
             free(rows);
         }
     }
