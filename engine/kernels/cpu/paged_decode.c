@@ -441,9 +441,9 @@ static inline void prefetch_page(const float *p, int64_t floats) {
     for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(p + i, 0, 3);
 }
 
+#define HALVE(a, b, ...) (__builtin_shufflevector(a, b, __VA_ARGS__))
 #if defined(__AVX512F__)
 static const int64_t BITREV[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
-#define HALVE(a, b, ...) (__builtin_shufflevector(a, b, __VA_ARGS__))
 /* Lane j of the result: the sum of the lanes of v[BITREV[j]]. A transpose-and-add in four
    levels, each adding two vectors' halves side by side, where summing one vector's lanes alone
    takes as many steps for one number. */
@@ -468,7 +468,6 @@ static inline __attribute__((always_inline)) pv_vec sum_lanes(pv_vec *v) {
 }
 #else
 static const int64_t BITREV[8] = {0, 4, 2, 6, 1, 5, 3, 7};
-#define HALVE(a, b, ...) (__builtin_shufflevector(a, b, __VA_ARGS__))
 /* The same in three levels for 8 lanes. */
 static inline __attribute__((always_inline)) pv_vec sum_lanes(pv_vec *v) {
     for (int i = 0; i < 4; i++)
