@@ -254,20 +254,31 @@ def store(key, value, k_cache_l, v_cache_l, slot_mapping) -> None:
     _raise_on(rc)
 
 
-def decode(q, k_cache_l, v_cache_l, block_tables, context_lens, scale, holes=None):
-    """Module docstring: [B, q_heads, head_dim] -> [B, q_heads, head_dim]."""
-    batch, q_heads, head_dim = q.shape
+def _check_paged(q, k_cache_l, v_cache_l, block_tables, lengths, holes, rows: str):
+    """decode's and prefill_rows' shape checks: q [batch, ..., q_heads, head_dim] against the
+    caches [kv_heads, pages, block, head_dim]; block_tables [batch, max_blocks], each of
+    `lengths` [batch] and holes [batch, kv_heads, 2] or None for `batch` `rows`. Returns
+    (kv_heads, pages, block)."""
+    batch, q_heads, head_dim = q.shape[0], q.shape[-2], q.shape[-1]
     kv_heads, pages, block, cache_head_dim = k_cache_l.shape
     _require_caches(k_cache_l, v_cache_l)
     if q_heads % kv_heads or cache_head_dim != head_dim:
         raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(k_cache_l.shape)} "
                          f"(q_heads a multiple of kv_heads, one head_dim)")
     if block_tables.dim() != 2 or block_tables.shape[0] != batch \
-            or context_lens.shape != (batch,) \
+            or any(t.shape != (batch,) for t in lengths) \
             or (holes is not None and holes.shape != (batch, kv_heads, 2)):
-        raise ValueError(f"block_tables {tuple(block_tables.shape)}, context_lens "
-                         f"{tuple(context_lens.shape)} or holes do not fit {batch} query rows and "
-                         f"{kv_heads} kv heads")
+        raise ValueError(f"block_tables {tuple(block_tables.shape)}, lengths "
+                         f"{[tuple(t.shape) for t in lengths]} or holes do not fit {batch} "
+                         f"{rows} and {kv_heads} kv heads")
+    return kv_heads, pages, block
+
+
+def decode(q, k_cache_l, v_cache_l, block_tables, context_lens, scale, holes=None):
+    """Module docstring: [B, q_heads, head_dim] -> [B, q_heads, head_dim]."""
+    batch, q_heads, head_dim = q.shape
+    kv_heads, pages, block = _check_paged(q, k_cache_l, v_cache_l, block_tables, (context_lens,),
+                                          holes, "query rows")
     q = _rows(q)
     tables, lens = _int64(block_tables), _int64(context_lens)
     hole_ptr = None
@@ -347,16 +358,8 @@ def prefill_rows(q, k_cache_l, v_cache_l, block_tables, base_lens, q_lens, scale
     the backend picks it up to C_PREFILL_ROWS rows (engine/kernels/backend.py).
     """
     batch, lq_max, q_heads, head_dim = q.shape
-    kv_heads, pages, block, cache_head_dim = k_cache_l.shape
-    _require_caches(k_cache_l, v_cache_l)
-    if q_heads % kv_heads or cache_head_dim != head_dim:
-        raise ValueError(f"q {tuple(q.shape)} does not fit caches {tuple(k_cache_l.shape)} "
-                         f"(q_heads a multiple of kv_heads, one head_dim)")
-    if block_tables.dim() != 2 or block_tables.shape[0] != batch \
-            or base_lens.shape != (batch,) or q_lens.shape != (batch,) \
-            or (holes is not None and holes.shape != (batch, kv_heads, 2)):
-        raise ValueError(f"block_tables {tuple(block_tables.shape)}, base_lens, q_lens or holes "
-                         f"do not fit {batch} sequences and {kv_heads} kv heads")
+    kv_heads, pages, block = _check_paged(q, k_cache_l, v_cache_l, block_tables,
+                                          (base_lens, q_lens), holes, "sequences")
     q = q.contiguous()
     _require_cpu_float32(q)
     tables, base, qlen = _int64(block_tables), _int64(base_lens), _int64(q_lens)
