@@ -70,15 +70,21 @@ def test_decode_holes_match_the_masked_loop():
     assert not torch.allclose(out.double(), naive_decode(*case), atol=1e-3)
     assert torch.equal(cpu_native.decode(*case, torch.zeros_like(holes)), cpu_native.decode(*case))
     # The hole's slots are never read: NaN keys and values there leave the output as it was.
-    q, k_cache, v_cache, tables, lens, _ = case
+    _, k_cache, v_cache, tables, _, _ = case
+    _poison_holes(k_cache, v_cache, tables, holes)
+    assert torch.equal(cpu_native.decode(*case, holes), out)
+
+
+def _poison_holes(k_cache, v_cache, tables, holes):
+    """NaN into every slot of each sequence's per-head hole: caches [kv_heads, pages, block, d],
+    tables [batch, max_blocks], holes [batch, kv_heads, 2]."""
     block = k_cache.shape[2]
-    for b in range(len(lens)):
+    for b in range(holes.shape[0]):
         for h in range(k_cache.shape[0]):
             for slot in range(int(holes[b, h, 0]), int(holes[b, h, 1])):
                 page = int(tables[b, slot // block])
                 k_cache[h, page, slot % block] = float("nan")
                 v_cache[h, page, slot % block] = float("nan")
-    assert torch.equal(cpu_native.decode(*case, holes), out)
 
 
 @needs_kernel
@@ -120,12 +126,7 @@ def test_prefill_rows_tiles_pages_and_holes(shape):
     with_holes = cpu_native.prefill_rows(*case, holes)
     assert_close(with_holes, naive_prefill_holes(*case, holes), F32)
     assert not torch.allclose(with_holes, out, atol=1e-3)
-    for b in range(len(base)):
-        for h in range(kv_heads):
-            for slot in range(int(holes[b, h, 0]), int(holes[b, h, 1])):
-                page = int(tables[b, slot // block])
-                k_cache[h, page, slot % block] = float("nan")
-                v_cache[h, page, slot % block] = float("nan")
+    _poison_holes(k_cache, v_cache, tables, holes)
     assert torch.equal(cpu_native.prefill_rows(*case, holes), with_holes)
 
 
