@@ -10,8 +10,11 @@
    How: S comes from the panel kernel (panel_gemm.c), the keys packed as the "weight", a strip of
    STRIP rows at a time, so memory is O(length x STRIP), not O(length^2). Each output of that
    kernel is one FMA chain over head_dim in order, so S[i, j] and S[j, i] are the same bits: the
-   column sums are the row sums, less the spared entries, and every pass over S is along a row.
-   One (layer, head) per OpenMP task; the panel kernel then runs on its task's thread. */
+   column sums are the row sums, less the spared entries, and only the part of S above the
+   diagonal is formed (from each strip's first panel on). Row i's entries left of the diagonal
+   are column i's above it, met in earlier rows: their running sum and the last of them above
+   the threshold are kept per column as the rows go down. One (layer, head) per OpenMP task,
+   the panel kernel on its task's thread. */
 
 #include <math.h>
 #include <stdint.h>
@@ -22,6 +25,23 @@
 /* S rows held at once per task (a strip of STRIP x length floats). */
 #define STRIP 48
 
+/* The last j in [lo, hi) with row[j] > threshold, or -1: from the end, a block of SCAN entries
+   at a time (each block's test is one vector pass), so a row where it lies near the end, as
+   with a real model's similar keys, stops early. */
+#define SCAN 32
+static inline int64_t last_similar(const float *restrict row, int64_t lo, int64_t hi,
+                                   float threshold) {
+    while (hi - lo >= SCAN) {
+        int any = 0;
+        for (int64_t j = hi - SCAN; j < hi; j++) any |= row[j] > threshold;
+        if (any) break;
+        hi -= SCAN;
+    }
+    for (int64_t j = hi - 1; j >= lo; j--)
+        if (row[j] > threshold) return j;
+    return -1;
+}
+
 /* One (layer, head): the keys of `length` slots in the pages of `keys` (block x head_dim each,
    found through table) -> out[length]. */
 static int redundancy_head(const float *keys, const int64_t *table, int64_t length,
@@ -31,10 +51,17 @@ static int redundancy_head(const float *keys, const int64_t *table, int64_t leng
     float *unit = malloc((size_t)(length * d) * sizeof(float));
     float *packed = malloc((size_t)(panels * d * KV_PANEL) * sizeof(float));
     float *strip = malloc((size_t)(STRIP * length) * sizeof(float));
+    /* per slot j: sum of S[r, j] over the rows r < j done so far; the last such r with S[r, j]
+       above the threshold (-1: none) and that entry; S[0, j] (spare_first's S[j, 0]) */
+    float *restrict above = malloc((size_t)length * sizeof(float));
+    int64_t *restrict last_above = malloc((size_t)length * sizeof(int64_t));
+    float *restrict last_value = malloc((size_t)length * sizeof(float));
+    float *first_row = malloc((size_t)length * sizeof(float));
     int64_t *spared = malloc((size_t)length * sizeof(int64_t)); /* column row i spares, or -1 */
     float *value = malloc((size_t)length * sizeof(float));      /* S[i, spared[i]] */
     int error = KV_OK;
-    if (unit == 0 || packed == 0 || strip == 0 || spared == 0 || value == 0) {
+    if (unit == 0 || packed == 0 || strip == 0 || above == 0 || last_above == 0 ||
+        last_value == 0 || first_row == 0 || spared == 0 || value == 0) {
         error = KV_NO_MEMORY;
         goto done;
     }
@@ -44,24 +71,48 @@ static int redundancy_head(const float *keys, const int64_t *table, int64_t leng
         for (int64_t i = 0; i < d; i++) squares += k[i] * k[i];
         const float norm = sqrtf(squares) + 1e-8f;
         for (int64_t i = 0; i < d; i++) unit[t * d + i] = k[i] / norm;
+        above[t] = 0.0f;
+        last_above[t] = -1;
+        last_value[t] = 0.0f;
     }
-    kv_pack_panels(unit, packed, length, d);
+    kv_pack_small(unit, packed, length, d);
+    first_row[0] = 0.0f; /* the diagonal */
     for (int64_t i0 = 0; i0 < length; i0 += STRIP) {
         const int64_t rows = length - i0 < STRIP ? length - i0 : STRIP;
-        kv_panel_linear(unit + i0 * d, d, packed, 0, strip, rows, d, length);
+        const int64_t c0 = i0 / KV_PANEL * KV_PANEL, width = length - c0; /* columns c0.. */
+        kv_panel_small(unit + i0 * d, d, packed + c0 * d, strip, rows, d, width);
         for (int64_t r = 0; r < rows; r++) {
-            float *row = strip + r * length;
             const int64_t i = i0 + r;
-            row[i] = 0.0f;
-            float total = 0.0f;
-            int64_t found = -1;
-            for (int64_t j = 0; j < length; j++) {
+            const float *restrict row = strip + r * width - c0; /* row[j] = S[i, j], j >= c0 */
+            float total = above[i];                             /* S[i, j] for j < i */
+            /* passes the compiler vectorises: a real model's keys are similar to each other
+               often enough that a branch on the threshold per entry mispredicts */
+            for (int64_t j = i + 1; j < length; j++) {
                 total += row[j];
-                found = row[j] > threshold ? j : found;
+                above[j] += row[j];
             }
+            const int64_t found = last_similar(row, i + 1, length, threshold);
+            for (int64_t j = i + 1; j < length; j++) {
+                const int similar = row[j] > threshold;
+                last_above[j] = similar ? i : last_above[j];
+                last_value[j] = similar ? row[j] : last_value[j];
+            }
+            if (i == 0)
+                for (int64_t j = 1; j < length; j++) first_row[j] = row[j];
             out[i] = total; /* row i's sum = column i's sum before sparing (S is symmetric) */
-            spared[i] = found >= 0 ? found : spare_first ? 0 : -1;
-            value[i] = spared[i] >= 0 ? row[spared[i]] : 0.0f;
+            if (found >= 0) {                   /* the last similar key lies right of i */
+                spared[i] = found;
+                value[i] = row[found];
+            } else if (0.0f > threshold) {      /* else the zeroed diagonal, if it counts */
+                spared[i] = i;
+                value[i] = 0.0f;
+            } else if (last_above[i] >= 0) {    /* else the last one left of i */
+                spared[i] = last_above[i];
+                value[i] = last_value[i];
+            } else {
+                spared[i] = spare_first ? 0 : -1;
+                value[i] = spare_first ? first_row[i] : 0.0f;
+            }
         }
     }
     for (int64_t i = 0; i < length; i++)
@@ -79,7 +130,8 @@ static int redundancy_head(const float *keys, const int64_t *table, int64_t leng
     }
     for (int64_t j = 0; j < length; j++) out[j] /= total;
 done:
-    free(unit), free(packed), free(strip), free(spared), free(value);
+    free(unit), free(packed), free(strip), free(above), free(last_above), free(last_value);
+    free(first_row), free(spared), free(value);
     return error;
 }
 
