@@ -110,7 +110,7 @@ class SeqView:
         return self._runner.queries.ema_of(self._slot())
 
     def apply_rope(self, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self._runner.model.rope.apply(q, positions)
+        return self._runner.apply_rope(q, positions)
 
     def recompute_queries(self, start: int, end: int) -> torch.Tensor:
         return self._runner.recompute_queries(self.seq, start, end)

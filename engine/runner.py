@@ -23,6 +23,7 @@ from engine.kernels._common import upload
 from engine.models import ARCHITECTURES, build_model, load_weights, random_tensors
 from engine.models.llama import ArchFlags, head_dim_of
 from engine.models.loader import iter_safetensors, load_config
+from engine.models.rope import RopeRows
 from engine.models.shape import parameter_counts
 from engine.policies.base import SignalSpec
 from engine.query_state import QueryStatePool
@@ -445,6 +446,16 @@ class ModelRunner:
         cache = self.kv.k if layers is None else self.kv.k[layers]
         scale = queries.shape[-1] ** -0.5 if scale is None else scale
         return self.backend.query_probs(queries, cache, table, length, None, scale, group_mean)
+
+    def apply_rope(self, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """PolicyView.apply_rope: q [..., T, heads, d] rotated at positions [T] by the backend's
+        RoPE, the one the forward pass applies (one C call on the C backend, where the torch form
+        makes several passes over q)."""
+        rows = self.model.rope.rows(positions)
+        lead = q.shape[:-3].numel()
+        if lead > 1:  # one row of cos / sin per rotated row
+            rows = RopeRows(rows.cos.repeat(lead, 1, 1), rows.sin.repeat(lead, 1, 1))
+        return self.backend.rope(q.reshape(-1, *q.shape[-2:]), rows).view(q.shape)
 
     def key_redundancy(self, seq: Sequence, threshold: float, temperature: float,
                        spare_first: bool) -> torch.Tensor:

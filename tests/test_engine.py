@@ -487,3 +487,23 @@ def test_read_only_properties_report_the_engine_and_its_last_run(llama_dir):
         llm.counters["preemption"] = 0
     with pytest.raises(AttributeError):
         llm.engine_spec = spec
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c", "torch"])
+def test_policies_rotate_queries_with_the_backends_rope(llama_dir, native):
+    """PolicyView.apply_rope goes through the engine's backend (one C call on the C backend):
+    the model's RoPE, for one pass's rows and for leading axes (layers, summaries) that share
+    the positions."""
+    llm = LLM(str(llama_dir), block_size=4, kv_cache_tokens=256, cpu_native_kernels=native)
+    runner, rope = llm.runner, llm.runner.model.rope
+    from engine.kernels import cpu_native
+
+    assert runner.backend.name == ("c" if native and cpu_native.available() else "torch")
+    heads, dim = runner.num_q_heads, runner.head_dim
+    gen = torch.Generator().manual_seed(3)
+    positions = torch.tensor([0, 5, 17])
+    for shape in ((3, heads, dim), (2, 3, heads, dim), (2, 4, 3, heads, dim)):
+        q = torch.randn(*shape, generator=gen)
+        got = runner.apply_rope(q, positions)
+        assert got.shape == q.shape
+        torch.testing.assert_close(got, rope.apply(q, positions), rtol=1e-6, atol=1e-6)
