@@ -17,7 +17,7 @@ import torch
 
 from engine.config import ConfigError
 from engine.kernels.redundancy import key_redundancy
-from engine.policies.base import EngineSpec, StageTimer, build_policy
+from engine.policies.base import Action, EngineSpec, StageTimer, build_policy
 from engine.policies.fixed_budget import BudgetState
 
 L, HQ, HKV, D = 2, 4, 2, 8
@@ -352,6 +352,31 @@ def test_h2o_accumulates_every_query_across_compressions():
                         score[u] += probs[u]
             want = naive_topk(score, budget, set(range(P - 8, P)))
             assert keep2[layer, h].tolist() == want
+
+
+def test_h2o_folds_each_grown_page_while_the_cache_holds_its_queries():
+    """Below its cap H2O adds a page's queries to the accumulated scores at the boundary that
+    grows it, while the recent-query cache (2 pages) still holds them: the first compaction
+    recomputes nothing and keeps what the accumulated attention of every query picks."""
+    block, budget, T = 8, 16, 24  # cap 3 pages: boundaries at 8 and 16 grow, at 24 compress
+    k, q = rand_case(T, seed=8)
+    pol = bound("h2o", block_size=block, budget=budget)
+    view = FakeView(k[:, :, :block], q, cache=2 * block, block_size=block, num_computed=block,
+                    state=pol.new_state())
+    for length in (block, 2 * block):
+        view.keys_, view.num_computed = k[:, :, :length], length
+        assert pol.on_boundary(view).action is Action.GROW
+        assert pol.scored_state(view).scored_pos == length
+    view.keys_, view.num_computed = k, T
+    decision = pol.on_boundary(view)
+    assert decision.action is Action.COMPRESS and decision.target_len == budget
+    keep = select(pol, view, budget)
+    assert view.recomputed == []  # without the folds: positions [0, 8) recomputed
+    for layer in range(L):
+        for h in range(HKV):
+            score = [sum(head_probs(q, k, layer, h * G + g, p, T)[t] for p in range(T)
+                         for g in range(G)) for t in range(T)]
+            assert keep[layer, h].tolist() == naive_topk(score, budget, set(range(T - 8, T)))
 
 
 def test_zipage_redundancy_mixes_lambda_and_temperature_per_page():

@@ -7,12 +7,14 @@ cache keeps the `recent` newest tokens and, among the others, the heavy hitters:
 largest accumulated attention. The score is per (layer, head).
 
 Here the accumulated score is a persistent per-slot score (SignalSpec.slot_scores), compacted with
-the KV. At each compaction the attention of every query not yet counted (positions from the last
-compaction up to the newest token) is added to it: those queries come from the recent-query cache,
-which holds `2 * block_size` of them (the most tokens that can be decoded between two compactions
-under the fixed-budget capacity rule: a page, or just under two after a prompt compaction to a
-budget that is not a page multiple). For the first compaction of a request (or after a preemption)
-the sequence is still uncompressed and the queries of the whole prompt are recomputed
+the KV. At each page boundary the attention of every query not yet counted (positions from the
+last fold up to the newest token) is added to it (at a boundary that compacts, just before the
+selection): those queries come from the recent-query cache, which holds `2 * block_size` of them
+(the most tokens that can be decoded between two boundaries that fold: a page, or just under two
+after a prompt compaction to a budget that is not a page multiple). Between compactions the keys
+only grow, so a query folded at an earlier boundary sees the same keys it would see at the
+compaction. Queries the cache no longer holds, the prompt's at the first fold of a request (or
+after a preemption), are recomputed while the sequence is uncompressed
 (PolicyView.recompute_queries), so the prompt's attention counts as in H2O's prefill. GQA: the
 attention of a KV head's query heads is summed (the paper's models are multi-head).
 
@@ -44,7 +46,14 @@ from typing import ClassVar
 import torch
 
 from engine.config import ConfigError
-from engine.policies.base import EngineSpec, PolicyView, SignalSpec, register_policy
+from engine.policies.base import (
+    Action,
+    Decision,
+    EngineSpec,
+    PolicyView,
+    SignalSpec,
+    register_policy,
+)
 from engine.policies.fixed_budget import BudgetState
 from engine.policies.scored import WindowScored
 from engine.policies.scoring import observation_scores
@@ -160,6 +169,17 @@ class H2O(WindowScored):
             score += accumulated_attention(queries, keys, limits.to(keys.device))
         view.set_slot_scores(score)
         return score
+
+    def on_boundary(self, view: PolicyView) -> Decision:
+        """The fixed-budget rule's decision; where it only grows, this page's queries are folded
+        into the accumulated scores now, before the recent-query cache drops them (a compaction
+        folds them itself, in `scores`)."""
+        decision = super().on_boundary(view)
+        if decision.action is Action.GROW:
+            self.scores(view)
+            state = self.scored_state(view)
+            state.scored_len, state.scored_pos = view.physical_len, view.num_computed
+        return decision
 
     def after_select(self, view: PolicyView, target_len: int) -> None:
         state = self.scored_state(view)
