@@ -79,8 +79,8 @@ class SeqView:
         return self._runner.query_probs(self.seq, queries, layers, length, scale, group_mean)
 
     def key_redundancy(self, threshold: float = 0.5, temperature: float = 1.0,
-                       spare_first: bool = False) -> torch.Tensor:
-        return self._runner.key_redundancy(self.seq, threshold, temperature, spare_first)
+                       spare_first: bool = False, block: int | None = None) -> torch.Tensor:
+        return self._runner.key_redundancy(self.seq, threshold, temperature, spare_first, block)
 
     def slot_scores(self) -> torch.Tensor:
         scores = self._runner.kv.scores

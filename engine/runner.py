@@ -458,13 +458,13 @@ class ModelRunner:
         return self.backend.rope(q.reshape(-1, *q.shape[-2:]), rows).view(q.shape)
 
     def key_redundancy(self, seq: Sequence, threshold: float, temperature: float,
-                       spare_first: bool) -> torch.Tensor:
+                       spare_first: bool, block: int | None = None) -> torch.Tensor:
         """PolicyView.key_redundancy: [layers, kv_heads, physical_len] over the sequence's
         physical slots, through the backend's kernel."""
         length = seq.physical_len
         table = self._pages(seq, 0, -(-length // self.block_size))
         return self.backend.key_redundancy(self.kv.k, table, length, threshold, temperature,
-                                           spare_first)
+                                           spare_first, block)
 
     def _pages(self, seq: Sequence, first: int, last: int) -> torch.Tensor:
         """The sequence's pages [first, last) of its block table, int64 on the device, uploaded

@@ -70,9 +70,9 @@ class FakeView:
     def keys(self, layers=None):
         return self.keys_
 
-    def key_redundancy(self, threshold=0.5, temperature=1.0, spare_first=False):
+    def key_redundancy(self, threshold=0.5, temperature=1.0, spare_first=False, block=None):
         return key_redundancy(self.keys_, threshold=threshold, temperature=temperature,
-                              spare_first=spare_first)
+                              spare_first=spare_first, block=block)
 
     def recent_queries(self, rope=True):
         n = min(self.cache, self.num_computed)
@@ -467,22 +467,23 @@ def test_key_redundancy_per_page_equals_the_dense_form(threshold, spare_first, m
         monkeypatch.undo()
 
 
-def test_zipage_redundancy_keeps_the_dense_forms_slots(monkeypatch):
+def test_zipage_redundancy_keeps_the_dense_forms_slots():
     """Zipage's kept slots with the per-page redundancy are the dense form's, at a compaction of
     its default shape (budget 256 + one page of 16, window 16, pooling and global score on)."""
-    import engine.policies.zipage as zipage
-
     T, window, budget = 272, 16, 256
     k, q = rand_case(T, seed=12)
     pol = bound("zipage", block_size=16, budget=budget, window=window, redundancy=True)
     paged = select(pol, FakeView(k, q, cache=window, block_size=16, state=pol.new_state()),
                    budget)
-    monkeypatch.setattr(zipage, "key_redundancy",
-                        lambda keys, temperature, block: dense_redundancy(
-                            keys, temperature=temperature, block=block))
-    dense = select(pol, FakeView(k, q, cache=window, block_size=16, state=pol.new_state()),
-                   budget)
-    assert torch.equal(paged, dense)
+    view = FakeView(k, q, cache=window, block_size=16, state=pol.new_state())
+    asked = []
+
+    def dense(threshold=0.5, temperature=1.0, spare_first=False, block=None):
+        asked.append(block)
+        return dense_redundancy(view.keys_, temperature=temperature, block=block)
+
+    view.key_redundancy = dense
+    assert torch.equal(select(pol, view, budget), paged) and asked == [16]
 
 
 def test_key_redundancy_per_page_at_a_length_the_dense_form_cannot_hold():

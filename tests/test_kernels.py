@@ -471,19 +471,21 @@ def _redundancy_case(length, seed, layers=3, kv_heads=2, block_size=8, head_dim=
 @pytest.mark.parametrize("threshold", [0.5, 0.0, -0.3])
 @pytest.mark.parametrize("spare_first", [False, True])
 def test_key_redundancy_c_equals_the_twin(threshold, spare_first):
-    """The C kernel (strips of S through the panel kernel, column sums from row sums) against
-    the twin (all pairs, in torch) over the same pages: lengths below, at and across a strip of
-    48 rows and a 16-column panel, a slice of the cache's layers, both temperatures in use."""
+    """The C kernel (strips of S through the panel kernel, column sums from row sums; per run
+    of `block` slots, a small S per run) against the twin (in torch) over the same pages:
+    lengths below, at and across a strip of 48 rows and a 16-column panel, runs of a page, of
+    5 slots (across pages) and of 16 (a partial last run), a slice of the cache's layers, both
+    temperatures in use."""
     for length, temperature in ((1, 1.0), (5, 0.4), (47, 1.0), (100, 0.4), (203, 1.0)):
         k_cache, table = _redundancy_case(length, seed=length)
-        twin = paged_key_redundancy_torch(k_cache, table, length, threshold, temperature,
-                                          spare_first)
-        got = paged_key_redundancy_c(k_cache, table, length, threshold, temperature, spare_first)
-        assert got.shape == (3, 2, length)
-        torch.testing.assert_close(got, twin, rtol=2e-5, atol=1e-7)
-        torch.testing.assert_close(
-            paged_key_redundancy_c(k_cache[1:], table, length, threshold, temperature,
-                                   spare_first), twin[1:], rtol=2e-5, atol=1e-7)
+        for block in (None, k_cache.shape[3], 5, 16):
+            args = (threshold, temperature, spare_first, block)
+            twin = paged_key_redundancy_torch(k_cache, table, length, *args)
+            got = paged_key_redundancy_c(k_cache, table, length, *args)
+            assert got.shape == (3, 2, length)
+            torch.testing.assert_close(got, twin, rtol=2e-5, atol=1e-7)
+            torch.testing.assert_close(paged_key_redundancy_c(k_cache[1:], table, length, *args),
+                                       twin[1:], rtol=2e-5, atol=1e-7)
 
 
 @pytest.mark.skipif(not cpu_native.available(), reason="the C library is not built here")
@@ -495,6 +497,8 @@ def test_key_redundancy_c_checks_its_input():
         paged_key_redundancy_c(k_cache, table, table.numel() * k_cache.shape[3] + 1)
     with pytest.raises(ValueError, match="temperature"):
         paged_key_redundancy_c(k_cache, table, 20, temperature=0.0)
+    with pytest.raises(ValueError, match="block"):
+        paged_key_redundancy_c(k_cache, table, 20, block=0)
     assert paged_key_redundancy_c(k_cache, table, 0).shape == (3, 2, 0)
 
 

@@ -43,9 +43,10 @@ The ops, by signature (an instance's fields):
     query_probs(queries, k_cache, table, length, key_limit, scale, group_mean) -> probs
         a policy's attention probabilities over one sequence's pages
         (attention_scores.paged_query_probs' contract): Triton, the C kernel or the twin.
-    key_redundancy(k_cache, table, length, threshold, temperature, spare_first) -> [L, H, length]
-        R-KV's redundancy of one sequence's cached keys (redundancy.paged_key_redundancy_torch's
-        contract): the C kernel, or the twin (a gather and matmuls, on CUDA too).
+    key_redundancy(k_cache, table, length, threshold, temperature, spare_first, block)
+        -> [L, H, length]: R-KV's redundancy of one sequence's cached keys, all pairs or per run
+        of `block` slots (redundancy.paged_key_redundancy_torch's contract): the C kernel, or
+        the twin (a gather and matmuls, on CUDA too).
     linear(x, weight, packed, bias=None) -> [T, out]
         x [T, in], weight [out, in], packed: `pack(weight)` (None where nothing is packed).
     rms_norm(x, norm) -> [T, dim]; add_rms_norm(x, delta, norm) -> (x + delta, its norm)

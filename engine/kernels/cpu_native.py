@@ -127,7 +127,7 @@ LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "d
 # The interface's version, KV_ABI_VERSION in cpu/kvarena_native.h: raised with it when a
 # signature in `_declare` or a constant above changes meaning. At load the library reports its
 # constants (kv_abi); any that differ from `_expected_abi()` leave the torch ops in its place.
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 # The cache entry: the library and its stamp (`_build`).
 LIBRARY, STAMP = "libkvarena_cpu.so", "libkvarena_cpu.json"
@@ -321,26 +321,29 @@ def query_probs(queries, k_cache, table, length: int, limits, scale,
 
 
 def key_redundancy(k_cache, table, length: int, threshold: float, temperature: float,
-                   spare_first: bool = False) -> torch.Tensor:
+                   spare_first: bool = False, block: int | None = None) -> torch.Tensor:
     """Module docstring: R-KV's redundancy of one sequence's first `length` cached keys, read in
     place. k_cache [layers, kv_heads, num_blocks, block_size, head_dim] (layers may be a slice of
-    the cache); table [>= ceil(length / block_size)] -> [layers, kv_heads, length]."""
+    the cache); table [>= ceil(length / block_size)] -> [layers, kv_heads, length]. block: pairs
+    within each run of that many slots only (redundancy.key_redundancy's `block`); None: all."""
     if k_cache.dim() != 5:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} is not [layers, kv_heads, pages, "
                          f"block, head_dim]")
-    layers, kv_heads, pages, block, head_dim = k_cache.shape
+    layers, kv_heads, pages, page, head_dim = k_cache.shape
     _require_contiguous(k_cache[0])
     _require_cpu_float32(k_cache)
     table = _int64(table)
-    if not 0 <= length <= table.numel() * block:
-        raise ValueError(f"length {length} does not fit {table.numel()} pages of {block}")
+    if not 0 <= length <= table.numel() * page:
+        raise ValueError(f"length {length} does not fit {table.numel()} pages of {page}")
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    if block is not None and block < 1:
+        raise ValueError(f"block must be >= 1 slots, got {block}")
     out = torch.empty(layers, kv_heads, length)
     rc = _library().kv_key_redundancy(k_cache.data_ptr(), k_cache.stride(0), table.data_ptr(),
-                                      length, out.data_ptr(), layers, kv_heads, head_dim, block,
+                                      length, out.data_ptr(), layers, kv_heads, head_dim, page,
                                       pages, float(threshold), float(temperature),
-                                      int(spare_first))
+                                      int(spare_first), block or 0)
     _raise_on(rc)
     return out
 
@@ -664,7 +667,7 @@ def _declare(lib: ctypes.CDLL) -> None:
                                    ctypes.c_int]
     lib.kv_key_redundancy.restype = ctypes.c_int
     lib.kv_key_redundancy.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, *[_I64] * 5, _F32, _F32,
-                                      ctypes.c_int]
+                                      ctypes.c_int, _I64]
     lib.kv_add_rms_norm.restype = None
     lib.kv_add_rms_norm.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _F32]
     lib.kv_rope.restype = None

@@ -7,7 +7,7 @@ Zipage's per-page form). The paged forms score one sequence's cached keys throug
 table, as a policy view asks for them (engine/kernels/backend.py picks one per engine):
 
 ``paged_key_redundancy_{torch,c}(k_cache, block_table, length, threshold, temperature,
-spare_first)``
+spare_first, block)``
 
     k_cache:     [layers, kv_heads, num_blocks, block_size, head_dim]
     block_table: [nb] int, the sequence's pages in order; keys 0..length-1 are scored
@@ -136,16 +136,17 @@ def _page_redundancy(keys: torch.Tensor, threshold: float, temperature: float, b
 
 def paged_key_redundancy_torch(k_cache: torch.Tensor, block_table: torch.Tensor, length: int,
                                threshold: float = 0.5, temperature: float = 1.0,
-                               spare_first: bool = False) -> torch.Tensor:
+                               spare_first: bool = False,
+                               block: int | None = None) -> torch.Tensor:
     """Module docstring: the used pages gathered (attention_scores.dense_keys), then
-    `key_redundancy` over all pairs."""
+    `key_redundancy` (all pairs, or per run of `block` slots)."""
     return key_redundancy(dense_keys(k_cache, block_table, length), threshold=threshold,
-                          temperature=temperature, spare_first=spare_first)
+                          temperature=temperature, block=block, spare_first=spare_first)
 
 
 def paged_key_redundancy_c(k_cache: torch.Tensor, block_table: torch.Tensor, length: int,
                            threshold: float = 0.5, temperature: float = 1.0,
-                           spare_first: bool = False) -> torch.Tensor:
+                           spare_first: bool = False, block: int | None = None) -> torch.Tensor:
     """Module docstring: the C kernel (cpu_native.key_redundancy), keys read where they lie."""
     return cpu_native.key_redundancy(k_cache, block_table, length, threshold, temperature,
-                                     spare_first)
+                                     spare_first, block)

@@ -176,10 +176,10 @@ class PolicyView(Protocol):
         kv_heads, n, length] (each GQA group's mean). scale None: head_dim ** -0.5."""
 
     def key_redundancy(self, threshold: float = 0.5, temperature: float = 1.0,
-                       spare_first: bool = False) -> torch.Tensor:
-        """R-KV's redundancy of every physical slot's key over all pairs (engine/kernels/
-        redundancy.py: key_redundancy's definition), computed where the keys lie: [layers,
-        kv_heads, physical_len] float32."""
+                       spare_first: bool = False, block: int | None = None) -> torch.Tensor:
+        """R-KV's redundancy of every physical slot's key over all pairs, or over the pairs inside
+        each run of `block` slots (engine/kernels/redundancy.py: key_redundancy's definition),
+        computed where the keys lie: [layers, kv_heads, physical_len] float32."""
 
     def recent_queries(self, rope: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """The last n queries (n = min(signals().recent_queries, available)), oldest first.

@@ -63,7 +63,6 @@ from dataclasses import dataclass
 import torch
 
 from engine.config import ConfigError
-from engine.kernels.redundancy import key_redundancy
 from engine.policies.base import EngineSpec, PolicyView, SignalSpec, register_policy
 from engine.policies.fixed_budget import BudgetState
 from engine.policies.scored import WindowScored
@@ -218,11 +217,8 @@ class Zipage(WindowScored):
         if self.use_global_score:
             view.set_slot_scores(persist)
         if self.redundancy:
-            if self.redundancy_scope == "block":
-                red = key_redundancy(keys, temperature=self.redundancy_temperature,
-                                     block=self.block_size)
-            else:
-                red = view.key_redundancy(temperature=self.redundancy_temperature)
+            block = self.block_size if self.redundancy_scope == "block" else None
+            red = view.key_redundancy(temperature=self.redundancy_temperature, block=block)
             score = mix_redundancy(score, red, self.redundancy_lambda)
         return score
 

@@ -6,6 +6,10 @@
      last(i) = max { j : S[i, j] > threshold } is spared (S[i, last(i)] := 0) and, with
      spare_first, a row without one has S[i, 0] := 0; redundancy[j] = softmax_j(colsum_j / length
      / temperature), colsum_j = sum_i S[i, j].
+   With scope > 0 (Zipage's "lightning" form, redundancy.py's `block`), S holds only the pairs
+   inside each run of `scope` slots and colsum_j is divided by scope instead of length; with a
+   negative threshold the zeros across runs count as similar, so a row of any run but the last
+   spares nothing (its last similar key lies in a later run, where S is 0) and never lacks one.
 
    How: S comes from the panel kernel (panel_gemm.c), the keys packed as the "weight", a strip of
    STRIP rows at a time, so memory is O(length x STRIP), not O(length^2). Each output of that
@@ -135,11 +139,70 @@ done:
     return error;
 }
 
+/* One (layer, head) in the per-run form (scope > 0): each run of `scope` slots is a small
+   S of its own, formed directly (a run is a page: too small for the panel kernel to pay). */
+static int run_redundancy_head(const float *keys, const int64_t *table, int64_t length,
+                               int64_t head_dim, int64_t block, int64_t scope, float threshold,
+                               float temperature, int spare_first, float *out) {
+    const int64_t d = head_dim, runs = (length + scope - 1) / scope;
+    float *unit = malloc((size_t)(scope * d) * sizeof(float));
+    float *sim = malloc((size_t)(scope * scope) * sizeof(float));
+    if (unit == 0 || sim == 0) {
+        free(unit), free(sim);
+        return KV_NO_MEMORY;
+    }
+    const int across = threshold < 0.0f && runs > 1; /* zeros across runs count as similar */
+    for (int64_t g = 0; g < runs; g++) {
+        const int64_t first = g * scope, n = length - first < scope ? length - first : scope;
+        for (int64_t t = 0; t < n; t++) {
+            const int64_t slot = first + t;
+            const float *k = keys + (table[slot / block] * block + slot % block) * d;
+            float squares = 0.0f;
+            for (int64_t i = 0; i < d; i++) squares += k[i] * k[i];
+            const float norm = sqrtf(squares) + 1e-8f;
+            for (int64_t i = 0; i < d; i++) unit[t * d + i] = k[i] / norm;
+        }
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t j = 0; j < n; j++) {
+                float dot = 0.0f;
+                for (int64_t c = 0; c < d; c++) dot += unit[i * d + c] * unit[j * d + c];
+                sim[i * n + j] = i == j ? 0.0f : dot;
+            }
+        const int spares = !(across && g < runs - 1);
+        for (int64_t i = 0; i < n; i++) {
+            float *row = sim + i * n;
+            int64_t found = -1;
+            for (int64_t j = 0; j < n; j++) found = row[j] > threshold ? j : found;
+            if (!spares) continue;
+            if (found >= 0)
+                row[found] = 0.0f;
+            else if (spare_first && !across && g == 0)
+                row[0] = 0.0f; /* S[i, 0] is 0 outside the first run */
+        }
+        for (int64_t j = 0; j < n; j++) {
+            float total = 0.0f;
+            for (int64_t i = 0; i < n; i++) total += sim[i * n + j];
+            out[first + j] = total / (float)scope / temperature;
+        }
+    }
+    free(unit), free(sim);
+    float top = -3.0e38f;
+    for (int64_t j = 0; j < length; j++) top = out[j] > top ? out[j] : top;
+    float total = 0.0f;
+    for (int64_t j = 0; j < length; j++) {
+        out[j] = expf(out[j] - top);
+        total += out[j];
+    }
+    for (int64_t j = 0; j < length; j++) out[j] /= total;
+    return KV_OK;
+}
+
 int kv_key_redundancy(const float *k_cache, int64_t layer_stride, const int64_t *table,
                       int64_t length, float *out, int64_t layers, int64_t kv_heads,
                       int64_t head_dim, int64_t block, int64_t num_pages, float threshold,
-                      float temperature, int spare_first) {
-    if (length < 0 || kv_heads < 1 || head_dim < 1 || block < 1 || !(temperature > 0.0f))
+                      float temperature, int spare_first, int64_t scope) {
+    if (length < 0 || kv_heads < 1 || head_dim < 1 || block < 1 || scope < 0 ||
+        !(temperature > 0.0f))
         return KV_BAD_SHAPE;
     const int64_t pages = (length + block - 1) / block;
     for (int64_t p = 0; p < pages; p++)
@@ -150,10 +213,13 @@ int kv_key_redundancy(const float *k_cache, int64_t layer_stride, const int64_t 
 #pragma omp parallel for collapse(2) schedule(dynamic)
     for (int64_t l = 0; l < layers; l++)
         for (int64_t h = 0; h < kv_heads; h++) {
-            const int rc = redundancy_head(k_cache + l * layer_stride + h * slots * head_dim,
-                                           table, length, head_dim, block, threshold,
-                                           temperature, spare_first,
-                                           out + (l * kv_heads + h) * length);
+            const float *keys = k_cache + l * layer_stride + h * slots * head_dim;
+            float *row = out + (l * kv_heads + h) * length;
+            const int rc = scope > 0 ? run_redundancy_head(keys, table, length, head_dim, block,
+                                                           scope, threshold, temperature,
+                                                           spare_first, row)
+                                     : redundancy_head(keys, table, length, head_dim, block,
+                                                       threshold, temperature, spare_first, row);
             if (rc != KV_OK) {
 #pragma omp atomic write
                 error = rc;

@@ -12,7 +12,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define KV_ABI_VERSION 4
+#define KV_ABI_VERSION 5
 
 /* Return codes of kv_store, kv_decode, kv_prefill_chunks, kv_query_probs, kv_key_redundancy
    and kv_decode_layers (cpu_native.ERRORS words them). */
@@ -86,7 +86,7 @@ void kv_panel_small(const float *x, int64_t x_stride, const float *panels, float
 int kv_key_redundancy(const float *k_cache, int64_t layer_stride, const int64_t *table,
                       int64_t length, float *out, int64_t layers, int64_t kv_heads,
                       int64_t head_dim, int64_t block, int64_t num_pages, float threshold,
-                      float temperature, int spare_first);
+                      float temperature, int spare_first, int64_t scope);
 
 /* decode_layers.c */
 int kv_decode_layers(float *x, const float *cos, const float *sin, const int64_t *weights,
