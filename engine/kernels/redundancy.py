@@ -15,7 +15,8 @@ spare_first, block)``
 
 `_torch` gathers the pages and applies the definition (any device); `_c` is the C kernel
 (CPU float32, cpu/key_redundancy.c), which reads the keys in place and forms the similarity
-matrix a strip of rows at a time instead of O(length^2) floats per layer.
+matrix a strip of rows at a time instead of O(length^2) floats per layer (per run: a small
+matrix per run).
 """
 
 from __future__ import annotations
