@@ -46,6 +46,29 @@ static inline int64_t last_similar(const float *restrict row, int64_t lo, int64_
     return -1;
 }
 
+/* unit = key / (|key| + 1e-8), R-KV's normalisation: the key of `slot` in the pages of `keys`
+   (block x d each, found through table). */
+static inline void unit_key(const float *keys, const int64_t *table, int64_t block, int64_t d,
+                            int64_t slot, float *unit) {
+    const float *k = keys + (table[slot / block] * block + slot % block) * d;
+    float squares = 0.0f;
+    for (int64_t i = 0; i < d; i++) squares += k[i] * k[i];
+    const float norm = sqrtf(squares) + 1e-8f;
+    for (int64_t i = 0; i < d; i++) unit[i] = k[i] / norm;
+}
+
+/* out[j] := softmax over the `length` slots of out[j] (the scaled column sums). */
+static void softmax_slots(float *out, int64_t length) {
+    float top = -3.0e38f;
+    for (int64_t j = 0; j < length; j++) top = out[j] > top ? out[j] : top;
+    float total = 0.0f;
+    for (int64_t j = 0; j < length; j++) {
+        out[j] = expf(out[j] - top);
+        total += out[j];
+    }
+    for (int64_t j = 0; j < length; j++) out[j] /= total;
+}
+
 /* One (layer, head): the keys of `length` slots in the pages of `keys` (block x head_dim each,
    found through table) -> out[length]. */
 static int redundancy_head(const float *keys, const int64_t *table, int64_t length,
@@ -70,11 +93,7 @@ static int redundancy_head(const float *keys, const int64_t *table, int64_t leng
         goto done;
     }
     for (int64_t t = 0; t < length; t++) {
-        const float *k = keys + (table[t / block] * block + t % block) * d;
-        float squares = 0.0f;
-        for (int64_t i = 0; i < d; i++) squares += k[i] * k[i];
-        const float norm = sqrtf(squares) + 1e-8f;
-        for (int64_t i = 0; i < d; i++) unit[t * d + i] = k[i] / norm;
+        unit_key(keys, table, block, d, t, unit + t * d);
         above[t] = 0.0f;
         last_above[t] = -1;
         last_value[t] = 0.0f;
@@ -121,18 +140,8 @@ static int redundancy_head(const float *keys, const int64_t *table, int64_t leng
     }
     for (int64_t i = 0; i < length; i++)
         if (spared[i] >= 0) out[spared[i]] -= value[i];
-    /* softmax over the slots of colsum / length / temperature */
-    float top = -3.0e38f;
-    for (int64_t j = 0; j < length; j++) {
-        out[j] = out[j] / (float)length / temperature;
-        top = out[j] > top ? out[j] : top;
-    }
-    float total = 0.0f;
-    for (int64_t j = 0; j < length; j++) {
-        out[j] = expf(out[j] - top);
-        total += out[j];
-    }
-    for (int64_t j = 0; j < length; j++) out[j] /= total;
+    for (int64_t j = 0; j < length; j++) out[j] = out[j] / (float)length / temperature;
+    softmax_slots(out, length);
 done:
     free(unit), free(packed), free(strip), free(above), free(last_above), free(last_value);
     free(first_row), free(spared), free(value);
@@ -154,14 +163,7 @@ static int run_redundancy_head(const float *keys, const int64_t *table, int64_t 
     const int across = threshold < 0.0f && runs > 1; /* zeros across runs count as similar */
     for (int64_t g = 0; g < runs; g++) {
         const int64_t first = g * scope, n = length - first < scope ? length - first : scope;
-        for (int64_t t = 0; t < n; t++) {
-            const int64_t slot = first + t;
-            const float *k = keys + (table[slot / block] * block + slot % block) * d;
-            float squares = 0.0f;
-            for (int64_t i = 0; i < d; i++) squares += k[i] * k[i];
-            const float norm = sqrtf(squares) + 1e-8f;
-            for (int64_t i = 0; i < d; i++) unit[t * d + i] = k[i] / norm;
-        }
+        for (int64_t t = 0; t < n; t++) unit_key(keys, table, block, d, first + t, unit + t * d);
         for (int64_t i = 0; i < n; i++)
             for (int64_t j = 0; j < n; j++) {
                 float dot = 0.0f;
@@ -186,14 +188,7 @@ static int run_redundancy_head(const float *keys, const int64_t *table, int64_t 
         }
     }
     free(unit), free(sim);
-    float top = -3.0e38f;
-    for (int64_t j = 0; j < length; j++) top = out[j] > top ? out[j] : top;
-    float total = 0.0f;
-    for (int64_t j = 0; j < length; j++) {
-        out[j] = expf(out[j] - top);
-        total += out[j];
-    }
-    for (int64_t j = 0; j < length; j++) out[j] /= total;
+    softmax_slots(out, length);
     return KV_OK;
 }
 
