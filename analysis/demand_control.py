@@ -62,7 +62,7 @@ from analysis.demand_study import (
     recorded_frame,
     write_demand_outputs,
 )
-from engine.kernels import dense_query_probs
+from engine.kernels import dense_view_probs
 from engine.policies.base import EngineSpec
 from engine.policies.growpage import time_constants
 from engine.query_state import ema_update
@@ -178,9 +178,10 @@ class SyntheticView:
 
     def query_probs(self, queries: torch.Tensor, layers: slice | None = None,
                     length: int | None = None, scale: float | None = None,
-                    group_mean: bool = False) -> torch.Tensor:
-        return dense_query_probs(queries, self.keys(layers, end=length), scale=scale,
-                                 group_mean=group_mean)
+                    group_mean: bool = False, key_limit: torch.Tensor | None = None,
+                    slots: torch.Tensor | None = None) -> torch.Tensor:
+        return dense_view_probs(self.keys(layers), queries, length, scale, group_mean,
+                                key_limit, slots)
 
     def recent_queries(self, rope: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         return self._query.unsqueeze(1), torch.tensor([self.length - 1])

@@ -436,16 +436,30 @@ class ModelRunner:
 
     def query_probs(self, seq: Sequence, queries: torch.Tensor, layers: slice | None = None,
                     length: int | None = None, scale: float | None = None,
-                    group_mean: bool = False) -> torch.Tensor:
+                    group_mean: bool = False, key_limit: torch.Tensor | None = None,
+                    slots: torch.Tensor | None = None) -> torch.Tensor:
         """PolicyView.query_probs: queries [layers, n, q_heads, d] over the sequence's physical
-        slots [0, length), through the backend's kernel (the keys read where they lie)."""
-        length = seq.physical_len if length is None else length
-        if not 0 <= length <= seq.physical_len:
-            raise ValueError(f"length {length} outside 0..{seq.physical_len}")
-        table = self._pages(seq, 0, -(-length // self.block_size))
+        slots [0, length), or over the slot map `slots` [layers, kv_heads, width], through the
+        backend's kernel (the keys read where they lie)."""
+        if slots is not None:
+            if length is not None:
+                raise ValueError("query_probs takes a length or a slot map, not both")
+            if slots.numel() and int(slots.max()) >= seq.physical_len:
+                raise ValueError(f"slots past the sequence's {seq.physical_len} physical slots")
+            length, pages = slots.shape[-1], -(-seq.physical_len // self.block_size)
+            slots = slots.to(self.device, torch.long)
+        else:
+            length = seq.physical_len if length is None else length
+            if not 0 <= length <= seq.physical_len:
+                raise ValueError(f"length {length} outside 0..{seq.physical_len}")
+            pages = -(-length // self.block_size)
+        table = self._pages(seq, 0, pages)
         cache = self.kv.k if layers is None else self.kv.k[layers]
         scale = queries.shape[-1] ** -0.5 if scale is None else scale
-        return self.backend.query_probs(queries, cache, table, length, None, scale, group_mean)
+        if key_limit is not None:
+            key_limit = key_limit.to(self.device)
+        return self.backend.query_probs(queries, cache, table, length, key_limit, scale,
+                                        group_mean, slots)
 
     def apply_rope(self, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """PolicyView.apply_rope: q [..., T, heads, d] rotated at positions [T] by the backend's

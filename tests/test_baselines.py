@@ -16,9 +16,11 @@ import pytest
 import torch
 
 from engine.config import ConfigError
+from engine.kernels import dense_view_probs
 from engine.kernels.redundancy import key_redundancy
 from engine.policies.base import Action, EngineSpec, StageTimer, build_policy
 from engine.policies.fixed_budget import BudgetState
+from engine.policies.scoring import dense_probs
 
 L, HQ, HKV, D = 2, 4, 2, 8
 G = HQ // HKV
@@ -69,6 +71,11 @@ class FakeView:
 
     def keys(self, layers=None):
         return self.keys_
+
+    def query_probs(self, queries, layers=None, length=None, scale=None, group_mean=False,
+                    key_limit=None, slots=None):
+        keys = self.keys_ if layers is None else self.keys_[layers]
+        return dense_view_probs(keys, queries, length, scale, group_mean, key_limit, slots)
 
     def key_redundancy(self, threshold=0.5, temperature=1.0, spare_first=False, block=None):
         return key_redundancy(self.keys_, threshold=threshold, temperature=temperature,
@@ -387,7 +394,8 @@ def test_zipage_redundancy_mixes_lambda_and_temperature_per_page():
     pol = bound("zipage", budget=budget, window=window, redundancy=True, pooling=False,
                 use_global_score=False)
     keep = select(pol, FakeView(k, q, cache=window, state=pol.new_state()), budget)
-    base, _ = zipage_scores(q[:, T - window:], k, torch.arange(T - window + 1, T + 1), pool_kernel=1)
+    base, _ = zipage_scores(dense_probs(q[:, T - window:], k, torch.arange(T - window + 1, T + 1)),
+                            pool_kernel=1)
     for layer in range(L):
         for h in range(HKV):
             red = naive_redundancy(k[layer, h], temperature=0.4, block=8)
@@ -517,9 +525,9 @@ def test_h2o_accumulation_over_several_layers_is_one_layer_at_a_time_bit_for_bit
         q = torch.randn(5, n, HQ, D, generator=g)
         k = torch.randn(5, HKV, length, D, generator=g)
         limits = torch.arange(length - n + 1, length + 1)
-        together = h2o.accumulated_attention(q, k, limits)
+        together = h2o.accumulated_attention(dense_probs(q, k, limits))
         monkeypatch.setattr(h2o, "SCORE_ELEMS", 1)
-        alone = h2o.accumulated_attention(q, k, limits)
+        alone = h2o.accumulated_attention(dense_probs(q, k, limits))
         monkeypatch.undo()
         assert torch.equal(together, alone)
 

@@ -30,6 +30,7 @@ from test_kernels import (
     naive_prefill,
     naive_prefill_holes,
     naive_probs,
+    naive_slot_probs,
     naive_store,
 )
 from tiny_models import make_tiny_llama_dir, make_tiny_qwen2_dir, make_tiny_qwen3_dir
@@ -389,14 +390,16 @@ def test_query_probs_dots_with_and_without_avx512(tmp_path):
                        check=True, capture_output=True)
         libraries.append(ctypes.CDLL(str(target)))
 
-    def run(library, queries, k_cache, table, length, limits, scale, group_mean):
+    def run(library, queries, k_cache, table, length, limits, scale, group_mean, slots=None):
         layers, n, q_heads, head_dim = queries.shape
         _, kv_heads, pages, block, _ = k_cache.shape
         out = torch.empty(layers, kv_heads if group_mean else q_heads, n, length)
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         rc = library.kv_query_probs(
             ptr(queries.data_ptr()), ptr(k_cache.data_ptr()), i64(k_cache.stride(0)),
-            ptr(table.data_ptr()), ptr(limits.data_ptr()), i64(length), ptr(out.data_ptr()),
+            ptr(table.data_ptr()), i64(table.numel()),
+            ptr(None if slots is None else slots.data_ptr()), ptr(limits.data_ptr()),
+            i64(length), ptr(out.data_ptr()),
             *(i64(v) for v in (layers, n, q_heads, kv_heads, head_dim, block, pages)),
             ctypes.c_float(scale), ctypes.c_int(group_mean))
         assert rc == 0
@@ -413,10 +416,16 @@ def test_query_probs_dots_with_and_without_avx512(tmp_path):
         case = (queries, k_cache, tables[0], length, limits, head_dim**-0.5)
         want = naive_probs(*case)
         mean = want.view(layers, kv_heads, q_heads // kv_heads, 3, length).mean(dim=2)
+        # a slot map over the same pages: a reversed, partly hidden order per row
+        slots = torch.arange(length).flip(0).repeat(layers, kv_heads, 1)
+        slots[..., :3] = -1
+        held = naive_slot_probs(queries, k_cache, tables[0], slots, limits, head_dim**-0.5)
         for library in libraries:
             torch.testing.assert_close(run(library, *case, 0).double(), want, atol=1e-6,
                                        rtol=1e-5)
             torch.testing.assert_close(run(library, *case, 1).double(), mean, atol=1e-6,
+                                       rtol=1e-5)
+            torch.testing.assert_close(run(library, *case, 0, slots).double(), held, atol=1e-6,
                                        rtol=1e-5)
 
 

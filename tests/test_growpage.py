@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.config import ConfigError
-from engine.kernels import dense_query_probs
+from engine.kernels import dense_view_probs
 from engine.policies.base import Action, EngineSpec, SignalSpec, StageTimer, build_policy
 from engine.policies.demand import (
     Demand,
@@ -88,9 +88,10 @@ class FakeView:
     def keys(self, layers=None):
         return self._keys if layers is None else self._keys[layers]
 
-    def query_probs(self, queries, layers=None, length=None, scale=None, group_mean=False):
-        keys = self.keys(layers)[:, :, :length]
-        return dense_query_probs(queries, keys, scale=scale, group_mean=group_mean)
+    def query_probs(self, queries, layers=None, length=None, scale=None, group_mean=False,
+                    key_limit=None, slots=None):
+        return dense_view_probs(self.keys(layers), queries, length, scale, group_mean,
+                                key_limit, slots)
 
     def recent_queries(self, rope=True):
         assert not rope

@@ -438,6 +438,57 @@ def test_query_probs_twin_and_triton(dtype, heads, limits):
         torch.testing.assert_close(got.double(), mean, atol=1e-5, rtol=1e-4)
 
 
+def naive_slot_probs(queries, k_cache, block_table, slots, key_limit, scale):
+    """naive_probs over a slot map: column j of (layer, KV head) is the key of slot
+    slots[layer, kv_head, j] (< 0: hidden, probability 0)."""
+    layers, n, q_heads, _ = queries.shape
+    kv_heads, block = k_cache.shape[1], k_cache.shape[3]
+    width = slots.shape[-1]
+    probs = torch.zeros(layers, q_heads, n, width, dtype=torch.float64)
+    for layer in range(layers):
+        for h in range(q_heads):
+            kvh = h // (q_heads // kv_heads)
+            for i in range(n):
+                limit = min(int(key_limit[i]), width)
+                cols = [j for j in range(limit) if int(slots[layer, kvh, j]) >= 0]
+                if not cols:
+                    continue
+                keys = torch.stack([k_cache[layer, kvh, int(block_table[int(slots[layer, kvh, j]) // block]),
+                                            int(slots[layer, kvh, j]) % block] for j in cols]).double()
+                logits = keys @ queries[layer, i, h].double() * scale
+                probs[layer, h, i, cols] = torch.softmax(logits, 0)
+    return probs
+
+
+@pytest.mark.parametrize("heads", HEADS, ids=["gqa", "mqa"])
+def test_query_probs_over_a_slot_map(heads):
+    """A per-head layout (per_head.HeldLayout): each (layer, KV head) reads its own slots in its
+    own order, hidden columns get 0 and no share, and a query that sees only hidden columns gets
+    a zero row; the twin, the Triton entry (the twin's math on a slot map) and the C kernel."""
+    queries, k_cache, table, length, _, scale = _probs_case(torch.float32, heads, seed=13)
+    layers, kv_heads, width = 2, heads[1], 20
+    slots = torch.randint(0, length, (layers, kv_heads, width), generator=_gen(14))
+    slots[..., :4] = -1                      # the padding in front of a shorter row
+    slots[0, 0, :10] = -1                    # query 0 (limit 10) sees nothing in row (0, 0)
+    limit = torch.tensor([10, 12, 20, 0, 25])
+    want = naive_slot_probs(queries, k_cache, table, slots, limit, scale)
+    assert want[0, 0, 0].abs().max() == 0 and want[0, 0, 1].sum() > 0
+    case = (queries, k_cache, table, width, limit, scale)
+    impls = [paged_query_probs_torch, paged_query_probs_triton, paged_query_probs]
+    if cpu_native.available():
+        impls.append(paged_query_probs_c)
+    q_heads = heads[0]
+    mean = want.view(layers, kv_heads, q_heads // kv_heads, 5, width).mean(dim=2)
+    for impl in impls:
+        torch.testing.assert_close(impl(*case, slots=slots).double(), want, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(impl(*case, group_mean=True, slots=slots).double(), mean,
+                                   atol=1e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="past the table"):
+        paged_query_probs(*case, slots=slots.clamp_min(0) + table.numel() * k_cache.shape[3])
+    with pytest.raises(ValueError, match="slots must be"):
+        paged_query_probs(*case, slots=slots[:, :, :-1])
+
+
 def test_query_probs_rejects_bad_input():
     queries, k_cache, table, length, limit, scale = _probs_case(torch.float32, (4, 2), seed=12)
     with pytest.raises(ValueError, match="length"):

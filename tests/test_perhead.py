@@ -18,7 +18,9 @@ from engine.policies.base import Decision, HeadKeep, StageTimer, build_policy
 from engine.policies.pyramidkv import PyramidKV, pyramid_layer_budgets
 from engine.policies.scoring import (
     causal_key_limits,
+    dense_probs,
     keep_counts,
+    observation_queries,
     observation_scores,
     pool1d,
     protected_mask,
@@ -174,7 +176,7 @@ def test_pyramidkv_select_is_snapkv_per_layer_budget():
     decision = pol.after_prefill(view, final=True)
     assert decision.target_len == budgets[0] and decision.keep_pages == math.ceil(budgets[0] / 32)
     keep = pol.select(view, decision.target_len, StageTimer())
-    score = snapkv_scores(q, k, causal_key_limits(8, 70), window=8, pool_kernel=7)
+    score = snapkv_scores(dense_probs(q, k, causal_key_limits(8, 70)), window=8, pool_kernel=7)
     prot = protected_mask(70, 8).tolist()
     for layer in range(L):
         for h in range(HKV):
@@ -187,7 +189,7 @@ def test_pyramidkv_select_is_snapkv_per_layer_budget():
 
 def test_adakv_scores_pool_after_the_group_mean():
     q, k = rand_qk(4, 30, seed=7)
-    got = observation_scores(q, k, causal_key_limits(4, 30), group_reduce="mean")
+    got = observation_scores(dense_probs(q, k, causal_key_limits(4, 30)), group_reduce="mean")
     region = 30 - 4
     pooled = torch.cat([pool1d(got[..., :region], 7, "max"), got[..., region:]], dim=-1)
     pol = bound(AdaKV, budget=16, window=4)
@@ -353,8 +355,10 @@ def test_engine_holes_are_masked_and_pages_sized_by_the_largest_head(tiny_model,
 
 class _CheckedKeys(AdaKV):
     """Ada-KV checking, at every compaction, that the held layout's keys read from the pages
-    (`view.keys_at`) are the dense keys gathered in the layout, and that a slot past the
-    sequence is refused; `layouts` records whether each layout was the identity."""
+    (`view.keys_at`) are the dense keys gathered in the layout, that the window's attention over
+    the layout read where the keys lie (`layout.probs`, the backend's slot map) is the dense
+    keys' with the padding hidden, and that a slot past the sequence is refused; `layouts`
+    records whether each layout was the identity."""
 
     name = "adakv-test-checked-keys"
     layouts: ClassVar[list] = []
@@ -366,7 +370,12 @@ class _CheckedKeys(AdaKV):
         dense = view.keys()
         want = dense.gather(2, layout.slots[..., None].expand(*layout.slots.shape, dense.shape[-1]))
         assert torch.equal(view.keys_at(layout.slots), want)
-        assert torch.equal(layout.keys(view), want)
+        queries, _ = observation_queries(view, self.window)
+        limit = causal_key_limits(queries.shape[1], layout.width)
+        every = slice(None)
+        torch.testing.assert_close(layout.probs(view, queries, limit).of(every),
+                                   dense_probs(queries, want, limit, layout.held).of(every),
+                                   atol=1e-6, rtol=1e-5)
         with pytest.raises(ValueError, match="outside the sequence's physical slots"):
             view.keys_at(torch.full_like(layout.slots, view.physical_len))
         self.layouts.append(layout.identity)
@@ -658,7 +667,7 @@ def test_pyramidkv_decode_selection_is_snapkv_over_each_layers_held_slots():
     for layer in range(L):
         for h in range(HKV):
             q, k, limit = row_inputs(view, held, layer, h)
-            score = snapkv_scores(q, k, limit, window=8)[0, 0]
+            score = snapkv_scores(dense_probs(q, k, limit), window=8)[0, 0]
             prot = protected_mask(k.shape[2], 8).tolist()
             want = [held[layer][h][j] for j in naive_topk(score.tolist(), budgets[layer], prot)]
             assert int(keep.counts[layer, h]) == budgets[layer]

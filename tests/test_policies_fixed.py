@@ -14,12 +14,14 @@ import pytest
 import torch
 
 from engine.config import ConfigError
+from engine.kernels import dense_view_probs
 from engine.policies.base import Action, EngineSpec, SignalSpec, StageTimer, build_policy
 from engine.policies.chunkkv import ChunkKV, chunkkv_keep
 from engine.policies.scoring import (
     causal_key_limits,
     chunk_scores,
     decayed_max,
+    dense_probs,
     fallback_target,
     group_max,
     group_mean,
@@ -171,8 +173,8 @@ def test_observation_probs_causal_softmax_matches_loops():
 def test_observation_scores_layer_stride_is_invisible():
     q, k = rand_qk(5, 40, seed=3)
     limit = causal_key_limits(5, 40)
-    a = observation_scores(q, k, limit, group_reduce="max", layer_stride=None)
-    b = observation_scores(q, k, limit, group_reduce="max", layer_stride=1)
+    a = observation_scores(dense_probs(q, k, limit), group_reduce="max", layer_stride=None)
+    b = observation_scores(dense_probs(q, k, limit), group_reduce="max", layer_stride=1)
     torch.testing.assert_close(a, b)
 
 
@@ -288,6 +290,11 @@ class FakeView:
     def keys_at(self, slots):
         return self.keys_.gather(2, slots[..., None].expand(*slots.shape, self.keys_.shape[-1]))
 
+    def query_probs(self, queries, layers=None, length=None, scale=None, group_mean=False,
+                    key_limit=None, slots=None):
+        keys = self.keys_ if layers is None else self.keys_[layers]
+        return dense_view_probs(keys, queries, length, scale, group_mean, key_limit, slots)
+
     def recent_queries(self, rope=True):
         n = self.queries_.shape[1]
         return self.queries_, torch.arange(self.num_computed - n, self.num_computed)
@@ -322,12 +329,12 @@ def test_zipage_scores_match_naive_with_global_merge():
     q, k = rand_qk(6, 30, seed=4)
     limit = causal_key_limits(6, 30)
     old = torch.rand(L, HKV, 30, generator=torch.Generator().manual_seed(5))
-    sel, persist = zipage_scores(q, k, limit, old_scores=old, scored_len=20, decay=0.8,
-                                 pool_kernel=1)
+    sel, persist = zipage_scores(dense_probs(q, k, limit), old_scores=old, scored_len=20,
+                                 decay=0.8, pool_kernel=1)
     ref = naive_zipage(q, k, limit.tolist(), old, 20, 0.8).float()
     torch.testing.assert_close(persist, ref, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(sel, persist)
-    pooled, _ = zipage_scores(q, k, limit, pool_kernel=5)
+    pooled, _ = zipage_scores(dense_probs(q, k, limit), pool_kernel=5)
     fresh = naive_zipage(q, k, limit.tolist())
     for l in range(L):
         for j in range(HKV):
@@ -345,7 +352,7 @@ def test_zipage_select_keeps_topk_of_its_scores_and_persists_decayed_scores():
     keep = pol.select(view, 64, timer)
     assert set(timer.stages) == {"score", "window_mask", "topk"}
     # First compression: pooled new scores, nothing merged; the persisted score is unpooled.
-    sel, persist = zipage_scores(q, k, limit, pool_kernel=5)
+    sel, persist = zipage_scores(dense_probs(q, k, limit), pool_kernel=5)
     torch.testing.assert_close(view.written[-1], persist)
     prot = protected_mask(96, 16, sink=4).tolist()
     for l in range(L):
@@ -419,7 +426,7 @@ def test_zipage_default_budget_is_eight_pages():
 def test_snapkv_scores_match_naive(mode):
     q, k = rand_qk(8, 40, seed=8)
     limit = causal_key_limits(8, 40)
-    got = snapkv_scores(q, k, limit, window=8, pool_kernel=7, pool_mode=mode)
+    got = snapkv_scores(dense_probs(q, k, limit), window=8, pool_kernel=7, pool_mode=mode)
     ref = naive_snapkv(q, k, limit.tolist(), window=8, kernel=7, mode=mode)
     torch.testing.assert_close(got, ref.float(), rtol=1e-5, atol=1e-7)
 
@@ -438,7 +445,7 @@ def test_snapkv_pools_each_query_head_before_the_group_mean():
     q = torch.zeros(1, 1, 2, 2)                       # [layers, n=1, q_heads=2, d]
     q[0, 0, 0] = torch.tensor([big, 0.0])
     q[0, 0, 1] = torch.tensor([0.0, big])
-    got = snapkv_scores(q, keys, None, window=1, pool_kernel=3, pool_mode="max")
+    got = snapkv_scores(dense_probs(q, keys), window=1, pool_kernel=3, pool_mode="max")
     torch.testing.assert_close(got[0, 0, :4], torch.tensor([0.5, 1.0, 0.5, 0.5]), atol=1e-6,
                                rtol=0)
 
@@ -448,7 +455,7 @@ def test_snapkv_select_is_topk_plus_window():
     q, k = rand_qk(8, 100, seed=9)
     view = FakeView(k, q)
     keep = pol.select(view, 48, StageTimer())
-    score = snapkv_scores(q, k, causal_key_limits(8, 100), window=8, pool_kernel=7)
+    score = snapkv_scores(dense_probs(q, k, causal_key_limits(8, 100)), window=8, pool_kernel=7)
     prot = protected_mask(100, 8).tolist()
     assert keep.shape == (L, HKV, 48)
     for l in range(L):
@@ -501,7 +508,7 @@ def test_chunkkv_select_through_view():
     pol = bound(ChunkKV, budget=64, window=8, chunk_size=5)
     q, k = rand_qk(8, 120, seed=11)
     keep = pol.select(FakeView(k, q), 64, StageTimer())
-    score = snapkv_scores(q, k, causal_key_limits(8, 120), window=8, pool_kernel=7)
+    score = snapkv_scores(dense_probs(q, k, causal_key_limits(8, 120)), window=8, pool_kernel=7)
     torch.testing.assert_close(keep, chunkkv_keep(score, 64, 8, 5))
     assert (keep[:, :, -8:] == torch.arange(112, 120)).all()
     assert build_policy("chunkkv").chunk_size == 10

@@ -7,6 +7,7 @@ are defined on first use (modules ``_tl_*``)."""
 
 from engine.kernels.attention_scores import (
     dense_query_probs,
+    dense_view_probs,
     paged_query_probs,
     paged_query_probs_c,
     paged_query_probs_torch,
@@ -38,6 +39,7 @@ __all__ = [
     "compact_slots_torch",
     "compact_slots_triton",
     "dense_query_probs",
+    "dense_view_probs",
     "has_order_hazard",
     "paged_decode_attention",
     "paged_decode_attention_torch",

@@ -4,7 +4,8 @@ Used by KV policies at compression time (GrowPage's demand estimate and scores, 
 engine's backend: engine/kernels/backend.py). Triton version for CUDA tensors, the C kernel on
 CPU float32 where the C library is built (cpu/paged_decode.c), a torch twin otherwise:
 
-``paged_query_probs(queries, k_cache, block_table, length, key_limit, scale, group_mean=False) -> probs``
+``paged_query_probs(queries, k_cache, block_table, length, key_limit, scale, group_mean=False,
+slots=None) -> probs``
 
     queries:     [layers, n, q_heads, head_dim]   post-RoPE queries of one sequence
     k_cache:     [layers, kv_heads, num_blocks, block_size, head_dim]   (the whole cache)
@@ -13,9 +14,14 @@ CPU float32 where the C library is built (cpu/paged_decode.c), a torch twin othe
     key_limit:   [n] int or None   query i sees keys j < key_limit[i] (None: all `length`);
                  values are clamped to [0, length]
     scale:       float      logit scale, usually head_dim ** -0.5
+    slots:       None, or [layers, kv_heads, length] int: a per-head layout (PyramidKV's and
+                 Ada-KV's held slots, engine/policies/per_head.py): column j of (layer, KV
+                 head) is the key of physical slot slots[l, h, j] (read through block_table);
+                 a negative entry is hidden (probability 0, no share of the softmax).
     probs:       [layers, q_heads, n, length] fp32; softmax over keys. A query whose limit
-                 is 0 sees nothing and gets an all-zero row (not NaN). With group_mean=True,
-                 [layers, kv_heads, n, length]: the mean of each GQA group's rows.
+                 is 0 (or that sees no held column) gets an all-zero row (not NaN). With
+                 group_mean=True, [layers, kv_heads, n, length]: the mean of each GQA group's
+                 rows.
 
 GQA: query head h reads kv head h // (q_heads // kv_heads). Logits are computed in fp32.
 """
@@ -31,7 +37,7 @@ from engine.kernels import cpu_native
 from engine.kernels._common import check, check_dim, check_integer, check_ndim, check_same_device, use_triton
 
 
-def _validate(queries, k_cache, block_table, length, key_limit) -> int:
+def _validate(queries, k_cache, block_table, length, key_limit, slots=None) -> int:
     """Check the inputs; return ``length`` as a Python int."""
     check_ndim("queries", queries, 4, "[layers, n, q_heads, head_dim]")
     check_ndim("k_cache", k_cache, 5, "[layers, kv_heads, num_blocks, block_size, head_dim]")
@@ -48,11 +54,19 @@ def _validate(queries, k_cache, block_table, length, key_limit) -> int:
         length = operator.index(length)
     except TypeError:
         raise ValueError(f"length must be an int, got {type(length).__name__}") from None
-    check(
-        0 <= length <= block_table.shape[0] * k_cache.shape[3],
-        f"length must be an int in [0, len(block_table) * block_size = "
-        f"{block_table.shape[0] * k_cache.shape[3]}], got {length!r}",
-    )
+    if slots is None:
+        check(
+            0 <= length <= block_table.shape[0] * k_cache.shape[3],
+            f"length must be an int in [0, len(block_table) * block_size = "
+            f"{block_table.shape[0] * k_cache.shape[3]}], got {length!r}",
+        )
+    else:
+        check_integer("slots", slots)
+        want = (queries.shape[0], kv_heads, length)
+        check(tuple(slots.shape) == want, f"slots must be {list(want)}, got {list(slots.shape)}")
+        check(slots.numel() == 0 or int(slots.max()) < block_table.shape[0] * k_cache.shape[3],
+              f"a slot is past the table's {block_table.shape[0]} pages")
+        check_same_device("queries", queries, slots=slots)
     check_same_device("queries", queries, k_cache=k_cache, block_table=block_table)
     if key_limit is not None:
         check_ndim("key_limit", key_limit, 1, "[n]")
@@ -99,10 +113,12 @@ def window_logits(queries: torch.Tensor, keys: torch.Tensor,
     return torch.bmm(q, k.transpose(1, 2)).mul_(scale).view(layers, kv_heads, group, n, length)
 
 
-def dense_query_probs(queries, keys, key_limit=None, scale=None, group_mean=False):
+def dense_query_probs(queries, keys, key_limit=None, scale=None, group_mean=False,
+                      key_mask=None):
     """:func:`paged_query_probs` over keys already dense, [layers, kv_heads, length, head_dim]
     (the torch twin's math after its gather; views that hold dense keys call it directly), over
-    :func:`window_logits`. scale None: head_dim ** -0.5."""
+    :func:`window_logits`. scale None: head_dim ** -0.5. key_mask: None, or bool [layers,
+    kv_heads, length], False for a hidden column (a negative entry of `slots`)."""
     layers, n, q_heads, _ = queries.shape
     kv_heads, length = keys.shape[1], keys.shape[2]
     limits = _limits(key_limit, n, length, queries.device)
@@ -110,17 +126,37 @@ def dense_query_probs(queries, keys, key_limit=None, scale=None, group_mean=Fals
     if key_limit is not None:
         hidden = torch.arange(length, device=queries.device)[None, :] >= limits[:, None]
         logits.masked_fill_(hidden[None, None], float("-inf"))
+    if key_mask is not None:
+        held = key_mask.repeat_interleave(q_heads // kv_heads, dim=1)
+        logits.masked_fill_(~held[:, :, None, :], float("-inf"))
     probs = _masked_softmax(logits, limits)
+    if key_mask is not None:  # a query that sees no held column: all -inf, a zero row
+        probs = probs.nan_to_num_(0.0)
     return _group_mean(probs, kv_heads) if group_mean else probs
 
 
+def dense_view_probs(keys, queries, length=None, scale=None, group_mean=False, key_limit=None,
+                     slots=None):
+    """PolicyView.query_probs for a view whose keys are already dense, [layers, kv_heads, T,
+    head_dim] (the analyses' synthetic views and the tests' fakes): over slots [0, length), or
+    over the slot map `slots` [layers, kv_heads, width] (< 0: hidden)."""
+    if slots is None:
+        return dense_query_probs(queries, keys[:, :, :length], key_limit, scale, group_mean)
+    index = slots.long().clamp_min(0)[..., None].expand(*slots.shape, keys.shape[-1])
+    return dense_query_probs(queries, keys.gather(2, index), key_limit, scale, group_mean,
+                             key_mask=slots >= 0)
+
+
 def paged_query_probs_torch(queries, k_cache, block_table, length, key_limit, scale,
-                            group_mean=False):
+                            group_mean=False, slots=None):
     """Torch twin of :func:`paged_query_probs` (module docstring has the shapes): gathers the
-    used pages of every layer at once, then :func:`dense_query_probs`."""
-    length = _validate(queries, k_cache, block_table, length, key_limit)
-    return dense_query_probs(queries, dense_keys(k_cache, block_table, length), key_limit, scale,
-                             group_mean)
+    used pages of every layer at once (or the slot map's keys), then :func:`dense_query_probs`."""
+    length = _validate(queries, k_cache, block_table, length, key_limit, slots)
+    if slots is None:
+        return dense_query_probs(queries, dense_keys(k_cache, block_table, length), key_limit,
+                                 scale, group_mean)
+    return dense_query_probs(queries, held_keys(k_cache, block_table, slots), key_limit, scale,
+                             group_mean, key_mask=slots >= 0)
 
 
 def dense_keys(k_cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -131,15 +167,31 @@ def dense_keys(k_cache: torch.Tensor, block_table: torch.Tensor, length: int) ->
     return torch.index_select(k_cache, 2, pages).flatten(2, 3)[:, :, :length]
 
 
+def held_keys(k_cache: torch.Tensor, block_table: torch.Tensor,
+              slots: torch.Tensor) -> torch.Tensor:
+    """The keys of a slot map, [layers, kv_heads, length, head_dim], from k_cache [layers,
+    kv_heads, num_blocks, block_size, head_dim] through block_table [nb]; a hidden (negative)
+    entry reads slot 0 (callers mask it). One index_select of whole rows."""
+    layers, heads, pages, block = k_cache.shape[:4]
+    slots = slots.long().clamp_min(0)
+    flat = block_table.long()[slots // block] * block + slots % block
+    flat += torch.arange(layers * heads, device=slots.device).view(layers, heads, 1) * (pages * block)
+    rows = k_cache.reshape(layers * heads * pages * block, -1).index_select(0, flat.flatten())
+    return rows.view(*slots.shape, k_cache.shape[-1])
+
+
 def paged_query_probs_triton(queries, k_cache, block_table, length, key_limit, scale,
-                             group_mean=False):
+                             group_mean=False, slots=None):
     """Triton version of :func:`paged_query_probs` (same signature).
 
     A Triton kernel writes the masked fp32 logits tile by tile (program = (layer x q head,
     query tile, key tile), keys read through the block table; bf16/fp16 operands on the tensor
     cores with fp32 accumulation when queries and cache share the dtype); the softmax runs in
-    torch.
+    torch. A slot map (per-head holes) takes the twin's gather and torch math on the device.
     """
+    if slots is not None:
+        return paged_query_probs_torch(queries, k_cache, block_table, length, key_limit, scale,
+                                       group_mean, slots)
     length = _validate(queries, k_cache, block_table, length, key_limit)
     from engine.kernels import _tl_attention_scores
 
@@ -151,22 +203,22 @@ def paged_query_probs_triton(queries, k_cache, block_table, length, key_limit, s
 
 
 def paged_query_probs_c(queries, k_cache, block_table, length, key_limit, scale,
-                        group_mean=False):
+                        group_mean=False, slots=None):
     """The C kernel's :func:`paged_query_probs` (CPU float32, cpu_native.query_probs): each
     (layer, KV head) task reads its keys where they lie, once for every query of its group,
     instead of a gather and a matmul over the copy."""
-    length = _validate(queries, k_cache, block_table, length, key_limit)
+    length = _validate(queries, k_cache, block_table, length, key_limit, slots)
     limits = _limits(key_limit, queries.shape[1], length, queries.device)
     return cpu_native.query_probs(queries, k_cache, block_table, length, limits, scale,
-                                  group_mean)
+                                  group_mean, slots)
 
 
 def paged_query_probs(queries, k_cache, block_table, length, key_limit, scale,
-                      group_mean=False):
+                      group_mean=False, slots=None):
     """Softmax attention probabilities [layers, q_heads, n, length] in fp32 (module docstring);
     with group_mean, [layers, kv_heads, n, length]: each GQA group's mean.
 
     Triton on CUDA, torch twin otherwise (the engine picks the C kernel through its backend).
     """
     impl = paged_query_probs_triton if use_triton(queries) else paged_query_probs_torch
-    return impl(queries, k_cache, block_table, length, key_limit, scale, group_mean)
+    return impl(queries, k_cache, block_table, length, key_limit, scale, group_mean, slots)

@@ -64,11 +64,13 @@ from engine.config import ConfigError
 from engine.policies.base import Decision, HeadKeep, PolicyView, register_policy
 from engine.policies.per_head import PerHeadBudget, capped_counts
 from engine.policies.scoring import (
+    WindowProbs,
     keep_counts,
     observation_queries,
     observation_scores,
     pool1d,
     split_exactly,
+    view_probs,
 )
 from engine.policies.snapkv import SnapKV
 
@@ -139,15 +141,13 @@ class AdaKV(PerHeadBudget, SnapKV):
         """Ada-KV scores of the view's slots: float32 `[layers, kv_heads, physical_len]`, pooled
         before the window (the last `window` entries unpooled; they are protected)."""
         queries, key_limit = observation_queries(view, self.window)
-        return self.score_keys(queries, view.keys(), key_limit)
+        return self.score_probs(view_probs(view, queries, key_limit, self.engine.num_kv_heads))
 
-    def score_keys(self, queries: torch.Tensor, keys: torch.Tensor, key_limit: torch.Tensor,
-                   key_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Ada-KV scores of `keys` `[layers, kv_heads, length, head_dim]` (`key_mask`: entries no
-        query sees, scoring.observation_probs): float32 `[layers, kv_heads, length]`."""
-        score = observation_scores(queries, keys, key_limit, group_reduce="mean",
-                                   query_reduce="mean", layer_stride=self.layer_stride,
-                                   key_mask=key_mask)
+    def score_probs(self, probs: WindowProbs) -> torch.Tensor:
+        """Ada-KV scores from the window's attention over some keys (scoring.WindowProbs):
+        float32 `[layers, kv_heads, length]`."""
+        score = observation_scores(probs, group_reduce="mean", query_reduce="mean",
+                                   layer_stride=self.layer_stride)
         region = max(0, score.shape[-1] - self.window)
         pooled = pool1d(score[..., :region], self.pooling_kernel, self.pooling)
         return torch.cat([pooled, score[..., region:]], dim=-1)

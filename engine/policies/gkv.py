@@ -50,11 +50,13 @@ from engine.policies.base import PolicyView, SignalSpec, register_policy
 from engine.policies.fixed_budget import BudgetState
 from engine.policies.scored import WindowScored
 from engine.policies.scoring import (
+    WindowProbs,
     decayed_max,
     max_normalise,
     mix_redundancy,
     observation_queries,
     observation_scores,
+    view_probs,
 )
 
 
@@ -65,21 +67,19 @@ class GKVState(BudgetState):
     scored_len: int = 0
 
 
-def gkv_scores(queries: torch.Tensor, keys: torch.Tensor, key_limit: torch.Tensor | None,
-               redundancy: torch.Tensor, *, window: int, old_scores: torch.Tensor | None = None,
-               scored_len: int = 0, alpha: float = 0.8,
+def gkv_scores(probs: WindowProbs, redundancy: torch.Tensor, *, window: int,
+               old_scores: torch.Tensor | None = None, scored_len: int = 0, alpha: float = 0.8,
                mix_lambda: float = 0.5) -> tuple[torch.Tensor, torch.Tensor]:
     """G-KV's selection and global scores of one request.
 
-    queries: `[layers, n, q_heads, head_dim]`; keys: `[layers, kv_heads, length, head_dim]`;
-    key_limit: `[n]`; redundancy: R-KV's all-pairs key redundancy `[layers, kv_heads, length]`
+    probs: the observation window's attention over the request's keys (scoring.WindowProbs);
+    redundancy: R-KV's all-pairs key redundancy `[layers, kv_heads, length]`
     (PolicyView.key_redundancy); old_scores: persisted `[layers, kv_heads, length]`, read for slots
     `< scored_len`. Returns (selection score with +inf on the window, global score to persist), both
     float32 `[layers, kv_heads, length]` (the window's global score is its local score).
     """
-    length = keys.shape[2]
-    region = length - window
-    local = observation_scores(queries, keys, key_limit, group_reduce="max", query_reduce="mean")
+    region = probs.length - window
+    local = observation_scores(probs, group_reduce="max", query_reduce="mean")
     local = torch.cat([max_normalise(local[..., :region]), local[..., region:]], dim=-1)
     merged = local.clone()
     if old_scores is not None and scored_len > 0:
@@ -128,8 +128,8 @@ class GKV(WindowScored):
         """The selection score; the merged global score is persisted per slot."""
         state = self.scored_state(view)
         queries, key_limit = observation_queries(view, self.window)
-        score, merged = gkv_scores(queries, view.keys(), key_limit, view.key_redundancy(),
-                                   window=self.window,
+        probs = view_probs(view, queries, key_limit, self.engine.num_kv_heads)
+        score, merged = gkv_scores(probs, view.key_redundancy(), window=self.window,
                                    old_scores=view.slot_scores() if state.scored_len else None,
                                    scored_len=state.scored_len, alpha=self.alpha,
                                    mix_lambda=self.mix_lambda)

@@ -56,7 +56,7 @@ from engine.policies.base import (
 )
 from engine.policies.fixed_budget import BudgetState
 from engine.policies.scored import WindowScored
-from engine.policies.scoring import observation_scores
+from engine.policies.scoring import WindowProbs, observation_scores, view_probs
 
 QUERY_CHUNK = 64     # queries scored at once (bounds [layers, q_heads, chunk, length])
 SCORE_ELEMS = 1 << 22  # attention probabilities held at once (floats): layers per pass
@@ -72,23 +72,22 @@ class H2OState(BudgetState):
     scored_pos: int = 0
 
 
-def accumulated_attention(queries: torch.Tensor, keys: torch.Tensor,
-                          key_limit: torch.Tensor) -> torch.Tensor:
+def accumulated_attention(probs: WindowProbs) -> torch.Tensor:
     """Sum over queries of their attention, summed over each GQA group.
 
-    queries: `[layers, n, q_heads, head_dim]`; keys: `[layers, kv_heads, length, head_dim]`;
-    key_limit: `[n]` exclusive causal bound of each query. Returns float32 `[layers, kv_heads, length]`.
+    probs: the queries' attention over the request's keys, with each query's exclusive causal
+    bound (scoring.WindowProbs). Returns float32 `[layers, kv_heads, length]`.
     Each pass scores QUERY_CHUNK queries over as many layers as SCORE_ELEMS allows; layers are
     independent, so the values are those of one layer at a time.
     """
-    total = torch.zeros(keys.shape[:3], device=keys.device)
-    q_heads, length = queries.shape[2], keys.shape[2]
-    for start in range(0, queries.shape[1], QUERY_CHUNK):
-        end = start + QUERY_CHUNK
-        chunk = queries[:, start:end]
-        stride = max(1, SCORE_ELEMS // max(1, q_heads * chunk.shape[1] * length))
-        total += observation_scores(chunk, keys, key_limit[start:end],
-                                    group_reduce="sum", query_reduce="sum", layer_stride=stride)
+    total = torch.zeros(probs.layers, probs.kv_heads, probs.length, device=probs.queries.device)
+    n = probs.queries.shape[1]
+    for start in range(0, n, QUERY_CHUNK):
+        chunk = probs.rows(start, start + QUERY_CHUNK)
+        rows = chunk.queries.shape[1]
+        stride = max(1, SCORE_ELEMS // max(1, probs.q_heads * rows * probs.length))
+        total += observation_scores(chunk, group_reduce="sum", query_reduce="sum",
+                                    layer_stride=stride)
     return total
 
 
@@ -159,14 +158,15 @@ class H2O(WindowScored):
     def scores(self, view: PolicyView) -> torch.Tensor:
         """The accumulated attention, with every query since the last compaction added (persisted)."""
         state = self.scored_state(view)
-        keys = view.keys()
-        score = torch.zeros(keys.shape[:3], device=keys.device)
+        queries, positions = self._new_queries(view, state.scored_pos)
+        score = torch.zeros(self.engine.num_layers, self.engine.num_kv_heads, view.physical_len,
+                            device=queries.device)
         if state.scored_len:
             score[..., :state.scored_len] = view.slot_scores()[..., :state.scored_len].float()
-        queries, positions = self._new_queries(view, state.scored_pos)
         if positions.numel():
             limits = tail_key_limits(positions, view.physical_len, view.num_computed)
-            score += accumulated_attention(queries, keys, limits.to(keys.device))
+            score += accumulated_attention(view_probs(view, queries, limits.to(queries.device),
+                                                      self.engine.num_kv_heads))
         view.set_slot_scores(score)
         return score
 

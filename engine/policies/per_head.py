@@ -63,12 +63,14 @@ from engine.config import ConfigError
 from engine.policies.base import Decision, HeadKeep, PolicyView, StageTimer
 from engine.policies.scored import WindowScored
 from engine.policies.scoring import (
+    WindowProbs,
     causal_key_limits,
     fill_under_caps,
     keep_counts,
     observation_queries,
     protected_mask,
     split_exactly,
+    view_probs,
 )
 
 
@@ -117,10 +119,15 @@ class HeldLayout:
         slots = torch.where(index < kept[..., None], index, index - kept[..., None] + compacted)
         return HeldLayout(counts, torch.where(held, slots, 0), held, identity=holes is None)
 
-    def keys(self, view: PolicyView) -> torch.Tensor:
-        """The view's keys in this layout, read from the pages in one gather (the identity
-        reads the slots in order): `[layers, kv_heads, width, head_dim]`."""
-        return view.keys() if self.identity else view.keys_at(self.slots)
+    def probs(self, view: PolicyView, queries: torch.Tensor,
+              key_limit: torch.Tensor) -> WindowProbs:
+        """The window `queries`' attention over the view's keys in this layout, read where they
+        lie (the identity: the slots in order; else each row's held slots, its padding hidden)."""
+        kv_heads = self.slots.shape[1]
+        if self.identity:
+            return view_probs(view, queries, key_limit, kv_heads)
+        return view_probs(view, queries, key_limit, kv_heads,
+                          slots=torch.where(self.held, self.slots, -1))
 
 
 @dataclass
@@ -128,8 +135,8 @@ class PerHeadBudget(WindowScored):
     """The capacity rule of a policy with per-layer / per-head budgets (module docstring): prompt
     only, or held to the budget at every decode page boundary with `decode_compress`.
 
-    A subclass (mixed in before SnapKV, whose `score_keys(queries, keys, key_limit, key_mask)`
-    scores given keys, or with its own) writes `held_allocation(view, score, caps, budget)`: the
+    A subclass (mixed in before SnapKV, whose `score_probs(probs)` scores any keys' attention,
+    or with its own) writes `held_allocation(view, score, caps, budget)`: the
     kept count of every row of the held layout, window included.
     """
 
@@ -184,7 +191,7 @@ class PerHeadBudget(WindowScored):
             queries, _ = observation_queries(view, self.window)
             limit = causal_key_limits(queries.shape[1], layout.width, queries.device)
             held = layout.held.to(queries.device)
-            score = self.score_keys(queries, layout.keys(view), limit, held)
+            score = self.score_probs(layout.probs(view, queries, limit))
             score = score.masked_fill(~held, float("-inf"))
         with timer.stage("window_mask"):
             protected = protected_mask(layout.width, self.window, 0, score.device)

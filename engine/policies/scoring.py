@@ -9,14 +9,16 @@ piece can be tested against an explicit-loop reference. Conventions (engine fact
   contiguous block `[j * group_size, (j + 1) * group_size)`.
 - scores are float32 and "higher means keep".
 
-The only function that touches a policy view is `observation_queries`, which gathers the window of
-recent queries and their causal key limits in one place for every policy.
+Two functions touch a policy view: `observation_queries` gathers the window of recent queries and
+their causal key limits in one place for every policy, and `view_probs` reads their attention over
+the view's pages (`WindowProbs`, which `dense_probs` also makes from keys in a tensor).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -110,11 +112,71 @@ def observation_probs(queries: torch.Tensor, keys: torch.Tensor,
 _PROBS_ELEMS = 1 << 20
 
 
-def observation_scores(queries: torch.Tensor, keys: torch.Tensor,
-                       key_limit: torch.Tensor | None = None, *,
-                       group_reduce: str = "max", query_reduce: str = "mean",
-                       scale: float | None = None, layer_stride: int | None = None,
-                       key_mask: torch.Tensor | None = None) -> torch.Tensor:
+@dataclass(frozen=True)
+class WindowProbs:
+    """Window queries' softmax attention over one sequence's keys, a slice of layers at a time:
+    what the window-scored policies reduce, wherever the keys lie.
+
+    queries: `[layers, n, q_heads, head_dim]` post-RoPE; key_limit: `[n]` or None (causal
+    bounds, observation_probs); length: key columns; kv_heads: the keys' heads. `of(layers)`
+    -> float32 `[l, q_heads, n, length]` (with group_mean, `[l, kv_heads, n, length]`: each
+    GQA group's mean). Made by `view_probs` (a view's pages through the engine's backend: the C
+    kernel reads them in place) or `dense_probs` (keys in a tensor: references and tests).
+    """
+
+    queries: torch.Tensor
+    key_limit: torch.Tensor | None
+    length: int
+    kv_heads: int
+    source: Callable[[torch.Tensor, torch.Tensor | None, slice, bool], torch.Tensor]
+
+    @property
+    def layers(self) -> int:
+        return self.queries.shape[0]
+
+    @property
+    def q_heads(self) -> int:
+        return self.queries.shape[2]
+
+    def of(self, layers: slice, group_mean: bool = False) -> torch.Tensor:
+        """Probabilities of `layers`: float32 `[l, q_heads, n, length]`, or with group_mean
+        `[l, kv_heads, n, length]`."""
+        return self.source(self.queries[layers], self.key_limit, layers, group_mean)
+
+    def rows(self, start: int, end: int) -> "WindowProbs":
+        """The same keys seen by queries [start, end) only."""
+        limit = None if self.key_limit is None else self.key_limit[start:end]
+        return replace(self, queries=self.queries[:, start:end], key_limit=limit)
+
+
+def dense_probs(queries: torch.Tensor, keys: torch.Tensor, key_limit: torch.Tensor | None = None,
+                key_mask: torch.Tensor | None = None, scale: float | None = None) -> WindowProbs:
+    """WindowProbs over keys `[layers, kv_heads, length, head_dim]` (observation_probs; key_mask:
+    bool `[layers, kv_heads, length]` or None)."""
+    def source(q: torch.Tensor, limit: torch.Tensor | None, layers: slice,
+               mean: bool) -> torch.Tensor:
+        mask = None if key_mask is None else key_mask[layers]
+        probs = observation_probs(q, keys[layers], limit, scale, mask)
+        return group_mean(probs, q.shape[2] // keys.shape[1]) if mean else probs
+    return WindowProbs(queries, key_limit, keys.shape[2], keys.shape[1], source)
+
+
+def view_probs(view: Any, queries: torch.Tensor, key_limit: torch.Tensor | None, kv_heads: int,
+               slots: torch.Tensor | None = None) -> WindowProbs:
+    """WindowProbs over a view's physical slots, or over a per-head layout `slots` `[layers,
+    kv_heads, width]` (< 0: hidden, as a False entry of observation_probs' key_mask), computed
+    where the keys lie (PolicyView.query_probs)."""
+    def source(q: torch.Tensor, limit: torch.Tensor | None, layers: slice,
+               mean: bool) -> torch.Tensor:
+        return view.query_probs(q, layers=layers, group_mean=mean, key_limit=limit,
+                                slots=None if slots is None else slots[layers])
+    length = view.physical_len if slots is None else slots.shape[-1]
+    return WindowProbs(queries, key_limit, length, kv_heads, source)
+
+
+def observation_scores(probs: WindowProbs, *, group_reduce: str = "max",
+                       query_reduce: str = "mean",
+                       layer_stride: int | None = None) -> torch.Tensor:
     """Per-(layer, KV head) token scores from the attention of a window of recent queries.
 
     The GQA group is reduced first (per query), then the queries: Zipage takes the max over the
@@ -122,28 +184,27 @@ def observation_scores(queries: torch.Tensor, keys: torch.Tensor,
     (for two linear reductions the order does not matter). Causally masked entries count as 0 in a
     mean over queries (the mean always divides by n, as Zipage does).
 
-    queries: `[layers, n, q_heads, head_dim]`; keys: `[layers, kv_heads, length, head_dim]`;
-    key_limit: `[n]` or None; key_mask: bool `[layers, kv_heads, length]` or None
-    (observation_probs). layer_stride bounds the temporary probabilities to
-    `[layer_stride, q_heads, n, length]` (None: as many layers as `_PROBS_ELEMS` holds).
-    Returns float32 `[layers, kv_heads, length]` (`[layers, q_heads, length]` for
-    group_reduce="none").
+    probs: the window's attention (WindowProbs). layer_stride bounds the temporary
+    probabilities to `[layer_stride, q_heads, n, length]` (None: as many layers as
+    `_PROBS_ELEMS` holds). Returns float32 `[layers, kv_heads, length]` (`[layers, q_heads,
+    length]` for group_reduce="none").
     """
     if group_reduce not in GROUP_REDUCTIONS:
         raise ValueError(f"group_reduce must be one of {sorted(GROUP_REDUCTIONS)}, got {group_reduce!r}")
     if query_reduce not in ("mean", "sum"):
         raise ValueError(f"query_reduce must be 'mean' or 'sum', got {query_reduce!r}")
-    layers, n, q_heads, _ = queries.shape
-    group = q_heads // keys.shape[1]
+    n, q_heads = probs.queries.shape[1], probs.q_heads
+    group = q_heads // probs.kv_heads
     if layer_stride is None:
-        layer_stride = _PROBS_ELEMS // max(1, q_heads * n * keys.shape[2])
+        layer_stride = _PROBS_ELEMS // max(1, q_heads * n * probs.length)
     stride = max(1, layer_stride)
     out = []
-    for start in range(0, layers, stride):
-        sl = slice(start, start + stride)
-        mask = None if key_mask is None else key_mask[sl]
-        probs = observation_probs(queries[sl], keys[sl], key_limit, scale, mask)  # [l, h, n, T]
-        per_kv = GROUP_REDUCTIONS[group_reduce](probs, group, dim=1)        # [l, kvh, n, T]
+    for start in range(0, probs.layers, stride):
+        layers = slice(start, start + stride)
+        if group_reduce == "mean":  # formed where the probabilities are (the C kernel's mean)
+            per_kv = probs.of(layers, group_mean=True)                      # [l, kvh, n, T]
+        else:
+            per_kv = GROUP_REDUCTIONS[group_reduce](probs.of(layers), group, dim=1)
         out.append(per_kv.mean(dim=2) if query_reduce == "mean" else per_kv.sum(dim=2))
     return torch.cat(out, dim=0)
 
@@ -323,27 +384,29 @@ def keep_counts(scores: torch.Tensor, counts: torch.Tensor,
         if counts.numel() and int(protected.sum()) > int(counts.min()):
             raise ValueError(f"{int(protected.sum())} protected slots exceed a count of {int(counts.min())}")
         ranked = ranked.masked_fill(protected, float("inf"))
-    ranked = torch.nan_to_num(ranked, nan=float("-inf"))
-    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
     if valid is not None:
         valid = valid.to(scores.device)
         if bool((counts > valid.sum(dim=-1)).any()):
             raise ValueError("a count exceeds the valid entries of its row")
         if protected is not None and bool((protected & ~valid).any()):
             raise ValueError("a protected entry is not valid")
-        # Valid entries first, each group in score order (a stable sort of the invalid flag).
-        invalid = (~valid.gather(-1, order)).to(torch.uint8)
-        order = order.gather(-1, torch.sort(invalid, dim=-1, stable=True).indices)
+        # Valid entries first, each group in score order: a valid -inf (or NaN) ranks as the
+        # lowest finite score, and every invalid entry as -inf, below it.
+        ranked = torch.nan_to_num(ranked, nan=-torch.finfo(ranked.dtype).max)
+        ranked = ranked.masked_fill_(~valid, float("-inf"))
+    else:
+        ranked = torch.nan_to_num(ranked, nan=float("-inf"))
+    order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(length, device=order.device)
                                             .expand_as(order).contiguous())
     kept = rank < counts[..., None]
-    # Kept slots first, ascending; the others after them (sorted key: slot, or length + slot).
-    positions = torch.arange(length, device=scores.device)
-    key = torch.where(kept, positions, positions + length)
+    # Kept slots ascending: slot s of a row goes to the column of the kept slots before it; the
+    # others to a spare last column, dropped.
     width = int(counts.max()) if counts.numel() else 0
-    slots = torch.sort(key, dim=-1).values[..., :width]
-    slots = torch.where(slots < length, slots, torch.zeros_like(slots))
-    return HeadKeep(slots, counts)
+    column = torch.where(kept, kept.cumsum(dim=-1) - 1, width)
+    positions = torch.arange(length, device=scores.device).expand_as(column)
+    slots = torch.zeros(*kept.shape[:-1], width + 1, dtype=torch.long, device=scores.device)
+    return HeadKeep(slots.scatter_(-1, column, positions)[..., :width], counts)
 
 
 def split_exactly(shares: torch.Tensor, total: int) -> torch.Tensor:

@@ -46,33 +46,35 @@ import torch
 from engine.config import ConfigError
 from engine.policies.base import PolicyView, register_policy
 from engine.policies.scored import WindowScored
-from engine.policies.scoring import group_mean, observation_queries, observation_scores, pool1d
+from engine.policies.scoring import (
+    WindowProbs,
+    group_mean,
+    observation_queries,
+    observation_scores,
+    pool1d,
+    view_probs,
+)
 
 POOLING_MODES = ("max", "avg")
 
 
-def snapkv_scores(queries: torch.Tensor, keys: torch.Tensor, key_limit: torch.Tensor | None, *,
-                  window: int, pool_kernel: int = 7, pool_mode: str = "max",
-                  layer_stride: int | None = None,
-                  key_mask: torch.Tensor | None = None) -> torch.Tensor:
+def snapkv_scores(probs: WindowProbs, *, window: int, pool_kernel: int = 7,
+                  pool_mode: str = "max", layer_stride: int | None = None) -> torch.Tensor:
     """SnapKV's token scores for one request.
 
-    queries: `[layers, n, q_heads, head_dim]`; keys: `[layers, kv_heads, length, head_dim]`;
-    key_limit: `[n]`; window: the protected recent slots (pooling covers only the slots before
-    them, so the window's large self-attention does not bleed into its neighbours); key_mask:
-    bool `[layers, kv_heads, length]` or None, False for entries no query sees
-    (scoring.observation_probs).
+    probs: the observation window's attention over the request's keys (scoring.WindowProbs);
+    window: the protected recent slots (pooling covers only the slots before them, so the
+    window's large self-attention does not bleed into its neighbours).
     Returns float32 `[layers, kv_heads, length]`; the last `window` entries are unpooled (callers
     protect them anyway). Order: sum over queries and pool per query head, then mean over the
     GQA group.
     """
-    per_head = observation_scores(queries, keys, key_limit, group_reduce="none",
-                                  query_reduce="sum", layer_stride=layer_stride,
-                                  key_mask=key_mask)  # [L, Hq, T]
+    per_head = observation_scores(probs, group_reduce="none", query_reduce="sum",
+                                  layer_stride=layer_stride)  # [L, Hq, T]
     region = max(0, per_head.shape[-1] - window)
     pooled = pool1d(per_head[..., :region], pool_kernel, pool_mode)
     per_head = torch.cat([pooled, per_head[..., region:]], dim=-1)
-    return group_mean(per_head, queries.shape[2] // keys.shape[1], dim=1)
+    return group_mean(per_head, probs.q_heads // probs.kv_heads, dim=1)
 
 
 @register_policy
@@ -110,13 +112,10 @@ class SnapKV(WindowScored):
     def scores(self, view: PolicyView) -> torch.Tensor:
         """SnapKV scores of the view's physical slots: float32 `[layers, kv_heads, physical_len]`."""
         queries, key_limit = observation_queries(view, self.window)
-        return self.score_keys(queries, view.keys(), key_limit)
+        return self.score_probs(view_probs(view, queries, key_limit, self.engine.num_kv_heads))
 
-    def score_keys(self, queries: torch.Tensor, keys: torch.Tensor, key_limit: torch.Tensor,
-                   key_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """SnapKV scores of `keys` `[layers, kv_heads, length, head_dim]` from window `queries`
-        `[layers, n, q_heads, head_dim]` (causal limits `[n]`; `key_mask` as snapkv_scores'):
+    def score_probs(self, probs: WindowProbs) -> torch.Tensor:
+        """SnapKV scores from the window's attention over some keys (scoring.WindowProbs):
         float32 `[layers, kv_heads, length]`."""
-        return snapkv_scores(queries, keys, key_limit, window=self.window,
-                             pool_kernel=self.pooling_kernel, pool_mode=self.pooling,
-                             layer_stride=self.layer_stride, key_mask=key_mask)
+        return snapkv_scores(probs, window=self.window, pool_kernel=self.pooling_kernel,
+                             pool_mode=self.pooling, layer_stride=self.layer_stride)

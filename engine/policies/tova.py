@@ -30,19 +30,23 @@ import torch
 
 from engine.policies.base import PolicyView, register_policy
 from engine.policies.scored import WindowScored
-from engine.policies.scoring import observation_queries, observation_scores
+from engine.policies.scoring import (
+    WindowProbs,
+    observation_queries,
+    observation_scores,
+    view_probs,
+)
 
 
-def tova_scores(queries: torch.Tensor, keys: torch.Tensor, key_limit: torch.Tensor | None) -> torch.Tensor:
+def tova_scores(probs: WindowProbs) -> torch.Tensor:
     """The newest query's attention averaged over all query heads of each layer, per KV head.
 
-    queries: `[layers, 1, q_heads, head_dim]`; keys: `[layers, kv_heads, length, head_dim]`.
+    probs: the newest query's attention over the request's keys (scoring.WindowProbs, one query).
     Returns float32 `[layers, kv_heads, length]`, equal across the KV heads of a layer.
     """
-    per_head = observation_scores(queries, keys, key_limit, group_reduce="none",
-                                  query_reduce="sum")                         # [L, Hq, T]
+    per_head = observation_scores(probs, group_reduce="none", query_reduce="sum")  # [L, Hq, T]
     layer_mean = per_head.mean(dim=1, keepdim=True)                         # [L, 1, T]
-    return layer_mean.expand(-1, keys.shape[1], -1).contiguous()
+    return layer_mean.expand(-1, probs.kv_heads, -1).contiguous()
 
 
 @register_policy
@@ -61,4 +65,4 @@ class TOVA(WindowScored):
 
     def scores(self, view: PolicyView) -> torch.Tensor:
         queries, key_limit = observation_queries(view, self.window)
-        return tova_scores(queries, view.keys(), key_limit)
+        return tova_scores(view_probs(view, queries, key_limit, self.engine.num_kv_heads))

@@ -67,11 +67,13 @@ from engine.policies.base import EngineSpec, PolicyView, SignalSpec, register_po
 from engine.policies.fixed_budget import BudgetState
 from engine.policies.scored import WindowScored
 from engine.policies.scoring import (
+    WindowProbs,
     decayed_max,
     mix_redundancy,
     observation_queries,
     observation_scores,
     pool1d,
+    view_probs,
 )
 
 REDUNDANCY_SCOPES = ("block", "all")
@@ -90,19 +92,18 @@ class ZipageState(BudgetState):
     scored_len: int = 0
 
 
-def zipage_scores(queries: torch.Tensor, keys: torch.Tensor, key_limit: torch.Tensor | None, *,
-                  old_scores: torch.Tensor | None = None, scored_len: int = 0,
-                  decay: float = 0.8, pool_kernel: int = 1,
+def zipage_scores(probs: WindowProbs, *, old_scores: torch.Tensor | None = None,
+                  scored_len: int = 0, decay: float = 0.8, pool_kernel: int = 1,
                   layer_stride: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Zipage's token scores for one request.
 
-    queries: `[layers, n, q_heads, head_dim]`; keys: `[layers, kv_heads, length, head_dim]`;
-    key_limit: `[n]`; old_scores: persisted `[layers, kv_heads, length]` or None (no global score);
+    probs: the query cache's attention over the request's keys (scoring.WindowProbs);
+    old_scores: persisted `[layers, kv_heads, length]` or None (no global score);
     only slots `< scored_len` merge with it. pool_kernel 1 disables max-pooling.
     Returns (selection scores, scores to persist), both float32 `[layers, kv_heads, length]`: the
     persisted score is taken before pooling, as Zipage's pipeline does.
     """
-    score = observation_scores(queries, keys, key_limit, group_reduce="max", query_reduce="mean",
+    score = observation_scores(probs, group_reduce="max", query_reduce="mean",
                                layer_stride=layer_stride)
     if old_scores is not None and scored_len > 0:
         merged = score.clone()
@@ -206,12 +207,12 @@ class Zipage(WindowScored):
         with the key redundancy when it is on."""
         state = self.scored_state(view)
         queries, key_limit = observation_queries(view, self.window)
-        keys = view.keys()
+        probs = view_probs(view, queries, key_limit, self.engine.num_kv_heads)
         old = view.slot_scores() if self.use_global_score else None
         # Pool only a contiguous layout (before the first compaction) unless asked to.
         pool = self.pooling and (not state.compressed or self.continue_pooling)
         score, persist = zipage_scores(
-            queries, keys, key_limit, old_scores=old,
+            probs, old_scores=old,
             scored_len=state.scored_len if state.compressed else 0, decay=self.decay,
             pool_kernel=self.pooling_kernel if pool else 1, layer_stride=self.layer_stride)
         if self.use_global_score:

@@ -536,59 +536,164 @@ static inline void softmax_row(float *row, int64_t visible, int64_t length) {
     for (int64_t j = 0; j < visible; j++) row[j] *= inv;
 }
 
+/* softmax_row over the columns a slot map holds: the hidden columns (their indices ascending)
+   before `visible` get 0 and no share, and a row with no held column before `visible` is all
+   zeros. A hidden logit is set 40 below the row's maximum, whose exponential (4e-18 of the
+   maximum's) is a normal float that no sum in fp32 can see and is then overwritten by 0: a huge
+   negative sends the vector exp down its special-case path, and a subnormal result costs a
+   microcode assist per lane (the process keeps IEEE subnormals). */
+static inline void softmax_held(float *row, const int64_t *hidden, int64_t hidden_count,
+                                int64_t visible, int64_t length) {
+    int64_t seen = 0;
+    while (seen < hidden_count && hidden[seen] < visible) seen++;
+    if (seen == visible) {
+        memset(row, 0, (size_t)length * sizeof(float));
+        return;
+    }
+    float top = -3.0e38f;
+    for (int64_t k = 0; k < seen; k++) row[hidden[k]] = top;
+    for (int64_t j = 0; j < visible; j++) top = row[j] > top ? row[j] : top;
+    for (int64_t k = 0; k < seen; k++) row[hidden[k]] = top - 40.0f;
+    softmax_row(row, visible, length);
+    for (int64_t k = 0; k < seen; k++) row[hidden[k]] = 0.0f;
+}
+
+/* Columns of a slot map whose keys kv_query_probs gathers at once: a tile the size of a vector's
+   dots in page_logits, which stays in L1 while every query of the group reads it. */
+#define SLOT_TILE 16
+
+/* `length` columns of a slot map's keys, [length, head_dim], into `dense`: the key
+   of slot s lies in page table[s / block] at s % block; a hidden column (s < 0) gets zeros. */
+static inline __attribute__((always_inline)) void
+gather_held(const float *keys, const int64_t *table, const int64_t *slot, int64_t length,
+            const int64_t head_dim, int64_t block, int shift, float *dense) {
+    for (int64_t j = 0; j < length; j++) {
+        float *dj = dense + j * head_dim;
+        if (slot[j] < 0) {
+            memset(dj, 0, (size_t)head_dim * sizeof(float));
+            continue;
+        }
+        const int64_t s = slot[j];
+        /* a power-of-two page (every engine's) takes a shift and a mask, not a division */
+        const int64_t page = shift >= 0 ? s >> shift : s / block;
+        const int64_t offset = shift >= 0 ? s & (block - 1) : s % block;
+        memcpy(dj, keys + (table[page] * block + offset) * head_dim,
+               (size_t)head_dim * sizeof(float));
+    }
+}
+
+static void gather_tile(const float *keys, const int64_t *table, const int64_t *slot,
+                        int64_t length, int64_t head_dim, int64_t block, float *dense) {
+    const int shift = (block & (block - 1)) == 0 ? __builtin_ctzll((unsigned long long)block) : -1;
+    switch (head_dim) { /* a constant row size for the common sizes: each copy inlines */
+    case 64:
+        gather_held(keys, table, slot, length, 64, block, shift, dense);
+        break;
+    case 128:
+        gather_held(keys, table, slot, length, 128, block, shift, dense);
+        break;
+    default:
+        gather_held(keys, table, slot, length, head_dim, block, shift, dense);
+        break;
+    }
+}
+
+static inline void logits_of(const float *qg, int64_t n, int64_t q_heads, int64_t head_dim,
+                             const float *kp, int64_t count, float scale, float *lg,
+                             int64_t length) {
+    switch (head_dim) { /* a constant for the common sizes: the dot unrolls */
+    case 64:
+        page_logits(qg, n, q_heads * 64, 64, kp, count, scale, lg, length);
+        break;
+    case 128:
+        page_logits(qg, n, q_heads * 128, 128, kp, count, scale, lg, length);
+        break;
+    default:
+        page_logits(qg, n, q_heads * head_dim, head_dim, kp, count, scale, lg, length);
+        break;
+    }
+}
+
 int kv_query_probs(const float *q, const float *k_cache, int64_t layer_stride,
-                   const int64_t *table, const int64_t *limits, int64_t length, float *out,
-                   int64_t layers, int64_t n, int64_t q_heads, int64_t kv_heads,
-                   int64_t head_dim, int64_t block, int64_t num_pages, float scale,
-                   int group_mean) {
-    if (length < 0 || n < 0 || kv_heads < 1 || q_heads % kv_heads) return KV_BAD_SHAPE;
+                   const int64_t *table, int64_t table_len, const int64_t *slots,
+                   const int64_t *limits, int64_t length, float *out, int64_t layers, int64_t n,
+                   int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t block,
+                   int64_t num_pages, float scale, int group_mean) {
+    if (length < 0 || n < 0 || kv_heads < 1 || q_heads % kv_heads || table_len < 0)
+        return KV_BAD_SHAPE;
     const int64_t group = q_heads / kv_heads, pages = (length + block - 1) / block;
-    for (int64_t p = 0; p < pages; p++)
-        if (table[p] < 0 || table[p] >= num_pages) return KV_BAD_PAGE;
+    /* without a slot map, column j is slot j: the table must cover the first `length` slots */
+    if (slots == 0 && pages > table_len) return KV_BAD_LENGTH;
+    if (slots == 0) {
+        for (int64_t p = 0; p < pages; p++)
+            if (table[p] < 0 || table[p] >= num_pages) return KV_BAD_PAGE;
+    } else { /* the pages of the slots read: every page of the table unless one is bad */
+        int64_t top = -1, bad_pages = 0;
+        for (int64_t j = 0; j < layers * kv_heads * length; j++) top = slots[j] > top ? slots[j] : top;
+        if (top >= table_len * block) return KV_BAD_SLOT;
+        for (int64_t p = 0; p < table_len; p++) bad_pages += table[p] < 0 || table[p] >= num_pages;
+        for (int64_t j = 0; bad_pages > 0 && j < layers * kv_heads * length; j++)
+            if (slots[j] >= 0 && (table[slots[j] / block] < 0 || table[slots[j] / block] >= num_pages))
+                return KV_BAD_PAGE;
+    }
     for (int64_t i = 0; i < n; i++)
         if (limits[i] < 0 || limits[i] > length) return KV_BAD_LENGTH;
     if (n == 0 || length == 0) return KV_OK; /* an empty output */
-    const int64_t slots = num_pages * block;
+    const int64_t slot_count = num_pages * block;
     int error = KV_OK;
 #pragma omp parallel for collapse(2) schedule(static) if (layers * q_heads * n * length > 32768)
     for (int64_t l = 0; l < layers; l++) {
         for (int64_t h = 0; h < kv_heads; h++) {
-            const float *keys = k_cache + l * layer_stride + h * slots * head_dim;
+            const float *keys = k_cache + l * layer_stride + h * slot_count * head_dim;
+            const int64_t *slot = slots == 0 ? 0 : slots + (l * kv_heads + h) * length;
             /* head g of the group, query i: row (g, i) of out[l, h * group + g, i], or of a
-               scratch buffer that the group's mean reads */
+               scratch buffer that the group's mean reads; with a slot map, its keys gathered */
             float *rows = group_mean ? malloc((size_t)(group * n * length) * sizeof(float))
                                      : out + (l * q_heads + h * group) * n * length;
-            if (rows == 0) {
+            float *dense = slot == 0 ? 0 : malloc((size_t)(SLOT_TILE * head_dim) * sizeof(float));
+            int64_t *hidden = slot == 0 ? 0 : malloc((size_t)length * sizeof(int64_t));
+            int64_t hidden_count = 0;
+            if (rows == 0 || (slot != 0 && (dense == 0 || hidden == 0))) {
 #pragma omp atomic write
                 error = KV_NO_MEMORY;
+                if (group_mean) free(rows);
+                free(dense);
+                free(hidden);
                 continue;
             }
-            for (int64_t p = 0; p < pages; p++) {
-                const int64_t first = p * block;
-                const int64_t count = length - first < block ? length - first : block;
-                const float *kp = keys + table[p] * block * head_dim;
-                if (p + PREFETCH_PAGES < pages) /* the table was checked above */
-                    prefetch_page(keys + table[p + PREFETCH_PAGES] * block * head_dim,
-                                  block * head_dim);
-                for (int64_t g = 0; g < group; g++) {
-                    const float *qg = q + (l * n * q_heads + h * group + g) * head_dim;
-                    float *lg = rows + g * n * length + first;
-                    switch (head_dim) { /* a constant for the common sizes: the dot unrolls */
-                    case 64:
-                        page_logits(qg, n, q_heads * 64, 64, kp, count, scale, lg, length);
-                        break;
-                    case 128:
-                        page_logits(qg, n, q_heads * 128, 128, kp, count, scale, lg, length);
-                        break;
-                    default:
-                        page_logits(qg, n, q_heads * head_dim, head_dim, kp, count, scale, lg,
-                                    length);
-                        break;
-                    }
+            if (slot != 0) { /* a tile of the map's keys gathered at a time, then as below */
+                for (int64_t j = 0; j < length; j++)
+                    if (slot[j] < 0) hidden[hidden_count++] = j;
+                for (int64_t first = 0; first < length; first += SLOT_TILE) {
+                    const int64_t count = length - first < SLOT_TILE ? length - first : SLOT_TILE;
+                    gather_tile(keys, table, slot + first, count, head_dim, block, dense);
+                    for (int64_t g = 0; g < group; g++)
+                        logits_of(q + (l * n * q_heads + h * group + g) * head_dim, n, q_heads,
+                                  head_dim, dense, count, scale, rows + g * n * length + first,
+                                  length);
+                }
+                free(dense);
+            } else {
+                for (int64_t p = 0; p < pages; p++) {
+                    const int64_t first = p * block;
+                    const int64_t count = length - first < block ? length - first : block;
+                    const float *kp = keys + table[p] * block * head_dim;
+                    if (p + PREFETCH_PAGES < pages) /* the table was checked above */
+                        prefetch_page(keys + table[p + PREFETCH_PAGES] * block * head_dim,
+                                      block * head_dim);
+                    for (int64_t g = 0; g < group; g++)
+                        logits_of(q + (l * n * q_heads + h * group + g) * head_dim, n, q_heads,
+                                  head_dim, kp, count, scale, rows + g * n * length + first,
+                                  length);
                 }
             }
-            for (int64_t r = 0; r < group * n; r++)
-                softmax_row(rows + r * length, limits[r % n], length);
+            for (int64_t r = 0; r < group * n; r++) {
+                if (slot != 0)
+                    softmax_held(rows + r * length, hidden, hidden_count, limits[r % n], length);
+                else
+                    softmax_row(rows + r * length, limits[r % n], length);
+            }
+            free(hidden);
             if (!group_mean) continue;
             float *mean = out + (l * kv_heads + h) * n * length;
             const float share = 1.0f / (float)group;
