@@ -487,6 +487,15 @@ def test_query_probs_over_a_slot_map(heads):
         paged_query_probs(*case, slots=slots.clamp_min(0) + table.numel() * k_cache.shape[3])
     with pytest.raises(ValueError, match="slots must be"):
         paged_query_probs(*case, slots=slots[:, :, :-1])
+    if cpu_native.available():  # the C kernel checks the pages the slot map reads
+        unread = table.clone()
+        unread[-1] = -1  # a page no slot below 32 reads may be a table's padding
+        paged_query_probs_c(queries, k_cache, unread, width, limit, scale,
+                            slots=slots.clamp_max(31))
+        read = table.clone()
+        read[int(slots.clamp_min(0).max()) // k_cache.shape[3]] = -1
+        with pytest.raises(ValueError, match="outside the cache"):
+            paged_query_probs_c(queries, k_cache, read, width, limit, scale, slots=slots)
 
 
 def test_query_probs_rejects_bad_input():

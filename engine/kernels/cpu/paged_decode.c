@@ -19,6 +19,7 @@
    threads are torch's, set by torch.set_num_threads; cpu_native.py refuses a build that loads
    another runtime (clang's libomp). */
 
+#include <float.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -550,7 +551,7 @@ static inline void softmax_held(float *row, const int64_t *hidden, int64_t hidde
         memset(row, 0, (size_t)length * sizeof(float));
         return;
     }
-    float top = -3.0e38f;
+    float top = -FLT_MAX;
     for (int64_t k = 0; k < seen; k++) row[hidden[k]] = top;
     for (int64_t j = 0; j < visible; j++) top = row[j] > top ? row[j] : top;
     for (int64_t k = 0; k < seen; k++) row[hidden[k]] = top - 40.0f;
@@ -628,13 +629,15 @@ int kv_query_probs(const float *q, const float *k_cache, int64_t layer_stride,
         for (int64_t p = 0; p < pages; p++)
             if (table[p] < 0 || table[p] >= num_pages) return KV_BAD_PAGE;
     } else { /* the pages of the slots read: every page of the table unless one is bad */
+        const int64_t entries = layers * kv_heads * length;
         int64_t top = -1, bad_pages = 0;
-        for (int64_t j = 0; j < layers * kv_heads * length; j++) top = slots[j] > top ? slots[j] : top;
+        for (int64_t j = 0; j < entries; j++) top = slots[j] > top ? slots[j] : top;
         if (top >= table_len * block) return KV_BAD_SLOT;
         for (int64_t p = 0; p < table_len; p++) bad_pages += table[p] < 0 || table[p] >= num_pages;
-        for (int64_t j = 0; bad_pages > 0 && j < layers * kv_heads * length; j++)
-            if (slots[j] >= 0 && (table[slots[j] / block] < 0 || table[slots[j] / block] >= num_pages))
-                return KV_BAD_PAGE;
+        for (int64_t j = 0; bad_pages > 0 && j < entries; j++) {
+            const int64_t page = slots[j] < 0 ? 0 : table[slots[j] / block];
+            if (slots[j] >= 0 && (page < 0 || page >= num_pages)) return KV_BAD_PAGE;
+        }
     }
     for (int64_t i = 0; i < n; i++)
         if (limits[i] < 0 || limits[i] > length) return KV_BAD_LENGTH;
