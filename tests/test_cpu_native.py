@@ -676,8 +676,11 @@ def test_the_compiler_is_known_by_its_version_output():
 
 
 # PyramidKV's per-layer budgets give decode attention per-head holes (the kernel's masked path;
-# with compile on, the steps that have holes run eager, the others through the graph).
-@pytest.mark.parametrize("policy", [("full", {}), ("pyramidkv", dict(budget=16, window=4))],
+# with compile on, the steps that have holes run eager, the others through the graph). Ada-KV
+# held at its budget during decode scores each compaction over its per-head layout (the slot map
+# of the policies' attention kernel, against the twin's gather).
+@pytest.mark.parametrize("policy", [("full", {}), ("pyramidkv", dict(budget=16, window=4)),
+                                    ("adakv", dict(budget=16, window=4, decode_compress=True))],
                          ids=lambda p: p[0])
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
 @needs_kernel
