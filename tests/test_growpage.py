@@ -351,6 +351,36 @@ def test_top_p_working_set_against_naive_and_crafted():
             torch.testing.assert_close(top_p_ratio(probs, 0.99), got.double() / n)
 
 
+@pytest.mark.parametrize("metric", ["top_p", "entropy"])
+def test_demand_ratios_of_several_requests_are_each_requests_own(metric):
+    """demand_ratios pads the requests' rows with zeros to the longest and counts them in one
+    call: each request's ratios equal view_ratios of its rows alone, over its own |C| (a
+    one-hot row, whose working set is 1, and a row with zeros inside included)."""
+    from engine.policies.demand import demand_ratios, view_ratios
+
+    g = torch.Generator().manual_seed(21)
+    probs = [(torch.randn(3, 2, 2, n, generator=g) * 2).softmax(-1) for n in (5, 17, 40)]
+    probs[0][0, 0, 0] = torch.tensor([0.0, 1.0, 0.0, 0.0, 0.0])
+    probs[2][1, 1, 1, 10:20] = 0.0
+    together = demand_ratios(probs, metric, 0.9)
+    for got, rows in zip(together, probs):
+        assert got.shape == rows.shape[:-1]
+        # Top-p: the same K; entropy: the same sums but for where the padding's zeros fall
+        torch.testing.assert_close(got, view_ratios(rows, metric, 0.9), rtol=1e-12, atol=0)
+    assert together[0][0, 0, 0].item() == pytest.approx(1 / 5)
+
+
+def test_summaries_of_several_requests_are_each_requests_own():
+    """GrowPage forms the summaries of every request at a boundary together (one calibration,
+    one rotation): each equals the request's own, at its own position and readiness."""
+    policy = bound(GrowPage(protected_recent=2, initial_capacity=8))
+    views = [make_view(seed=s, n=20, num_computed=c) for s, c in ((1, 37), (2, 140), (3, 9))]
+    views[1]._ready = False
+    for got, view in zip(policy._summaries(views), views):
+        torch.testing.assert_close(got, policy.summary_queries(view), rtol=0, atol=0)
+        torch.testing.assert_close(got.double(), naive_summaries(view), rtol=1e-4, atol=1e-5)
+
+
 def test_top_p_working_set_sorts_like_torch_bit_for_bit():
     """The working set reads the values sorted largest first through numpy's sort on CPU: the
     same float64 values as torch.sort's, so the same cumulative masses and the same K as the
@@ -836,8 +866,8 @@ def test_a_prepared_demand_is_used_only_where_the_request_still_stands():
     since; one that has moved (a preemption, a compaction) gets its demand computed again."""
     policy = bound(GrowPage(protected_recent=2, initial_capacity=8))
     calls = []
-    real = policy._trend
-    policy._trend = lambda view, candidates: calls.append(candidates) or real(view, candidates)
+    real = policy._trends
+    policy._trends = lambda views, candidates: calls.extend(candidates) or real(views, candidates)
     view = boundary_view(4, state=GrowPageState(active=True))
     policy.prepare_boundaries([view])
     assert len(calls) == 1 and view.state.prepared is not None

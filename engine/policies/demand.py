@@ -12,8 +12,9 @@ The pieces, in the order a capacity boundary uses them:
    (layer, view, KV head) over a candidate key set, averaging the distributions of the query heads
    of a GQA group (the engine computes the same from its pages in place, `PolicyView.query_probs`).
 5. A demand metric (`DEMAND_METRICS`: Top-p working-set ratio K/|C| of Eq. 7, or the entropy
-   variant of Table 2) maps each distribution to a ratio, and `trend_means` averages the ratios
-   over layers and KV heads (Eq. 8): delta = r_S - r_L.
+   variant of Table 2) maps each distribution to a ratio (`demand_ratios`, several requests'
+   distributions in one call), and `trend_means` averages the ratios over layers and KV heads
+   (Eq. 8): delta = r_S - r_L.
 
 Everything here is computed in float32 (float64 for the cumulative sums), whatever the model dtype.
 """
@@ -103,23 +104,28 @@ def top_p_ratio(probs: torch.Tensor, p: float) -> torch.Tensor:
     return top_p_working_set(probs, p).double() / probs.shape[-1]
 
 
-def entropy_ratio(probs: torch.Tensor, p: float) -> torch.Tensor:
-    """The entropy metric of Table 2: r = exp(H(a)) / |C|.
-
-    exp(H) is the effective number of attended keys (perplexity), so the ratio lives on the same
-    scale as K / |C| and the same threshold tau applies; `p` is unused (the signature matches
-    `top_p_ratio` so metrics are interchangeable). probs: [..., n]; returns [...] float64.
-    """
+def entropy_count(probs: torch.Tensor, p: float) -> torch.Tensor:
+    """exp(H(a)), the effective number of attended keys (perplexity) of each row; `p` is unused
+    (the signature matches `top_p_working_set` so metrics are interchangeable). probs: [..., n];
+    returns [...] float64. A zero weight adds nothing."""
     a = probs.double()
     a = a / a.sum(dim=-1, keepdim=True)
     plogp = torch.where(a > 0, a * a.clamp_min(1e-300).log(), torch.zeros_like(a))
-    return (-plogp.sum(dim=-1)).exp() / probs.shape[-1]
+    return (-plogp.sum(dim=-1)).exp()
 
 
-# name -> ratio function(probs [..., n], p) -> [...]; GrowPage's `metric` field picks one.
+def entropy_ratio(probs: torch.Tensor, p: float) -> torch.Tensor:
+    """The entropy metric of Table 2: r = exp(H(a)) / |C|, on the same scale as K / |C|, so the
+    same threshold tau applies. probs: [..., n]; returns [...] float64."""
+    return entropy_count(probs, p) / probs.shape[-1]
+
+
+# name -> the count a ratio divides by |C|: function(probs [..., n], p) -> [...] (K of Eq. 7, or
+# exp(H)); GrowPage's `metric` field picks one. Neither counts a zero weight, so rows padded
+# with zeros to a common length keep their counts (`demand_ratios`).
 DEMAND_METRICS: dict[str, Callable[[torch.Tensor, float], torch.Tensor]] = {
-    "top_p": top_p_ratio,
-    "entropy": entropy_ratio,
+    "top_p": top_p_working_set,
+    "entropy": entropy_count,
 }
 
 
@@ -151,9 +157,21 @@ def trend_means(ratios: torch.Tensor) -> torch.Tensor:
 
 def view_ratios(probs: torch.Tensor, metric: str, p: float) -> torch.Tensor:
     """probs [layers, views, kv_heads, n] -> ratios [layers, views, kv_heads] with a named metric."""
+    return demand_ratios([probs], metric, p)[0]
+
+
+def demand_ratios(probs: list[torch.Tensor], metric: str, p: float) -> list[torch.Tensor]:
+    """`view_ratios` of several requests at once: probs[i] `[..., n_i]` (the same leading shape)
+    -> float64 `[...]` each. The rows are padded with zeros to the longest n_i and counted in one
+    call (one sort for all with Top-p), each count then divided by its own n_i."""
     if metric not in DEMAND_METRICS:
         raise ValueError(f"unknown demand metric {metric!r}; valid: {sorted(DEMAND_METRICS)}")
-    return DEMAND_METRICS[metric](probs, p)
+    sizes = [x.shape[-1] for x in probs]
+    width = max(sizes)
+    padded = torch.stack([torch.nn.functional.pad(x, (0, width - n)) for x, n in zip(probs, sizes)])
+    counts = DEMAND_METRICS[metric](padded, p).double()
+    # K <= n_i: a row whose rounding leaves every prefix below p * total counts all its n_i
+    return [count.clamp(max=n) / n for count, n in zip(counts, sizes)]
 
 
 def attention_scale(head_dim: int) -> float:

@@ -141,8 +141,8 @@ from engine.policies.demand import (
     Demand,
     attention_scale,
     calibrate_rms,
+    demand_ratios,
     trend_means,
-    view_ratios,
 )
 
 PAPER_BLOCK_SIZE = 256
@@ -576,18 +576,33 @@ class GrowPage(KVPolicy):
 
     def summary_queries(self, view: PolicyView) -> torch.Tensor:
         """Calibrated, rotated short/long summaries: [layers, 2, q_heads, head_dim] float32."""
-        recent, _ = view.recent_queries(rope=False)
-        if recent.shape[1] == 0:
-            raise RuntimeError(
-                f"{self.name}: the engine provided no recent query for sequence {view.seq_id}; "
-                "recent_queries must hold the last decode (or last prefill) query"
-            )
-        q = recent[:, -1].float()
-        ema, ready = view.query_ema()
-        summaries = ema.float() if ready else q.unsqueeze(1).expand(-1, 2, -1, -1)
-        calibrated = calibrate_rms(summaries, q)
-        positions = torch.full((2,), view.num_computed, dtype=torch.long, device=q.device)
-        return view.apply_rope(calibrated, positions).float()
+        return self._summaries([view])[0]
+
+    def _summaries(self, views: list[PolicyView]) -> list[torch.Tensor]:
+        """summary_queries of several requests: one calibration and one rotation for all (the
+        same values as one request at a time: both act per layer, summary and head)."""
+        raw, current = [], []
+        for view in views:
+            recent, _ = view.recent_queries(rope=False)
+            if recent.shape[1] == 0:
+                raise RuntimeError(
+                    f"{self.name}: the engine provided no recent query for sequence "
+                    f"{view.seq_id}; recent_queries must hold the last decode (or last prefill) "
+                    "query")
+            q = recent[:, -1].float()
+            ema, ready = view.query_ema()
+            raw.append(ema.float() if ready else q.unsqueeze(1).expand(-1, 2, -1, -1))
+            current.append(q)
+        layers, _, heads, dim = raw[0].shape
+        # [V * layers, 2, heads, dim] against [V * layers, heads, dim]: per (request, layer) rows
+        calibrated = calibrate_rms(torch.stack(raw).flatten(0, 1), torch.stack(current).flatten(0, 1))
+        # [layers, 2V, heads, dim], request i's two summaries rotated at its own position
+        by_layer = calibrated.view(len(views), layers, 2, heads, dim).transpose(0, 1)
+        positions = torch.cat([torch.full((2,), view.num_computed, dtype=torch.long,
+                                          device=calibrated.device) for view in views])
+        rotated = views[0].apply_rope(by_layer.reshape(layers, 2 * len(views), heads, dim),
+                                      positions).float()
+        return [rotated[:, 2 * i:2 * i + 2] for i in range(len(views))]
 
     def demand(self, view: PolicyView, exclude: int | None = None) -> Demand:
         """The demand trend over C = all physical slots but the most recent `exclude` (None: one
@@ -595,14 +610,23 @@ class GrowPage(KVPolicy):
         candidates = view.physical_len - (self.block_size if exclude is None else exclude)
         if candidates <= 0:
             return Demand(0.0, 0.0, 0)
-        r_short, r_long = _to_host([self._trend(view, candidates)])[0]
+        r_short, r_long = _to_host(self._trends([view], [candidates]))[0]
         return Demand(r_short, r_long, candidates)
 
-    def _trend(self, view: PolicyView, candidates: int) -> torch.Tensor:
-        """(r_S, r_L) over the first `candidates` slots, where the keys lie: float64 [2]."""
-        ratios = [view_ratios(probs, self.metric, self.top_p)
-                  for probs in self._summary_probs(view, candidates)]
-        return trend_means(torch.cat(ratios))
+    def _trends(self, views: list[PolicyView], candidates: list[int]) -> list[torch.Tensor]:
+        """(r_S, r_L) of each request over its first `candidates` slots, where the keys lie:
+        float64 [2] each. The requests' summaries and metrics are formed together (one call
+        each for all of them), their attention request by request over its own pages."""
+        queries = self._summaries(views)
+        scale = attention_scale(queries[0].shape[-1])
+        parts: list[list[torch.Tensor]] = [[] for _ in views]
+        for lo, hi in self._layer_chunks(queries[0].shape[0]):
+            probs = [view.query_probs(q[lo:hi], slice(lo, hi), c, scale,
+                                      group_mean=True).transpose(1, 2)
+                     for view, q, c in zip(views, queries, candidates)]
+            for part, ratios in zip(parts, demand_ratios(probs, self.metric, self.top_p)):
+                part.append(ratios)
+        return [trend_means(torch.cat(part)) for part in parts]
 
     def prepare_boundaries(self, views: list[PolicyView]) -> None:
         """The demand of every request whose boundary will be a decision this step, computed
@@ -616,11 +640,11 @@ class GrowPage(KVPolicy):
             candidates = view.physical_len - self.block_size
             if candidates <= 0 or self._below_start(state, view.num_pages):
                 continue  # no demand to compute, or an allocation below the start
-            pending.append((view, state, candidates, self._trend(view, candidates)))
+            pending.append((view, state, candidates))
         if not pending:
             return
-        for (view, state, candidates, _), (r_short, r_long) in zip(
-                pending, _to_host([trend for *_, trend in pending])):
+        trends = self._trends([view for view, *_ in pending], [c for *_, c in pending])
+        for (view, state, candidates), (r_short, r_long) in zip(pending, _to_host(trends)):
             state.prepared = (view.physical_len, view.num_computed,
                               Demand(r_short, r_long, candidates))
 
