@@ -16,8 +16,9 @@ the event with its stage timings.
 No host syncs on CUDA: policies return each row's kept slots ascending (topk_keep, select_chunks)
 and the targets are fresh pages or the sequence's own pages from the front, which is the Triton
 compaction kernel's ordering precondition by construction (engine/kernels/compact.py), so the
-hazard check (a device-to-host sync per call) is skipped; K and V move in one launch. On CPU the
-order is checked (free there) so a policy that breaks it fails loudly in CPU runs and tests.
+hazard check (a device-to-host sync per call) is skipped; K and V move in one launch (the
+backend's `compact`; on CPU float32 the C kernel moves them in place, no temporary copy). On CPU
+the order is checked (free there) so a policy that breaks it fails loudly in CPU runs and tests.
 With async compaction on CUDA the worker runs on its own stream: the copy overlaps the other
 requests' decode steps instead of queueing behind them on the default stream.
 
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -42,7 +44,6 @@ import torch
 from engine.attention import KVCache
 from engine.block_manager import BlockManager
 from engine.kernels._common import upload
-from engine.kernels.compact import compact_kv, compact_slots
 from engine.policies.base import Action, Decision, HeadKeep, KVPolicy, PolicyView, StageTimer
 from engine.sequence import CapacityEvent, Sequence
 
@@ -94,8 +95,10 @@ def plan(seq: Sequence, decision: Decision, bm: BlockManager, kind: str,
                          physical_before=seq.physical_len, pages_before=seq.num_pages)
 
 
-def execute(job: CompactionJob, policy: KVPolicy, view: PolicyView, kv: KVCache) -> None:
-    """Select and move the kept slots. Reads the old block table, writes the new one."""
+def execute(job: CompactionJob, policy: KVPolicy, view: PolicyView, kv: KVCache,
+            move: Callable) -> None:
+    """Select and move the kept slots. Reads the old block table, writes the new one. `move`:
+    the engine backend's `compact` (engine/kernels/backend.py)."""
     seq, target = job.seq, job.decision.target_len
     keep = policy.select(view, target, job.timer)
     counts = None
@@ -126,9 +129,9 @@ def execute(job: CompactionJob, policy: KVPolicy, view: PolicyView, kv: KVCache)
         new = upload(job.new_table, kv.k.device)
         pos = torch.arange(target, device=kv.k.device)
         dst = new[pos // bs] * bs + pos % bs
-        compact_kv(kv.k, kv.v, src, dst, ordered=True)
+        move(kv.k, src, dst, kv.v)
         if kv.scores is not None:
-            compact_slots(kv.scores, src, dst, ordered=True)
+            move(kv.scores, src, dst)
 
 
 def _check_counts(policy: KVPolicy, counts: torch.Tensor, layers: int, heads: int,
@@ -223,14 +226,16 @@ class CompactionWorker:
             self._stream = torch.cuda.Stream(device=device)
         return self._stream
 
-    def submit(self, job: CompactionJob, policy: KVPolicy, view: PolicyView, kv: KVCache) -> None:
+    def submit(self, job: CompactionJob, policy: KVPolicy, view: PolicyView, kv: KVCache,
+               move: Callable) -> None:
         job.seq.compacting = True
         stream = self._stream_for(kv.k.device)
         ready = None
         if stream is not None:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(kv.k.device))
-        self._jobs.append((job, self._pool.submit(_execute_on, stream, ready, job, policy, view, kv)))
+        self._jobs.append((job, self._pool.submit(_execute_on, stream, ready, job, policy, view,
+                                                  kv, move)))
 
     def done(self, wait: bool = False) -> list[CompactionJob]:
         """Jobs that finished (all of them when wait=True); re-raises a job's exception."""
@@ -254,12 +259,12 @@ class CompactionWorker:
 
 
 def _execute_on(stream, ready, job: CompactionJob, policy: KVPolicy, view: PolicyView,
-                kv: KVCache) -> None:
+                kv: KVCache, move: Callable) -> None:
     """`execute` on ``stream`` (None: the current stream, e.g. CPU) after event ``ready``."""
     if stream is None:
-        execute(job, policy, view, kv)
+        execute(job, policy, view, kv, move)
         return
     stream.wait_event(ready)
     with torch.cuda.stream(stream):
-        execute(job, policy, view, kv)
+        execute(job, policy, view, kv, move)
     stream.synchronize()

@@ -368,9 +368,10 @@ class Scheduler:
         if timer is not None:
             job.timer.stages.update(timer.stages)
         if self.worker is not None:
-            self.worker.submit(job, self.policy, view, self.runner.kv_cache())
+            self.worker.submit(job, self.policy, view, self.runner.kv_cache(),
+                               self.runner.backend.compact)
             return False
-        execute(job, self.policy, view, self.runner.kv_cache())
+        execute(job, self.policy, view, self.runner.kv_cache(), self.runner.backend.compact)
         self._finish_job(job)
         return seq.physical_len < seq.num_pages * self.bm.block_size
 

@@ -16,6 +16,7 @@ from torch.nn import functional as F  # noqa: E402
 from engine.attention import ForwardContext, KVCache  # noqa: E402
 from engine.kernels import (
     attention_scores,  # noqa: E402
+    compact,  # noqa: E402
     cpu_native,  # noqa: E402
     redundancy,  # noqa: E402
 )
@@ -91,6 +92,8 @@ def test_attention_ops_are_their_kernels(backend):
     assert ops.key_redundancy is {"c": redundancy.paged_key_redundancy_c,
                                   "torch": redundancy.paged_key_redundancy_torch,
                                   "triton": redundancy.paged_key_redundancy_torch}[backend]
+    assert ops.compact is {"c": compact.compact_rows_c, "torch": B._twin_compact,
+                           "triton": B._triton_compact}[backend]
     q, k_cache, v_cache, tables, lens, scale = _decode_case(torch.float32, (4, 2), seed=3)
     holes = _holes(2, DECODE_HOLES)
     for h in (None, holes):

@@ -643,6 +643,31 @@ def test_compact_kv_moves_both_caches():
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
 
 
+@pytest.mark.skipif(not cpu_native.available(), reason="the C kernels are not built here")
+@pytest.mark.parametrize("fresh", [False, True], ids=["in_place", "fresh_pages"])
+def test_compact_c_kernel_moves_both_caches_in_place(fresh):
+    """The C backend's compaction (compact_rows_c): keys and values with head_dim, and the score
+    cache without, in place over the sequence's own pages or onto fresh ones, equal to the
+    loop reference; a kept row that is already its own target is left as it is."""
+    from engine.kernels.compact import compact_rows_c
+
+    k_cache, src, dst = _compact_case(torch.float32, seed=19, fresh=fresh)
+    if not fresh:  # the first kept position is position 0: a row already in place
+        src[:, :, 0] = dst[0]
+    v_cache = k_cache.clone() * 2
+    want_k, want_v = naive_compact(k_cache, src, dst), naive_compact(v_cache, src, dst)
+    compact_rows_c(k_cache, src, dst, v_cache)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    scores, src, dst = _compact_case(torch.float32, seed=20, rest=(), fresh=fresh)
+    want = naive_compact(scores, src, dst)
+    compact_rows_c(scores, src, dst)
+    assert torch.equal(scores, want)
+    with pytest.raises(ValueError, match="outside the cache"):
+        compact_rows_c(scores, src, dst + scores[0, 0].numel())
+    with pytest.raises(ValueError, match="caches differ"):
+        compact_rows_c(k_cache, src, dst, v_cache[:, :, :-1].contiguous())
+
+
 def test_order_hazard_detection():
     _, src, dst = _compact_case(torch.float32, seed=17)
     assert not has_order_hazard(src, dst)  # in place, in sequence order

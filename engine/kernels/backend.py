@@ -47,6 +47,10 @@ The ops, by signature (an instance's fields):
         -> [L, H, length]: R-KV's redundancy of one sequence's cached keys, all pairs or per run
         of `block` slots (redundancy.paged_key_redundancy_torch's contract): the C kernel, or
         the twin (a gather and matmuls, on CUDA too).
+    compact(cache, src_slots, dst_slots, other=None)
+        the engine's compaction in place (compact.py's contract, its ordering precondition
+        met): `cache` and `other` (keys and values, or None) moved together: Triton in one
+        launch, the C kernel without a temporary copy, or the twin.
     linear(x, weight, packed, bias=None) -> [T, out]
         x [T, in], weight [out, in], packed: `pack(weight)` (None where nothing is packed).
     rms_norm(x, norm) -> [T, dim]; add_rms_norm(x, delta, norm) -> (x + delta, its norm)
@@ -73,7 +77,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 from torch.nn import functional as F
 
-from engine.kernels import attention_scores, cpu_native, redundancy
+from engine.kernels import attention_scores, compact, cpu_native, redundancy
 from engine.kernels import linear as linear_ops
 from engine.kernels import ops as _ops  # noqa: F401  (registers torch.ops.kvarena.*)
 from engine.kernels.paged_attention import (
@@ -108,6 +112,7 @@ class Backend:
     store_and_decode: Callable
     query_probs: Callable
     key_redundancy: Callable
+    compact: Callable
     linear: Callable
     rms_norm: Callable
     add_rms_norm: Callable
@@ -357,9 +362,22 @@ def triton() -> Backend:
                        store=_triton_store, decode=_triton_decode, prefill=_triton_prefill,
                        query_probs=attention_scores.paged_query_probs_triton,
                        key_redundancy=redundancy.paged_key_redundancy_torch,
+                       compact=_triton_compact,
                        store_and_decode=_store_then_decode(_triton_store, _triton_decode),
                        linear=_f_linear, decode_stack=_no_stack, pack=_no_pack,
                        layer_stack=_no_stack, **_TORCH_SMALL_OPS)
+
+
+def _triton_compact(cache, src_slots, dst_slots, other=None) -> None:
+    if other is None:
+        compact.compact_slots_triton(cache, src_slots, dst_slots)
+    else:
+        compact.compact_kv_triton(cache, other, src_slots, dst_slots)
+
+
+def _twin_compact(cache, src_slots, dst_slots, other=None) -> None:
+    for c in (cache,) if other is None else (cache, other):
+        compact.compact_slots_torch(c, src_slots, dst_slots)
 
 
 def c_kernels(packed: bool) -> Backend:
@@ -373,6 +391,7 @@ def c_kernels(packed: bool) -> Backend:
                        name="c", cuda_graphs=False, store=_c_store, decode=_c_decode,
                        prefill=_c_prefill, query_probs=attention_scores.paged_query_probs_c,
                        key_redundancy=redundancy.paged_key_redundancy_c,
+                       compact=compact.compact_rows_c,
                        store_and_decode=_store_then_decode(_c_store, _c_decode),
                        rms_norm=_c_rms_norm, add_rms_norm=_c_add_rms_norm, rope=_c_rope,
                        silu_mul=_c_silu_mul, decode_stack=_c_decode_stack, **projections)
@@ -387,6 +406,7 @@ def twins(onednn: bool) -> Backend:
                        name="torch", cuda_graphs=False, store=_twin_store, decode=_twin_decode,
                        prefill=_twin_prefill, query_probs=attention_scores.paged_query_probs_torch,
                        key_redundancy=redundancy.paged_key_redundancy_torch,
+                       compact=_twin_compact,
                        store_and_decode=_store_then_decode(_twin_store, _twin_decode),
                        decode_stack=_no_stack, layer_stack=_no_stack, **projections,
                        **_TORCH_SMALL_OPS)

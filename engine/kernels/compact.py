@@ -28,12 +28,14 @@ a later element j > i. Two engine cases satisfy it by construction:
 ``compact_slots_triton`` trusts the precondition. The dispatcher ``compact_slots`` runs Triton on
 CUDA only when the caller asserts ``ordered=True`` or :func:`has_order_hazard` (one vectorized
 sort + search on the device, one host sync) finds no violation; otherwise it uses the torch
-twin, which is always safe. On CPU the torch twin always runs.
+twin, which is always safe. On CPU that dispatcher always takes the torch twin.
 
-The engine's compaction (engine/compaction.py) passes ``ordered=True``: policies return each
+The engine's compaction (engine/compaction.py) meets the precondition: policies return each
 row's kept slots sorted ascending (``topk_keep``), and targets are either fresh pages or the
-sequence's own pages from the front, the second case above; so an event costs no host sync.
-``compact_kv`` moves keys and values in one launch on CUDA.
+sequence's own pages from the front, the second case above; so an event costs no host sync. It
+moves the rows through its backend's ``compact`` (engine/kernels/backend.py): the Triton kernel
+(keys and values in one launch), the C kernel on CPU float32 (:func:`compact_rows_c`, in place
+without a temporary copy), or the torch twin.
 """
 
 from __future__ import annotations
@@ -139,9 +141,20 @@ def compact_slots(cache, src_slots, dst_slots, *, ordered: bool = False) -> None
 
     On CUDA, Triton runs when ``ordered=True`` (the caller guarantees the ordering
     precondition) or when :func:`has_order_hazard` finds none; otherwise, and on CPU, the
-    gather-then-scatter torch twin runs.
+    gather-then-scatter torch twin runs (the engine's own compaction takes its backend's op
+    instead, module docstring).
     """
     _pick_impl(cache, src_slots, dst_slots, ordered)(cache, src_slots, dst_slots)
+
+
+def compact_rows_c(cache, src_slots, dst_slots, other=None) -> None:
+    """The C kernel's :func:`compact_slots` of ``cache`` and ``other`` (the same shape, or None)
+    under the ordering precondition (not checked; CPU float32): each (layer, head)'s rows moved
+    in order in place, one pass and no temporary copy; a row already in place stays."""
+    _validate(cache, src_slots, dst_slots)
+    from engine.kernels import cpu_native
+
+    cpu_native.compact(cache, src_slots, dst_slots, other)
 
 
 def compact_kv_triton(k_cache, v_cache, src_slots, dst_slots) -> None:

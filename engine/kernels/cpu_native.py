@@ -31,6 +31,10 @@ OpenMP threads. The measurements behind each are in results/benchmarks/cpu-kerne
         R-KV's key redundancy of one sequence's first `length` cached keys, read in place:
         [layers, kv_heads, length] (redundancy.key_redundancy's definition; cpu/key_redundancy.c).
 
+    compact(cache, src_slots, dst_slots, other=None)
+        The engine's compaction in place (compact.py's contract and ordering precondition):
+        each (layer, KV head)'s kept rows moved in order, no temporary copy.
+
     rms_norm(x, weight, eps, delta=None), rope(x, cos, sin), silu_mul(gate_up)
         One C call each where torch runs several ops. The C backend's eager form calls them
         (engine/kernels/backend.py); its graph form leaves the same ops to inductor, which fuses
@@ -83,6 +87,7 @@ import _ctypes
 import ctypes
 import hashlib
 import json
+import math
 import os
 import platform
 import re
@@ -128,7 +133,7 @@ LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "d
 # The interface's version, KV_ABI_VERSION in cpu/kvarena_native.h: raised with it when a
 # signature in `_declare` or a constant above changes meaning. At load the library reports its
 # constants (kv_abi); any that differ from `_expected_abi()` leave the torch ops in its place.
-ABI_VERSION = 6
+ABI_VERSION = 7
 
 # The cache entry: the library and its stamp (`_build`).
 LIBRARY, STAMP = "libkvarena_cpu.so", "libkvarena_cpu.json"
@@ -252,6 +257,25 @@ def store(key, value, k_cache_l, v_cache_l, slot_mapping) -> None:
     rc = _library().kv_store(key.data_ptr(), value.data_ptr(), key.stride(0), value.stride(0),
                              k_cache_l.data_ptr(), v_cache_l.data_ptr(), slots.data_ptr(),
                              key.shape[0], kv_heads, head_dim, pages * block)
+    _raise_on(rc)
+
+
+def compact(cache, src_slots, dst_slots, other=None) -> None:
+    """Module docstring: the engine's compaction, in place, under compact.py's ordering
+    precondition. cache (and other, the same shape) [layers, kv_heads, pages, block, *rest];
+    src_slots [layers, kv_heads, K], dst_slots [K] flat slots."""
+    layers, heads, pages, block = cache.shape[:4]
+    _require_contiguous(*((cache,) if other is None else (cache, other)))
+    if other is not None and other.shape != cache.shape:
+        raise ValueError(f"caches differ: {tuple(cache.shape)} / {tuple(other.shape)}")
+    src, dst = _int64(src_slots), _int64(dst_slots)
+    count = dst.shape[0]
+    if src.shape != (layers, heads, count) or dst.dim() != 1:
+        raise ValueError(f"src_slots {tuple(src.shape)} and dst_slots {tuple(dst.shape)} do not "
+                         f"fit caches {tuple(cache.shape)}")
+    rc = _library().kv_compact(cache.data_ptr(), None if other is None else other.data_ptr(),
+                               src.data_ptr(), dst.data_ptr(), layers * heads, count,
+                               pages * block, math.prod(cache.shape[4:]))
     _raise_on(rc)
 
 
@@ -668,6 +692,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kv_abi.argtypes = [_PTR, _PTR, _I64]
     lib.kv_store.restype = ctypes.c_int
     lib.kv_store.argtypes = [_PTR, _PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]
+    lib.kv_compact.restype = ctypes.c_int
+    lib.kv_compact.argtypes = [_PTR, _PTR, _PTR, _PTR, _I64, _I64, _I64, _I64]
     lib.kv_decode.restype = ctypes.c_int
     lib.kv_decode.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR,
                               _I64, _I64, _I64, _I64, _I64, _I64, _F32]

@@ -12,7 +12,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define KV_ABI_VERSION 6
+#define KV_ABI_VERSION 7
 
 /* Return codes of kv_store, kv_decode, kv_prefill_chunks, kv_query_probs, kv_key_redundancy
    and kv_decode_layers (cpu_native.ERRORS words them). */
@@ -49,6 +49,8 @@ int64_t kv_abi(const char **names, int64_t *values, int64_t capacity);
 int kv_store(const float *key, const float *value, int64_t key_stride, int64_t value_stride,
              float *k_cache, float *v_cache, const int64_t *slots, int64_t rows,
              int64_t kv_heads, int64_t head_dim, int64_t num_slots);
+int kv_compact(float *cache, float *other, const int64_t *src, const int64_t *dst,
+               int64_t heads, int64_t count, int64_t num_slots, int64_t width);
 int kv_decode(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
               const int64_t *tables, int64_t table_stride, const int64_t *lens,
               const int64_t *holes, float *out, int64_t batch, int64_t q_heads, int64_t kv_heads,

@@ -58,6 +58,31 @@ int kv_store(const float *key, const float *value, int64_t key_stride, int64_t v
     return KV_OK;
 }
 
+/* Compaction in place (engine/kernels/compact.py): for every (layer, KV head) h and i in order,
+   row dst[i] <- row src[h, i] of `cache` [heads, num_slots, width] (and of `other`, if given).
+   The caller guarantees the ordering precondition (no target is a later element's source), so
+   no row is read after it is overwritten and no temporary copy is needed; a row already in
+   place is not copied. One task per head. */
+int kv_compact(float *cache, float *other, const int64_t *src, const int64_t *dst,
+               int64_t heads, int64_t count, int64_t num_slots, int64_t width) {
+    for (int64_t i = 0; i < count; i++)
+        if (dst[i] < 0 || dst[i] >= num_slots) return KV_BAD_SLOT;
+    for (int64_t j = 0; j < heads * count; j++)
+        if (src[j] < 0 || src[j] >= num_slots) return KV_BAD_SLOT;
+    const size_t bytes = (size_t)width * sizeof(float);
+#pragma omp parallel for schedule(static) if (heads * count * width > 65536)
+    for (int64_t h = 0; h < heads; h++) {
+        const int64_t *s = src + h * count;
+        for (int64_t i = 0; i < count; i++) {
+            if (s[i] == dst[i]) continue;
+            const int64_t to = (h * num_slots + dst[i]) * width, from = (h * num_slots + s[i]) * width;
+            memcpy(cache + to, cache + from, bytes);
+            if (other != 0) memcpy(other + to, other + from, bytes);
+        }
+    }
+    return KV_OK;
+}
+
 /* One (row, kv head): the group's query heads against that head's visible slots, page by page
    with a running maximum (online softmax), so no buffer grows with the context. The hole's
    slots are neither read nor computed: each page is two ranges, [0, a) and [b, n) (a == b where
