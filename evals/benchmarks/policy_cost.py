@@ -32,7 +32,7 @@ i.e. per decode step at equal batch:
   scheduler times `on_boundary`) plus `periodic`, `after_prefill` and `fallback`, timed by
   wrapping those methods of the run's policy;
 - select / execute: the compactions' stage timers (`stage_seconds` of their events): select = the
-  policy's stages (score, window mask, top-k), execute = the `compaction` stage (the KV gather);
+  policy's stages (score, window mask, top-k), execute = the `compaction` stage (moving the kept KV);
 - other: the rest of the loop (scheduling, bookkeeping, stop checks), wall minus the above.
 
 Per-token ratio: a configuration's wall time over FullKV's in the same repeat; the tables give the
@@ -318,7 +318,7 @@ def _policy_cost_tables(rows: list[dict], runs: list[dict], scale: PolicyCostSca
         "lockstep) of each run's wall time, split: decode = forward passes and sampling minus "
         "the signal writes; signals = the runner's query-signal writes; decisions = on_boundary "
         "(the events' demand stage) + periodic / after_prefill / fallback; select = the "
-        "compactions' policy stages; execute = their KV gather; other = the rest of the loop "
+        "compactions' policy stages; execute = moving their kept KV; other = the rest of the loop "
         "(module docstring). / FullKV = the run's wall time over FullKV's in the same repeat, "
         "median over repeats; CPU time / FullKV = the same with process CPU time (steadier on a "
         "shared machine).")
