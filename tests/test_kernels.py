@@ -470,6 +470,7 @@ def test_query_probs_over_a_slot_map(heads):
     slots = torch.randint(0, length, (layers, kv_heads, width), generator=_gen(14))
     slots[..., :4] = -1                      # the padding in front of a shorter row
     slots[0, 0, :10] = -1                    # query 0 (limit 10) sees nothing in row (0, 0)
+    slots[1, :, 11] = -1                     # a hidden column between held ones
     limit = torch.tensor([10, 12, 20, 0, 25])
     want = naive_slot_probs(queries, k_cache, table, slots, limit, scale)
     assert want[0, 0, 0].abs().max() == 0 and want[0, 0, 1].sum() > 0

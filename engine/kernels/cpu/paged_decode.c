@@ -564,24 +564,27 @@ static inline void softmax_row(float *row, int64_t visible, int64_t length) {
 
 /* softmax_row over the columns a slot map holds: the hidden columns (their indices ascending)
    before `visible` get 0 and no share, and a row with no held column before `visible` is all
-   zeros. A hidden logit is set 40 below the row's maximum, whose exponential (4e-18 of the
-   maximum's) is a normal float that no sum in fp32 can see and is then overwritten by 0: a huge
-   negative sends the vector exp down its special-case path, and a subnormal result costs a
+   zeros. A leading run of hidden columns (a per-head layout's padding) is left out of the
+   softmax; any other hidden logit is set 40 below the row's maximum, whose exponential (4e-18 of
+   the maximum's) is a normal float that no sum in fp32 can see and is then overwritten by 0: a
+   huge negative sends the vector exp down its special-case path, and a subnormal result costs a
    microcode assist per lane (the process keeps IEEE subnormals). */
 static inline void softmax_held(float *row, const int64_t *hidden, int64_t hidden_count,
                                 int64_t visible, int64_t length) {
-    int64_t seen = 0;
-    while (seen < hidden_count && hidden[seen] < visible) seen++;
-    if (seen == visible) {
+    int64_t lead = 0, seen;
+    while (lead < hidden_count && hidden[lead] == lead) lead++;
+    for (seen = lead; seen < hidden_count && hidden[seen] < visible; seen++) continue;
+    if (visible <= lead || seen == visible) {
         memset(row, 0, (size_t)length * sizeof(float));
         return;
     }
+    memset(row, 0, (size_t)lead * sizeof(float));
     float top = -FLT_MAX;
-    for (int64_t k = 0; k < seen; k++) row[hidden[k]] = top;
-    for (int64_t j = 0; j < visible; j++) top = row[j] > top ? row[j] : top;
-    for (int64_t k = 0; k < seen; k++) row[hidden[k]] = top - 40.0f;
-    softmax_row(row, visible, length);
-    for (int64_t k = 0; k < seen; k++) row[hidden[k]] = 0.0f;
+    for (int64_t k = lead; k < seen; k++) row[hidden[k]] = top;
+    for (int64_t j = lead; j < visible; j++) top = row[j] > top ? row[j] : top;
+    for (int64_t k = lead; k < seen; k++) row[hidden[k]] = top - 40.0f;
+    softmax_row(row + lead, visible - lead, length - lead);
+    for (int64_t k = lead; k < seen; k++) row[hidden[k]] = 0.0f;
 }
 
 /* Columns of a slot map whose keys kv_query_probs gathers at once: a tile the size of a vector's
@@ -694,6 +697,9 @@ int kv_query_probs(const float *q, const float *k_cache, int64_t layer_stride,
                     if (slot[j] < 0) hidden[hidden_count++] = j;
                 for (int64_t first = 0; first < length; first += SLOT_TILE) {
                     const int64_t count = length - first < SLOT_TILE ? length - first : SLOT_TILE;
+                    int64_t held = 0;
+                    for (int64_t j = first; j < first + count; j++) held += slot[j] >= 0;
+                    if (held == 0) continue; /* a padding tile: softmax_held writes its columns */
                     gather_tile(keys, table, slot + first, count, head_dim, block, dense);
                     for (int64_t g = 0; g < group; g++)
                         logits_of(q + (l * n * q_heads + h * group + g) * head_dim, n, q_heads,
