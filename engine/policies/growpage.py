@@ -617,14 +617,11 @@ class GrowPage(KVPolicy):
         """(r_S, r_L) of each request over its first `candidates` slots, where the keys lie:
         float64 [2] each. The requests' summaries and metrics are formed together (one call
         each for all of them), their attention request by request over its own pages."""
-        queries = self._summaries(views)
-        scale = attention_scale(queries[0].shape[-1])
+        chunks = [self._summary_probs(view, c, q)
+                  for view, c, q in zip(views, candidates, self._summaries(views))]
         parts: list[list[torch.Tensor]] = [[] for _ in views]
-        for lo, hi in self._layer_chunks(queries[0].shape[0]):
-            probs = [view.query_probs(q[lo:hi], slice(lo, hi), c, scale,
-                                      group_mean=True).transpose(1, 2)
-                     for view, q, c in zip(views, queries, candidates)]
-            for part, ratios in zip(parts, demand_ratios(probs, self.metric, self.top_p)):
+        for probs in zip(*chunks):  # one chunk of layers of every request
+            for part, ratios in zip(parts, demand_ratios(list(probs), self.metric, self.top_p)):
                 part.append(ratios)
         return [trend_means(torch.cat(part)) for part in parts]
 
@@ -657,11 +654,13 @@ class GrowPage(KVPolicy):
             return None
         return prepared[2]
 
-    def _summary_probs(self, view: PolicyView, candidates: int):
+    def _summary_probs(self, view: PolicyView, candidates: int,
+                       queries: torch.Tensor | None = None):
         """Per chunk of layers, the summaries' attention over slots [0, candidates), one
         distribution per KV head (demand.group_attention_probs' contract, computed by the engine
-        where the keys lie): [layers', 2 (SHORT, LONG), kv_heads, candidates]."""
-        queries = self.summary_queries(view)
+        where the keys lie): [layers', 2 (SHORT, LONG), kv_heads, candidates]. queries: the
+        view's summary_queries, if already formed."""
+        queries = self.summary_queries(view) if queries is None else queries
         scale = attention_scale(queries.shape[-1])
         for lo, hi in self._layer_chunks(queries.shape[0]):
             yield view.query_probs(queries[lo:hi], slice(lo, hi), candidates, scale,
