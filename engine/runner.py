@@ -20,6 +20,7 @@ from engine.decode_graph import FIELDS as DECODE_FIELDS
 from engine.decode_graph import DecodeGraph
 from engine.kernels import backend as backends
 from engine.kernels._common import upload
+from engine.kernels.attention_scores import held_rows
 from engine.models import ARCHITECTURES, build_model, load_weights, random_tensors
 from engine.models.llama import ArchFlags, head_dim_of
 from engine.models.loader import iter_safetensors, load_config
@@ -421,18 +422,13 @@ class ModelRunner:
         """PolicyView.keys_at for any cache [layers, kv_heads, pages, bs, *rest]: slots int64
         [layers, kv_heads, n] of the sequence's physical slots -> [layers, kv_heads, n, *rest],
         one index_select of whole rows (no dense copy of the sequence first)."""
-        layers, heads, pages, bs = cache.shape[:4]
+        layers, heads, _, bs = cache.shape[:4]
         if slots.dim() != 3 or slots.shape[:2] != (layers, heads):
             raise ValueError(f"slots {tuple(slots.shape)} must be [{layers}, {heads}, n]")
         n = seq.physical_len
         if slots.numel() and not 0 <= int(slots.min()) <= int(slots.max()) < n:
             raise ValueError(f"slots outside the sequence's physical slots 0..{n - 1}")
-        table = self._pages(seq, 0, -(-n // bs))
-        slots = slots.to(self.device, torch.long)
-        flat = table[slots // bs] * bs + slots % bs
-        flat += torch.arange(layers * heads, device=self.device).view(layers, heads, 1) * (pages * bs)
-        rows = cache.reshape(layers * heads * pages * bs, -1).index_select(0, flat.flatten())
-        return rows.view(*slots.shape, *cache.shape[4:])
+        return held_rows(cache, self._pages(seq, 0, -(-n // bs)), slots.to(self.device, torch.long))
 
     def query_probs(self, seq: Sequence, queries: torch.Tensor, layers: slice | None = None,
                     length: int | None = None, scale: float | None = None,

@@ -438,6 +438,23 @@ def test_query_probs_twin_and_triton(dtype, heads, limits):
         torch.testing.assert_close(got.double(), mean, atol=1e-5, rtol=1e-4)
 
 
+def test_query_probs_over_a_slot_map_stays_on_the_device():
+    """The twin's slot-map path (the Triton backend's too) on `meta` tensors: no host sync and
+    no host tensor mixed in (DeviceGuard), the probabilities' shape kept."""
+    from device_guard import DeviceGuard
+
+    queries, k_cache, table, _, _, scale = _probs_case(torch.float32, (4, 2), seed=15)
+    slots = torch.zeros(2, 2, 12, dtype=torch.long)
+    meta = [t.to("meta") for t in (queries, k_cache, table, slots)]
+    with DeviceGuard("meta"):
+        got = paged_query_probs_torch(meta[0], meta[1], meta[2], 12, torch.arange(1, 6,
+                                      device="meta"), scale, slots=meta[3])
+        mean = paged_query_probs_torch(*meta[:3], 12, None, scale, group_mean=True,
+                                       slots=meta[3])
+    assert got.shape == (2, 4, 5, 12) and got.device.type == "meta"
+    assert mean.shape == (2, 2, 5, 12)
+
+
 def naive_slot_probs(queries, k_cache, block_table, slots, key_limit, scale):
     """naive_probs over a slot map: column j of (layer, KV head) is the key of slot
     slots[layer, kv_head, j] (< 0: hidden, probability 0)."""

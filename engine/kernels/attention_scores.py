@@ -64,7 +64,10 @@ def _validate(queries, k_cache, block_table, length, key_limit, slots=None) -> i
         check_integer("slots", slots)
         want = (queries.shape[0], kv_heads, length)
         check(tuple(slots.shape) == want, f"slots must be {list(want)}, got {list(slots.shape)}")
-        check(slots.numel() == 0 or int(slots.max()) < block_table.shape[0] * k_cache.shape[3],
+        # the range on the host only: on a device it would cost a sync (the engine's caller
+        # checks its slot maps on the host before it uploads them)
+        check(slots.device.type != "cpu" or slots.numel() == 0
+              or int(slots.max()) < block_table.shape[0] * k_cache.shape[3],
               f"a slot is past the table's {block_table.shape[0]} pages")
         check_same_device("queries", queries, slots=slots)
     check_same_device("queries", queries, k_cache=k_cache, block_table=block_table)
@@ -155,7 +158,7 @@ def paged_query_probs_torch(queries, k_cache, block_table, length, key_limit, sc
     if slots is None:
         return dense_query_probs(queries, dense_keys(k_cache, block_table, length), key_limit,
                                  scale, group_mean)
-    return dense_query_probs(queries, held_keys(k_cache, block_table, slots), key_limit, scale,
+    return dense_query_probs(queries, held_rows(k_cache, block_table, slots), key_limit, scale,
                              group_mean, key_mask=slots >= 0)
 
 
@@ -167,17 +170,17 @@ def dense_keys(k_cache: torch.Tensor, block_table: torch.Tensor, length: int) ->
     return torch.index_select(k_cache, 2, pages).flatten(2, 3)[:, :, :length]
 
 
-def held_keys(k_cache: torch.Tensor, block_table: torch.Tensor,
+def held_rows(cache: torch.Tensor, block_table: torch.Tensor,
               slots: torch.Tensor) -> torch.Tensor:
-    """The keys of a slot map, [layers, kv_heads, length, head_dim], from k_cache [layers,
-    kv_heads, num_blocks, block_size, head_dim] through block_table [nb]; a hidden (negative)
-    entry reads slot 0 (callers mask it). One index_select of whole rows."""
-    layers, heads, pages, block = k_cache.shape[:4]
+    """The rows of a slot map, [layers, kv_heads, length, *rest], from any cache [layers,
+    kv_heads, num_blocks, block_size, *rest] (keys, values, scores) through block_table [nb]; a
+    hidden (negative) entry reads slot 0 (callers mask it). One index_select of whole rows."""
+    layers, heads, pages, block = cache.shape[:4]
     slots = slots.long().clamp_min(0)
     flat = block_table.long()[slots // block] * block + slots % block
     flat += torch.arange(layers * heads, device=slots.device).view(layers, heads, 1) * (pages * block)
-    rows = k_cache.reshape(layers * heads * pages * block, -1).index_select(0, flat.flatten())
-    return rows.view(*slots.shape, k_cache.shape[-1])
+    rows = cache.reshape(layers * heads * pages * block, -1).index_select(0, flat.flatten())
+    return rows.view(*slots.shape, *cache.shape[4:])
 
 
 def paged_query_probs_triton(queries, k_cache, block_table, length, key_limit, scale,
