@@ -503,6 +503,24 @@ def test_policy_cost_quick(tiny_model):
     assert small == {"full": {}, "growpage": {"protected_recent": 4}}
 
 
+def test_policy_cost_forcing_tokens_runs_one_decode_step_per_token(tiny_model):
+    """forcing="tokens": one engine step per forced token (the prompts' prefill scores the
+    first); the default forced runs take fewer steps for the same tokens."""
+    from dataclasses import replace
+
+    steps = {}
+    for forcing in ("tokens", "runs"):
+        scale = replace(policy_cost.QUICK, policies=("growpage",), forcing=forcing)
+        result = policy_cost.run_policy_cost(tiny_model, scale=scale, log=lambda _: None)
+        rows = result.table("runs").rows
+        assert all(r["output_tokens"] == scale.documents * scale.length for r in rows)
+        steps[forcing] = {r["policy"]: r["steps"] for r in rows}
+        assert result.scale["forcing"] == forcing
+    assert steps["tokens"] == {"full": policy_cost.QUICK.length,
+                               "growpage": policy_cost.QUICK.length}
+    assert all(steps["runs"][p] < steps["tokens"][p] for p in steps["runs"])
+
+
 def test_concurrency_quick(tiny_model):
     result = concurrency.run_concurrency(tiny_model, **quiet)
     pivot, sweep, fidelity = (result.table(n) for n in ("tps_by_level", "sweep", "fidelity"))
@@ -646,6 +664,7 @@ def test_policy_cost_clock_times_wrapped_methods_until_unwrapped():
 
 @pytest.mark.parametrize("args, message", [(["--policies", "zipage,nope"], "unknown configuration"),
                                            (["--source", "pdf"], "source must be one of"),
+                                           (["--forcing", "page"], "forcing must be one of"),
                                            (["--repeats", "0"], "repeats must be >= 1")])
 def test_policy_cost_cli_rejects_bad_scale_before_loading_a_model(args, message):
     from typer.testing import CliRunner

@@ -4,9 +4,14 @@ Workload: N teacher-forced documents of L tokens decoded together (equal batch: 
 admitted in the first step and decodes in lockstep to its last token, no preemption). Each
 document is a short prompt followed by L forced tokens (`SamplingParams.forced_tokens`,
 `logprobs=True`: the fidelity pass's shape), so every configuration decodes exactly the same
-tokens and the same number of steps. Documents are generated prose (`source="text"`, the NIAH
-task's built-in haystack through the model's tokenizer) or uniform random token ids
-(`source="random"`).
+tokens. Documents are generated prose (`source="text"`, the NIAH task's built-in haystack
+through the model's tokenizer) or uniform random token ids (`source="random"`).
+
+Forcing (`forcing`): "runs" (the long-document tasks' way, the engine default) runs each
+request's forced tokens up to its next page boundary as one chunked-prefill step, so a step
+scores up to a page of tokens per request; "tokens" runs one decode step per forced token, the
+step a server decodes with (the one the targets below are worded for). A policy's per-boundary
+work is the same in both; a forced run spreads it over a cheaper step.
 
 Configurations (block size 16, `--block-size`): FullKV; every fixed-budget policy at a budget of
 256 tokens (Zipage also with its redundancy term, the per-page "lightning" form); GrowPage at its
@@ -20,8 +25,8 @@ One engine loads the model once; every repeat runs all configurations one after 
 counted (the first run of an engine also pays its one-time costs: the KV pool's first touch,
 the kernels' first calls).
 
-The split of a run's wall time (`LLM.generate`), each divided by the tokens of one request (L),
-i.e. per decode step at equal batch:
+The split of a run's wall time (`LLM.generate`), each divided by the tokens of one request (L)
+(with `forcing="tokens"`: per decode step at equal batch):
 - decode: the model's steps, `RunStats.forward_seconds` (the sum of `StepRecord.seconds`: forward
   pass and sampling of every step, the prompts' one prefill step included) minus the signals;
 - signals: the query-signal writes the runner makes inside those steps (recent-query ring, EMA
@@ -40,8 +45,9 @@ median over repeats (paired ratios). Beside it, the same ratio of process CPU ti
 steadier on a shared machine where the wall clock also counts other processes' time. Timers are
 host clocks around synchronous CPU work; on CUDA they would time launches, not kernels.
 
-Targets: every compressing policy's per-token time within 1.25x FullKV's; GrowPage's own overhead
-(signals + decisions) under 5% of its decode time.
+Targets (worded for decode steps; checked in either forcing): every compressing policy's
+per-token time within 1.25x FullKV's; GrowPage's own overhead (signals + decisions) under 5% of
+its decode time.
 """
 
 from __future__ import annotations
@@ -62,6 +68,7 @@ from evals.benchmarks.workloads import haystack_document, rng
 from evals.tasks.base import PRESET_POLICY_ARGS
 
 SOURCES = ("text", "random")
+FORCINGS = ("runs", "tokens")
 RATIO_TARGET = 1.25
 GROWPAGE_OVERHEAD_TARGET = 0.05
 SIGNAL_METHODS = ("prepare", "prepare_decode", "record", "record_layers", "flush")
@@ -103,10 +110,13 @@ class PolicyCostScale:
     source: str = "text"
     policies: tuple[str, ...] = ()
     seed: int = 0
+    forcing: str = "runs"
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
             raise ValueError(f"source must be one of {list(SOURCES)}, got {self.source!r}")
+        if self.forcing not in FORCINGS:
+            raise ValueError(f"forcing must be one of {list(FORCINGS)}, got {self.forcing!r}")
         for key in ("documents", "length", "prompt_tokens", "budget", "block_size", "repeats"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
@@ -259,7 +269,8 @@ def _engine(model_dir, scale: PolicyCostScale):
     pool = scale.documents * per_request * bs
     llm = LLM(model_dir, block_size=bs, kv_cache_tokens=pool, max_num_seqs=scale.documents,
               max_num_batched_tokens=max(2048, scale.documents * scale.prompt_tokens),
-              max_model_len=scale.prompt_tokens + scale.length + bs)
+              max_model_len=scale.prompt_tokens + scale.length + bs,
+              chunked_forcing=scale.forcing == "runs")
     return llm, pool
 
 
@@ -300,6 +311,10 @@ def _timed_run(llm, label: str, policy: str, args: dict, prompts: list, params: 
     return split_row(label, repeat, wall, cpu, stats, signals.seconds, hooks.seconds, scale.length)
 
 
+_STEP = {"runs": "forced runs: one step scores up to a page of each document's tokens",
+         "tokens": "one decode step per token"}
+
+
 def _policy_cost_tables(rows: list[dict], runs: list[dict], scale: PolicyCostScale) -> list[Table]:
     """The per-policy medians and every run."""
     ms = ".2f"
@@ -314,14 +329,14 @@ def _policy_cost_tables(rows: list[dict], runs: list[dict], scale: PolicyCostSca
          Column("other_ms", "other", ".3f"), Column("compactions", "compactions", "d"),
          Column("overhead_share", "(signals + decisions) / decode", ".2%")],
         rows,
-        f"ms per token of one request (= per decode step: {scale.documents} documents in "
-        "lockstep) of each run's wall time, split: decode = forward passes and sampling minus "
-        "the signal writes; signals = the runner's query-signal writes; decisions = on_boundary "
-        "(the events' demand stage) + periodic / after_prefill / fallback; select = the "
-        "compactions' policy stages; execute = moving their kept KV; other = the rest of the loop "
-        "(module docstring). / FullKV = the run's wall time over FullKV's in the same repeat, "
-        "median over repeats; CPU time / FullKV = the same with process CPU time (steadier on a "
-        "shared machine).")
+        f"ms per token of one request ({scale.documents} documents in lockstep, "
+        f"{_STEP[scale.forcing]}) of each run's wall time, split: decode = forward passes and "
+        "sampling minus the signal writes; signals = the runner's query-signal writes; "
+        "decisions = on_boundary (the events' demand stage) + periodic / after_prefill / "
+        "fallback; select = the compactions' policy stages; execute = moving their kept KV; "
+        "other = the rest of the loop (module docstring). / FullKV = the run's wall time over "
+        "FullKV's in the same repeat, median over repeats; CPU time / FullKV = the same with "
+        "process CPU time (steadier on a shared machine).")
     run_table = Table(
         "runs", "Every run, in order",
         [Column("repeat", "repeat", "d"), Column("policy", "policy"),
@@ -349,6 +364,9 @@ def policy_cost_command(
     repeats: int = typer.Option(None, help="Alternations of every configuration (default 3; "
                                            "1 with --quick)."),
     source: str = typer.Option(None, help="'text' (generated prose) or 'random' token ids."),
+    forcing: str = typer.Option(None, help="'runs' (a page of forced tokens per step, the "
+                                           "long-document tasks' way; default) or 'tokens' "
+                                           "(one decode step per token)."),
     policies: str = typer.Option("", help="Configurations to run, comma-separated labels "
                                           "(FullKV always runs; default: all)."),
     out_dir: Path = OutDirOpt,
@@ -359,7 +377,8 @@ def policy_cost_command(
     overrides = {k: v for k, v in dict(documents=documents, length=length,
                                        prompt_tokens=prompt_tokens, budget=budget,
                                        block_size=block_size,
-                                       repeats=repeats, source=source).items() if v is not None}
+                                       repeats=repeats, source=source,
+                                       forcing=forcing).items() if v is not None}
     try:
         scale = replace(base, policies=chosen, **overrides)
     except ValueError as err:
