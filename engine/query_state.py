@@ -1,14 +1,17 @@
 """Preallocated per-request query signals for policies: slot pools preallocated for running
 requests, never allocated per step (docs/architecture.md, "The core model", Signals).
 
-- recent: ring buffer of the last n pre-RoPE queries of every layer, [layers, slots, n, q_heads, d],
+- recent: ring buffer of the last n pre-RoPE queries of every layer, [slots, n, layers, q_heads, d],
   with their logical positions [slots, n] (-1 = empty). Zipage/SnapKV rotate them at read time.
-- ema: one EMA of the pre-RoPE *decode* query per beta, [layers, slots, len(betas), q_heads, d]
+- ema: one EMA of the pre-RoPE *decode* query per beta, [slots, layers, len(betas), q_heads, d]
   (GrowPage's dual-timescale summaries, Eq. 6; `ema_update` is the rule). A newly bound slot is
   initialised from its first decode query, overwriting whatever the previous owner left (no
   clearing needed). A forced run (k decode steps as one chunk, engine/scheduler.py) applies the
   rule for each of its rows in order, in closed form: ema <- beta^k ema + sum_j (1 - beta)
   beta^(k-1-j) q_j (an initialising run starts from q_0: weight beta^(k-1), no old term).
+
+Both pools are slot-major: a step's writes and a policy's reads move one contiguous block per
+slot (every layer's queries of a request), not one small strip per layer and slot.
 
 A slot is bound when a request starts running and released at finish or preemption. One extra
 *scratch* slot (index `num_slots`) is never bound: a compiled decode step has a fixed number of
@@ -45,7 +48,9 @@ def ema_update(
         bound to a request, so every summary is set to q, overwriting stale values (even NaN/inf
         garbage from an uninitialised pool, since this selects rather than blends).
 
-    Returns ema (the same tensor): ema[..., i, :, :] = init ? q : betas[i] * ema + (1 - betas[i]) * q.
+    Returns ema (the same tensor): ema[..., i, :, :] = init ? q : betas[i] * ema + (1 - betas[i]) * q,
+    the blend formed by one in-place `lerp_` (ema + (1 - beta) (q - ema)); a bool mask of False
+    costs nothing more, a tensor mask one `where`.
     """
     if ema.dim() < 3 or ema.shape[:-3] + ema.shape[-2:] != q.shape:
         raise ValueError(
@@ -56,10 +61,12 @@ def ema_update(
     if beta.shape[0] != ema.shape[-3]:
         raise ValueError(f"ema_update: {beta.shape[0]} betas for {ema.shape[-3]} summaries")
     q = q.to(ema.dtype).unsqueeze(-3)
-    updated = ema * beta + (1.0 - beta) * q
-    mask = torch.as_tensor(init_mask, device=ema.device, dtype=torch.bool)
-    mask = mask.reshape(mask.shape + (1, 1, 1))
-    ema.copy_(torch.where(mask, q.expand_as(ema), updated))
+    ema.lerp_(q, 1.0 - beta)
+    if isinstance(init_mask, torch.Tensor):
+        mask = init_mask.to(device=ema.device, dtype=torch.bool)
+        ema.copy_(torch.where(mask.reshape(mask.shape + (1, 1, 1)), q, ema))
+    elif init_mask:
+        ema.copy_(q.expand_as(ema))
     return ema
 
 
@@ -77,7 +84,7 @@ class CapturePlan:
     recent_ring: torch.Tensor
     ema_rows: torch.Tensor
     ema_slots: torch.Tensor
-    ema_init: torch.Tensor
+    ema_init: torch.Tensor | bool
     run_slots: torch.Tensor | None = None
     run_init: torch.Tensor | None = None
     run_weights: torch.Tensor | None = None
@@ -92,7 +99,7 @@ class QueryStatePool:
         self.scratch = num_slots
         self.device = torch.device(device)
         rows = num_slots + 1  # + the scratch slot (module docstring)
-        self.recent = (torch.zeros(num_layers, rows, self.n, q_heads, head_dim,
+        self.recent = (torch.zeros(rows, self.n, num_layers, q_heads, head_dim,
                                    device=device, dtype=dtype) if self.n else None)
         # Host bookkeeping only for the signals kept: a policy without them costs nothing per slot.
         self.recent_pos = torch.full((num_slots if self.n else 0, max(self.n, 1)), -1, dtype=torch.long)
@@ -100,7 +107,7 @@ class QueryStatePool:
         self.betas = torch.tensor(spec.ema_betas, device=device, dtype=torch.float32)
         # fp32 whatever the model dtype: in bf16, beta_L = 0.999 rounds to 1 and the long summary
         # would freeze at its first value.
-        self.ema = (torch.zeros(num_layers, rows, k, q_heads, head_dim, device=device,
+        self.ema = (torch.zeros(rows, num_layers, k, q_heads, head_dim, device=device,
                                 dtype=torch.float32) if k else None)
         self.ema_ready = torch.zeros(num_slots if k else 0, dtype=torch.bool)
         # Free slots: the released ones (last released, first bound), then those never bound, in
@@ -168,6 +175,8 @@ class QueryStatePool:
             run_init.append(init)
             run_len.append(count)
         self.plan = self._device_plan(rr, rs, ring, er, es, ei)
+        if not any(ei):  # no slot initialised this step: `ema_update` skips the mask
+            self.plan.ema_init = False
         if run_slots:
             self._plan_runs(run_rows, run_index, run_exp, run_first, run_slots, run_init, run_len)
 
@@ -237,34 +246,41 @@ class QueryStatePool:
         """Write the queries `record` kept this step (the runner calls it after the forward)."""
         if self._stashed:
             self._stashed = False
-            self._write(slice(None), self._stash)
+            self._write(self._stash)
 
     def record_layers(self, q_pre: torch.Tensor) -> None:
         """q_pre: [layers, T, q_heads, d], every layer's pre-RoPE queries of the step's rows at
         once (the CPU decode stack's, engine/models/llama.py): the writes `record` makes layer
         by layer, with the same values."""
-        self._write(slice(None), q_pre)
+        self._write(q_pre)
 
-    def _write(self, layers: int | slice, q_pre: torch.Tensor) -> None:
-        """The step's writes into one layer (an int; q_pre [T, q_heads, d]) or all of them
-        (slice(None); q_pre [layers, T, q_heads, d])."""
+    def _write(self, q_pre: torch.Tensor) -> None:
+        """The step's writes of every layer's queries, q_pre [layers, T, q_heads, d]: each a
+        gather, an update and a scatter of whole slots."""
         plan = self.plan
+        rows = q_pre.transpose(0, 1)  # [T, layers, q_heads, d], slot-major as the pools
         if self.recent is not None and plan.recent_rows.numel():
-            self.recent[layers, plan.recent_slots, plan.recent_ring] = \
-                q_pre[..., plan.recent_rows, :, :]
-        if self.ema is not None and plan.ema_rows.numel():
-            self.ema[layers, plan.ema_slots] = ema_update(
-                self.ema[layers, plan.ema_slots], q_pre[..., plan.ema_rows, :, :], self.betas,
-                plan.ema_init)
-        if self.ema is not None and plan.run_slots is not None:
-            # each run's weighted rows summed (module docstring): [(layers,) N, betas, q_heads, d]
-            weights = plan.run_weights
-            q = q_pre[..., :weights.shape[1], :, :].flatten(-2).to(self.ema.dtype)
-            old = self.ema[layers, plan.run_slots]
-            total = torch.matmul(weights, q).view(old.shape)
-            decayed = old * plan.run_decay[:, :, None, None] + total
-            self.ema[layers, plan.run_slots] = torch.where(
-                plan.run_init[:, None, None, None], total, decayed)
+            recent = self.recent.flatten(0, 1)  # [slots x n, layers, ...]: slot and ring as one
+            recent.index_copy_(0, plan.recent_slots * self.n + plan.recent_ring,
+                               rows.index_select(0, plan.recent_rows))
+        ema = self.ema
+        if ema is None:
+            return
+        if plan.ema_rows.numel():
+            init = plan.ema_init
+            current = ema_update(ema.index_select(0, plan.ema_slots),
+                                 rows.index_select(0, plan.ema_rows), self.betas,
+                                 init.view(-1, 1) if isinstance(init, torch.Tensor) else init)
+            ema.index_copy_(0, plan.ema_slots, current)
+        if plan.run_slots is not None:
+            # each run's weighted rows summed (module docstring): [N, layers, betas, q_heads, d]
+            weights, n = plan.run_weights, len(plan.run_slots)
+            q = rows[:weights.shape[1]].flatten(1).to(ema.dtype)  # [S, layers x q_heads x d]
+            total = torch.matmul(weights, q).view(n, -1, *rows.shape[1:]).transpose(1, 2)
+            old = ema.index_select(0, plan.run_slots)
+            decayed = old * plan.run_decay.view(n, 1, -1, 1, 1) + total
+            ema.index_copy_(0, plan.run_slots, torch.where(
+                plan.run_init.view(n, 1, 1, 1, 1), total, decayed))
 
     # -- reads ----------------------------------------------------------------------------------
     def recent_of(self, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -273,10 +289,10 @@ class QueryStatePool:
         valid = pos >= 0
         order = torch.argsort(torch.where(valid, pos, pos.max() + 1 + torch.arange(self.n)))
         order = order[: int(valid.sum())]
-        return self.recent[:, slot, order], pos[order]
+        return self.recent[slot, order].transpose(0, 1), pos[order]
 
     def ema_of(self, slot: int) -> tuple[torch.Tensor, bool]:
-        return self.ema[:, slot], bool(self.ema_ready[slot])
+        return self.ema[slot], bool(self.ema_ready[slot])
 
 
 class DecodeCapture:
@@ -297,8 +313,8 @@ class DecodeCapture:
         pool = self.pool
         at = torch.full_like(self.recent_slot, layer)
         if pool.recent is not None:
-            pool.recent.index_put_((at, self.recent_slot, self.ring), q_pre.to(pool.recent.dtype))
+            pool.recent.index_put_((self.recent_slot, self.ring, at), q_pre.to(pool.recent.dtype))
         if pool.ema is not None:
-            current = pool.ema[at, self.ema_slot]
-            pool.ema.index_put_((at, self.ema_slot),
+            current = pool.ema[self.ema_slot, at]
+            pool.ema.index_put_((self.ema_slot, at),
                                 ema_update(current, q_pre, pool.betas, self.init))

@@ -274,7 +274,7 @@ def test_a_forced_runs_ema_is_the_rule_applied_row_by_row(init):
     g = torch.Generator().manual_seed(0)
     start = torch.randn(layers, 2, heads, dim, generator=g)
     if not init:
-        pool.ema[:, slot] = start
+        pool.ema[slot] = start
         pool.ema_ready[slot] = True
     q = torch.randn(layers, 6, heads, dim, generator=g)
     pool.prepare([(0, 1, 10, 1 - slot, False), (1, 5, 20, slot, True)])  # a prefill row, a run
@@ -284,5 +284,5 @@ def test_a_forced_runs_ema_is_the_rule_applied_row_by_row(init):
     expected = start.clone()
     for j in range(1, 6):
         ema_update(expected, q[:, j], betas, init and j == 1)
-    torch.testing.assert_close(pool.ema[:, slot], expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(pool.ema[slot], expected, rtol=1e-5, atol=1e-6)
     assert bool(pool.ema_ready[slot])
