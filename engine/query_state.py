@@ -21,7 +21,7 @@ queries there instead of being filtered out on the host.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -77,7 +77,9 @@ class CapturePlan:
     decodes; run_*: the N forced runs (module docstring): run_slots, run_init [N]; their EMA
     weights over the step's first S rows, run_weights [N * num_betas, S] (row n * num_betas + i
     weighs run n's rows for beta i, zero elsewhere; S = one past the last run row), and
-    run_decay [N, num_betas] (fp32)."""
+    run_decay [N, num_betas] (fp32). spans: for an index list that is a run of consecutive
+    values (every row of a decode step; requests admitted together hold consecutive slots), the
+    slice it names, so `_write` reads or updates a view in place instead of gathering."""
 
     recent_rows: torch.Tensor
     recent_slots: torch.Tensor
@@ -89,6 +91,7 @@ class CapturePlan:
     run_init: torch.Tensor | None = None
     run_weights: torch.Tensor | None = None
     run_decay: torch.Tensor | None = None
+    spans: dict[str, slice] = field(default_factory=dict)
 
 
 class QueryStatePool:
@@ -144,22 +147,26 @@ class QueryStatePool:
     def prepare(self, items: list[tuple[int, int, int, int, bool]]) -> None:
         """items: (first_row, num_tokens, first_position, slot, is_decode) per scheduled sequence
         that holds a slot; a decode item of several tokens is a forced run, whose every row is a
-        decode query. Records positions now; `record` fills the tensors layer by layer."""
-        rr, rs, ring, er, es, ei = [], [], [], [], [], []
+        decode query. Records positions now; `record` fills the tensors layer by layer. The host
+        bookkeeping is read and written once a step for all items (a slot appears at most once)."""
+        fed = [slot for _, _, _, slot, is_decode in items if is_decode] if self.ema is not None \
+            else []
+        ready = dict(zip(fed, self.ema_ready[fed].tolist())) if fed else {}
+        if fed:
+            self.ema_ready[fed] = True
+        rr, rs, ring, rpos, er, es, ei = [], [], [], [], [], [], []
         run_rows, run_index, run_exp, run_first, run_slots, run_init, run_len = ([] for _ in range(7))
         for row, count, pos, slot, is_decode in items:
             if self.n:
                 take = min(self.n, count)
                 for i in range(count - take, count):
-                    p = pos + i
                     rr.append(row + i)
                     rs.append(slot)
-                    ring.append(p % self.n)
-                    self.recent_pos[slot, p % self.n] = p
+                    ring.append((pos + i) % self.n)
+                    rpos.append(pos + i)
             if self.ema is None or not is_decode:
                 continue
-            init = not bool(self.ema_ready[slot])
-            self.ema_ready[slot] = True
+            init = not ready[slot]
             if count == 1:
                 er.append(row)
                 es.append(slot)
@@ -174,9 +181,15 @@ class QueryStatePool:
             run_slots.append(slot)
             run_init.append(init)
             run_len.append(count)
+        if rr:
+            self.recent_pos[rs, ring] = torch.tensor(rpos)
         self.plan = self._device_plan(rr, rs, ring, er, es, ei)
         if not any(ei):  # no slot initialised this step: `ema_update` skips the mask
             self.plan.ema_init = False
+        flat = [s * self.n + r for s, r in zip(rs, ring)]
+        self.plan.spans = {name: span for name, values in
+                           (("recent_rows", rr), ("recent_flat", flat), ("ema_rows", er),
+                            ("ema_slots", es)) if (span := _span(values)) is not None}
         if run_slots:
             self._plan_runs(run_rows, run_index, run_exp, run_first, run_slots, run_init, run_len)
 
@@ -257,21 +270,34 @@ class QueryStatePool:
     def _write(self, q_pre: torch.Tensor) -> None:
         """The step's writes of every layer's queries, q_pre [layers, T, q_heads, d]: each a
         gather, an update and a scatter of whole slots."""
-        plan = self.plan
+        plan, spans = self.plan, self.plan.spans
         rows = q_pre.transpose(0, 1)  # [T, layers, q_heads, d], slot-major as the pools
+
+        def pick(name: str) -> torch.Tensor:
+            span = spans.get(name)
+            return rows[span] if span else rows.index_select(0, getattr(plan, name))
+
         if self.recent is not None and plan.recent_rows.numel():
             recent = self.recent.flatten(0, 1)  # [slots x n, layers, ...]: slot and ring as one
-            recent.index_copy_(0, plan.recent_slots * self.n + plan.recent_ring,
-                               rows.index_select(0, plan.recent_rows))
+            span = spans.get("recent_flat")
+            if span:
+                recent[span].copy_(pick("recent_rows"))
+            else:
+                recent.index_copy_(0, plan.recent_slots * self.n + plan.recent_ring,
+                                   pick("recent_rows"))
         ema = self.ema
         if ema is None:
             return
         if plan.ema_rows.numel():
             init = plan.ema_init
-            current = ema_update(ema.index_select(0, plan.ema_slots),
-                                 rows.index_select(0, plan.ema_rows), self.betas,
-                                 init.view(-1, 1) if isinstance(init, torch.Tensor) else init)
-            ema.index_copy_(0, plan.ema_slots, current)
+            init = init.view(-1, 1) if isinstance(init, torch.Tensor) else init
+            span = spans.get("ema_slots")
+            if span:  # in place on the slots' view
+                ema_update(ema[span], pick("ema_rows"), self.betas, init)
+            else:
+                current = ema_update(ema.index_select(0, plan.ema_slots), pick("ema_rows"),
+                                     self.betas, init)
+                ema.index_copy_(0, plan.ema_slots, current)
         if plan.run_slots is not None:
             # each run's weighted rows summed (module docstring): [N, layers, betas, q_heads, d]
             weights, n = plan.run_weights, len(plan.run_slots)
@@ -293,6 +319,13 @@ class QueryStatePool:
 
     def ema_of(self, slot: int) -> tuple[torch.Tensor, bool]:
         return self.ema[slot], bool(self.ema_ready[slot])
+
+
+def _span(values: list[int]) -> slice | None:
+    """The slice that `values` names when they are consecutive and ascending, else None."""
+    if values and values == list(range(values[0], values[0] + len(values))):
+        return slice(values[0], values[0] + len(values))
+    return None
 
 
 class DecodeCapture:

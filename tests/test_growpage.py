@@ -260,11 +260,13 @@ def test_ema_update_keeps_float32_pool_with_bf16_query():
 
 
 
+@pytest.mark.parametrize("order", [(0, 1, 2), (2, 0, 1)])
 @pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16])
-def test_query_pool_eager_writes_are_ema_update_bit_for_bit(qdtype):
+def test_query_pool_eager_writes_are_ema_update_bit_for_bit(qdtype, order):
     """The pool's eager step writes (all layers at once, and layer by layer) give exactly the
     values of `ema_update` applied to each slot, through binds, re-binds (initialisation) and
-    steps without any, and fill the recent-query ring as before."""
+    steps without any, and fill the recent-query ring as before; with the rows' slots in
+    order (updated in place on a view) and out of order (gathered and scattered)."""
     from engine.policies.base import SignalSpec
     from engine.query_state import QueryStatePool
 
@@ -276,6 +278,7 @@ def test_query_pool_eager_writes_are_ema_update_bit_for_bit(qdtype):
     pools[1].ema.copy_(pools[0].ema)
     ref = pools[0].ema.clone()
     slots = [[p.bind() for _ in range(3)] for p in pools]
+    slots = [[own[i] for i in order] for own in slots]
     ready = [False] * S
     for step in range(6):
         if step == 3:  # one request leaves, another takes its slot: initialised again
@@ -296,7 +299,8 @@ def test_query_pool_eager_writes_are_ema_update_bit_for_bit(qdtype):
             ready[slot] = True
         for pool in pools:
             assert torch.equal(pool.ema[:S], ref[:S])
-            assert torch.equal(pool.recent[slots[0][0], (10 + step) % 2], q[:, 0])
+            for row, slot in enumerate(slots[0]):
+                assert torch.equal(pool.recent[slot, (10 + step) % 2], q[:, row])
     assert pools[0].ema_of(slots[0][2])[1] is True
 
 
