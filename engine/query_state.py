@@ -268,8 +268,9 @@ class QueryStatePool:
         self._write(q_pre)
 
     def _write(self, q_pre: torch.Tensor) -> None:
-        """The step's writes of every layer's queries, q_pre [layers, T, q_heads, d]: each a
-        gather, an update and a scatter of whole slots."""
+        """The step's writes of every layer's queries, q_pre [layers, T, q_heads, d], by whole
+        slots: in place on views where the rows and slots are consecutive (`CapturePlan.spans`),
+        gathered and scattered elsewhere."""
         plan, spans = self.plan, self.plan.spans
         rows = q_pre.transpose(0, 1)  # [T, layers, q_heads, d], slot-major as the pools
 
