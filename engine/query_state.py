@@ -21,7 +21,7 @@ queries there instead of being filtered out on the host.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -71,27 +71,30 @@ def ema_update(
 
 
 
+# An index list of the plan: a slice where its values are consecutive, else an int64 tensor.
+Index = slice | torch.Tensor
+
+
 @dataclass
 class CapturePlan:
-    """Row indices for one step, on the pool's device. recent_*: [R]; ema_*: [E], the one-token
-    decodes; run_*: the N forced runs (module docstring): run_slots, run_init [N]; their EMA
-    weights over the step's first S rows, run_weights [N * num_betas, S] (row n * num_betas + i
-    weighs run n's rows for beta i, zero elsewhere; S = one past the last run row), and
-    run_decay [N, num_betas] (fp32). spans: for an index list that is a run of consecutive
-    values (every row of a decode step; requests admitted together hold consecutive slots), the
-    slice it names, so `_write` reads or updates a view in place instead of gathering."""
+    """Row indices for one step. recent_rows and recent_at (slot x n + ring index in the
+    flattened ring) [R]; ema_rows, ema_slots, ema_init [E], the one-token decodes (ema_init False
+    when no slot starts); each index list a slice where its values are consecutive (every row of
+    a decode step; requests admitted together hold consecutive slots: `_write` then works on
+    views in place), else an int64 tensor on the pool's device. run_*: the N forced runs (module
+    docstring): run_slots, run_init [N]; their EMA weights over the step's first S rows,
+    run_weights [N * num_betas, S] (row n * num_betas + i weighs run n's rows for beta i, zero
+    elsewhere; S = one past the last run row), and run_decay [N, num_betas] (fp32)."""
 
-    recent_rows: torch.Tensor
-    recent_slots: torch.Tensor
-    recent_ring: torch.Tensor
-    ema_rows: torch.Tensor
-    ema_slots: torch.Tensor
+    recent_rows: Index
+    recent_at: Index
+    ema_rows: Index
+    ema_slots: Index
     ema_init: torch.Tensor | bool
     run_slots: torch.Tensor | None = None
     run_init: torch.Tensor | None = None
     run_weights: torch.Tensor | None = None
     run_decay: torch.Tensor | None = None
-    spans: dict[str, slice] = field(default_factory=dict)
 
 
 class QueryStatePool:
@@ -183,24 +186,27 @@ class QueryStatePool:
             run_len.append(count)
         if rr:
             self.recent_pos[rs, ring] = torch.tensor(rpos)
-        self.plan = self._device_plan(rr, rs, ring, er, es, ei)
-        if not any(ei):  # no slot initialised this step: `ema_update` skips the mask
-            self.plan.ema_init = False
-        flat = [s * self.n + r for s, r in zip(rs, ring)]
-        self.plan.spans = {name: span for name, values in
-                           (("recent_rows", rr), ("recent_flat", flat), ("ema_rows", er),
-                            ("ema_slots", es)) if (span := _span(values)) is not None}
+        at = [s * self.n + r for s, r in zip(rs, ring)]
+        self.plan = CapturePlan(*self._indices(rr, at, er, es, ei if any(ei) else None))
         if run_slots:
             self._plan_runs(run_rows, run_index, run_exp, run_first, run_slots, run_init, run_len)
 
-    def _device_plan(self, *columns: list) -> CapturePlan:
-        """One asynchronous host-to-device copy per step for all six index lists. Built on the
-        host, they would be copied again by every layer's `record` (an implicit, blocking
-        transfer per index per layer); here `record` indexes with tensors already on the device."""
-        sizes = [len(c) for c in columns]
-        parts = list(upload([int(x) for c in columns for x in c], self.device).split(sizes))
-        parts[5] = parts[5].bool()
-        return CapturePlan(*parts)
+    def _indices(self, rows: list[int], at: list[int], ema_rows: list[int], ema_slots: list[int],
+                 init: list[bool] | None) -> list[Index | torch.Tensor | bool]:
+        """The plan's index lists: a slice each where the values are consecutive, the others
+        (and the init flags, None: no slot starts) in one asynchronous host-to-device copy.
+        Built on the host, they would be copied again by every use (an implicit, blocking
+        transfer each); here `_write` indexes with tensors already on the device."""
+        columns = [rows, at, ema_rows, ema_slots]
+        out: list = [_span(c) for c in columns] + [False]
+        sent = [i for i, c in enumerate(columns) if out[i] is None] + ([4] if init else [])
+        if sent:
+            lists = [columns[i] if i < 4 else init for i in sent]
+            parts = upload([int(x) for c in lists for x in c], self.device).split(
+                [len(c) for c in lists])
+            for i, part in zip(sent, parts):
+                out[i] = part.bool() if i == 4 else part
+        return out
 
     def _plan_runs(self, rows: list[int], index: list[int], exps: list[int], first: list[bool],
                    slots: list[int], init: list[bool], lengths: list[int]) -> None:
@@ -271,33 +277,22 @@ class QueryStatePool:
         """The step's writes of every layer's queries, q_pre [layers, T, q_heads, d], by whole
         slots: in place on views where the rows and slots are consecutive (`CapturePlan.spans`),
         gathered and scattered elsewhere."""
-        plan, spans = self.plan, self.plan.spans
+        plan = self.plan
         rows = q_pre.transpose(0, 1)  # [T, layers, q_heads, d], slot-major as the pools
-
-        def pick(name: str) -> torch.Tensor:
-            span = spans.get(name)
-            return rows[span] if span else rows.index_select(0, getattr(plan, name))
-
-        if self.recent is not None and plan.recent_rows.numel():
+        if self.recent is not None and _size(plan.recent_rows):
             recent = self.recent.flatten(0, 1)  # [slots x n, layers, ...]: slot and ring as one
-            span = spans.get("recent_flat")
-            if span:
-                recent[span].copy_(pick("recent_rows"))
-            else:
-                recent.index_copy_(0, plan.recent_slots * self.n + plan.recent_ring,
-                                   pick("recent_rows"))
+            _put(recent, plan.recent_at, _take(rows, plan.recent_rows))
         ema = self.ema
         if ema is None:
             return
-        if plan.ema_rows.numel():
+        if _size(plan.ema_rows):
             init = plan.ema_init
             init = init.view(-1, 1) if isinstance(init, torch.Tensor) else init
-            span = spans.get("ema_slots")
-            if span:  # in place on the slots' view
-                ema_update(ema[span], pick("ema_rows"), self.betas, init)
+            q = _take(rows, plan.ema_rows)
+            if isinstance(plan.ema_slots, slice):  # in place on the slots' view
+                ema_update(ema[plan.ema_slots], q, self.betas, init)
             else:
-                current = ema_update(ema.index_select(0, plan.ema_slots), pick("ema_rows"),
-                                     self.betas, init)
+                current = ema_update(ema.index_select(0, plan.ema_slots), q, self.betas, init)
                 ema.index_copy_(0, plan.ema_slots, current)
         if plan.run_slots is not None:
             # each run's weighted rows summed (module docstring): [N, layers, betas, q_heads, d]
@@ -323,10 +318,31 @@ class QueryStatePool:
 
 
 def _span(values: list[int]) -> slice | None:
-    """The slice that `values` names when they are consecutive and ascending, else None."""
-    if values and values == list(range(values[0], values[0] + len(values))):
+    """The slice that `values` names when they are consecutive and ascending (or empty), else
+    None."""
+    if not values:
+        return slice(0, 0)
+    if values == list(range(values[0], values[0] + len(values))):
         return slice(values[0], values[0] + len(values))
     return None
+
+
+def _size(index: Index) -> int:
+    return index.stop - index.start if isinstance(index, slice) else index.numel()
+
+
+def _take(rows: torch.Tensor, index: Index) -> torch.Tensor:
+    """rows[index] along the first axis: a view for a slice, a gather for a tensor."""
+    return rows[index] if isinstance(index, slice) else rows.index_select(0, index)
+
+
+def _put(pool: torch.Tensor, index: Index, values: torch.Tensor) -> None:
+    """pool[index] = values along the first axis: through a view for a slice, a scatter for a
+    tensor."""
+    if isinstance(index, slice):
+        pool[index].copy_(values)
+    else:
+        pool.index_copy_(0, index, values)
 
 
 class DecodeCapture:
