@@ -192,7 +192,7 @@ class QueryStatePool:
             self._plan_runs(run_rows, run_index, run_exp, run_first, run_slots, run_init, run_len)
 
     def _indices(self, rows: list[int], at: list[int], ema_rows: list[int], ema_slots: list[int],
-                 init: list[bool] | None) -> list[Index | torch.Tensor | bool]:
+                 init: list[bool] | None) -> list:
         """The plan's index lists: a slice each where the values are consecutive, the others
         (and the init flags, None: no slot starts) in one asynchronous host-to-device copy.
         Built on the host, they would be copied again by every use (an implicit, blocking
