@@ -275,8 +275,8 @@ class QueryStatePool:
 
     def _write(self, q_pre: torch.Tensor) -> None:
         """The step's writes of every layer's queries, q_pre [layers, T, q_heads, d], by whole
-        slots: in place on views where the rows and slots are consecutive (`CapturePlan.spans`),
-        gathered and scattered elsewhere."""
+        slots: in place on views where the plan's index lists are slices (consecutive rows and
+        slots, `CapturePlan`), gathered and scattered elsewhere."""
         plan = self.plan
         rows = q_pre.transpose(0, 1)  # [T, layers, q_heads, d], slot-major as the pools
         if self.recent is not None and _size(plan.recent_rows):

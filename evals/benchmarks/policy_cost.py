@@ -68,7 +68,9 @@ from evals.benchmarks.workloads import haystack_document, rng
 from evals.tasks.base import PRESET_POLICY_ARGS
 
 SOURCES = ("text", "random")
-FORCINGS = ("runs", "tokens")
+# The forcings (`PolicyCostScale.forcing`) and how the table's caption names their step.
+FORCINGS = {"runs": "forced runs: one step scores up to a page of each document's tokens",
+            "tokens": "one decode step per token"}
 RATIO_TARGET = 1.25
 GROWPAGE_OVERHEAD_TARGET = 0.05
 SIGNAL_METHODS = ("prepare", "prepare_decode", "record", "record_layers", "flush")
@@ -311,10 +313,6 @@ def _timed_run(llm, label: str, policy: str, args: dict, prompts: list, params: 
     return split_row(label, repeat, wall, cpu, stats, signals.seconds, hooks.seconds, scale.length)
 
 
-_STEP = {"runs": "forced runs: one step scores up to a page of each document's tokens",
-         "tokens": "one decode step per token"}
-
-
 def _policy_cost_tables(rows: list[dict], runs: list[dict], scale: PolicyCostScale) -> list[Table]:
     """The per-policy medians and every run."""
     ms = ".2f"
@@ -330,7 +328,7 @@ def _policy_cost_tables(rows: list[dict], runs: list[dict], scale: PolicyCostSca
          Column("overhead_share", "(signals + decisions) / decode", ".2%")],
         rows,
         f"ms per token of one request ({scale.documents} documents in lockstep, "
-        f"{_STEP[scale.forcing]}) of each run's wall time, split: decode = forward passes and "
+        f"{FORCINGS[scale.forcing]}) of each run's wall time, split: decode = forward passes and "
         "sampling minus the signal writes; signals = the runner's query-signal writes; "
         "decisions = on_boundary (the events' demand stage) + periodic / after_prefill / "
         "fallback; select = the compactions' policy stages; execute = moving their kept KV; "
