@@ -57,9 +57,6 @@ class ForwardContext:
         budgets"); None when no item of the group has a hole (the uniform path, unchanged).
     capture: a QueryCapture that records pre-RoPE queries per layer (signals for policies).
     collect: when a list, every layer's post-RoPE queries [T, q_heads, d] are appended to it.
-    whole_step: every row is a one-token item that stores its KV, with no per-head holes: a step
-        the fused decode forms may run (ModelRunner.forward has the rule; the C backend's
-        whole-stack decode reads it).
     store_plan, decode_plan: the torch twins' checks and index tensors, built by the first layer
         and reused by the others: every layer has the same shapes, slots, tables and lengths,
         and at batch 1 this per-layer index work was a visible share of a decode step.
@@ -81,7 +78,6 @@ class ForwardContext:
     prefill_holes: torch.Tensor | None = None
     capture: object | None = None
     collect: list | None = field(default=None)
-    whole_step: bool = False
     store_plan: StorePlan | None = None
     decode_plan: DecodePlan | None = None
 

@@ -269,7 +269,7 @@ class QueryStatePool:
 
     def record_layers(self, q_pre: torch.Tensor) -> None:
         """q_pre: [layers, T, q_heads, d], every layer's pre-RoPE queries of the step's rows at
-        once (the CPU decode stack's, engine/models/llama.py): the writes `record` makes layer
+        once (the CPU whole stack's, engine/models/llama.py): the writes `record` makes layer
         by layer, with the same values."""
         self._write(q_pre)
 

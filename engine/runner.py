@@ -318,7 +318,6 @@ class ModelRunner:
         if whole and self.graph is not None and self.graph.fits([it.seq.block_table for it in items]):
             return self._graph_forward(items)
         input_ids, positions, ctx, sample_rows = self._prepare(items)
-        ctx.whole_step = whole
         logits = self.model.sampled_logits(input_ids, positions, ctx, sample_rows)
         if ctx.capture is not None:
             ctx.capture.flush()
@@ -502,8 +501,8 @@ class ModelRunner:
 
 def whole_step(items: list[WorkItem]) -> bool:
     """Whether a step is whole: every item one token, none with per-head holes (PyramidKV,
-    Ada-KV). The fused decode forms, the compiled graph and the C backend's whole-stack decode,
-    take no hole masks, so only a whole step runs through them; this is that rule's one place."""
+    Ada-KV). The compiled decode graph takes no hole masks and no chunks, so only a whole step
+    runs through it; this is that rule's one place."""
     return bool(items) and all(it.num_tokens == 1 and it.seq.holes() is None for it in items)
 
 

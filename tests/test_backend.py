@@ -58,7 +58,7 @@ def test_choose_follows_device_dtype_settings_and_the_library(monkeypatch):
         graph = backend.graph
         assert graph.graph is None and graph.name == backend.name
         assert graph.packs == backend.packs and graph.pack is backend.pack
-        assert graph.decode_stack(None, None, None, None) is None
+        assert graph.step_stack(None, None, None, None) is None
         with pytest.raises(RuntimeError, match="one-token steps"):
             graph.store(None, None, None, None, None)
 

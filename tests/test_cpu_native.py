@@ -132,6 +132,31 @@ def test_prefill_rows_tiles_pages_and_holes(shape):
 
 
 @needs_kernel
+@pytest.mark.parametrize("block", [4, 16])
+def test_prefill_rows_split_long_contexts_into_parts(block):
+    """Tiles over more than the kernel's 256 slots a task run in parts, merged after: a chunk
+    after 600 and 300 slots, one from slot 0, over SmolLM2's heads; holes that cover a whole
+    part (that part sees nothing) or cross a part's edge; NaN in the holes changes nothing."""
+    gen = torch.Generator().manual_seed(12)
+    q_heads, kv_heads, head_dim = 9, 3, 64
+    base, qlens, lq_max = (600, 300, 0), (16, 5, 9), 16
+    tables, num_blocks = make_tables([b + n for b, n in zip(base, qlens)], block, gen,
+                                     dtype=torch.int64)
+    k_cache = torch.randn(kv_heads, num_blocks, block, head_dim, generator=gen)
+    v_cache = torch.randn(kv_heads, num_blocks, block, head_dim, generator=gen)
+    q = torch.randn(len(base), lq_max, q_heads, head_dim, generator=gen)
+    case = (q, k_cache, v_cache, tables, torch.tensor(base), torch.tensor(qlens), head_dim**-0.5)
+    out = cpu_native.prefill_rows(*case)
+    assert_close(out, paged_prefill_attention_torch(*case), F32)  # the loop reference is slow
+    holes = _holes(kv_heads, [[(0, 512), (250, 270), (0, 600)], [(0, 300)], [(0, 0)]])
+    with_holes = cpu_native.prefill_rows(*case, holes)
+    assert_close(with_holes, paged_prefill_attention_torch(*case, holes), F32)
+    assert not torch.allclose(with_holes, out, atol=1e-3)
+    _poison_holes(k_cache, v_cache, tables, holes)
+    assert torch.equal(cpu_native.prefill_rows(*case, holes), with_holes)
+
+
+@needs_kernel
 def test_prefill_rows_rejects_bad_pages_lengths_and_holes():
     q, k_cache, v_cache, tables, base_lens, q_lens, scale = _prefill_case(F32, (4, 2), seed=9)
     bad = tables.clone()
@@ -690,7 +715,7 @@ def test_engine_tokens_and_logprobs_equal_with_the_kernels_on_and_off(tmp_path, 
     from engine.sampling import SamplingParams
 
     assert cpu_native.available()  # else both runs would be the twins'
-    calls = {"linear": [], "panel_linear": [], "decode_layers": []}
+    calls = {"linear": [], "panel_linear": [], "step_layers": []}
     for name, spied in calls.items():
         kernel = getattr(cpu_native, name)
         monkeypatch.setattr(cpu_native, name,
@@ -711,9 +736,9 @@ def test_engine_tokens_and_logprobs_equal_with_the_kernels_on_and_off(tmp_path, 
         runs[name] = llm.generate(prompts, params)
         # eager and compiled alike, at least the 12 projections (3 layers x 4) and the LM head
         # of each of the 11 decode steps of 3 rows go through the kernel named; with panels an
-        # eager step without holes runs its 12 in the C decode stack (one call)
+        # eager step without holes runs its 12 in the C stack (one call)
         used = {"panels": "panel_linear", "thin": "linear"}.get(name)
-        stacked = len(calls["decode_layers"])
+        stacked = len(calls["step_layers"])
         # every eager decode step with panels; PyramidKV compresses the prompts at prefill, so
         # each of its steps has per-head holes and runs layer by layer
         eager_panels = name == "panels" and not compile
@@ -729,20 +754,23 @@ def test_engine_tokens_and_logprobs_equal_with_the_kernels_on_and_off(tmp_path, 
         assert any(e["action"] == "compress" for o in runs["panels"] for e in o.events)
 
 
-# The C decode stack runs a decode step's every layer in one call; the same kernels in the same
-# order as the eager layers, so the two agree bit for bit. Qwen2 adds the q/k/v bias; Qwen3's q/k
-# norms are not in the stack, so its layers run as before. GrowPage (EMA summaries) and Zipage
+# The C stack runs a step's every layer in one call; the same kernels in the same order as the
+# eager layers, so the two agree bit for bit. Qwen2 adds the q/k/v bias; Qwen3's q/k norms are
+# not in the stack, so its layers run as before. GrowPage (EMA summaries) and Zipage
 # (recent-query ring) take their pre-RoPE queries out of the stack: their decisions and their
 # query pools must be the same too. The stack runs the final norm and the LM head as well, the
-# same kernels as the eager pass's final norm and compute_logits.
+# same kernels as the eager pass's final norm and compute_logits. Decode steps, and forced runs:
+# chunks of different lengths side by side and beside one-token rows (a request that samples,
+# forced requests at a page's last token), their rows packed without padding.
 @pytest.mark.parametrize("family, policy, args", [
     ("llama", "full", {}), ("qwen2", "full", {}), ("qwen3", "full", {}),
     ("llama", "growpage", {"protected_recent": 2, "initial_capacity": 16}),
     ("llama", "zipage", {"budget": 16, "window": 4}),
 ], ids=lambda v: v if isinstance(v, str) else "")
+@pytest.mark.parametrize("mode", ["decode", "forced"])
 @needs_kernel
-def test_decode_stack_equals_the_eager_layers_bit_for_bit(tmp_path, monkeypatch, family, policy,
-                                                          args):
+def test_step_stack_equals_the_eager_layers_bit_for_bit(tmp_path, monkeypatch, family, policy,
+                                                        args, mode):
     from engine.llm import LLM
     from engine.sampling import SamplingParams
 
@@ -750,32 +778,45 @@ def test_decode_stack_equals_the_eager_layers_bit_for_bit(tmp_path, monkeypatch,
             "qwen3": make_tiny_qwen3_dir}[family]
     model = make(tmp_path / "m", num_hidden_layers=3)
     stacked = []
-    kernel = cpu_native.decode_layers
-    # (rows, whether the call ran the LM head too) of each stacked step
-    monkeypatch.setattr(cpu_native, "decode_layers",
-                        lambda *a: stacked.append((a[0].shape[0], a[-1])) or kernel(*a))
+    kernel = cpu_native.step_layers
+    # (rows, one-token rows, chunks, the chunks' rows, whether the call ran the LM head too)
+    # of each stacked step
+    monkeypatch.setattr(cpu_native, "step_layers", lambda *a: stacked.append(
+        (a[0].shape[0], *_group_sizes(a[7]), a[-1])) or kernel(*a))
     prompts = [list(range(3, 43)), [4, 4, 8], [(7 * i) % 300 + 3 for i in range(27)]]
-    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=True),
-              SamplingParams(temperature=0.6, max_tokens=12, ignore_eos=True, logprobs=True,
-                             seed=5)]
+    if mode == "decode":
+        params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=True),
+                  SamplingParams(temperature=0.6, max_tokens=12, ignore_eos=True, logprobs=True,
+                                 seed=5)]
+    else:  # 30, 21 and 0 forced tokens (the last request samples), then sampled ones
+        params = [[SamplingParams(temperature=t, max_tokens=34, ignore_eos=True, logprobs=True,
+                                  seed=5, forced_tokens=tuple((11 * i + n) % 300 + 3
+                                                              for i in range(n)))
+                   for n in (30, 21, 0)] for t in (0.0, 0.6)]
     runs, pools = [], []
     for on in (True, False):
         stacked.clear()
         llm = LLM(str(model), block_size=4, kv_cache_tokens=512, policy=policy,
-                  policy_args=args)
+                  policy_args=args, chunked_forcing=True)
         assert (llm.runner.model.model.stack is not None) == (family != "qwen3")
         if not on:
             llm.runner.model.model.stack = None  # the same layers, one call each
         runs.append([llm.generate(prompts, p) for p in params])
         queries = llm.runner.queries
         pools.append([t.clone() for t in (queries.recent, queries.ema) if t is not None])
-        if on and family != "qwen3":
+        if not on or family == "qwen3":
+            assert not stacked
+        elif mode == "decode":
             # 11 decode steps of the 3 rows for each sampling setting (the first token of each
             # comes from the prefill, which the stack does not run), the final norm and the LM
             # head inside the call (without the stack: the same C kernels, one call each)
-            assert stacked == [(3, True)] * 22
+            assert stacked == [(3, 3, 0, 0, True)] * 22
         else:
-            assert not stacked
+            assert all(logits and rows == decode + chunk_rows
+                       for rows, decode, _, chunk_rows, logits in stacked)
+            assert any(chunks >= 2 for _, _, chunks, _, _ in stacked)  # chunks side by side
+            assert any(decode and chunks for _, decode, chunks, _, _ in stacked)  # and beside
+            # one-token rows
     assert bool(pools[0]) == (policy != "full")
     for a, b in zip(*pools):
         assert torch.equal(a, b)
@@ -788,6 +829,14 @@ def test_decode_stack_equals_the_eager_layers_bit_for_bit(tmp_path, monkeypatch,
         assert any(e["action"] == "compress" for o in runs[0][0] for e in o.events)
 
 
+def _group_sizes(where) -> tuple[int, int, int]:
+    """A StepRows' one-token rows, chunks and the chunks' rows."""
+    decode = 0 if where.context_lens is None else where.context_lens.numel()
+    if where.q_lens is None:
+        return decode, 0, 0
+    return decode, where.q_lens.numel(), int(where.q_lens.sum())
+
+
 def _untimed(events: list[dict]) -> list[dict]:
     """Events without what differs between two engines' runs: timestamps, stage seconds, ids."""
     return [{k: v for k, v in e.items() if k not in ("time", "stages", "seq_id")}
@@ -795,7 +844,7 @@ def _untimed(events: list[dict]) -> list[dict]:
 
 
 @needs_kernel
-def test_decode_layers_checks_its_inputs():
+def test_step_layers_checks_its_inputs():
     torch.manual_seed(0)
     hidden, q_heads, kv_heads, d, inter, vocab = 32, 4, 2, 8, 48, 37  # 37: a partial last panel
 
@@ -830,10 +879,11 @@ def test_decode_layers_checks_its_inputs():
     tables, lens = torch.tensor([[0, 1], [2, -1]]), torch.tensor([5, 1])
 
     def run(x=None, slots=(4, 8), k=k_cache, tables=tables, lens=lens, cos=cos, queries=None,
-            stack=stack, logits=False):
+            stack=stack, logits=False, where=None):
         x = torch.randn(2, hidden) if x is None else x
-        return x, cpu_native.decode_layers(x, cos, sin, stack, k, v_cache, torch.tensor(slots),
-                                           tables, lens, 0.3, queries, logits)
+        where = cpu_native.StepRows(tables, lens) if where is None else where
+        return x, cpu_native.step_layers(x, cos, sin, stack, k, v_cache, torch.tensor(slots),
+                                         where, 0.3, queries, logits)
 
     queries = torch.full((2, 2, q_heads, d), float("nan"))
     x, normed = run(queries=queries)
@@ -849,7 +899,15 @@ def test_decode_layers_checks_its_inputs():
     for kwargs, match in ((dict(x=torch.randn(2, hidden + 1)), "do not fit the 2-layer"),
                           (dict(k=torch.zeros(1, kv_heads, 3, 4, d)), "caches differ"),
                           (dict(cos=torch.ones(2, d)), "do not fit the 2-layer"),
-                          (dict(lens=torch.tensor([5])), "do not fit 2 rows"),
+                          (dict(lens=torch.tensor([5])), "do not fit one entry per item"),
+                          (dict(slots=(4,)), "does not fit 2 rows"),
+                          # one one-token row and a chunk of 2: 3 rows, not 2
+                          (dict(where=cpu_native.StepRows(tables[:1], lens[:1], tables[1:],
+                                                          torch.tensor([0]),
+                                                          torch.tensor([2]))), "add up to"),
+                          (dict(where=cpu_native.StepRows(
+                              chunk_tables=tables, base_lens=torch.tensor([9, 0]),
+                              q_lens=torch.tensor([1, 1]))), "context length"),
                           (dict(slots=(4, 12)), "slot_mapping entry is outside"),
                           (dict(tables=torch.tensor([[0, 7], [2, -1]])), "outside the cache"),
                           (dict(lens=torch.tensor([9, 1])), "context length"),

@@ -19,9 +19,10 @@ asks again per call.
   projections over oneDNN's packed copies (CPU float32 with cpu_packed_weights), else F.linear;
   torch for the small ops.
 
-The `c` backend also runs an eager decode step's whole decoder stack, final norm and LM head in
-one call (`decode_stack`, cpu/decode_layers.c) where the model could build one (packed panels, no
-q/k norms) and the step is a whole decode step (`ForwardContext.whole_step`: the runner's rule).
+The `c` backend also runs an eager step's whole decoder stack, final norm and LM head in one
+call (`step_stack`, cpu/step_layers.c) where the model could build one (packed panels, no q/k
+norms) and the step is one the stack takes (`_c_step_stack`: it stores every row, has no
+per-head holes and no chunk longer than C_PREFILL_ROWS): decode steps and forced runs' pages.
 
 Each backend has a graph form (`Backend.graph`), the ops a compiled decode step traces
 (engine/decode_graph.py): per layer the store and the decode attention as one registered op
@@ -60,8 +61,8 @@ The ops, by signature (an instance's fields):
         x rotated by the pass's RopeRows (engine/models/rope.py).
     silu_mul(gate_up) -> [T, inter]
         gate_up [T, 2 * inter] -> silu(gate) * up.
-    decode_stack(model, input_ids, positions, ctx) -> logits [T, vocab] or None
-        the whole-stack decode of a DecoderModel, None where it does not serve the step.
+    step_stack(model, input_ids, positions, ctx) -> logits [T, vocab] or None
+        the whole-stack step of a DecoderModel, None where it does not serve the step.
     pack(weight) -> packed or None; layer_stack(...) -> a stack or None
         at load (engine/models/llama.py: CausalLM.pack_weights).
 
@@ -118,7 +119,7 @@ class Backend:
     add_rms_norm: Callable
     rope: Callable
     silu_mul: Callable
-    decode_stack: Callable
+    step_stack: Callable
     pack: Callable
     layer_stack: Callable
     graph: Backend | None = None
@@ -319,21 +320,27 @@ def _no_stack(*_args, **_kwargs) -> None:
     return None
 
 
-def _c_decode_stack(model, input_ids, positions, ctx: ForwardContext) -> torch.Tensor | None:
-    """A whole decode step of a DecoderModel with a C stack (`model.stack`) in one call: its
-    layers, final norm and LM head -> logits [T, vocab], every layer's pre-RoPE queries
-    recorded for the policies' signals; None when the model has no stack or the step is not a
-    whole decode step (per-head holes, a chunk, a recompute)."""
+def _c_step_stack(model, input_ids, positions, ctx: ForwardContext) -> torch.Tensor | None:
+    """A step of a DecoderModel with a C stack (`model.stack`) in one call: its layers, final
+    norm and LM head -> logits [T, vocab], every layer's pre-RoPE queries recorded for the
+    policies' signals; None when the model has no stack or the step is not one the stack takes:
+    it stores every row's KV (not a recompute), no row has per-head holes, and every chunk is
+    one `_c_prefill` hands to the C chunk kernel (so the stack's arithmetic is the eager
+    pass's)."""
     stack = model.stack
-    if stack is None or not ctx.whole_step:
+    if stack is None or ctx.slot_mapping is None or ctx.collect is not None \
+            or ctx.decode_holes is not None or ctx.prefill_holes is not None \
+            or ctx.prefill_q_max > C_PREFILL_ROWS:
         return None
     x = model.embed_tokens(input_ids)
     rows = model.rope.rows(positions)
     queries = None if ctx.capture is None else x.new_empty(
         len(model.layers), x.shape[0], stack.q_heads, stack.head_dim)
-    logits = cpu_native.decode_layers(x, rows.cos, rows.sin, stack, ctx.kv.k, ctx.kv.v,
-                                      ctx.slot_mapping, ctx.decode_block_tables,
-                                      ctx.decode_context_lens, ctx.scale, queries, True)
+    where = cpu_native.StepRows(ctx.decode_block_tables, ctx.decode_context_lens,
+                                ctx.prefill_block_tables, ctx.prefill_base_lens,
+                                ctx.prefill_q_lens)
+    logits = cpu_native.step_layers(x, rows.cos, rows.sin, stack, ctx.kv.k, ctx.kv.v,
+                                    ctx.slot_mapping, where, ctx.scale, queries, True)
     if queries is not None:
         ctx.capture.record_layers(queries)
     return logits
@@ -352,7 +359,7 @@ def _with_graph(graph: dict, **eager) -> Backend:
     shared = {k: eager[k] for k in ("name", "projections", "packs", "cuda_graphs", "pack",
                                      "layer_stack")}
     traced = Backend(**{**eager, **_TORCH_SMALL_OPS, **_GRAPH_ATTENTION,
-                        "decode_stack": _no_stack, **shared, **graph, "graph": None})
+                        "step_stack": _no_stack, **shared, **graph, "graph": None})
     return Backend(**eager, graph=traced)
 
 
@@ -364,7 +371,7 @@ def triton() -> Backend:
                        key_redundancy=redundancy.paged_key_redundancy_torch,
                        compact=_triton_compact,
                        store_and_decode=_store_then_decode(_triton_store, _triton_decode),
-                       linear=_f_linear, decode_stack=_no_stack, pack=_no_pack,
+                       linear=_f_linear, step_stack=_no_stack, pack=_no_pack,
                        layer_stack=_no_stack, **_TORCH_SMALL_OPS)
 
 
@@ -394,7 +401,7 @@ def c_kernels(packed: bool) -> Backend:
                        compact=compact.compact_rows_c,
                        store_and_decode=_store_then_decode(_c_store, _c_decode),
                        rms_norm=_c_rms_norm, add_rms_norm=_c_add_rms_norm, rope=_c_rope,
-                       silu_mul=_c_silu_mul, decode_stack=_c_decode_stack, **projections)
+                       silu_mul=_c_silu_mul, step_stack=_c_step_stack, **projections)
 
 
 def twins(onednn: bool) -> Backend:
@@ -408,5 +415,5 @@ def twins(onednn: bool) -> Backend:
                        key_redundancy=redundancy.paged_key_redundancy_torch,
                        compact=_twin_compact,
                        store_and_decode=_store_then_decode(_twin_store, _twin_decode),
-                       decode_stack=_no_stack, layer_stack=_no_stack, **projections,
+                       step_stack=_no_stack, layer_stack=_no_stack, **projections,
                        **_TORCH_SMALL_OPS)

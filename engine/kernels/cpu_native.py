@@ -51,15 +51,17 @@ OpenMP threads. The measurements behind each are in results/benchmarks/cpu-kerne
 
     layer_stack(layers, final_norm, q_heads, kv_heads, head_dim, eps, head=None, vocab=None)
         -> LayerStack;
-    decode_layers(x, cos, sin, stack, k_cache, v_cache, slot_mapping, block_tables, context_lens,
-                  scale, queries=None, logits=False) -> normed hidden, or logits
-        A decode step's whole decoder stack in one call (cpu/decode_layers.c): for rows that are
-        one-token items, every layer's norms, panel projections, RoPE, store and attention, then
-        the final norm and (with `logits`) the LM head, the kernels above in the eager pass's
-        order, so the result equals it bit for bit; only the Python between them is gone. The
-        C backend runs it (engine/kernels/backend.py, over DecoderModel.stack_layers' stack) for
-        whole decode steps, which have no per-head holes; `queries` takes every layer's pre-RoPE
-        queries out for the policies' signals.
+    step_layers(x, cos, sin, stack, k_cache, v_cache, slot_mapping, decode, chunks, scale,
+                queries=None, logits=False) -> normed hidden, or logits
+        A step's whole decoder stack in one call (cpu/step_layers.c): for one-token items and
+        chunks (each chunk's tile of rows as `prefill_rows` attends it), every layer's norms,
+        panel projections, RoPE, store and attention, then the final norm and (with `logits`)
+        the LM head, the kernels above in the eager pass's order, so the result equals it bit
+        for bit; only the Python between them is gone. The C backend runs it
+        (engine/kernels/backend.py, over DecoderModel.stack_layers' stack) for steps with no
+        per-head holes whose chunks the C chunk kernel takes: decode steps, and a forced run's
+        pages, whose per-layer Python was a fifth of a forced step; `queries` takes every
+        layer's pre-RoPE queries out for the policies' signals.
 
 The engine runs these kernels through its backend (engine/kernels/backend.py), chosen once: CPU
 float32 with `available()`. The library is built once per source, compiler (``$CC`` or ``cc``,
@@ -105,7 +107,7 @@ from engine.paths import cache_root
 
 SOURCES = tuple(Path(__file__).with_name("cpu") / name
                 for name in ("paged_decode.c", "thin_linear.c", "panel_gemm.c",
-                             "decode_layers.c", "key_redundancy.c", "abi.c"))
+                             "step_layers.c", "key_redundancy.c", "abi.c"))
 # The prototypes, return codes and constants the sources share (and this file: ABI below).
 HEADER = Path(__file__).with_name("cpu") / "kvarena_native.h"
 # -ffast-math compiles the sources only: linked with it, GCC adds crtfastmath.o, whose initializer
@@ -133,7 +135,7 @@ LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "d
 # The interface's version, KV_ABI_VERSION in cpu/kvarena_native.h: raised with it when a
 # signature in `_declare` or a constant above changes meaning. At load the library reports its
 # constants (kv_abi); any that differ from `_expected_abi()` leave the torch ops in its place.
-ABI_VERSION = 7
+ABI_VERSION = 8
 
 # The cache entry: the library and its stamp (`_build`).
 LIBRARY, STAMP = "libkvarena_cpu.so", "libkvarena_cpu.json"
@@ -417,7 +419,7 @@ def prefill_rows(q, k_cache_l, v_cache_l, block_tables, base_lens, q_lens, scale
 
 @dataclass(frozen=True)
 class LayerStack:
-    """A decoder's layers as `decode_layers` reads them: table [layers, len(LAYER_FIELDS)] int64,
+    """A decoder's layers as `step_layers` reads them: table [layers, len(LAYER_FIELDS)] int64,
     the addresses of each layer's tensors (0 for no q/k/v bias); the final norm's weight
     [hidden]; the LM head's panels [ceil(vocab / PANEL), hidden, PANEL] for `vocab` outputs, or
     None (vocab 0); `tensors` keeps them alive."""
@@ -471,13 +473,27 @@ def layer_stack(layers: list[dict], final_norm: torch.Tensor, q_heads: int, kv_h
                       0 if head is None else vocab)
 
 
-def decode_layers(x, cos, sin, stack: LayerStack, k_cache, v_cache, slot_mapping, block_tables,
-                  context_lens, scale: float, queries=None, logits: bool = False) -> torch.Tensor:
-    """Every layer of a decode step whose T rows are one-token items, then the final norm, in one
-    call (cpu/decode_layers.c): x [T, hidden] (contiguous, this pass's own) becomes the residual
-    stream after the last layer, in place; cos/sin [T, 1, head_dim]; k/v_cache [layers,
-    kv_heads, num_pages, block_size, head_dim] (each token's k and v stored at slot_mapping
-    [T]); block_tables [T, max_blocks], context_lens [T]: `decode`'s; queries, when given,
+@dataclass(frozen=True)
+class StepRows:
+    """Where a step's rows attend, as `step_layers` reads them: rows [0, decode) one-token items
+    (block_tables [decode, nb], context_lens [decode], `decode`'s), then the chunks' rows in
+    order (chunk_tables [chunks, nb], base_lens and q_lens [chunks], `prefill_rows`' without
+    the padding); either group may be empty (its tensors None)."""
+
+    block_tables: torch.Tensor | None = None
+    context_lens: torch.Tensor | None = None
+    chunk_tables: torch.Tensor | None = None
+    base_lens: torch.Tensor | None = None
+    q_lens: torch.Tensor | None = None
+
+
+def step_layers(x, cos, sin, stack: LayerStack, k_cache, v_cache, slot_mapping, where: StepRows,
+                scale: float, queries=None, logits: bool = False) -> torch.Tensor:
+    """Every layer of a step whose rows are one-token items and chunks without per-head holes,
+    then the final norm, in one call (cpu/step_layers.c): x [T, hidden] (contiguous, this
+    pass's own) becomes the residual stream after the last layer, in place; cos/sin [T, 1,
+    head_dim]; k/v_cache [layers, kv_heads, num_pages, block_size, head_dim] (each row's k and v
+    stored at slot_mapping [T]); `where`: the rows' tables and lengths; queries, when given,
     [layers, T, q_heads, head_dim] takes every layer's pre-RoPE queries. Returns the normed
     hidden states [T, hidden], or with `logits` (a stack with a head) the LM head's logits
     [T, vocab]."""
@@ -492,11 +508,14 @@ def decode_layers(x, cos, sin, stack: LayerStack, k_cache, v_cache, slot_mapping
                          f"{tuple(k_cache.shape)} do not fit the {stack.table.shape[0]}-layer "
                          f"stack (hidden {stack.hidden}, {stack.kv_heads} kv heads of "
                          f"{stack.head_dim})")
-    if slot_mapping.shape != (rows,) or block_tables.dim() != 2 \
-            or block_tables.shape[0] != rows or context_lens.shape != (rows,):
-        raise ValueError(f"slot_mapping {tuple(slot_mapping.shape)}, block_tables "
-                         f"{tuple(block_tables.shape)} or context_lens "
-                         f"{tuple(context_lens.shape)} do not fit {rows} rows")
+    decode = _group(where.block_tables, where.context_lens, "block_tables", "context_lens")
+    chunks = _group(where.chunk_tables, where.base_lens, "chunk_tables", "base_lens",
+                    where.q_lens)
+    if slot_mapping.shape != (rows,):
+        raise ValueError(f"slot_mapping {tuple(slot_mapping.shape)} does not fit {rows} rows")
+    if decode[1].numel() + int(chunks[2].sum()) != rows:
+        raise ValueError(f"{decode[1].numel()} one-token rows and chunks of "
+                         f"{chunks[2].tolist()} rows do not add up to {rows} rows")
     if queries is not None:
         _require_contiguous(queries)
         if queries.shape != (layers, rows, stack.q_heads, stack.head_dim):
@@ -504,19 +523,35 @@ def decode_layers(x, cos, sin, stack: LayerStack, k_cache, v_cache, slot_mapping
                              f"{rows} rows x {stack.q_heads} heads x {stack.head_dim}")
     if logits and stack.head is None:
         raise ValueError("logits need a stack built with the LM head's panels")
-    slots, tables, lens = _int64(slot_mapping), _int64(block_tables), _int64(context_lens)
+    slots = _int64(slot_mapping)
+    (tables, lens), (chunk_tables, base, q_lens) = decode, chunks
     normed = torch.empty_like(x)
     out = x.new_empty(rows, stack.vocab) if logits else None
-    rc = _library().kv_decode_layers(
+    rc = _library().kv_step_layers(
         x.data_ptr(), cos.data_ptr(), sin.data_ptr(), stack.table.data_ptr(), layers, rows,
         stack.hidden, stack.q_heads, kv_heads, head_dim, stack.inter, stack.eps,
-        k_cache.data_ptr(), v_cache.data_ptr(), pages, block, slots.data_ptr(), tables.data_ptr(),
-        tables.shape[1], lens.data_ptr(), float(scale),
-        None if queries is None else queries.data_ptr(), stack.final_norm.data_ptr(),
-        normed.data_ptr(), None if out is None else stack.head.data_ptr(), stack.vocab,
+        k_cache.data_ptr(), v_cache.data_ptr(), pages, block, slots.data_ptr(),
+        lens.numel(), tables.data_ptr(), tables.shape[1], lens.data_ptr(),
+        base.numel(), chunk_tables.data_ptr(), chunk_tables.shape[1], base.data_ptr(),
+        q_lens.data_ptr(), float(scale), None if queries is None else queries.data_ptr(),
+        stack.final_norm.data_ptr(), normed.data_ptr(),
+        None if out is None else stack.head.data_ptr(), stack.vocab,
         None if out is None else out.data_ptr())
     _raise_on(rc)
     return normed if out is None else out
+
+
+def _group(tables, lengths, tables_name: str, lengths_name: str, *more) -> tuple:
+    """A StepRows group as int64 tensors (tables [B, nb], lengths and `more` [B]); an empty
+    group ([0, 1] and [0]) where its tables are None."""
+    if tables is None:
+        return (torch.full((0, 1), -1, dtype=torch.int64),
+                *(torch.zeros(0, dtype=torch.int64) for _ in (lengths, *more)))
+    if tables.dim() != 2 or any(t is None or t.shape != (tables.shape[0],)
+                                for t in (lengths, *more)):
+        raise ValueError(f"{tables_name} {tuple(tables.shape)} and {lengths_name} do not fit "
+                         f"one entry per item")
+    return tuple(_int64(t) for t in (tables, lengths, *more))
 
 
 def _panels_shape(out_features: int, width: int) -> tuple[int, int, int]:
@@ -718,10 +753,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kv_pack_panels.argtypes = [_PTR, _PTR, _I64, _I64]
     lib.kv_panel_linear.restype = None
     lib.kv_panel_linear.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64]
-    lib.kv_decode_layers.restype = ctypes.c_int
-    lib.kv_decode_layers.argtypes = [_PTR, _PTR, _PTR, _PTR, *[_I64] * 7, _F32, _PTR, _PTR,
-                                     _I64, _I64, _PTR, _PTR, _I64, _PTR, _F32, _PTR,
-                                     _PTR, _PTR, _PTR, _I64, _PTR]
+    lib.kv_step_layers.restype = ctypes.c_int
+    lib.kv_step_layers.argtypes = [_PTR, _PTR, _PTR, _PTR, *[_I64] * 7, _F32, _PTR, _PTR,
+                                   _I64, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64,
+                                   _PTR, _PTR, _F32, _PTR, _PTR, _PTR, _PTR, _I64, _PTR]
 
 
 def _build(rebuild: bool = False) -> tuple[Path, bool]:

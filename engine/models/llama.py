@@ -20,8 +20,8 @@ store and kernels) runs through the backend the pass's ForwardContext carries
 so each layer has one body whatever runs it. Where the backend packs weights (CPU float32),
 `CausalLM.pack_weights` gives every projection and the LM head a packed copy in its layout (C
 column panels or oneDNN's; engine/kernels/linear.py has why), and `DecoderModel.stack_layers`
-asks it for a whole decode stack over them: the C backend hands an eager whole decode step's
-layers, final norm and LM head to one C call (through `CausalLM.sampled_logits`), the same
+asks it for a whole stack over them: the C backend hands an eager step's layers, final norm
+and LM head (decode steps, forced runs' pages) to one C call (through `CausalLM.sampled_logits`), the same
 kernels in the same order without the Python between them, every layer's pre-RoPE queries
 copied out for the policies' signals, where the layers have no q/k norms.
 """
@@ -169,10 +169,10 @@ class DecoderModel(nn.Module):
             DecoderLayer(config, i, flags) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.stack = None  # the backend's whole-stack decode, set by stack_layers()
+        self.stack = None  # the backend's whole stack, set by stack_layers()
 
     def stack_layers(self, ops: Backend, head: torch.Tensor, vocab: int) -> None:
-        """The backend's whole decode stack over the layers' norms and packed projections, the
+        """The backend's whole stack over the layers' norms and packed projections, the
         final norm and the LM head's packed copy `head` (for `vocab` outputs), where the backend
         has one (module docstring) and the layers need nothing it lacks (q/k norms)."""
         attn = [layer.self_attn for layer in self.layers]
@@ -190,8 +190,8 @@ class DecoderModel(nn.Module):
 
     def forward(self, input_ids, positions, ctx, num_layers: int | None = None):
         """input_ids, positions [T] -> the final norm's output [T, hidden] (the first
-        `num_layers` layers' output, without the norm, when given). A decode step that the
-        backend's whole stack serves comes through `CausalLM.sampled_logits` instead."""
+        `num_layers` layers' output, without the norm, when given). A step that the backend's
+        whole stack serves comes through `CausalLM.sampled_logits` instead."""
         x = self.embed_tokens(input_ids)
         rope = self.rope.rows(positions)  # gathered once, shared by every layer
         for layer in self.layers[:num_layers]:
@@ -228,11 +228,11 @@ class CausalLM(nn.Module):
     def sampled_logits(self, input_ids, positions, ctx, sample_rows) -> torch.Tensor | None:
         """input_ids, positions [T], sample_rows [S] (ascending rows) -> logits [S, vocab] of
         those rows, None when S = 0. A step whose every row samples runs its layers, final norm
-        and LM head in one call where the backend's whole stack serves it (`decode_stack`); the
+        and LM head in one call where the backend's whole stack serves it (`step_stack`); the
         same arithmetic as the forward pass and compute_logits."""
         ops = ctx.backend
         if sample_rows.numel() == input_ids.numel():
-            logits = ops.decode_stack(self.model, input_ids, positions, ctx)
+            logits = ops.step_stack(self.model, input_ids, positions, ctx)
             if logits is not None:
                 return logits
         hidden = self.forward(input_ids, positions, ctx)
@@ -250,7 +250,7 @@ class CausalLM(nn.Module):
     def pack_weights(self, ops: Backend) -> None:
         """Packed copies of every projection and of the LM head in the layout of the backend
         `ops` (`Backend.packs`), used by the forward pass from now on, and the backend's whole
-        decode stack over them (module docstring); call after fuse_projections()."""
+        stack over them (module docstring); call after fuse_projections()."""
         for layer in self.model.layers:
             layer.self_attn.pack(ops)
             layer.mlp.pack(ops)

@@ -12,10 +12,10 @@
 #include <stdint.h>
 #include <string.h>
 
-#define KV_ABI_VERSION 7
+#define KV_ABI_VERSION 8
 
-/* Return codes of kv_store, kv_decode, kv_prefill_chunks, kv_query_probs, kv_key_redundancy
-   and kv_decode_layers (cpu_native.ERRORS words them). */
+/* Return codes of kv_store, kv_decode, kv_prefill_chunks, kv_chunk_rows, kv_query_probs,
+   kv_key_redundancy and kv_step_layers (cpu_native.ERRORS words them). */
 enum { KV_OK = 0, KV_BAD_PAGE = 1, KV_BAD_LENGTH = 2, KV_BAD_SLOT = 3, KV_BAD_HOLE = 4,
        KV_BAD_SHAPE = 5, KV_NO_MEMORY = 6 };
 
@@ -23,7 +23,7 @@ enum { KV_OK = 0, KV_BAD_PAGE = 1, KV_BAD_LENGTH = 2, KV_BAD_SLOT = 3, KV_BAD_HO
    vectors, one AVX-512 vector). */
 #define KV_PANEL 16
 
-/* A layer's tensor addresses in kv_decode_layers' weights table, in this order
+/* A layer's tensor addresses in kv_step_layers' weights table, in this order
    (cpu_native.LAYER_FIELDS). */
 enum { KV_INPUT_NORM, KV_QKV, KV_QKV_BIAS, KV_O, KV_POST_NORM, KV_GATE_UP, KV_DOWN,
        KV_LAYER_FIELDS };
@@ -60,6 +60,11 @@ int kv_prefill_chunks(const float *q, const float *k_cache, const float *v_cache
                       const int64_t *q_lens, const int64_t *holes, float *out, int64_t batch,
                       int64_t lq_max, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
                       int64_t block, int64_t num_pages, float scale);
+int kv_chunk_rows(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                  const int64_t *tables, int64_t table_stride, const int64_t *base_lens,
+                  const int64_t *q_lens, float *out, int64_t batch, int64_t q_heads,
+                  int64_t kv_heads, int64_t head_dim, int64_t block, int64_t num_pages,
+                  float scale);
 int kv_query_probs(const float *q, const float *k_cache, int64_t layer_stride,
                    const int64_t *table, int64_t table_len, const int64_t *slots,
                    const int64_t *limits, int64_t length, float *out, int64_t layers, int64_t n,
@@ -90,14 +95,15 @@ int kv_key_redundancy(const float *k_cache, int64_t layer_stride, const int64_t 
                       int64_t head_dim, int64_t block, int64_t num_pages, float threshold,
                       float temperature, int spare_first, int64_t scope);
 
-/* decode_layers.c */
-int kv_decode_layers(float *x, const float *cos, const float *sin, const int64_t *weights,
-                     int64_t layers, int64_t rows, int64_t hidden, int64_t q_heads,
-                     int64_t kv_heads, int64_t head_dim, int64_t inter, float eps,
-                     float *k_cache, float *v_cache, int64_t num_pages, int64_t block,
-                     const int64_t *slots, const int64_t *tables, int64_t table_stride,
-                     const int64_t *lens, float scale, float *queries,
-                     const float *final_norm, float *normed, const float *head, int64_t vocab,
-                     float *logits);
+/* step_layers.c */
+int kv_step_layers(float *x, const float *cos, const float *sin, const int64_t *weights,
+                   int64_t layers, int64_t rows, int64_t hidden, int64_t q_heads,
+                   int64_t kv_heads, int64_t head_dim, int64_t inter, float eps, float *k_cache,
+                   float *v_cache, int64_t num_pages, int64_t block, const int64_t *slots,
+                   int64_t decode_rows, const int64_t *tables, int64_t table_stride,
+                   const int64_t *lens, int64_t chunks, const int64_t *chunk_tables,
+                   int64_t chunk_stride, const int64_t *chunk_base, const int64_t *chunk_rows,
+                   float scale, float *queries, const float *final_norm, float *normed,
+                   const float *head, int64_t vocab, float *logits);
 
 #endif

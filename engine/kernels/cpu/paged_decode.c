@@ -224,15 +224,22 @@ int kv_decode(const float *q, int64_t q_stride, const float *k_cache, const floa
      holes   [batch, kv_heads, 2] int64 (start, end) or NULL; a hole ends at or below the base
      out     [batch, lq_max, q_heads, head_dim]; padded rows are left as they are
 
-   One task per (sequence, KV head, tile of up to CHUNK_ROWS rows). The tile's rows x the
-   group's query heads are V query vectors, packed once into panels (panel_gemm.c's layout), so
-   each page's keys are read once for all V as the rows of one small product, [n, V] logits,
-   where the decode kernel reads and reduces every key once per row and head. Each vector then
-   updates its online softmax and its values as attend_head does, over the page's slots it sees
-   outside the hole. A forced run's page at b = 16 is one tile per KV head: with 3 KV heads a
-   single sequence gives two threads three tasks, which measured faster than 8-row tiles that
-   read every page twice as often. */
+   kv_chunk_rows is the same without padding or holes (the whole stack's, step_layers.c): the
+   chunks' rows one after another, q's rows q_stride floats apart, out [rows, q_heads, head_dim].
+
+   One task per (sequence, KV head, tile of up to CHUNK_ROWS rows, part of up to PART_SLOTS
+   slots). The tile's rows x the group's query heads are V query vectors, packed once into
+   panels (panel_gemm.c's layout), so each page's keys are read once for all V as the rows of
+   one small product, [n, V] logits, where the decode kernel reads and reduces every key once
+   per row and head. Each vector then updates its online softmax and its values as attend_head
+   does, over the page's slots it sees outside the hole; the parts' sums are merged after. A
+   forced run's page at b = 16 is one tile per KV head: with 3 KV heads a single sequence gave
+   two threads three tasks, and the parts split them finer (8-row tiles instead read every page
+   twice as often, and measured slower). */
 #define CHUNK_ROWS 16
+/* The most slots one task of a tile reads (chunk_tiles): 256 beat 128 and 64 on the forced
+   runs' contexts (cpu-kernels-notes.md). */
+#define PART_SLOTS 256
 
 #if defined(__AVX512F__)
 typedef float pv_vec __attribute__((vector_size(64)));
@@ -298,21 +305,29 @@ static inline int64_t value_block(int64_t head_dim) {
     return head_dim % PV_LANES == 0 && nv <= PV_REGS ? PV_REGS / nv : 1;
 }
 
+/* The vectors of a tile: its rows x the group's heads, padded to whole register blocks. */
+static inline int64_t tile_width(int64_t rows, int64_t group, int64_t head_dim) {
+    const int64_t vb = value_block(head_dim);
+    return (rows * group + vb - 1) / vb * vb;
+}
+
+/* A tile's online softmax over its pages [p0, p1), left unnormalized in `state`: top [width],
+   total [width], then acc [width, head_dim] (chunk_finish merges the parts of a tile). */
 static inline __attribute__((always_inline)) int
 chunk_tile(const float *q, int64_t q_row, const float *keys, const float *values,
            const int64_t *table, int64_t base, int64_t rows, int64_t group, const int64_t head_dim,
-           int64_t block, int64_t hole_start, int64_t hole_end, float scale, float *out) {
-    const int64_t vecs = rows * group, vb = value_block(head_dim);
-    const int64_t width = (vecs + vb - 1) / vb * vb; /* columns of the logits, vectors padded */
+           int64_t block, int64_t hole_start, int64_t hole_end, float scale, int64_t p0,
+           int64_t p1, float *state) {
+    const int64_t vecs = rows * group, width = tile_width(rows, group, head_dim);
     const int64_t panels = (width + KV_PANEL - 1) / KV_PANEL;
-    float *qt = malloc((size_t)(width * head_dim * 2 + panels * KV_PANEL * head_dim +
-                                block * width + width * 5) * sizeof(float));
+    float *qt = malloc((size_t)(width * head_dim + panels * KV_PANEL * head_dim + block * width +
+                                width * 3) * sizeof(float));
     if (qt == 0) return KV_NO_MEMORY;
-    float *acc = qt + width * head_dim, *packed = acc + width * head_dim;
-    float *s = packed + panels * KV_PANEL * head_dim, *top = s + block * width;
-    float *total = top + width, *keep = total + width, *page_top = keep + width;
-    float *page_total = page_top + width;
-    memset(qt, 0, (size_t)(width * head_dim * 2) * sizeof(float)); /* padding vectors and acc */
+    float *packed = qt + width * head_dim, *s = packed + panels * KV_PANEL * head_dim;
+    float *keep = s + block * width, *page_top = keep + width, *page_total = page_top + width;
+    float *top = state, *total = top + width, *acc = total + width;
+    memset(qt, 0, (size_t)(width * head_dim) * sizeof(float)); /* the padding vectors */
+    memset(acc, 0, (size_t)(width * head_dim) * sizeof(float));
     for (int64_t v = 0; v < width; v++) { /* vector v: row v / group, head v % group */
         if (v < vecs)
             memcpy(qt + v * head_dim, q + (v / group) * q_row + (v % group) * head_dim,
@@ -322,8 +337,7 @@ chunk_tile(const float *q, int64_t q_row, const float *keys, const float *values
     }
     kv_pack_small(qt, packed, width, head_dim);
     const int64_t len = base + rows; /* the last row's slots */
-    const int64_t pages = (len + block - 1) / block;
-    for (int64_t p = 0; p < pages; p++) {
+    for (int64_t p = p0; p < p1; p++) {
         const int64_t first = p * block, n = len - first < block ? len - first : block;
         int64_t a = hole_start - first, b = hole_end - first; /* outside the hole: [0, a), [b, n) */
         a = a < 0 ? 0 : (a > n ? n : a);
@@ -370,22 +384,43 @@ chunk_tile(const float *q, int64_t q_row, const float *keys, const float *values
         for (int64_t v = 0; v < width; v++) total[v] = total[v] * keep[v] + page_total[v];
         weigh_values(acc, head_dim, keep, s, width, width, vp, a, b, n);
     }
-    for (int64_t v = 0; v < vecs; v++) {
-        float *o = out + (v / group) * q_row + (v % group) * head_dim;
-        const float inv = total[v] > 0.0f ? 1.0f / total[v] : 0.0f;
-        for (int64_t d = 0; d < head_dim; d++) o[d] = acc[v * head_dim + d] * inv;
-    }
     free(qt);
     return KV_OK;
+}
+
+/* A tile's output from its `parts` states (chunk_tile's, `stride` floats apart): each part's
+   sums rescaled to the largest top, then acc / total; a vector that saw no slot in any part
+   gets zeros. One part is written as it stands (its scale is exp(0) = 1). */
+static void chunk_finish(const float *states, int64_t parts, int64_t stride, int64_t rows,
+                         int64_t group, int64_t head_dim, float *out, int64_t out_row) {
+    const int64_t width = tile_width(rows, group, head_dim);
+    for (int64_t v = 0; v < rows * group; v++) {
+        float top = MASKED, total = 0.0f;
+        for (int64_t k = 0; k < parts; k++) {
+            const float t = states[k * stride + v];
+            top = t > top ? t : top;
+        }
+        float *o = out + (v / group) * out_row + (v % group) * head_dim;
+        for (int64_t d = 0; d < head_dim; d++) o[d] = 0.0f;
+        for (int64_t k = 0; k < parts; k++) {
+            const float *part = states + k * stride;
+            const float w = expf(part[v] - top);
+            total += part[width + v] * w;
+            const float *acc = part + 2 * width + v * head_dim;
+            for (int64_t d = 0; d < head_dim; d++) o[d] += acc[d] * w;
+        }
+        const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+        for (int64_t d = 0; d < head_dim; d++) o[d] *= inv;
+    }
 }
 
 /* chunk_tile with head_dim a constant for the common sizes. */
 static int chunk_tile_any(const float *q, int64_t q_row, const float *keys, const float *values,
                           const int64_t *table, int64_t base, int64_t rows, int64_t group,
                           int64_t head_dim, int64_t block, int64_t hole_start, int64_t hole_end,
-                          float scale, float *out) {
+                          float scale, int64_t p0, int64_t p1, float *state) {
 #define TILE(D) chunk_tile(q, q_row, keys, values, table, base, rows, group, D, block, \
-                           hole_start, hole_end, scale, out)
+                           hole_start, hole_end, scale, p0, p1, state)
     switch (head_dim) {
     case 64: return TILE(64);
     case 128: return TILE(128);
@@ -394,14 +429,16 @@ static int chunk_tile_any(const float *q, int64_t q_row, const float *keys, cons
 #undef TILE
 }
 
-int kv_prefill_chunks(const float *q, const float *k_cache, const float *v_cache,
-                      const int64_t *tables, int64_t table_stride, const int64_t *base_lens,
-                      const int64_t *q_lens, const int64_t *holes, float *out, int64_t batch,
-                      int64_t lq_max, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
-                      int64_t block, int64_t num_pages, float scale) {
+/* The chunks' metadata checks of kv_prefill_chunks and kv_chunk_rows: each sequence's rows fit
+   lq_max (0: no bound), its pages exist, its holes end at or below its base. */
+static int check_chunks(const int64_t *tables, int64_t table_stride, const int64_t *base_lens,
+                        const int64_t *q_lens, const int64_t *holes, int64_t batch,
+                        int64_t lq_max, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                        int64_t block, int64_t num_pages) {
     if (kv_heads < 1 || q_heads % kv_heads || block < 1 || head_dim < 1) return KV_BAD_SHAPE;
     for (int64_t b = 0; b < batch; b++) {
-        if (q_lens[b] < 0 || q_lens[b] > lq_max || base_lens[b] < 0) return KV_BAD_LENGTH;
+        if (q_lens[b] < 0 || (lq_max && q_lens[b] > lq_max) || base_lens[b] < 0)
+            return KV_BAD_LENGTH;
         if (q_lens[b] == 0) continue;
         const int64_t pages = (base_lens[b] + q_lens[b] + block - 1) / block;
         if (pages > table_stride) return KV_BAD_LENGTH;
@@ -415,31 +452,122 @@ int kv_prefill_chunks(const float *q, const float *k_cache, const float *v_cache
                 return KV_BAD_HOLE;
         }
     }
+    return KV_OK;
+}
+
+/* The tiles of every chunk, sequence b's first row at row starts[b] of q (row stride q_row)
+   and of out (out_row), or at b * lq_max when starts is NULL (the padded layout). A tile's
+   pages are split into parts of up to PART_SLOTS slots, one task each, merged by chunk_finish
+   after: a single sequence's 3 KV heads alone would give two threads three equal tasks. The
+   split depends on the shapes only, so the result does not change with the thread count. */
+static int chunk_tiles(const float *q, int64_t q_row, const int64_t *starts,
+                       const float *k_cache, const float *v_cache, const int64_t *tables,
+                       int64_t table_stride, const int64_t *base_lens, const int64_t *q_lens,
+                       const int64_t *holes, float *out, int64_t out_row, int64_t batch,
+                       int64_t lq_max, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                       int64_t block, int64_t num_pages, float scale) {
     const int64_t group = q_heads / kv_heads, slots = num_pages * block;
-    const int64_t tiles = (lq_max + CHUNK_ROWS - 1) / CHUNK_ROWS, q_row = q_heads * head_dim;
-    int error = KV_OK;
-#pragma omp parallel for collapse(3) schedule(dynamic, 1)
+    const int64_t tiles = (lq_max + CHUNK_ROWS - 1) / CHUNK_ROWS;
+    const int64_t part_pages = (PART_SLOTS + block - 1) / block;
+    int64_t parts = 1; /* the most parts of any tile */
     for (int64_t b = 0; b < batch; b++) {
-        for (int64_t h = 0; h < kv_heads; h++) {
-            for (int64_t t = 0; t < tiles; t++) {
-                const int64_t i0 = t * CHUNK_ROWS;
-                if (i0 >= q_lens[b]) continue;
-                const int64_t rows = q_lens[b] - i0 < CHUNK_ROWS ? q_lens[b] - i0 : CHUNK_ROWS;
-                const int64_t hs = holes != 0 ? holes[(b * kv_heads + h) * 2] : 0;
-                const int64_t he = holes != 0 ? holes[(b * kv_heads + h) * 2 + 1] : 0;
-                const int64_t at = ((b * lq_max + i0) * q_heads + h * group) * head_dim;
-                int rc = chunk_tile_any(q + at, q_row, k_cache + h * slots * head_dim,
-                                        v_cache + h * slots * head_dim, tables + b * table_stride,
-                                        base_lens[b] + i0, rows, group, head_dim, block, hs, he,
-                                        scale, out + at);
-                if (rc != KV_OK) {
+        const int64_t pages = (base_lens[b] + q_lens[b] + block - 1) / block;
+        const int64_t n = (pages + part_pages - 1) / part_pages;
+        parts = n > parts ? n : parts;
+    }
+    const int64_t stride = tile_width(CHUNK_ROWS, group, head_dim) * (head_dim + 2);
+    float *states = malloc((size_t)(batch * kv_heads * tiles * parts * stride) * sizeof(float));
+    if (states == 0) return KV_NO_MEMORY;
+    int error = KV_OK;
+#pragma omp parallel
+    {
+#pragma omp for collapse(4) schedule(dynamic, 1)
+        for (int64_t b = 0; b < batch; b++) {
+            for (int64_t h = 0; h < kv_heads; h++) {
+                for (int64_t t = 0; t < tiles; t++) {
+                    for (int64_t k = 0; k < parts; k++) {
+                        const int64_t i0 = t * CHUNK_ROWS;
+                        if (i0 >= q_lens[b]) continue;
+                        const int64_t rows =
+                            q_lens[b] - i0 < CHUNK_ROWS ? q_lens[b] - i0 : CHUNK_ROWS;
+                        const int64_t pages = (base_lens[b] + i0 + rows + block - 1) / block;
+                        const int64_t p0 = k * part_pages;
+                        if (p0 >= pages && k) continue;
+                        const int64_t p1 = p0 + part_pages < pages ? p0 + part_pages : pages;
+                        const int64_t hs = holes != 0 ? holes[(b * kv_heads + h) * 2] : 0;
+                        const int64_t he = holes != 0 ? holes[(b * kv_heads + h) * 2 + 1] : 0;
+                        const int64_t row = (starts != 0 ? starts[b] : b * lq_max) + i0;
+                        int rc = chunk_tile_any(
+                            q + row * q_row + h * group * head_dim, q_row,
+                            k_cache + h * slots * head_dim, v_cache + h * slots * head_dim,
+                            tables + b * table_stride, base_lens[b] + i0, rows, group, head_dim,
+                            block, hs, he, scale, p0, p1,
+                            states + (((b * kv_heads + h) * tiles + t) * parts + k) * stride);
+                        if (rc != KV_OK) {
 #pragma omp atomic write
-                    error = rc;
+                            error = rc;
+                        }
+                    }
+                }
+            }
+        }
+#pragma omp for collapse(3) schedule(dynamic, 1)
+        for (int64_t b = 0; b < batch; b++) {
+            for (int64_t h = 0; h < kv_heads; h++) {
+                for (int64_t t = 0; t < tiles; t++) {
+                    const int64_t i0 = t * CHUNK_ROWS;
+                    if (i0 >= q_lens[b] || error != KV_OK) continue;
+                    const int64_t rows = q_lens[b] - i0 < CHUNK_ROWS ? q_lens[b] - i0 : CHUNK_ROWS;
+                    const int64_t pages = (base_lens[b] + i0 + rows + block - 1) / block;
+                    const int64_t used = pages > 0 ? (pages + part_pages - 1) / part_pages : 1;
+                    const int64_t row = (starts != 0 ? starts[b] : b * lq_max) + i0;
+                    chunk_finish(states + ((b * kv_heads + h) * tiles + t) * parts * stride,
+                                 used, stride, rows, group, head_dim,
+                                 out + row * out_row + h * group * head_dim, out_row);
                 }
             }
         }
     }
+    free(states);
     return error;
+}
+
+int kv_prefill_chunks(const float *q, const float *k_cache, const float *v_cache,
+                      const int64_t *tables, int64_t table_stride, const int64_t *base_lens,
+                      const int64_t *q_lens, const int64_t *holes, float *out, int64_t batch,
+                      int64_t lq_max, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                      int64_t block, int64_t num_pages, float scale) {
+    int rc = check_chunks(tables, table_stride, base_lens, q_lens, holes, batch, lq_max, q_heads,
+                          kv_heads, head_dim, block, num_pages);
+    if (rc != KV_OK) return rc;
+    if (lq_max < 1) return KV_OK;
+    return chunk_tiles(q, q_heads * head_dim, 0, k_cache, v_cache, tables, table_stride,
+                       base_lens, q_lens, holes, out, q_heads * head_dim, batch, lq_max, q_heads,
+                       kv_heads, head_dim, block, num_pages, scale);
+}
+
+int kv_chunk_rows(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+                  const int64_t *tables, int64_t table_stride, const int64_t *base_lens,
+                  const int64_t *q_lens, float *out, int64_t batch, int64_t q_heads,
+                  int64_t kv_heads, int64_t head_dim, int64_t block, int64_t num_pages,
+                  float scale) {
+    int rc = check_chunks(tables, table_stride, base_lens, q_lens, 0, batch, 0, q_heads,
+                          kv_heads, head_dim, block, num_pages);
+    if (rc != KV_OK) return rc;
+    int64_t *starts = malloc((size_t)(batch > 0 ? batch : 1) * sizeof(int64_t));
+    if (starts == 0) return KV_NO_MEMORY;
+    int64_t lq_max = 0, row = 0;
+    for (int64_t b = 0; b < batch; b++) {
+        starts[b] = row;
+        row += q_lens[b];
+        lq_max = q_lens[b] > lq_max ? q_lens[b] : lq_max;
+    }
+    rc = lq_max < 1 ? KV_OK
+                    : chunk_tiles(q, q_stride, starts, k_cache, v_cache, tables, table_stride,
+                                  base_lens, q_lens, 0, out, q_heads * head_dim, batch, lq_max,
+                                  q_heads, kv_heads, head_dim, block, num_pages, scale);
+    free(starts);
+    return rc;
 }
 
 /* ------------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
-/* A decode step's whole decoder stack in one call: every layer's norms, projections, RoPE, KV
-   store and paged attention for rows that are one-token items, then the final norm and, when
-   given, the LM head, float32 on the CPU.
+/* A step's whole decoder stack in one call: every layer's norms, projections, RoPE, KV store
+   and paged attention for rows that are one-token items and short chunks, then the final norm
+   and, when given, the LM head, float32 on the CPU.
 
-   engine/kernels/cpu_native.py (`decode_layers`) calls it through ctypes; its docstring has
+   engine/kernels/cpu_native.py (`step_layers`) calls it through ctypes; its docstring has
    why, results/benchmarks/cpu-kernels-notes.md the figures. It runs the same C kernels, in the
    same order and on the same operands, as an eager layer with the C kernels on
    (engine/models/llama.py, DecoderLayer._forward_native), so the residual stream it leaves
@@ -18,7 +18,11 @@
                weights [hidden], column panels [ceil(out / 16), in, 16] (panel_gemm.c), the
                q/k/v bias or 0
      k_cache, v_cache: [layers, kv_heads, num_pages * block, head_dim]
-     slots [T], tables [T, table_stride], lens [T]: kv_store's and kv_decode's (paged_decode.c)
+     slots [T]: kv_store's, every row's
+     rows [0, decode_rows): one-token items; tables [decode_rows, table_stride], lens
+               [decode_rows]: kv_decode's (paged_decode.c)
+     rows [decode_rows, T): `chunks` chunks, their rows in order; chunk_tables [chunks,
+               chunk_stride], chunk_base, chunk_rows [chunks]: kv_chunk_rows' (paged_decode.c)
      queries:  NULL, or [layers, T, q_heads * head_dim]: every layer's pre-RoPE queries, copied
                out for the policies' signals (engine/query_state.py records them after the call)
 
@@ -26,7 +30,8 @@
    first ops after streaming 0.54 GB of weights run cold (engine/kernels/cpu_native.py has the
    figures); inside the call they reuse the layers' hot code and data.
 
-   Returns KV_OK or the first error code of kv_store / kv_decode (nothing past that layer ran). */
+   Returns KV_OK or the first error code of kv_store / kv_decode / kv_chunk_rows (nothing past
+   that layer ran); KV_BAD_LENGTH when the chunks' rows do not add up to T - decode_rows. */
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -36,14 +41,18 @@
 
 #define FIELD(layer, f) ((const float *)(intptr_t)weights[(layer) * KV_LAYER_FIELDS + (f)])
 
-int kv_decode_layers(float *x, const float *cos, const float *sin, const int64_t *weights,
-                     int64_t layers, int64_t rows, int64_t hidden, int64_t q_heads,
-                     int64_t kv_heads, int64_t head_dim, int64_t inter, float eps,
-                     float *k_cache, float *v_cache, int64_t num_pages, int64_t block,
-                     const int64_t *slots, const int64_t *tables, int64_t table_stride,
-                     const int64_t *lens, float scale, float *queries,
-                     const float *final_norm, float *normed, const float *head, int64_t vocab,
-                     float *logits) {
+int kv_step_layers(float *x, const float *cos, const float *sin, const int64_t *weights,
+                   int64_t layers, int64_t rows, int64_t hidden, int64_t q_heads,
+                   int64_t kv_heads, int64_t head_dim, int64_t inter, float eps, float *k_cache,
+                   float *v_cache, int64_t num_pages, int64_t block, const int64_t *slots,
+                   int64_t decode_rows, const int64_t *tables, int64_t table_stride,
+                   const int64_t *lens, int64_t chunks, const int64_t *chunk_tables,
+                   int64_t chunk_stride, const int64_t *chunk_base, const int64_t *chunk_rows,
+                   float scale, float *queries, const float *final_norm, float *normed,
+                   const float *head, int64_t vocab, float *logits) {
+    int64_t chunked = 0;
+    for (int64_t c = 0; c < chunks; c++) chunked += chunk_rows[c];
+    if (decode_rows < 0 || chunks < 0 || decode_rows + chunked != rows) return KV_BAD_LENGTH;
     const int64_t q_width = q_heads * head_dim, kv_width = kv_heads * head_dim;
     const int64_t qkv_width = q_width + 2 * kv_width, qk_width = q_width + kv_width;
     const int64_t layer_slots = kv_heads * num_pages * block * head_dim;
@@ -74,8 +83,14 @@ int kv_decode_layers(float *x, const float *cos, const float *sin, const int64_t
         rc = kv_store(qk + q_width, qkv + qk_width, qk_width, qkv_width, k_layer, v_layer, slots,
                       rows, kv_heads, head_dim, num_pages * block);
         if (rc) break;
-        rc = kv_decode(qk, qk_width, k_layer, v_layer, tables, table_stride, lens, 0, attn, rows,
-                       q_heads, kv_heads, head_dim, block, num_pages, scale);
+        if (decode_rows)
+            rc = kv_decode(qk, qk_width, k_layer, v_layer, tables, table_stride, lens, 0, attn,
+                           decode_rows, q_heads, kv_heads, head_dim, block, num_pages, scale);
+        if (rc == 0 && chunks)
+            rc = kv_chunk_rows(qk + decode_rows * qk_width, qk_width, k_layer, v_layer,
+                               chunk_tables, chunk_stride, chunk_base, chunk_rows,
+                               attn + decode_rows * q_width, chunks, q_heads, kv_heads, head_dim,
+                               block, num_pages, scale);
         if (rc) break;
         kv_panel_linear(attn, q_width, FIELD(l, KV_O), 0, o, rows, q_width, hidden);
         kv_add_rms_norm(x, o, FIELD(l, KV_POST_NORM), h, rows, hidden, eps);
