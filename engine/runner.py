@@ -284,13 +284,17 @@ class ModelRunner:
         outputs = [(it.seq, it.seq.num_output_tokens + j) for it in sampled for j in range(it.rows)]
         seqs = [s for s, _ in outputs]
         params = [s.params for s in seqs]
-        tokens = sample_tensor(logits, params, [self._generator(s) for s in seqs],
-                               self.noise)
         forced = [(i, s.params.forced_tokens[k]) for i, (s, k) in enumerate(outputs)
                   if k < len(s.params.forced_tokens)]
-        if forced:
-            rows, ids = torch.tensor(forced, dtype=torch.long).T.to(self.device)
-            tokens = tokens.index_copy(0, rows, ids)
+        if len(forced) == len(outputs) and all(p.greedy for p in params):
+            # every row forced and greedy: no draw to advance, so the argmax would be discarded
+            tokens = torch.tensor([t for _, t in forced], dtype=torch.long).to(self.device)
+        else:
+            tokens = sample_tensor(logits, params, [self._generator(s) for s in seqs],
+                                   self.noise)
+            if forced:
+                rows, ids = torch.tensor(forced, dtype=torch.long).T.to(self.device)
+                tokens = tokens.index_copy(0, rows, ids)
         if not any(p.logprobs for p in params):
             return tokens, None
         return tokens, token_logprobs(logits, tokens)
