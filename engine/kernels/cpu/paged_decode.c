@@ -250,56 +250,7 @@ typedef kv_v8 pv_vec;
 #endif
 #define PV_LANES ((int64_t)(sizeof(pv_vec) / sizeof(float)))
 
-/* acc[v] = acc[v] * keep[v] + sum_j w[j, v] * vp[j] for v < vecs and j in [0, hi0) and
-   [lo1, hi1): w [n, stride] (a page's weights, one row per slot), vp [n, head_dim], acc
-   [stride, head_dim]. With head_dim a small multiple of the vector, a block of `take` vectors'
-   accumulators stays in registers while each value row is read once for the block. */
-static inline __attribute__((always_inline)) void
-weigh_values(float *restrict acc, const int64_t head_dim, const float *restrict keep,
-             const float *restrict w, int64_t stride, int64_t vecs, const float *restrict vp,
-             int64_t hi0, int64_t lo1, int64_t hi1) {
-    const int64_t nv = head_dim / PV_LANES;
-    if (head_dim % PV_LANES == 0 && nv <= PV_REGS) {
-        const int64_t take = PV_REGS / nv; /* vectors per register block; stride is a multiple */
-        for (int64_t v0 = 0; v0 < vecs; v0 += take) {
-            pv_vec a[PV_REGS];
-            for (int64_t u = 0; u < take; u++)
-                for (int64_t d = 0; d < nv; d++) {
-                    memcpy(&a[u * nv + d], acc + (v0 + u) * head_dim + d * PV_LANES,
-                           sizeof(pv_vec));
-                    a[u * nv + d] *= keep[v0 + u];
-                }
-            for (int r = 0; r < 2; r++) {
-                const int64_t lo = r ? lo1 : 0, hi = r ? hi1 : hi0;
-                for (int64_t j = lo; j < hi; j++) {
-                    pv_vec x[PV_REGS];
-                    for (int64_t d = 0; d < nv; d++)
-                        memcpy(&x[d], vp + j * head_dim + d * PV_LANES, sizeof(pv_vec));
-                    for (int64_t u = 0; u < take; u++) {
-                        const pv_vec b = (pv_vec){0} + w[j * stride + v0 + u];
-                        for (int64_t d = 0; d < nv; d++) a[u * nv + d] += b * x[d];
-                    }
-                }
-            }
-            for (int64_t u = 0; u < take; u++)
-                for (int64_t d = 0; d < nv; d++)
-                    memcpy(acc + (v0 + u) * head_dim + d * PV_LANES, &a[u * nv + d],
-                           sizeof(pv_vec));
-        }
-        return;
-    }
-    for (int64_t v = 0; v < vecs; v++) {
-        float *av = acc + v * head_dim;
-        for (int64_t d = 0; d < head_dim; d++) av[d] *= keep[v];
-        for (int r = 0; r < 2; r++) {
-            const int64_t lo = r ? lo1 : 0, hi = r ? hi1 : hi0;
-            for (int64_t j = lo; j < hi; j++)
-                for (int64_t d = 0; d < head_dim; d++) av[d] += w[j * stride + v] * vp[j * head_dim + d];
-        }
-    }
-}
-
-/* The register block of weigh_values: vectors are padded to a multiple of it. */
+/* The register block of weigh_pages: vectors are padded to a multiple of it. */
 static inline int64_t value_block(int64_t head_dim) {
     const int64_t nv = head_dim / PV_LANES;
     return head_dim % PV_LANES == 0 && nv <= PV_REGS ? PV_REGS / nv : 1;
@@ -311,23 +262,74 @@ static inline int64_t tile_width(int64_t rows, int64_t group, int64_t head_dim) 
     return (rows * group + vb - 1) / vb * vb;
 }
 
-/* A tile's online softmax over its pages [p0, p1), left unnormalized in `state`: top [width],
-   total [width], then acc [width, head_dim] (chunk_finish merges the parts of a tile). */
+/* The fields of a page's entry in chunk_tile's span: its id, its first row of the weights, and
+   its slots outside the hole, [0, a) and [b, n). */
+enum { SPAN_PAGE, SPAN_ROW, SPAN_A, SPAN_B, SPAN_N, SPAN_FIELDS };
+
+/* acc[v] = sum over the part's pages and the slots each sees of w[row, v] * value[slot], for
+   v < width: w [rows, width] (one row per slot of the part's pages, in order), acc [width,
+   head_dim], span [pages, SPAN_FIELDS]. With head_dim a small multiple of the vector, a block
+   of `take` vectors' accumulators stays in registers over every slot of the part. */
+static inline __attribute__((always_inline)) void
+weigh_pages(float *restrict acc, const int64_t head_dim, const float *restrict w, int64_t width,
+            const float *restrict values, int64_t block, const int64_t *span, int64_t pages) {
+    const int64_t nv = head_dim / PV_LANES;
+    const int fast = head_dim % PV_LANES == 0 && nv <= PV_REGS;
+    const int64_t take = fast ? PV_REGS / nv : 1; /* vectors per block; width is a multiple */
+    if (!fast) memset(acc, 0, (size_t)(width * head_dim) * sizeof(float));
+    for (int64_t v0 = 0; v0 < width; v0 += take) {
+        pv_vec a[PV_REGS];
+        for (int64_t u = 0; fast && u < take * nv; u++) a[u] = (pv_vec){0};
+        for (int64_t p = 0; p < pages; p++) {
+            const int64_t *sp = span + p * SPAN_FIELDS;
+            const float *vp = values + sp[SPAN_PAGE] * block * head_dim;
+            const float *wp = w + sp[SPAN_ROW] * width;
+            for (int r = 0; r < 2; r++) {
+                const int64_t lo = r ? sp[SPAN_B] : 0, hi = r ? sp[SPAN_N] : sp[SPAN_A];
+                for (int64_t j = lo; j < hi; j++) {
+                    if (!fast) {
+                        for (int64_t d = 0; d < head_dim; d++)
+                            acc[v0 * head_dim + d] += wp[j * width + v0] * vp[j * head_dim + d];
+                        continue;
+                    }
+                    pv_vec x[PV_REGS];
+                    for (int64_t d = 0; d < nv; d++)
+                        memcpy(&x[d], vp + j * head_dim + d * PV_LANES, sizeof(pv_vec));
+                    for (int64_t u = 0; u < take; u++) {
+                        const pv_vec b = (pv_vec){0} + wp[j * width + v0 + u];
+                        for (int64_t d = 0; d < nv; d++) a[u * nv + d] += b * x[d];
+                    }
+                }
+            }
+        }
+        for (int64_t u = 0; fast && u < take; u++)
+            for (int64_t d = 0; d < nv; d++)
+                memcpy(acc + (v0 + u) * head_dim + d * PV_LANES, &a[u * nv + d], sizeof(pv_vec));
+    }
+}
+
+/* A tile's softmax over its pages [p0, p1), left unnormalized in `state`: top [width] (the
+   largest logit a vector sees, MASKED where it sees none), total [width] and acc [width,
+   head_dim], the sums of exp(logit - top) and of those weights times the values (chunk_finish
+   merges the parts of a tile). Two passes over the part: every page's logits into one buffer
+   (at most PART_SLOTS rows of the tile's width), then one maximum, one exponential and one
+   pass over the values with the accumulators in registers, where an online softmax page by
+   page would rescale and reload them at every page. */
 static inline __attribute__((always_inline)) int
 chunk_tile(const float *q, int64_t q_row, const float *keys, const float *values,
            const int64_t *table, int64_t base, int64_t rows, int64_t group, const int64_t head_dim,
            int64_t block, int64_t hole_start, int64_t hole_end, float scale, int64_t p0,
            int64_t p1, float *state) {
     const int64_t vecs = rows * group, width = tile_width(rows, group, head_dim);
-    const int64_t panels = (width + KV_PANEL - 1) / KV_PANEL;
-    float *qt = malloc((size_t)(width * head_dim + panels * KV_PANEL * head_dim + block * width +
-                                width * 3) * sizeof(float));
+    const int64_t panels = (width + KV_PANEL - 1) / KV_PANEL, pages = p1 - p0;
+    float *qt = malloc((size_t)(width * head_dim + panels * KV_PANEL * head_dim +
+                                pages * block * width) * sizeof(float) +
+                       (size_t)(pages * SPAN_FIELDS) * sizeof(int64_t));
     if (qt == 0) return KV_NO_MEMORY;
     float *packed = qt + width * head_dim, *s = packed + panels * KV_PANEL * head_dim;
-    float *keep = s + block * width, *page_top = keep + width, *page_total = page_top + width;
+    int64_t *span = (int64_t *)(s + pages * block * width);
     float *top = state, *total = top + width, *acc = total + width;
     memset(qt, 0, (size_t)(width * head_dim) * sizeof(float)); /* the padding vectors */
-    memset(acc, 0, (size_t)(width * head_dim) * sizeof(float));
     for (int64_t v = 0; v < width; v++) { /* vector v: row v / group, head v % group */
         if (v < vecs)
             memcpy(qt + v * head_dim, q + (v / group) * q_row + (v % group) * head_dim,
@@ -337,53 +339,50 @@ chunk_tile(const float *q, int64_t q_row, const float *keys, const float *values
     }
     kv_pack_small(qt, packed, width, head_dim);
     const int64_t len = base + rows; /* the last row's slots */
+    int64_t used = 0, filled = 0; /* pages with a slot outside the hole, rows of s */
     for (int64_t p = p0; p < p1; p++) {
         const int64_t first = p * block, n = len - first < block ? len - first : block;
         int64_t a = hole_start - first, b = hole_end - first; /* outside the hole: [0, a), [b, n) */
         a = a < 0 ? 0 : (a > n ? n : a);
         b = b < a ? a : (b > n ? n : b);
         if (a == 0 && b == n) continue; /* every slot of the page is in the hole */
-        const float *kp = keys + table[p] * block * head_dim;
-        const float *vp = values + table[p] * block * head_dim;
-        kv_panel_small(kp, head_dim, packed, s, n, head_dim, width); /* s [n, width] */
+        float *sp = s + filled * width;
+        kv_panel_small(keys + table[p] * block * head_dim, head_dim, packed, sp, n, head_dim,
+                       width); /* [n, width] */
         /* Row v / group sees slots up to base + v / group: only pages past base hide some. */
         const int causal = first + n - 1 > base;
-        for (int64_t v = 0; v < width; v++) {
-            page_top[v] = MASKED;
-            page_total[v] = 0.0f;
-        }
-        for (int r = 0; r < 2; r++) {
-            const int64_t lo = r ? b : 0, hi = r ? n : a;
-            for (int64_t j = lo; j < hi; j++) {
-                float *sj = s + j * width;
-                for (int64_t v = 0; v < width; v++) sj[v] *= scale;
-                if (causal)
-                    for (int64_t v = 0; v < vecs; v++)
-                        if (first + j > base + v / group) sj[v] = MASKED;
-                for (int64_t v = 0; v < width; v++)
-                    page_top[v] = sj[v] > page_top[v] ? sj[v] : page_top[v];
+        for (int64_t j = 0; j < n; j++) {
+            float *sj = sp + j * width;
+            if (j >= a && j < b) { /* in the hole: weight 0, never read below */
+                for (int64_t v = 0; v < width; v++) sj[v] = MASKED;
+                continue;
             }
+            for (int64_t v = 0; v < width; v++) sj[v] *= scale;
+            if (causal)
+                for (int64_t v = 0; v < vecs; v++)
+                    if (first + j > base + v / group) sj[v] = MASKED;
+            for (int64_t v = 0; v < width; v++) top[v] = sj[v] > top[v] ? sj[v] : top[v];
         }
-        for (int64_t v = 0; v < width; v++) {
-            /* a vector that has seen no slot yet keeps its weights at exactly 0 */
-            const float new_top = page_top[v] > top[v] ? page_top[v] : top[v];
-            page_top[v] = new_top > 0.5f * MASKED ? new_top : 0.0f;
-            keep[v] = expf(top[v] - page_top[v]);
-            top[v] = new_top;
-        }
-        for (int r = 0; r < 2; r++) {
-            const int64_t lo = r ? b : 0, hi = r ? n : a;
-            for (int64_t j = lo; j < hi; j++) {
-                float *sj = s + j * width;
-                for (int64_t v = 0; v < width; v++) {
-                    sj[v] = expf(sj[v] - page_top[v]);
-                    page_total[v] += sj[v];
-                }
-            }
-        }
-        for (int64_t v = 0; v < width; v++) total[v] = total[v] * keep[v] + page_total[v];
-        weigh_values(acc, head_dim, keep, s, width, width, vp, a, b, n);
+        int64_t *e = span + used * SPAN_FIELDS;
+        e[SPAN_PAGE] = table[p];
+        e[SPAN_ROW] = filled;
+        e[SPAN_A] = a;
+        e[SPAN_B] = b;
+        e[SPAN_N] = n;
+        used++;
+        filled += n;
     }
+    /* a vector that sees no slot keeps its weights at exactly 0: its shift is 0, not MASKED */
+    float *shift = qt; /* the packed queries are no longer needed: width floats of scratch */
+    for (int64_t v = 0; v < width; v++) shift[v] = top[v] > 0.5f * MASKED ? top[v] : 0.0f;
+    for (int64_t j = 0; j < filled; j++) {
+        float *sj = s + j * width;
+        for (int64_t v = 0; v < width; v++) {
+            sj[v] = expf(sj[v] - shift[v]);
+            total[v] += sj[v];
+        }
+    }
+    weigh_pages(acc, head_dim, s, width, values, block, span, used);
     free(qt);
     return KV_OK;
 }
