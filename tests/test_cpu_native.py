@@ -111,15 +111,9 @@ def test_prefill_rows_tiles_pages_and_holes(shape):
     """Chunks of 20 and 17 rows (two tiles of up to 16), a padded chunk and a short one, over
     the head and page sizes of the decode test; per-head holes below each base, whose slots are
     never read (NaN keys and values there change nothing)."""
-    q_heads, kv_heads, head_dim, block = shape
-    gen = torch.Generator().manual_seed(11)
-    base, qlens, lq_max = (37, 0, 5, 70), (20, 17, 0, 3), 20
-    tables, num_blocks = make_tables([max(b + n, 1) for b, n in zip(base, qlens)], block, gen,
-                                     dtype=torch.int64)
-    k_cache = torch.randn(kv_heads, num_blocks, block, head_dim, generator=gen)
-    v_cache = torch.randn(kv_heads, num_blocks, block, head_dim, generator=gen)
-    q = torch.randn(len(base), lq_max, q_heads, head_dim, generator=gen)
-    case = (q, k_cache, v_cache, tables, torch.tensor(base), torch.tensor(qlens), head_dim**-0.5)
+    kv_heads = shape[1]
+    case = _chunks_case(shape, (37, 0, 5, 70), (20, 17, 0, 3), 20, seed=11)
+    _, k_cache, v_cache, tables = case[:4]
     out = cpu_native.prefill_rows(*case)
     assert_close(out, naive_prefill(*case), F32)
     assert out[2].abs().max() == 0 and out[3, 3:].abs().max() == 0  # padded rows
@@ -137,15 +131,9 @@ def test_prefill_rows_split_long_contexts_into_parts(block):
     """Tiles over more than the kernel's 256 slots a task run in parts, merged after: a chunk
     after 600 and 300 slots, one from slot 0, over SmolLM2's heads; holes that cover a whole
     part (that part sees nothing) or cross a part's edge; NaN in the holes changes nothing."""
-    gen = torch.Generator().manual_seed(12)
-    q_heads, kv_heads, head_dim = 9, 3, 64
-    base, qlens, lq_max = (600, 300, 0), (16, 5, 9), 16
-    tables, num_blocks = make_tables([b + n for b, n in zip(base, qlens)], block, gen,
-                                     dtype=torch.int64)
-    k_cache = torch.randn(kv_heads, num_blocks, block, head_dim, generator=gen)
-    v_cache = torch.randn(kv_heads, num_blocks, block, head_dim, generator=gen)
-    q = torch.randn(len(base), lq_max, q_heads, head_dim, generator=gen)
-    case = (q, k_cache, v_cache, tables, torch.tensor(base), torch.tensor(qlens), head_dim**-0.5)
+    kv_heads = 3
+    case = _chunks_case((9, kv_heads, 64, block), (600, 300, 0), (16, 5, 9), 16, seed=12)
+    _, k_cache, v_cache, tables = case[:4]
     out = cpu_native.prefill_rows(*case)
     assert_close(out, paged_prefill_attention_torch(*case), F32)  # the loop reference is slow
     holes = _holes(kv_heads, [[(0, 512), (250, 270), (0, 600)], [(0, 300)], [(0, 0)]])
@@ -154,6 +142,19 @@ def test_prefill_rows_split_long_contexts_into_parts(block):
     assert not torch.allclose(with_holes, out, atol=1e-3)
     _poison_holes(k_cache, v_cache, tables, holes)
     assert torch.equal(cpu_native.prefill_rows(*case, holes), with_holes)
+
+
+def _chunks_case(shape, base, qlens, lq_max, seed):
+    """prefill_rows' arguments for chunks of `qlens` rows after `base` slots, padded to lq_max,
+    shape (q_heads, kv_heads, head_dim, block), pages in a shuffled order."""
+    q_heads, kv_heads, head_dim, block = shape
+    gen = torch.Generator().manual_seed(seed)
+    tables, num_blocks = make_tables([max(b + n, 1) for b, n in zip(base, qlens)], block, gen,
+                                     dtype=torch.int64)
+    k_cache = torch.randn(kv_heads, num_blocks, block, head_dim, generator=gen)
+    v_cache = torch.randn(kv_heads, num_blocks, block, head_dim, generator=gen)
+    q = torch.randn(len(base), lq_max, q_heads, head_dim, generator=gen)
+    return q, k_cache, v_cache, tables, torch.tensor(base), torch.tensor(qlens), head_dim**-0.5
 
 
 @needs_kernel
