@@ -407,14 +407,7 @@ def test_query_probs_dots_with_and_without_avx512(tmp_path):
     a partial last page, both equal the float64 definition, with and without the group mean."""
     import ctypes
 
-    sources = [ROOT / "engine/kernels/cpu" / name for name in ("paged_decode.c", "panel_gemm.c")]
-    libraries = []
-    for extra in ((), ("-mno-avx512f",)):
-        target = tmp_path / f"probs{len(libraries)}.so"
-        subprocess.run(["cc", *cpu_native.COMPILE_FLAGS, *extra, "-shared",
-                        f"-I{sources[0].parent}", *map(str, sources), "-o", str(target), "-lm"],
-                       check=True, capture_output=True)
-        libraries.append(ctypes.CDLL(str(target)))
+    libraries = _both_builds(tmp_path)
 
     def run(library, queries, k_cache, table, length, limits, scale, group_mean, slots=None):
         layers, n, q_heads, head_dim = queries.shape
@@ -453,6 +446,54 @@ def test_query_probs_dots_with_and_without_avx512(tmp_path):
                                        rtol=1e-5)
             torch.testing.assert_close(run(library, *case, 0, slots).double(), held, atol=1e-6,
                                        rtol=1e-5)
+
+
+def _both_builds(tmp_path) -> list:
+    """paged_decode.c with the panel kernel it calls, built as the library is and again without
+    AVX-512 (the AVX2 vectors), loaded: [native, AVX2]."""
+    import ctypes
+
+    sources = [ROOT / "engine/kernels/cpu" / name for name in ("paged_decode.c", "panel_gemm.c")]
+    libraries = []
+    for extra in ((), ("-mno-avx512f",)):
+        target = tmp_path / f"paged{len(libraries)}.so"
+        subprocess.run(["cc", *cpu_native.COMPILE_FLAGS, *extra, "-shared",
+                        f"-I{sources[0].parent}", *map(str, sources), "-o", str(target), "-lm"],
+                       check=True, capture_output=True)
+        libraries.append(ctypes.CDLL(str(target)))
+    return libraries
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler here")
+def test_chunk_attention_with_and_without_avx512(tmp_path):
+    """The chunk attention's value pass keeps a register block of vectors where head_dim is a
+    small multiple of the vector (16 lanes with AVX-512, 8 without) and goes one vector at a
+    time elsewhere: built both ways, over head sizes that take either path, a long base split
+    into parts and holes, both equal the twin."""
+    import ctypes
+
+    libraries = _both_builds(tmp_path)
+
+    def run(library, q, k_cache, v_cache, tables, base, qlens, scale, holes):
+        out = torch.zeros_like(q)
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        holes = holes.to(torch.int64)
+        rc = library.kv_prefill_chunks(
+            ptr(q.data_ptr()), ptr(k_cache.data_ptr()), ptr(v_cache.data_ptr()),
+            ptr(tables.data_ptr()), i64(tables.shape[1]), ptr(base.data_ptr()),
+            ptr(qlens.data_ptr()), ptr(holes.data_ptr()), ptr(out.data_ptr()),
+            *(i64(v) for v in (q.shape[0], q.shape[1], q.shape[2], k_cache.shape[0],
+                               q.shape[3], k_cache.shape[2], k_cache.shape[1])),
+            ctypes.c_float(scale))
+        assert rc == 0
+        return out
+
+    for shape in ((9, 3, 64, 16), (4, 2, 24, 8), (6, 2, 128, 32)):
+        case = _chunks_case(shape, (300, 20), (16, 5), 16, seed=13)
+        holes = _holes(shape[1], [[(0, 270), (40, 45)], [(0, 0)]])
+        want = paged_prefill_attention_torch(*case, holes)
+        for library in libraries:
+            assert_close(run(library, *case, holes), want, F32)
 
 
 @needs_kernel

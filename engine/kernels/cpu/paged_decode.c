@@ -231,8 +231,8 @@ int kv_decode(const float *q, int64_t q_stride, const float *k_cache, const floa
    slots). The tile's rows x the group's query heads are V query vectors, packed once into
    panels (panel_gemm.c's layout), so each page's keys are read once for all V as the rows of
    one small product, [n, V] logits, where the decode kernel reads and reduces every key once
-   per row and head. Each vector then updates its online softmax and its values as attend_head
-   does, over the page's slots it sees outside the hole; the parts' sums are merged after. A
+   per row and head. Each part then takes its vectors' softmax over the slots they see outside
+   the hole and their weighted values (chunk_tile), and the parts' sums are merged after. A
    forced run's page at b = 16 is one tile per KV head: with 3 KV heads a single sequence gave
    two threads three tasks, and the parts split them finer (8-row tiles instead read every page
    twice as often, and measured slower). */
