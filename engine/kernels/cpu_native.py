@@ -513,7 +513,7 @@ def step_layers(x, cos, sin, stack: LayerStack, k_cache, v_cache, slot_mapping, 
                     where.q_lens)
     if slot_mapping.shape != (rows,):
         raise ValueError(f"slot_mapping {tuple(slot_mapping.shape)} does not fit {rows} rows")
-    if decode[1].numel() + int(chunks[2].sum()) != rows:
+    if decode[1].numel() + (int(chunks[2].sum()) if chunks[2].numel() else 0) != rows:
         raise ValueError(f"{decode[1].numel()} one-token rows and chunks of "
                          f"{chunks[2].tolist()} rows do not add up to {rows} rows")
     if queries is not None:
@@ -541,12 +541,17 @@ def step_layers(x, cos, sin, stack: LayerStack, k_cache, v_cache, slot_mapping, 
     return normed if out is None else out
 
 
+# An absent StepRows group as the kernel reads it: no tables [0, 1], no lengths [0] (never
+# written; made once instead of every step).
+_NO_TABLES = torch.full((0, 1), -1, dtype=torch.int64)
+_NO_LENGTHS = torch.zeros(0, dtype=torch.int64)
+
+
 def _group(tables, lengths, tables_name: str, lengths_name: str, *more) -> tuple:
-    """A StepRows group as int64 tensors (tables [B, nb], lengths and `more` [B]); an empty
-    group ([0, 1] and [0]) where its tables are None."""
+    """A StepRows group as int64 tensors (tables [B, nb], lengths and `more` [B]); the empty
+    group where its tables are None."""
     if tables is None:
-        return (torch.full((0, 1), -1, dtype=torch.int64),
-                *(torch.zeros(0, dtype=torch.int64) for _ in (lengths, *more)))
+        return (_NO_TABLES, *(_NO_LENGTHS for _ in (lengths, *more)))
     if tables.dim() != 2 or any(t is None or t.shape != (tables.shape[0],)
                                 for t in (lengths, *more)):
         raise ValueError(f"{tables_name} {tuple(tables.shape)} and {lengths_name} do not fit "

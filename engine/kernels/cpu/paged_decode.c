@@ -459,6 +459,23 @@ static int check_chunks(const int64_t *tables, int64_t table_stride, const int64
    pages are split into parts of up to PART_SLOTS slots, one task each, merged by chunk_finish
    after: a single sequence's 3 KV heads alone would give two threads three equal tasks. The
    split depends on the shapes only, so the result does not change with the thread count. */
+/* Tile t of sequence b in chunk_tiles: its first row in q and out, its rows (0: past the
+   sequence's chunk), and the pages its last row sees (at least 1 when it has rows). */
+struct tile_span {
+    int64_t row, rows, pages;
+};
+
+static inline struct tile_span tile_at(int64_t b, int64_t t, const int64_t *starts,
+                                       int64_t lq_max, const int64_t *base_lens,
+                                       const int64_t *q_lens, int64_t block) {
+    const int64_t i0 = t * CHUNK_ROWS, left = q_lens[b] - i0;
+    struct tile_span span = {(starts != 0 ? starts[b] : b * lq_max) + i0, 0, 0};
+    if (left <= 0) return span;
+    span.rows = left < CHUNK_ROWS ? left : CHUNK_ROWS;
+    span.pages = (base_lens[b] + i0 + span.rows + block - 1) / block;
+    return span;
+}
+
 static int chunk_tiles(const float *q, int64_t q_row, const int64_t *starts,
                        const float *k_cache, const float *v_cache, const int64_t *tables,
                        int64_t table_stride, const int64_t *base_lens, const int64_t *q_lens,
@@ -485,22 +502,19 @@ static int chunk_tiles(const float *q, int64_t q_row, const int64_t *starts,
             for (int64_t h = 0; h < kv_heads; h++) {
                 for (int64_t t = 0; t < tiles; t++) {
                     for (int64_t k = 0; k < parts; k++) {
-                        const int64_t i0 = t * CHUNK_ROWS;
-                        if (i0 >= q_lens[b]) continue;
-                        const int64_t rows =
-                            q_lens[b] - i0 < CHUNK_ROWS ? q_lens[b] - i0 : CHUNK_ROWS;
-                        const int64_t pages = (base_lens[b] + i0 + rows + block - 1) / block;
+                        const struct tile_span tile =
+                            tile_at(b, t, starts, lq_max, base_lens, q_lens, block);
                         const int64_t p0 = k * part_pages;
-                        if (p0 >= pages && k) continue;
-                        const int64_t p1 = p0 + part_pages < pages ? p0 + part_pages : pages;
+                        if (p0 >= tile.pages) continue; /* no rows, or fewer parts */
+                        const int64_t p1 =
+                            p0 + part_pages < tile.pages ? p0 + part_pages : tile.pages;
                         const int64_t hs = holes != 0 ? holes[(b * kv_heads + h) * 2] : 0;
                         const int64_t he = holes != 0 ? holes[(b * kv_heads + h) * 2 + 1] : 0;
-                        const int64_t row = (starts != 0 ? starts[b] : b * lq_max) + i0;
                         int rc = chunk_tile_any(
-                            q + row * q_row + h * group * head_dim, q_row,
+                            q + tile.row * q_row + h * group * head_dim, q_row,
                             k_cache + h * slots * head_dim, v_cache + h * slots * head_dim,
-                            tables + b * table_stride, base_lens[b] + i0, rows, group, head_dim,
-                            block, hs, he, scale, p0, p1,
+                            tables + b * table_stride, base_lens[b] + t * CHUNK_ROWS, tile.rows,
+                            group, head_dim, block, hs, he, scale, p0, p1,
                             states + (((b * kv_heads + h) * tiles + t) * parts + k) * stride);
                         if (rc != KV_OK) {
 #pragma omp atomic write
@@ -514,15 +528,13 @@ static int chunk_tiles(const float *q, int64_t q_row, const int64_t *starts,
         for (int64_t b = 0; b < batch; b++) {
             for (int64_t h = 0; h < kv_heads; h++) {
                 for (int64_t t = 0; t < tiles; t++) {
-                    const int64_t i0 = t * CHUNK_ROWS;
-                    if (i0 >= q_lens[b] || error != KV_OK) continue;
-                    const int64_t rows = q_lens[b] - i0 < CHUNK_ROWS ? q_lens[b] - i0 : CHUNK_ROWS;
-                    const int64_t pages = (base_lens[b] + i0 + rows + block - 1) / block;
-                    const int64_t used = pages > 0 ? (pages + part_pages - 1) / part_pages : 1;
-                    const int64_t row = (starts != 0 ? starts[b] : b * lq_max) + i0;
+                    const struct tile_span tile =
+                        tile_at(b, t, starts, lq_max, base_lens, q_lens, block);
+                    if (tile.rows == 0 || error != KV_OK) continue;
                     chunk_finish(states + ((b * kv_heads + h) * tiles + t) * parts * stride,
-                                 used, stride, rows, group, head_dim,
-                                 out + row * out_row + h * group * head_dim, out_row);
+                                 (tile.pages + part_pages - 1) / part_pages, stride, tile.rows,
+                                 group, head_dim, out + tile.row * out_row + h * group * head_dim,
+                                 out_row);
                 }
             }
         }
