@@ -96,6 +96,31 @@ def test_runner_picks_forces_and_scores_on_device():
     assert tokens.device.type == logp.device.type == "meta" and logp.shape == (2,)
 
 
+def test_runner_pick_of_only_forced_greedy_rows_takes_the_forced_ids():
+    """Every row forced and greedy (a forced run's page): the forced ids, uploaded without an
+    argmax, their log-probabilities scored as any row's; on meta, nothing reaches the host."""
+    from engine.runner import ModelRunner, WorkItem
+    from engine.sequence import Sequence
+
+    def seqs():
+        return [Sequence([1, 2], SamplingParams(temperature=0.0, forced_tokens=(4, 5, 6),
+                                                logprobs=True), 3),
+                Sequence([1, 2], SamplingParams(temperature=0.0, forced_tokens=(7,)), 4)]
+
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.device = torch.device("meta")
+    with DeviceGuard("meta"):
+        tokens, logp = runner.pick_on_device([WorkItem(s, n, forced=n > 1) for s, n in zip(seqs(), (2, 1))],
+                                             logits_for(3, "meta"))
+    assert tokens.device.type == logp.device.type == "meta" and logp.shape == (3,)
+    runner.device = torch.device("cpu")
+    logits = logits_for(3)
+    items = [WorkItem(s, n, forced=n > 1) for s, n in zip(seqs(), (2, 1))]
+    tokens, logp = runner.pick_on_device(items, logits)
+    assert tokens.tolist() == [4, 5, 7]
+    assert torch.equal(logp, torch.log_softmax(logits, dim=-1)[[0, 1, 2], [4, 5, 7]])
+
+
 def test_runner_pick_forces_tokens_and_records_logprobs_on_cpu():
     from engine.runner import ModelRunner, WorkItem
     from engine.sequence import Sequence
