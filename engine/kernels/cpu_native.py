@@ -60,8 +60,8 @@ OpenMP threads. The measurements behind each are in results/benchmarks/cpu-kerne
         for bit; only the Python between them is gone. The C backend runs it
         (engine/kernels/backend.py, over DecoderModel.stack_layers' stack) for steps with no
         per-head holes whose chunks the C chunk kernel takes: decode steps, and a forced run's
-        pages, whose per-layer Python was a fifth of a forced step; `queries` takes every
-        layer's pre-RoPE queries out for the policies' signals.
+        pages (results/benchmarks/forced-notes.md: what the Python between the layers cost);
+        `queries` takes every layer's pre-RoPE queries out for the policies' signals.
 
 The engine runs these kernels through its backend (engine/kernels/backend.py), chosen once: CPU
 float32 with `available()`. The library is built once per source, compiler (``$CC`` or ``cc``,
