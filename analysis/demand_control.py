@@ -179,9 +179,10 @@ class SyntheticView:
     def query_probs(self, queries: torch.Tensor, layers: slice | None = None,
                     length: int | None = None, scale: float | None = None,
                     group_mean: bool = False, key_limit: torch.Tensor | None = None,
-                    slots: torch.Tensor | None = None) -> torch.Tensor:
+                    slots: torch.Tensor | None = None,
+                    query_reduce: str = "none") -> torch.Tensor:
         return dense_view_probs(self.keys(layers), queries, length, scale, group_mean,
-                                key_limit, slots)
+                                key_limit, slots, query_reduce)
 
     def recent_queries(self, rope: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         return self._query.unsqueeze(1), torch.tensor([self.length - 1])

@@ -76,9 +76,10 @@ class SeqView:
     def query_probs(self, queries: torch.Tensor, layers: slice | None = None,
                     length: int | None = None, scale: float | None = None,
                     group_mean: bool = False, key_limit: torch.Tensor | None = None,
-                    slots: torch.Tensor | None = None) -> torch.Tensor:
+                    slots: torch.Tensor | None = None,
+                    query_reduce: str = "none") -> torch.Tensor:
         return self._runner.query_probs(self.seq, queries, layers, length, scale, group_mean,
-                                        key_limit, slots)
+                                        key_limit, slots, query_reduce)
 
     def key_redundancy(self, threshold: float = 0.5, temperature: float = 1.0,
                        spare_first: bool = False, block: int | None = None) -> torch.Tensor:

@@ -436,7 +436,8 @@ class ModelRunner:
     def query_probs(self, seq: Sequence, queries: torch.Tensor, layers: slice | None = None,
                     length: int | None = None, scale: float | None = None,
                     group_mean: bool = False, key_limit: torch.Tensor | None = None,
-                    slots: torch.Tensor | None = None) -> torch.Tensor:
+                    slots: torch.Tensor | None = None,
+                    query_reduce: str = "none") -> torch.Tensor:
         """PolicyView.query_probs: queries [layers, n, q_heads, d] over the sequence's physical
         slots [0, length), or over the slot map `slots` [layers, kv_heads, width], through the
         backend's kernel (the keys read where they lie)."""
@@ -458,7 +459,7 @@ class ModelRunner:
         if key_limit is not None:
             key_limit = key_limit.to(self.device)
         return self.backend.query_probs(queries, cache, table, length, key_limit, scale,
-                                        group_mean, slots)
+                                        group_mean, slots, query_reduce)
 
     def apply_rope(self, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """PolicyView.apply_rope: q [..., T, heads, d] rotated at positions [T] by the backend's

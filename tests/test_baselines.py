@@ -73,9 +73,10 @@ class FakeView:
         return self.keys_
 
     def query_probs(self, queries, layers=None, length=None, scale=None, group_mean=False,
-                    key_limit=None, slots=None):
+                    key_limit=None, slots=None, query_reduce="none"):
         keys = self.keys_ if layers is None else self.keys_[layers]
-        return dense_view_probs(keys, queries, length, scale, group_mean, key_limit, slots)
+        return dense_view_probs(keys, queries, length, scale, group_mean, key_limit, slots,
+                                query_reduce)
 
     def key_redundancy(self, threshold=0.5, temperature=1.0, spare_first=False, block=None):
         return key_redundancy(self.keys_, threshold=threshold, temperature=temperature,

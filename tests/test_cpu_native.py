@@ -400,19 +400,23 @@ def test_panel_linear_gives_the_same_bits_with_and_without_avx512(tmp_path):
             assert torch.equal(*(run(lib, x, panels, bias, out_features) for lib in libraries))
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler here")
-def test_query_probs_dots_with_and_without_avx512(tmp_path):
-    """kv_query_probs takes a vector's worth of keys' dots at once where head_dim is a small
-    multiple of the vector (16 lanes with AVX-512, 8 without) and the rest one at a time: built
-    both ways, over head sizes that take either path, pages of 8-32 slots and lengths that leave
-    a partial last page, both equal the float64 definition, with and without the group mean."""
+def test_query_probs_with_and_without_avx512(tmp_path):
+    """kv_query_probs multiplies each (layer, KV head)'s packed keys by its group's queries in
+    the panel kernel, whose tiles differ with the vector (12 rows x 2 panels with AVX-512, 6 x
+    1 without): built both ways, over head sizes of any width, pages of 8-32 slots and lengths
+    that leave a partial last page and panel, both equal the float64 definition per query, with
+    the group mean, and with the queries' sum or mean (plain and through a slot map)."""
     import ctypes
 
     libraries = _both_builds(tmp_path)
+    reduce_code = {"none": 0, "sum": 1, "mean": 2}
 
-    def run(library, queries, k_cache, table, length, limits, scale, group_mean, slots=None):
+    def run(library, queries, k_cache, table, length, limits, scale, group_mean, slots=None,
+            query_reduce="none"):
         layers, n, q_heads, head_dim = queries.shape
         _, kv_heads, pages, block, _ = k_cache.shape
-        out = torch.empty(layers, kv_heads if group_mean else q_heads, n, length)
+        heads = kv_heads if group_mean else q_heads
+        out = torch.empty(layers, heads, *((n,) if query_reduce == "none" else ()), length)
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
         rc = library.kv_query_probs(
             ptr(queries.data_ptr()), ptr(k_cache.data_ptr()), i64(k_cache.stride(0)),
@@ -420,7 +424,7 @@ def test_query_probs_dots_with_and_without_avx512(tmp_path):
             ptr(None if slots is None else slots.data_ptr()), ptr(limits.data_ptr()),
             i64(length), ptr(out.data_ptr()),
             *(i64(v) for v in (layers, n, q_heads, kv_heads, head_dim, block, pages)),
-            ctypes.c_float(scale), ctypes.c_int(group_mean))
+            ctypes.c_float(scale), ctypes.c_int(group_mean), ctypes.c_int(reduce_code[query_reduce]))
         assert rc == 0
         return out
 
@@ -439,13 +443,17 @@ def test_query_probs_dots_with_and_without_avx512(tmp_path):
         slots = torch.arange(length).flip(0).repeat(layers, kv_heads, 1)
         slots[..., :3] = -1
         held = naive_slot_probs(queries, k_cache, tables[0], slots, limits, head_dim**-0.5)
+        close = {"atol": 1e-6, "rtol": 1e-5}
         for library in libraries:
-            torch.testing.assert_close(run(library, *case, 0).double(), want, atol=1e-6,
-                                       rtol=1e-5)
-            torch.testing.assert_close(run(library, *case, 1).double(), mean, atol=1e-6,
-                                       rtol=1e-5)
-            torch.testing.assert_close(run(library, *case, 0, slots).double(), held, atol=1e-6,
-                                       rtol=1e-5)
+            torch.testing.assert_close(run(library, *case, 0).double(), want, **close)
+            torch.testing.assert_close(run(library, *case, 1).double(), mean, **close)
+            torch.testing.assert_close(run(library, *case, 0, slots).double(), held, **close)
+            torch.testing.assert_close(run(library, *case, 0, query_reduce="sum").double(),
+                                       want.sum(dim=2), **close)
+            torch.testing.assert_close(run(library, *case, 1, query_reduce="mean").double(),
+                                       mean.mean(dim=2), **close)
+            torch.testing.assert_close(run(library, *case, 0, slots, "sum").double(),
+                                       held.sum(dim=2), **close)
 
 
 def _both_builds(tmp_path) -> list:

@@ -89,9 +89,9 @@ class FakeView:
         return self._keys if layers is None else self._keys[layers]
 
     def query_probs(self, queries, layers=None, length=None, scale=None, group_mean=False,
-                    key_limit=None, slots=None):
+                    key_limit=None, slots=None, query_reduce="none"):
         return dense_view_probs(self.keys(layers), queries, length, scale, group_mean,
-                                key_limit, slots)
+                                key_limit, slots, query_reduce)
 
     def recent_queries(self, rope=True):
         assert not rope

@@ -436,6 +436,13 @@ def test_query_probs_twin_and_triton(dtype, heads, limits):
         got = impl(*case, group_mean=True)
         assert got.shape == (2, kv_heads, 5, 37)
         torch.testing.assert_close(got.double(), mean, atol=1e-5, rtol=1e-4)
+        # the queries' sum per head, and their mean of the group's mean: the n axis gone
+        got = impl(*case, query_reduce="sum")
+        assert got.shape == (2, q_heads, 37)
+        torch.testing.assert_close(got.double(), want.sum(dim=2), atol=1e-5, rtol=1e-4)
+        got = impl(*case, group_mean=True, query_reduce="mean")
+        assert got.shape == (2, kv_heads, 37)
+        torch.testing.assert_close(got.double(), mean.mean(dim=2), atol=1e-5, rtol=1e-4)
 
 
 def test_query_probs_over_a_slot_map_stays_on_the_device():
@@ -501,6 +508,11 @@ def test_query_probs_over_a_slot_map(heads):
         torch.testing.assert_close(impl(*case, slots=slots).double(), want, atol=1e-6, rtol=1e-5)
         torch.testing.assert_close(impl(*case, group_mean=True, slots=slots).double(), mean,
                                    atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(impl(*case, slots=slots, query_reduce="sum").double(),
+                                   want.sum(dim=2), atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(
+            impl(*case, group_mean=True, slots=slots, query_reduce="mean").double(),
+            mean.mean(dim=2), atol=1e-6, rtol=1e-5)
     with pytest.raises(ValueError, match="past the table"):
         paged_query_probs(*case, slots=slots.clamp_min(0) + table.numel() * k_cache.shape[3])
     with pytest.raises(ValueError, match="slots must be"):
@@ -524,6 +536,12 @@ def test_query_probs_rejects_bad_input():
         paged_query_probs(queries, k_cache, table, length, limit[:3], scale)
     with pytest.raises(ValueError, match="layer count"):
         paged_query_probs(queries[:1], k_cache, table, length, limit, scale)
+    impls = [paged_query_probs_torch, paged_query_probs_triton]
+    if cpu_native.available():
+        impls.append(paged_query_probs_c)
+    for impl in impls:
+        with pytest.raises(ValueError, match="query_reduce must be one of"):
+            impl(queries, k_cache, table, length, limit, scale, query_reduce="max")
     if cpu_native.available():  # the C kernel checks the pages it reads
         with pytest.raises(ValueError, match="outside the cache"):
             paged_query_probs_c(queries, k_cache, table + k_cache.shape[2], length, limit, scale)

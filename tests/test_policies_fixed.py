@@ -291,9 +291,10 @@ class FakeView:
         return self.keys_.gather(2, slots[..., None].expand(*slots.shape, self.keys_.shape[-1]))
 
     def query_probs(self, queries, layers=None, length=None, scale=None, group_mean=False,
-                    key_limit=None, slots=None):
+                    key_limit=None, slots=None, query_reduce="none"):
         keys = self.keys_ if layers is None else self.keys_[layers]
-        return dense_view_probs(keys, queries, length, scale, group_mean, key_limit, slots)
+        return dense_view_probs(keys, queries, length, scale, group_mean, key_limit, slots,
+                                query_reduce)
 
     def recent_queries(self, rope=True):
         n = self.queries_.shape[1]

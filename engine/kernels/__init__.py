@@ -12,6 +12,7 @@ from engine.kernels.attention_scores import (
     paged_query_probs_c,
     paged_query_probs_torch,
     paged_query_probs_triton,
+    reduce_queries,
     window_logits,
 )
 from engine.kernels.compact import (
@@ -51,6 +52,7 @@ __all__ = [
     "paged_query_probs_c",
     "paged_query_probs_torch",
     "paged_query_probs_triton",
+    "reduce_queries",
     "store_kv",
     "store_kv_torch",
     "store_kv_triton",

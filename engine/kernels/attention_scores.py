@@ -5,7 +5,7 @@ engine's backend: engine/kernels/backend.py). Triton version for CUDA tensors, t
 CPU float32 where the C library is built (cpu/paged_decode.c), a torch twin otherwise:
 
 ``paged_query_probs(queries, k_cache, block_table, length, key_limit, scale, group_mean=False,
-slots=None) -> probs``
+slots=None, query_reduce="none") -> probs``
 
     queries:     [layers, n, q_heads, head_dim]   post-RoPE queries of one sequence
     k_cache:     [layers, kv_heads, num_blocks, block_size, head_dim]   (the whole cache)
@@ -21,7 +21,9 @@ slots=None) -> probs``
     probs:       [layers, q_heads, n, length] fp32; softmax over keys. A query whose limit
                  is 0 (or that sees no held column) gets an all-zero row (not NaN). With
                  group_mean=True, [layers, kv_heads, n, length]: the mean of each GQA group's
-                 rows.
+                 rows. With query_reduce "sum" or "mean", the n axis summed or averaged:
+                 [layers, q_heads or kv_heads, length] (the window-scored policies' reduction,
+                 done where the probabilities are: the C kernel writes no [n, length] rows).
 
 GQA: query head h reads kv head h // (q_heads // kv_heads). Logits are computed in fp32.
 """
@@ -77,6 +79,25 @@ def _validate(queries, k_cache, block_table, length, key_limit, slots=None) -> i
         check_dim("key_limit", key_limit.shape[0], queries.shape[1], "length (queries n)")
         check_same_device("queries", queries, key_limit=key_limit)
     return length
+
+
+QUERY_REDUCTIONS = ("none", "sum", "mean")
+
+
+def check_query_reduce(query_reduce: str) -> None:
+    """A ValueError unless `query_reduce` is one of QUERY_REDUCTIONS."""
+    if query_reduce not in QUERY_REDUCTIONS:
+        raise ValueError(f"query_reduce must be one of {list(QUERY_REDUCTIONS)}, got "
+                         f"{query_reduce!r}")
+
+
+def reduce_queries(probs: torch.Tensor, query_reduce: str) -> torch.Tensor:
+    """probs [layers, heads, n, length] -> the same ("none"), or [layers, heads, length]: the
+    sum or mean over the n queries (the twins' form of the C kernel's query_reduce)."""
+    check_query_reduce(query_reduce)
+    if query_reduce == "none":
+        return probs
+    return probs.sum(dim=2) if query_reduce == "sum" else probs.mean(dim=2)
 
 
 def _limits(key_limit, n: int, length: int, device) -> torch.Tensor:
@@ -139,27 +160,33 @@ def dense_query_probs(queries, keys, key_limit=None, scale=None, group_mean=Fals
 
 
 def dense_view_probs(keys, queries, length=None, scale=None, group_mean=False, key_limit=None,
-                     slots=None):
+                     slots=None, query_reduce="none"):
     """PolicyView.query_probs for a view whose keys are already dense, [layers, kv_heads, T,
     head_dim] (the analyses' synthetic views and the tests' fakes): over slots [0, length), or
     over the slot map `slots` [layers, kv_heads, width] (< 0: hidden)."""
+    check_query_reduce(query_reduce)
     if slots is None:
-        return dense_query_probs(queries, keys[:, :, :length], key_limit, scale, group_mean)
-    index = slots.long().clamp_min(0)[..., None].expand(*slots.shape, keys.shape[-1])
-    return dense_query_probs(queries, keys.gather(2, index), key_limit, scale, group_mean,
-                             key_mask=slots >= 0)
+        probs = dense_query_probs(queries, keys[:, :, :length], key_limit, scale, group_mean)
+    else:
+        index = slots.long().clamp_min(0)[..., None].expand(*slots.shape, keys.shape[-1])
+        probs = dense_query_probs(queries, keys.gather(2, index), key_limit, scale, group_mean,
+                                  key_mask=slots >= 0)
+    return reduce_queries(probs, query_reduce)
 
 
 def paged_query_probs_torch(queries, k_cache, block_table, length, key_limit, scale,
-                            group_mean=False, slots=None):
+                            group_mean=False, slots=None, query_reduce="none"):
     """Torch twin of :func:`paged_query_probs` (module docstring has the shapes): gathers the
     used pages of every layer at once (or the slot map's keys), then :func:`dense_query_probs`."""
     length = _validate(queries, k_cache, block_table, length, key_limit, slots)
+    check_query_reduce(query_reduce)
     if slots is None:
-        return dense_query_probs(queries, dense_keys(k_cache, block_table, length), key_limit,
-                                 scale, group_mean)
-    return dense_query_probs(queries, held_rows(k_cache, block_table, slots), key_limit, scale,
-                             group_mean, key_mask=slots >= 0)
+        probs = dense_query_probs(queries, dense_keys(k_cache, block_table, length), key_limit,
+                                  scale, group_mean)
+    else:
+        probs = dense_query_probs(queries, held_rows(k_cache, block_table, slots), key_limit,
+                                  scale, group_mean, key_mask=slots >= 0)
+    return reduce_queries(probs, query_reduce)
 
 
 def dense_keys(k_cache: torch.Tensor, block_table: torch.Tensor, length: int) -> torch.Tensor:
@@ -184,44 +211,49 @@ def held_rows(cache: torch.Tensor, block_table: torch.Tensor,
 
 
 def paged_query_probs_triton(queries, k_cache, block_table, length, key_limit, scale,
-                             group_mean=False, slots=None):
+                             group_mean=False, slots=None, query_reduce="none"):
     """Triton version of :func:`paged_query_probs` (same signature).
 
     A Triton kernel writes the masked fp32 logits tile by tile (program = (layer x q head,
     query tile, key tile), keys read through the block table; bf16/fp16 operands on the tensor
     cores with fp32 accumulation when queries and cache share the dtype); the softmax runs in
-    torch. A slot map (per-head holes) takes the twin's gather and torch math on the device.
+    torch, and so do the reductions. A slot map (per-head holes) takes the twin's gather and
+    torch math on the device.
     """
     if slots is not None:
         return paged_query_probs_torch(queries, k_cache, block_table, length, key_limit, scale,
-                                       group_mean, slots)
+                                       group_mean, slots, query_reduce)
     length = _validate(queries, k_cache, block_table, length, key_limit)
+    check_query_reduce(query_reduce)
     from engine.kernels import _tl_attention_scores
 
     limits = _limits(key_limit, queries.shape[1], length, queries.device)
     logits = _tl_attention_scores.launch_logits(queries, k_cache, block_table, length, limits,
                                                 float(scale))
     probs = _masked_softmax(logits, limits)
-    return _group_mean(probs, k_cache.shape[1]) if group_mean else probs
+    return reduce_queries(_group_mean(probs, k_cache.shape[1]) if group_mean else probs,
+                          query_reduce)
 
 
 def paged_query_probs_c(queries, k_cache, block_table, length, key_limit, scale,
-                        group_mean=False, slots=None):
+                        group_mean=False, slots=None, query_reduce="none"):
     """The C kernel's :func:`paged_query_probs` (CPU float32, cpu_native.query_probs): each
     (layer, KV head) task reads its keys where they lie, once for every query of its group,
     instead of a gather and a matmul over the copy."""
     length = _validate(queries, k_cache, block_table, length, key_limit, slots)
     limits = _limits(key_limit, queries.shape[1], length, queries.device)
     return cpu_native.query_probs(queries, k_cache, block_table, length, limits, scale,
-                                  group_mean, slots)
+                                  group_mean, slots, query_reduce)
 
 
 def paged_query_probs(queries, k_cache, block_table, length, key_limit, scale,
-                      group_mean=False, slots=None):
+                      group_mean=False, slots=None, query_reduce="none"):
     """Softmax attention probabilities [layers, q_heads, n, length] in fp32 (module docstring);
-    with group_mean, [layers, kv_heads, n, length]: each GQA group's mean.
+    with group_mean, [layers, kv_heads, n, length]: each GQA group's mean; with query_reduce
+    "sum" or "mean", the n axis reduced.
 
     Triton on CUDA, torch twin otherwise (the engine picks the C kernel through its backend).
     """
     impl = paged_query_probs_triton if use_triton(queries) else paged_query_probs_torch
-    return impl(queries, k_cache, block_table, length, key_limit, scale, group_mean, slots)
+    return impl(queries, k_cache, block_table, length, key_limit, scale, group_mean, slots,
+                query_reduce)

@@ -41,7 +41,8 @@ The ops, by signature (an instance's fields):
         q [Bp, Lq_max, q_heads, d] of ctx's chunks, padded; holes [Bp, kv_heads, 2] or None.
     store_and_decode(layer, q, key, value, ctx) -> [T, q_heads, d]
         a step of one-token rows: layer `layer`'s store (when ctx stores) then its decode.
-    query_probs(queries, k_cache, table, length, key_limit, scale, group_mean, slots) -> probs
+    query_probs(queries, k_cache, table, length, key_limit, scale, group_mean, slots,
+                query_reduce) -> probs
         a policy's attention probabilities over one sequence's pages (or its per-head slots)
         (attention_scores.paged_query_probs' contract): Triton, the C kernel or the twin.
     key_redundancy(k_cache, table, length, threshold, temperature, spare_first, block)

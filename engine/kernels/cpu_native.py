@@ -19,14 +19,16 @@ OpenMP threads. The measurements behind each are in results/benchmarks/cpu-kerne
     prefill_rows(q, k_cache_l, v_cache_l, block_tables, base_lens, q_lens, scale, holes=None)
         A chunk step's attention (paged_prefill_attention's contract), each row seeing its
         causal prefix, a tile of rows against each page at once: short chunks over long contexts.
-    query_probs(queries, k_cache, table, length, limits, scale, group_mean=False, slots=None)
+    query_probs(queries, k_cache, table, length, limits, scale, group_mean=False, slots=None,
+                query_reduce="none")
         Attention probabilities of one sequence's queries over its first `length` cached keys,
         read in place: queries [layers, n, q_heads, head_dim]; k_cache [layers, kv_heads,
         num_blocks, block_size, head_dim] (layers may be a slice of the cache); table
         [>= ceil(length / block_size)]; limits [n]; probs [layers, q_heads, n, length], or with
         group_mean [layers, kv_heads, n, length], each GQA group's mean; slots: a per-head
-        layout of `length` columns instead of slots 0..length-1
-        (attention_scores.paged_query_probs' contract; the policies' scores).
+        layout of `length` columns instead of slots 0..length-1; query_reduce "sum" or "mean":
+        the n axis reduced in the kernel (attention_scores.paged_query_probs' contract; the
+        policies' scores).
     key_redundancy(k_cache, table, length, threshold, temperature, spare_first=False) -> red
         R-KV's key redundancy of one sequence's first `length` cached keys, read in place:
         [layers, kv_heads, length] (redundancy.key_redundancy's definition; cpu/key_redundancy.c).
@@ -135,7 +137,7 @@ LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "d
 # The interface's version, KV_ABI_VERSION in cpu/kvarena_native.h: raised with it when a
 # signature in `_declare` or a constant above changes meaning. At load the library reports its
 # constants (kv_abi); any that differ from `_expected_abi()` leave the torch ops in its place.
-ABI_VERSION = 8
+ABI_VERSION = 9
 
 # The cache entry: the library and its stamp (`_build`).
 LIBRARY, STAMP = "libkvarena_cpu.so", "libkvarena_cpu.json"
@@ -321,13 +323,21 @@ def decode(q, k_cache_l, v_cache_l, block_tables, context_lens, scale, holes=Non
     return out
 
 
+# attention_scores.QUERY_REDUCTIONS as the kernel's query_reduce argument.
+_QUERY_REDUCE = {"none": 0, "sum": 1, "mean": 2}
+
+
 def query_probs(queries, k_cache, table, length: int, limits, scale,
-                group_mean: bool = False, slots=None) -> torch.Tensor:
+                group_mean: bool = False, slots=None, query_reduce: str = "none") -> torch.Tensor:
     """Module docstring: [layers, n, q_heads, d] over the sequence's first `length` slots ->
-    [layers, q_heads, n, length], or [layers, kv_heads, n, length] with `group_mean`.
+    [layers, q_heads, n, length], or [layers, kv_heads, n, length] with `group_mean`; with
+    query_reduce "sum" or "mean", the n axis reduced: [layers, q_heads or kv_heads, length].
     limits: [n] int64, each in [0, length]. slots: None, or [layers, kv_heads, length] int64:
     column j of row (l, h) is the key of physical slot slots[l, h, j] (< 0: hidden, probability
     0), each slot read through `table`."""
+    if query_reduce not in _QUERY_REDUCE:
+        raise ValueError(f"query_reduce must be one of {sorted(_QUERY_REDUCE)}, got "
+                         f"{query_reduce!r}")
     layers, n, q_heads, head_dim = queries.shape
     if k_cache.dim() != 5 or k_cache.shape[0] != layers or k_cache.shape[-1] != head_dim:
         raise ValueError(f"queries {tuple(queries.shape)} do not fit caches "
@@ -349,11 +359,14 @@ def query_probs(queries, k_cache, table, length: int, limits, scale,
     if length < 0 or limits.shape != (n,):
         raise ValueError(f"length {length} or limits {tuple(limits.shape)} do not fit "
                          f"{n} queries")
-    out = torch.empty(layers, kv_heads if group_mean else q_heads, n, length)
+    heads = kv_heads if group_mean else q_heads
+    out = torch.empty(layers, heads, n, length) if query_reduce == "none" else \
+        torch.empty(layers, heads, length)
     rc = _library().kv_query_probs(queries.data_ptr(), k_cache.data_ptr(), k_cache.stride(0),
                                    table.data_ptr(), table.numel(), slot_ptr, limits.data_ptr(),
                                    length, out.data_ptr(), layers, n, q_heads, kv_heads,
-                                   head_dim, block, pages, float(scale), int(group_mean))
+                                   head_dim, block, pages, float(scale), int(group_mean),
+                                   _QUERY_REDUCE[query_reduce])
     _raise_on(rc)
     return out
 
@@ -742,7 +755,7 @@ def _declare(lib: ctypes.CDLL) -> None:
                                       *[_I64] * 7, _F32]
     lib.kv_query_probs.restype = ctypes.c_int
     lib.kv_query_probs.argtypes = [_PTR, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _PTR,
-                                   *[_I64] * 7, _F32, ctypes.c_int]
+                                   *[_I64] * 7, _F32, ctypes.c_int, ctypes.c_int]
     lib.kv_key_redundancy.restype = ctypes.c_int
     lib.kv_key_redundancy.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, *[_I64] * 5, _F32, _F32,
                                       ctypes.c_int, _I64]

@@ -170,14 +170,16 @@ class PolicyView(Protocol):
     def query_probs(self, queries: torch.Tensor, layers: slice | None = None,
                     length: int | None = None, scale: float | None = None,
                     group_mean: bool = False, key_limit: torch.Tensor | None = None,
-                    slots: torch.Tensor | None = None) -> torch.Tensor:
+                    slots: torch.Tensor | None = None,
+                    query_reduce: str = "none") -> torch.Tensor:
         """Softmax attention of queries [layers, n, q_heads, head_dim] (post-RoPE; `layers` of
         the model's) over the keys of physical slots [0, length) (default: all), computed in
         float32 where the keys lie: [layers, q_heads, n, length], or with group_mean [layers,
         kv_heads, n, length] (each GQA group's mean). scale None: head_dim ** -0.5.
         key_limit: [n] int, query i sees columns j < key_limit[i] (None: all). slots: instead of
         a length, a per-head layout [layers, kv_heads, width] of physical slots (< 0: hidden),
-        as attention_scores.paged_query_probs' `slots`."""
+        as attention_scores.paged_query_probs' `slots`. query_reduce "sum" or "mean": the n
+        axis reduced, [layers, q_heads or kv_heads, length]."""
 
     def key_redundancy(self, threshold: float = 0.5, temperature: float = 1.0,
                        spare_first: bool = False, block: int | None = None) -> torch.Tensor:

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from engine.kernels import window_logits
+from engine.kernels import reduce_queries, window_logits
 from engine.policies.base import HeadKeep
 
 # -- GQA group reductions ---------------------------------------------------------------------
@@ -120,15 +120,16 @@ class WindowProbs:
     queries: `[layers, n, q_heads, head_dim]` post-RoPE; key_limit: `[n]` or None (causal
     bounds, observation_probs); length: key columns; kv_heads: the keys' heads. `of(layers)`
     -> float32 `[l, q_heads, n, length]` (with group_mean, `[l, kv_heads, n, length]`: each
-    GQA group's mean). Made by `view_probs` (a view's pages through the engine's backend: the C
-    kernel reads them in place) or `dense_probs` (keys in a tensor: references and tests).
+    GQA group's mean; with query_reduce "sum" or "mean", the n axis reduced). Made by
+    `view_probs` (a view's pages through the engine's backend: the C kernel reads them in place
+    and reduces there) or `dense_probs` (keys in a tensor: references and tests).
     """
 
     queries: torch.Tensor
     key_limit: torch.Tensor | None
     length: int
     kv_heads: int
-    source: Callable[[torch.Tensor, torch.Tensor | None, slice, bool], torch.Tensor]
+    source: Callable[[torch.Tensor, torch.Tensor | None, slice, bool, str], torch.Tensor]
 
     @property
     def layers(self) -> int:
@@ -138,10 +139,12 @@ class WindowProbs:
     def q_heads(self) -> int:
         return self.queries.shape[2]
 
-    def of(self, layers: slice, group_mean: bool = False) -> torch.Tensor:
+    def of(self, layers: slice, group_mean: bool = False,
+           query_reduce: str = "none") -> torch.Tensor:
         """Probabilities of `layers`: float32 `[l, q_heads, n, length]`, or with group_mean
-        `[l, kv_heads, n, length]`."""
-        return self.source(self.queries[layers], self.key_limit, layers, group_mean)
+        `[l, kv_heads, n, length]`; query_reduce "sum" or "mean" drops the n axis."""
+        return self.source(self.queries[layers], self.key_limit, layers, group_mean,
+                           query_reduce)
 
     def rows(self, start: int, end: int) -> "WindowProbs":
         """The same keys seen by queries [start, end) only."""
@@ -153,11 +156,12 @@ def dense_probs(queries: torch.Tensor, keys: torch.Tensor, key_limit: torch.Tens
                 key_mask: torch.Tensor | None = None, scale: float | None = None) -> WindowProbs:
     """WindowProbs over keys `[layers, kv_heads, length, head_dim]` (observation_probs; key_mask:
     bool `[layers, kv_heads, length]` or None)."""
-    def source(q: torch.Tensor, limit: torch.Tensor | None, layers: slice,
-               mean: bool) -> torch.Tensor:
+    def source(q: torch.Tensor, limit: torch.Tensor | None, layers: slice, mean: bool,
+               query_reduce: str) -> torch.Tensor:
         mask = None if key_mask is None else key_mask[layers]
         probs = observation_probs(q, keys[layers], limit, scale, mask)
-        return group_mean(probs, q.shape[2] // keys.shape[1]) if mean else probs
+        return reduce_queries(group_mean(probs, q.shape[2] // keys.shape[1]) if mean else probs,
+                              query_reduce)
     return WindowProbs(queries, key_limit, keys.shape[2], keys.shape[1], source)
 
 
@@ -166,10 +170,11 @@ def view_probs(view: Any, queries: torch.Tensor, key_limit: torch.Tensor | None,
     """WindowProbs over a view's physical slots, or over a per-head layout `slots` `[layers,
     kv_heads, width]` (< 0: hidden, as a False entry of observation_probs' key_mask), computed
     where the keys lie (PolicyView.query_probs)."""
-    def source(q: torch.Tensor, limit: torch.Tensor | None, layers: slice,
-               mean: bool) -> torch.Tensor:
+    def source(q: torch.Tensor, limit: torch.Tensor | None, layers: slice, mean: bool,
+               query_reduce: str) -> torch.Tensor:
         return view.query_probs(q, layers=layers, group_mean=mean, key_limit=limit,
-                                slots=None if slots is None else slots[layers])
+                                slots=None if slots is None else slots[layers],
+                                query_reduce=query_reduce)
     length = view.physical_len if slots is None else slots.shape[-1]
     return WindowProbs(queries, key_limit, length, kv_heads, source)
 
@@ -201,10 +206,11 @@ def observation_scores(probs: WindowProbs, *, group_reduce: str = "max",
     out = []
     for start in range(0, probs.layers, stride):
         layers = slice(start, start + stride)
-        if group_reduce == "mean":  # formed where the probabilities are (the C kernel's mean)
-            per_kv = probs.of(layers, group_mean=True)                      # [l, kvh, n, T]
-        else:
-            per_kv = GROUP_REDUCTIONS[group_reduce](probs.of(layers), group, dim=1)
+        if group_reduce in ("mean", "none"):  # both reductions where the probabilities are
+            out.append(probs.of(layers, group_mean=group_reduce == "mean",
+                                query_reduce=query_reduce))               # [l, heads, T]
+            continue
+        per_kv = GROUP_REDUCTIONS[group_reduce](probs.of(layers), group, dim=1)  # [l, kvh, n, T]
         out.append(per_kv.mean(dim=2) if query_reduce == "mean" else per_kv.sum(dim=2))
     return torch.cat(out, dim=0)
 

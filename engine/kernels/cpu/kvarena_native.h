@@ -12,7 +12,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define KV_ABI_VERSION 8
+#define KV_ABI_VERSION 9
 
 /* Return codes of kv_store, kv_decode, kv_prefill_chunks, kv_chunk_rows, kv_query_probs,
    kv_key_redundancy and kv_step_layers (cpu_native.ERRORS words them). */
@@ -69,7 +69,8 @@ int kv_query_probs(const float *q, const float *k_cache, int64_t layer_stride,
                    const int64_t *table, int64_t table_len, const int64_t *slots,
                    const int64_t *limits, int64_t length, float *out, int64_t layers, int64_t n,
                    int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t block,
-                   int64_t num_pages, float scale, int group_mean);
+                   int64_t num_pages, float scale, int group_mean,
+                   int query_reduce);
 void kv_add_rms_norm(float *x, const float *delta, const float *weight, float *out, int64_t rows,
                      int64_t dim, float eps);
 void kv_rope(const float *x, int64_t x_stride, const float *cos, const float *sin, float *out,

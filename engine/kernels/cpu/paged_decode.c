@@ -588,108 +588,48 @@ int kv_chunk_rows(const float *q, int64_t q_stride, const float *k_cache, const 
      q        [layers, n, q_heads, head_dim] contiguous (post-RoPE)
      k_cache  layer l's keys at k_cache + l * layer_stride: [kv_heads, num_pages * block, head_dim]
      table    [ceil(length / block)] the sequence's page ids
+     slots    0, or [layers, kv_heads, length]: column j of (l, h) is slot slots[l, h, j] read
+              through table (< 0: hidden, probability 0 and no share of the softmax)
      limits   [n] query i sees keys j < limits[i] (0 <= limits[i] <= length)
      out      [layers, q_heads, n, length] contiguous: softmax over the visible keys, 0 past them
               (a row that sees nothing is all zeros); with group_mean, [layers, kv_heads, n,
-              length]: the mean of the group's query heads' rows
+              length]: the mean of the group's query heads' rows. With query_reduce SUM or
+              MEAN the n axis is reduced: [layers, q_heads or kv_heads, length].
 
-   One task per (layer, KV head): the logits of every query and head of its group, page by
-   page, so each key is read from memory once for all of them (a gather of the pages followed
-   by a matmul reads them three times); then the softmax of each row in place, and with
-   group_mean their mean over the group. */
+   One task per (layer, KV head): its keys copied out of their pages once and packed into
+   panels, then the logits of every query and head of its group against them in one call of
+   panel_gemm.c's small kernel (broadcast FMAs, no horizontal sums), [group * n, length]; then
+   each row's softmax in place, and the reductions as whole-row adds. Reducing the queries here
+   spares the caller (SnapKV's sum over its window, Ada-KV's mean) an [n, length] row per head
+   written to memory and read back. */
 
-/* Pages lie anywhere in the cache, and the hardware prefetcher, which follows a stream, stops
-   at a page's end: each page's keys are requested PREFETCH_PAGES pages ahead. */
-#define PREFETCH_PAGES 1
+enum { QUERY_KEEP, QUERY_SUM, QUERY_MEAN };
 
-static inline void prefetch_page(const float *p, int64_t floats) {
-    for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(p + i, 0, 3);
-}
-
-#define HALVE(a, b, ...) (__builtin_shufflevector(a, b, __VA_ARGS__))
-#if defined(__AVX512F__)
-static const int64_t BITREV[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
-/* Lane j of the result: the sum of the lanes of v[BITREV[j]]. A transpose-and-add in four
-   levels, each adding two vectors' halves side by side, where summing one vector's lanes alone
-   takes as many steps for one number. */
-static inline __attribute__((always_inline)) pv_vec sum_lanes(pv_vec *v) {
-    for (int i = 0; i < 8; i++)
-        v[i] = HALVE(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22,
-                     23) +
-               HALVE(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28,
-                     29, 30, 31);
-    for (int i = 0; i < 4; i++)
-        v[i] = HALVE(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25,
-                     26, 27) +
-               HALVE(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29,
-                     30, 31);
-    for (int i = 0; i < 2; i++)
-        v[i] = HALVE(v[2 * i], v[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13,
-                     28, 29) +
-               HALVE(v[2 * i], v[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15,
-                     30, 31);
-    return HALVE(v[0], v[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
-           HALVE(v[0], v[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-}
-#else
-static const int64_t BITREV[8] = {0, 4, 2, 6, 1, 5, 3, 7};
-/* The same in three levels for 8 lanes. */
-static inline __attribute__((always_inline)) pv_vec sum_lanes(pv_vec *v) {
-    for (int i = 0; i < 4; i++)
-        v[i] = HALVE(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
-               HALVE(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
-    for (int i = 0; i < 2; i++)
-        v[i] = HALVE(v[2 * i], v[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
-               HALVE(v[2 * i], v[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
-    return HALVE(v[0], v[1], 0, 8, 2, 10, 4, 12, 6, 14) +
-           HALVE(v[0], v[1], 1, 9, 3, 11, 5, 13, 7, 15);
-}
-#endif
-
-/* logits[r, j] = scale * q[r] . keys[j] for r < rows, j < count. With head_dim a small
-   multiple of the vector, PV_LANES keys at a time: each key's products stay one vector, and
-   sum_lanes turns PV_LANES of them into PV_LANES dots at once (keys fed in BITREV order so the
-   dots come out in order); the rest one dot at a time. */
-static inline __attribute__((always_inline)) void
-page_logits(const float *restrict q, int64_t rows, int64_t q_stride, const int64_t head_dim,
-            const float *restrict keys, int64_t count, float scale, float *restrict logits,
-            int64_t out_stride) {
-    const int64_t nv = head_dim / PV_LANES;
-    const int64_t whole = head_dim % PV_LANES == 0 && nv <= 8 ? count / PV_LANES * PV_LANES : 0;
-    for (int64_t r = 0; r < rows; r++) {
-        const float *qr = q + r * q_stride;
-        float *lr = logits + r * out_stride;
-        if (whole > 0) {
-            pv_vec qv[8];
-            for (int64_t d = 0; d < nv; d++) memcpy(&qv[d], qr + d * PV_LANES, sizeof(pv_vec));
-            for (int64_t j0 = 0; j0 < whole; j0 += PV_LANES) {
-                pv_vec acc[PV_LANES];
-                for (int64_t i = 0; i < PV_LANES; i++) {
-                    const float *kj = keys + (j0 + BITREV[i]) * head_dim;
-                    pv_vec k;
-                    memcpy(&k, kj, sizeof k);
-                    acc[i] = qv[0] * k;
-                    for (int64_t d = 1; d < nv; d++) {
-                        memcpy(&k, kj + d * PV_LANES, sizeof k);
-                        acc[i] += qv[d] * k;
-                    }
-                }
-                const pv_vec dots = sum_lanes(acc) * scale;
-                memcpy(lr + j0, &dots, sizeof dots);
+/* The task's keys packed as kv_pack_small packs a weight: panel p [head_dim, KV_PANEL], column c
+   the key of column 16p + c, read from its page (through the slot map, if any); a column past
+   `length` or hidden gets zeros. */
+static void pack_keys(const float *keys, const int64_t *table, const int64_t *slot,
+                      int64_t length, int64_t head_dim, int64_t block, float *packed) {
+    const int64_t panels = (length + KV_PANEL - 1) / KV_PANEL;
+    for (int64_t p = 0; p < panels; p++) {
+        float *dst = packed + p * head_dim * KV_PANEL;
+        for (int64_t c = 0; c < KV_PANEL; c++) {
+            const int64_t j = p * KV_PANEL + c, at = j >= length ? -1 : (slot ? slot[j] : j);
+            if (at < 0) {
+                for (int64_t d = 0; d < head_dim; d++) dst[d * KV_PANEL + c] = 0.0f;
+                continue;
             }
-        }
-        for (int64_t j = whole; j < count; j++) {
-            const float *kj = keys + j * head_dim;
-            float dot = 0.0f;
-            for (int64_t d = 0; d < head_dim; d++) dot += qr[d] * kj[d];
-            lr[j] = dot * scale;
+            const float *src = keys + (table[at / block] * block + at % block) * head_dim;
+            for (int64_t d = 0; d < head_dim; d++) dst[d * KV_PANEL + c] = src[d];
         }
     }
 }
 
-static inline void softmax_row(float *row, int64_t visible, int64_t length) {
+/* row[j] <- exp(row[j] - max) for j < visible, 0 past it; returns 1 / their sum, the factor
+   that makes the row its softmax (0 for a row that sees nothing). */
+static inline float exp_row(float *row, int64_t visible, int64_t length) {
     for (int64_t j = visible; j < length; j++) row[j] = 0.0f;
-    if (visible == 0) return;
+    if (visible == 0) return 0.0f;
     float top = row[0];
     for (int64_t j = 1; j < visible; j++) top = row[j] > top ? row[j] : top;
     float total = 0.0f;
@@ -697,97 +637,63 @@ static inline void softmax_row(float *row, int64_t visible, int64_t length) {
         row[j] = expf(row[j] - top);
         total += row[j];
     }
-    const float inv = 1.0f / total;
-    for (int64_t j = 0; j < visible; j++) row[j] *= inv;
+    return 1.0f / total;
 }
 
-/* softmax_row over the columns a slot map holds: the hidden columns (their indices ascending)
+/* exp_row over the columns a slot map holds: the hidden columns (their indices ascending)
    before `visible` get 0 and no share, and a row with no held column before `visible` is all
-   zeros. A leading run of hidden columns (a per-head layout's padding) is left out of the
-   softmax; any other hidden logit is set 40 below the row's maximum, whose exponential (4e-18 of
-   the maximum's) is a normal float that no sum in fp32 can see and is then overwritten by 0: a
+   zeros (factor 0). A leading run of hidden columns (a per-head layout's padding) is left out;
+   any other hidden logit is set 40 below the row's maximum, whose exponential (4e-18 of the
+   maximum's) is a normal float that no sum in fp32 can see and is then overwritten by 0: a
    huge negative sends the vector exp down its special-case path, and a subnormal result costs a
    microcode assist per lane (the process keeps IEEE subnormals). */
-static inline void softmax_held(float *row, const int64_t *hidden, int64_t hidden_count,
-                                int64_t visible, int64_t length) {
+static inline float exp_held(float *row, const int64_t *hidden, int64_t hidden_count,
+                             int64_t visible, int64_t length) {
     int64_t lead = 0, seen;
     while (lead < hidden_count && hidden[lead] == lead) lead++;
     for (seen = lead; seen < hidden_count && hidden[seen] < visible; seen++) continue;
     if (visible <= lead || seen == visible) {
         memset(row, 0, (size_t)length * sizeof(float));
-        return;
+        return 0.0f;
     }
     memset(row, 0, (size_t)lead * sizeof(float));
     float top = -FLT_MAX;
     for (int64_t k = lead; k < seen; k++) row[hidden[k]] = top;
     for (int64_t j = lead; j < visible; j++) top = row[j] > top ? row[j] : top;
     for (int64_t k = lead; k < seen; k++) row[hidden[k]] = top - 40.0f;
-    softmax_row(row + lead, visible - lead, length - lead);
+    const float inv = exp_row(row + lead, visible - lead, length - lead);
     for (int64_t k = lead; k < seen; k++) row[hidden[k]] = 0.0f;
+    return inv;
 }
 
-/* Columns of a slot map whose keys kv_query_probs gathers at once: a tile the size of a vector's
-   dots in page_logits, which stays in L1 while every query of the group reads it. */
-#define SLOT_TILE 16
-
-/* `length` columns of a slot map's keys, [length, head_dim], into `dense`: the key
-   of slot s lies in page table[s / block] at s % block; a hidden column (s < 0) gets zeros. */
-static inline __attribute__((always_inline)) void
-gather_held(const float *keys, const int64_t *table, const int64_t *slot, int64_t length,
-            const int64_t head_dim, int64_t block, int shift, float *dense) {
-    for (int64_t j = 0; j < length; j++) {
-        float *dj = dense + j * head_dim;
-        if (slot[j] < 0) {
-            memset(dj, 0, (size_t)head_dim * sizeof(float));
-            continue;
+/* One task's output from its exponentials e [group * n, length] (row g * n + i: head g of the
+   group, query i) and their rows' factors inv [group * n] (exp_row), at the task's first row of
+   kv_query_probs' `out`: the probabilities, reduced to the group's mean and/or the queries' sum
+   or mean, each a run of whole-row multiply-adds. */
+static void head_output(const float *e, const float *inv, int64_t length, int64_t n,
+                        int64_t group, int group_mean, int query_reduce, float *out) {
+    const int64_t heads = group_mean ? 1 : group, rows = query_reduce == QUERY_KEEP ? n : 1;
+    const float share = (group_mean ? 1.0f / (float)group : 1.0f) *
+                        (query_reduce == QUERY_MEAN ? 1.0f / (float)n : 1.0f);
+    memset(out, 0, (size_t)(heads * rows * length) * sizeof(float));
+    for (int64_t g = 0; g < group; g++)
+        for (int64_t i = 0; i < n; i++) {
+            const float *er = e + (g * n + i) * length, w = inv[g * n + i];
+            float *o = out + ((group_mean ? 0 : g) * rows + (query_reduce == QUERY_KEEP ? i : 0)) *
+                                 length;
+            for (int64_t j = 0; j < length; j++) o[j] += er[j] * w;
         }
-        const int64_t s = slot[j];
-        /* a power-of-two page (every engine's) takes a shift and a mask, not a division */
-        const int64_t page = shift >= 0 ? s >> shift : s / block;
-        const int64_t offset = shift >= 0 ? s & (block - 1) : s % block;
-        memcpy(dj, keys + (table[page] * block + offset) * head_dim,
-               (size_t)head_dim * sizeof(float));
-    }
-}
-
-static void gather_tile(const float *keys, const int64_t *table, const int64_t *slot,
-                        int64_t length, int64_t head_dim, int64_t block, float *dense) {
-    const int shift = (block & (block - 1)) == 0 ? __builtin_ctzll((unsigned long long)block) : -1;
-    switch (head_dim) { /* a constant row size for the common sizes: each copy inlines */
-    case 64:
-        gather_held(keys, table, slot, length, 64, block, shift, dense);
-        break;
-    case 128:
-        gather_held(keys, table, slot, length, 128, block, shift, dense);
-        break;
-    default:
-        gather_held(keys, table, slot, length, head_dim, block, shift, dense);
-        break;
-    }
-}
-
-static inline void logits_of(const float *qg, int64_t n, int64_t q_heads, int64_t head_dim,
-                             const float *kp, int64_t count, float scale, float *lg,
-                             int64_t length) {
-    switch (head_dim) { /* a constant for the common sizes: the dot unrolls */
-    case 64:
-        page_logits(qg, n, q_heads * 64, 64, kp, count, scale, lg, length);
-        break;
-    case 128:
-        page_logits(qg, n, q_heads * 128, 128, kp, count, scale, lg, length);
-        break;
-    default:
-        page_logits(qg, n, q_heads * head_dim, head_dim, kp, count, scale, lg, length);
-        break;
-    }
+    if (share != 1.0f)
+        for (int64_t j = 0; j < heads * rows * length; j++) out[j] *= share;
 }
 
 int kv_query_probs(const float *q, const float *k_cache, int64_t layer_stride,
                    const int64_t *table, int64_t table_len, const int64_t *slots,
                    const int64_t *limits, int64_t length, float *out, int64_t layers, int64_t n,
                    int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t block,
-                   int64_t num_pages, float scale, int group_mean) {
-    if (length < 0 || n < 0 || kv_heads < 1 || q_heads % kv_heads || table_len < 0)
+                   int64_t num_pages, float scale, int group_mean, int query_reduce) {
+    if (length < 0 || n < 0 || kv_heads < 1 || q_heads % kv_heads || table_len < 0 ||
+        query_reduce < QUERY_KEEP || query_reduce > QUERY_MEAN)
         return KV_BAD_SHAPE;
     const int64_t group = q_heads / kv_heads, pages = (length + block - 1) / block;
     /* without a slot map, column j is slot j: the table must cover the first `length` slots */
@@ -809,74 +715,52 @@ int kv_query_probs(const float *q, const float *k_cache, int64_t layer_stride,
     for (int64_t i = 0; i < n; i++)
         if (limits[i] < 0 || limits[i] > length) return KV_BAD_LENGTH;
     if (n == 0 || length == 0) return KV_OK; /* an empty output */
-    const int64_t slot_count = num_pages * block;
+    const int64_t slot_count = num_pages * block, vecs = n * group;
+    const int64_t key_panels = (length + KV_PANEL - 1) / KV_PANEL;
+    const int64_t rows = query_reduce == QUERY_KEEP ? n : 1; /* output rows per head */
+    const int64_t heads_out = group_mean ? kv_heads : q_heads;
     int error = KV_OK;
 #pragma omp parallel for collapse(2) schedule(static) if (layers * q_heads * n * length > 32768)
     for (int64_t l = 0; l < layers; l++) {
         for (int64_t h = 0; h < kv_heads; h++) {
             const float *keys = k_cache + l * layer_stride + h * slot_count * head_dim;
             const int64_t *slot = slots == 0 ? 0 : slots + (l * kv_heads + h) * length;
-            /* head g of the group, query i: row (g, i) of out[l, h * group + g, i], or of a
-               scratch buffer that the group's mean reads; with a slot map, its keys gathered */
-            float *rows = group_mean ? malloc((size_t)(group * n * length) * sizeof(float))
-                                     : out + (l * q_heads + h * group) * n * length;
-            float *dense = slot == 0 ? 0 : malloc((size_t)(SLOT_TILE * head_dim) * sizeof(float));
-            int64_t *hidden = slot == 0 ? 0 : malloc((size_t)length * sizeof(int64_t));
-            int64_t hidden_count = 0;
-            if (rows == 0 || (slot != 0 && (dense == 0 || hidden == 0))) {
+            /* the group's query vectors [vecs, head_dim] (times scale), the keys packed, the
+               exponentials [vecs, length] (unless written straight to out) and their factors */
+            const int direct = !group_mean && query_reduce == QUERY_KEEP;
+            float *qt = malloc((size_t)(vecs * head_dim + key_panels * KV_PANEL * head_dim +
+                                        (direct ? 0 : vecs * length) + vecs) * sizeof(float) +
+                               (size_t)length * sizeof(int64_t));
+            if (qt == 0) {
 #pragma omp atomic write
                 error = KV_NO_MEMORY;
-                if (group_mean) free(rows);
-                free(dense);
-                free(hidden);
                 continue;
             }
-            if (slot != 0) { /* a tile of the map's keys gathered at a time, then as below */
-                for (int64_t j = 0; j < length; j++)
-                    if (slot[j] < 0) hidden[hidden_count++] = j;
-                for (int64_t first = 0; first < length; first += SLOT_TILE) {
-                    const int64_t count = length - first < SLOT_TILE ? length - first : SLOT_TILE;
-                    int64_t held = 0;
-                    for (int64_t j = first; j < first + count; j++) held += slot[j] >= 0;
-                    if (held == 0) continue; /* a padding tile: softmax_held writes its columns */
-                    gather_tile(keys, table, slot + first, count, head_dim, block, dense);
-                    for (int64_t g = 0; g < group; g++)
-                        logits_of(q + (l * n * q_heads + h * group + g) * head_dim, n, q_heads,
-                                  head_dim, dense, count, scale, rows + g * n * length + first,
-                                  length);
-                }
-                free(dense);
-            } else {
-                for (int64_t p = 0; p < pages; p++) {
-                    const int64_t first = p * block;
-                    const int64_t count = length - first < block ? length - first : block;
-                    const float *kp = keys + table[p] * block * head_dim;
-                    if (p + PREFETCH_PAGES < pages) /* the table was checked above */
-                        prefetch_page(keys + table[p + PREFETCH_PAGES] * block * head_dim,
-                                      block * head_dim);
-                    for (int64_t g = 0; g < group; g++)
-                        logits_of(q + (l * n * q_heads + h * group + g) * head_dim, n, q_heads,
-                                  head_dim, kp, count, scale, rows + g * n * length + first,
-                                  length);
-                }
+            float *packed = qt + vecs * head_dim, *e = packed + key_panels * KV_PANEL * head_dim;
+            float *inv = e + (direct ? 0 : vecs * length);
+            int64_t *hidden = (int64_t *)(inv + vecs);
+            if (direct) e = out + (l * q_heads + h * group) * n * length;
+            for (int64_t v = 0; v < vecs; v++) { /* vector v: head v / n of the group, query v % n */
+                const float *qv = q + ((l * n + v % n) * q_heads + h * group + v / n) * head_dim;
+                for (int64_t d = 0; d < head_dim; d++) qt[v * head_dim + d] = qv[d] * scale;
             }
-            for (int64_t r = 0; r < group * n; r++) {
-                if (slot != 0)
-                    softmax_held(rows + r * length, hidden, hidden_count, limits[r % n], length);
-                else
-                    softmax_row(rows + r * length, limits[r % n], length);
+            pack_keys(keys, table, slot, length, head_dim, block, packed);
+            kv_panel_small(qt, head_dim, packed, e, vecs, head_dim, length);
+            int64_t hidden_count = 0;
+            for (int64_t j = 0; slot != 0 && j < length; j++)
+                if (slot[j] < 0) hidden[hidden_count++] = j;
+            for (int64_t v = 0; v < vecs; v++) {
+                float *row = e + v * length;
+                inv[v] = slot != 0 ? exp_held(row, hidden, hidden_count, limits[v % n], length)
+                                   : exp_row(row, limits[v % n], length);
+                for (int64_t j = 0; direct && j < length; j++) row[j] *= inv[v];
             }
-            free(hidden);
-            if (!group_mean) continue;
-            float *mean = out + (l * kv_heads + h) * n * length;
-            const float share = 1.0f / (float)group;
-            memcpy(mean, rows, (size_t)(n * length) * sizeof(float));
-            for (int64_t g = 1; g < group; g++) { /* a row at a time, so each add is a vector */
-                const float *rg = rows + g * n * length;
-                for (int64_t r = 0; r < n * length; r++) mean[r] += rg[r];
+            if (!direct) {
+                const int64_t first = (l * heads_out + (group_mean ? h : h * group)) * rows;
+                head_output(e, inv, length, n, group, group_mean, query_reduce,
+                            out + first * length);
             }
-            for (int64_t r = 0; r < n * length; r++) mean[r] *= share;
-            free(rows);
+            free(qt);
         }
     }
     return error;
