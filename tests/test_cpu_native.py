@@ -400,12 +400,12 @@ def test_panel_linear_gives_the_same_bits_with_and_without_avx512(tmp_path):
             assert torch.equal(*(run(lib, x, panels, bias, out_features) for lib in libraries))
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler here")
-def test_query_probs_with_and_without_avx512(tmp_path):
-    """kv_query_probs multiplies each (layer, KV head)'s packed keys by its group's queries in
-    the panel kernel, whose tiles differ with the vector (12 rows x 2 panels with AVX-512, 6 x
-    1 without): built both ways, over head sizes of any width, pages of 8-32 slots and lengths
-    that leave a partial last page and panel, both equal the float64 definition per query, with
-    the group mean, and with the queries' sum or mean (plain and through a slot map)."""
+def test_query_probs_dots_with_and_without_avx512(tmp_path):
+    """kv_query_probs takes a vector's worth of keys' dots at once where head_dim is a small
+    multiple of the vector (16 lanes with AVX-512, 8 without) and the rest one at a time: built
+    both ways, over head sizes that take either path, pages of 8-32 slots and lengths that leave
+    a partial last page, both equal the float64 definition, with and without the group mean,
+    and with the queries' sum or mean (plain and through a slot map)."""
     import ctypes
 
     libraries = _both_builds(tmp_path)

@@ -596,31 +596,174 @@ int kv_chunk_rows(const float *q, int64_t q_stride, const float *k_cache, const 
               length]: the mean of the group's query heads' rows. With query_reduce SUM or
               MEAN the n axis is reduced: [layers, q_heads or kv_heads, length].
 
-   One task per (layer, KV head): its keys copied out of their pages once and packed into
-   panels, then the logits of every query and head of its group against them in one call of
-   panel_gemm.c's small kernel (broadcast FMAs, no horizontal sums), [group * n, length]; then
-   each row's softmax in place, and the reductions as whole-row adds. Reducing the queries here
-   spares the caller (SnapKV's sum over its window, Ada-KV's mean) an [n, length] row per head
-   written to memory and read back. */
+   One task per (layer, KV head): the logits of every query and head of its group, page by
+   page, so each key is read from memory once for all of them (a gather of the pages followed
+   by a matmul reads them three times); then each row's exponentials in place, and the
+   probabilities written out, reduced to the group's mean and/or the queries' sum or mean as
+   whole-row multiply-adds. Reducing the queries here spares the caller (SnapKV's sum over its
+   window, Ada-KV's mean) an [n, length] row per head written to memory and read back. */
 
 enum { QUERY_KEEP, QUERY_SUM, QUERY_MEAN };
 
-/* The task's keys packed as kv_pack_small packs a weight: panel p [head_dim, KV_PANEL], column c
-   the key of column 16p + c, read from its page (through the slot map, if any); a column past
-   `length` or hidden gets zeros. */
-static void pack_keys(const float *keys, const int64_t *table, const int64_t *slot,
-                      int64_t length, int64_t head_dim, int64_t block, float *packed) {
-    const int64_t panels = (length + KV_PANEL - 1) / KV_PANEL;
-    for (int64_t p = 0; p < panels; p++) {
-        float *dst = packed + p * head_dim * KV_PANEL;
-        for (int64_t c = 0; c < KV_PANEL; c++) {
-            const int64_t j = p * KV_PANEL + c, at = j >= length ? -1 : (slot ? slot[j] : j);
-            if (at < 0) {
-                for (int64_t d = 0; d < head_dim; d++) dst[d * KV_PANEL + c] = 0.0f;
-                continue;
+/* Pages lie anywhere in the cache, and the hardware prefetcher, which follows a stream, stops
+   at a page's end: each page's keys are requested PREFETCH_PAGES pages ahead. */
+#define PREFETCH_PAGES 1
+
+static inline void prefetch_page(const float *p, int64_t floats) {
+    for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(p + i, 0, 3);
+}
+
+#define HALVE(a, b, ...) (__builtin_shufflevector(a, b, __VA_ARGS__))
+#if defined(__AVX512F__)
+static const int64_t BITREV[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+/* Lane j of the result: the sum of the lanes of v[BITREV[j]]. A transpose-and-add in four
+   levels, each adding two vectors' halves side by side, where summing one vector's lanes alone
+   takes as many steps for one number. */
+static inline __attribute__((always_inline)) pv_vec sum_lanes(pv_vec *v) {
+    for (int i = 0; i < 8; i++)
+        v[i] = HALVE(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22,
+                     23) +
+               HALVE(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28,
+                     29, 30, 31);
+    for (int i = 0; i < 4; i++)
+        v[i] = HALVE(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25,
+                     26, 27) +
+               HALVE(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29,
+                     30, 31);
+    for (int i = 0; i < 2; i++)
+        v[i] = HALVE(v[2 * i], v[2 * i + 1], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13,
+                     28, 29) +
+               HALVE(v[2 * i], v[2 * i + 1], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15,
+                     30, 31);
+    return HALVE(v[0], v[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+           HALVE(v[0], v[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
+#else
+static const int64_t BITREV[8] = {0, 4, 2, 6, 1, 5, 3, 7};
+/* The same in three levels for 8 lanes. */
+static inline __attribute__((always_inline)) pv_vec sum_lanes(pv_vec *v) {
+    for (int i = 0; i < 4; i++)
+        v[i] = HALVE(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+               HALVE(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int i = 0; i < 2; i++)
+        v[i] = HALVE(v[2 * i], v[2 * i + 1], 0, 1, 8, 9, 4, 5, 12, 13) +
+               HALVE(v[2 * i], v[2 * i + 1], 2, 3, 10, 11, 6, 7, 14, 15);
+    return HALVE(v[0], v[1], 0, 8, 2, 10, 4, 12, 6, 14) +
+           HALVE(v[0], v[1], 1, 9, 3, 11, 5, 13, 7, 15);
+}
+#endif
+
+/* logits[r, j] = scale * q[r] . keys[j] for r < rows, j < count. With head_dim a small
+   multiple of the vector, PV_LANES keys at a time: each key's products stay one vector, and
+   sum_lanes turns PV_LANES of them into PV_LANES dots at once (keys fed in BITREV order so the
+   dots come out in order); the rest one dot at a time. */
+static inline __attribute__((always_inline)) void
+page_logits(const float *restrict q, int64_t rows, int64_t q_stride, const int64_t head_dim,
+            const float *restrict keys, int64_t count, float scale, float *restrict logits,
+            int64_t out_stride) {
+    const int64_t nv = head_dim / PV_LANES;
+    const int64_t whole = head_dim % PV_LANES == 0 && nv <= 8 ? count / PV_LANES * PV_LANES : 0;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *qr = q + r * q_stride;
+        float *lr = logits + r * out_stride;
+        if (whole > 0) {
+            pv_vec qv[8];
+            for (int64_t d = 0; d < nv; d++) memcpy(&qv[d], qr + d * PV_LANES, sizeof(pv_vec));
+            for (int64_t j0 = 0; j0 < whole; j0 += PV_LANES) {
+                pv_vec acc[PV_LANES];
+                for (int64_t i = 0; i < PV_LANES; i++) {
+                    const float *kj = keys + (j0 + BITREV[i]) * head_dim;
+                    pv_vec k;
+                    memcpy(&k, kj, sizeof k);
+                    acc[i] = qv[0] * k;
+                    for (int64_t d = 1; d < nv; d++) {
+                        memcpy(&k, kj + d * PV_LANES, sizeof k);
+                        acc[i] += qv[d] * k;
+                    }
+                }
+                const pv_vec dots = sum_lanes(acc) * scale;
+                memcpy(lr + j0, &dots, sizeof dots);
             }
-            const float *src = keys + (table[at / block] * block + at % block) * head_dim;
-            for (int64_t d = 0; d < head_dim; d++) dst[d * KV_PANEL + c] = src[d];
+        }
+        for (int64_t j = whole; j < count; j++) {
+            const float *kj = keys + j * head_dim;
+            float dot = 0.0f;
+            for (int64_t d = 0; d < head_dim; d++) dot += qr[d] * kj[d];
+            lr[j] = dot * scale;
+        }
+    }
+}
+
+/* Columns of a slot map whose keys head_logits gathers at once for the dots: a tile the size of
+   a vector's dots in page_logits, which stays in L1 while every query vector reads it. */
+#define SLOT_TILE 16
+
+/* `length` columns of a slot map's keys, [length, head_dim], into `dense`: the key
+   of slot s lies in page table[s / block] at s % block; a hidden column (s < 0) gets zeros. */
+static inline __attribute__((always_inline)) void
+gather_held(const float *keys, const int64_t *table, const int64_t *slot, int64_t length,
+            const int64_t head_dim, int64_t block, int shift, float *dense) {
+    for (int64_t j = 0; j < length; j++) {
+        float *dj = dense + j * head_dim;
+        if (slot[j] < 0) {
+            memset(dj, 0, (size_t)head_dim * sizeof(float));
+            continue;
+        }
+        const int64_t s = slot[j];
+        /* a power-of-two page (every engine's) takes a shift and a mask, not a division */
+        const int64_t page = shift >= 0 ? s >> shift : s / block;
+        const int64_t offset = shift >= 0 ? s & (block - 1) : s % block;
+        memcpy(dj, keys + (table[page] * block + offset) * head_dim,
+               (size_t)head_dim * sizeof(float));
+    }
+}
+
+static void gather_tile(const float *keys, const int64_t *table, const int64_t *slot,
+                        int64_t length, int64_t head_dim, int64_t block, float *dense) {
+    const int shift = (block & (block - 1)) == 0 ? __builtin_ctzll((unsigned long long)block) : -1;
+    switch (head_dim) { /* a constant row size for the common sizes: each copy inlines */
+    case 64:
+        gather_held(keys, table, slot, length, 64, block, shift, dense);
+        break;
+    case 128:
+        gather_held(keys, table, slot, length, 128, block, shift, dense);
+        break;
+    default:
+        gather_held(keys, table, slot, length, head_dim, block, shift, dense);
+        break;
+    }
+}
+
+/* e [vecs, length] <- the logits of the task's query vectors qt [vecs, head_dim] (scale already
+   applied) over its `length` columns, a page at a time (or a gathered tile of a slot map's keys,
+   `dense`), each key read once for every vector: slot j of the sequence, or slot[j] of a slot
+   map. A hidden column's logits are left for exp_held to set. */
+static void head_logits(const float *qt, int64_t vecs, const float *keys, const int64_t *table,
+                        const int64_t *slot, int64_t length, int64_t head_dim, int64_t block,
+                        float *dense, float *e) {
+    const int64_t step = slot == 0 ? block : SLOT_TILE;
+    for (int64_t first = 0; first < length; first += step) {
+        const int64_t count = length - first < step ? length - first : step;
+        const float *kp = slot == 0 ? keys + table[first / block] * block * head_dim : dense;
+        if (slot == 0 && first + PREFETCH_PAGES * block < length) /* the table was checked */
+            prefetch_page(keys + table[first / block + PREFETCH_PAGES] * block * head_dim,
+                          block * head_dim);
+        if (slot != 0) {
+            int64_t held = 0;
+            for (int64_t j = first; j < first + count; j++) held += slot[j] >= 0;
+            if (held == 0) continue; /* a padding tile: exp_held writes its columns */
+            gather_tile(keys, table, slot + first, count, head_dim, block, dense);
+        }
+        switch (head_dim) { /* a constant for the common sizes: the dot unrolls */
+        case 64:
+            page_logits(qt, vecs, 64, 64, kp, count, 1.0f, e + first, length);
+            break;
+        case 128:
+            page_logits(qt, vecs, 128, 128, kp, count, 1.0f, e + first, length);
+            break;
+        default:
+            page_logits(qt, vecs, head_dim, head_dim, kp, count, 1.0f, e + first, length);
+            break;
         }
     }
 }
@@ -716,7 +859,6 @@ int kv_query_probs(const float *q, const float *k_cache, int64_t layer_stride,
         if (limits[i] < 0 || limits[i] > length) return KV_BAD_LENGTH;
     if (n == 0 || length == 0) return KV_OK; /* an empty output */
     const int64_t slot_count = num_pages * block, vecs = n * group;
-    const int64_t key_panels = (length + KV_PANEL - 1) / KV_PANEL;
     const int64_t rows = query_reduce == QUERY_KEEP ? n : 1; /* output rows per head */
     const int64_t heads_out = group_mean ? kv_heads : q_heads;
     int error = KV_OK;
@@ -725,10 +867,10 @@ int kv_query_probs(const float *q, const float *k_cache, int64_t layer_stride,
         for (int64_t h = 0; h < kv_heads; h++) {
             const float *keys = k_cache + l * layer_stride + h * slot_count * head_dim;
             const int64_t *slot = slots == 0 ? 0 : slots + (l * kv_heads + h) * length;
-            /* the group's query vectors [vecs, head_dim] (times scale), the keys packed, the
-               exponentials [vecs, length] (unless written straight to out) and their factors */
+            /* the group's query vectors [vecs, head_dim] (times scale), a gathered tile, the
+               exponentials [vecs, length] (unless written straight to out), their factors */
             const int direct = !group_mean && query_reduce == QUERY_KEEP;
-            float *qt = malloc((size_t)(vecs * head_dim + key_panels * KV_PANEL * head_dim +
+            float *qt = malloc((size_t)(vecs * head_dim + SLOT_TILE * head_dim +
                                         (direct ? 0 : vecs * length) + vecs) * sizeof(float) +
                                (size_t)length * sizeof(int64_t));
             if (qt == 0) {
@@ -736,7 +878,7 @@ int kv_query_probs(const float *q, const float *k_cache, int64_t layer_stride,
                 error = KV_NO_MEMORY;
                 continue;
             }
-            float *packed = qt + vecs * head_dim, *e = packed + key_panels * KV_PANEL * head_dim;
+            float *dense = qt + vecs * head_dim, *e = dense + SLOT_TILE * head_dim;
             float *inv = e + (direct ? 0 : vecs * length);
             int64_t *hidden = (int64_t *)(inv + vecs);
             if (direct) e = out + (l * q_heads + h * group) * n * length;
@@ -744,8 +886,7 @@ int kv_query_probs(const float *q, const float *k_cache, int64_t layer_stride,
                 const float *qv = q + ((l * n + v % n) * q_heads + h * group + v / n) * head_dim;
                 for (int64_t d = 0; d < head_dim; d++) qt[v * head_dim + d] = qv[d] * scale;
             }
-            pack_keys(keys, table, slot, length, head_dim, block, packed);
-            kv_panel_small(qt, head_dim, packed, e, vecs, head_dim, length);
+            head_logits(qt, vecs, keys, table, slot, length, head_dim, block, dense, e);
             int64_t hidden_count = 0;
             for (int64_t j = 0; slot != 0 && j < length; j++)
                 if (slot[j] < 0) hidden[hidden_count++] = j;
