@@ -867,20 +867,21 @@ int kv_query_probs(const float *q, const float *k_cache, int64_t layer_stride,
         for (int64_t h = 0; h < kv_heads; h++) {
             const float *keys = k_cache + l * layer_stride + h * slot_count * head_dim;
             const int64_t *slot = slots == 0 ? 0 : slots + (l * kv_heads + h) * length;
-            /* the group's query vectors [vecs, head_dim] (times scale), a gathered tile, the
-               exponentials [vecs, length] (unless written straight to out), their factors */
+            /* the hidden columns' indices, then the group's query vectors [vecs, head_dim]
+               (times scale), a gathered tile, the exponentials [vecs, length] (unless written
+               straight to out) and their factors */
             const int direct = !group_mean && query_reduce == QUERY_KEEP;
-            float *qt = malloc((size_t)(vecs * head_dim + SLOT_TILE * head_dim +
-                                        (direct ? 0 : vecs * length) + vecs) * sizeof(float) +
-                               (size_t)length * sizeof(int64_t));
-            if (qt == 0) {
+            int64_t *hidden = malloc((size_t)length * sizeof(int64_t) +
+                                     (size_t)(vecs * head_dim + SLOT_TILE * head_dim +
+                                              (direct ? 0 : vecs * length) + vecs) *
+                                         sizeof(float));
+            if (hidden == 0) {
 #pragma omp atomic write
                 error = KV_NO_MEMORY;
                 continue;
             }
-            float *dense = qt + vecs * head_dim, *e = dense + SLOT_TILE * head_dim;
-            float *inv = e + (direct ? 0 : vecs * length);
-            int64_t *hidden = (int64_t *)(inv + vecs);
+            float *qt = (float *)(hidden + length), *dense = qt + vecs * head_dim;
+            float *e = dense + SLOT_TILE * head_dim, *inv = e + (direct ? 0 : vecs * length);
             if (direct) e = out + (l * q_heads + h * group) * n * length;
             for (int64_t v = 0; v < vecs; v++) { /* vector v: head v / n of the group, query v % n */
                 const float *qv = q + ((l * n + v % n) * q_heads + h * group + v / n) * head_dim;
@@ -901,7 +902,7 @@ int kv_query_probs(const float *q, const float *k_cache, int64_t layer_stride,
                 head_output(e, inv, length, n, group, group_mean, query_reduce,
                             out + first * length);
             }
-            free(qt);
+            free(hidden);
         }
     }
     return error;
