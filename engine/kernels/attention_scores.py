@@ -81,7 +81,7 @@ def _validate(queries, k_cache, block_table, length, key_limit, slots=None) -> i
     return length
 
 
-QUERY_REDUCTIONS = ("none", "sum", "mean")
+QUERY_REDUCTIONS = tuple(cpu_native.QUERY_REDUCE)  # "none", "sum", "mean"
 
 
 def check_query_reduce(query_reduce: str) -> None:

@@ -323,8 +323,9 @@ def decode(q, k_cache_l, v_cache_l, block_tables, context_lens, scale, holes=Non
     return out
 
 
-# attention_scores.QUERY_REDUCTIONS as the kernel's query_reduce argument.
-_QUERY_REDUCE = {"none": 0, "sum": 1, "mean": 2}
+# query_probs' reductions over the queries, as the kernel's query_reduce argument (its enum);
+# attention_scores.QUERY_REDUCTIONS, the probs contract's, are these names.
+QUERY_REDUCE = {"none": 0, "sum": 1, "mean": 2}
 
 
 def query_probs(queries, k_cache, table, length: int, limits, scale,
@@ -335,8 +336,8 @@ def query_probs(queries, k_cache, table, length: int, limits, scale,
     limits: [n] int64, each in [0, length]. slots: None, or [layers, kv_heads, length] int64:
     column j of row (l, h) is the key of physical slot slots[l, h, j] (< 0: hidden, probability
     0), each slot read through `table`."""
-    if query_reduce not in _QUERY_REDUCE:
-        raise ValueError(f"query_reduce must be one of {sorted(_QUERY_REDUCE)}, got "
+    if query_reduce not in QUERY_REDUCE:
+        raise ValueError(f"query_reduce must be one of {list(QUERY_REDUCE)}, got "
                          f"{query_reduce!r}")
     layers, n, q_heads, head_dim = queries.shape
     if k_cache.dim() != 5 or k_cache.shape[0] != layers or k_cache.shape[-1] != head_dim:
@@ -366,7 +367,7 @@ def query_probs(queries, k_cache, table, length: int, limits, scale,
                                    table.data_ptr(), table.numel(), slot_ptr, limits.data_ptr(),
                                    length, out.data_ptr(), layers, n, q_heads, kv_heads,
                                    head_dim, block, pages, float(scale), int(group_mean),
-                                   _QUERY_REDUCE[query_reduce])
+                                   QUERY_REDUCE[query_reduce])
     _raise_on(rc)
     return out
 

@@ -21,9 +21,10 @@ so each layer has one body whatever runs it. Where the backend packs weights (CP
 `CausalLM.pack_weights` gives every projection and the LM head a packed copy in its layout (C
 column panels or oneDNN's; engine/kernels/linear.py has why), and `DecoderModel.stack_layers`
 asks it for a whole stack over them: the C backend hands an eager step's layers, final norm
-and LM head (decode steps, forced runs' pages) to one C call (through `CausalLM.sampled_logits`), the same
-kernels in the same order without the Python between them, every layer's pre-RoPE queries
-copied out for the policies' signals, where the layers have no q/k norms.
+and LM head (decode steps, forced runs' pages) to one C call (through
+`CausalLM.sampled_logits`), the same kernels in the same order without the Python between
+them, every layer's pre-RoPE queries copied out for the policies' signals, where the layers
+have no q/k norms.
 """
 
 from __future__ import annotations

@@ -861,6 +861,8 @@ int kv_query_probs(const float *q, const float *k_cache, int64_t layer_stride,
     const int64_t slot_count = num_pages * block, vecs = n * group;
     const int64_t rows = query_reduce == QUERY_KEEP ? n : 1; /* output rows per head */
     const int64_t heads_out = group_mean ? kv_heads : q_heads;
+    /* unreduced per-head rows are the output itself: the softmax is written there in place */
+    const int direct = !group_mean && query_reduce == QUERY_KEEP;
     int error = KV_OK;
 #pragma omp parallel for collapse(2) schedule(static) if (layers * q_heads * n * length > 32768)
     for (int64_t l = 0; l < layers; l++) {
@@ -870,7 +872,6 @@ int kv_query_probs(const float *q, const float *k_cache, int64_t layer_stride,
             /* the hidden columns' indices, then the group's query vectors [vecs, head_dim]
                (times scale), a gathered tile, the exponentials [vecs, length] (unless written
                straight to out) and their factors */
-            const int direct = !group_mean && query_reduce == QUERY_KEEP;
             int64_t *hidden = malloc((size_t)length * sizeof(int64_t) +
                                      (size_t)(vecs * head_dim + SLOT_TILE * head_dim +
                                               (direct ? 0 : vecs * length) + vecs) *
