@@ -447,7 +447,8 @@ def test_query_probs_twin_and_triton(dtype, heads, limits):
 
 def test_query_probs_over_a_slot_map_stays_on_the_device():
     """The twin's slot-map path (the Triton backend's too) on `meta` tensors: no host sync and
-    no host tensor mixed in (DeviceGuard), the probabilities' shape kept."""
+    no host tensor mixed in (DeviceGuard), the probabilities' shape kept (and the n axis gone
+    with query_reduce)."""
     from device_guard import DeviceGuard
 
     queries, k_cache, table, _, _, scale = _probs_case(torch.float32, (4, 2), seed=15)
@@ -458,8 +459,11 @@ def test_query_probs_over_a_slot_map_stays_on_the_device():
                                       device="meta"), scale, slots=meta[3])
         mean = paged_query_probs_torch(*meta[:3], 12, None, scale, group_mean=True,
                                        slots=meta[3])
+        summed = paged_query_probs_torch(*meta[:3], 12, None, scale, slots=meta[3],
+                                         query_reduce="sum")
     assert got.shape == (2, 4, 5, 12) and got.device.type == "meta"
     assert mean.shape == (2, 2, 5, 12)
+    assert summed.shape == (2, 4, 12) and summed.device.type == "meta"
 
 
 def naive_slot_probs(queries, k_cache, block_table, slots, key_limit, scale):
