@@ -7,8 +7,10 @@ requests, never allocated per step (docs/architecture.md, "The core model", Sign
   (GrowPage's dual-timescale summaries, Eq. 6; `ema_update` is the rule). A newly bound slot is
   initialised from its first decode query, overwriting whatever the previous owner left (no
   clearing needed). A forced run (k decode steps as one chunk, engine/scheduler.py) applies the
-  rule for each of its rows in order, in closed form: ema <- beta^k ema + sum_j (1 - beta)
-  beta^(k-1-j) q_j (an initialising run starts from q_0: weight beta^(k-1), no old term).
+  rule for each of its rows in order: the torch writes in closed form, ema <- beta^k ema +
+  sum_j (1 - beta) beta^(k-1-j) q_j (an initialising run starts from q_0: weight beta^(k-1), no
+  old term); the CPU stack, which writes the signals itself while each layer's queries are in
+  cache (`stack_signals`), row by row.
 
 Both pools are slot-major: a step's writes and a policy's reads move one contiguous block per
 slot (every layer's queries of a request), not one small strip per layer and slot.
@@ -120,7 +122,8 @@ class QueryStatePool:
         # order; a counter rather than a list of every slot, which would cost tens of bytes each.
         self._released: list[int] = []
         self._unused = 0
-        self.plan: CapturePlan | None = None
+        self._plan: CapturePlan | None = None
+        self._lists: tuple | None = None  # the step's index lists from `prepare`
         self.num_layers = num_layers
         self._stash: torch.Tensor | None = None   # [layers, T, q_heads, d], `record` until `flush`
         self._stashed = False
@@ -150,8 +153,10 @@ class QueryStatePool:
     def prepare(self, items: list[tuple[int, int, int, int, bool]]) -> None:
         """items: (first_row, num_tokens, first_position, slot, is_decode) per scheduled sequence
         that holds a slot; a decode item of several tokens is a forced run, whose every row is a
-        decode query. Records positions now; `record` fills the tensors layer by layer. The host
-        bookkeeping is read and written once a step for all items (a slot appears at most once)."""
+        decode query. Records positions and the step's index lists now; the writes come from
+        `record` layer by layer and `flush` (over `plan`), or from the CPU stack, which makes
+        them from each layer's queries itself (`stack_signals`). The host bookkeeping is read
+        and written once a step for all items (a slot appears at most once)."""
         fed = [slot for _, _, _, slot, is_decode in items if is_decode] if self.ema is not None \
             else []
         ready = dict(zip(fed, self.ema_ready[fed].tolist())) if fed else {}
@@ -187,9 +192,38 @@ class QueryStatePool:
         if rr:
             self.recent_pos[rs, ring] = torch.tensor(rpos)
         at = [s * self.n + r for s, r in zip(rs, ring)]
-        self.plan = CapturePlan(*self._indices(rr, at, er, es, ei if any(ei) else None))
-        if run_slots:
-            self._plan_runs(run_rows, run_index, run_exp, run_first, run_slots, run_init, run_len)
+        self._lists = (rr, at, er, es, ei,
+                       (run_rows, run_index, run_exp, run_first, run_slots, run_init, run_len))
+        self._plan = None
+
+    @property
+    def plan(self) -> CapturePlan:
+        """The step's writes as index tensors for `_write`, built from `prepare`'s lists at the
+        first use (a step whose writes the CPU stack makes never builds it)."""
+        if self._plan is None:
+            rr, at, er, es, ei, runs = self._lists
+            self._plan = CapturePlan(*self._indices(rr, at, er, es, ei if any(ei) else None))
+            if runs[4]:
+                self._plan_runs(*runs)
+        return self._plan
+
+    def stack_signals(self, total_rows: int) -> tuple:
+        """The step's writes for a CPU stack that makes them itself, layer by layer
+        (cpu_native.StepSignals' fields): rows [total_rows, 3] int64 on the host, per step row
+        (ring entry of the flattened ring, EMA slot, init), -1 where the row writes none; the
+        flattened ring [slots x n, layers, q_heads, d] or None; the EMA pool or None; the betas.
+        A forced run's rows update its slot one after another (the rule row by row, not the
+        closed form `_write` applies)."""
+        rr, at, er, es, ei, runs = self._lists
+        rows = [-1, -1, 0] * total_rows
+        for row, entry in zip(rr, at):
+            rows[3 * row] = entry
+        run_rows, run_index, _, run_first, run_slots = runs[:5]
+        for row, slot, init in zip(er + run_rows, es + [run_slots[i] for i in run_index],
+                                   ei + run_first):
+            rows[3 * row + 1: 3 * row + 3] = slot, int(init)
+        recent = None if self.recent is None else self.recent.flatten(0, 1)
+        return torch.tensor(rows).view(total_rows, 3), recent, self.ema, self.betas
 
     def _indices(self, rows: list[int], at: list[int], ema_rows: list[int], ema_slots: list[int],
                  init: list[bool] | None) -> list:
@@ -224,7 +258,7 @@ class QueryStatePool:
         k = beta.numel()
         matrix = weights.new_zeros(len(slots), k, max(rows) + 1)
         matrix[index_t, :, rows_t] = weights
-        plan = self.plan
+        plan = self._plan
         plan.run_slots, plan.run_init = slots_t, init_t.bool()
         plan.run_weights = matrix.view(len(slots) * k, -1)
         plan.run_decay = beta ** lengths_t.to(beta.dtype).unsqueeze(1)
@@ -266,12 +300,6 @@ class QueryStatePool:
         if self._stashed:
             self._stashed = False
             self._write(self._stash)
-
-    def record_layers(self, q_pre: torch.Tensor) -> None:
-        """q_pre: [layers, T, q_heads, d], every layer's pre-RoPE queries of the step's rows at
-        once (the CPU whole stack's, engine/models/llama.py): the writes `record` makes layer
-        by layer, with the same values."""
-        self._write(q_pre)
 
     def _write(self, q_pre: torch.Tensor) -> None:
         """The step's writes of every layer's queries, q_pre [layers, T, q_heads, d], by whole

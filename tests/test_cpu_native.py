@@ -806,12 +806,13 @@ def test_engine_tokens_and_logprobs_equal_with_the_kernels_on_and_off(tmp_path, 
 
 # The C stack runs a step's every layer in one call; the same kernels in the same order as the
 # eager layers, so the two agree bit for bit. Qwen2 adds the q/k/v bias; Qwen3's q/k norms are
-# not in the stack, so its layers run as before. GrowPage (EMA summaries) and Zipage
-# (recent-query ring) take their pre-RoPE queries out of the stack: their decisions and their
-# query pools must be the same too. The stack runs the final norm and the LM head as well, the
-# same kernels as the eager pass's final norm and compute_logits. Decode steps, and forced runs:
-# chunks of different lengths side by side and beside one-token rows (a request that samples,
-# forced requests at a page's last token), their rows packed without padding.
+# not in the stack, so its layers run as before. The stack writes GrowPage's (EMA summaries)
+# and Zipage's (recent-query ring) signals itself: their decisions and their query pools must
+# be the same too (a forced run's summaries within fp32). The stack runs the final norm and the
+# LM head as well, the same kernels as the eager pass's final norm and compute_logits. Decode
+# steps, and forced runs: chunks of different lengths side by side and beside one-token rows (a
+# request that samples, forced requests at a page's last token), their rows packed without
+# padding.
 @pytest.mark.parametrize("family, policy, args", [
     ("llama", "full", {}), ("qwen2", "full", {}), ("qwen3", "full", {}),
     ("llama", "growpage", {"protected_recent": 2, "initial_capacity": 16}),
@@ -853,7 +854,8 @@ def test_step_stack_equals_the_eager_layers_bit_for_bit(tmp_path, monkeypatch, f
             llm.runner.model.model.stack = None  # the same layers, one call each
         runs.append([llm.generate(prompts, p) for p in params])
         queries = llm.runner.queries
-        pools.append([t.clone() for t in (queries.recent, queries.ema) if t is not None])
+        pools.append({name: t.clone() for name, t in (("recent", queries.recent),
+                                                      ("ema", queries.ema)) if t is not None})
         if not on or family == "qwen3":
             assert not stacked
         elif mode == "decode":
@@ -868,8 +870,13 @@ def test_step_stack_equals_the_eager_layers_bit_for_bit(tmp_path, monkeypatch, f
             assert any(decode and chunks for _, decode, chunks, _, _ in stacked)  # and beside
             # one-token rows
     assert bool(pools[0]) == (policy != "full")
-    for a, b in zip(*pools):
-        assert torch.equal(a, b)
+    for name, a in pools[0].items():
+        if name == "ema" and mode == "forced":
+            # the stack applies a forced run's rows one by one, the layer-by-layer path the
+            # pool's closed form of the same rule (query_state.py)
+            torch.testing.assert_close(a, pools[1][name], rtol=1e-5, atol=1e-6)
+        else:
+            assert torch.equal(a, pools[1][name])
     for with_stack, without in zip(*runs):
         for a, b in zip(with_stack, without):
             assert a.token_ids == b.token_ids
@@ -877,6 +884,59 @@ def test_step_stack_equals_the_eager_layers_bit_for_bit(tmp_path, monkeypatch, f
             assert _untimed(a.events) == _untimed(b.events)
     if policy != "full":
         assert any(e["action"] == "compress" for o in runs[0][0] for e in o.events)
+
+
+@needs_kernel
+def test_step_layers_writes_the_query_signals_as_the_pools_torch_writes():
+    """The stack's signal writes (one-token rows, a row without a slot, an initialising forced
+    run of 3 rows) against QueryStatePool's torch writes of the same step: the ring holds each
+    row's pre-RoPE queries (layer 0's equal to the single kernels' norm and q projection bit for
+    bit), and the summaries equal the pool's (its closed form for the run) within fp32."""
+    from engine.policies.base import SignalSpec
+    from engine.query_state import QueryStatePool
+
+    torch.manual_seed(3)
+    layers, hidden, q_heads, kv_heads, d, inter, eps = 2, 32, 4, 2, 8, 48, 1e-5
+    qkv_out = (q_heads + 2 * kv_heads) * d
+    weights = [{"input_norm": torch.rand(hidden) + 0.5, "post_norm": torch.rand(hidden) + 0.5,
+                "qkv": torch.randn(qkv_out, hidden), "qkv_bias": None,
+                "o": torch.randn(hidden, q_heads * d) / 4, "gate_up": torch.randn(2 * inter, hidden),
+                "down": torch.randn(hidden, inter) / 8} for _ in range(layers)]
+    packed = [{k: v if v is None or k.endswith("norm") else cpu_native.pack_panels(v)
+               for k, v in w.items()} for w in weights]
+    stack = cpu_native.layer_stack(packed, torch.rand(hidden), q_heads, kv_heads, d, eps)
+    k_cache = torch.zeros(layers, kv_heads, 4, 4, d)
+    v_cache = torch.zeros_like(k_cache)
+    # rows 0, 1: one-token items (row 1 without a slot); rows 2-4: a forced run of 3
+    where = cpu_native.StepRows(torch.tensor([[0, -1], [1, -1]]), torch.tensor([2, 1]),
+                                torch.tensor([[2, 3]]), torch.tensor([1]), torch.tensor([3]))
+    cos, sin = torch.rand(5, 1, d), torch.rand(5, 1, d)
+    spec = SignalSpec(recent_queries=4, ema_betas=(0.5, 0.9))
+    pools = [QueryStatePool(spec, layers, 3, q_heads, d, "cpu", F32) for _ in range(2)]
+    start = torch.randn(layers, 2, q_heads, d)
+    for pool in pools:
+        one, run = pool.bind(), pool.bind()
+        pool.ema[one] = start  # a summary under way; the run's slot starts fresh
+        pool.ema_ready[one] = True
+        pool.prepare([(0, 1, 1, one, True), (2, 3, 1, run, True)])
+    x = torch.randn(5, hidden)
+    x0 = x.clone()
+    cpu_native.step_layers(x, cos, sin, stack, k_cache, v_cache, torch.tensor([1, 4, 9, 10, 11]),
+                           where, 0.3, cpu_native.StepSignals(*pools[0].stack_signals(5)))
+    ring = pools[0].recent  # [slots + 1, n, layers, q_heads, d]; positions 1..3 of the run
+    queries = torch.stack([ring[one, 1], ring[one, 1], ring[run, 1], ring[run, 2], ring[run, 3]],
+                          dim=1)  # [layers, 5, q_heads, d]; row 1's is never read
+    layer0 = cpu_native.panel_linear(cpu_native.rms_norm(x0, weights[0]["input_norm"], eps),
+                                     packed[0]["qkv"], qkv_out)[:, :q_heads * d]
+    assert torch.equal(queries[0, [0, 2, 3, 4]].flatten(1), layer0[[0, 2, 3, 4]])
+    assert ring[2].abs().sum() == 0 and ring[3].abs().sum() == 0  # the free and scratch slots
+    for layer in range(layers):
+        pools[1].record(layer, queries[layer])
+    pools[1].flush()
+    torch.testing.assert_close(pools[0].ema, pools[1].ema, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(pools[0].recent, pools[1].recent, rtol=0, atol=0)
+    assert torch.equal(pools[0].recent_pos, pools[1].recent_pos)
+    assert not torch.equal(pools[0].ema[one], start)  # the summaries moved
 
 
 def _group_sizes(where) -> tuple[int, int, int]:
@@ -928,17 +988,22 @@ def test_step_layers_checks_its_inputs():
     cos, sin = torch.ones(2, 1, d), torch.zeros(2, 1, d)
     tables, lens = torch.tensor([[0, 1], [2, -1]]), torch.tensor([5, 1])
 
-    def run(x=None, slots=(4, 8), k=k_cache, tables=tables, lens=lens, cos=cos, queries=None,
+    def run(x=None, slots=(4, 8), k=k_cache, tables=tables, lens=lens, cos=cos, signals=None,
             stack=stack, logits=False, where=None):
         x = torch.randn(2, hidden) if x is None else x
         where = cpu_native.StepRows(tables, lens) if where is None else where
         return x, cpu_native.step_layers(x, cos, sin, stack, k, v_cache, torch.tensor(slots),
-                                         where, 0.3, queries, logits)
+                                         where, 0.3, signals, logits)
 
-    queries = torch.full((2, 2, q_heads, d), float("nan"))
-    x, normed = run(queries=queries)
+    def signals(rows=((0, 1, 1), (-1, -1, 0)), ring=3, query=(q_heads, d), betas=(0.5,)):
+        return cpu_native.StepSignals(torch.tensor(rows), torch.zeros(ring, 2, *query),
+                                      torch.zeros(2, 2, len(betas), *query), torch.tensor(betas))
+
+    ok = signals()
+    x, normed = run(signals=ok)
     assert normed.isfinite().all() and k_cache[:, :, 1, 0].abs().sum() > 0  # slot 4: page 1
-    assert queries.isfinite().all()  # every layer's queries written
+    assert ok.recent[0].abs().sum() > 0 and ok.recent[1:].abs().sum() == 0  # row 0's, entry 0
+    assert torch.equal(ok.ema[1, :, 0], ok.recent[0])  # initialised to the same queries
     # the final norm and the LM head are the single kernels' on the residual stream, bit for bit
     assert torch.equal(normed, cpu_native.rms_norm(x, final_norm, 1e-5))
     x, logits = run(x=torch.randn(2, hidden), logits=True)
@@ -961,7 +1026,10 @@ def test_step_layers_checks_its_inputs():
                           (dict(slots=(4, 12)), "slot_mapping entry is outside"),
                           (dict(tables=torch.tensor([[0, 7], [2, -1]])), "outside the cache"),
                           (dict(lens=torch.tensor([9, 1])), "context length"),
-                          (dict(queries=torch.zeros(2, 2, q_heads + 1, d)), "queries"),
+                          (dict(signals=signals(query=(q_heads + 1, d))), "recent-query"),
+                          (dict(signals=signals(rows=((0, 1, 1),))), "signal rows"),
+                          (dict(signals=signals(rows=((3, 1, 0), (-1, -1, 0)))), "signal row's"),
+                          (dict(signals=signals(rows=((0, 2, 0), (-1, -1, 0)))), "signal row's"),
                           (dict(stack=headless, logits=True), "LM head's panels")):
         with pytest.raises(ValueError, match=match):
             run(**kwargs)

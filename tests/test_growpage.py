@@ -263,45 +263,39 @@ def test_ema_update_keeps_float32_pool_with_bf16_query():
 @pytest.mark.parametrize("order", [(0, 1, 2), (2, 0, 1)])
 @pytest.mark.parametrize("qdtype", [torch.float32, torch.bfloat16])
 def test_query_pool_eager_writes_are_ema_update_bit_for_bit(qdtype, order):
-    """The pool's eager step writes (all layers at once, and layer by layer) give exactly the
-    values of `ema_update` applied to each slot, through binds, re-binds (initialisation) and
-    steps without any, and fill the recent-query ring as before; with the rows' slots in
-    order (updated in place on a view) and out of order (gathered and scattered)."""
+    """The pool's eager step writes (layer by layer, flushed at once) give exactly the values
+    of `ema_update` applied to each slot, through binds, re-binds (initialisation) and steps
+    without any, and fill the recent-query ring as before; with the rows' slots in order
+    (updated in place on a view) and out of order (gathered and scattered)."""
     from engine.policies.base import SignalSpec
     from engine.query_state import QueryStatePool
 
     g = torch.Generator().manual_seed(5)
     L, S, H, D, betas = 3, 4, 2, 8, (0.9, 0.984)
-    pools = [QueryStatePool(SignalSpec(recent_queries=2, ema_betas=betas), L, S, H, D, "cpu",
-                            qdtype) for _ in range(2)]  # the model's dtype; EMAs in float32
-    pools[0].ema.normal_(generator=g)  # stale values of an earlier owner
-    pools[1].ema.copy_(pools[0].ema)
-    ref = pools[0].ema.clone()
-    slots = [[p.bind() for _ in range(3)] for p in pools]
-    slots = [[own[i] for i in order] for own in slots]
+    pool = QueryStatePool(SignalSpec(recent_queries=2, ema_betas=betas), L, S, H, D, "cpu",
+                          qdtype)  # the model's dtype; EMAs in float32
+    pool.ema.normal_(generator=g)  # stale values of an earlier owner
+    ref = pool.ema.clone()
+    slots = [pool.bind() for _ in range(3)]
+    slots = [slots[i] for i in order]
     ready = [False] * S
     for step in range(6):
         if step == 3:  # one request leaves, another takes its slot: initialised again
-            for pool, own in zip(pools, slots):
-                pool.release(own[1])
-                assert pool.bind() == own[1]
-            ready[slots[0][1]] = False
+            pool.release(slots[1])
+            assert pool.bind() == slots[1]
+            ready[slots[1]] = False
         q = torch.randn(L, 3, H, D, generator=g).to(qdtype)
-        items = [(row, 1, 10 + step, slots[0][row], True) for row in range(3)]
-        for pool in pools:
-            pool.prepare(items)
-        pools[0].record_layers(q)
+        pool.prepare([(row, 1, 10 + step, slots[row], True) for row in range(3)])
         for layer in range(L):
-            pools[1].record(layer, q[layer])
-        pools[1].flush()
-        for row, slot in enumerate(slots[0]):
+            pool.record(layer, q[layer])
+        pool.flush()
+        for row, slot in enumerate(slots):
             ema_update(ref[slot], q[:, row], betas, not ready[slot])
             ready[slot] = True
-        for pool in pools:
-            assert torch.equal(pool.ema[:S], ref[:S])
-            for row, slot in enumerate(slots[0]):
-                assert torch.equal(pool.recent[slot, (10 + step) % 2], q[:, row])
-    assert pools[0].ema_of(slots[0][2])[1] is True
+        assert torch.equal(pool.ema[:S], ref[:S])
+        for row, slot in enumerate(slots):
+            assert torch.equal(pool.recent[slot, (10 + step) % 2], q[:, row])
+    assert pool.ema_of(slots[2])[1] is True
 
 
 # -- calibration, RoPE, attention, metrics ----------------------------------------------------

@@ -323,11 +323,11 @@ def _no_stack(*_args, **_kwargs) -> None:
 
 def _c_step_stack(model, input_ids, positions, ctx: ForwardContext) -> torch.Tensor | None:
     """A step of a DecoderModel with a C stack (`model.stack`) in one call: its layers, final
-    norm and LM head -> logits [T, vocab], every layer's pre-RoPE queries recorded for the
-    policies' signals; None when the model has no stack or the step is not one the stack takes:
-    it stores every row's KV (not a recompute), no row has per-head holes, and every chunk is
-    one `_c_prefill` hands to the C chunk kernel (so the stack's arithmetic is the eager
-    pass's)."""
+    norm and LM head -> logits [T, vocab], the policies' query signals written by the stack
+    from every layer's pre-RoPE queries; None when the model has no stack or the step is not
+    one the stack takes: it stores every row's KV (not a recompute), no row has per-head
+    holes, and every chunk is one `_c_prefill` hands to the C chunk kernel (so the stack's
+    arithmetic is the eager pass's)."""
     stack = model.stack
     if stack is None or ctx.slot_mapping is None or ctx.collect is not None \
             or ctx.decode_holes is not None or ctx.prefill_holes is not None \
@@ -335,16 +335,13 @@ def _c_step_stack(model, input_ids, positions, ctx: ForwardContext) -> torch.Ten
         return None
     x = model.embed_tokens(input_ids)
     rows = model.rope.rows(positions)
-    queries = None if ctx.capture is None else x.new_empty(
-        len(model.layers), x.shape[0], stack.q_heads, stack.head_dim)
+    signals = None if ctx.capture is None else cpu_native.StepSignals(
+        *ctx.capture.stack_signals(x.shape[0]))
     where = cpu_native.StepRows(ctx.decode_block_tables, ctx.decode_context_lens,
                                 ctx.prefill_block_tables, ctx.prefill_base_lens,
                                 ctx.prefill_q_lens)
-    logits = cpu_native.step_layers(x, rows.cos, rows.sin, stack, ctx.kv.k, ctx.kv.v,
-                                    ctx.slot_mapping, where, ctx.scale, queries, True)
-    if queries is not None:
-        ctx.capture.record_layers(queries)
-    return logits
+    return cpu_native.step_layers(x, rows.cos, rows.sin, stack, ctx.kv.k, ctx.kv.v,
+                                  ctx.slot_mapping, where, ctx.scale, signals, True)
 
 
 # -- the instances ---------------------------------------------------------------------------

@@ -54,7 +54,7 @@ OpenMP threads. The measurements behind each are in results/benchmarks/cpu-kerne
     layer_stack(layers, final_norm, q_heads, kv_heads, head_dim, eps, head=None, vocab=None)
         -> LayerStack;
     step_layers(x, cos, sin, stack, k_cache, v_cache, slot_mapping, decode, chunks, scale,
-                queries=None, logits=False) -> normed hidden, or logits
+                signals=None, logits=False) -> normed hidden, or logits
         A step's whole decoder stack in one call (cpu/step_layers.c): for one-token items and
         chunks (each chunk's tile of rows as `prefill_rows` attends it), every layer's norms,
         panel projections, RoPE, store and attention, then the final norm and (with `logits`)
@@ -63,7 +63,9 @@ OpenMP threads. The measurements behind each are in results/benchmarks/cpu-kerne
         (engine/kernels/backend.py, over DecoderModel.stack_layers' stack) for steps with no
         per-head holes whose chunks the C chunk kernel takes: decode steps, and a forced run's
         pages (results/benchmarks/forced-notes.md: what the Python between the layers cost);
-        `queries` takes every layer's pre-RoPE queries out for the policies' signals.
+        `signals` (StepSignals) writes the policies' query signals from every layer's pre-RoPE
+        queries while they are in cache (the recent-query ring and the EMA summaries,
+        engine/query_state.py), instead of a pass over them after the call.
 
 The engine runs these kernels through its backend (engine/kernels/backend.py), chosen once: CPU
 float32 with `available()`. The library is built once per source, compiler (``$CC`` or ``cc``,
@@ -127,7 +129,8 @@ PANEL = 16
 ERRORS = {1: ("KV_BAD_PAGE",
               "a block table names a page outside the cache (or -1 inside a row's length)"),
           2: ("KV_BAD_LENGTH", "a context length is negative or exceeds its block table's capacity"),
-          3: ("KV_BAD_SLOT", "a slot_mapping entry is outside the cache"),
+          3: ("KV_BAD_SLOT", "a slot_mapping entry is outside the cache (or a signal row's ring "
+                             "entry or summary slot outside its pool)"),
           4: ("KV_BAD_HOLE",
               "a hole is not a (start, end) range with 0 <= start <= end <= the newest slot"),
           5: ("KV_BAD_SHAPE", "q_heads / kv_heads, head_dim or block_size exceed the kernel's limits"),
@@ -137,7 +140,7 @@ LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "d
 # The interface's version, KV_ABI_VERSION in cpu/kvarena_native.h: raised with it when a
 # signature in `_declare` or a constant above changes meaning. At load the library reports its
 # constants (kv_abi); any that differ from `_expected_abi()` leave the torch ops in its place.
-ABI_VERSION = 9
+ABI_VERSION = 10
 
 # The cache entry: the library and its stamp (`_build`).
 LIBRARY, STAMP = "libkvarena_cpu.so", "libkvarena_cpu.json"
@@ -488,6 +491,22 @@ def layer_stack(layers: list[dict], final_norm: torch.Tensor, q_heads: int, kv_h
 
 
 @dataclass(frozen=True)
+class StepSignals:
+    """The query-signal writes `step_layers` makes (engine/query_state.py's pools): rows [T, 3]
+    int64 per step row (ring entry, summary slot, init), -1 for none; recent [entries, layers,
+    q_heads, head_dim] the flattened ring (slot x n + index) or None; ema [slots, layers,
+    len(betas), q_heads, head_dim] or None; betas [len(betas)]. Every tensor float32 or int64,
+    contiguous, on the CPU. A row's query goes to its ring entry; its slot's summaries take one
+    step of query_state.ema_update's rule, rows in order (a forced run row by row), or are set
+    to the query where init is 1."""
+
+    rows: torch.Tensor
+    recent: torch.Tensor | None
+    ema: torch.Tensor | None
+    betas: torch.Tensor
+
+
+@dataclass(frozen=True)
 class StepRows:
     """Where a step's rows attend, as `step_layers` reads them: rows [0, decode) one-token items
     (block_tables [decode, nb], context_lens [decode], `decode`'s), then the chunks' rows in
@@ -502,15 +521,16 @@ class StepRows:
 
 
 def step_layers(x, cos, sin, stack: LayerStack, k_cache, v_cache, slot_mapping, where: StepRows,
-                scale: float, queries=None, logits: bool = False) -> torch.Tensor:
+                scale: float, signals: StepSignals | None = None,
+                logits: bool = False) -> torch.Tensor:
     """Every layer of a step whose rows are one-token items and chunks without per-head holes,
     then the final norm, in one call (cpu/step_layers.c): x [T, hidden] (contiguous, this
     pass's own) becomes the residual stream after the last layer, in place; cos/sin [T, 1,
     head_dim]; k/v_cache [layers, kv_heads, num_pages, block_size, head_dim] (each row's k and v
-    stored at slot_mapping [T]); `where`: the rows' tables and lengths; queries, when given,
-    [layers, T, q_heads, head_dim] takes every layer's pre-RoPE queries. Returns the normed
-    hidden states [T, hidden], or with `logits` (a stack with a head) the LM head's logits
-    [T, vocab]."""
+    stored at slot_mapping [T]); `where`: the rows' tables and lengths; signals, when given,
+    the query-signal writes from every layer's pre-RoPE queries (StepSignals). Returns the
+    normed hidden states [T, hidden], or with `logits` (a stack with a head) the LM head's
+    logits [T, vocab]."""
     rows = x.shape[0]
     layers, kv_heads, pages, block, head_dim = k_cache.shape
     _require_contiguous(x, cos, sin)
@@ -530,11 +550,7 @@ def step_layers(x, cos, sin, stack: LayerStack, k_cache, v_cache, slot_mapping, 
     if decode[1].numel() + (int(chunks[2].sum()) if chunks[2].numel() else 0) != rows:
         raise ValueError(f"{decode[1].numel()} one-token rows and chunks of "
                          f"{chunks[2].tolist()} rows do not add up to {rows} rows")
-    if queries is not None:
-        _require_contiguous(queries)
-        if queries.shape != (layers, rows, stack.q_heads, stack.head_dim):
-            raise ValueError(f"queries {tuple(queries.shape)} do not fit {layers} layers of "
-                             f"{rows} rows x {stack.q_heads} heads x {stack.head_dim}")
+    signal_table, *signal = _signal_args(signals, rows, layers, stack)
     if logits and stack.head is None:
         raise ValueError("logits need a stack built with the LM head's panels")
     slots = _int64(slot_mapping)
@@ -547,12 +563,33 @@ def step_layers(x, cos, sin, stack: LayerStack, k_cache, v_cache, slot_mapping, 
         k_cache.data_ptr(), v_cache.data_ptr(), pages, block, slots.data_ptr(),
         lens.numel(), tables.data_ptr(), tables.shape[1], lens.data_ptr(),
         base.numel(), chunk_tables.data_ptr(), chunk_tables.shape[1], base.data_ptr(),
-        q_lens.data_ptr(), float(scale), None if queries is None else queries.data_ptr(),
-        stack.final_norm.data_ptr(), normed.data_ptr(),
+        q_lens.data_ptr(), float(scale), *signal, stack.final_norm.data_ptr(), normed.data_ptr(),
         None if out is None else stack.head.data_ptr(), stack.vocab,
         None if out is None else out.data_ptr())
     _raise_on(rc)
     return normed if out is None else out
+
+
+def _signal_args(signals: StepSignals | None, rows: int, layers: int,
+                 stack: LayerStack) -> tuple:
+    """kv_step_layers' signal arguments (rows, recent, entries, ema, slots, betas, count) for
+    `signals`, its shapes checked (its entries and slots by the kernel). The row table is
+    returned with them: it must outlive the call."""
+    if signals is None:
+        return None, None, None, 0, None, 0, None, 0
+    recent, ema, betas = signals.recent, signals.ema, signals.betas
+    table = _int64(signals.rows)
+    if table.shape != (rows, 3):
+        raise ValueError(f"the signal rows are {tuple(table.shape)}, expected {(rows, 3)}")
+    _require_shape(betas, (betas.numel(),), "betas")
+    query = (layers, stack.q_heads, stack.head_dim)
+    if recent is not None:
+        _require_shape(recent, (recent.shape[0], *query), "the recent-query ring")
+    if ema is not None:
+        _require_shape(ema, (ema.shape[0], layers, betas.numel(), *query[1:]), "the summaries")
+    return (table, table.data_ptr(), None if recent is None else recent.data_ptr(),
+            0 if recent is None else recent.shape[0], None if ema is None else ema.data_ptr(),
+            0 if ema is None else ema.shape[0], betas.data_ptr(), betas.numel())
 
 
 # An absent StepRows group as the kernel reads it: no tables [0, 1], no lengths [0] (never
@@ -775,7 +812,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kv_step_layers.restype = ctypes.c_int
     lib.kv_step_layers.argtypes = [_PTR, _PTR, _PTR, _PTR, *[_I64] * 7, _F32, _PTR, _PTR,
                                    _I64, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64,
-                                   _PTR, _PTR, _F32, _PTR, _PTR, _PTR, _PTR, _I64, _PTR]
+                                   _PTR, _PTR, _F32, _PTR, _PTR, _I64, _PTR, _I64, _PTR,
+                                   _I64, _PTR, _PTR, _PTR, _I64, _PTR]
 
 
 def _build(rebuild: bool = False) -> tuple[Path, bool]:

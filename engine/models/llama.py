@@ -23,8 +23,8 @@ column panels or oneDNN's; engine/kernels/linear.py has why), and `DecoderModel.
 asks it for a whole stack over them: the C backend hands an eager step's layers, final norm
 and LM head (decode steps, forced runs' pages) to one C call (through
 `CausalLM.sampled_logits`), the same kernels in the same order without the Python between
-them, every layer's pre-RoPE queries copied out for the policies' signals, where the layers
-have no q/k norms.
+them, the policies' query signals written from every layer's pre-RoPE queries, where the
+layers have no q/k norms.
 """
 
 from __future__ import annotations

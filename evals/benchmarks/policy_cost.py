@@ -30,9 +30,10 @@ The split of a run's wall time (`LLM.generate`), each divided by the tokens of o
 - decode: the model's steps, `RunStats.forward_seconds` (the sum of `StepRecord.seconds`: forward
   pass and sampling of every step, the prompts' one prefill step included) minus the signals;
 - signals: the query-signal writes the runner makes inside those steps (recent-query ring, EMA
-  summaries: `QueryStatePool.prepare` / `prepare_decode` / `record` / `flush` / `record_layers`), timed by
-  wrapping those methods of the run's pool; the C decode stack's own output of the queries stays
-  in decode;
+  summaries: `QueryStatePool.prepare` / `prepare_decode` / `record` / `flush` /
+  `stack_signals`), timed by wrapping those methods of the run's pool; where the C stack runs a
+  step, it writes the signals itself while each layer's queries are in cache, and those writes
+  stay in decode (results/benchmarks/cpu-kernels-notes.md measures them);
 - decisions: the policy's capacity decisions, the `demand` stage of every capacity event (the
   scheduler times `on_boundary`) plus `periodic`, `after_prefill` and `fallback`, timed by
   wrapping those methods of the run's policy;
@@ -73,7 +74,7 @@ FORCINGS = {"runs": "forced runs: one step scores up to a page of each document'
             "tokens": "one decode step per token"}
 RATIO_TARGET = 1.25
 GROWPAGE_OVERHEAD_TARGET = 0.05
-SIGNAL_METHODS = ("prepare", "prepare_decode", "record", "record_layers", "flush")
+SIGNAL_METHODS = ("prepare", "prepare_decode", "record", "flush", "stack_signals")
 DECISION_METHODS = ("periodic", "after_prefill", "fallback")
 
 

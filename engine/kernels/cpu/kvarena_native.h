@@ -12,7 +12,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define KV_ABI_VERSION 9
+#define KV_ABI_VERSION 10
 
 /* Return codes of kv_store, kv_decode, kv_prefill_chunks, kv_chunk_rows, kv_query_probs,
    kv_key_redundancy and kv_step_layers (cpu_native.ERRORS words them). */
@@ -104,7 +104,9 @@ int kv_step_layers(float *x, const float *cos, const float *sin, const int64_t *
                    int64_t decode_rows, const int64_t *tables, int64_t table_stride,
                    const int64_t *lens, int64_t chunks, const int64_t *chunk_tables,
                    int64_t chunk_stride, const int64_t *chunk_base, const int64_t *chunk_rows,
-                   float scale, float *queries, const float *final_norm, float *normed,
-                   const float *head, int64_t vocab, float *logits);
+                   float scale, const int64_t *signal_rows, float *recent,
+                   int64_t recent_entries, float *ema, int64_t ema_slots, const float *betas,
+                   int64_t num_betas, const float *final_norm, float *normed, const float *head,
+                   int64_t vocab, float *logits);
 
 #endif

@@ -23,15 +23,22 @@
                [decode_rows]: kv_decode's (paged_decode.c)
      rows [decode_rows, T): `chunks` chunks, their rows in order; chunk_tables [chunks,
                chunk_stride], chunk_base, chunk_rows [chunks]: kv_chunk_rows' (paged_decode.c)
-     queries:  NULL, or [layers, T, q_heads * head_dim]: every layer's pre-RoPE queries, copied
-               out for the policies' signals (engine/query_state.py records them after the call)
+     signal_rows: NULL, or [T, 3] per row (entry, slot, init): the policies' query signals
+               (engine/query_state.py's pools) written from each layer's pre-RoPE queries while
+               they are in cache, rows in order: the recent-query ring's flat entry `entry`
+               (-1: none) of recent [entries, layers, q_heads * head_dim] takes the query; the
+               summaries of `slot` (-1: none) in ema [slots, layers, num_betas, q_heads *
+               head_dim] take one step of the EMA rule, ema + (1 - beta) (q - ema), each set to
+               the query instead where `init` is 1 (query_state.ema_update)
 
    The final norm and the head run here, not as torch calls after this one, because a step's
    first ops after streaming 0.54 GB of weights run cold (engine/kernels/cpu_native.py has the
    figures); inside the call they reuse the layers' hot code and data.
 
    Returns KV_OK or the first error code of kv_store / kv_decode / kv_chunk_rows (nothing past
-   that layer ran); KV_BAD_LENGTH when the chunks' rows do not add up to T - decode_rows. */
+   that layer ran); KV_BAD_LENGTH when the chunks' rows do not add up to T - decode_rows;
+   KV_BAD_SLOT, before any layer runs, when a signal row names an entry or slot outside its
+   pool. */
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -41,6 +48,44 @@
 
 #define FIELD(layer, f) ((const float *)(intptr_t)weights[(layer) * KV_LAYER_FIELDS + (f)])
 
+/* Whether every signal row's entry and slot lie inside their pools (-1 allowed). */
+static int signal_rows_fit(const int64_t *signal_rows, int64_t rows, int64_t entries,
+                           int64_t slots) {
+    for (int64_t t = 0; t < rows; t++) {
+        const int64_t entry = signal_rows[3 * t], slot = signal_rows[3 * t + 1];
+        if (entry < -1 || entry >= entries || slot < -1 || slot >= slots) return 0;
+    }
+    return 1;
+}
+
+/* Layer l's signal writes (the header comment above): row t's query is qkv + t * qkv_width.
+   The EMA step is torch.lerp's formula, so it rounds as query_state.ema_update does. */
+static void write_signals(const float *qkv, int64_t qkv_width, int64_t rows, int64_t l,
+                          int64_t layers, int64_t q_width, const int64_t *signal_rows,
+                          float *recent, float *ema, const float *betas, int64_t num_betas) {
+    for (int64_t t = 0; t < rows; t++) {
+        const float *q = qkv + t * qkv_width;
+        const int64_t entry = signal_rows[3 * t], slot = signal_rows[3 * t + 1];
+        if (entry >= 0)
+            memcpy(recent + (entry * layers + l) * q_width, q, (size_t)q_width * sizeof(float));
+        if (slot < 0) continue;
+        float *summary = ema + (slot * layers + l) * num_betas * q_width;
+        for (int64_t b = 0; b < num_betas; b++, summary += q_width) {
+            if (signal_rows[3 * t + 2]) {
+                memcpy(summary, q, (size_t)q_width * sizeof(float));
+                continue;
+            }
+            const float w = 1.0f - betas[b];
+            if (w < 0.5f)
+                for (int64_t i = 0; i < q_width; i++)
+                    summary[i] = summary[i] + w * (q[i] - summary[i]);
+            else
+                for (int64_t i = 0; i < q_width; i++)
+                    summary[i] = q[i] - (q[i] - summary[i]) * (1.0f - w);
+        }
+    }
+}
+
 int kv_step_layers(float *x, const float *cos, const float *sin, const int64_t *weights,
                    int64_t layers, int64_t rows, int64_t hidden, int64_t q_heads,
                    int64_t kv_heads, int64_t head_dim, int64_t inter, float eps, float *k_cache,
@@ -48,11 +93,16 @@ int kv_step_layers(float *x, const float *cos, const float *sin, const int64_t *
                    int64_t decode_rows, const int64_t *tables, int64_t table_stride,
                    const int64_t *lens, int64_t chunks, const int64_t *chunk_tables,
                    int64_t chunk_stride, const int64_t *chunk_base, const int64_t *chunk_rows,
-                   float scale, float *queries, const float *final_norm, float *normed,
-                   const float *head, int64_t vocab, float *logits) {
+                   float scale, const int64_t *signal_rows, float *recent,
+                   int64_t recent_entries, float *ema, int64_t ema_slots, const float *betas,
+                   int64_t num_betas, const float *final_norm, float *normed, const float *head,
+                   int64_t vocab, float *logits) {
     int64_t chunked = 0;
     for (int64_t c = 0; c < chunks; c++) chunked += chunk_rows[c];
     if (decode_rows < 0 || chunks < 0 || decode_rows + chunked != rows) return KV_BAD_LENGTH;
+    if (signal_rows != 0 && !signal_rows_fit(signal_rows, rows, recent ? recent_entries : 0,
+                                             ema ? ema_slots : 0))
+        return KV_BAD_SLOT;
     const int64_t q_width = q_heads * head_dim, kv_width = kv_heads * head_dim;
     const int64_t qkv_width = q_width + 2 * kv_width, qk_width = q_width + kv_width;
     const int64_t layer_slots = kv_heads * num_pages * block * head_dim;
@@ -74,10 +124,9 @@ int kv_step_layers(float *x, const float *cos, const float *sin, const int64_t *
         kv_add_rms_norm(x, l ? down : 0, FIELD(l, KV_INPUT_NORM), h, rows, hidden, eps);
         kv_panel_linear(h, hidden, FIELD(l, KV_QKV), FIELD(l, KV_QKV_BIAS), qkv, rows, hidden,
                         qkv_width);
-        if (queries != 0)
-            for (int64_t t = 0; t < rows; t++)
-                memcpy(queries + (l * rows + t) * q_width, qkv + t * qkv_width,
-                       (size_t)q_width * sizeof(float));
+        if (signal_rows != 0)
+            write_signals(qkv, qkv_width, rows, l, layers, q_width, signal_rows, recent, ema,
+                          betas, num_betas);
         /* q and k rotated in one pass over their adjacent heads; v is read from qkv in place */
         kv_rope(qkv, qkv_width, cos, sin, qk, rows, q_heads + kv_heads, head_dim);
         rc = kv_store(qk + q_width, qkv + qk_width, qk_width, qkv_width, k_layer, v_layer, slots,
