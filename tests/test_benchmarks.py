@@ -479,6 +479,8 @@ def test_policy_cost_quick(tiny_model):
         assert row["repeats"] == 2
         for key in ("per_token_ms", "decode_ms", "signals_ms", "select_ms", "ratio", "cpu_ratio"):
             assert row[key] == pytest.approx(median(r[key] for r in mine))
+        ratios = [r["ratio"] for r in mine]
+        assert row["ratio_repeats"] == f"{min(ratios):.3f}-{max(ratios):.3f}"
     by = {r["policy"]: r for r in table.rows}
     assert by["full"]["ratio"] == 1.0 and by["full"]["signals_ms"] == 0.0
     assert by["full"]["compactions"] == 0 and by["zipage +redundancy"]["compactions"] > 0

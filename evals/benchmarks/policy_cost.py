@@ -208,7 +208,7 @@ SPLIT_KEYS = ("per_token_ms", "decode_ms", "signals_ms", "decisions_ms", "select
 def summarise(runs: list[dict], labels: list[str]) -> list[dict]:
     """Per configuration: the median over repeats of every split and of the paired ratio (its
     per-token time over FullKV's in the same repeat), plus the CPU-time and decode ratios
-    likewise."""
+    likewise, and the paired ratio's range over the repeats ("min-max")."""
     full = {r["repeat"]: r for r in runs if r["policy"] == "full"}
     for r in runs:
         ref = full[r["repeat"]]
@@ -222,6 +222,8 @@ def summarise(runs: list[dict], labels: list[str]) -> list[dict]:
         for key in (*SPLIT_KEYS, "ratio", "cpu_ratio", "decode_ratio"):
             values = [r[key] for r in mine if r[key] is not None]
             row[key] = median(values) if values else None
+        ratios = [r["ratio"] for r in mine]
+        row["ratio_repeats"] = f"{min(ratios):.3f}-{max(ratios):.3f}"
         rows.append(row)
     return rows
 
@@ -321,6 +323,7 @@ def _policy_cost_tables(rows: list[dict], runs: list[dict], scale: PolicyCostSca
         "policies", "Per-token time against FullKV's, split by where it goes (median of repeats)",
         [Column("policy", "policy"), Column("args", "args"),
          Column("per_token_ms", "ms / token", ms), Column("ratio", "/ FullKV", ".3f"),
+         Column("ratio_repeats", "/ FullKV, every repeat"),
          Column("cpu_ratio", "CPU time / FullKV", ".3f"),
          Column("decode_ms", "decode", ms), Column("decode_ratio", "decode / FullKV", ".3f"),
          Column("signals_ms", "signals", ".3f"), Column("decisions_ms", "decisions", ".3f"),
@@ -330,12 +333,13 @@ def _policy_cost_tables(rows: list[dict], runs: list[dict], scale: PolicyCostSca
         rows,
         f"ms per token of one request ({scale.documents} documents in lockstep, "
         f"{FORCINGS[scale.forcing]}) of each run's wall time, split: decode = forward passes and "
-        "sampling minus the signal writes; signals = the runner's query-signal writes; "
+        "sampling minus the signal writes; signals = the runner's query-signal writes (where "
+        "the C stack runs a step, the host's part: the writes inside its call are in decode); "
         "decisions = on_boundary (the events' demand stage) + periodic / after_prefill / "
         "fallback; select = the compactions' policy stages; execute = moving their kept KV; "
         "other = the rest of the loop (module docstring). / FullKV = the run's wall time over "
-        "FullKV's in the same repeat, median over repeats; CPU time / FullKV = the same with "
-        "process CPU time (steadier on a shared machine).")
+        "FullKV's in the same repeat, median over repeats (every repeat: its range); CPU time / "
+        "FullKV = the same with process CPU time (steadier on a shared machine).")
     run_table = Table(
         "runs", "Every run, in order",
         [Column("repeat", "repeat", "d"), Column("policy", "policy"),
