@@ -379,26 +379,40 @@ def test_summaries_of_several_requests_are_each_requests_own():
         torch.testing.assert_close(got.double(), naive_summaries(view), rtol=1e-4, atol=1e-5)
 
 
-def test_top_p_working_set_sorts_like_torch_bit_for_bit():
-    """The working set reads the values sorted largest first through numpy's sort on CPU: the
-    same float64 values as torch.sort's, so the same cumulative masses and the same K as the
-    torch.sort form, on rows with ties, zeros and underflow (GrowPage's demand shapes)."""
-    from engine.policies.demand import descending
+def test_top_p_working_set_counts_like_the_sorted_definition():
+    """The working set on rows with ties, zeros and underflow (GrowPage's demand shapes): the
+    torch twin reads the values sorted largest first through numpy's sort (the same float64
+    values as torch.sort's, so the same prefix masses and K); the C kernel, which never sorts,
+    gives the same K for every p below 1 (at p = 1 the answer is where rounding puts the last
+    prefix sums, and the two may differ there). CPU float32 goes to the C kernel, other dtypes
+    to the twin; a row of zeros counts 1."""
+    from engine.kernels import cpu_native
+    from engine.kernels.top_p import descending, top_p_counts, top_p_counts_torch
 
     g = torch.Generator().manual_seed(9)
-    for shape in ((8, 2, 3, 1008), (4, 2, 1, 17), (3, 1)):
+    for shape in ((8, 2, 3, 1008), (4, 2, 1, 17), (3, 1), (5, 4096)):
         logits = torch.randn(*shape, generator=g) * 12.0
         logits[..., ::5] = logits[..., :1].clone()  # ties
         probs = logits.softmax(-1)
         probs[..., 1::7] = 0.0
         want = probs.sort(dim=-1, descending=True).values.double()
         assert torch.equal(descending(probs), want)
-        for p in (0.5, 0.99, 1.0):
-            mass = want.cumsum(dim=-1)
+        mass = want.cumsum(dim=-1)
+        for p in (0.5, 0.9, 0.99, 0.999, 1.0):
             ref = ((mass < p * mass[..., -1:]).sum(dim=-1) + 1).clamp(max=shape[-1])
-            assert torch.equal(top_p_working_set(probs, p), ref)
+            assert torch.equal(top_p_counts_torch(probs, p), ref)
+            assert torch.equal(top_p_working_set(probs.double(), p), ref)  # the twin
+            if p < 1.0:
+                assert torch.equal(top_p_working_set(probs, p), ref)
+                if cpu_native.available():
+                    assert torch.equal(cpu_native.top_p_counts(probs, p), ref)
     strided = torch.rand(6, 40, generator=g)[:, ::2]
     assert torch.equal(descending(strided), strided.sort(dim=-1, descending=True).values.double())
+    assert torch.equal(top_p_counts(strided, 0.9), top_p_counts_torch(strided, 0.9))
+    assert top_p_counts(torch.zeros(2, 5), 0.99).tolist() == [1, 1]
+    if cpu_native.available():
+        with pytest.raises(ValueError, match="at least one weight"):
+            cpu_native.top_p_counts(torch.zeros(2, 0), 0.99)
 
 
 def test_entropy_ratio_is_effective_support_fraction():

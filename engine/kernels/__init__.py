@@ -32,6 +32,7 @@ from engine.kernels.paged_attention import (
     paged_prefill_attention_triton,
 )
 from engine.kernels.store_kv import store_kv, store_kv_torch, store_kv_triton
+from engine.kernels.top_p import top_p_counts, top_p_counts_torch
 
 __all__ = [
     "compact_kv",
@@ -56,5 +57,7 @@ __all__ = [
     "store_kv",
     "store_kv_torch",
     "store_kv_triton",
+    "top_p_counts",
+    "top_p_counts_torch",
     "window_logits",
 ]

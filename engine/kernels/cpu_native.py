@@ -33,6 +33,10 @@ OpenMP threads. The measurements behind each are in results/benchmarks/cpu-kerne
         R-KV's key redundancy of one sequence's first `length` cached keys, read in place:
         [layers, kv_heads, length] (redundancy.key_redundancy's definition; cpu/key_redundancy.c).
 
+    top_p_counts(probs, p) -> counts
+        The Top-p working set of each row of weights, probs [..., n] -> int64 [...]
+        (demand.top_p_working_set's definition; cpu/top_p.c, a quickselect instead of a sort).
+
     compact(cache, src_slots, dst_slots, other=None)
         The engine's compaction in place (compact.py's contract and ordering precondition):
         each (layer, KV head)'s kept rows moved in order, no temporary copy.
@@ -111,7 +115,7 @@ from engine.paths import cache_root
 
 SOURCES = tuple(Path(__file__).with_name("cpu") / name
                 for name in ("paged_decode.c", "thin_linear.c", "panel_gemm.c",
-                             "step_layers.c", "key_redundancy.c", "abi.c"))
+                             "step_layers.c", "key_redundancy.c", "top_p.c", "abi.c"))
 # The prototypes, return codes and constants the sources share (and this file: ABI below).
 HEADER = Path(__file__).with_name("cpu") / "kvarena_native.h"
 # -ffast-math compiles the sources only: linked with it, GCC adds crtfastmath.o, whose initializer
@@ -140,7 +144,7 @@ LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "d
 # The interface's version, KV_ABI_VERSION in cpu/kvarena_native.h: raised with it when a
 # signature in `_declare` or a constant above changes meaning. At load the library reports its
 # constants (kv_abi); any that differ from `_expected_abi()` leave the torch ops in its place.
-ABI_VERSION = 10
+ABI_VERSION = 11
 
 # The cache entry: the library and its stamp (`_build`).
 LIBRARY, STAMP = "libkvarena_cpu.so", "libkvarena_cpu.json"
@@ -265,6 +269,19 @@ def store(key, value, k_cache_l, v_cache_l, slot_mapping) -> None:
                              k_cache_l.data_ptr(), v_cache_l.data_ptr(), slots.data_ptr(),
                              key.shape[0], kv_heads, head_dim, pages * block)
     _raise_on(rc)
+
+
+def top_p_counts(probs, p: float) -> torch.Tensor:
+    """Module docstring: probs [..., n] (n >= 1, non-negative) -> K [...] int64 in [1, n]."""
+    n = probs.shape[-1]
+    if n < 1:
+        raise ValueError(f"top_p_counts needs rows of at least one weight, got {tuple(probs.shape)}")
+    probs = probs.contiguous()
+    _require_contiguous(probs)
+    out = torch.empty(probs.shape[:-1], dtype=torch.int64)
+    _raise_on(_library().kv_top_p_counts(probs.data_ptr(), out.numel(), n, float(p),
+                                         out.data_ptr()))
+    return out
 
 
 def compact(cache, src_slots, dst_slots, other=None) -> None:
@@ -809,6 +826,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kv_pack_panels.argtypes = [_PTR, _PTR, _I64, _I64]
     lib.kv_panel_linear.restype = None
     lib.kv_panel_linear.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64]
+    lib.kv_top_p_counts.restype = ctypes.c_int
+    lib.kv_top_p_counts.argtypes = [_PTR, _I64, _I64, ctypes.c_double, _PTR]
     lib.kv_step_layers.restype = ctypes.c_int
     lib.kv_step_layers.argtypes = [_PTR, _PTR, _PTR, _PTR, *[_I64] * 7, _F32, _PTR, _PTR,
                                    _I64, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64,

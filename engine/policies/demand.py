@@ -25,10 +25,9 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
 import torch
 
-from engine.kernels import dense_query_probs
+from engine.kernels import dense_query_probs, top_p_counts
 
 # Index of each timescale along the "views" axis of the pool and of every tensor below.
 SHORT, LONG = 0, 1
@@ -82,21 +81,10 @@ def top_p_working_set(probs: torch.Tensor, p: float) -> torch.Tensor:
     """K = min{k : sum of the k largest weights >= p} per row (Eq. 2/7).
 
     probs: [..., n] non-negative weights (n >= 1). Mass is measured relative to each row's total, so
-    rounding in the softmax cannot push the whole row below p. Returns [...] int64 in [1, n].
+    rounding in the softmax cannot push the whole row below p. Returns [...] int64 in [1, n],
+    counted where the weights lie (engine/kernels/top_p.py: a C kernel on the CPU, no sort).
     """
-    n = probs.shape[-1]
-    mass = descending(probs.float()).cumsum(dim=-1)
-    target = p * mass[..., -1:]
-    return ((mass < target).sum(dim=-1) + 1).clamp(max=n)
-
-
-def descending(x: torch.Tensor) -> torch.Tensor:
-    """The values of each row of `x` (`[..., n]`) sorted largest first, as float64. On CPU through
-    numpy's sort: torch.sort also builds the permutation, which costs several times the sort of
-    the values alone; the sorted values are the same either way."""
-    if x.device.type == "cpu" and not x.requires_grad:
-        return torch.from_numpy(np.sort(x.numpy(), axis=-1)[..., ::-1].astype(np.float64))
-    return x.sort(dim=-1, descending=True).values.double()
+    return top_p_counts(probs, p)
 
 
 def top_p_ratio(probs: torch.Tensor, p: float) -> torch.Tensor:

@@ -12,10 +12,10 @@
 #include <stdint.h>
 #include <string.h>
 
-#define KV_ABI_VERSION 10
+#define KV_ABI_VERSION 11
 
 /* Return codes of kv_store, kv_decode, kv_prefill_chunks, kv_chunk_rows, kv_query_probs,
-   kv_key_redundancy and kv_step_layers (cpu_native.ERRORS words them). */
+   kv_key_redundancy, kv_top_p_counts and kv_step_layers (cpu_native.ERRORS words them). */
 enum { KV_OK = 0, KV_BAD_PAGE = 1, KV_BAD_LENGTH = 2, KV_BAD_SLOT = 3, KV_BAD_HOLE = 4,
        KV_BAD_SHAPE = 5, KV_NO_MEMORY = 6 };
 
@@ -95,6 +95,9 @@ int kv_key_redundancy(const float *k_cache, int64_t layer_stride, const int64_t 
                       int64_t length, float *out, int64_t layers, int64_t kv_heads,
                       int64_t head_dim, int64_t block, int64_t num_pages, float threshold,
                       float temperature, int spare_first, int64_t scope);
+
+/* top_p.c */
+int kv_top_p_counts(const float *probs, int64_t rows, int64_t n, double p, int64_t *out);
 
 /* step_layers.c */
 int kv_step_layers(float *x, const float *cos, const float *sin, const int64_t *weights,
