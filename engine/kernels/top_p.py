@@ -5,10 +5,11 @@ the whole row below p. GrowPage's demand estimate counts it for every (layer, KV
 summary) at each capacity decision (engine/policies/demand.py).
 
 ``top_p_counts(probs, p)``: probs [..., n] -> int64 [...], dispatched on the tensor: the C
-kernel (cpu/top_p.c, a quickselect that carries sums, no sort) for CPU float32 where the
+kernel (cpu/top_p.c, a bisection over the float bits, no sort) for CPU float32 where the
 library is built, else ``top_p_counts_torch``, the definition: the row sorted largest first
 and its float64 prefix sums (on the CPU through numpy's sort of the values, which costs a
-fraction of torch.sort's values and permutation).
+fraction of torch.sort's values and permutation). The two give the same K for every p below
+1; at p = 1 the answer is where rounding puts the last prefix sums, and they may differ there.
 """
 
 from __future__ import annotations

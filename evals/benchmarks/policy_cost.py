@@ -33,7 +33,7 @@ The split of a run's wall time (`LLM.generate`), each divided by the tokens of o
   summaries: `QueryStatePool.prepare` / `prepare_decode` / `record` / `flush` /
   `stack_signals`), timed by wrapping those methods of the run's pool; where the C stack runs a
   step, it writes the signals itself while each layer's queries are in cache, and those writes
-  stay in decode (results/benchmarks/cpu-kernels-notes.md measures them);
+  stay in decode (results/benchmarks/policy-cost-signals.md measures them);
 - decisions: the policy's capacity decisions, the `demand` stage of every capacity event (the
   scheduler times `on_boundary`) plus `periodic`, `after_prefill` and `fallback`, timed by
   wrapping those methods of the run's policy;

@@ -1,5 +1,5 @@
 /* The Top-p working set of rows of attention weights, GrowPage's demand metric (Eq. 2/7;
-   engine/policies/demand.py's top_p_working_set has the definition and the torch form this
+   engine/kernels/top_p.py has the definition, its torch form `top_p_counts_torch`, which this
    equals): per row of n weights, K = min { k : the k largest sum to at least p x the row's
    total }, at least 1 and at most n.
 
