@@ -35,7 +35,7 @@ OpenMP threads. The measurements behind each are in results/benchmarks/cpu-kerne
 
     top_p_counts(probs, p) -> counts
         The Top-p working set of each row of weights, probs [..., n] -> int64 [...]
-        (demand.top_p_working_set's definition; cpu/top_p.c, a quickselect instead of a sort).
+        (engine/kernels/top_p.py's definition; cpu/top_p.c, a bisection instead of a sort).
 
     compact(cache, src_slots, dst_slots, other=None)
         The engine's compaction in place (compact.py's contract and ordering precondition):

@@ -211,7 +211,7 @@ def observation_scores(probs: WindowProbs, *, group_reduce: str = "max",
                                 query_reduce=query_reduce))               # [l, heads, T]
             continue
         per_kv = GROUP_REDUCTIONS[group_reduce](probs.of(layers), group, dim=1)  # [l, kvh, n, T]
-        out.append(per_kv.mean(dim=2) if query_reduce == "mean" else per_kv.sum(dim=2))
+        out.append(reduce_queries(per_kv, query_reduce))
     return torch.cat(out, dim=0)
 
 
