@@ -118,6 +118,11 @@ class SeqView:
     def recompute_queries(self, start: int, end: int) -> torch.Tensor:
         return self._runner.recompute_queries(self.seq, start, end)
 
+    def recompute_queries_batch(self, spans: list[tuple[SeqView, int, int]]) -> list[torch.Tensor]:
+        if any(view._runner is not self._runner for view, _, _ in spans):
+            raise ValueError("recompute_queries_batch: every view must belong to this engine")
+        return self._runner.recompute_queries_batch([(v.seq, lo, hi) for v, lo, hi in spans])
+
     def _slot(self) -> int:
         if self.seq.query_slot is None:
             raise RuntimeError(f"sequence {self.seq.seq_id} holds no query slot")

@@ -373,7 +373,10 @@ class ModelRunner:
             ctx.capture = self.queries
         return upload(ids, dev), upload(pos, dev), ctx, upload(sample_rows, dev)
 
-    def _context(self, items: list[WorkItem], slot_mapping, base_override=None) -> ForwardContext:
+    def _context(self, items: list[WorkItem], slot_mapping,
+                 bases: dict[int, int] | None = None) -> ForwardContext:
+        """The pass's ForwardContext; `bases` (seq_id -> slot) replaces an item's physical length
+        as where its rows start (a recomputation over slots that already hold its KV)."""
         dev = self.device
         decode = [it for it in items if it.num_tokens == 1]
         chunks = [it for it in items if it.num_tokens > 1]
@@ -381,13 +384,13 @@ class ModelRunner:
                              num_decode=len(decode))
         if decode:
             ctx.decode_block_tables = _tables([it.seq.block_table for it in decode], dev)
-            ctx.decode_context_lens = upload([_base(it, base_override) + 1 for it in decode], dev)
+            ctx.decode_context_lens = upload([_base(it, bases) + 1 for it in decode], dev)
             ctx.decode_holes = self._holes(decode)
         if chunks:
             q_max = max(it.num_tokens for it in chunks)
             pad = [b * q_max + i for b, it in enumerate(chunks) for i in range(it.num_tokens)]
             ctx.prefill_block_tables = _tables([it.seq.block_table for it in chunks], dev)
-            ctx.prefill_base_lens = upload([_base(it, base_override) for it in chunks], dev)
+            ctx.prefill_base_lens = upload([_base(it, bases) for it in chunks], dev)
             ctx.prefill_q_lens = upload([it.num_tokens for it in chunks], dev)
             ctx.prefill_pad_index = upload(pad, dev)
             ctx.prefill_q_max = q_max
@@ -485,23 +488,43 @@ class ModelRunner:
         without a host sync (`upload`)."""
         return upload(seq.block_table[first:last], self.device)
 
-    @torch.inference_mode()
     def recompute_queries(self, seq: Sequence, start: int, end: int) -> torch.Tensor:
-        """Post-RoPE queries of uncompressed physical slots [start, end): [layers, n, q_heads, d].
+        """Post-RoPE queries of uncompressed physical slots [start, end): [layers, n, q_heads, d]
+        (`recompute_queries_batch` for one span)."""
+        return self.recompute_queries_batch([(seq, start, end)])[0]
 
-        A forward pass over those tokens that reads the cached KV (the slots already hold these
-        tokens' keys) and stores nothing; the final norm and LM head are skipped."""
-        offset = seq.num_computed - seq.physical_len
-        if not 0 <= start < end <= seq.physical_len:
-            raise ValueError(f"slots [{start}, {end}) outside 0..{seq.physical_len}")
-        first = offset + start
-        ids = torch.tensor(seq.token_ids[first:first + end - start], device=self.device)
-        positions = torch.arange(first, first + end - start, device=self.device)
-        item = WorkItem(seq, end - start)
-        ctx = self._context([item], None, base_override=start)
+    @torch.inference_mode()
+    def recompute_queries_batch(self, spans: list[tuple[Sequence, int, int]]) -> list[torch.Tensor]:
+        """Post-RoPE queries of each (sequence, start, end) span of uncompressed physical slots:
+        [layers, end - start, q_heads, d] each, in order.
+
+        One forward pass over every span's tokens, each span a chunk that reads its own cached KV
+        (its slots already hold these tokens' keys) and stores nothing; the final norm and LM head
+        are skipped. Several spans in one pass read each weight once for all of their rows."""
+        if len({seq.seq_id for seq, _, _ in spans}) != len(spans):
+            raise ValueError("one span per sequence")
+        for seq, start, end in spans:
+            if not 0 <= start < end <= seq.physical_len:
+                raise ValueError(f"slots [{start}, {end}) outside 0..{seq.physical_len}")
+        # one-token spans first: the pass's layout puts its one-token items before the chunks
+        order = sorted(range(len(spans)), key=lambda i: spans[i][2] - spans[i][1] > 1)
+        ids, positions, items, bases = [], [], [], {}
+        for i in order:
+            seq, start, end = spans[i]
+            first = seq.num_computed - seq.physical_len + start
+            ids.extend(seq.token_ids[first:first + end - start])
+            positions.extend(range(first, first + end - start))
+            items.append(WorkItem(seq, end - start))
+            bases[seq.seq_id] = start
+        ctx = self._context(items, None, bases)
         ctx.collect = []
-        self.model(ids, positions, ctx, num_layers=self.num_layers)
-        return torch.stack(ctx.collect)
+        self.model(upload(ids, self.device), upload(positions, self.device), ctx,
+                   num_layers=self.num_layers)
+        rows = torch.stack(ctx.collect).split([it.num_tokens for it in items], dim=1)
+        out: list[torch.Tensor] = [None] * len(spans)  # type: ignore[list-item]
+        for i, q in zip(order, rows):
+            out[i] = q
+        return out
 
 
 def whole_step(items: list[WorkItem]) -> bool:
@@ -511,8 +534,8 @@ def whole_step(items: list[WorkItem]) -> bool:
     return bool(items) and all(it.num_tokens == 1 and it.seq.holes() is None for it in items)
 
 
-def _base(item: WorkItem, override: int | None) -> int:
-    return item.seq.physical_len if override is None else override
+def _base(item: WorkItem, bases: dict[int, int] | None) -> int:
+    return item.seq.physical_len if bases is None else bases[item.seq.seq_id]
 
 
 def _tables(tables: list[list[int]], device) -> torch.Tensor:

@@ -278,6 +278,9 @@ class FakeView:
         first = self.num_computed - self.physical_len      # slot s holds logical first + s
         return self.logical_queries[:, first + start:first + end]
 
+    def recompute_queries_batch(self, spans):
+        return [view.recompute_queries(lo, hi) for view, lo, hi in spans]
+
     def compact(self, slots):
         self.k = self.k.gather(2, slots[..., None].expand(-1, -1, -1, SPEC.head_dim))
         self.token = self.token.gather(2, slots)
@@ -417,6 +420,39 @@ def test_tiled_periodic_schedule_fires_on_period_for_full_windows_only():
         v.run(d)
     fired = policy.periodic(30, views)
     assert [(v.seq_id, d.info["windows"]) for v, d in fired] == [(1, 1)]
+
+
+def test_a_firing_recomputes_its_requests_queries_together_within_the_cap(monkeypatch):
+    """periodic recomputes the planned requests' scoring spans in one batched call while the
+    queries held stay within the cap; the rest recompute at their select; the kept slots are
+    those of recomputing each at its select."""
+    import engine.policies.kara as kara_module
+
+    def fired_views(cap):
+        monkeypatch.setattr(kara_module, "_RECOMPUTE_BATCH_ELEMS", cap)
+        policy = make_policy(schedule="window_fill")
+        views = []
+        for i in range(3):
+            v = FakeView(policy, num_prompt_tokens=4, seq_id=i,
+                         gen=torch.Generator().manual_seed(i))
+            v.state = policy.new_state()
+            v.append(16 + i)                                   # one full window each
+            views.append(v)
+        fired = policy.periodic(1, views)
+        assert [v.seq_id for v, _ in fired] == [2, 1, 0]        # the longest tail first
+        held = [v.recompute_calls[:] for v in views]
+        return [v.run(d)[0] for v, d in fired], held, views
+
+    per_request = SPEC.num_layers * SPEC.num_q_heads * SPEC.head_dim * 16     # |W| = 16 queries
+    alone, held, views = fired_views(0)
+    assert held == [[], [], []] and all(len(v.recompute_calls) == 1 for v in views)
+    together, held, views = fired_views(2 * per_request)
+    assert held[2] == held[1] == [(4, 20)] and held[0] == []    # the first two, in one call
+    assert views[0].recompute_calls == [(4, 20)]               # the third at its select
+    for a, b in zip(alone, together):
+        assert torch.equal(a, b)
+    _, held, _ = fired_views(1 << 40)
+    assert held == [[(4, 20)]] * 3
 
 
 def test_default_periods_and_window_fill_fires_every_step():
@@ -798,6 +834,76 @@ def test_recomputed_window_queries_equal_decode_queries(llama_dir):
     for decoded, recomputed, positions, expected_positions, _ in policy.pairs:
         assert torch.equal(positions.cpu(), expected_positions)
         torch.testing.assert_close(recomputed, decoded, rtol=1e-4, atol=1e-4)
+
+
+class BatchCheckingKara(Kara):
+    """Kara that, at every firing with several running requests, recomputes spans of theirs in
+    one batched pass (the uncompressed tail of one, the last slot of another, a span short of the
+    end of a third) and each alone, and keeps both."""
+
+    def bind(self, engine):
+        super().bind(engine)
+        self.pairs, self.refused = [], []
+
+    def periodic(self, step, views):
+        live = [v for v in views if v.physical_len - self.state_of(v).compressed_upto >= 3]
+        if len(live) >= 2:
+            spans = []
+            for i, v in enumerate(live[:3]):
+                lo, hi = self.state_of(v).compressed_upto, v.physical_len
+                spans.append([(v, lo, hi), (v, hi - 1, hi), (v, lo, hi - 2)][i])
+            together = live[0].recompute_queries_batch(spans)
+            alone = [v.recompute_queries(lo, hi) for v, lo, hi in spans]
+            self.pairs.append((together, alone, [hi - lo for _, lo, hi in spans]))
+            if not self.refused:
+                v = live[0]
+                for bad in ([(v, 0, 1), (v, 1, 2)], [(v, 3, v.physical_len + 1)]):
+                    with pytest.raises(ValueError) as err:
+                        v.recompute_queries_batch(bad)
+                    self.refused.append(str(err.value))
+                self.refused.append(v.physical_len)
+        return super().periodic(step, views)
+
+
+def test_a_batched_recomputation_equals_each_span_recomputed_alone(llama_dir):
+    """Several requests' spans in one pass (a one-token span, a span short of the end, different
+    lengths) give each span's queries as recomputing it alone; bad spans are refused."""
+    policy = BatchCheckingKara(schedule="window_fill", **SMALL)
+    llm, _ = generate(llama_dir, policy)
+    assert len(policy.pairs) > 10 and any(1 in lengths for *_, lengths in policy.pairs)
+    for together, alone, lengths in policy.pairs:
+        for got, want, n in zip(together, alone, lengths):
+            assert got.shape == want.shape and got.shape[1] == n
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    first, outside, n = policy.refused
+    assert first == "one span per sequence" and outside == f"slots [3, {n + 1}) outside 0..{n}"
+
+
+@pytest.mark.parametrize("schedule", ["window_fill", "kvllm"])
+def test_batched_recomputation_compresses_as_one_request_at_a_time(llama_dir, monkeypatch,
+                                                                   schedule):
+    """The engine's requests fire together; recomputing their windows' queries in one pass gives
+    the tokens and compressions of recomputing each at its select."""
+    import engine.policies.kara as kara_module
+
+    calls = []
+    real = Kara._recompute_together
+
+    def spy(self, views):
+        calls.append(len(views))
+        return real(self, views)
+
+    monkeypatch.setattr(Kara, "_recompute_together", spy)
+    args = dict(SMALL, schedule=schedule)
+    llm, together = generate(llama_dir, "kara", max_tokens=64, policy_args=args)
+    events = [(e.seq_id, e.physical_before, e.physical_after) for e in llm.last_scheduler.events]
+    assert calls and max(calls) >= 2
+    monkeypatch.setattr(kara_module, "_RECOMPUTE_BATCH_ELEMS", 0)
+    llm, alone = generate(llama_dir, "kara", max_tokens=64, policy_args=args)
+    first = min(e.seq_id for e in llm.last_scheduler.events) - min(e[0] for e in events)
+    assert [(e.seq_id - first, e.physical_before, e.physical_after)
+            for e in llm.last_scheduler.events] == events
+    assert [o.token_ids for o in together] == [o.token_ids for o in alone]
 
 
 @pytest.mark.parametrize("extra", [

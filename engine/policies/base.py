@@ -220,6 +220,11 @@ class PolicyView(Protocol):
         logical position num_computed - physical_len + s). Returns [layers, end-start, q_heads, d].
         """
 
+    def recompute_queries_batch(self, spans: list[tuple[PolicyView, int, int]]) -> list[torch.Tensor]:
+        """`recompute_queries` for several requests of this view's engine, (view, start, end) each
+        (one span per request), in one forward pass that reads every weight once for all of their
+        rows: [layers, end - start, q_heads, d] each, in order."""
+
 
 class StageTimer:
     """Accumulates wall time per named stage (score, window_mask, topk, compaction, demand...)."""

@@ -95,7 +95,9 @@ Qwen3-8B at the paper preset, 32 x 30 x 9 x 64 x 4 bytes = 2.2 MB for SmolLM2 in
 cpu-paper one. The values differ in one respect: a cached query was computed when its token
 was decoded, so the first |U| queries of a sliding window (the previous window's buffer) saw
 the previous window uncompressed, where the recomputation sees it compressed; the other m are
-the same up to kernel rounding.
+the same up to kernel rounding. The requests one firing plans recompute theirs in one forward
+pass (`Kara._recompute_together`, within `_RECOMPUTE_BATCH_ELEMS` of queries held), which reads
+every weight once for all of them; the queries are those of a pass each up to kernel rounding.
 
 Forced runs. Under "window_fill" a request is compressed exactly when its tail fills a window,
 so `forced_run_limit` tells the scheduler how many tokens it can take before that (|W| - tail)
@@ -240,40 +242,45 @@ def _span_queries(view: PolicyView, lo: int, hi: int, cached: bool) -> torch.Ten
 
 
 def _window_queries(view: PolicyView, starts: torch.Tensor, offset: int, length: int,
-                    cached: bool) -> torch.Tensor:
+                    cached: bool, span: torch.Tensor | None = None) -> torch.Tensor:
     """Queries of slots [s + offset, s + offset + length) for each window start s:
-    [layers, n, length, q_heads, d], from one span covering them (`_span_queries`)."""
-    lo = int(starts[0]) + offset
-    hi = int(starts[-1]) + offset + length
-    q = _span_queries(view, lo, hi, cached)                              # [L, hi - lo, Hq, d]
+    [layers, n, length, q_heads, d], from one span covering them (`_span_queries`, or `span`
+    when the span's queries were recomputed with other requests' already, `Kara.periodic`)."""
+    lo, hi = _query_span(starts.tolist(), offset, length)
+    q = _span_queries(view, lo, hi, cached) if span is None else span     # [L, hi - lo, Hq, d]
     idx = (starts - starts[0])[:, None] + torch.arange(length, device=starts.device)
     return q[:, idx.to(q.device)]
 
 
-def _all_window_queries(policy: "Kara", view: PolicyView, starts: torch.Tensor) -> torch.Tensor:
-    """Every query of each window (Eq. 4): [layers, n, |W|, q_heads, d]."""
-    return _window_queries(view, starts, 0, policy.window_tokens, policy.query_cache)
+def _query_span(starts: list[int], offset: int, length: int) -> tuple[int, int]:
+    """The slots [lo, hi) whose queries score windows `starts` (ascending)."""
+    return starts[0] + offset, starts[-1] + offset + length
 
 
-def _buffer_queries(policy: "Kara", view: PolicyView, starts: torch.Tensor) -> torch.Tensor:
-    """The queries of each window's buffer only ("w/o Bi-Attention"): [layers, n, |U|, q_heads, d]."""
-    return _window_queries(view, starts, policy.stride, policy.buffer_tokens, policy.query_cache)
-
-
-SCORINGS: dict[str, Callable[..., torch.Tensor]] = {
-    "bidirectional": _all_window_queries,
-    "buffer": _buffer_queries,
+# Which of a window's queries score it: (offset into the window, count), by `scoring`.
+SCORINGS: dict[str, Callable[["Kara"], tuple[int, int]]] = {
+    "bidirectional": lambda policy: (0, policy.window_tokens),                # all of W (Eq. 4)
+    "buffer": lambda policy: (policy.stride, policy.buffer_tokens),           # U only (ablation)
 }
+
+# Queries held at once from a batched recomputation (`Kara.periodic`), in elements: 256 MiB in
+# fp32. A request's are layers x span x q_heads x d: for SmolLM2 0.55M at the cpu-paper preset
+# (|W| = 32) and 2.2M at the cpu one (|W| = 128), so up to 121 or 30 requests share one pass;
+# 75.5M for an 8B model (36 x 512 x 32 x 128) at the paper preset, above it, so there each
+# request recomputes its own at its select.
+_RECOMPUTE_BATCH_ELEMS = 1 << 26
 
 
 class Plan(NamedTuple):
     """A decision's windows, checked again by select(). starts: physical window starts
     (ascending); physical_len: the length they were planned on; record: remember their logical
-    starts (False when re-compressing recorded windows after a preemption)."""
+    starts (False when re-compressing recorded windows after a preemption); queries: their
+    scoring span's queries when `Kara.periodic` recomputed them in one pass with other requests'."""
 
     starts: tuple[int, ...]
     physical_len: int
     record: bool
+    queries: torch.Tensor | None = None   # the scoring span's, recomputed with other requests'
 
 
 @dataclass
@@ -560,7 +567,31 @@ class Kara(KVPolicy):
             self.state_of(cand.view).last_step = step
             out.append((cand.view, self._decision(cand.view, cand.starts, self.schedule,
                                                   room_for_next=False)))
+        if not self.query_cache and len(out) > 1:
+            self._recompute_together([view for view, _ in out])
         return out
+
+    def _recompute_together(self, views: list[PolicyView]) -> None:
+        """The scoring spans' queries of several planned requests in one forward pass
+        (PolicyView.recompute_queries_batch), kept in each request's Plan for its select: one
+        pass over many requests' rows reads every weight once for all of them, where a pass each
+        re-reads the weights and repeats the per-layer work. Requests join in order while the
+        queries held stay within `_RECOMPUTE_BATCH_ELEMS`; the rest recompute at their select."""
+        offset, length = SCORINGS[self.scoring](self)
+        spec = self.engine
+        per_token = spec.num_layers * spec.num_q_heads * spec.head_dim
+        spans, held = [], 0
+        for view in views:
+            lo, hi = _query_span(list(self.state_of(view).pending.starts), offset, length)
+            held += (hi - lo) * per_token
+            if held > _RECOMPUTE_BATCH_ELEMS:
+                break
+            spans.append((view, lo, hi))
+        if len(spans) < 2:
+            return
+        for (view, _, _), queries in zip(spans, views[0].recompute_queries_batch(spans)):
+            state = self.state_of(view)
+            state.pending = state.pending._replace(queries=queries)
 
     # -- selection ----------------------------------------------------------------------------
     def select(self, view: PolicyView, target_len: int, timer: StageTimer) -> torch.Tensor:
@@ -585,7 +616,7 @@ class Kara(KVPolicy):
             )
         starts = torch.tensor(plan.starts, dtype=torch.long)
         with timer.stage("score"):
-            scores = self._window_scores(view, starts)
+            scores = self._window_scores(view, starts, plan.queries)
         with timer.stage("topk"):
             layers, _, kv_heads, m = scores.shape
             sel = t2c.select_window(scores.reshape(-1, m), self.ratio, self.max_chunk_gap,
@@ -606,10 +637,13 @@ class Kara(KVPolicy):
         state.fill_tokens += float(sel.fill_tokens.sum()) / rows_per_window
         return slots
 
-    def _window_scores(self, view: PolicyView, starts: torch.Tensor) -> torch.Tensor:
-        """A of Eq. 4 for each window: [layers, n, kv_heads, m]."""
+    def _window_scores(self, view: PolicyView, starts: torch.Tensor,
+                       span: torch.Tensor | None = None) -> torch.Tensor:
+        """A of Eq. 4 for each window: [layers, n, kv_heads, m]; `span`: the scoring span's
+        queries when already recomputed (Plan.queries)."""
         m = self.stride
-        queries = SCORINGS[self.scoring](self, view, starts)                 # [L, n, nq, Hq, d]
+        offset, length = SCORINGS[self.scoring](self)
+        queries = _window_queries(view, starts, offset, length, self.query_cache, span)
         layers, windows, n_q, q_heads, head_dim = queries.shape
         per_layer = windows * q_heads * n_q * m
         step = max(1, _SCORE_CHUNK_ELEMS // max(1, per_layer))
