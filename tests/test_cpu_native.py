@@ -789,10 +789,11 @@ def test_engine_tokens_and_logprobs_equal_with_the_kernels_on_and_off(tmp_path, 
         # eager step without holes runs its 12 in the C stack (one call)
         used = {"panels": "panel_linear", "thin": "linear"}.get(name)
         stacked = len(calls["step_layers"])
-        # every eager decode step with panels; PyramidKV compresses the prompts at prefill, so
-        # each of its steps has per-head holes and runs layer by layer
-        eager_panels = name == "panels" and not compile
-        assert stacked == (11 if eager_panels and policy[0] == "full" else 0), (name, stacked)
+        # every eager decode step with panels, per-head holes or not; compiled, FullKV's run
+        # through the graph and the steps with holes eager (every one of PyramidKV's and
+        # Ada-KV's, which compress the prompts at prefill)
+        expected = 11 if name == "panels" and not (compile and policy[0] == "full") else 0
+        assert stacked == expected, (name, stacked)
         for kernel in ("linear", "panel_linear"):
             count = len(calls[kernel]) + (12 * stacked if kernel == used else 0)
             assert count >= 11 * 13 if kernel == used else not calls[kernel], (name, kernel)
@@ -805,7 +806,8 @@ def test_engine_tokens_and_logprobs_equal_with_the_kernels_on_and_off(tmp_path, 
 
 
 # The C stack runs a step's every layer in one call; the same kernels in the same order as the
-# eager layers, so the two agree bit for bit. Qwen2 adds the q/k/v bias; Qwen3's q/k norms are
+# eager layers, so the two agree bit for bit, per-head holes included (PyramidKV's from its
+# prefill compression, Ada-KV's from its decode-time ones). Qwen2 adds the q/k/v bias; Qwen3's q/k norms are
 # not in the stack, so its layers run as before. The stack writes GrowPage's (EMA summaries)
 # and Zipage's (recent-query ring) signals itself: their decisions and their query pools must
 # be the same too (a forced run's summaries within fp32). The stack runs the final norm and the
@@ -817,6 +819,8 @@ def test_engine_tokens_and_logprobs_equal_with_the_kernels_on_and_off(tmp_path, 
     ("llama", "full", {}), ("qwen2", "full", {}), ("qwen3", "full", {}),
     ("llama", "growpage", {"protected_recent": 2, "initial_capacity": 16}),
     ("llama", "zipage", {"budget": 16, "window": 4}),
+    ("llama", "pyramidkv", {"budget": 16, "window": 4}),
+    ("llama", "adakv", {"budget": 16, "window": 4, "decode_compress": True}),
 ], ids=lambda v: v if isinstance(v, str) else "")
 @pytest.mark.parametrize("mode", ["decode", "forced"])
 @needs_kernel
@@ -1028,6 +1032,22 @@ def test_step_layers_checks_its_inputs():
                           (dict(lens=torch.tensor([9, 1])), "context length"),
                           (dict(signals=signals(query=(q_heads + 1, d))), "recent-query"),
                           (dict(signals=signals(rows=((0, 1, 1),))), "signal rows"),
+                          (dict(where=cpu_native.StepRows(
+                              tables, lens, decode_holes=torch.zeros(1, 2, kv_heads, 2))),
+                           "decode_holes"),
+                          (dict(where=cpu_native.StepRows(
+                              chunk_tables=tables[:1], base_lens=torch.tensor([3]),
+                              q_lens=torch.tensor([2]), chunk_holes=torch.zeros(2, 2, kv_heads, 2))),
+                           "chunk_holes"),
+                          # a chunk's hole past its base (3)
+                          (dict(where=cpu_native.StepRows(
+                              chunk_tables=tables[:1], base_lens=torch.tensor([3]),
+                              q_lens=torch.tensor([2]), chunk_holes=torch.tensor(
+                                  [[[[0, 4]] * kv_heads]] * 2))), "a hole is not"),
+                          # layer 1's hole of row 0 reaches its newest slot (4 of 5)
+                          (dict(where=cpu_native.StepRows(tables, lens, decode_holes=torch.tensor(
+                              [[[[0, 0]] * kv_heads] * 2, [[[1, 5]] * kv_heads, [[0, 0]] * kv_heads]]))),
+                           "a hole is not"),
                           (dict(signals=signals(rows=((3, 1, 0), (-1, -1, 0)))), "signal row's"),
                           (dict(signals=signals(rows=((0, 2, 0), (-1, -1, 0)))), "signal row's"),
                           (dict(stack=headless, logits=True), "LM head's panels")):

@@ -21,8 +21,8 @@ asks again per call.
 
 The `c` backend also runs an eager step's whole decoder stack, final norm and LM head in one
 call (`step_stack`, cpu/step_layers.c) where the model could build one (packed panels, no q/k
-norms) and the step is one the stack takes (`_c_step_stack`: it stores every row, has no
-per-head holes and no chunk longer than C_PREFILL_ROWS): decode steps and forced runs' pages.
+norms) and the step is one the stack takes (`_c_step_stack`: it stores every row and has no
+chunk longer than C_PREFILL_ROWS): decode steps and forced runs' pages, per-head holes or not.
 
 Each backend has a graph form (`Backend.graph`), the ops a compiled decode step traces
 (engine/decode_graph.py): per layer the store and the decode attention as one registered op
@@ -325,12 +325,11 @@ def _c_step_stack(model, input_ids, positions, ctx: ForwardContext) -> torch.Ten
     """A step of a DecoderModel with a C stack (`model.stack`) in one call: its layers, final
     norm and LM head -> logits [T, vocab], the policies' query signals written by the stack
     from every layer's pre-RoPE queries; None when the model has no stack or the step is not
-    one the stack takes: it stores every row's KV (not a recompute), no row has per-head
-    holes, and every chunk is one `_c_prefill` hands to the C chunk kernel (so the stack's
-    arithmetic is the eager pass's)."""
+    one the stack takes: it stores every row's KV (not a recompute) and every chunk is one
+    `_c_prefill` hands to the C chunk kernel (so the stack's arithmetic, per-head holes
+    included, is the eager pass's)."""
     stack = model.stack
     if stack is None or ctx.slot_mapping is None or ctx.collect is not None \
-            or ctx.decode_holes is not None or ctx.prefill_holes is not None \
             or ctx.prefill_q_max > C_PREFILL_ROWS:
         return None
     x = model.embed_tokens(input_ids)
@@ -339,7 +338,7 @@ def _c_step_stack(model, input_ids, positions, ctx: ForwardContext) -> torch.Ten
         *ctx.capture.stack_signals(x.shape[0]))
     where = cpu_native.StepRows(ctx.decode_block_tables, ctx.decode_context_lens,
                                 ctx.prefill_block_tables, ctx.prefill_base_lens,
-                                ctx.prefill_q_lens)
+                                ctx.prefill_q_lens, ctx.decode_holes, ctx.prefill_holes)
     return cpu_native.step_layers(x, rows.cos, rows.sin, stack, ctx.kv.k, ctx.kv.v,
                                   ctx.slot_mapping, where, ctx.scale, signals, True)
 

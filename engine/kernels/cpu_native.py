@@ -64,9 +64,9 @@ OpenMP threads. The measurements behind each are in results/benchmarks/cpu-kerne
         panel projections, RoPE, store and attention, then the final norm and (with `logits`)
         the LM head, the kernels above in the eager pass's order, so the result equals it bit
         for bit; only the Python between them is gone. The C backend runs it
-        (engine/kernels/backend.py, over DecoderModel.stack_layers' stack) for steps with no
-        per-head holes whose chunks the C chunk kernel takes: decode steps, and a forced run's
-        pages (results/benchmarks/forced-notes.md: what the Python between the layers cost);
+        (engine/kernels/backend.py, over DecoderModel.stack_layers' stack) for steps whose
+        chunks the C chunk kernel takes: decode steps and a forced run's pages, with per-head
+        holes or without (results/benchmarks/forced-notes.md: what the Python between the layers cost);
         `signals` (StepSignals) writes the policies' query signals from every layer's pre-RoPE
         queries while they are in cache (the recent-query ring and the EMA summaries,
         engine/query_state.py), instead of a pass over them after the call.
@@ -144,7 +144,7 @@ LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "d
 # The interface's version, KV_ABI_VERSION in cpu/kvarena_native.h: raised with it when a
 # signature in `_declare` or a constant above changes meaning. At load the library reports its
 # constants (kv_abi); any that differ from `_expected_abi()` leave the torch ops in its place.
-ABI_VERSION = 11
+ABI_VERSION = 12
 
 # The cache entry: the library and its stamp (`_build`).
 LIBRARY, STAMP = "libkvarena_cpu.so", "libkvarena_cpu.json"
@@ -528,19 +528,23 @@ class StepRows:
     """Where a step's rows attend, as `step_layers` reads them: rows [0, decode) one-token items
     (block_tables [decode, nb], context_lens [decode], `decode`'s), then the chunks' rows in
     order (chunk_tables [chunks, nb], base_lens and q_lens [chunks], `prefill_rows`' without
-    the padding); either group may be empty (its tensors None)."""
+    the padding); either group may be empty (its tensors None). decode_holes [layers, decode,
+    kv_heads, 2] and chunk_holes [layers, chunks, kv_heads, 2]: each group's per-head holes
+    (layer l's are what `decode` / `prefill_rows` take at that layer), or None."""
 
     block_tables: torch.Tensor | None = None
     context_lens: torch.Tensor | None = None
     chunk_tables: torch.Tensor | None = None
     base_lens: torch.Tensor | None = None
     q_lens: torch.Tensor | None = None
+    decode_holes: torch.Tensor | None = None
+    chunk_holes: torch.Tensor | None = None
 
 
 def step_layers(x, cos, sin, stack: LayerStack, k_cache, v_cache, slot_mapping, where: StepRows,
                 scale: float, signals: StepSignals | None = None,
                 logits: bool = False) -> torch.Tensor:
-    """Every layer of a step whose rows are one-token items and chunks without per-head holes,
+    """Every layer of a step whose rows are one-token items and chunks (per-head holes allowed),
     then the final norm, in one call (cpu/step_layers.c): x [T, hidden] (contiguous, this
     pass's own) becomes the residual stream after the last layer, in place; cos/sin [T, 1,
     head_dim]; k/v_cache [layers, kv_heads, num_pages, block_size, head_dim] (each row's k and v
@@ -567,6 +571,9 @@ def step_layers(x, cos, sin, stack: LayerStack, k_cache, v_cache, slot_mapping, 
     if decode[1].numel() + (int(chunks[2].sum()) if chunks[2].numel() else 0) != rows:
         raise ValueError(f"{decode[1].numel()} one-token rows and chunks of "
                          f"{chunks[2].tolist()} rows do not add up to {rows} rows")
+    holes = [_step_holes(h, name, (layers, group[1].numel(), kv_heads, 2))
+             for h, name, group in ((where.decode_holes, "decode_holes", decode),
+                                    (where.chunk_holes, "chunk_holes", chunks))]
     signal_table, *signal = _signal_args(signals, rows, layers, stack)
     if logits and stack.head is None:
         raise ValueError("logits need a stack built with the LM head's panels")
@@ -578,13 +585,28 @@ def step_layers(x, cos, sin, stack: LayerStack, k_cache, v_cache, slot_mapping, 
         x.data_ptr(), cos.data_ptr(), sin.data_ptr(), stack.table.data_ptr(), layers, rows,
         stack.hidden, stack.q_heads, kv_heads, head_dim, stack.inter, stack.eps,
         k_cache.data_ptr(), v_cache.data_ptr(), pages, block, slots.data_ptr(),
-        lens.numel(), tables.data_ptr(), tables.shape[1], lens.data_ptr(),
+        lens.numel(), tables.data_ptr(), tables.shape[1], lens.data_ptr(), _address(holes[0]),
         base.numel(), chunk_tables.data_ptr(), chunk_tables.shape[1], base.data_ptr(),
-        q_lens.data_ptr(), float(scale), *signal, stack.final_norm.data_ptr(), normed.data_ptr(),
+        q_lens.data_ptr(), _address(holes[1]), float(scale), *signal,
+        stack.final_norm.data_ptr(), normed.data_ptr(),
         None if out is None else stack.head.data_ptr(), stack.vocab,
         None if out is None else out.data_ptr())
     _raise_on(rc)
     return normed if out is None else out
+
+
+def _step_holes(holes: torch.Tensor | None, name: str, shape: tuple) -> torch.Tensor | None:
+    """A StepRows group's per-head holes as int64 of `shape` (their values the kernel checks)."""
+    if holes is None:
+        return None
+    if holes.shape != shape:
+        raise ValueError(f"{name} {tuple(holes.shape)} do not fit {shape[0]} layers of "
+                         f"{shape[1]} items and {shape[2]} kv heads")
+    return _int64(holes)
+
+
+def _address(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 def _signal_args(signals: StepSignals | None, rows: int, layers: int,
@@ -830,8 +852,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kv_top_p_counts.argtypes = [_PTR, _I64, _I64, ctypes.c_double, _PTR]
     lib.kv_step_layers.restype = ctypes.c_int
     lib.kv_step_layers.argtypes = [_PTR, _PTR, _PTR, _PTR, *[_I64] * 7, _F32, _PTR, _PTR,
-                                   _I64, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64,
-                                   _PTR, _PTR, _F32, _PTR, _PTR, _I64, _PTR, _I64, _PTR,
+                                   _I64, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _PTR,
+                                   _I64, _PTR, _PTR, _PTR, _F32, _PTR, _PTR, _I64, _PTR, _I64, _PTR,
                                    _I64, _PTR, _PTR, _PTR, _I64, _PTR]
 
 

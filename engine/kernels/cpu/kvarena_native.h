@@ -12,7 +12,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define KV_ABI_VERSION 11
+#define KV_ABI_VERSION 12
 
 /* Return codes of kv_store, kv_decode, kv_prefill_chunks, kv_chunk_rows, kv_query_probs,
    kv_key_redundancy, kv_top_p_counts and kv_step_layers (cpu_native.ERRORS words them). */
@@ -62,9 +62,9 @@ int kv_prefill_chunks(const float *q, const float *k_cache, const float *v_cache
                       int64_t block, int64_t num_pages, float scale);
 int kv_chunk_rows(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                   const int64_t *tables, int64_t table_stride, const int64_t *base_lens,
-                  const int64_t *q_lens, float *out, int64_t batch, int64_t q_heads,
-                  int64_t kv_heads, int64_t head_dim, int64_t block, int64_t num_pages,
-                  float scale);
+                  const int64_t *q_lens, const int64_t *holes, float *out, int64_t batch,
+                  int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t block,
+                  int64_t num_pages, float scale);
 int kv_query_probs(const float *q, const float *k_cache, int64_t layer_stride,
                    const int64_t *table, int64_t table_len, const int64_t *slots,
                    const int64_t *limits, int64_t length, float *out, int64_t layers, int64_t n,
@@ -105,8 +105,9 @@ int kv_step_layers(float *x, const float *cos, const float *sin, const int64_t *
                    int64_t kv_heads, int64_t head_dim, int64_t inter, float eps, float *k_cache,
                    float *v_cache, int64_t num_pages, int64_t block, const int64_t *slots,
                    int64_t decode_rows, const int64_t *tables, int64_t table_stride,
-                   const int64_t *lens, int64_t chunks, const int64_t *chunk_tables,
-                   int64_t chunk_stride, const int64_t *chunk_base, const int64_t *chunk_rows,
+                   const int64_t *lens, const int64_t *decode_holes, int64_t chunks,
+                   const int64_t *chunk_tables, int64_t chunk_stride, const int64_t *chunk_base,
+                   const int64_t *chunk_rows, const int64_t *chunk_holes,
                    float scale, const int64_t *signal_rows, float *recent,
                    int64_t recent_entries, float *ema, int64_t ema_slots, const float *betas,
                    int64_t num_betas, const float *final_norm, float *normed, const float *head,

@@ -224,8 +224,8 @@ int kv_decode(const float *q, int64_t q_stride, const float *k_cache, const floa
      holes   [batch, kv_heads, 2] int64 (start, end) or NULL; a hole ends at or below the base
      out     [batch, lq_max, q_heads, head_dim]; padded rows are left as they are
 
-   kv_chunk_rows is the same without padding or holes (the whole stack's, step_layers.c): the
-   chunks' rows one after another, q's rows q_stride floats apart, out [rows, q_heads, head_dim].
+   kv_chunk_rows is the same without padding (the whole stack's, step_layers.c): the chunks'
+   rows one after another, q's rows q_stride floats apart, out [rows, q_heads, head_dim].
 
    One task per (sequence, KV head, tile of up to CHUNK_ROWS rows, part of up to PART_SLOTS
    slots). The tile's rows x the group's query heads are V query vectors, packed once into
@@ -559,10 +559,10 @@ int kv_prefill_chunks(const float *q, const float *k_cache, const float *v_cache
 
 int kv_chunk_rows(const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
                   const int64_t *tables, int64_t table_stride, const int64_t *base_lens,
-                  const int64_t *q_lens, float *out, int64_t batch, int64_t q_heads,
-                  int64_t kv_heads, int64_t head_dim, int64_t block, int64_t num_pages,
-                  float scale) {
-    int rc = check_chunks(tables, table_stride, base_lens, q_lens, 0, batch, 0, q_heads,
+                  const int64_t *q_lens, const int64_t *holes, float *out, int64_t batch,
+                  int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t block,
+                  int64_t num_pages, float scale) {
+    int rc = check_chunks(tables, table_stride, base_lens, q_lens, holes, batch, 0, q_heads,
                           kv_heads, head_dim, block, num_pages);
     if (rc != KV_OK) return rc;
     int64_t *starts = malloc((size_t)(batch > 0 ? batch : 1) * sizeof(int64_t));
@@ -575,7 +575,7 @@ int kv_chunk_rows(const float *q, int64_t q_stride, const float *k_cache, const 
     }
     rc = lq_max < 1 ? KV_OK
                     : chunk_tiles(q, q_stride, starts, k_cache, v_cache, tables, table_stride,
-                                  base_lens, q_lens, 0, out, q_heads * head_dim, batch, lq_max,
+                                  base_lens, q_lens, holes, out, q_heads * head_dim, batch, lq_max,
                                   q_heads, kv_heads, head_dim, block, num_pages, scale);
     free(starts);
     return rc;

@@ -1,6 +1,6 @@
 /* A step's whole decoder stack in one call: every layer's norms, projections, RoPE, KV store
-   and paged attention for rows that are one-token items and short chunks, then the final norm
-   and, when given, the LM head, float32 on the CPU.
+   and paged attention for rows that are one-token items and short chunks (per-head holes
+   allowed), then the final norm and, when given, the LM head, float32 on the CPU.
 
    engine/kernels/cpu_native.py (`step_layers`) calls it through ctypes; its docstring has
    why, results/benchmarks/cpu-kernels-notes.md the figures. It runs the same C kernels, in the
@@ -20,9 +20,12 @@
      k_cache, v_cache: [layers, kv_heads, num_pages * block, head_dim]
      slots [T]: kv_store's, every row's
      rows [0, decode_rows): one-token items; tables [decode_rows, table_stride], lens
-               [decode_rows]: kv_decode's (paged_decode.c)
+               [decode_rows]: kv_decode's (paged_decode.c); decode_holes: NULL, or their
+               per-head holes [layers, decode_rows, kv_heads, 2] (start, end), layer l's
+               those of kv_decode
      rows [decode_rows, T): `chunks` chunks, their rows in order; chunk_tables [chunks,
-               chunk_stride], chunk_base, chunk_rows [chunks]: kv_chunk_rows' (paged_decode.c)
+               chunk_stride], chunk_base, chunk_rows [chunks]: kv_chunk_rows' (paged_decode.c);
+               chunk_holes: NULL, or [layers, chunks, kv_heads, 2], layer l's holes
      signal_rows: NULL, or [T, 3] per row (entry, slot, init): the policies' query signals
                (engine/query_state.py's pools) written from each layer's pre-RoPE queries while
                they are in cache, rows in order: the recent-query ring's flat entry `entry`
@@ -36,9 +39,9 @@
    figures); inside the call they reuse the layers' hot code and data.
 
    Returns KV_OK or the first error code of kv_store / kv_decode / kv_chunk_rows (nothing past
-   that layer ran); KV_BAD_LENGTH when the chunks' rows do not add up to T - decode_rows;
-   KV_BAD_SLOT, before any layer runs, when a signal row names an entry or slot outside its
-   pool. */
+   that layer ran; a bad hole is their KV_BAD_HOLE); KV_BAD_LENGTH when the chunks' rows do not
+   add up to T - decode_rows; KV_BAD_SLOT, before any layer runs, when a signal row names an
+   entry or slot outside its pool. */
 
 #include <stdint.h>
 #include <stdlib.h>
@@ -91,8 +94,9 @@ int kv_step_layers(float *x, const float *cos, const float *sin, const int64_t *
                    int64_t kv_heads, int64_t head_dim, int64_t inter, float eps, float *k_cache,
                    float *v_cache, int64_t num_pages, int64_t block, const int64_t *slots,
                    int64_t decode_rows, const int64_t *tables, int64_t table_stride,
-                   const int64_t *lens, int64_t chunks, const int64_t *chunk_tables,
-                   int64_t chunk_stride, const int64_t *chunk_base, const int64_t *chunk_rows,
+                   const int64_t *lens, const int64_t *decode_holes, int64_t chunks,
+                   const int64_t *chunk_tables, int64_t chunk_stride, const int64_t *chunk_base,
+                   const int64_t *chunk_rows, const int64_t *chunk_holes,
                    float scale, const int64_t *signal_rows, float *recent,
                    int64_t recent_entries, float *ema, int64_t ema_slots, const float *betas,
                    int64_t num_betas, const float *final_norm, float *normed, const float *head,
@@ -133,11 +137,14 @@ int kv_step_layers(float *x, const float *cos, const float *sin, const int64_t *
                       rows, kv_heads, head_dim, num_pages * block);
         if (rc) break;
         if (decode_rows)
-            rc = kv_decode(qk, qk_width, k_layer, v_layer, tables, table_stride, lens, 0, attn,
-                           decode_rows, q_heads, kv_heads, head_dim, block, num_pages, scale);
+            rc = kv_decode(qk, qk_width, k_layer, v_layer, tables, table_stride, lens,
+                           decode_holes ? decode_holes + l * decode_rows * kv_heads * 2 : 0,
+                           attn, decode_rows, q_heads, kv_heads, head_dim, block, num_pages,
+                           scale);
         if (rc == 0 && chunks)
             rc = kv_chunk_rows(qk + decode_rows * qk_width, qk_width, k_layer, v_layer,
                                chunk_tables, chunk_stride, chunk_base, chunk_rows,
+                               chunk_holes ? chunk_holes + l * chunks * kv_heads * 2 : 0,
                                attn + decode_rows * q_width, chunks, q_heads, kv_heads, head_dim,
                                block, num_pages, scale);
         if (rc) break;
