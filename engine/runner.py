@@ -498,9 +498,10 @@ class ModelRunner:
         """Post-RoPE queries of each (sequence, start, end) span of uncompressed physical slots:
         [layers, end - start, q_heads, d] each, in order.
 
-        One forward pass over every span's tokens, each span a chunk that reads its own cached KV
-        (its slots already hold these tokens' keys) and stores nothing; the final norm and LM head
-        are skipped. Several spans in one pass read each weight once for all of their rows."""
+        One forward pass over every span's tokens (`CausalLM.recomputed_queries`), each span a
+        chunk that reads its own cached KV (its slots already hold these tokens' keys) and stores
+        nothing; the final norm and LM head are skipped. Several spans in one pass read each
+        weight once for all of their rows."""
         if len({seq.seq_id for seq, _, _ in spans}) != len(spans):
             raise ValueError("one span per sequence")
         for seq, start, end in spans:
@@ -517,10 +518,9 @@ class ModelRunner:
             items.append(WorkItem(seq, end - start))
             bases[seq.seq_id] = start
         ctx = self._context(items, None, bases)
-        ctx.collect = []
-        self.model(upload(ids, self.device), upload(positions, self.device), ctx,
-                   num_layers=self.num_layers)
-        rows = torch.stack(ctx.collect).split([it.num_tokens for it in items], dim=1)
+        queries = self.model.recomputed_queries(upload(ids, self.device),
+                                                upload(positions, self.device), ctx)
+        rows = queries.split([it.num_tokens for it in items], dim=1)
         out: list[torch.Tensor] = [None] * len(spans)  # type: ignore[list-item]
         for i, q in zip(order, rows):
             out[i] = q

@@ -891,6 +891,62 @@ def test_step_stack_equals_the_eager_layers_bit_for_bit(tmp_path, monkeypatch, f
 
 
 @needs_kernel
+def test_recomputation_in_the_stack_equals_the_eager_layers_bit_for_bit(tmp_path, monkeypatch):
+    """Kara's recomputation passes (several requests' windows in one pass, a one-token span,
+    spans short of the end) run in one C call that projects only the queries and stops after
+    the last layer's; every layer's queries equal the layers' one by one bit for bit, and the
+    engine's tokens and compressions are the same with the stack and without."""
+    from engine.llm import LLM
+    from engine.policies.kara import Kara
+    from engine.sampling import SamplingParams
+
+    served = []
+    kernel = cpu_native.recompute_layers
+    monkeypatch.setattr(cpu_native, "recompute_layers",
+                        lambda *a: served.append(a[0].shape[0]) or kernel(*a))
+    pairs, decoder = [], []
+
+    class Checking(Kara):
+        def periodic(self, step, views):
+            live = [v for v in views if v.physical_len - self.state_of(v).compressed_upto >= 3]
+            if len(live) >= 2:
+                spans = []
+                for i, v in enumerate(live[:3]):
+                    lo, hi = self.state_of(v).compressed_upto, v.physical_len
+                    spans.append([(v, lo, hi), (v, hi - 1, hi), (v, lo, hi - 2)][i])
+                model = decoder[0]
+                stacked = live[0].recompute_queries_batch(spans)
+                stack, model.stack = model.stack, None
+                pairs.append((stacked, live[0].recompute_queries_batch(spans)))
+                model.stack = stack
+            return super().periodic(step, views)
+
+    model = make_tiny_llama_dir(tmp_path / "m", num_hidden_layers=3)
+    prompts = [list(range(3, 43)), [4, 4, 8], [(7 * i) % 300 + 3 for i in range(27)]]
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=True)
+    args = dict(window_tokens=16, buffer_tokens=4, chunk_budget=2, max_chunk_gap=2)
+    llm = LLM(str(model), block_size=4, kv_cache_tokens=512, policy=Checking(**args))
+    decoder.append(llm.runner.model.model)
+    llm.generate(prompts, params)
+    assert len(pairs) > 5 and served
+    for stacked, layered in pairs:
+        for a, b in zip(stacked, layered):
+            assert torch.equal(a, b)
+    runs = []
+    for on in (True, False):
+        served.clear()
+        llm = LLM(str(model), block_size=4, kv_cache_tokens=512, policy="kara", policy_args=args)
+        if not on:
+            llm.runner.model.model.stack = None
+        outs = llm.generate(prompts, params)
+        assert bool(served) == on
+        runs.append(([o.token_ids for o in outs], [o.token_logprobs for o in outs],
+                     [_untimed(o.events) for o in outs]))
+    assert runs[0] == runs[1]
+    assert any(e["action"] == "compress" for events in runs[0][2] for e in events)
+
+
+@needs_kernel
 def test_step_layers_writes_the_query_signals_as_the_pools_torch_writes():
     """The stack's signal writes (one-token rows, a row without a slot, an initialising forced
     run of 3 rows) against QueryStatePool's torch writes of the same step: the ring holds each

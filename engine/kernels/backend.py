@@ -22,7 +22,8 @@ asks again per call.
 The `c` backend also runs an eager step's whole decoder stack, final norm and LM head in one
 call (`step_stack`, cpu/step_layers.c) where the model could build one (packed panels, no q/k
 norms) and the step is one the stack takes (`_c_step_stack`: it stores every row and has no
-chunk longer than C_PREFILL_ROWS): decode steps and forced runs' pages, per-head holes or not.
+chunk longer than C_PREFILL_ROWS): decode steps and forced runs' pages, per-head holes or not;
+and a recomputation pass's queries the same way (`recompute_stack`).
 
 Each backend has a graph form (`Backend.graph`), the ops a compiled decode step traces
 (engine/decode_graph.py): per layer the store and the decode attention as one registered op
@@ -64,6 +65,9 @@ The ops, by signature (an instance's fields):
         gate_up [T, 2 * inter] -> silu(gate) * up.
     step_stack(model, input_ids, positions, ctx) -> logits [T, vocab] or None
         the whole-stack step of a DecoderModel, None where it does not serve the step.
+    recompute_stack(model, input_ids, positions, ctx) -> [layers, T, q_heads, d] or None
+        a recomputation pass (ctx stores nothing) in the whole stack: every layer's post-RoPE
+        queries, None where it does not serve the pass.
     pack(weight) -> packed or None; layer_stack(...) -> a stack or None
         at load (engine/models/llama.py: CausalLM.pack_weights).
 
@@ -121,6 +125,7 @@ class Backend:
     rope: Callable
     silu_mul: Callable
     step_stack: Callable
+    recompute_stack: Callable
     pack: Callable
     layer_stack: Callable
     graph: Backend | None = None
@@ -343,6 +348,23 @@ def _c_step_stack(model, input_ids, positions, ctx: ForwardContext) -> torch.Ten
                                   ctx.slot_mapping, where, ctx.scale, signals, True)
 
 
+def _c_recompute_stack(model, input_ids, positions, ctx: ForwardContext) -> torch.Tensor | None:
+    """A recomputation pass (ctx.slot_mapping None) of a DecoderModel with a C stack in one
+    call -> every layer's post-RoPE queries [layers, T, q_heads, d], those the layers one by
+    one collect (ForwardContext.collect); None where the model has no stack or a chunk is one
+    `_c_prefill` would not hand to the C chunk kernel."""
+    stack = model.stack
+    if stack is None or ctx.slot_mapping is not None or ctx.prefill_q_max > C_PREFILL_ROWS:
+        return None
+    x = model.embed_tokens(input_ids)
+    rows = model.rope.rows(positions)
+    where = cpu_native.StepRows(ctx.decode_block_tables, ctx.decode_context_lens,
+                                ctx.prefill_block_tables, ctx.prefill_base_lens,
+                                ctx.prefill_q_lens, ctx.decode_holes, ctx.prefill_holes)
+    return cpu_native.recompute_layers(x, rows.cos, rows.sin, stack, ctx.kv.k, ctx.kv.v, where,
+                                       ctx.scale)
+
+
 # -- the instances ---------------------------------------------------------------------------
 
 _TORCH_SMALL_OPS = dict(rms_norm=_torch_rms_norm, add_rms_norm=_torch_add_rms_norm,
@@ -356,7 +378,8 @@ def _with_graph(graph: dict, **eager) -> Backend:
     shared = {k: eager[k] for k in ("name", "projections", "packs", "cuda_graphs", "pack",
                                      "layer_stack")}
     traced = Backend(**{**eager, **_TORCH_SMALL_OPS, **_GRAPH_ATTENTION,
-                        "step_stack": _no_stack, **shared, **graph, "graph": None})
+                        "step_stack": _no_stack, "recompute_stack": _no_stack, **shared, **graph,
+                        "graph": None})
     return Backend(**eager, graph=traced)
 
 
@@ -368,8 +391,8 @@ def triton() -> Backend:
                        key_redundancy=redundancy.paged_key_redundancy_torch,
                        compact=_triton_compact,
                        store_and_decode=_store_then_decode(_triton_store, _triton_decode),
-                       linear=_f_linear, step_stack=_no_stack, pack=_no_pack,
-                       layer_stack=_no_stack, **_TORCH_SMALL_OPS)
+                       linear=_f_linear, step_stack=_no_stack, recompute_stack=_no_stack,
+                       pack=_no_pack, layer_stack=_no_stack, **_TORCH_SMALL_OPS)
 
 
 def _triton_compact(cache, src_slots, dst_slots, other=None) -> None:
@@ -398,7 +421,8 @@ def c_kernels(packed: bool) -> Backend:
                        compact=compact.compact_rows_c,
                        store_and_decode=_store_then_decode(_c_store, _c_decode),
                        rms_norm=_c_rms_norm, add_rms_norm=_c_add_rms_norm, rope=_c_rope,
-                       silu_mul=_c_silu_mul, step_stack=_c_step_stack, **projections)
+                       silu_mul=_c_silu_mul, step_stack=_c_step_stack,
+                       recompute_stack=_c_recompute_stack, **projections)
 
 
 def twins(onednn: bool) -> Backend:
@@ -412,5 +436,5 @@ def twins(onednn: bool) -> Backend:
                        key_redundancy=redundancy.paged_key_redundancy_torch,
                        compact=_twin_compact,
                        store_and_decode=_store_then_decode(_twin_store, _twin_decode),
-                       step_stack=_no_stack, layer_stack=_no_stack, **projections,
-                       **_TORCH_SMALL_OPS)
+                       step_stack=_no_stack, recompute_stack=_no_stack, layer_stack=_no_stack,
+                       **projections, **_TORCH_SMALL_OPS)

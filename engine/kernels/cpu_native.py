@@ -57,7 +57,7 @@ OpenMP threads. The measurements behind each are in results/benchmarks/cpu-kerne
 
     layer_stack(layers, final_norm, q_heads, kv_heads, head_dim, eps, head=None, vocab=None)
         -> LayerStack;
-    step_layers(x, cos, sin, stack, k_cache, v_cache, slot_mapping, decode, chunks, scale,
+    step_layers(x, cos, sin, stack, k_cache, v_cache, slot_mapping, where, scale,
                 signals=None, logits=False) -> normed hidden, or logits
         A step's whole decoder stack in one call (cpu/step_layers.c): for one-token items and
         chunks (each chunk's tile of rows as `prefill_rows` attends it), every layer's norms,
@@ -66,10 +66,14 @@ OpenMP threads. The measurements behind each are in results/benchmarks/cpu-kerne
         for bit; only the Python between them is gone. The C backend runs it
         (engine/kernels/backend.py, over DecoderModel.stack_layers' stack) for steps whose
         chunks the C chunk kernel takes: decode steps and a forced run's pages, with per-head
-        holes or without (results/benchmarks/forced-notes.md: what the Python between the layers cost);
-        `signals` (StepSignals) writes the policies' query signals from every layer's pre-RoPE
-        queries while they are in cache (the recent-query ring and the EMA summaries,
-        engine/query_state.py), instead of a pass over them after the call.
+        holes or without (results/benchmarks/forced-notes.md: what the Python between the
+        layers cost); `signals` (StepSignals) writes the policies' query signals from every
+        layer's pre-RoPE queries while they are in cache (the recent-query ring and the EMA
+        summaries, engine/query_state.py), instead of a pass over them after the call.
+    recompute_layers(x, cos, sin, stack, k_cache, v_cache, where, scale) -> queries
+        The same call for a recomputation pass (PolicyView.recompute_queries): nothing stored,
+        only the queries projected, every layer's post-RoPE queries [layers, T, q_heads,
+        head_dim] returned, nothing run past the last layer's.
 
 The engine runs these kernels through its backend (engine/kernels/backend.py), chosen once: CPU
 float32 with `available()`. The library is built once per source, compiler (``$CC`` or ``cc``,
@@ -144,7 +148,7 @@ LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "d
 # The interface's version, KV_ABI_VERSION in cpu/kvarena_native.h: raised with it when a
 # signature in `_declare` or a constant above changes meaning. At load the library reports its
 # constants (kv_abi); any that differ from `_expected_abi()` leave the torch ops in its place.
-ABI_VERSION = 12
+ABI_VERSION = 13
 
 # The cache entry: the library and its stamp (`_build`).
 LIBRARY, STAMP = "libkvarena_cpu.so", "libkvarena_cpu.json"
@@ -552,6 +556,33 @@ def step_layers(x, cos, sin, stack: LayerStack, k_cache, v_cache, slot_mapping, 
     the query-signal writes from every layer's pre-RoPE queries (StepSignals). Returns the
     normed hidden states [T, hidden], or with `logits` (a stack with a head) the LM head's
     logits [T, vocab]."""
+    if slot_mapping.shape != (x.shape[0],):
+        raise ValueError(f"slot_mapping {tuple(slot_mapping.shape)} does not fit {x.shape[0]} rows")
+    if logits and stack.head is None:
+        raise ValueError("logits need a stack built with the LM head's panels")
+    normed = torch.empty_like(x)
+    out = x.new_empty(x.shape[0], stack.vocab) if logits else None
+    _stack_call(x, cos, sin, stack, k_cache, v_cache, _int64(slot_mapping), where, scale,
+                signals, normed, out, None)
+    return normed if out is None else out
+
+
+def recompute_layers(x, cos, sin, stack: LayerStack, k_cache, v_cache, where: StepRows,
+                     scale: float) -> torch.Tensor:
+    """A recomputation pass in one call (cpu/step_layers.c with `queries`): the rows' tokens
+    (x [T, hidden], embedded, used as scratch) through every layer over the KV the cache
+    already holds for them, storing nothing -> each layer's post-RoPE queries [layers, T,
+    q_heads, head_dim], as the layers one by one collect them (ForwardContext.collect); only
+    the queries are projected, and nothing past the last layer's queries runs."""
+    queries = x.new_empty(stack.table.shape[0], x.shape[0], stack.q_heads, stack.head_dim)
+    _stack_call(x, cos, sin, stack, k_cache, v_cache, None, where, scale, None, None, None,
+                queries)
+    return queries
+
+
+def _stack_call(x, cos, sin, stack: LayerStack, k_cache, v_cache, slots, where: StepRows,
+                scale: float, signals, normed, logits, queries) -> None:
+    """kv_step_layers over checked arguments (`step_layers`, `recompute_layers`)."""
     rows = x.shape[0]
     layers, kv_heads, pages, block, head_dim = k_cache.shape
     _require_contiguous(x, cos, sin)
@@ -566,8 +597,6 @@ def step_layers(x, cos, sin, stack: LayerStack, k_cache, v_cache, slot_mapping, 
     decode = _group(where.block_tables, where.context_lens, "block_tables", "context_lens")
     chunks = _group(where.chunk_tables, where.base_lens, "chunk_tables", "base_lens",
                     where.q_lens)
-    if slot_mapping.shape != (rows,):
-        raise ValueError(f"slot_mapping {tuple(slot_mapping.shape)} does not fit {rows} rows")
     if decode[1].numel() + (int(chunks[2].sum()) if chunks[2].numel() else 0) != rows:
         raise ValueError(f"{decode[1].numel()} one-token rows and chunks of "
                          f"{chunks[2].tolist()} rows do not add up to {rows} rows")
@@ -575,24 +604,18 @@ def step_layers(x, cos, sin, stack: LayerStack, k_cache, v_cache, slot_mapping, 
              for h, name, group in ((where.decode_holes, "decode_holes", decode),
                                     (where.chunk_holes, "chunk_holes", chunks))]
     signal_table, *signal = _signal_args(signals, rows, layers, stack)
-    if logits and stack.head is None:
-        raise ValueError("logits need a stack built with the LM head's panels")
-    slots = _int64(slot_mapping)
     (tables, lens), (chunk_tables, base, q_lens) = decode, chunks
-    normed = torch.empty_like(x)
-    out = x.new_empty(rows, stack.vocab) if logits else None
     rc = _library().kv_step_layers(
         x.data_ptr(), cos.data_ptr(), sin.data_ptr(), stack.table.data_ptr(), layers, rows,
         stack.hidden, stack.q_heads, kv_heads, head_dim, stack.inter, stack.eps,
-        k_cache.data_ptr(), v_cache.data_ptr(), pages, block, slots.data_ptr(),
+        k_cache.data_ptr(), v_cache.data_ptr(), pages, block, _address(slots),
         lens.numel(), tables.data_ptr(), tables.shape[1], lens.data_ptr(), _address(holes[0]),
         base.numel(), chunk_tables.data_ptr(), chunk_tables.shape[1], base.data_ptr(),
         q_lens.data_ptr(), _address(holes[1]), float(scale), *signal,
-        stack.final_norm.data_ptr(), normed.data_ptr(),
-        None if out is None else stack.head.data_ptr(), stack.vocab,
-        None if out is None else out.data_ptr())
+        stack.final_norm.data_ptr(), _address(normed),
+        None if logits is None else stack.head.data_ptr(), stack.vocab, _address(logits),
+        _address(queries))
     _raise_on(rc)
-    return normed if out is None else out
 
 
 def _step_holes(holes: torch.Tensor | None, name: str, shape: tuple) -> torch.Tensor | None:
@@ -854,7 +877,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.kv_step_layers.argtypes = [_PTR, _PTR, _PTR, _PTR, *[_I64] * 7, _F32, _PTR, _PTR,
                                    _I64, _I64, _PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _PTR,
                                    _I64, _PTR, _PTR, _PTR, _F32, _PTR, _PTR, _I64, _PTR, _I64, _PTR,
-                                   _I64, _PTR, _PTR, _PTR, _I64, _PTR]
+                                   _I64, _PTR, _PTR, _PTR, _I64, _PTR, _PTR]
 
 
 def _build(rebuild: bool = False) -> tuple[Path, bool]:

@@ -241,6 +241,17 @@ class CausalLM(nn.Module):
             return None
         return self.compute_logits(hidden[sample_rows], ops)
 
+    def recomputed_queries(self, input_ids, positions, ctx) -> torch.Tensor:
+        """input_ids, positions [T] of a recomputation pass (ctx stores nothing) -> every
+        layer's post-RoPE queries [layers, T, q_heads, d]: in one call where the backend's whole
+        stack serves it (`recompute_stack`), else the layers one by one, collecting them."""
+        queries = ctx.backend.recompute_stack(self.model, input_ids, positions, ctx)
+        if queries is not None:
+            return queries
+        ctx.collect = []
+        self.model(input_ids, positions, ctx, num_layers=len(self.model.layers))
+        return torch.stack(ctx.collect)
+
     def fuse_projections(self) -> None:
         """Fuse q/k/v and gate/up of every layer (module docstring); call after the weights are
         loaded. Idempotent."""

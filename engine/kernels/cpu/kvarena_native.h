@@ -12,7 +12,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#define KV_ABI_VERSION 12
+#define KV_ABI_VERSION 13
 
 /* Return codes of kv_store, kv_decode, kv_prefill_chunks, kv_chunk_rows, kv_query_probs,
    kv_key_redundancy, kv_top_p_counts and kv_step_layers (cpu_native.ERRORS words them). */
@@ -111,6 +111,6 @@ int kv_step_layers(float *x, const float *cos, const float *sin, const int64_t *
                    float scale, const int64_t *signal_rows, float *recent,
                    int64_t recent_entries, float *ema, int64_t ema_slots, const float *betas,
                    int64_t num_betas, const float *final_norm, float *normed, const float *head,
-                   int64_t vocab, float *logits);
+                   int64_t vocab, float *logits, float *queries);
 
 #endif

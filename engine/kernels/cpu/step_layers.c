@@ -34,6 +34,12 @@
                head_dim] take one step of the EMA rule, ema + (1 - beta) (q - ema), each set to
                the query instead where `init` is 1 (query_state.ema_update)
 
+   queries: NULL, or [layers, T, q_heads * head_dim]: a recomputation (PolicyView's
+               recompute_queries), which stores nothing, reads every row's keys and values
+               from the cache (slots are not read), and takes each layer's post-RoPE queries
+               here; it projects only the queries and stops after the last layer's, so neither
+               the final norm nor the head runs
+
    The final norm and the head run here, not as torch calls after this one, because a step's
    first ops after streaming 0.54 GB of weights run cold (engine/kernels/cpu_native.py has the
    figures); inside the call they reuse the layers' hot code and data.
@@ -100,7 +106,7 @@ int kv_step_layers(float *x, const float *cos, const float *sin, const int64_t *
                    float scale, const int64_t *signal_rows, float *recent,
                    int64_t recent_entries, float *ema, int64_t ema_slots, const float *betas,
                    int64_t num_betas, const float *final_norm, float *normed, const float *head,
-                   int64_t vocab, float *logits) {
+                   int64_t vocab, float *logits, float *queries) {
     int64_t chunked = 0;
     for (int64_t c = 0; c < chunks; c++) chunked += chunk_rows[c];
     if (decode_rows < 0 || chunks < 0 || decode_rows + chunked != rows) return KV_BAD_LENGTH;
@@ -108,7 +114,10 @@ int kv_step_layers(float *x, const float *cos, const float *sin, const int64_t *
                                              ema ? ema_slots : 0))
         return KV_BAD_SLOT;
     const int64_t q_width = q_heads * head_dim, kv_width = kv_heads * head_dim;
-    const int64_t qkv_width = q_width + 2 * kv_width, qk_width = q_width + kv_width;
+    const int64_t qkv_width = q_width + 2 * kv_width;
+    /* a recomputation projects and rotates the queries only: its keys are in the cache */
+    const int64_t qk_width = queries ? q_width : q_width + kv_width;
+    const int64_t projected = queries ? q_width : qkv_width;
     const int64_t layer_slots = kv_heads * num_pages * block * head_dim;
     /* One scratch block for the step: h, qkv, rotated q|k, attention, o, gate|up, act, down. */
     const int64_t widths[] = {hidden, qkv_width, qk_width, q_width, hidden, 2 * inter, inter,
@@ -127,14 +136,19 @@ int kv_step_layers(float *x, const float *cos, const float *sin, const int64_t *
            as the eager layer adds it before its norm. */
         kv_add_rms_norm(x, l ? down : 0, FIELD(l, KV_INPUT_NORM), h, rows, hidden, eps);
         kv_panel_linear(h, hidden, FIELD(l, KV_QKV), FIELD(l, KV_QKV_BIAS), qkv, rows, hidden,
-                        qkv_width);
+                        projected);
         if (signal_rows != 0)
-            write_signals(qkv, qkv_width, rows, l, layers, q_width, signal_rows, recent, ema,
+            write_signals(qkv, projected, rows, l, layers, q_width, signal_rows, recent, ema,
                           betas, num_betas);
         /* q and k rotated in one pass over their adjacent heads; v is read from qkv in place */
-        kv_rope(qkv, qkv_width, cos, sin, qk, rows, q_heads + kv_heads, head_dim);
-        rc = kv_store(qk + q_width, qkv + qk_width, qk_width, qkv_width, k_layer, v_layer, slots,
-                      rows, kv_heads, head_dim, num_pages * block);
+        kv_rope(qkv, projected, cos, sin, qk, rows, qk_width / head_dim, head_dim);
+        if (queries) {
+            memcpy(queries + l * rows * q_width, qk, (size_t)(rows * q_width) * sizeof(float));
+            if (l == layers - 1) break; /* the last layer's queries are all it needs */
+        } else {
+            rc = kv_store(qk + q_width, qkv + q_width + kv_width, qk_width, qkv_width, k_layer,
+                          v_layer, slots, rows, kv_heads, head_dim, num_pages * block);
+        }
         if (rc) break;
         if (decode_rows)
             rc = kv_decode(qk, qk_width, k_layer, v_layer, tables, table_stride, lens,
@@ -154,7 +168,7 @@ int kv_step_layers(float *x, const float *cos, const float *sin, const int64_t *
         kv_silu_mul(gate_up, act, rows, inter);
         kv_panel_linear(act, inter, FIELD(l, KV_DOWN), 0, down, rows, inter, hidden);
     }
-    if (rc == 0 && layers > 0) {
+    if (rc == 0 && layers > 0 && queries == 0) {
         /* the last layer's MLP residual, fused into the final norm as into every layer's */
         kv_add_rms_norm(x, down, final_norm, normed, rows, hidden, eps);
         if (head != 0) kv_panel_linear(normed, hidden, head, 0, logits, rows, hidden, vocab);
