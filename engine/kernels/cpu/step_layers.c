@@ -140,7 +140,8 @@ int kv_step_layers(float *x, const float *cos, const float *sin, const int64_t *
         if (signal_rows != 0)
             write_signals(qkv, projected, rows, l, layers, q_width, signal_rows, recent, ema,
                           betas, num_betas);
-        /* q and k rotated in one pass over their adjacent heads; v is read from qkv in place */
+        /* q and k (q alone in a recomputation) rotated in one pass over their adjacent heads;
+           v is read from qkv in place */
         kv_rope(qkv, projected, cos, sin, qk, rows, qk_width / head_dim, head_dim);
         if (queries) {
             memcpy(queries + l * rows * q_width, qk, (size_t)(rows * q_width) * sizeof(float));
