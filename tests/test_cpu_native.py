@@ -899,6 +899,7 @@ def test_recomputation_in_the_stack_equals_the_eager_layers_bit_for_bit(tmp_path
     from engine.llm import LLM
     from engine.policies.kara import Kara
     from engine.sampling import SamplingParams
+    from test_kara import mixed_spans
 
     served = []
     kernel = cpu_native.recompute_layers
@@ -908,16 +909,12 @@ def test_recomputation_in_the_stack_equals_the_eager_layers_bit_for_bit(tmp_path
 
     class Checking(Kara):
         def periodic(self, step, views):
-            live = [v for v in views if v.physical_len - self.state_of(v).compressed_upto >= 3]
-            if len(live) >= 2:
-                spans = []
-                for i, v in enumerate(live[:3]):
-                    lo, hi = self.state_of(v).compressed_upto, v.physical_len
-                    spans.append([(v, lo, hi), (v, hi - 1, hi), (v, lo, hi - 2)][i])
-                model = decoder[0]
-                stacked = live[0].recompute_queries_batch(spans)
+            spans = mixed_spans(self, views)
+            if spans:
+                model, first = decoder[0], spans[0][0]
+                stacked = first.recompute_queries_batch(spans)
                 stack, model.stack = model.stack, None
-                pairs.append((stacked, live[0].recompute_queries_batch(spans)))
+                pairs.append((stacked, first.recompute_queries_batch(spans)))
                 model.stack = stack
             return super().periodic(step, views)
 

@@ -836,6 +836,20 @@ def test_recomputed_window_queries_equal_decode_queries(llama_dir):
         torch.testing.assert_close(recomputed, decoded, rtol=1e-4, atol=1e-4)
 
 
+def mixed_spans(policy, views):
+    """Recomputation spans of up to three running requests with uncompressed tails: the whole
+    tail of one, the last slot of another, a tail short of its end of a third; None with fewer
+    than two such requests."""
+    live = [v for v in views if v.physical_len - policy.state_of(v).compressed_upto >= 3]
+    if len(live) < 2:
+        return None
+    spans = []
+    for i, v in enumerate(live[:3]):
+        lo, hi = policy.state_of(v).compressed_upto, v.physical_len
+        spans.append([(v, lo, hi), (v, hi - 1, hi), (v, lo, hi - 2)][i])
+    return spans
+
+
 class BatchCheckingKara(Kara):
     """Kara that, at every firing with several running requests, recomputes spans of theirs in
     one batched pass (the uncompressed tail of one, the last slot of another, a span short of the
@@ -846,17 +860,13 @@ class BatchCheckingKara(Kara):
         self.pairs, self.refused = [], []
 
     def periodic(self, step, views):
-        live = [v for v in views if v.physical_len - self.state_of(v).compressed_upto >= 3]
-        if len(live) >= 2:
-            spans = []
-            for i, v in enumerate(live[:3]):
-                lo, hi = self.state_of(v).compressed_upto, v.physical_len
-                spans.append([(v, lo, hi), (v, hi - 1, hi), (v, lo, hi - 2)][i])
-            together = live[0].recompute_queries_batch(spans)
+        spans = mixed_spans(self, views)
+        if spans:
+            together = spans[0][0].recompute_queries_batch(spans)
             alone = [v.recompute_queries(lo, hi) for v, lo, hi in spans]
             self.pairs.append((together, alone, [hi - lo for _, lo, hi in spans]))
             if not self.refused:
-                v = live[0]
+                v = spans[0][0]
                 for bad in ([(v, 0, 1), (v, 1, 2)], [(v, 3, v.physical_len + 1)]):
                     with pytest.raises(ValueError) as err:
                         v.recompute_queries_batch(bad)
