@@ -341,11 +341,8 @@ def _c_step_stack(model, input_ids, positions, ctx: ForwardContext) -> torch.Ten
     rows = model.rope.rows(positions)
     signals = None if ctx.capture is None else cpu_native.StepSignals(
         *ctx.capture.stack_signals(x.shape[0]))
-    where = cpu_native.StepRows(ctx.decode_block_tables, ctx.decode_context_lens,
-                                ctx.prefill_block_tables, ctx.prefill_base_lens,
-                                ctx.prefill_q_lens, ctx.decode_holes, ctx.prefill_holes)
     return cpu_native.step_layers(x, rows.cos, rows.sin, stack, ctx.kv.k, ctx.kv.v,
-                                  ctx.slot_mapping, where, ctx.scale, signals, True)
+                                  ctx.slot_mapping, _step_rows(ctx), ctx.scale, signals, True)
 
 
 def _c_recompute_stack(model, input_ids, positions, ctx: ForwardContext) -> torch.Tensor | None:
@@ -358,11 +355,15 @@ def _c_recompute_stack(model, input_ids, positions, ctx: ForwardContext) -> torc
         return None
     x = model.embed_tokens(input_ids)
     rows = model.rope.rows(positions)
-    where = cpu_native.StepRows(ctx.decode_block_tables, ctx.decode_context_lens,
-                                ctx.prefill_block_tables, ctx.prefill_base_lens,
-                                ctx.prefill_q_lens, ctx.decode_holes, ctx.prefill_holes)
-    return cpu_native.recompute_layers(x, rows.cos, rows.sin, stack, ctx.kv.k, ctx.kv.v, where,
-                                       ctx.scale)
+    return cpu_native.recompute_layers(x, rows.cos, rows.sin, stack, ctx.kv.k, ctx.kv.v,
+                                       _step_rows(ctx), ctx.scale)
+
+
+def _step_rows(ctx: ForwardContext) -> cpu_native.StepRows:
+    """Where the pass's rows attend, as the C stack reads it (one-token rows, then chunks)."""
+    return cpu_native.StepRows(ctx.decode_block_tables, ctx.decode_context_lens,
+                               ctx.prefill_block_tables, ctx.prefill_base_lens,
+                               ctx.prefill_q_lens, ctx.decode_holes, ctx.prefill_holes)
 
 
 # -- the instances ---------------------------------------------------------------------------

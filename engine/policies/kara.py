@@ -246,10 +246,10 @@ def _window_queries(view: PolicyView, starts: torch.Tensor, offset: int, length:
     """Queries of slots [s + offset, s + offset + length) for each window start s:
     [layers, n, length, q_heads, d], from one span covering them (`_span_queries`, or `span`
     when the span's queries were recomputed with other requests' already, `Kara.periodic`)."""
-    lo, hi = _query_span(starts.tolist(), offset, length)
-    q = _span_queries(view, lo, hi, cached) if span is None else span     # [L, hi - lo, Hq, d]
+    if span is None:                                                     # [L, hi - lo, Hq, d]
+        span = _span_queries(view, *_query_span(starts.tolist(), offset, length), cached)
     idx = (starts - starts[0])[:, None] + torch.arange(length, device=starts.device)
-    return q[:, idx.to(q.device)]
+    return span[:, idx.to(span.device)]
 
 
 def _query_span(starts: list[int], offset: int, length: int) -> tuple[int, int]:
