@@ -262,6 +262,33 @@ def test_decode_step_has_no_host_sync(model_dir):
     assert logits.is_meta and logits.shape == (3, runner.hf_config.vocab_size)
 
 
+def test_a_batched_query_recomputation_stays_on_the_device(model_dir):
+    """Kara's batched window recomputation (`recompute_queries_batch`: a one-token span and two
+    chunks in one pass, the results split back in the callers' order) with the cache and model
+    on `meta`: the ids, positions, tables and lengths go up the way a step's do, nothing is read
+    back on the host (SyncGuard) and no host tensor meets a device one (DeviceGuard). On CUDA
+    the attention is Triton's (its interpreter tests); here a shape-only stand-in takes its
+    place, since the torch twins that `meta` would run plan on the host."""
+    from dataclasses import replace
+
+    from device_guard import DeviceGuard
+
+    def attention(q, k_cache_l, v_cache_l, ctx, holes):
+        return torch.empty_like(q)
+
+    runner = make_runner(model_dir, device="meta")
+    runner.backend = replace(runner.backend, decode=attention, prefill=attention)
+    seqs = [item.seq for item in decode_items(runner, lengths=(9, 3, 12))]
+    spans = [(seqs[0], 2, 8), (seqs[1], 1, 2), (seqs[2], 0, 11)]
+    with torch.inference_mode(), SyncGuard(), DeviceGuard("meta"):
+        queries = runner.recompute_queries_batch(spans)
+    config = runner.hf_config
+    shape = (config.num_hidden_layers, config.num_attention_heads, runner.model.head_dim)
+    assert [tuple(q.shape) for q in queries] == [(shape[0], end - start, *shape[1:])
+                                                 for _, start, end in spans]
+    assert all(q.is_meta for q in queries)
+
+
 def test_host_sync_check_can_fail(model_dir, monkeypatch):
     runner = make_runner(model_dir, device="meta", compile=True)
     items = decode_items(runner)
