@@ -249,11 +249,25 @@ typedef kv_v8 pv_vec;
 #define PV_REGS 12 /* of 16 */
 #endif
 #define PV_LANES ((int64_t)(sizeof(pv_vec) / sizeof(float)))
+/* weigh_pages' block: PV_TAKE weight vectors by up to PV_REGS / PV_TAKE value vectors (a slice
+   of head_dim) in accumulators, as panel_gemm.c's tile keeps rows by panel lines, so that per
+   slot a few value loads and PV_TAKE broadcasts feed PV_REGS FMAs: at head_dim 64 on AVX2 the
+   whole row (8 vectors) beside 8 accumulators and a broadcast needs 17 of 16 registers. */
+#define PV_TAKE 6
+
+/* Value vectors per block of weigh_pages: the largest divisor of head_dim's vectors up to
+   PV_REGS / PV_TAKE (0: head_dim is not a multiple of the vector, the scalar path). */
+static inline int64_t value_slice(int64_t head_dim) {
+    if (head_dim % PV_LANES) return 0;
+    int64_t dv = PV_REGS / PV_TAKE;
+    while (head_dim / PV_LANES % dv) dv--;
+    return dv;
+}
 
 /* The register block of weigh_pages: vectors are padded to a multiple of it. */
 static inline int64_t value_block(int64_t head_dim) {
-    const int64_t nv = head_dim / PV_LANES;
-    return head_dim % PV_LANES == 0 && nv <= PV_REGS ? PV_REGS / nv : 1;
+    const int64_t dv = value_slice(head_dim);
+    return dv ? PV_REGS / dv : 1;
 }
 
 /* The vectors of a tile: its rows x the group's heads, padded to whole register blocks. */
@@ -268,43 +282,54 @@ enum { SPAN_PAGE, SPAN_ROW, SPAN_A, SPAN_B, SPAN_N, SPAN_FIELDS };
 
 /* acc[v] = sum over the part's pages and the slots each sees of w[row, v] * value[slot], for
    v < width: w [rows, width] (one row per slot of the part's pages, in order), acc [width,
-   head_dim], span [pages, SPAN_FIELDS]. With head_dim a small multiple of the vector, a block
-   of `take` vectors' accumulators stays in registers over every slot of the part. */
+   head_dim], span [pages, SPAN_FIELDS]. A block of `take` vectors by `dv` value vectors of
+   head_dim keeps its accumulators in registers over every slot of the part; each lane is summed
+   over the slots in order, whatever the block. */
 static inline __attribute__((always_inline)) void
 weigh_pages(float *restrict acc, const int64_t head_dim, const float *restrict w, int64_t width,
             const float *restrict values, int64_t block, const int64_t *span, int64_t pages) {
-    const int64_t nv = head_dim / PV_LANES;
-    const int fast = head_dim % PV_LANES == 0 && nv <= PV_REGS;
-    const int64_t take = fast ? PV_REGS / nv : 1; /* vectors per block; width is a multiple */
-    if (!fast) memset(acc, 0, (size_t)(width * head_dim) * sizeof(float));
-    for (int64_t v0 = 0; v0 < width; v0 += take) {
-        pv_vec a[PV_REGS];
-        for (int64_t u = 0; fast && u < take * nv; u++) a[u] = (pv_vec){0};
-        for (int64_t p = 0; p < pages; p++) {
-            const int64_t *sp = span + p * SPAN_FIELDS;
-            const float *vp = values + sp[SPAN_PAGE] * block * head_dim;
-            const float *wp = w + sp[SPAN_ROW] * width;
-            for (int r = 0; r < 2; r++) {
-                const int64_t lo = r ? sp[SPAN_B] : 0, hi = r ? sp[SPAN_N] : sp[SPAN_A];
-                for (int64_t j = lo; j < hi; j++) {
-                    if (!fast) {
+    const int64_t dv = value_slice(head_dim);
+    if (dv == 0) {
+        memset(acc, 0, (size_t)(width * head_dim) * sizeof(float));
+        for (int64_t v = 0; v < width; v++)
+            for (int64_t p = 0; p < pages; p++) {
+                const int64_t *sp = span + p * SPAN_FIELDS;
+                const float *vp = values + sp[SPAN_PAGE] * block * head_dim;
+                const float *wp = w + sp[SPAN_ROW] * width;
+                for (int r = 0; r < 2; r++)
+                    for (int64_t j = r ? sp[SPAN_B] : 0; j < (r ? sp[SPAN_N] : sp[SPAN_A]); j++)
                         for (int64_t d = 0; d < head_dim; d++)
-                            acc[v0 * head_dim + d] += wp[j * width + v0] * vp[j * head_dim + d];
-                        continue;
-                    }
-                    pv_vec x[PV_REGS];
-                    for (int64_t d = 0; d < nv; d++)
-                        memcpy(&x[d], vp + j * head_dim + d * PV_LANES, sizeof(pv_vec));
-                    for (int64_t u = 0; u < take; u++) {
-                        const pv_vec b = (pv_vec){0} + wp[j * width + v0 + u];
-                        for (int64_t d = 0; d < nv; d++) a[u * nv + d] += b * x[d];
+                            acc[v * head_dim + d] += wp[j * width + v] * vp[j * head_dim + d];
+            }
+        return;
+    }
+    const int64_t take = PV_REGS / dv; /* vectors per block; width is a multiple */
+    for (int64_t v0 = 0; v0 < width; v0 += take) {
+        for (int64_t d0 = 0; d0 < head_dim; d0 += dv * PV_LANES) {
+            pv_vec a[PV_REGS];
+            for (int64_t u = 0; u < take * dv; u++) a[u] = (pv_vec){0};
+            for (int64_t p = 0; p < pages; p++) {
+                const int64_t *sp = span + p * SPAN_FIELDS;
+                const float *vp = values + sp[SPAN_PAGE] * block * head_dim + d0;
+                const float *wp = w + sp[SPAN_ROW] * width + v0;
+                for (int r = 0; r < 2; r++) {
+                    const int64_t lo = r ? sp[SPAN_B] : 0, hi = r ? sp[SPAN_N] : sp[SPAN_A];
+                    for (int64_t j = lo; j < hi; j++) {
+                        pv_vec x[PV_REGS / PV_TAKE];
+                        for (int64_t d = 0; d < dv; d++)
+                            memcpy(&x[d], vp + j * head_dim + d * PV_LANES, sizeof(pv_vec));
+                        for (int64_t u = 0; u < take; u++) {
+                            const pv_vec b = (pv_vec){0} + wp[j * width + u];
+                            for (int64_t d = 0; d < dv; d++) a[u * dv + d] += b * x[d];
+                        }
                     }
                 }
             }
+            for (int64_t u = 0; u < take; u++)
+                for (int64_t d = 0; d < dv; d++)
+                    memcpy(acc + (v0 + u) * head_dim + d0 + d * PV_LANES, &a[u * dv + d],
+                           sizeof(pv_vec));
         }
-        for (int64_t u = 0; fast && u < take; u++)
-            for (int64_t d = 0; d < nv; d++)
-                memcpy(acc + (v0 + u) * head_dim + d * PV_LANES, &a[u * nv + d], sizeof(pv_vec));
     }
 }
 
