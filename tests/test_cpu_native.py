@@ -2,6 +2,7 @@
 torch twins, their index checks, the fallback without a compiler, and the engine with them on
 and off."""
 
+import itertools
 import json
 import os
 import platform
@@ -402,10 +403,12 @@ def test_panel_linear_gives_the_same_bits_with_and_without_avx512(tmp_path):
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler here")
 def test_query_probs_dots_with_and_without_avx512(tmp_path):
     """kv_query_probs takes a vector's worth of keys' dots at once where head_dim is a small
-    multiple of the vector (16 lanes with AVX-512, 8 without) and the rest one at a time: built
-    both ways, over head sizes that take either path, pages of 8-32 slots and lengths that leave
-    a partial last page, both equal the float64 definition, with and without the group mean,
-    and with the queries' sum or mean (plain and through a slot map)."""
+    multiple of the vector (16 lanes with AVX-512, 8 without) and the rest one at a time, and
+    on AVX2 forms the logits of 32 or more query vectors as a product over up to 16 keys packed
+    into a panel: built both ways, over head sizes that take each path, 3 and 12 queries (9 and
+    36 vectors), pages of 8-32 slots (24: pages that 16-key panels split unevenly) and lengths
+    that leave a partial last page, both equal the float64 definition, with and without the
+    group mean, and with the queries' sum or mean (plain and through a slot map)."""
     import ctypes
 
     libraries = _both_builds(tmp_path)
@@ -429,16 +432,16 @@ def test_query_probs_dots_with_and_without_avx512(tmp_path):
         return out
 
     gen = torch.Generator().manual_seed(12)
-    for head_dim, block, length in ((64, 16, 77), (128, 32, 70), (16, 8, 37), (40, 16, 50),
-                                    (64, 16, 16)):
+    shapes = ((64, 16, 77), (128, 32, 70), (16, 8, 37), (40, 16, 50), (64, 16, 16), (64, 24, 77))
+    for (head_dim, block, length), n in itertools.product(shapes, (3, 12)):
         q_heads, kv_heads, layers = 6, 2, 2
         tables, num_blocks = make_tables([length], block, gen, dtype=torch.int64)
         k_cache = torch.randn(layers, kv_heads, num_blocks, block, head_dim, generator=gen)
-        queries = torch.randn(layers, 3, q_heads, head_dim, generator=gen)
-        limits = torch.tensor([length, length - 5, 1])
+        queries = torch.randn(layers, n, q_heads, head_dim, generator=gen)
+        limits = torch.tensor([length, length - 5, 1, *range(length - 1, length - n + 2, -1)])
         case = (queries, k_cache, tables[0], length, limits, head_dim**-0.5)
         want = naive_probs(*case)
-        mean = want.view(layers, kv_heads, q_heads // kv_heads, 3, length).mean(dim=2)
+        mean = want.view(layers, kv_heads, q_heads // kv_heads, n, length).mean(dim=2)
         # a slot map over the same pages: a reversed, partly hidden order per row
         slots = torch.arange(length).flip(0).repeat(layers, kv_heads, 1)
         slots[..., :3] = -1

@@ -759,25 +759,50 @@ static void gather_tile(const float *keys, const int64_t *table, const int64_t *
     }
 }
 
+/* Query vectors from which head_logits forms a page's logits as one small product (up to 16 of
+   its keys packed into a panel, panel_gemm.c's tile over the vectors) instead of page_logits'
+   dots. On AVX2 the dots of 8 keys with a 64-float query fill all 16 vector registers; the
+   tile of 6 vectors x 16 keys keeps 12 accumulators. Packing the keys pays off from a few dozen
+   vectors (SnapKV's window, 32 queries x 3 heads, is 96; GrowPage's query summaries 3-6 keep
+   the dots). With AVX-512 the dots fit its 32 registers and are kept. */
+#if defined(__AVX512F__)
+#define PANEL_VECS INT64_MAX
+#else
+#define PANEL_VECS 32
+#endif
+
 /* e [vecs, length] <- the logits of the task's query vectors qt [vecs, head_dim] (scale already
    applied) over its `length` columns, a page at a time (or a gathered tile of a slot map's keys,
    `dense`), each key read once for every vector: slot j of the sequence, or slot[j] of a slot
-   map. A hidden column's logits are left for exp_held to set. */
+   map. A hidden column's logits are left for exp_held to set. With PANEL_VECS or more vectors
+   each page's keys go into one panel (`panel`, [head_dim, KV_PANEL]) and the product into
+   `part` [vecs, KV_PANEL] first. */
 static void head_logits(const float *qt, int64_t vecs, const float *keys, const int64_t *table,
                         const int64_t *slot, int64_t length, int64_t head_dim, int64_t block,
-                        float *dense, float *e) {
-    const int64_t step = slot == 0 ? block : SLOT_TILE;
-    for (int64_t first = 0; first < length; first += step) {
-        const int64_t count = length - first < step ? length - first : step;
-        const float *kp = slot == 0 ? keys + table[first / block] * block * head_dim : dense;
-        if (slot == 0 && first + PREFETCH_PAGES * block < length) /* the table was checked */
+                        float *dense, float *panel, float *part, float *e) {
+    const int64_t step = slot == 0 ? (block < KV_PANEL ? block : KV_PANEL) : SLOT_TILE;
+    for (int64_t first = 0, count; first < length; first += count) {
+        /* up to `step` columns, within one page */
+        count = length - first < step ? length - first : step;
+        if (slot == 0 && count > block - first % block) count = block - first % block;
+        const float *kp = slot == 0 ? keys + (table[first / block] * block + first % block) *
+                                                 head_dim
+                                    : dense;
+        if (slot == 0 && first % block == 0 && first + PREFETCH_PAGES * block < length)
             prefetch_page(keys + table[first / block + PREFETCH_PAGES] * block * head_dim,
-                          block * head_dim);
+                          block * head_dim); /* the table was checked */
         if (slot != 0) {
             int64_t held = 0;
             for (int64_t j = first; j < first + count; j++) held += slot[j] >= 0;
             if (held == 0) continue; /* a padding tile: exp_held writes its columns */
             gather_tile(keys, table, slot + first, count, head_dim, block, dense);
+        }
+        if (vecs >= PANEL_VECS) {
+            kv_pack_small(kp, panel, count, head_dim);
+            kv_panel_small(qt, head_dim, panel, part, vecs, head_dim, count);
+            for (int64_t v = 0; v < vecs; v++)
+                memcpy(e + v * length + first, part + v * count, (size_t)count * sizeof(float));
+            continue;
         }
         switch (head_dim) { /* a constant for the common sizes: the dot unrolls */
         case 64:
@@ -895,11 +920,13 @@ int kv_query_probs(const float *q, const float *k_cache, int64_t layer_stride,
             const float *keys = k_cache + l * layer_stride + h * slot_count * head_dim;
             const int64_t *slot = slots == 0 ? 0 : slots + (l * kv_heads + h) * length;
             /* the hidden columns' indices, then the group's query vectors [vecs, head_dim]
-               (times scale), a gathered tile, the exponentials [vecs, length] (unless written
-               straight to out) and their factors */
+               (times scale), a gathered tile, head_logits' panel and product, the
+               exponentials [vecs, length] (unless written straight to out) and their factors */
+            const int64_t panel_floats = vecs >= PANEL_VECS ? (head_dim + vecs) * KV_PANEL : 0;
             int64_t *hidden = malloc((size_t)length * sizeof(int64_t) +
                                      (size_t)(vecs * head_dim + SLOT_TILE * head_dim +
-                                              (direct ? 0 : vecs * length) + vecs) *
+                                              panel_floats + (direct ? 0 : vecs * length) +
+                                              vecs) *
                                          sizeof(float));
             if (hidden == 0) {
 #pragma omp atomic write
@@ -907,13 +934,15 @@ int kv_query_probs(const float *q, const float *k_cache, int64_t layer_stride,
                 continue;
             }
             float *qt = (float *)(hidden + length), *dense = qt + vecs * head_dim;
-            float *e = dense + SLOT_TILE * head_dim, *inv = e + (direct ? 0 : vecs * length);
+            float *panel = dense + SLOT_TILE * head_dim, *part = panel + head_dim * KV_PANEL;
+            float *e = panel + panel_floats, *inv = e + (direct ? 0 : vecs * length);
             if (direct) e = out + (l * q_heads + h * group) * n * length;
             for (int64_t v = 0; v < vecs; v++) { /* vector v: head v / n of the group, query v % n */
                 const float *qv = q + ((l * n + v % n) * q_heads + h * group + v / n) * head_dim;
                 for (int64_t d = 0; d < head_dim; d++) qt[v * head_dim + d] = qv[d] * scale;
             }
-            head_logits(qt, vecs, keys, table, slot, length, head_dim, block, dense, e);
+            head_logits(qt, vecs, keys, table, slot, length, head_dim, block, dense, panel, part,
+                        e);
             int64_t hidden_count = 0;
             for (int64_t j = 0; slot != 0 && j < length; j++)
                 if (slot[j] < 0) hidden[hidden_count++] = j;
