@@ -478,10 +478,10 @@ def _both_builds(tmp_path) -> list:
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler here")
 def test_chunk_attention_with_and_without_avx512(tmp_path):
     """The chunk attention's value pass keeps a register block of vectors by a slice of
-    head_dim where head_dim is a multiple of the vector (16 lanes with AVX-512, 8 without; a
-    slice of 4 or 2 of them, or 1 where head_dim's vectors are odd) and goes one value at a time
-    elsewhere: built both ways, over head sizes that take each path, a long base split into
-    parts and holes, both equal the twin."""
+    head_dim where head_dim is a multiple of the vector (16 lanes with AVX-512, 8 without; the
+    slice up to 4 or 2 vectors, the most that divides head_dim's) and goes one value at a time
+    elsewhere: built both ways, over head sizes that take each path (12 the scalar one on
+    both), a long base split into parts and holes, both equal the twin."""
     import ctypes
 
     libraries = _both_builds(tmp_path)
@@ -500,7 +500,8 @@ def test_chunk_attention_with_and_without_avx512(tmp_path):
         assert rc == 0
         return out
 
-    for shape in ((9, 3, 64, 16), (4, 2, 24, 8), (6, 2, 128, 32), (4, 2, 40, 16)):
+    for shape in ((9, 3, 64, 16), (4, 2, 24, 8), (6, 2, 128, 32), (4, 2, 40, 16),
+                  (4, 2, 12, 8)):
         case = _chunks_case(shape, (300, 20), (16, 5), 16, seed=13)
         holes = _holes(shape[1], [[(0, 270), (40, 45)], [(0, 0)]])
         want = paged_prefill_attention_torch(*case, holes)
