@@ -780,7 +780,9 @@ static void gather_tile(const float *keys, const int64_t *table, const int64_t *
 static void head_logits(const float *qt, int64_t vecs, const float *keys, const int64_t *table,
                         const int64_t *slot, int64_t length, int64_t head_dim, int64_t block,
                         float *dense, float *panel, float *part, float *e) {
-    const int64_t step = slot == 0 ? (block < KV_PANEL ? block : KV_PANEL) : SLOT_TILE;
+    const int panels = vecs >= PANEL_VECS;
+    /* a page at a time, or at most a panel's keys of it for the product */
+    const int64_t step = slot != 0 ? SLOT_TILE : panels && block > KV_PANEL ? KV_PANEL : block;
     for (int64_t first = 0, count; first < length; first += count) {
         /* up to `step` columns, within one page */
         count = length - first < step ? length - first : step;
@@ -797,7 +799,7 @@ static void head_logits(const float *qt, int64_t vecs, const float *keys, const 
             if (held == 0) continue; /* a padding tile: exp_held writes its columns */
             gather_tile(keys, table, slot + first, count, head_dim, block, dense);
         }
-        if (vecs >= PANEL_VECS) {
+        if (panels) {
             kv_pack_small(kp, panel, count, head_dim);
             kv_panel_small(qt, head_dim, panel, part, vecs, head_dim, count);
             for (int64_t v = 0; v < vecs; v++)
