@@ -34,6 +34,24 @@
 #define MAX_GROUP 64
 #define MAX_GROUP_DIM 8192
 
+/* Pages lie anywhere in the cache, and the hardware prefetcher, which follows a stream, stops
+   at a page's end: the kernels that walk a sequence's pages request the next page's keys (and
+   its values, where they read them in the same walk) PREFETCH_PAGES pages ahead, so that they
+   arrive while the current page is computed. */
+#define PREFETCH_PAGES 1
+
+static inline void prefetch_page(const float *p, int64_t floats) {
+    for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(p + i, 0, 3);
+}
+
+/* prefetch_page of a key page and a value page, their lines requested in turn */
+static inline void prefetch_pages(const float *k, const float *v, int64_t floats) {
+    for (int64_t i = 0; i < floats; i += 16) {
+        __builtin_prefetch(k + i, 0, 3);
+        __builtin_prefetch(v + i, 0, 3);
+    }
+}
+
 int kv_store(const float *key, const float *value, int64_t key_stride, int64_t value_stride,
              float *k_cache, float *v_cache, const int64_t *slots, int64_t rows,
              int64_t kv_heads, int64_t head_dim, int64_t num_slots) {
@@ -112,6 +130,12 @@ attend_head(const float *restrict q, int64_t group, const int64_t head_dim,
         if (a == 0 && b == n) continue; /* every slot of the page is in the hole */
         const float *kp = keys + page * block * head_dim;
         const float *vp = values + page * block * head_dim;
+        if (p + PREFETCH_PAGES < pages) {
+            const int64_t next = table[p + PREFETCH_PAGES]; /* checked when its turn comes */
+            if (next >= 0 && next < num_pages)
+                prefetch_pages(keys + next * block * head_dim, values + next * block * head_dim,
+                               block * head_dim);
+        }
         for (int64_t g = 0; g < group; g++) {
             const float *qg = q + g * head_dim;
             float page_top = MASKED;
@@ -372,6 +396,14 @@ chunk_tile(const float *q, int64_t q_row, const float *keys, const float *values
         b = b < a ? a : (b > n ? n : b);
         if (a == 0 && b == n) continue; /* every slot of the page is in the hole */
         float *sp = s + filled * width;
+#if !defined(__AVX512F__)
+        /* the next page's keys for this loop, and this page's values for weigh_pages below
+           (the part's values, at most PART_SLOTS slots, wait in L2); measured faster on AVX2
+           only, slower on the AVX-512 machine (cpu-kernels-notes.md) */
+        if (p + PREFETCH_PAGES < p1)
+            prefetch_page(keys + table[p + PREFETCH_PAGES] * block * head_dim, block * head_dim);
+        prefetch_page(values + table[p] * block * head_dim, n * head_dim);
+#endif
         kv_panel_small(keys + table[p] * block * head_dim, head_dim, packed, sp, n, head_dim,
                        width); /* [n, width] */
         /* Row v / group sees slots up to base + v / group: only pages past base hide some. */
@@ -629,14 +661,6 @@ int kv_chunk_rows(const float *q, int64_t q_stride, const float *k_cache, const 
    window, Ada-KV's mean) an [n, length] row per head written to memory and read back. */
 
 enum { QUERY_KEEP, QUERY_SUM, QUERY_MEAN };
-
-/* Pages lie anywhere in the cache, and the hardware prefetcher, which follows a stream, stops
-   at a page's end: each page's keys are requested PREFETCH_PAGES pages ahead. */
-#define PREFETCH_PAGES 1
-
-static inline void prefetch_page(const float *p, int64_t floats) {
-    for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(p + i, 0, 3);
-}
 
 #define HALVE(a, b, ...) (__builtin_shufflevector(a, b, __VA_ARGS__))
 #if defined(__AVX512F__)
