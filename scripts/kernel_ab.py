@@ -71,8 +71,11 @@ class Workload:
         self.k, self.v = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
         self.q = torch.randn(batch * self.rows, Q_HEADS * HEAD_DIM, generator=g)
         self.out = torch.empty_like(self.q)
-        # decode rows attend their whole length; chunk rows sit on top of a base
-        self.lens = torch.full((batch,), context, dtype=torch.int64) - torch.arange(batch) * 7
+        # decode rows attend their whole length, chunk rows sit on top of a base; lengths
+        # differ by up to 49 slots, so that the sequences do not end on the same page offset
+        if context <= 49:
+            raise SystemExit(f"--contexts: {context} is too short (at least 50)")
+        self.lens = torch.full((batch,), context, dtype=torch.int64) - torch.arange(batch) % 8 * 7
         self.q_lens = torch.full((batch,), self.rows, dtype=torch.int64)
         self.layer_floats = KV_HEADS * self.num_pages * BLOCK * HEAD_DIM
         self.kv_bytes = int(self.lens.sum()) * KV_HEADS * HEAD_DIM * 4 * 2
