@@ -5,7 +5,8 @@ flags (engine/kernels/cpu_native.py), loads both libraries, and times the decode
 attention (`kv_decode`: one row per sequence) or a forced page's chunk attention
 (`kv_chunk_rows`: 16 rows per sequence) at SmolLM2's shape (9 query / 3 KV heads, head_dim 64,
 pages of 16 slots, scattered over the cache). Each call reads a different layer of a 30-layer
-cache, so the pages come from memory as in the whole stack. Prints per context: the median
+cache, so that a call does not find the pages the call before it left in cache (as in the
+whole stack, where a layer's weights pass between two attentions). Prints per context: the median
 milliseconds per call of each build, the ratio, the KV read per second, and the largest output
 difference between the builds.
 
@@ -30,6 +31,8 @@ from engine.kernels import cpu_native
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
 ROWS = {"decode": 1, "chunk": 16}
+MIN_CONTEXT = 50  # the sequences' lengths differ by up to 49 slots
+ROOT, FOLDER = Path(__file__).resolve().parents[1], "engine/kernels/cpu"
 
 
 def build(sources: Path, out: Path) -> ctypes.CDLL:
@@ -50,11 +53,11 @@ def build(sources: Path, out: Path) -> ctypes.CDLL:
 
 
 def revision_sources(rev: str, into: Path) -> Path:
-    """The revision's engine/kernels/cpu folder, extracted into `into`."""
-    folder = "engine/kernels/cpu"
-    archive = subprocess.run(["git", "archive", rev, folder], check=True, capture_output=True)
+    """The revision's C sources (this checkout's history), extracted into `into`."""
+    archive = subprocess.run(["git", "archive", rev, FOLDER], cwd=ROOT, check=True,
+                             capture_output=True)
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
-    return into / folder
+    return into / FOLDER
 
 
 class Workload:
@@ -73,8 +76,6 @@ class Workload:
         self.out = torch.empty_like(self.q)
         # decode rows attend their whole length, chunk rows sit on top of a base; lengths
         # differ by up to 49 slots, so that the sequences do not end on the same page offset
-        if context <= 49:
-            raise SystemExit(f"--contexts: {context} is too short (at least 50)")
         self.lens = torch.full((batch,), context, dtype=torch.int64) - torch.arange(batch) % 8 * 7
         self.q_lens = torch.full((batch,), self.rows, dtype=torch.int64)
         self.layer_floats = KV_HEADS * self.num_pages * BLOCK * HEAD_DIM
@@ -107,19 +108,21 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    contexts = [int(c) for c in args.contexts.split(",")]
+    if min(contexts) < MIN_CONTEXT or args.batch < 1 or args.repeats < 1:
+        parser.error(f"contexts of at least {MIN_CONTEXT} slots, a batch and repeats of at least 1")
     torch.set_num_threads(args.threads)  # the libraries share torch's OpenMP runtime
-    here = Path(cpu_native.SOURCES[0]).parent
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
         tree = scratch / "tree"
-        shutil.copytree(here, tree)  # objects go to the scratch folder, not the source tree
+        shutil.copytree(ROOT / FOLDER, tree)  # objects go to the scratch folder, not the source tree
         libs = {"old": build(revision_sources(args.old, scratch), scratch / "old.so"),
                 "new": build(tree, scratch / "new.so")}
         print(f"{args.kernel}, batch {args.batch}, {args.threads} threads, old = {args.old}, "
               f"new = the working tree; load {os.getloadavg()[0]:.2f}")
         print("| context | old ms | new ms | old / new | new GB/s | max diff |")
         print("|---:|---:|---:|---:|---:|---:|")
-        for context in (int(c) for c in args.contexts.split(",")):
+        for context in contexts:
             work = Workload(args.kernel, args.batch, context)
             outs = {}
             for side, lib in libs.items():
