@@ -54,8 +54,9 @@ def build(sources: Path, out: Path) -> ctypes.CDLL:
 
 def revision_sources(rev: str, into: Path) -> Path:
     """The revision's C sources (this checkout's history), extracted into `into`."""
-    archive = subprocess.run(["git", "archive", rev, FOLDER], cwd=ROOT, check=True,
-                             capture_output=True)
+    archive = subprocess.run(["git", "archive", rev, FOLDER], cwd=ROOT, capture_output=True)
+    if archive.returncode != 0:
+        raise SystemExit(f"--old {rev}: git archive failed: {archive.stderr.decode().strip()}")
     subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
     return into / FOLDER
 
