@@ -3,12 +3,12 @@
 Builds the C sources of `--old` (a git revision) and of the working tree with the engine's own
 flags (engine/kernels/cpu_native.py), loads both libraries, and times the decode step's
 attention (`kv_decode`: one row per sequence) or a forced page's chunk attention
-(`kv_chunk_rows`: 16 rows per sequence) at SmolLM2's shape (9 query / 3 KV heads, head_dim 64,
-pages of 16 slots, scattered over the cache). Each call reads a different layer of a 30-layer
-cache, so that a call does not find the pages the call before it left in cache (as in the
-whole stack, where a layer's weights pass between two attentions). Prints per context: the median
-milliseconds per call of each build, the ratio, the KV read per second, and the largest output
-difference between the builds.
+(`kv_prefill_chunks`, the tiles the stack's `kv_chunk_rows` runs: 16 rows per sequence) at
+SmolLM2's shape (9 query / 3 KV heads, head_dim 64, pages of 16 slots, scattered over the
+cache). Each call reads a different layer of a 30-layer cache, so that a call does not find the
+pages the call before it left in cache (as in the whole stack, where a layer's weights pass
+between two attentions). Prints per context: the median milliseconds per call of each build, the
+ratio, the KV read per second, and the largest output difference between the builds.
 
     .venv/bin/python scripts/kernel_ab.py --old 99056a6 --kernel decode --contexts 1024,4096
 """
@@ -45,10 +45,6 @@ def build(sources: Path, out: Path) -> ctypes.CDLL:
                    cwd=sources, check=True)
     lib = ctypes.CDLL(str(out))
     cpu_native._declare(lib)
-    lib.kv_chunk_rows.restype = ctypes.c_int
-    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.kv_chunk_rows.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, *[i64] * 6,
-                                  ctypes.c_float]
     return lib
 
 
@@ -85,17 +81,18 @@ class Workload:
     def call(self, lib: ctypes.CDLL, layer: int) -> None:
         offset = 4 * layer * self.layer_floats
         k, v = self.k.data_ptr() + offset, self.v.data_ptr() + offset
-        width = Q_HEADS * HEAD_DIM
         if self.kernel == "decode":
-            rc = lib.kv_decode(self.q.data_ptr(), width, k, v, self.tables.data_ptr(),
+            rc = lib.kv_decode(self.q.data_ptr(), Q_HEADS * HEAD_DIM, k, v, self.tables.data_ptr(),
                                self.pages_per, self.lens.data_ptr(), None, self.out.data_ptr(),
                                self.batch, Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK, self.num_pages,
                                HEAD_DIM ** -0.5)
         else:
-            rc = lib.kv_chunk_rows(self.q.data_ptr(), width, k, v, self.tables.data_ptr(),
-                                   self.pages_per, self.lens.data_ptr(), self.q_lens.data_ptr(),
-                                   None, self.out.data_ptr(), self.batch, Q_HEADS, KV_HEADS,
-                                   HEAD_DIM, BLOCK, self.num_pages, HEAD_DIM ** -0.5)
+            # every sequence's chunk is `rows` long, so the padded layout is the stack's
+            rc = lib.kv_prefill_chunks(self.q.data_ptr(), k, v, self.tables.data_ptr(),
+                                       self.pages_per, self.lens.data_ptr(),
+                                       self.q_lens.data_ptr(), None, self.out.data_ptr(),
+                                       self.batch, self.rows, Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK,
+                                       self.num_pages, HEAD_DIM ** -0.5)
         if rc != 0:
             raise RuntimeError(f"{self.kernel} returned {rc}")
 
