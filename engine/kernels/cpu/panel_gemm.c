@@ -23,7 +23,11 @@
    6 x 5 + 2), since a short group does the same loads for fewer FMAs. Each output is one
    accumulator lane summed over k in order from zero, whatever the group, the batch or the
    instruction set, so a row's result does not depend on the rows beside it, and both builds
-   give the same bits. */
+   give the same bits.
+
+   With few rows a tile's first group is bound by the read of its panel from memory, and its
+   other groups by arithmetic: on AVX2 builds those other groups request the next tile's panel,
+   line by line, so that it arrives while they compute (AHEAD_GROUPS). */
 
 #include <stdint.h>
 #include <string.h>
@@ -45,6 +49,19 @@ typedef kv_v8 vec;
 /* x rows per pass over the weight: 192 x K floats (442 KB at K = 576, 1.2 MB at K = 1536) stay
    in L2/L3 while each panel meets them (untuned beyond "prefill chunks were not slower"). */
 #define BLOCK_ROWS 192
+/* The most row groups of a block at which a tile's later groups prefetch the next tile's panel
+   (kv_panel_linear; 0: never). Measured on an AVX2 machine (cpu-kernels-notes.md): the chain
+   of a step's projections 1.07-1.14x faster at 8-32 rows, none faster at 64 or 256 rows, where a
+   panel's arithmetic covers its read; the earlier AVX-512 machine measured a panel prefetch no
+   faster, so its builds keep none. */
+#if defined(__AVX512F__)
+#define AHEAD_GROUPS 0
+#else
+#define AHEAD_GROUPS 6
+#endif
+#if AHEAD_GROUPS && TILE_PANELS != 1
+#error "the prefetch below requests one panel per tile"
+#endif
 
 static inline vec load(const float *p) {
     vec v;
@@ -70,16 +87,18 @@ void kv_pack_panels(const float *w, float *panels, int64_t N, int64_t K) {
 }
 
 /* y[m, n0 .. n0 + 16 * panels - 1] for m < rows (1 .. TILE_ROWS) of x, against `panels`
-   (1 .. TILE_PANELS) consecutive panels from `panel`. */
+   (1 .. TILE_PANELS) consecutive panels from `panel`; line k of the panel at `ahead` (or none)
+   is requested with step k. */
 static inline __attribute__((always_inline)) void
 tile(const float *restrict x, int64_t x_stride, const float *restrict panel, int64_t K,
      const float *bias, float *restrict y, int64_t N, int64_t n0, const int rows,
-     const int panels) {
+     const int panels, const float *ahead) {
     const int vecs = panels * LINE_VECS;
     vec acc[TILE_ROWS][TILE_VECS];
     for (int m = 0; m < rows; m++)
         for (int j = 0; j < vecs; j++) acc[m][j] = (vec){0};
     for (int64_t k = 0; k < K; k++) {
+        if (ahead != 0) __builtin_prefetch(ahead + k * KV_PANEL, 0, 3);
         vec w[TILE_VECS];
         for (int j = 0; j < vecs; j++)
             w[j] = load(panel + ((j / LINE_VECS) * K + k) * KV_PANEL + (j % LINE_VECS) * LANES);
@@ -110,12 +129,14 @@ tile(const float *restrict x, int64_t x_stride, const float *restrict panel, int
 /* Constant row and panel counts, so each tile's loops unroll into registers. */
 #define TILE_CASE(r)                                                                          \
     case r:                                                                                   \
-        if (panels == TILE_PANELS) tile(x, x_stride, panel, K, bias, y, N, n0, r, TILE_PANELS); \
-        else tile(x, x_stride, panel, K, bias, y, N, n0, r, 1);                               \
+        if (panels == TILE_PANELS)                                                            \
+            tile(x, x_stride, panel, K, bias, y, N, n0, r, TILE_PANELS, ahead);               \
+        else tile(x, x_stride, panel, K, bias, y, N, n0, r, 1, ahead);                        \
         break;
 
 static void group(const float *x, int64_t x_stride, const float *panel, int64_t K,
-                  const float *bias, float *y, int64_t N, int64_t n0, int rows, int panels) {
+                  const float *bias, float *y, int64_t N, int64_t n0, int rows, int panels,
+                  const float *ahead) {
     switch (rows) {
 #if TILE_ROWS > 6
     TILE_CASE(12) TILE_CASE(11) TILE_CASE(10) TILE_CASE(9) TILE_CASE(8) TILE_CASE(7)
@@ -125,20 +146,24 @@ static void group(const float *x, int64_t x_stride, const float *panel, int64_t 
     }
 }
 
-/* Tile i (panels i * TILE_PANELS ...) against x rows [t0, t0 + rows), rows <= BLOCK_ROWS. */
+/* Tile i (panels i * TILE_PANELS ...) against x rows [t0, t0 + rows), rows <= BLOCK_ROWS;
+   `prefetch`: whether groups after the first request the next tile's panel (AHEAD_GROUPS). */
 static inline void tile_rows(const float *x, int64_t x_stride, const float *panels,
                              const float *bias, float *y, int64_t K, int64_t N, int64_t i,
-                             int64_t t0, int64_t rows) {
+                             int64_t t0, int64_t rows, int prefetch) {
     const int64_t P = (N + KV_PANEL - 1) / KV_PANEL;
     const int64_t groups = (rows + TILE_ROWS - 1) / TILE_ROWS;
     const int64_t p = i * TILE_PANELS;
     const int take_panels = (int)(P - p < TILE_PANELS ? P - p : TILE_PANELS);
+    const float *next = prefetch && groups <= AHEAD_GROUPS && p + TILE_PANELS < P
+                            ? panels + (p + TILE_PANELS) * K * KV_PANEL
+                            : 0;
     int64_t t = t0;
     for (int64_t g = 0; g < groups; g++) {
         /* the first rows % groups groups take one row more */
         const int take = (int)(rows / groups + (g < rows % groups));
         group(x + t * x_stride, x_stride, panels + p * K * KV_PANEL, K, bias, y + t * N, N,
-              p * KV_PANEL, take, take_panels);
+              p * KV_PANEL, take, take_panels, g > 0 ? next : 0);
         t += take;
     }
 }
@@ -150,7 +175,8 @@ void kv_panel_linear(const float *x, int64_t x_stride, const float *panels, cons
     for (int64_t t0 = 0; t0 < T; t0 += BLOCK_ROWS) {
         const int64_t rows = T - t0 < BLOCK_ROWS ? T - t0 : BLOCK_ROWS;
 #pragma omp parallel for schedule(static) if (N * K > KV_PARALLEL_MIN)
-        for (int64_t i = 0; i < tiles; i++) tile_rows(x, x_stride, panels, bias, y, K, N, i, t0, rows);
+        for (int64_t i = 0; i < tiles; i++)
+            tile_rows(x, x_stride, panels, bias, y, K, N, i, t0, rows, 1);
     }
 }
 
@@ -163,6 +189,6 @@ void kv_panel_small(const float *x, int64_t x_stride, const float *panels, float
     const int64_t tiles = ((N + KV_PANEL - 1) / KV_PANEL + TILE_PANELS - 1) / TILE_PANELS;
     for (int64_t t0 = 0; t0 < T; t0 += BLOCK_ROWS) {
         const int64_t rows = T - t0 < BLOCK_ROWS ? T - t0 : BLOCK_ROWS;
-        for (int64_t i = 0; i < tiles; i++) tile_rows(x, x_stride, panels, 0, y, K, N, i, t0, rows);
+        for (int64_t i = 0; i < tiles; i++) tile_rows(x, x_stride, panels, 0, y, K, N, i, t0, rows, 0);
     }
 }
