@@ -25,9 +25,9 @@
    instruction set, so a row's result does not depend on the rows beside it, and both builds
    give the same bits.
 
-   With few rows a tile's first group is bound by the read of its panel from memory, and its
-   other groups by arithmetic: on AVX2 builds those other groups request the next tile's panel,
-   line by line, so that it arrives while they compute (AHEAD_GROUPS). */
+   A tile's first row group waits for its panel from memory, where the groups after it find it
+   in cache: on AVX2 builds those later groups request the next tile's panel, line by line, so
+   that it arrives while they compute (PREFETCH_PANEL). */
 
 #include <stdint.h>
 #include <string.h>
@@ -49,17 +49,17 @@ typedef kv_v8 vec;
 /* x rows per pass over the weight: 192 x K floats (442 KB at K = 576, 1.2 MB at K = 1536) stay
    in L2/L3 while each panel meets them (untuned beyond "prefill chunks were not slower"). */
 #define BLOCK_ROWS 192
-/* The most row groups of a block at which a tile's later groups prefetch the next tile's panel
-   (kv_panel_linear; 0: never). Measured on an AVX2 machine (cpu-kernels-notes.md): the chain
-   of a step's projections 1.07-1.14x faster at 8-32 rows, none faster at 64 or 256 rows, where a
-   panel's arithmetic covers its read; the earlier AVX-512 machine measured a panel prefetch no
-   faster, so its builds keep none. */
+/* Whether a block's row groups after the first prefetch the next tile's panel (kv_panel_linear).
+   Measured on an AVX2 machine (cpu-kernels-notes.md): the chain of a step's projections
+   1.08-1.11x faster at 8-32 rows, 1.04x at 64, within 1-2% from 192 rows on, where a panel's
+   arithmetic covers its read. The earlier AVX-512 machine measured a panel prefetch no faster,
+   so its builds keep none. */
 #if defined(__AVX512F__)
-#define AHEAD_GROUPS 0
+#define PREFETCH_PANEL 0
 #else
-#define AHEAD_GROUPS 6
+#define PREFETCH_PANEL 1
 #endif
-#if AHEAD_GROUPS && TILE_PANELS != 1
+#if PREFETCH_PANEL && TILE_PANELS != 1
 #error "the prefetch below requests one panel per tile"
 #endif
 
@@ -126,7 +126,8 @@ tile(const float *restrict x, int64_t x_stride, const float *restrict panel, int
     }
 }
 
-/* Constant row and panel counts, so each tile's loops unroll into registers. */
+/* Constant row and panel counts, so each tile's loops unroll into registers (and a constant
+   `ahead` of 0, so that a tile without the prefetch has no test for it in its loop). */
 #define TILE_CASE(r)                                                                          \
     case r:                                                                                   \
         if (panels == TILE_PANELS)                                                            \
@@ -134,9 +135,9 @@ tile(const float *restrict x, int64_t x_stride, const float *restrict panel, int
         else tile(x, x_stride, panel, K, bias, y, N, n0, r, 1, ahead);                        \
         break;
 
-static void group(const float *x, int64_t x_stride, const float *panel, int64_t K,
-                  const float *bias, float *y, int64_t N, int64_t n0, int rows, int panels,
-                  const float *ahead) {
+static inline __attribute__((always_inline)) void
+group_tiles(const float *x, int64_t x_stride, const float *panel, int64_t K, const float *bias,
+            float *y, int64_t N, int64_t n0, int rows, int panels, const float *ahead) {
     switch (rows) {
 #if TILE_ROWS > 6
     TILE_CASE(12) TILE_CASE(11) TILE_CASE(10) TILE_CASE(9) TILE_CASE(8) TILE_CASE(7)
@@ -146,8 +147,15 @@ static void group(const float *x, int64_t x_stride, const float *panel, int64_t 
     }
 }
 
+static void group(const float *x, int64_t x_stride, const float *panel, int64_t K,
+                  const float *bias, float *y, int64_t N, int64_t n0, int rows, int panels,
+                  const float *ahead) {
+    if (ahead != 0) group_tiles(x, x_stride, panel, K, bias, y, N, n0, rows, panels, ahead);
+    else group_tiles(x, x_stride, panel, K, bias, y, N, n0, rows, panels, 0);
+}
+
 /* Tile i (panels i * TILE_PANELS ...) against x rows [t0, t0 + rows), rows <= BLOCK_ROWS;
-   `prefetch`: whether groups after the first request the next tile's panel (AHEAD_GROUPS). */
+   `prefetch`: whether groups after the first request the next tile's panel (PREFETCH_PANEL). */
 static inline void tile_rows(const float *x, int64_t x_stride, const float *panels,
                              const float *bias, float *y, int64_t K, int64_t N, int64_t i,
                              int64_t t0, int64_t rows, int prefetch) {
@@ -155,7 +163,7 @@ static inline void tile_rows(const float *x, int64_t x_stride, const float *pane
     const int64_t groups = (rows + TILE_ROWS - 1) / TILE_ROWS;
     const int64_t p = i * TILE_PANELS;
     const int take_panels = (int)(P - p < TILE_PANELS ? P - p : TILE_PANELS);
-    const float *next = prefetch && groups <= AHEAD_GROUPS && p + TILE_PANELS < P
+    const float *next = prefetch && PREFETCH_PANEL && p + TILE_PANELS < P
                             ? panels + (p + TILE_PANELS) * K * KV_PANEL
                             : 0;
     int64_t t = t0;
