@@ -1,22 +1,33 @@
-"""The CPU attention kernels of two revisions side by side, called alternately in one process.
+"""The CPU kernels of two revisions side by side, called alternately in one process.
 
 Builds the C sources of `--old` (a git revision) and of the working tree with the engine's own
-flags (engine/kernels/cpu_native.py), loads both libraries, and times the decode step's
-attention (`kv_decode`: one row per sequence) or a forced page's chunk attention
-(`kv_prefill_chunks`, the tiles the stack's `kv_chunk_rows` runs: 16 rows per sequence) at
-SmolLM2's shape (9 query / 3 KV heads, head_dim 64, pages of 16 slots, scattered over the
-cache). Each call reads a different layer of a 30-layer cache, so that a call does not find the
+flags (engine/kernels/cpu_native.py), loads both libraries, and times one kernel at SmolLM2's
+shapes:
+
+- decode: the decode step's attention (`kv_decode`: one row per sequence);
+- chunk: a forced page's chunk attention (`kv_prefill_chunks`, the tiles the stack's
+  `kv_chunk_rows` runs: 16 rows per sequence);
+- projections: a step's chain of 121 projections (`kv_panel_linear` over packed panels, each
+  weight read from memory, as in `kvarena bench projections`) at `--rows` rows.
+
+The attention runs 9 query / 3 KV heads, head_dim 64, pages of 16 slots scattered over the
+cache; each call reads a different layer of a 30-layer cache, so that a call does not find the
 pages the call before it left in cache (as in the whole stack, where a layer's weights pass
-between two attentions). Prints per context: the median milliseconds per call of each build, the
-ratio, the KV read per second, and the largest output difference between the builds.
+between two attentions). Prints per context (or row count): the median milliseconds per call
+(per chain) of each build, the ratio of the medians, the median of the repeats' paired ratios
+(old / new of the two timings of one repeat, so that the machine's drift between repeats
+cancels) with its distribution-free 95% interval, the new build's rate (KV read per second, or
+GFLOP/s), and the largest output difference between the builds.
 
     .venv/bin/python scripts/kernel_ab.py --old 99056a6 --kernel decode --contexts 1024,4096
+    .venv/bin/python scripts/kernel_ab.py --old 16e0430 --kernel projections --rows 1,16,64
 """
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import math
 import os
 import shutil
 import statistics
@@ -28,9 +39,10 @@ from pathlib import Path
 import torch
 
 from engine.kernels import cpu_native
+from evals.benchmarks.projections import ProjectionScale
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
-ROWS = {"decode": 1, "chunk": 16}
+ROWS = {"decode": 1, "chunk": 16}  # query rows per sequence of the attention kernels
 MIN_CONTEXT = 50  # the sequences' lengths differ by up to 49 slots
 ROOT, FOLDER = Path(__file__).resolve().parents[1], "engine/kernels/cpu"
 
@@ -48,6 +60,19 @@ def build(sources: Path, out: Path) -> ctypes.CDLL:
     return lib
 
 
+def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float]:
+    """A distribution-free interval for the median of `values`: the order statistics k and
+    n + 1 - k with P(Binomial(n, 1/2) < k) <= (1 - level) / 2 (the whole range when n is too
+    small for the level)."""
+    ranked, n = sorted(values), len(values)
+    k, tail = 0, 0.0
+    while k < n // 2 and tail + math.comb(n, k) / 2 ** n <= (1 - level) / 2:
+        tail += math.comb(n, k) / 2 ** n
+        k += 1
+    k = max(k, 1)
+    return ranked[k - 1], ranked[n - k]
+
+
 def revision_sources(rev: str, into: Path) -> Path:
     """The revision's C sources (this checkout's history), extracted into `into`."""
     archive = subprocess.run(["git", "archive", rev, FOLDER], cwd=ROOT, capture_output=True)
@@ -57,8 +82,10 @@ def revision_sources(rev: str, into: Path) -> Path:
     return into / FOLDER
 
 
-class Workload:
+class Attention:
     """Queries, a 30-layer paged cache and page tables for `batch` sequences of ~`context` slots."""
+
+    unit, rate = "context", "new GB/s"
 
     def __init__(self, kernel: str, batch: int, context: int):
         g = torch.Generator().manual_seed(0)
@@ -77,6 +104,19 @@ class Workload:
         self.q_lens = torch.full((batch,), self.rows, dtype=torch.int64)
         self.layer_floats = KV_HEADS * self.num_pages * BLOCK * HEAD_DIM
         self.kv_bytes = int(self.lens.sum()) * KV_HEADS * HEAD_DIM * 4 * 2
+
+    def outputs(self) -> list[torch.Tensor]:
+        return [self.out]
+
+    def run(self, side: str, lib: ctypes.CDLL) -> float:
+        """Seconds per layer call over the 30 layers."""
+        start = time.perf_counter()
+        for layer in range(LAYERS):
+            self.call(lib, layer)
+        return (time.perf_counter() - start) / LAYERS
+
+    def per_second(self, seconds: float) -> float:
+        return self.kv_bytes / seconds / 1e9
 
     def call(self, lib: ctypes.CDLL, layer: int) -> None:
         offset = 4 * layer * self.layer_floats
@@ -97,18 +137,66 @@ class Workload:
             raise RuntimeError(f"{self.kernel} returned {rc}")
 
 
+class Projections:
+    """A step's 121 weights (ProjectionScale's shapes), packed once per library, and `rows`
+    input rows: one run is the chain, each weight read from memory."""
+
+    unit, rate = "rows", "new GFLOP/s"
+
+    def __init__(self, libs: dict[str, ctypes.CDLL], rows: int):
+        g = torch.Generator().manual_seed(0)
+        scale = ProjectionScale()
+        per_layer = [shape for name, shape in scale.shapes().items() if name != "LM head"]
+        self.shapes = per_layer * scale.layers + [scale.shapes()["LM head"]]
+        weights = [torch.randn(shape, generator=g) * 0.05 for shape in self.shapes]
+        self.packed = {side: [self.pack(lib, w) for w in weights] for side, lib in libs.items()}
+        if all(torch.equal(o, n) for o, n in zip(*self.packed.values())):
+            # one copy for both: two copies would lie in different memory (pages, huge pages),
+            # which moved one side's time by up to 15% against the other's with the same kernel
+            self.packed["new"] = self.packed["old"]
+        self.x = {k: torch.randn(rows, k, generator=g) for k in {k for _, k in self.shapes}}
+        self.y = [torch.empty(rows, n) for n, _ in self.shapes]
+        self.rows = rows
+        self.flops = 2 * rows * sum(n * k for n, k in self.shapes)
+
+    @staticmethod
+    def pack(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
+        n, k = weight.shape
+        panels = torch.empty(-(-n // 16) * k * 16)  # cpu/kvarena_native.h's KV_PANEL
+        lib.kv_pack_panels(weight.data_ptr(), panels.data_ptr(), n, k)
+        return panels
+
+    def outputs(self) -> list[torch.Tensor]:
+        return self.y
+
+    def run(self, side: str, lib: ctypes.CDLL) -> float:
+        """Seconds per chain of `side`'s library."""
+        packed = self.packed[side]
+        start = time.perf_counter()
+        for (n, k), panels, y in zip(self.shapes, packed, self.y):
+            lib.kv_panel_linear(self.x[k].data_ptr(), k, panels.data_ptr(), None, y.data_ptr(),
+                                self.rows, k, n)
+        return time.perf_counter() - start
+
+    def per_second(self, seconds: float) -> float:
+        return self.flops / seconds / 1e9
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--old", required=True, help="git revision to compare the tree against")
-    parser.add_argument("--kernel", choices=sorted(ROWS), default="decode")
-    parser.add_argument("--contexts", default="1024,4096")
-    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--kernel", choices=[*sorted(ROWS), "projections"], default="decode")
+    parser.add_argument("--contexts", default="1024,4096", help="slots per sequence (attention)")
+    parser.add_argument("--rows", default="1,8,16,32,64", help="input rows (projections)")
+    parser.add_argument("--batch", type=int, default=16, help="sequences (attention)")
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
     contexts = [int(c) for c in args.contexts.split(",")]
-    if min(contexts) < MIN_CONTEXT or args.batch < 1 or args.repeats < 1:
-        parser.error(f"contexts of at least {MIN_CONTEXT} slots, a batch and repeats of at least 1")
+    rows = [int(r) for r in args.rows.split(",")]
+    if min(contexts) < MIN_CONTEXT or min(rows) < 1 or args.batch < 1 or args.repeats < 1:
+        parser.error(f"contexts of at least {MIN_CONTEXT} slots, rows, a batch and repeats of at "
+                     f"least 1")
     torch.set_num_threads(args.threads)  # the libraries share torch's OpenMP runtime
     with tempfile.TemporaryDirectory() as scratch:
         scratch = Path(scratch)
@@ -116,27 +204,33 @@ def main() -> None:
         shutil.copytree(ROOT / FOLDER, tree)  # objects go to the scratch folder, not the source tree
         libs = {"old": build(revision_sources(args.old, scratch), scratch / "old.so"),
                 "new": build(tree, scratch / "new.so")}
-        print(f"{args.kernel}, batch {args.batch}, {args.threads} threads, old = {args.old}, "
+        if args.kernel == "projections":
+            kind, labels, setting = Projections, rows, ""
+        else:
+            kind, labels, setting = Attention, contexts, f"batch {args.batch}, "
+        print(f"{args.kernel}, {setting}{args.threads} threads, old = {args.old}, "
               f"new = the working tree; load {os.getloadavg()[0]:.2f}")
-        print("| context | old ms | new ms | old / new | new GB/s | max diff |")
-        print("|---:|---:|---:|---:|---:|---:|")
-        for context in contexts:
-            work = Workload(args.kernel, args.batch, context)
+        print(f"| {kind.unit} | old ms | new ms | old / new | paired [95%] | {kind.rate} | "
+              f"max diff |")
+        print("|---:|---:|---:|---:|---:|---:|---:|")
+        for label in labels:  # one workload at a time: a 30-layer cache takes gigabytes
+            work = (Projections(libs, label) if kind is Projections
+                    else Attention(args.kernel, args.batch, label))
             outs = {}
             for side, lib in libs.items():
-                work.call(lib, 0)
-                outs[side] = work.out.clone()
+                work.run(side, lib)
+                outs[side] = [t.clone() for t in work.outputs()]
             times = {side: [] for side in libs}
             for r in range(args.repeats):
                 for side in (("old", "new") if r % 2 == 0 else ("new", "old")):
-                    start = time.perf_counter()
-                    for layer in range(LAYERS):
-                        work.call(libs[side], layer)
-                    times[side].append((time.perf_counter() - start) / LAYERS)
+                    times[side].append(work.run(side, libs[side]))
             old, new = (statistics.median(times[s]) for s in ("old", "new"))
-            diff = (outs["old"] - outs["new"]).abs().max().item()
-            print(f"| {context} | {old * 1e3:.3f} | {new * 1e3:.3f} | {old / new:.3f} | "
-                  f"{work.kv_bytes / new / 1e9:.1f} | {diff:.2g} |")
+            pairs = [a / b for a, b in zip(times["old"], times["new"])]
+            lo, hi = median_interval(pairs)
+            diff = max((a - b).abs().max().item() for a, b in zip(outs["old"], outs["new"]))
+            print(f"| {label} | {old * 1e3:.3f} | {new * 1e3:.3f} | {old / new:.3f} | "
+                  f"{statistics.median(pairs):.3f} [{lo:.3f}, {hi:.3f}] | "
+                  f"{work.per_second(new):.1f} | {diff:.2g} |")
         print(f"load after: {os.getloadavg()[0]:.2f}")
 
 
