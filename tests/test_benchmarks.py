@@ -843,5 +843,25 @@ def test_forced_quick_alternates_the_sides_and_writes_its_ratios(tiny_model, tmp
         assert row["same_tokens"] and row["same_events"] and row["max_logprob_diff"] <= 1e-4
         assert row["steps_on"] < row["steps_off"]
         assert row["speedup"] == pytest.approx(row["tps_on"] / row["tps_off"])
+        on, off = ([r["tps_decode"] for r in runs["rows"]
+                    if r["policy"] == row["policy"] and r["side"] == side][0]
+                   for side in ("forced runs", "token by token"))
+        assert row["speedup_decode"] == pytest.approx(on / off)
     md = (tmp_path / "forced-quick.md").read_text()
     assert "kvarena bench forced --model" in md and "| policy | forced runs tok/s |" in md
+    assert "after prompts ratio" in md
+
+
+def test_forced_decode_rate_counts_the_tokens_after_each_first_from_the_earliest():
+    """The rate after the prompts: each document's tokens after its first, over the time from
+    the earliest first token to the last finish (a later prefill inside the span counts)."""
+    from types import SimpleNamespace as Out
+
+    from evals.benchmarks.forced import decode_rate
+
+    one = [Out(first_token_time=0.5, finish_time=2.5, num_output_tokens=101)]
+    assert decode_rate(one) == pytest.approx(100 / 2.0)
+    two = one + [Out(first_token_time=1.0, finish_time=3.0, num_output_tokens=51)]
+    assert decode_rate(two) == pytest.approx(150 / 2.5)
+    assert decode_rate([Out(first_token_time=None, finish_time=1.0, num_output_tokens=0)]) is None
+    assert decode_rate([Out(first_token_time=1.0, finish_time=1.0, num_output_tokens=1)]) is None
