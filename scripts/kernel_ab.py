@@ -154,7 +154,7 @@ class Projections:
             # one copy for both: two copies would lie in different memory (pages, huge pages),
             # which moved one side's time by up to 15% against the other's with the same kernel
             self.packed["new"] = self.packed["old"]
-        self.x = {k: torch.randn(rows, k, generator=g) for k in {k for _, k in self.shapes}}
+        self.x = {k: torch.randn(rows, k, generator=g) for k in sorted({k for _, k in self.shapes})}
         self.y = [torch.empty(rows, n) for n, _ in self.shapes]
         self.rows = rows
         self.flops = 2 * rows * sum(n * k for n, k in self.shapes)
@@ -162,7 +162,7 @@ class Projections:
     @staticmethod
     def pack(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
         n, k = weight.shape
-        panels = torch.empty(-(-n // 16) * k * 16)  # cpu/kvarena_native.h's KV_PANEL
+        panels = torch.empty(-(-n // cpu_native.PANEL), k, cpu_native.PANEL)
         lib.kv_pack_panels(weight.data_ptr(), panels.data_ptr(), n, k)
         return panels
 

@@ -197,6 +197,7 @@ void kv_panel_small(const float *x, int64_t x_stride, const float *panels, float
     const int64_t tiles = ((N + KV_PANEL - 1) / KV_PANEL + TILE_PANELS - 1) / TILE_PANELS;
     for (int64_t t0 = 0; t0 < T; t0 += BLOCK_ROWS) {
         const int64_t rows = T - t0 < BLOCK_ROWS ? T - t0 : BLOCK_ROWS;
-        for (int64_t i = 0; i < tiles; i++) tile_rows(x, x_stride, panels, 0, y, K, N, i, t0, rows, 0);
+        for (int64_t i = 0; i < tiles; i++)
+            tile_rows(x, x_stride, panels, 0, y, K, N, i, t0, rows, 0);
     }
 }
