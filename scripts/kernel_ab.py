@@ -138,8 +138,9 @@ class Attention:
 
 
 class Projections:
-    """A step's 121 weights (ProjectionScale's shapes), packed once per library, and `rows`
-    input rows: one run is the chain, each weight read from memory."""
+    """A step's 121 weights (ProjectionScale's shapes), packed by each library (one copy for
+    both where the packings agree), and `rows` input rows: one run is the chain, each weight
+    read from memory."""
 
     unit, rate = "rows", "new GFLOP/s"
 
