@@ -139,13 +139,13 @@ class Attention:
 
 class Projections:
     """A step's 121 weights (ProjectionScale's shapes), packed by each library (one copy for
-    both where the packings agree), and `rows` input rows: one run is the chain, each weight
-    read from memory."""
+    both where the packings agree) once for every row count, and the input rows of the count
+    set by `with_rows`: one run is the chain, each weight read from memory."""
 
     unit, rate = "rows", "new GFLOP/s"
 
-    def __init__(self, libs: dict[str, ctypes.CDLL], rows: int):
-        g = torch.Generator().manual_seed(0)
+    def __init__(self, libs: dict[str, ctypes.CDLL]):
+        g = self.generator = torch.Generator().manual_seed(0)
         scale = ProjectionScale()
         per_layer = [shape for name, shape in scale.shapes().items() if name != "LM head"]
         self.shapes = per_layer * scale.layers + [scale.shapes()["LM head"]]
@@ -153,12 +153,17 @@ class Projections:
         self.packed = {side: [self.pack(lib, w) for w in weights] for side, lib in libs.items()}
         if all(torch.equal(o, n) for o, n in zip(*self.packed.values())):
             # one copy for both: two copies would lie in different memory (pages, huge pages),
-            # which moved one side's time by up to 15% against the other's with the same kernel
+            # which moved one side's time against the other's with the same kernel
             self.packed["new"] = self.packed["old"]
-        self.x = {k: torch.randn(rows, k, generator=g) for k in sorted({k for _, k in self.shapes})}
+
+    def with_rows(self, rows: int) -> "Projections":
+        """Inputs and outputs of `rows` rows for the runs that follow."""
+        self.x = {k: torch.randn(rows, k, generator=self.generator)
+                  for k in sorted({k for _, k in self.shapes})}
         self.y = [torch.empty(rows, n) for n, _ in self.shapes]
         self.rows = rows
         self.flops = 2 * rows * sum(n * k for n, k in self.shapes)
+        return self
 
     @staticmethod
     def pack(lib: ctypes.CDLL, weight: torch.Tensor) -> torch.Tensor:
@@ -214,8 +219,9 @@ def main() -> None:
         print(f"| {kind.unit} | old ms | new ms | old / new | paired [95%] | {kind.rate} | "
               f"max diff |")
         print("|---:|---:|---:|---:|---:|---:|---:|")
-        for label in labels:  # one workload at a time: a 30-layer cache takes gigabytes
-            work = (Projections(libs, label) if kind is Projections
+        chain = Projections(libs) if kind is Projections else None
+        for label in labels:  # one attention workload at a time: a 30-layer cache takes gigabytes
+            work = (chain.with_rows(label) if chain is not None
                     else Attention(args.kernel, args.batch, label))
             outs = {}
             for side, lib in libs.items():

@@ -50,10 +50,9 @@ typedef kv_v8 vec;
    in L2/L3 while each panel meets them (untuned beyond "prefill chunks were not slower"). */
 #define BLOCK_ROWS 192
 /* Whether a block's row groups after the first prefetch the next tile's panel (kv_panel_linear).
-   Measured on an AVX2 machine (cpu-kernels-notes.md): the chain of a step's projections
-   1.08-1.11x faster at 8-32 rows, 1.04x at 64, within 1-2% from 192 rows on, where a panel's
-   arithmetic covers its read. The earlier AVX-512 machine measured a panel prefetch no faster,
-   so its builds keep none. */
+   Measured faster on an AVX2 machine, most at few rows, where a panel's arithmetic does not
+   cover its read; the earlier AVX-512 machine measured a panel prefetch no faster, so its builds
+   keep none (cpu-kernels-notes.md). */
 #if defined(__AVX512F__)
 #define PREFETCH_PANEL 0
 #else
