@@ -26,8 +26,8 @@
    give the same bits.
 
    A tile's first row group waits for its panel from memory, where the groups after it find it
-   in cache: on AVX2 builds those later groups request the next tile's panel, line by line, so
-   that it arrives while they compute (PREFETCH_PANEL). */
+   in cache: those later groups request the next tile's panels, line by line, so that they
+   arrive while the groups compute (PREFETCH_LOCALITY). */
 
 #include <stdint.h>
 #include <string.h>
@@ -49,17 +49,14 @@ typedef kv_v8 vec;
 /* x rows per pass over the weight: 192 x K floats (442 KB at K = 576, 1.2 MB at K = 1536) stay
    in L2/L3 while each panel meets them (untuned beyond "prefill chunks were not slower"). */
 #define BLOCK_ROWS 192
-/* Whether a block's row groups after the first prefetch the next tile's panel (kv_panel_linear).
-   Measured faster on an AVX2 machine, most at few rows, where a panel's arithmetic does not
-   cover its read; the earlier AVX-512 machine measured a panel prefetch no faster, so its builds
-   keep none (cpu-kernels-notes.md). */
+/* The cache level that the row groups' requests for the next tile's panels fill, measured best
+   for each instruction set (cpu-kernels-notes.md): on an AVX2 machine into L1 (locality 3); on an
+   AVX-512 machine an L1 prefetch was slower than none and an L2 one (locality 2) faster (its
+   tile's two panels are larger than the L1 data cache). */
 #if defined(__AVX512F__)
-#define PREFETCH_PANEL 0
+#define PREFETCH_LOCALITY 2
 #else
-#define PREFETCH_PANEL 1
-#endif
-#if PREFETCH_PANEL && TILE_PANELS != 1
-#error "the prefetch below requests one panel per tile"
+#define PREFETCH_LOCALITY 3
 #endif
 
 static inline vec load(const float *p) {
@@ -97,7 +94,9 @@ tile(const float *restrict x, int64_t x_stride, const float *restrict panel, int
     for (int m = 0; m < rows; m++)
         for (int j = 0; j < vecs; j++) acc[m][j] = (vec){0};
     for (int64_t k = 0; k < K; k++) {
-        if (ahead != 0) __builtin_prefetch(ahead + k * KV_PANEL, 0, 3);
+        if (ahead != 0)
+            for (int q = 0; q < TILE_PANELS; q++)
+                __builtin_prefetch(ahead + (q * K + k) * KV_PANEL, 0, PREFETCH_LOCALITY);
         vec w[TILE_VECS];
         for (int j = 0; j < vecs; j++)
             w[j] = load(panel + ((j / LINE_VECS) * K + k) * KV_PANEL + (j % LINE_VECS) * LANES);
@@ -154,7 +153,8 @@ static void group(const float *x, int64_t x_stride, const float *panel, int64_t 
 }
 
 /* Tile i (panels i * TILE_PANELS ...) against x rows [t0, t0 + rows), rows <= BLOCK_ROWS;
-   `prefetch`: whether groups after the first request the next tile's panel (PREFETCH_PANEL). */
+   `prefetch`: whether groups after the first request the next tile's panels (when it has all
+   TILE_PANELS of them). */
 static inline void tile_rows(const float *x, int64_t x_stride, const float *panels,
                              const float *bias, float *y, int64_t K, int64_t N, int64_t i,
                              int64_t t0, int64_t rows, int prefetch) {
@@ -162,7 +162,7 @@ static inline void tile_rows(const float *x, int64_t x_stride, const float *pane
     const int64_t groups = (rows + TILE_ROWS - 1) / TILE_ROWS;
     const int64_t p = i * TILE_PANELS;
     const int take_panels = (int)(P - p < TILE_PANELS ? P - p : TILE_PANELS);
-    const float *next = prefetch && PREFETCH_PANEL && p + TILE_PANELS < P
+    const float *next = prefetch && p + 2 * TILE_PANELS <= P
                             ? panels + (p + TILE_PANELS) * K * KV_PANEL
                             : 0;
     int64_t t = t0;
