@@ -7,6 +7,9 @@ shapes:
 - decode: the decode step's attention (`kv_decode`: one row per sequence);
 - chunk: a forced page's chunk attention (`kv_prefill_chunks`, the tiles the stack's
   `kv_chunk_rows` runs: 16 rows per sequence);
+- window: the window-scored policies' attention at a compaction (`kv_query_probs`: SnapKV's
+  32 recent queries over a sequence's slots in all 30 layers, summed over the queries), one
+  call per sequence;
 - projections: a step's chain of 121 projections (`kv_panel_linear` over packed panels, each
   weight read from memory, as in `kvarena bench projections`) at `--rows` rows.
 
@@ -42,7 +45,7 @@ from engine.kernels import cpu_native
 from evals.benchmarks.projections import ProjectionScale
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
-ROWS = {"decode": 1, "chunk": 16}  # query rows per sequence of the attention kernels
+ROWS = {"decode": 1, "chunk": 16, "window": 32}  # query rows per sequence of the attention kernels
 MIN_CONTEXT = 50  # the sequences' lengths differ by up to 49 slots
 ROOT, FOLDER = Path(__file__).resolve().parents[1], "engine/kernels/cpu"
 
@@ -96,8 +99,12 @@ class Attention:
         self.tables = self.tables.view(batch, self.pages_per).contiguous()
         shape = (LAYERS, KV_HEADS, self.num_pages * BLOCK, HEAD_DIM)
         self.k, self.v = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
-        self.q = torch.randn(batch * self.rows, Q_HEADS * HEAD_DIM, generator=g)
-        self.out = torch.empty_like(self.q)
+        # the window's queries and sums come in each layer; the others' in one layer
+        layers = LAYERS if kernel == "window" else 1
+        self.q = torch.randn(batch * layers * self.rows, Q_HEADS * HEAD_DIM, generator=g)
+        # the window's sums: each sequence's [LAYERS, Q_HEADS, length] from its row's start
+        self.out = (torch.zeros(batch, LAYERS * Q_HEADS * context) if kernel == "window"
+                    else torch.empty_like(self.q))
         # decode rows attend their whole length, chunk rows sit on top of a base; lengths
         # differ by up to 49 slots, so that the sequences do not end on the same page offset
         self.lens = torch.full((batch,), context, dtype=torch.int64) - torch.arange(batch) % 8 * 7
@@ -109,14 +116,34 @@ class Attention:
         return [self.out]
 
     def run(self, side: str, lib: ctypes.CDLL) -> float:
-        """Seconds per layer call over the 30 layers."""
+        """Seconds per layer call over the 30 layers (per sequence's call for the window)."""
+        if self.kernel == "window":
+            return self.window(lib)
         start = time.perf_counter()
         for layer in range(LAYERS):
             self.call(lib, layer)
         return (time.perf_counter() - start) / LAYERS
 
     def per_second(self, seconds: float) -> float:
+        if self.kernel == "window":  # one sequence's keys in every layer
+            return self.kv_bytes / self.batch * LAYERS / 2 / seconds / 1e9
         return self.kv_bytes / seconds / 1e9
+
+    def window(self, lib: ctypes.CDLL) -> float:
+        """Seconds per sequence: each sequence's window over its keys in all 30 layers."""
+        q = self.q.view(self.batch, LAYERS, self.rows, Q_HEADS * HEAD_DIM)
+        lengths = [int(n) for n in self.lens]  # and each window query's causal limit
+        limits = [torch.arange(n - self.rows + 1, n + 1) for n in lengths]
+        start = time.perf_counter()
+        for b, length in enumerate(lengths):
+            rc = lib.kv_query_probs(q[b].data_ptr(), self.k.data_ptr(), self.layer_floats,
+                                    self.tables[b].data_ptr(), self.pages_per, None,
+                                    limits[b].data_ptr(), length, self.out[b].data_ptr(), LAYERS,
+                                    self.rows, Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK, self.num_pages,
+                                    HEAD_DIM ** -0.5, 0, cpu_native.QUERY_REDUCE["sum"])
+            if rc != 0:
+                raise RuntimeError(f"window returned {rc}")
+        return (time.perf_counter() - start) / self.batch
 
     def call(self, lib: ctypes.CDLL, layer: int) -> None:
         offset = 4 * layer * self.layer_floats
