@@ -37,18 +37,25 @@
 /* Pages lie anywhere in the cache, and the hardware prefetcher, which follows a stream, stops
    at a page's end: the kernels that walk a sequence's pages request the next page's keys (and
    its values, where they read them in the same walk) PREFETCH_PAGES pages ahead, so that they
-   arrive while the current page is computed. */
+   arrive while the current page is computed, into the cache level measured best for the
+   instruction set (PREFETCH_LOCALITY; cpu-kernels-notes.md): L1 on an AVX2 machine, L2 on an
+   AVX-512 one, where an L1 request was slower than none in the chunk attention. */
 #define PREFETCH_PAGES 1
+#if defined(__AVX512F__)
+#define PREFETCH_LOCALITY 2
+#else
+#define PREFETCH_LOCALITY 3
+#endif
 
 static inline void prefetch_page(const float *p, int64_t floats) {
-    for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(p + i, 0, 3);
+    for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(p + i, 0, PREFETCH_LOCALITY);
 }
 
 /* prefetch_page of a key page and a value page, their lines requested in turn */
 static inline void prefetch_pages(const float *k, const float *v, int64_t floats) {
     for (int64_t i = 0; i < floats; i += 16) {
-        __builtin_prefetch(k + i, 0, 3);
-        __builtin_prefetch(v + i, 0, 3);
+        __builtin_prefetch(k + i, 0, PREFETCH_LOCALITY);
+        __builtin_prefetch(v + i, 0, PREFETCH_LOCALITY);
     }
 }
 
@@ -396,14 +403,11 @@ chunk_tile(const float *q, int64_t q_row, const float *keys, const float *values
         b = b < a ? a : (b > n ? n : b);
         if (a == 0 && b == n) continue; /* every slot of the page is in the hole */
         float *sp = s + filled * width;
-#if !defined(__AVX512F__)
         /* the next page's keys for this loop, and this page's values for weigh_pages below
-           (the part's values, at most PART_SLOTS slots, wait in L2); measured faster on AVX2
-           only, slower on the AVX-512 machine (cpu-kernels-notes.md) */
+           (the part's values, at most PART_SLOTS slots, wait in L2) */
         if (p + PREFETCH_PAGES < p1)
             prefetch_page(keys + table[p + PREFETCH_PAGES] * block * head_dim, block * head_dim);
         prefetch_page(values + table[p] * block * head_dim, n * head_dim);
-#endif
         kv_panel_small(keys + table[p] * block * head_dim, head_dim, packed, sp, n, head_dim,
                        width); /* [n, width] */
         /* Row v / group sees slots up to base + v / group: only pages past base hide some. */
