@@ -39,7 +39,7 @@
    its values, where they read them in the same walk) PREFETCH_PAGES pages ahead, so that they
    arrive while the current page is computed, into the cache level measured best for the
    instruction set (PREFETCH_LOCALITY; cpu-kernels-notes.md): L1 on an AVX2 machine, L2 on an
-   AVX-512 one, where an L1 request was slower than none in the chunk attention. */
+   AVX-512 one (where L1 requests gained less, or ran slower than none). */
 #define PREFETCH_PAGES 1
 #if defined(__AVX512F__)
 #define PREFETCH_LOCALITY 2
