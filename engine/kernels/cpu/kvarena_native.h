@@ -32,6 +32,16 @@ enum { KV_INPUT_NORM, KV_QKV, KV_QKV_BIAS, KV_O, KV_POST_NORM, KV_GATE_UP, KV_DO
    are a large share (untuned; every projection of the models served is larger). */
 #define KV_PARALLEL_MIN 32768
 
+/* The cache level that the kernels' software prefetches fill (the projections' next panels,
+   the attention's next pages), measured best for each instruction set (cpu-kernels-notes.md):
+   L1 (locality 3) on an AVX2 machine; L2 (locality 2) on an AVX-512 one, where L1 requests
+   gained less, or ran slower than none. */
+#if defined(__AVX512F__)
+#define KV_PREFETCH_LOCALITY 2
+#else
+#define KV_PREFETCH_LOCALITY 3
+#endif
+
 /* Eight floats in one AVX2 register (GCC and Clang vector extension). */
 typedef float kv_v8 __attribute__((vector_size(32)));
 

@@ -37,25 +37,18 @@
 /* Pages lie anywhere in the cache, and the hardware prefetcher, which follows a stream, stops
    at a page's end: the kernels that walk a sequence's pages request the next page's keys (and
    its values, where they read them in the same walk) PREFETCH_PAGES pages ahead, so that they
-   arrive while the current page is computed, into the cache level measured best for the
-   instruction set (PREFETCH_LOCALITY; cpu-kernels-notes.md): L1 on an AVX2 machine, L2 on an
-   AVX-512 one (where L1 requests gained less, or ran slower than none). */
+   arrive while the current page is computed (into KV_PREFETCH_LOCALITY's cache level). */
 #define PREFETCH_PAGES 1
-#if defined(__AVX512F__)
-#define PREFETCH_LOCALITY 2
-#else
-#define PREFETCH_LOCALITY 3
-#endif
 
 static inline void prefetch_page(const float *p, int64_t floats) {
-    for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(p + i, 0, PREFETCH_LOCALITY);
+    for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(p + i, 0, KV_PREFETCH_LOCALITY);
 }
 
 /* prefetch_page of a key page and a value page, their lines requested in turn */
 static inline void prefetch_pages(const float *k, const float *v, int64_t floats) {
     for (int64_t i = 0; i < floats; i += 16) {
-        __builtin_prefetch(k + i, 0, PREFETCH_LOCALITY);
-        __builtin_prefetch(v + i, 0, PREFETCH_LOCALITY);
+        __builtin_prefetch(k + i, 0, KV_PREFETCH_LOCALITY);
+        __builtin_prefetch(v + i, 0, KV_PREFETCH_LOCALITY);
     }
 }
 

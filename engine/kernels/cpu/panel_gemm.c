@@ -27,7 +27,8 @@
 
    A tile's first row group waits for its panel from memory, where the groups after it find it
    in cache: those later groups request the next tile's panels, line by line, so that they
-   arrive while the groups compute (PREFETCH_LOCALITY). */
+   arrive while the groups compute (into KV_PREFETCH_LOCALITY's cache level: on AVX-512 a
+   tile's two panels are larger than the L1 data cache). */
 
 #include <stdint.h>
 #include <string.h>
@@ -49,15 +50,6 @@ typedef kv_v8 vec;
 /* x rows per pass over the weight: 192 x K floats (442 KB at K = 576, 1.2 MB at K = 1536) stay
    in L2/L3 while each panel meets them (untuned beyond "prefill chunks were not slower"). */
 #define BLOCK_ROWS 192
-/* The cache level that the row groups' requests for the next tile's panels fill, measured best
-   for each instruction set (cpu-kernels-notes.md): on an AVX2 machine into L1 (locality 3); on an
-   AVX-512 machine an L1 prefetch was slower than none and an L2 one (locality 2) faster (its
-   tile's two panels are larger than the L1 data cache). */
-#if defined(__AVX512F__)
-#define PREFETCH_LOCALITY 2
-#else
-#define PREFETCH_LOCALITY 3
-#endif
 
 static inline vec load(const float *p) {
     vec v;
@@ -96,7 +88,7 @@ tile(const float *restrict x, int64_t x_stride, const float *restrict panel, int
     for (int64_t k = 0; k < K; k++) {
         if (ahead != 0)
             for (int q = 0; q < TILE_PANELS; q++)
-                __builtin_prefetch(ahead + (q * K + k) * KV_PANEL, 0, PREFETCH_LOCALITY);
+                __builtin_prefetch(ahead + (q * K + k) * KV_PANEL, 0, KV_PREFETCH_LOCALITY);
         vec w[TILE_VECS];
         for (int j = 0; j < vecs; j++)
             w[j] = load(panel + ((j / LINE_VECS) * K + k) * KV_PANEL + (j % LINE_VECS) * LANES);
