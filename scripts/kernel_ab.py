@@ -89,6 +89,7 @@ class Attention:
     """Queries, a 30-layer paged cache and page tables for `batch` sequences of ~`context` slots."""
 
     unit, rate = "context", "new GB/s"
+    query_layers = 1  # the layers whose queries a run reads
 
     def __init__(self, kernel: str, batch: int, context: int):
         g = torch.Generator().manual_seed(0)
@@ -99,12 +100,9 @@ class Attention:
         self.tables = self.tables.view(batch, self.pages_per).contiguous()
         shape = (LAYERS, KV_HEADS, self.num_pages * BLOCK, HEAD_DIM)
         self.k, self.v = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
-        # the window's queries and sums come in each layer; the others' in one layer
-        layers = LAYERS if kernel == "window" else 1
-        self.q = torch.randn(batch * layers * self.rows, Q_HEADS * HEAD_DIM, generator=g)
-        # the window's sums: each sequence's [LAYERS, Q_HEADS, length] from its row's start
-        self.out = (torch.zeros(batch, LAYERS * Q_HEADS * context) if kernel == "window"
-                    else torch.empty_like(self.q))
+        self.q = torch.randn(batch * self.query_layers * self.rows, Q_HEADS * HEAD_DIM,
+                             generator=g)
+        self.out = self.output(context)
         # decode rows attend their whole length, chunk rows sit on top of a base; lengths
         # differ by up to 49 slots, so that the sequences do not end on the same page offset
         self.lens = torch.full((batch,), context, dtype=torch.int64) - torch.arange(batch) % 8 * 7
@@ -112,38 +110,21 @@ class Attention:
         self.layer_floats = KV_HEADS * self.num_pages * BLOCK * HEAD_DIM
         self.kv_bytes = int(self.lens.sum()) * KV_HEADS * HEAD_DIM * 4 * 2
 
+    def output(self, context: int) -> torch.Tensor:
+        return torch.empty_like(self.q)
+
     def outputs(self) -> list[torch.Tensor]:
         return [self.out]
 
     def run(self, side: str, lib: ctypes.CDLL) -> float:
-        """Seconds per layer call over the 30 layers (per sequence's call for the window)."""
-        if self.kernel == "window":
-            return self.window(lib)
+        """Seconds per layer call over the 30 layers."""
         start = time.perf_counter()
         for layer in range(LAYERS):
             self.call(lib, layer)
         return (time.perf_counter() - start) / LAYERS
 
     def per_second(self, seconds: float) -> float:
-        if self.kernel == "window":  # one sequence's keys in every layer
-            return self.kv_bytes / self.batch * LAYERS / 2 / seconds / 1e9
         return self.kv_bytes / seconds / 1e9
-
-    def window(self, lib: ctypes.CDLL) -> float:
-        """Seconds per sequence: each sequence's window over its keys in all 30 layers."""
-        q = self.q.view(self.batch, LAYERS, self.rows, Q_HEADS * HEAD_DIM)
-        lengths = [int(n) for n in self.lens]  # and each window query's causal limit
-        limits = [torch.arange(n - self.rows + 1, n + 1) for n in lengths]
-        start = time.perf_counter()
-        for b, length in enumerate(lengths):
-            rc = lib.kv_query_probs(q[b].data_ptr(), self.k.data_ptr(), self.layer_floats,
-                                    self.tables[b].data_ptr(), self.pages_per, None,
-                                    limits[b].data_ptr(), length, self.out[b].data_ptr(), LAYERS,
-                                    self.rows, Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK, self.num_pages,
-                                    HEAD_DIM ** -0.5, 0, cpu_native.QUERY_REDUCE["sum"])
-            if rc != 0:
-                raise RuntimeError(f"window returned {rc}")
-        return (time.perf_counter() - start) / self.batch
 
     def call(self, lib: ctypes.CDLL, layer: int) -> None:
         offset = 4 * layer * self.layer_floats
@@ -162,6 +143,38 @@ class Attention:
                                        self.num_pages, HEAD_DIM ** -0.5)
         if rc != 0:
             raise RuntimeError(f"{self.kernel} returned {rc}")
+
+
+class Window(Attention):
+    """The window kernel's workload: each sequence's 32 queries in every layer, one call over
+    its keys in all 30 layers."""
+
+    query_layers = LAYERS
+
+    def output(self, context: int) -> torch.Tensor:
+        """The sums: each sequence's [LAYERS, Q_HEADS, length] from its row's start."""
+        return torch.zeros(self.batch, LAYERS * Q_HEADS * context)
+
+    def run(self, side: str, lib: ctypes.CDLL) -> float:
+        """Seconds per sequence's call."""
+        q = self.q.view(self.batch, LAYERS, self.rows, Q_HEADS * HEAD_DIM)
+        lengths = [int(n) for n in self.lens]  # and each window query's causal limit
+        limits = [torch.arange(n - self.rows + 1, n + 1) for n in lengths]
+        start = time.perf_counter()
+        for b, length in enumerate(lengths):
+            rc = lib.kv_query_probs(q[b].data_ptr(), self.k.data_ptr(), self.layer_floats,
+                                    self.tables[b].data_ptr(), self.pages_per, None,
+                                    limits[b].data_ptr(), length, self.out[b].data_ptr(), LAYERS,
+                                    self.rows, Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK, self.num_pages,
+                                    HEAD_DIM ** -0.5, 0, cpu_native.QUERY_REDUCE["sum"])
+            if rc != 0:
+                raise RuntimeError(f"window returned {rc}")
+        return (time.perf_counter() - start) / self.batch
+
+    def per_second(self, seconds: float) -> float:
+        """Keys read per second: one sequence's in every layer (kv_bytes: keys and values of
+        one layer for all sequences)."""
+        return self.kv_bytes / 2 / self.batch * LAYERS / seconds / 1e9
 
 
 class Projections:
@@ -240,7 +253,8 @@ def main() -> None:
         if args.kernel == "projections":
             kind, labels, setting = Projections, rows, ""
         else:
-            kind, labels, setting = Attention, contexts, f"batch {args.batch}, "
+            kind = Window if args.kernel == "window" else Attention
+            labels, setting = contexts, f"batch {args.batch}, "
         print(f"{args.kernel}, {setting}{args.threads} threads, old = {args.old}, "
               f"new = the working tree; load {os.getloadavg()[0]:.2f}")
         print(f"| {kind.unit} | old ms | new ms | old / new | paired [95%] | {kind.rate} | "
@@ -249,7 +263,7 @@ def main() -> None:
         chain = Projections(libs) if kind is Projections else None
         for label in labels:  # one attention workload at a time: a 30-layer cache takes gigabytes
             work = (chain.with_rows(label) if chain is not None
-                    else Attention(args.kernel, args.batch, label))
+                    else kind(args.kernel, args.batch, label))
             outs = {}
             for side, lib in libs.items():
                 work.run(side, lib)

@@ -34,7 +34,7 @@ def test_median_interval_is_the_whole_range_when_too_few():
 def test_window_workload_times_the_engines_window_attention():
     """The window workload's call gives what the engine's `query_probs` gives for each sequence:
     its 32 queries summed, over its pages in every layer."""
-    work = kernel_ab.Attention("window", batch=2, context=60)
+    work = kernel_ab.Window("window", batch=2, context=60)
     work.run("new", cpu_native._library())
     cache = work.k.view(kernel_ab.LAYERS, kernel_ab.KV_HEADS, work.num_pages, kernel_ab.BLOCK,
                         kernel_ab.HEAD_DIM)
