@@ -28,7 +28,7 @@ from engine.models.rope import RopeRows
 from engine.models.shape import parameter_counts
 from engine.policies.base import SignalSpec
 from engine.query_state import QueryStatePool
-from engine.sampling import request_generator, sample_tensor, token_logprobs
+from engine.sampling import logprob_block_rows, request_generator, sample_tensor, token_logprobs
 from engine.sequence import Sequence
 
 
@@ -67,6 +67,7 @@ class WorkItem:
 
 class ModelRunner:
     noise: torch.Generator | None = None  # set in __init__ (reseed_noise)
+    logprob_rows: int | None = None  # token_logprobs' blocks, set in __init__
 
     def __init__(self, config: EngineConfig, model_dir, signals: SignalSpec):
         self.config = config
@@ -102,6 +103,7 @@ class ModelRunner:
         # consecutive rows, row j scoring its output token seq.num_output_tokens + j; the logits
         # are valid during the call only (a compiled CUDA step reuses its output buffer).
         self.logits_hook = None
+        self.logprob_rows = logprob_block_rows(self.device, self.hf_config.vocab_size)
         self.signals = signals
         self.queries = self._query_pool(signals)
         # The noise of sampled requests without their own seed (engine/sampling.py), one draw per
@@ -297,7 +299,7 @@ class ModelRunner:
                 tokens = tokens.index_copy(0, rows, ids)
         if not any(p.logprobs for p in params):
             return tokens, None
-        return tokens, token_logprobs(logits, tokens)
+        return tokens, token_logprobs(logits, tokens, self.logprob_rows)
 
     def reseed_noise(self) -> None:
         """Restart the unseeded requests' shared noise from EngineConfig.seed (a `generate` call's

@@ -144,11 +144,29 @@ def _to_device(host: torch.Tensor, device) -> torch.Tensor:
     return host.to(device)
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
+                   block_rows: int | None = None) -> torch.Tensor:
     """log softmax(logits)[row, token] per row, on the logits' device.
-    logits: [B, vocab]; tokens: [B] long on the same device -> [B] fp32."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    logits: [B, vocab]; tokens: [B] long on the same device -> [B] fp32.
+    block_rows: rows per log-softmax temporary ([block_rows, vocab]; None: all B at once). Each
+    row's value is the same either way; `logprob_block_rows` says why the CPU wants blocks."""
+    step = block_rows or max(1, logits.shape[0])
+    picked = [torch.log_softmax(rows.float(), dim=-1).gather(1, ids.unsqueeze(1)).squeeze(1)
+              for rows, ids in zip(logits.split(step), tokens.split(step))]
+    return picked[0] if len(picked) == 1 else torch.cat(picked)
+
+
+# The most floats of one log-softmax temporary on the CPU (16 MiB; `logprob_block_rows`).
+CPU_LOGPROB_FLOATS = 1 << 22
+
+
+def logprob_block_rows(device: torch.device, vocab: int) -> int | None:
+    """token_logprobs' rows per block on `device`: on the CPU a temporary above glibc's mmap
+    threshold (32 MiB at most) is mapped afresh at every call and faulted in page by page, as a
+    forced run's [rows, vocab] one is (50 MB at 256 rows of SmolLM2's 49,152); blocks of at
+    most CPU_LOGPROB_FLOATS reuse the heap instead. Elsewhere (None) one temporary: a GPU's
+    caching allocator keeps its memory, and blocks would only add launches."""
+    return max(1, CPU_LOGPROB_FLOATS // vocab) if device.type == "cpu" else None
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams],

@@ -1047,15 +1047,15 @@ def test_step_layers_checks_its_inputs():
     stack = cpu_native.layer_stack(layers, final_norm, q_heads, kv_heads, d, 1e-5, head, vocab)
     k_cache = torch.zeros(2, kv_heads, 3, 4, d)
     v_cache = torch.zeros_like(k_cache)
-    cos, sin = torch.ones(2, 1, d), torch.zeros(2, 1, d)
+    cos = torch.ones(2, 1, d)
     tables, lens = torch.tensor([[0, 1], [2, -1]]), torch.tensor([5, 1])
 
     def run(x=None, slots=(4, 8), k=k_cache, tables=tables, lens=lens, cos=cos, signals=None,
             stack=stack, logits=False, where=None):
         x = torch.randn(2, hidden) if x is None else x
         where = cpu_native.StepRows(tables, lens) if where is None else where
-        return x, cpu_native.step_layers(x, cos, sin, stack, k, v_cache, torch.tensor(slots),
-                                         where, 0.3, signals, logits)
+        return x, cpu_native.step_layers(x, cos, torch.zeros_like(cos), stack, k, v_cache,
+                                         torch.tensor(slots), where, 0.3, signals, logits)
 
     def signals(rows=((0, 1, 1), (-1, -1, 0)), ring=3, query=(q_heads, d), betas=(0.5,)):
         return cpu_native.StepSignals(torch.tensor(rows), torch.zeros(ring, 2, *query),
@@ -1072,6 +1072,17 @@ def test_step_layers_checks_its_inputs():
     assert logits.shape == (2, vocab)
     assert torch.equal(logits, cpu_native.panel_linear(cpu_native.rms_norm(x, final_norm, 1e-5),
                                                        head, vocab))
+    # the next step's logits go to the same memory, grown where a step has more rows
+    first = logits.data_ptr()
+    x, again = run(x=torch.randn(2, hidden), logits=True)
+    assert again.data_ptr() == first
+    assert torch.equal(again, cpu_native.panel_linear(cpu_native.rms_norm(x, final_norm, 1e-5),
+                                                      head, vocab))
+    x, wider = run(x=torch.randn(3, hidden), slots=(4, 8, 9), logits=True,
+                   cos=torch.ones(3, 1, d), lens=torch.tensor([5, 1, 2]),
+                   tables=torch.tensor([[0, 1], [2, -1], [2, -1]]))
+    assert wider.shape == (3, vocab) and torch.equal(
+        wider, cpu_native.panel_linear(cpu_native.rms_norm(x, final_norm, 1e-5), head, vocab))
     headless = cpu_native.layer_stack(layers, final_norm, q_heads, kv_heads, d, 1e-5)
     for kwargs, match in ((dict(x=torch.randn(2, hidden + 1)), "do not fit the 2-layer"),
                           (dict(k=torch.zeros(1, kv_heads, 3, 4, d)), "caches differ"),

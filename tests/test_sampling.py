@@ -8,7 +8,9 @@ import torch
 from device_guard import DeviceGuard, HostMixError
 from engine.config import ConfigError
 from engine.sampling import (
+    CPU_LOGPROB_FLOATS,
     SamplingParams,
+    logprob_block_rows,
     request_generator,
     sample,
     sample_tensor,
@@ -72,6 +74,20 @@ def test_sampler_keeps_every_tensor_on_the_logits_device():
         logp = token_logprobs(logits, tokens)
     assert tokens.device.type == "meta" and tokens.shape == (len(MIXED),)
     assert logp.device.type == "meta" and logp.shape == (len(MIXED),)
+
+
+def test_token_logprobs_in_blocks_equal_one_pass_bit_for_bit():
+    logits = torch.randn(11, 300) * 4
+    tokens = torch.randint(0, 300, (11,))
+    whole = token_logprobs(logits, tokens)
+    assert torch.equal(whole, torch.log_softmax(logits, -1)[torch.arange(11), tokens])
+    for rows in (1, 3, 11, 40):
+        assert torch.equal(token_logprobs(logits, tokens, rows), whole)
+    assert token_logprobs(logits[:0], tokens[:0], 3).shape == (0,)
+    # the CPU's blocks hold at most CPU_LOGPROB_FLOATS; a GPU takes every row at once
+    assert logprob_block_rows(torch.device("cpu"), 49152) * 49152 <= CPU_LOGPROB_FLOATS
+    assert logprob_block_rows(torch.device("cpu"), 2 * CPU_LOGPROB_FLOATS) == 1
+    assert logprob_block_rows(torch.device("cuda"), 49152) is None
 
 
 def test_guard_catches_a_host_index_and_a_generator_on_another_device():

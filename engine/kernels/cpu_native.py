@@ -58,7 +58,7 @@ OpenMP threads. The measurements behind each are in results/benchmarks/cpu-kerne
     layer_stack(layers, final_norm, q_heads, kv_heads, head_dim, eps, head=None, vocab=None)
         -> LayerStack;
     step_layers(x, cos, sin, stack, k_cache, v_cache, slot_mapping, where, scale,
-                signals=None, logits=False) -> normed hidden, or logits
+                signals=None, logits=False) -> normed hidden, or logits (the stack's buffer)
         A step's whole decoder stack in one call (cpu/step_layers.c): for one-token items and
         chunks (each chunk's tile of rows as `prefill_rows` attends it), every layer's norms,
         panel projections, RoPE, store and attention, then the final norm and (with `logits`)
@@ -110,7 +110,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -460,7 +460,8 @@ class LayerStack:
     """A decoder's layers as `step_layers` reads them: table [layers, len(LAYER_FIELDS)] int64,
     the addresses of each layer's tensors (0 for no q/k/v bias); the final norm's weight
     [hidden]; the LM head's panels [ceil(vocab / PANEL), hidden, PANEL] for `vocab` outputs, or
-    None (vocab 0); `tensors` keeps them alive."""
+    None (vocab 0); `tensors` keeps them alive; `logits`, where step_layers writes the head's
+    logits (ReusedRows), with the head only."""
 
     table: torch.Tensor
     tensors: tuple
@@ -473,6 +474,24 @@ class LayerStack:
     inter: int
     eps: float
     vocab: int = 0
+    logits: ReusedRows | None = field(default=None, compare=False, repr=False)
+
+
+class ReusedRows:
+    """A float32 output [rows, width] kept from call to call and grown to the most rows asked:
+    `take(rows)` gives its first `rows` rows, valid until the next take. The stack's LM head
+    writes a step's logits [T, vocab] here: a fresh tensor that size (50 MB for a forced run's
+    256 rows of SmolLM2) lies above glibc's mmap threshold (32 MiB at most), so each step would
+    map it anew and fault it in page by page."""
+
+    def __init__(self, width: int):
+        self.width = width
+        self._rows = torch.empty(0, width)
+
+    def take(self, rows: int) -> torch.Tensor:
+        if self._rows.shape[0] < rows:
+            self._rows = torch.empty(rows, self.width)
+        return self._rows[:rows]
 
 
 def layer_stack(layers: list[dict], final_norm: torch.Tensor, q_heads: int, kv_heads: int,
@@ -508,7 +527,7 @@ def layer_stack(layers: list[dict], final_norm: torch.Tensor, q_heads: int, kv_h
         _require_shape(head, _panels_shape(vocab, hidden), "the LM head")
     return LayerStack(torch.tensor(rows, dtype=torch.int64), tuple(kept), final_norm, head,
                       hidden, q_heads, kv_heads, head_dim, inter, float(eps),
-                      0 if head is None else vocab)
+                      0 if head is None else vocab, None if head is None else ReusedRows(vocab))
 
 
 @dataclass(frozen=True)
@@ -555,13 +574,14 @@ def step_layers(x, cos, sin, stack: LayerStack, k_cache, v_cache, slot_mapping, 
     stored at slot_mapping [T]); `where`: the rows' tables and lengths; signals, when given,
     the query-signal writes from every layer's pre-RoPE queries (StepSignals). Returns the
     normed hidden states [T, hidden], or with `logits` (a stack with a head) the LM head's
-    logits [T, vocab]."""
+    logits [T, vocab] in the stack's own buffer (`LayerStack.logits`: valid until its next
+    step with logits)."""
     if slot_mapping.shape != (x.shape[0],):
         raise ValueError(f"slot_mapping {tuple(slot_mapping.shape)} does not fit {x.shape[0]} rows")
     if logits and stack.head is None:
         raise ValueError("logits need a stack built with the LM head's panels")
     normed = torch.empty_like(x)
-    out = x.new_empty(x.shape[0], stack.vocab) if logits else None
+    out = stack.logits.take(x.shape[0]) if logits else None
     _stack_call(x, cos, sin, stack, k_cache, v_cache, _int64(slot_mapping), where, scale,
                 signals, normed, out, None)
     return normed if out is None else out
