@@ -252,14 +252,15 @@ int kv_decode(const float *q, int64_t q_stride, const float *k_cache, const floa
    rows one after another, q's rows q_stride floats apart, out [rows, q_heads, head_dim].
 
    One task per (sequence, KV head, tile of up to CHUNK_ROWS rows, part of up to PART_SLOTS
-   slots). The tile's rows x the group's query heads are V query vectors, packed once into
-   panels (panel_gemm.c's layout), so each page's keys are read once for all V as the rows of
-   one small product, [n, V] logits, where the decode kernel reads and reduces every key once
-   per row and head. Each part then takes its vectors' softmax over the slots they see outside
-   the hole and their weighted values (chunk_tile), and the parts' sums are merged after. A
-   forced run's page at b = 16 is one tile per KV head: with 3 KV heads a single sequence gave
-   two threads three tasks, and the parts split them finer (8-row tiles instead read every page
-   twice as often, and measured slower). */
+   slots). The tile's rows x the group's query heads are V query vectors, times the scale,
+   packed into panels (panel_gemm.c's layout) once for all the tile's parts before they
+   start, so each page's keys are read once for all V as the rows of one small product, [n, V]
+   logits, where the decode kernel reads and reduces every key once per row and head. Each
+   part then takes its vectors' softmax over the slots they see outside the hole and their
+   weighted values (chunk_tile), and the parts' sums are merged after. A forced run's page at
+   b = 16 is one tile per KV head: with 3 KV heads a single sequence gave two threads three
+   tasks, and the parts split them finer (8-row tiles instead read every page twice as often,
+   and measured slower). */
 #define CHUNK_ROWS 16
 /* The most slots one task of a tile reads (chunk_tiles): 256 beat 128 and 64 on the forced
    runs' contexts (cpu-kernels-notes.md). */
@@ -357,36 +358,30 @@ weigh_pages(float *restrict acc, const int64_t head_dim, const float *restrict w
     }
 }
 
-/* A tile's softmax over its pages [p0, p1), left unnormalized in `state`: top [width] (the
-   largest logit a vector sees, MASKED where it sees none), total [width] and acc [width,
-   head_dim], the sums of exp(logit - top) and of those weights times the values (chunk_finish
-   merges the parts of a tile). Two passes over the part: every page's logits into one buffer
+/* A tile's softmax over its pages [p0, p1), from its query vectors `packed` (pack_queries,
+   the scale applied), left unnormalized in `state`: top [width] (the largest logit a vector
+   sees, MASKED where it sees none), total [width] and acc [width, head_dim], the sums of
+   exp(logit - top) and of those weights times the values (chunk_finish merges the parts of a
+   tile). Two passes over the part: every page's logits into one buffer
    (at most PART_SLOTS rows of the tile's width), then one maximum, one exponential and one
    pass over the values with the accumulators in registers, where an online softmax page by
    page would rescale and reload them at every page. */
 static inline __attribute__((always_inline)) int
-chunk_tile(const float *q, int64_t q_row, const float *keys, const float *values,
-           const int64_t *table, int64_t base, int64_t rows, int64_t group, const int64_t head_dim,
-           int64_t block, int64_t hole_start, int64_t hole_end, float scale, int64_t p0,
-           int64_t p1, float *state) {
+chunk_tile(const float *packed, const float *keys, const float *values, const int64_t *table,
+           int64_t base, int64_t rows, int64_t group, const int64_t head_dim, int64_t block,
+           int64_t hole_start, int64_t hole_end, int64_t p0, int64_t p1, float *state) {
     const int64_t vecs = rows * group, width = tile_width(rows, group, head_dim);
-    const int64_t panels = (width + KV_PANEL - 1) / KV_PANEL, pages = p1 - p0;
-    float *qt = malloc((size_t)(width * head_dim + panels * KV_PANEL * head_dim +
-                                pages * block * width) * sizeof(float) +
-                       (size_t)(pages * SPAN_FIELDS) * sizeof(int64_t));
-    if (qt == 0) return KV_NO_MEMORY;
-    float *packed = qt + width * head_dim, *s = packed + panels * KV_PANEL * head_dim;
-    int64_t *span = (int64_t *)(s + pages * block * width);
+    const int64_t pages = p1 - p0;
+    float *s = malloc((size_t)(pages * block * width + width) * sizeof(float) +
+                      (size_t)(pages * SPAN_FIELDS) * sizeof(int64_t));
+    if (s == 0) return KV_NO_MEMORY;
+    float *shift = s + pages * block * width;
+    int64_t *span = (int64_t *)(shift + width);
     float *top = state, *total = top + width, *acc = total + width;
-    memset(qt, 0, (size_t)(width * head_dim) * sizeof(float)); /* the padding vectors */
-    for (int64_t v = 0; v < width; v++) { /* vector v: row v / group, head v % group */
-        if (v < vecs)
-            memcpy(qt + v * head_dim, q + (v / group) * q_row + (v % group) * head_dim,
-                   (size_t)head_dim * sizeof(float));
+    for (int64_t v = 0; v < width; v++) {
         top[v] = MASKED;
         total[v] = 0.0f;
     }
-    kv_pack_small(qt, packed, width, head_dim);
     const int64_t len = base + rows; /* the last row's slots */
     int64_t used = 0, filled = 0; /* pages with a slot outside the hole, rows of s */
     for (int64_t p = p0; p < p1; p++) {
@@ -411,7 +406,6 @@ chunk_tile(const float *q, int64_t q_row, const float *keys, const float *values
                 for (int64_t v = 0; v < width; v++) sj[v] = MASKED;
                 continue;
             }
-            for (int64_t v = 0; v < width; v++) sj[v] *= scale;
             if (causal)
                 for (int64_t v = 0; v < vecs; v++)
                     if (first + j > base + v / group) sj[v] = MASKED;
@@ -427,7 +421,6 @@ chunk_tile(const float *q, int64_t q_row, const float *keys, const float *values
         filled += n;
     }
     /* a vector that sees no slot keeps its weights at exactly 0: its shift is 0, not MASKED */
-    float *shift = qt; /* the packed queries are no longer needed: width floats of scratch */
     for (int64_t v = 0; v < width; v++) shift[v] = top[v] > 0.5f * MASKED ? top[v] : 0.0f;
     for (int64_t j = 0; j < filled; j++) {
         float *sj = s + j * width;
@@ -437,7 +430,7 @@ chunk_tile(const float *q, int64_t q_row, const float *keys, const float *values
         }
     }
     weigh_pages(acc, head_dim, s, width, values, block, span, used);
-    free(qt);
+    free(s);
     return KV_OK;
 }
 
@@ -468,18 +461,32 @@ static void chunk_finish(const float *states, int64_t parts, int64_t stride, int
 }
 
 /* chunk_tile with head_dim a constant for the common sizes. */
-static int chunk_tile_any(const float *q, int64_t q_row, const float *keys, const float *values,
+static int chunk_tile_any(const float *packed, const float *keys, const float *values,
                           const int64_t *table, int64_t base, int64_t rows, int64_t group,
                           int64_t head_dim, int64_t block, int64_t hole_start, int64_t hole_end,
-                          float scale, int64_t p0, int64_t p1, float *state) {
-#define TILE(D) chunk_tile(q, q_row, keys, values, table, base, rows, group, D, block, \
-                           hole_start, hole_end, scale, p0, p1, state)
+                          int64_t p0, int64_t p1, float *state) {
+#define TILE(D) chunk_tile(packed, keys, values, table, base, rows, group, D, block, \
+                           hole_start, hole_end, p0, p1, state)
     switch (head_dim) {
     case 64: return TILE(64);
     case 128: return TILE(128);
     default: return TILE(head_dim);
     }
 #undef TILE
+}
+
+/* A tile's query vectors times `scale`, in kv_pack_small's panels of the [width, head_dim]
+   matrix whose vector v is row v / group's head v % group (q's rows q_row floats apart), and
+   zeros past rows x group: chunk_tile's operand, packed once for all parts of the tile. */
+static void pack_queries(const float *q, int64_t q_row, int64_t rows, int64_t group,
+                         int64_t head_dim, float scale, float *packed) {
+    const int64_t vecs = rows * group, width = tile_width(rows, group, head_dim);
+    for (int64_t v = 0; v < (width + KV_PANEL - 1) / KV_PANEL * KV_PANEL; v++) {
+        float *line = packed + (v / KV_PANEL) * head_dim * KV_PANEL + v % KV_PANEL;
+        const float *qv = q + (v / group) * q_row + (v % group) * head_dim;
+        for (int64_t k = 0; k < head_dim; k++)
+            line[k * KV_PANEL] = v < vecs ? qv[k] * scale : 0.0f;
+    }
 }
 
 /* The chunks' metadata checks of kv_prefill_chunks and kv_chunk_rows: each sequence's rows fit
@@ -545,12 +552,28 @@ static int chunk_tiles(const float *q, int64_t q_row, const int64_t *starts,
         const int64_t n = (pages + part_pages - 1) / part_pages;
         parts = n > parts ? n : parts;
     }
-    const int64_t stride = tile_width(CHUNK_ROWS, group, head_dim) * (head_dim + 2);
-    float *states = malloc((size_t)(batch * kv_heads * tiles * parts * stride) * sizeof(float));
+    const int64_t width = tile_width(CHUNK_ROWS, group, head_dim), stride = width * (head_dim + 2);
+    const int64_t pack = (width + KV_PANEL - 1) / KV_PANEL * KV_PANEL * head_dim;
+    float *states = malloc((size_t)(batch * kv_heads * tiles * (parts * stride + pack)) *
+                           sizeof(float));
     if (states == 0) return KV_NO_MEMORY;
+    float *packs = states + batch * kv_heads * tiles * parts * stride;
     int error = KV_OK;
 #pragma omp parallel
     {
+#pragma omp for collapse(3) schedule(static)
+        for (int64_t b = 0; b < batch; b++) {
+            for (int64_t h = 0; h < kv_heads; h++) {
+                for (int64_t t = 0; t < tiles; t++) {
+                    const struct tile_span tile =
+                        tile_at(b, t, starts, lq_max, base_lens, q_lens, block);
+                    if (tile.rows > 0)
+                        pack_queries(q + tile.row * q_row + h * group * head_dim, q_row,
+                                     tile.rows, group, head_dim, scale,
+                                     packs + ((b * kv_heads + h) * tiles + t) * pack);
+                }
+            }
+        }
 #pragma omp for collapse(4) schedule(dynamic, 1)
         for (int64_t b = 0; b < batch; b++) {
             for (int64_t h = 0; h < kv_heads; h++) {
@@ -565,10 +588,10 @@ static int chunk_tiles(const float *q, int64_t q_row, const int64_t *starts,
                         const int64_t hs = holes != 0 ? holes[(b * kv_heads + h) * 2] : 0;
                         const int64_t he = holes != 0 ? holes[(b * kv_heads + h) * 2 + 1] : 0;
                         int rc = chunk_tile_any(
-                            q + tile.row * q_row + h * group * head_dim, q_row,
+                            packs + ((b * kv_heads + h) * tiles + t) * pack,
                             k_cache + h * slots * head_dim, v_cache + h * slots * head_dim,
                             tables + b * table_stride, base_lens[b] + t * CHUNK_ROWS, tile.rows,
-                            group, head_dim, block, hs, he, scale, p0, p1,
+                            group, head_dim, block, hs, he, p0, p1,
                             states + (((b * kv_heads + h) * tiles + t) * parts + k) * stride);
                         if (rc != KV_OK) {
 #pragma omp atomic write
