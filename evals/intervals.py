@@ -180,6 +180,22 @@ def wilson_interval(successes: int, n: int, level: float = 0.95) -> tuple[float,
     return max(0.0, centre - half), min(1.0, centre + half)
 
 
+def median_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float]:
+    """A distribution-free interval for the median of `values` (the timing benchmarks' paired
+    ratios, where a slow spell of the machine is an outlier a mean would follow): the order
+    statistics k and n + 1 - k with P(Binomial(n, 1/2) < k) <= (1 - level) / 2, the whole range
+    when n is too small for the level (from 6 values at 95%, the range is a 97% interval)."""
+    ranked, n = sorted(values), len(values)
+    if n == 0:
+        raise ValueError("median_interval needs at least one value")
+    k, tail = 0, 0.0
+    while k < n // 2 and tail + math.comb(n, k) / 2 ** n <= (1 - level) / 2:
+        tail += math.comb(n, k) / 2 ** n
+        k += 1
+    k = max(k, 1)
+    return ranked[k - 1], ranked[n - k]
+
+
 def _normal_quantile(q: float) -> float:
     """Inverse standard normal CDF by bisection on ``math.erf`` (exact enough for intervals)."""
     lo, hi = -10.0, 10.0

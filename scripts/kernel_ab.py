@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import math
 import os
 import shutil
 import statistics
@@ -43,6 +42,7 @@ import torch
 
 from engine.kernels import cpu_native
 from evals.benchmarks.projections import ProjectionScale
+from evals.intervals import median_interval
 
 Q_HEADS, KV_HEADS, HEAD_DIM, BLOCK, LAYERS = 9, 3, 64, 16, 30
 ROWS = {"decode": 1, "chunk": 16, "window": 32}  # query rows per sequence of the attention kernels
@@ -61,19 +61,6 @@ def build(sources: Path, out: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(out))
     cpu_native._declare(lib)
     return lib
-
-
-def median_interval(values: list[float], level: float = 0.95) -> tuple[float, float]:
-    """A distribution-free interval for the median of `values`: the order statistics k and
-    n + 1 - k with P(Binomial(n, 1/2) < k) <= (1 - level) / 2 (the whole range when n is too
-    small for the level)."""
-    ranked, n = sorted(values), len(values)
-    k, tail = 0, 0.0
-    while k < n // 2 and tail + math.comb(n, k) / 2 ** n <= (1 - level) / 2:
-        tail += math.comb(n, k) / 2 ** n
-        k += 1
-    k = max(k, 1)
-    return ranked[k - 1], ranked[n - k]
 
 
 def revision_sources(rev: str, into: Path) -> Path:

@@ -847,9 +847,31 @@ def test_forced_quick_alternates_the_sides_and_writes_its_ratios(tiny_model, tmp
                     if r["policy"] == row["policy"] and r["side"] == side][0]
                    for side in ("forced runs", "token by token"))
         assert row["speedup_decode"] == pytest.approx(on / off)
+        # one repeat: its paired ratio is the median and both ends of the interval
+        on, off = ([r["tps"] for r in runs["rows"]
+                    if r["policy"] == row["policy"] and r["side"] == side][0]
+                   for side in ("forced runs", "token by token"))
+        assert row["paired_median"] == row["paired_low"] == row["paired_high"] \
+            == pytest.approx(on / off)
     md = (tmp_path / "forced-quick.md").read_text()
     assert "kvarena bench forced --model" in md and "| policy | forced runs tok/s |" in md
     assert "after prompts ratio" in md
+
+
+def test_forced_paired_ratios_pair_each_repeats_two_sides():
+    """Repeat r's forced run against repeat r's token by token run, not the fastest of each."""
+    from types import SimpleNamespace as Run
+
+    from evals.benchmarks.forced import paired_ratios
+
+    def run(tokens, wall):
+        return Run(stats=Run(output_tokens=tokens), wall=wall)
+
+    forced = [run(100, 1.0), run(100, 2.0)]
+    token = [run(100, 10.0), run(100, 5.0)]
+    assert paired_ratios(forced, token) == [10.0, 2.5]
+    with pytest.raises(ValueError):
+        paired_ratios(forced, token[:1])
 
 
 def test_forced_decode_rate_counts_the_tokens_after_each_first_from_the_earliest():

@@ -1,5 +1,7 @@
 """Nested bootstrap intervals (evals.intervals) and the intervals metrics.json carries."""
 
+import random
+
 import numpy as np
 import pytest
 
@@ -10,6 +12,7 @@ from evals.intervals import (
     half_width,
     mean_and_interval,
     mean_half_width,
+    median_interval,
     nested_bootstrap,
     point_estimate,
     wilson_interval,
@@ -176,3 +179,20 @@ def test_flexible_reading_only_for_tasks_that_record_it():
         r["task"] = "math500"
     m = compute_metrics(records, [], len(records))
     assert "pass@1_flexible" not in m and m["pass@1_ci"] is not None
+
+
+def test_median_interval_takes_the_binomial_order_statistics():
+    """n = 31: ranks 10 and 22 (P(Binomial(31, 1/2) < 10) = 0.015 <= 0.025, < 11 is 0.035);
+    n = 9: ranks 2 and 8; in any order of the values."""
+    values = list(range(1, 32))
+    random.Random(0).shuffle(values)
+    assert median_interval(values) == (10, 22)
+    assert median_interval([9, 1, 8, 2, 7, 3, 6, 4, 5]) == (2, 8)
+
+
+def test_median_interval_is_the_whole_range_when_too_few():
+    """Three values cannot give 95% from inner order statistics: the range, which holds the median."""
+    assert median_interval([1.2, 0.9, 1.0]) == (0.9, 1.2)
+    assert median_interval([1.0]) == (1.0, 1.0)
+    with pytest.raises(ValueError, match="at least one value"):
+        median_interval([])

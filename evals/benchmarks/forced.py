@@ -22,6 +22,7 @@ SnapKV at budget 256 (16 pages), one repeat: 4 engine runs.
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -41,6 +42,7 @@ from evals.benchmarks.common import (
 )
 from evals.benchmarks.options import ModelOpt, OutDirOpt, QuickOpt, ThreadsOpt
 from evals.benchmarks.workloads import PromptBuilder
+from evals.intervals import median_interval
 
 SIDES = {True: "forced runs", False: "token by token"}
 
@@ -115,9 +117,13 @@ def run_forced(model: str = DEFAULT_MODEL, *, quick: bool = False, scale: Forced
         on, off = (max(runs[(policy, side)], key=lambda r: r.stats.output_tokens / r.wall)
                    for side in (True, False))
         row_on, row_off = side_row(policy, True, on, 0), side_row(policy, False, off, 0)
+        paired = paired_ratios(runs[(policy, True)], runs[(policy, False)])
+        low, high = median_interval(paired)
         ratio_rows.append({
             "policy": policy, "tps_on": row_on["tps"], "tps_off": row_off["tps"],
             "speedup": ratio(row_on["tps"], row_off["tps"]),
+            "paired_median": statistics.median(paired), "paired_low": low, "paired_high": high,
+            "paired": f"{statistics.median(paired):.2f} [{low:.2f}, {high:.2f}]",
             "speedup_cpu": ratio(row_on["tps_cpu"], row_off["tps_cpu"]),
             "speedup_decode": ratio(row_on["tps_decode"], row_off["tps_decode"]),
             "steps_on": row_on["steps"], "steps_off": row_off["steps"],
@@ -140,23 +146,35 @@ def run_forced(model: str = DEFAULT_MODEL, *, quick: bool = False, scale: Forced
     ratios_table = Table("ratios", "Forced runs against one decode step per forced token", [
         Column("policy", "policy"), Column("tps_on", "forced runs tok/s", ".1f"),
         Column("tps_off", "token by token tok/s", ".1f"), Column("speedup", "ratio", ".2f"),
+        Column("paired", "repeats' ratios, median [95%]"),
         Column("speedup_cpu", "CPU-s ratio", ".2f"),
         Column("speedup_decode", "after prompts ratio", ".2f"),
         Column("steps_on", "steps (runs)", "d"),
         Column("steps_off", "steps (token)", "d"), Column("same_tokens", "same tokens"),
         Column("same_events", "same events"),
         Column("max_logprob_diff", "max |d logprob|", ".2e")], ratio_rows,
-        "Each side's fastest run. ratio = forced runs tok/s / token by token tok/s; after prompts "
+        "Each side's fastest run, except the repeats' ratios: each repeat's forced runs tok/s / "
+        "its token by token tok/s (the two runs side by side), their median and its "
+        "distribution-free interval (the range below 6 repeats, where it is wider than 95%), "
+        "which one slow or fast spell of the machine moves less than the fastest runs' ratio. "
+        "ratio = forced runs tok/s / token by token tok/s; after prompts "
         "ratio = the same over the tokens after the prompts' prefill; max |d logprob| "
         "= the largest difference of a token's log-probability between the two sides (fp32 "
         "rounding: the runs attend in the prefill path, token by token in the decode path).")
     notes = [f"{r['policy']}: forced runs {r['speedup']:.2f}x token by token "
              f"({r['tps_on']:.1f} vs {r['tps_off']:.1f} tok/s)"
              + (f", {r['speedup_decode']:.2f}x after the prompts"
-                if r["speedup_decode"] is not None else "") for r in ratio_rows]
+                if r["speedup_decode"] is not None else "")
+             + f"; the repeats' ratios {r['paired']}" for r in ratio_rows]
     scale_dict = {**scale.__dict__, "model": str(model), "pool_tokens": pool}
     return BenchResult("forced", "Teacher forcing: forced runs vs one decode step per token",
                        scale_dict, [ratios_table, runs_table], notes=notes)
+
+
+def paired_ratios(forced: list[EngineRun], token: list[EngineRun]) -> list[float]:
+    """Each repeat's forced runs tok/s / its token by token tok/s (both lists in repeat order)."""
+    return [(f.stats.output_tokens / f.wall) / (t.stats.output_tokens / t.wall)
+            for f, t in zip(forced, token, strict=True)]
 
 
 def events(run: EngineRun) -> list[list[tuple]]:
