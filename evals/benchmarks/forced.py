@@ -42,7 +42,6 @@ from evals.benchmarks.common import (
 )
 from evals.benchmarks.options import ModelOpt, OutDirOpt, QuickOpt, ThreadsOpt
 from evals.benchmarks.workloads import PromptBuilder
-from evals.intervals import median_interval
 
 SIDES = {True: "forced runs", False: "token by token"}
 
@@ -89,6 +88,7 @@ def run_forced(model: str = DEFAULT_MODEL, *, quick: bool = False, scale: Forced
                log: Callable[[str], None] = print) -> BenchResult:
     from engine.models.loader import load_tokenizer, resolve_model
     from engine.policies.base import build_policy, policy_fields
+    from evals.intervals import median_interval
 
     scale = scale or (QUICK if quick else ForcedScale())
     model_dir = resolve_model(model)
