@@ -183,8 +183,9 @@ def wilson_interval(successes: int, n: int, level: float = 0.95) -> tuple[float,
 def median_interval(values: Sequence[float], level: float = 0.95) -> tuple[float, float]:
     """A distribution-free interval for the median of `values` (the timing benchmarks' paired
     ratios, where a slow spell of the machine is an outlier a mean would follow): the order
-    statistics k and n + 1 - k with P(Binomial(n, 1/2) < k) <= (1 - level) / 2, the whole range
-    when n is too small for the level (from 6 values at 95%, the range is a 97% interval)."""
+    statistics k and n + 1 - k with P(Binomial(n, 1/2) < k) <= (1 - level) / 2 (at 95%, the
+    range of 6 to 8 values, a 97-99% interval); with too few values for the level, the whole
+    range, which then covers the median less often (75% for 3 values at any level)."""
     ranked, n = sorted(values), len(values)
     if n == 0:
         raise ValueError("median_interval needs at least one value")

@@ -146,7 +146,7 @@ def run_forced(model: str = DEFAULT_MODEL, *, quick: bool = False, scale: Forced
     ratios_table = Table("ratios", "Forced runs against one decode step per forced token", [
         Column("policy", "policy"), Column("tps_on", "forced runs tok/s", ".1f"),
         Column("tps_off", "token by token tok/s", ".1f"), Column("speedup", "ratio", ".2f"),
-        Column("paired", "repeats' ratios, median [95%]"),
+        Column("paired", "repeats' ratios, median [interval]"),
         Column("speedup_cpu", "CPU-s ratio", ".2f"),
         Column("speedup_decode", "after prompts ratio", ".2f"),
         Column("steps_on", "steps (runs)", "d"),
@@ -155,8 +155,9 @@ def run_forced(model: str = DEFAULT_MODEL, *, quick: bool = False, scale: Forced
         Column("max_logprob_diff", "max |d logprob|", ".2e")], ratio_rows,
         "Each side's fastest run, except the repeats' ratios: each repeat's forced runs tok/s / "
         "its token by token tok/s (the two runs side by side), their median and its "
-        "distribution-free interval (the range below 6 repeats, where it is wider than 95%), "
-        "which one slow or fast spell of the machine moves less than the fastest runs' ratio. "
+        "distribution-free 95% interval (from 6 repeats; below 6 the range, which covers the "
+        "median less often: 75% at 3), which one slow or fast spell of the machine moves less "
+        "than the fastest runs' ratio. "
         "ratio = forced runs tok/s / token by token tok/s; after prompts "
         "ratio = the same over the tokens after the prompts' prefill; max |d logprob| "
         "= the largest difference of a token's log-probability between the two sides (fp32 "

@@ -362,10 +362,10 @@ weigh_pages(float *restrict acc, const int64_t head_dim, const float *restrict w
    the scale applied), left unnormalized in `state`: top [width] (the largest logit a vector
    sees, MASKED where it sees none), total [width] and acc [width, head_dim], the sums of
    exp(logit - top) and of those weights times the values (chunk_finish merges the parts of a
-   tile). Two passes over the part: every page's logits into one buffer
-   (at most PART_SLOTS rows of the tile's width), then one maximum, one exponential and one
-   pass over the values with the accumulators in registers, where an online softmax page by
-   page would rescale and reload them at every page. */
+   tile). Two passes over the part: every page's logits into one buffer (at most PART_SLOTS
+   rows of the tile's width), then one maximum, one exponential and one pass over the values
+   with the accumulators in registers, where an online softmax page by page would rescale and
+   reload them at every page. */
 static inline __attribute__((always_inline)) int
 chunk_tile(const float *packed, const float *keys, const float *values, const int64_t *table,
            int64_t base, int64_t rows, int64_t group, const int64_t head_dim, int64_t block,
@@ -483,9 +483,12 @@ static void pack_queries(const float *q, int64_t q_row, int64_t rows, int64_t gr
     const int64_t vecs = rows * group, width = tile_width(rows, group, head_dim);
     for (int64_t v = 0; v < (width + KV_PANEL - 1) / KV_PANEL * KV_PANEL; v++) {
         float *line = packed + (v / KV_PANEL) * head_dim * KV_PANEL + v % KV_PANEL;
+        if (v >= vecs) {
+            for (int64_t k = 0; k < head_dim; k++) line[k * KV_PANEL] = 0.0f;
+            continue;
+        }
         const float *qv = q + (v / group) * q_row + (v % group) * head_dim;
-        for (int64_t k = 0; k < head_dim; k++)
-            line[k * KV_PANEL] = v < vecs ? qv[k] * scale : 0.0f;
+        for (int64_t k = 0; k < head_dim; k++) line[k * KV_PANEL] = qv[k] * scale;
     }
 }
 
