@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 from engine.kernels import cpu_native
+from engine.policies.scoring import causal_key_limits
 from evals.benchmarks.projections import ProjectionScale
 from evals.intervals import median_interval
 
@@ -145,8 +146,8 @@ class Window(Attention):
     def run(self, side: str, lib: ctypes.CDLL) -> float:
         """Seconds per sequence's call."""
         q = self.q.view(self.batch, LAYERS, self.rows, Q_HEADS * HEAD_DIM)
-        lengths = [int(n) for n in self.lens]  # and each window query's causal limit
-        limits = [torch.arange(n - self.rows + 1, n + 1) for n in lengths]
+        lengths = [int(n) for n in self.lens]
+        limits = [causal_key_limits(self.rows, n) for n in lengths]
         start = time.perf_counter()
         for b, length in enumerate(lengths):
             rc = lib.kv_query_probs(q[b].data_ptr(), self.k.data_ptr(), self.layer_floats,

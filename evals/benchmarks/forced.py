@@ -114,16 +114,15 @@ def run_forced(model: str = DEFAULT_MODEL, *, quick: bool = False, scale: Forced
 
     ratio_rows = []
     for policy, _ in configs:
-        on, off = (max(runs[(policy, side)], key=lambda r: r.stats.output_tokens / r.wall)
-                   for side in (True, False))
+        on, off = (max(runs[(policy, side)], key=tokens_per_second) for side in (True, False))
         row_on, row_off = side_row(policy, True, on, 0), side_row(policy, False, off, 0)
         paired = paired_ratios(runs[(policy, True)], runs[(policy, False)])
-        low, high = median_interval(paired)
+        middle, (low, high) = statistics.median(paired), median_interval(paired)
         ratio_rows.append({
             "policy": policy, "tps_on": row_on["tps"], "tps_off": row_off["tps"],
             "speedup": ratio(row_on["tps"], row_off["tps"]),
-            "paired_median": statistics.median(paired), "paired_low": low, "paired_high": high,
-            "paired": f"{statistics.median(paired):.2f} [{low:.2f}, {high:.2f}]",
+            "paired_median": middle, "paired_low": low, "paired_high": high,
+            "paired": f"{middle:.2f} [{low:.2f}, {high:.2f}]",
             "speedup_cpu": ratio(row_on["tps_cpu"], row_off["tps_cpu"]),
             "speedup_decode": ratio(row_on["tps_decode"], row_off["tps_decode"]),
             "steps_on": row_on["steps"], "steps_off": row_off["steps"],
@@ -174,8 +173,13 @@ def run_forced(model: str = DEFAULT_MODEL, *, quick: bool = False, scale: Forced
 
 def paired_ratios(forced: list[EngineRun], token: list[EngineRun]) -> list[float]:
     """Each repeat's forced runs tok/s / its token by token tok/s (both lists in repeat order)."""
-    return [(f.stats.output_tokens / f.wall) / (t.stats.output_tokens / t.wall)
+    return [ratio(tokens_per_second(f), tokens_per_second(t))
             for f, t in zip(forced, token, strict=True)]
+
+
+def tokens_per_second(run: EngineRun) -> float | None:
+    """Forced tokens scored per second of the run's generate() (prefill included)."""
+    return run.stats.output_tokens / run.wall if run.wall > 0 else None
 
 
 def events(run: EngineRun) -> list[list[tuple]]:
@@ -200,7 +204,7 @@ def decode_rate(outputs: list) -> float | None:
 def side_row(policy: str, chunked: bool, run: EngineRun, repeat: int) -> dict:
     s = run.stats
     return {"repeat": repeat + 1, "policy": policy, "side": SIDES[chunked],
-            "tps": s.output_tokens / run.wall if run.wall > 0 else None,
+            "tps": tokens_per_second(run),
             "tps_cpu": s.output_tokens / run.cpu if run.cpu > 0 else None,
             "tps_decode": decode_rate(run.outputs), "steps": s.num_steps,
             "compactions": s.compactions, "wall_s": run.wall}
