@@ -475,21 +475,19 @@ static int chunk_tile_any(const float *packed, const float *keys, const float *v
 #undef TILE
 }
 
-/* A tile's query vectors times `scale`, in kv_pack_small's panels of the [width, head_dim]
-   matrix whose vector v is row v / group's head v % group (q's rows q_row floats apart), and
-   zeros past rows x group: chunk_tile's operand, packed once for all parts of the tile. */
+/* A tile's query vectors times `scale`, packed by kv_pack_small into `packed`: the [width,
+   head_dim] matrix (built in `rows_out`) whose vector v is row v / group's head v % group (q's
+   rows q_row floats apart), zeros past rows x group. chunk_tile's operand, packed once for all
+   parts of the tile. */
 static void pack_queries(const float *q, int64_t q_row, int64_t rows, int64_t group,
-                         int64_t head_dim, float scale, float *packed) {
+                         int64_t head_dim, float scale, float *rows_out, float *packed) {
     const int64_t vecs = rows * group, width = tile_width(rows, group, head_dim);
-    for (int64_t v = 0; v < (width + KV_PANEL - 1) / KV_PANEL * KV_PANEL; v++) {
-        float *line = packed + (v / KV_PANEL) * head_dim * KV_PANEL + v % KV_PANEL;
-        if (v >= vecs) {
-            for (int64_t k = 0; k < head_dim; k++) line[k * KV_PANEL] = 0.0f;
-            continue;
-        }
-        const float *qv = q + (v / group) * q_row + (v % group) * head_dim;
-        for (int64_t k = 0; k < head_dim; k++) line[k * KV_PANEL] = qv[k] * scale;
+    for (int64_t v = 0; v < width; v++) {
+        float *out = rows_out + v * head_dim;
+        const float *qv = v < vecs ? q + (v / group) * q_row + (v % group) * head_dim : 0;
+        for (int64_t k = 0; k < head_dim; k++) out[k] = qv != 0 ? qv[k] * scale : 0.0f;
     }
+    kv_pack_small(rows_out, packed, width, head_dim);
 }
 
 /* The chunks' metadata checks of kv_prefill_chunks and kv_chunk_rows: each sequence's rows fit
@@ -556,11 +554,13 @@ static int chunk_tiles(const float *q, int64_t q_row, const int64_t *starts,
         parts = n > parts ? n : parts;
     }
     const int64_t width = tile_width(CHUNK_ROWS, group, head_dim), stride = width * (head_dim + 2);
+    /* each tile's packed queries, and the rows they are packed from */
     const int64_t pack = (width + KV_PANEL - 1) / KV_PANEL * KV_PANEL * head_dim;
-    float *states = malloc((size_t)(batch * kv_heads * tiles * (parts * stride + pack)) *
+    float *states = malloc((size_t)(batch * kv_heads * tiles * (parts * stride + 2 * pack)) *
                            sizeof(float));
     if (states == 0) return KV_NO_MEMORY;
     float *packs = states + batch * kv_heads * tiles * parts * stride;
+    float *query_rows = packs + batch * kv_heads * tiles * pack;
     int error = KV_OK;
 #pragma omp parallel
     {
@@ -570,10 +570,11 @@ static int chunk_tiles(const float *q, int64_t q_row, const int64_t *starts,
                 for (int64_t t = 0; t < tiles; t++) {
                     const struct tile_span tile =
                         tile_at(b, t, starts, lq_max, base_lens, q_lens, block);
+                    const int64_t i = (b * kv_heads + h) * tiles + t;
                     if (tile.rows > 0)
                         pack_queries(q + tile.row * q_row + h * group * head_dim, q_row,
-                                     tile.rows, group, head_dim, scale,
-                                     packs + ((b * kv_heads + h) * tiles + t) * pack);
+                                     tile.rows, group, head_dim, scale, query_rows + i * pack,
+                                     packs + i * pack);
                 }
             }
         }
