@@ -345,9 +345,9 @@ def test_thin_linear_serves_only_thin_cpu_float32_batches_and_passes_opcheck():
 
 
 @needs_kernel
-# 1-7: one short row group; 13: groups of 5, 4, 4; 32: the decode benchmark's batch; 200: two
-# row blocks (the kernel takes 192 rows a pass)
-@pytest.mark.parametrize("rows", [1, 2, 5, 7, 13, 32, 200])
+# 1-7: one short row group; 13 and 16: one group over single panels on AVX-512 (5, 4, 4 and
+# 6, 5, 5 on AVX2); 32: the decode benchmark's batch; 200: two row blocks (192 rows a pass)
+@pytest.mark.parametrize("rows", [1, 2, 5, 7, 13, 16, 32, 200])
 def test_panel_linear_matches_f_linear(rows):
     # (out, in): a model's projection (threaded), and sizes whose last panel is partly padding
     gen = torch.Generator().manual_seed(13)
@@ -396,7 +396,7 @@ def test_panel_linear_gives_the_same_bits_with_and_without_avx512(tmp_path):
         weight, bias = torch.randn(out_features, in_features, generator=gen), \
             torch.randn(out_features, generator=gen)
         panels = cpu_native.pack_panels(weight)
-        for rows in (1, 2, 7, 12, 13, 25, 32, 200):
+        for rows in (1, 2, 7, 12, 13, 16, 25, 32, 200):
             x = torch.randn(rows, in_features, generator=gen)
             assert torch.equal(*(run(lib, x, panels, bias, out_features) for lib in libraries))
 
