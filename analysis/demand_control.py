@@ -172,6 +172,10 @@ class SyntheticView:
     def is_prefilling(self) -> bool:
         return False
 
+    @property
+    def fused_reduce(self) -> bool:  # query_probs below computes every probability, then reduces
+        return False
+
     def keys(self, layers: slice | None = None, start: int = 0, end: int | None = None):
         end = self.length if end is None else end
         return self._keys[layers or slice(None), :, start:end]

@@ -42,6 +42,10 @@ class SeqView:
         return self._runner.block_size
 
     @property
+    def fused_reduce(self) -> bool:
+        return self._runner.backend.fused_reduce
+
+    @property
     def num_prompt_tokens(self) -> int:
         return self.seq.num_prompt_tokens
 

@@ -52,6 +52,7 @@ class FakeView:
     seq_id: int = 0
     num_prompt_tokens: int = 0
     is_prefilling: bool = False
+    fused_reduce: bool = False
     scores_: torch.Tensor | None = None
     recomputed: list = field(default_factory=list)
 

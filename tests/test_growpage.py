@@ -85,6 +85,7 @@ class FakeView:
         self.num_prompt_tokens = num_prompt_tokens
         self.state = state if state is not None else GrowPageState()
         self.is_prefilling = prefilling
+        self.fused_reduce = False
 
     def keys(self, layers=None):
         return self._keys if layers is None else self._keys[layers]

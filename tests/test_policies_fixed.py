@@ -7,7 +7,7 @@ layers, heads, queries and tokens; decisions against a small fake view; configs 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pytest
@@ -178,6 +178,29 @@ def test_observation_scores_layer_stride_is_invisible():
     torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("group_reduce", ["mean", "none", "max"])
+def test_a_fused_source_scores_every_layer_in_one_call(group_reduce):
+    """A source that reduces as it computes (the C kernel) holds no [l, q_heads, n, length]
+    probabilities, so observation_scores asks it for all layers at once whatever the stride; a
+    group max (reduced here, after the source) keeps the stride. Same scores either way."""
+    q, k = rand_qk(5, 40, seed=4)
+    limit = causal_key_limits(5, 40)
+    dense = dense_probs(q, k, limit)
+    calls = []
+
+    def source(*args):
+        calls.append(args[2])
+        return dense.source(*args)
+
+    fused = replace(dense, source=source, fused=True)
+    scores = observation_scores(fused, group_reduce=group_reduce, query_reduce="sum",
+                                layer_stride=1)
+    expected = [slice(0, L)] if group_reduce != "max" else [slice(i, i + 1) for i in range(L)]
+    assert calls == expected
+    torch.testing.assert_close(scores, observation_scores(
+        dense, group_reduce=group_reduce, query_reduce="sum", layer_stride=1))
+
+
 @pytest.mark.parametrize("mode", ["max", "avg"])
 @pytest.mark.parametrize("kernel", [1, 5, 7])
 def test_pool1d_matches_loops(mode, kernel):
@@ -265,6 +288,7 @@ class FakeView:
     seq_id: int = 0
     num_prompt_tokens: int = 0
     is_prefilling: bool = False
+    fused_reduce: bool = False
     scores_: torch.Tensor | None = None
     written: list = field(default_factory=list)
 

@@ -105,13 +105,16 @@ class Backend:
 
     name: "triton", "c" or "torch"; projections: what `linear` runs ("panels", "thin",
     "oneDNN", "F.linear"); packs: whether `pack` gives projections a packed copy at load;
-    cuda_graphs: whether a compiled step is captured as CUDA graphs; graph: the graph form
+    cuda_graphs: whether a compiled step is captured as CUDA graphs; fused_reduce: whether
+    `query_probs` reduces the queries and the GQA group as it computes them (the C kernel), so
+    a call holds only its reduced output however many layers it takes; graph: the graph form
     (None on a graph form itself)."""
 
     name: str
     projections: str
     packs: bool
     cuda_graphs: bool
+    fused_reduce: bool
     store: Callable
     decode: Callable
     prefill: Callable
@@ -376,8 +379,8 @@ _GRAPH_ATTENTION = dict(store=_eager_only, decode=_eager_only, prefill=_eager_on
 
 def _with_graph(graph: dict, **eager) -> Backend:
     """A backend from its eager ops, with the graph form: `graph` overriding them."""
-    shared = {k: eager[k] for k in ("name", "projections", "packs", "cuda_graphs", "pack",
-                                     "layer_stack")}
+    shared = {k: eager[k] for k in ("name", "projections", "packs", "cuda_graphs",
+                                     "fused_reduce", "pack", "layer_stack")}
     traced = Backend(**{**eager, **_TORCH_SMALL_OPS, **_GRAPH_ATTENTION,
                         "step_stack": _no_stack, "recompute_stack": _no_stack, **shared, **graph,
                         "graph": None})
@@ -387,7 +390,8 @@ def _with_graph(graph: dict, **eager) -> Backend:
 def triton() -> Backend:
     """CUDA: the Triton kernels, torch for the rest; compiled steps replay CUDA graphs."""
     return _with_graph({}, name="triton", projections="F.linear", packs=False, cuda_graphs=True,
-                       store=_triton_store, decode=_triton_decode, prefill=_triton_prefill,
+                       fused_reduce=False, store=_triton_store, decode=_triton_decode,
+                       prefill=_triton_prefill,
                        query_probs=attention_scores.paged_query_probs_triton,
                        key_redundancy=redundancy.paged_key_redundancy_torch,
                        compact=_triton_compact,
@@ -416,7 +420,8 @@ def c_kernels(packed: bool) -> Backend:
         dict(projections="thin", packs=False, linear=_thin, pack=_no_pack, layer_stack=_no_stack)
     return _with_graph({"linear": _panels_op if packed else _thin_op,
                         "store_and_decode": _graph_c_store_and_decode},
-                       name="c", cuda_graphs=False, store=_c_store, decode=_c_decode,
+                       name="c", cuda_graphs=False, fused_reduce=True, store=_c_store,
+                       decode=_c_decode,
                        prefill=_c_prefill, query_probs=attention_scores.paged_query_probs_c,
                        key_redundancy=redundancy.paged_key_redundancy_c,
                        compact=compact.compact_rows_c,
@@ -432,7 +437,8 @@ def twins(onednn: bool) -> Backend:
                        pack=linear_ops.pack_onednn) if onednn else \
         dict(projections="F.linear", packs=False, linear=_f_linear, pack=_no_pack)
     return _with_graph({"linear": _onednn_op if onednn else _f_linear},
-                       name="torch", cuda_graphs=False, store=_twin_store, decode=_twin_decode,
+                       name="torch", cuda_graphs=False, fused_reduce=False, store=_twin_store,
+                       decode=_twin_decode,
                        prefill=_twin_prefill, query_probs=attention_scores.paged_query_probs_torch,
                        key_redundancy=redundancy.paged_key_redundancy_torch,
                        compact=_twin_compact,

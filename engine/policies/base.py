@@ -154,6 +154,7 @@ class PolicyView(Protocol):
     num_prompt_tokens: int
     state: Any             # the policy's per-request state (from new_state)
     is_prefilling: bool
+    fused_reduce: bool     # query_probs reduces as it computes: a call holds only its output
 
     def keys(self, layers: slice | None = None, start: int = 0, end: int | None = None) -> torch.Tensor:
         """Keys of physical slots [start, end) (default: all, 0..physical_len-1):

@@ -122,7 +122,9 @@ class WindowProbs:
     -> float32 `[l, q_heads, n, length]` (with group_mean, `[l, kv_heads, n, length]`: each
     GQA group's mean; with query_reduce "sum" or "mean", the n axis reduced). Made by
     `view_probs` (a view's pages through the engine's backend: the C kernel reads them in place
-    and reduces there) or `dense_probs` (keys in a tensor: references and tests).
+    and reduces there) or `dense_probs` (keys in a tensor: references and tests). fused: the
+    source reduces as it computes (PolicyView.fused_reduce), holding no `[l, q_heads, n,
+    length]` probabilities for a reduced `of`.
     """
 
     queries: torch.Tensor
@@ -130,6 +132,7 @@ class WindowProbs:
     length: int
     kv_heads: int
     source: Callable[[torch.Tensor, torch.Tensor | None, slice, bool, str], torch.Tensor]
+    fused: bool = False
 
     @property
     def layers(self) -> int:
@@ -176,7 +179,7 @@ def view_probs(view: Any, queries: torch.Tensor, key_limit: torch.Tensor | None,
                                 slots=None if slots is None else slots[layers],
                                 query_reduce=query_reduce)
     length = view.physical_len if slots is None else slots.shape[-1]
-    return WindowProbs(queries, key_limit, length, kv_heads, source)
+    return WindowProbs(queries, key_limit, length, kv_heads, source, view.fused_reduce)
 
 
 def observation_scores(probs: WindowProbs, *, group_reduce: str = "max",
@@ -191,7 +194,8 @@ def observation_scores(probs: WindowProbs, *, group_reduce: str = "max",
 
     probs: the window's attention (WindowProbs). layer_stride bounds the temporary
     probabilities to `[layer_stride, q_heads, n, length]` (None: as many layers as
-    `_PROBS_ELEMS` holds). Returns float32 `[layers, kv_heads, length]` (`[layers, q_heads,
+    `_PROBS_ELEMS` holds); a fused source that reduces both axes holds none, so it takes every
+    layer in one call. Returns float32 `[layers, kv_heads, length]` (`[layers, q_heads,
     length]` for group_reduce="none").
     """
     if group_reduce not in GROUP_REDUCTIONS:
@@ -200,7 +204,9 @@ def observation_scores(probs: WindowProbs, *, group_reduce: str = "max",
         raise ValueError(f"query_reduce must be 'mean' or 'sum', got {query_reduce!r}")
     n, q_heads = probs.queries.shape[1], probs.q_heads
     group = q_heads // probs.kv_heads
-    if layer_stride is None:
+    if probs.fused and group_reduce in ("mean", "none"):
+        layer_stride = probs.layers
+    elif layer_stride is None:
         layer_stride = _PROBS_ELEMS // max(1, q_heads * n * probs.length)
     stride = max(1, layer_stride)
     out = []

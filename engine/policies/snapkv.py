@@ -86,7 +86,8 @@ class SnapKV(WindowScored):
     fallback_compress: compress instead of preempting when a GROW finds no free page.
     window: observation window (recent queries scored with, recent slots always kept).
     pooling / pooling_kernel: "max" or "avg" 1-D pooling, odd kernel (1 disables it).
-    layer_stride: layers scored at once (bounds the temporary attention probabilities).
+    layer_stride: layers scored at once (bounds the temporary attention probabilities; a backend
+    that reduces as it computes, the C kernel, holds none and scores every layer at once).
     """
 
     name = "snapkv"
