@@ -345,8 +345,8 @@ def test_thin_linear_serves_only_thin_cpu_float32_batches_and_passes_opcheck():
 
 
 @needs_kernel
-# 1-7: one short row group; 13 and 16: one group over single panels on AVX-512 (5, 4, 4 and
-# 6, 5, 5 on AVX2); 32: the decode benchmark's batch; 200: two row blocks (192 rows a pass)
+# 1-7: one short row group; 13: groups of 5, 4, 4 (AVX2); 16: two groups that both request the
+# next panels (AVX-512); 32: the decode benchmark's batch; 200: two row blocks (192 rows a pass)
 @pytest.mark.parametrize("rows", [1, 2, 5, 7, 13, 16, 32, 200])
 def test_panel_linear_matches_f_linear(rows):
     # (out, in): a model's projection (threaded), and sizes whose last panel is partly padding

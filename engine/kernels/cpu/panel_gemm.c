@@ -16,24 +16,23 @@
      AVX2     16 registers of 8 floats: up to 6 rows x one panel (12 accumulators, 2 panel
               loads, 1 broadcast);
      AVX-512  32 registers of 16 floats: up to 12 rows x two panels (24 accumulators, 2 panel
-              loads, 1 broadcast), so that even a short row group keeps enough FMAs in flight;
-              in kv_panel_linear a block of 13 to LONE_ROWS (16) rows runs as one group over
-              one panel (16 accumulators), not as two groups over two (below).
+              loads, 1 broadcast), so that even a short row group keeps enough FMAs in flight.
    Each thread takes a contiguous share of the tiles' panels; a panel stays in L1/L2 while every
    row group of the block meets it, so the weight comes from memory once per block of
    BLOCK_ROWS rows. Row groups are as even as possible (32 rows on AVX2: 6,6,5,5,5,5, not
    6 x 5 + 2), since a short group does the same loads for fewer FMAs. Each output is one
-   accumulator lane summed over k in order from zero, whatever the group, the tile, the batch or
-   the instruction set, so a row's result does not depend on the rows beside it, and both builds
+   accumulator lane summed over k in order from zero, whatever the group, the batch or the
+   instruction set, so a row's result does not depend on the rows beside it, and both builds
    give the same bits.
 
-   In kv_panel_linear every row group requests the next tile's panels, line by line as it goes,
-   so that they arrive while the tile computes (into KV_PREFETCH_LOCALITY's cache level: on
-   AVX-512 a tile's two panels are larger than the L1 data cache); with the hardware's own
-   prefetch alone the memory idles for part of each tile. With few rows the weight's reads set
-   the pace, so a block that fits one group (at most LONE_ROWS rows) reads each panel line from
-   memory once, in the one pass that uses it, rather than in a first group that waits for it
-   and later groups that find it in cache. */
+   A tile's first row group waits for its panel from memory, where the groups after it find it
+   in cache: those later groups request the next tile's panels, line by line, so that they
+   arrive while the groups compute (into KV_PREFETCH_LOCALITY's cache level: on AVX-512 a
+   tile's two panels are larger than the L1 data cache). In a block of at most FIRST_REQUESTS
+   groups (one on AVX2, two on AVX-512) the first group requests them too: with so few rows the
+   weight's reads set the pace, and the first group's requests keep them going where the
+   hardware's own prefetch alone measured slower; with more groups they would only take load
+   slots from arithmetic on panels already in cache. */
 
 #include <stdint.h>
 #include <string.h>
@@ -44,17 +43,16 @@
 typedef float vec __attribute__((vector_size(64)));
 #define TILE_ROWS 12
 #define TILE_PANELS 2
-#define LONE_ROWS 16
+#define FIRST_REQUESTS 2 /* row groups in a block up to which the first one requests too */
 #else
 typedef kv_v8 vec;
 #define TILE_ROWS 6
 #define TILE_PANELS 1
-#define LONE_ROWS 6
+#define FIRST_REQUESTS 1
 #endif
 #define LANES ((int)(sizeof(vec) / sizeof(float)))
 #define LINE_VECS (KV_PANEL / LANES) /* vectors per panel line */
 #define TILE_VECS (TILE_PANELS * LINE_VECS)
-_Static_assert(LONE_ROWS * LINE_VECS <= TILE_ROWS * TILE_VECS, "a lone group's accumulators");
 /* x rows per pass over the weight: 192 x K floats (442 KB at K = 576, 1.2 MB at K = 1536) stay
    in L2/L3 while each panel meets them (untuned beyond "prefill chunks were not slower"). */
 #define BLOCK_ROWS 192
@@ -90,19 +88,19 @@ tile(const float *restrict x, int64_t x_stride, const float *restrict panel, int
      const float *bias, float *restrict y, int64_t N, int64_t n0, const int rows,
      const int panels, const float *ahead) {
     const int vecs = panels * LINE_VECS;
-    vec acc[TILE_ROWS * TILE_VECS]; /* row m's vector j at m * vecs + j */
+    vec acc[TILE_ROWS][TILE_VECS];
     for (int m = 0; m < rows; m++)
-        for (int j = 0; j < vecs; j++) acc[m * vecs + j] = (vec){0};
+        for (int j = 0; j < vecs; j++) acc[m][j] = (vec){0};
     for (int64_t k = 0; k < K; k++) {
         if (ahead != 0)
-            for (int q = 0; q < panels; q++)
+            for (int q = 0; q < TILE_PANELS; q++)
                 __builtin_prefetch(ahead + (q * K + k) * KV_PANEL, 0, KV_PREFETCH_LOCALITY);
         vec w[TILE_VECS];
         for (int j = 0; j < vecs; j++)
             w[j] = load(panel + ((j / LINE_VECS) * K + k) * KV_PANEL + (j % LINE_VECS) * LANES);
         for (int m = 0; m < rows; m++) {
             const vec b = (vec){0} + x[m * x_stride + k];
-            for (int j = 0; j < vecs; j++) acc[m * vecs + j] += b * w[j];
+            for (int j = 0; j < vecs; j++) acc[m][j] += b * w[j];
         }
     }
     for (int q = 0; q < panels; q++) {
@@ -110,7 +108,7 @@ tile(const float *restrict x, int64_t x_stride, const float *restrict panel, int
         for (int m = 0; m < rows; m++) {
             float out[KV_PANEL];
             for (int v = 0; v < LINE_VECS; v++) {
-                vec a = acc[m * vecs + q * LINE_VECS + v];
+                vec a = acc[m][q * LINE_VECS + v];
                 if (bias != 0 && nq + KV_PANEL <= N) a += load(bias + nq + v * LANES);
                 store(out + v * LANES, a);
             }
@@ -133,18 +131,10 @@ tile(const float *restrict x, int64_t x_stride, const float *restrict panel, int
         else tile(x, x_stride, panel, K, bias, y, N, n0, r, 1, ahead);                        \
         break;
 
-#define LONE_CASE(r)                                                                          \
-    case r:                                                                                   \
-        tile(x, x_stride, panel, K, bias, y, N, n0, r, 1, ahead);                             \
-        break;
-
 static inline __attribute__((always_inline)) void
 group_tiles(const float *x, int64_t x_stride, const float *panel, int64_t K, const float *bias,
             float *y, int64_t N, int64_t n0, int rows, int panels, const float *ahead) {
     switch (rows) {
-#if LONE_ROWS > TILE_ROWS
-    LONE_CASE(16) LONE_CASE(15) LONE_CASE(14) LONE_CASE(13)
-#endif
 #if TILE_ROWS > 6
     TILE_CASE(12) TILE_CASE(11) TILE_CASE(10) TILE_CASE(9) TILE_CASE(8) TILE_CASE(7)
 #endif
@@ -160,28 +150,26 @@ static void group(const float *x, int64_t x_stride, const float *panel, int64_t 
     else group_tiles(x, x_stride, panel, K, bias, y, N, n0, rows, panels, 0);
 }
 
-/* Tile i (panels i * per_tile ... (i + 1) * per_tile - 1) against x rows [t0, t0 + rows), rows
-   <= BLOCK_ROWS, in one group where per_tile is 1 and rows > TILE_ROWS (up to LONE_ROWS), else
-   in groups of up to TILE_ROWS; `prefetch`: whether its groups request the next tile's panels
-   (when it has all of them). */
+/* Tile i (panels i * TILE_PANELS ...) against x rows [t0, t0 + rows), rows <= BLOCK_ROWS;
+   `prefetch`: whether its groups request the next tile's panels (when it has all TILE_PANELS
+   of them): those after the first, and the first too in a block of at most FIRST_REQUESTS
+   groups (the file's comment). */
 static inline void tile_rows(const float *x, int64_t x_stride, const float *panels,
                              const float *bias, float *y, int64_t K, int64_t N, int64_t i,
-                             int per_tile, int64_t t0, int64_t rows, int prefetch) {
+                             int64_t t0, int64_t rows, int prefetch) {
     const int64_t P = (N + KV_PANEL - 1) / KV_PANEL;
-    const int64_t groups = rows <= LONE_ROWS && per_tile < TILE_PANELS
-                               ? 1
-                               : (rows + TILE_ROWS - 1) / TILE_ROWS;
-    const int64_t p = i * per_tile;
-    const int take_panels = (int)(P - p < per_tile ? P - p : per_tile);
-    const float *next = prefetch && p + 2 * per_tile <= P
-                            ? panels + (p + per_tile) * K * KV_PANEL
+    const int64_t groups = (rows + TILE_ROWS - 1) / TILE_ROWS;
+    const int64_t p = i * TILE_PANELS;
+    const int take_panels = (int)(P - p < TILE_PANELS ? P - p : TILE_PANELS);
+    const float *next = prefetch && p + 2 * TILE_PANELS <= P
+                            ? panels + (p + TILE_PANELS) * K * KV_PANEL
                             : 0;
     int64_t t = t0;
     for (int64_t g = 0; g < groups; g++) {
         /* the first rows % groups groups take one row more */
         const int take = (int)(rows / groups + (g < rows % groups));
         group(x + t * x_stride, x_stride, panels + p * K * KV_PANEL, K, bias, y + t * N, N,
-              p * KV_PANEL, take, take_panels, g > 0 || groups == 1 ? next : 0);
+              p * KV_PANEL, take, take_panels, g > 0 || groups <= FIRST_REQUESTS ? next : 0);
         t += take;
     }
 }
@@ -189,14 +177,12 @@ static inline void tile_rows(const float *x, int64_t x_stride, const float *pane
 void kv_panel_linear(const float *x, int64_t x_stride, const float *panels, const float *bias,
                      float *y, int64_t T, int64_t K, int64_t N) {
     const int64_t P = (N + KV_PANEL - 1) / KV_PANEL;
+    const int64_t tiles = (P + TILE_PANELS - 1) / TILE_PANELS;
     for (int64_t t0 = 0; t0 < T; t0 += BLOCK_ROWS) {
         const int64_t rows = T - t0 < BLOCK_ROWS ? T - t0 : BLOCK_ROWS;
-        /* one group over one panel where the block fits it but not one group over TILE_PANELS */
-        const int per_tile = rows > TILE_ROWS && rows <= LONE_ROWS ? 1 : TILE_PANELS;
-        const int64_t tiles = (P + per_tile - 1) / per_tile;
 #pragma omp parallel for schedule(static) if (N * K > KV_PARALLEL_MIN)
         for (int64_t i = 0; i < tiles; i++)
-            tile_rows(x, x_stride, panels, bias, y, K, N, i, per_tile, t0, rows, 1);
+            tile_rows(x, x_stride, panels, bias, y, K, N, i, t0, rows, 1);
     }
 }
 
@@ -210,6 +196,6 @@ void kv_panel_small(const float *x, int64_t x_stride, const float *panels, float
     for (int64_t t0 = 0; t0 < T; t0 += BLOCK_ROWS) {
         const int64_t rows = T - t0 < BLOCK_ROWS ? T - t0 : BLOCK_ROWS;
         for (int64_t i = 0; i < tiles; i++)
-            tile_rows(x, x_stride, panels, 0, y, K, N, i, TILE_PANELS, t0, rows, 0);
+            tile_rows(x, x_stride, panels, 0, y, K, N, i, t0, rows, 0);
     }
 }
