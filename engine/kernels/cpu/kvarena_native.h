@@ -95,8 +95,7 @@ void kv_linear(const float *x, int64_t x_stride, const float *w, const float *bi
 void kv_pack_panels(const float *w, float *panels, int64_t N, int64_t K);
 void kv_panel_linear(const float *x, int64_t x_stride, const float *panels, const float *bias,
                      float *y, int64_t T, int64_t K, int64_t N);
-/* The two above on the calling thread, for a caller that is itself one of a thread team, over
-   operands already in cache (no prefetch; always TILE_PANELS panels a tile, panel_gemm.c). */
+/* The two above on the calling thread, for a caller that is itself one of a thread team. */
 void kv_pack_small(const float *w, float *panels, int64_t N, int64_t K);
 void kv_panel_small(const float *x, int64_t x_stride, const float *panels, float *y, int64_t T,
                     int64_t K, int64_t N);

@@ -30,9 +30,9 @@
    arrive while the groups compute (into KV_PREFETCH_LOCALITY's cache level: on AVX-512 a
    tile's two panels are larger than the L1 data cache). In a block of at most FIRST_REQUESTS
    groups (one on AVX2, two on AVX-512) the first group requests them too: with so few rows the
-   weight's reads set the pace, and the first group's requests keep them going where the
-   hardware's own prefetch alone measured slower; with more groups they would only take load
-   slots from arithmetic on panels already in cache. */
+   weight's reads set the pace, so the requests start as early as they can; with more groups
+   they would only take load slots from arithmetic on panels already in cache
+   (results/benchmarks/cpu-kernels-notes.md, "Packed projections"). */
 
 #include <stdint.h>
 #include <string.h>
