@@ -122,16 +122,20 @@ def execute(job: CompactionJob, policy: KVPolicy, view: PolicyView, kv: KVCache,
         seq.kept_trace.compacted(seq.num_computed, seq.physical_len, keep,
                                  job.counts if counts is not None else None)
     with job.timer.stage("compaction"):
-        bs = kv.block_size
-        old = upload(seq.block_table, kv.k.device)
         keep = keep.to(device=kv.k.device, dtype=torch.long)
-        src = old[keep // bs] * bs + keep % bs
-        new = upload(job.new_table, kv.k.device)
-        pos = torch.arange(target, device=kv.k.device)
-        dst = new[pos // bs] * bs + pos % bs
+        src = _flat_slots(seq.block_table, kv).take(keep)
+        dst = _flat_slots(job.new_table, kv)[:target]
         move(kv.k, src, dst, kv.v)
         if kv.scores is not None:
             move(kv.scores, src, dst)
+
+
+def _flat_slots(table: list[int], kv: KVCache) -> torch.Tensor:
+    """The cache's flat slot of each of a block table's physical slots: int64 `[len(table) *
+    block_size]` on the cache's device (a map that one `take` reads for every kept entry)."""
+    bs = kv.block_size
+    pages = upload(table, kv.k.device)
+    return (pages[:, None] * bs + torch.arange(bs, device=kv.k.device)).view(-1)
 
 
 def _check_counts(policy: KVPolicy, counts: torch.Tensor, layers: int, heads: int,

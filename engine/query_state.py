@@ -339,7 +339,8 @@ class QueryStatePool:
         valid = pos >= 0
         order = torch.argsort(torch.where(valid, pos, pos.max() + 1 + torch.arange(self.n)))
         order = order[: int(valid.sum())]
-        return self.recent[slot, order].transpose(0, 1), pos[order]
+        # index_select: a block copy per row, where advanced indexing goes element by element
+        return self.recent[slot].index_select(0, order).transpose(0, 1), pos[order]
 
     def ema_of(self, slot: int) -> tuple[torch.Tensor, bool]:
         return self.ema[slot], bool(self.ema_ready[slot])
