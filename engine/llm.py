@@ -2,7 +2,8 @@
 
 Outputs come back in submission order, each with text, token ids, finish reason, token counts,
 first-token/finish times, TPOT, capacity trace and capacity events; `last_stats` holds the run's
-statistics (engine.stats). `stream()` yields outputs as requests finish (for resumable evaluations).
+statistics (engine.stats). `stream()` yields outputs as requests finish (for resumable evaluations);
+`steps()` yields after every engine step.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ from __future__ import annotations
 import operator
 import time
 from collections.abc import Mapping
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Callable, Iterator
 from typing import Sequence as Seq
@@ -28,6 +30,15 @@ from engine.sequence import Sequence
 from engine.stats import RequestOutput, RunStats, StepRecord, run_stats
 
 Prompt = str | list[int]
+
+
+@dataclass(frozen=True)
+class StepDone:
+    """One engine step of `LLM.steps`: every request's output tokens so far, and the outputs of
+    the requests that finished in the step (submission indices in `RequestOutput.index`)."""
+
+    output_tokens: int
+    finished: list[RequestOutput]
 
 
 class LLM:
@@ -184,6 +195,20 @@ class LLM:
         """Yield each request's output as soon as it finishes. `last_scheduler` is this run's
         scheduler from the start (its counters are live); `last_stats` is set when the run ends,
         also when it is stopped early (an exception such as Ctrl-C, or closing the generator)."""
+        finished = 0
+        with closing(self.steps(prompts, params)) as steps:
+            for step in steps:
+                yield from step.finished
+                finished += len(step.finished)
+                if on_step is not None:
+                    on_step(step.output_tokens, finished)
+
+    def steps(self, prompts: Seq[Prompt],
+              params: SamplingParams | Seq[SamplingParams] | None = None) -> Iterator[StepDone]:
+        """`stream`, one engine step per item: after each step, the requests' output tokens so
+        far and the outputs of those that finished in it (usually none). A caller can run two
+        engines a step or a page at a time side by side (`kvarena bench forced`); `last_stats`
+        as in `stream`."""
         seqs = self._make_sequences(prompts, params)
         self.runner.reseed_noise()
         scheduler = Scheduler(self.config, self.runner, self.policy, self.block_manager,
@@ -213,12 +238,10 @@ class LLM:
                     scheduler.postprocess(items, tokens)
                 elif scheduler.worker is not None and scheduler.worker.busy:
                     scheduler.collect_compactions(wait=True)
-                for seq in scheduler.drain_finished():
-                    out = RequestOutput.from_sequence(index[seq.seq_id], seq, self._text(seq), t0)
-                    outputs.append(out)
-                    yield out
-                if on_step is not None:
-                    on_step(sum(s.num_output_tokens for s in seqs), len(outputs))
+                finished = [RequestOutput.from_sequence(index[seq.seq_id], seq, self._text(seq), t0)
+                            for seq in scheduler.drain_finished()]
+                outputs.extend(finished)
+                yield StepDone(sum(s.num_output_tokens for s in seqs), finished)
         finally:
             scheduler.shutdown()
             self.last_stats = run_stats(outputs, steps, scheduler.events, scheduler.counters,

@@ -822,9 +822,10 @@ def test_projections_refuse_a_kernel_that_disagrees(monkeypatch):
         projections.check_agreement(projections.QUICK.shapes(), wrong)
 
 
-def test_forced_quick_alternates_the_sides_and_writes_its_ratios(tiny_model, tmp_path):
+def test_forced_quick_interleaves_the_sides_and_writes_its_ratios(tiny_model, tmp_path):
     """`kvarena bench forced --quick`: FullKV and SnapKV, forced runs and token by token
-    alternated, the same tokens and events on both sides, fewer steps in forced runs."""
+    interleaved in pairs, the same tokens and events on both sides, fewer steps in forced runs,
+    each ratio over the sides' own time."""
     from typer.testing import CliRunner
 
     from cli import app
@@ -842,20 +843,52 @@ def test_forced_quick_alternates_the_sides_and_writes_its_ratios(tiny_model, tmp
     for row in ratios["rows"]:
         assert row["same_tokens"] and row["same_events"] and row["max_logprob_diff"] <= 1e-4
         assert row["steps_on"] < row["steps_off"]
-        assert row["speedup"] == pytest.approx(row["tps_on"] / row["tps_off"])
-        on, off = ([r["tps_decode"] for r in runs["rows"]
-                    if r["policy"] == row["policy"] and r["side"] == side][0]
-                   for side in ("forced runs", "token by token"))
-        assert row["speedup_decode"] == pytest.approx(on / off)
-        # one repeat: its paired ratio is the median and both ends of the interval
-        on, off = ([r["tps"] for r in runs["rows"]
-                    if r["policy"] == row["policy"] and r["side"] == side][0]
-                   for side in ("forced runs", "token by token"))
+        side = {r["side"]: r for r in runs["rows"] if r["policy"] == row["policy"]}
+        on, off = side["forced runs"], side["token by token"]
+        # one repeat: its ratio is the median and both ends of the interval
         assert row["paired_median"] == row["paired_low"] == row["paired_high"] \
-            == pytest.approx(on / off)
+            == pytest.approx(on["tps"] / off["tps"])
+        assert row["after_median"] == pytest.approx(on["tps_decode"] / off["tps_decode"])
+        assert row["tps_on"] == on["tps"] and row["tps_off"] == off["tps"]
     md = (tmp_path / "forced-quick.md").read_text()
     assert "kvarena bench forced --model" in md and "| policy | forced runs tok/s |" in md
     assert "after prompts ratio" in md
+
+
+def test_forced_pairs_take_turns_a_page_of_every_document_at_a_time(tiny_model):
+    """run_pair: the side named first takes the first turn, then the two alternate, each turn
+    adding a page of forced tokens to every document; each side's time is its own steps'."""
+    from engine.models.loader import load_tokenizer
+    from evals.benchmarks import forced
+    from evals.benchmarks.workloads import PromptBuilder
+
+    scale = forced.QUICK
+    prompts, params = forced.documents(PromptBuilder(load_tokenizer(tiny_model)), scale)
+    turns = []
+    original = forced._Side.turn
+
+    def logged(self, goal):
+        before = self.tokens
+        original(self, goal)
+        turns.append((self.label, goal, before, self.tokens))
+
+    forced._Side.turn = logged
+    try:
+        pair = forced.run_pair(tiny_model, prompts, params, policy="full", policy_args={},
+                               block_size=scale.block_size, pool=4096, forced_first=False)
+    finally:
+        forced._Side.turn = original
+    quantum, total = scale.block_size * scale.documents, scale.documents * scale.forced_tokens
+    assert [label for label, *_ in turns[:4]] == [
+        "full (token by token)", "full (forced runs)", "full (forced runs)",
+        "full (token by token)"]
+    for _, goal, before, after in turns:
+        assert goal % quantum == 0 and before <= after and after >= min(goal, total)
+    runs = pair[True], pair[False]
+    for run in runs:
+        assert run.stats.output_tokens == total
+        assert 0 < run.first_wall < run.wall and run.first_tokens == scale.documents
+    assert runs[0].token_ids == runs[1].token_ids
 
 
 def test_forced_paired_ratios_pair_each_repeats_two_sides():
@@ -874,16 +907,16 @@ def test_forced_paired_ratios_pair_each_repeats_two_sides():
         paired_ratios(forced, token[:1])
 
 
-def test_forced_decode_rate_counts_the_tokens_after_each_first_from_the_earliest():
-    """The rate after the prompts: each document's tokens after its first, over the time from
-    the earliest first token to the last finish (a later prefill inside the span counts)."""
-    from types import SimpleNamespace as Out
+def test_forced_after_prompts_rate_leaves_out_the_first_step():
+    """The rate after the prompts: the tokens after the side's first step over its own time
+    after it; None when nothing is left."""
+    from types import SimpleNamespace as Run
 
-    from evals.benchmarks.forced import decode_rate
+    from evals.benchmarks.forced import after_prompts_rate
 
-    one = [Out(first_token_time=0.5, finish_time=2.5, num_output_tokens=101)]
-    assert decode_rate(one) == pytest.approx(100 / 2.0)
-    two = one + [Out(first_token_time=1.0, finish_time=3.0, num_output_tokens=51)]
-    assert decode_rate(two) == pytest.approx(150 / 2.5)
-    assert decode_rate([Out(first_token_time=None, finish_time=1.0, num_output_tokens=0)]) is None
-    assert decode_rate([Out(first_token_time=1.0, finish_time=1.0, num_output_tokens=1)]) is None
+    def run(tokens, wall, first_wall, first_tokens):
+        return Run(stats=Run(output_tokens=tokens), wall=wall, first_wall=first_wall,
+                   first_tokens=first_tokens)
+
+    assert after_prompts_rate(run(101, 2.5, 0.5, 1)) == pytest.approx(100 / 2.0)
+    assert after_prompts_rate(run(4, 1.0, 1.0, 4)) is None

@@ -257,6 +257,25 @@ def test_run_stats_follow_metric_definitions(llama_dir):
     assert 0 < stats.decode_step_fastest_s <= stats.decode_step_median_s < stats.forward_seconds
 
 
+def test_steps_yield_after_every_engine_step(llama_dir):
+    """LLM.steps: one item per engine step, the output tokens so far never falling, each
+    request's output once, in the step it finished, the same as generate's; closing it early
+    still sets last_stats."""
+    llm = LLM(str(llama_dir), block_size=4, kv_cache_tokens=1024)
+    expected = llm.generate(PROMPTS, GREEDY)
+    steps = list(llm.steps(PROMPTS, GREEDY))
+    assert len(steps) == llm.last_stats.num_steps
+    tokens = [step.output_tokens for step in steps]
+    assert tokens == sorted(tokens) and tokens[-1] == sum(o.num_output_tokens for o in expected)
+    finished = sorted((o for step in steps for o in step.finished), key=lambda o: o.index)
+    assert [o.token_ids for o in finished] == [o.token_ids for o in expected]
+    assert steps[-1].finished
+    partial = llm.steps(PROMPTS, GREEDY)
+    next(partial)
+    partial.close()
+    assert llm.last_stats is not None and llm.last_stats.num_steps == 1
+
+
 def test_decode_step_times_leave_out_steps_with_a_prefill():
     from engine.stats import StepRecord, run_stats
 

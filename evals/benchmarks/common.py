@@ -271,20 +271,14 @@ def wall_times(fn: Callable[[], Any], calls: int) -> list[float]:
 def run_engine(model: str, prompts: Sequence[list[int]], params, *, label: str,
                warmup: bool = True, on_step: Callable[[int, int], None] | None = None,
                **engine_kwargs) -> EngineRun:
-    """Build an LLM, warm it up on a short prompt that shares no page with the workload, run the
-    workload (`on_step`: LLM.generate's, for the workload only), and free the engine (weights and
-    KV pool) before returning. A compiling engine warms up on two such prompts, so both of its
-    compiled decode graphs (batch 1 and the batch buckets, engine/decode_graph.py) exist before
-    the timed run."""
+    """Build an LLM, warm it up (`warm_up`), run the workload (`on_step`: LLM.generate's, for the
+    workload only), and free the engine (weights and KV pool) before returning."""
     from engine.llm import LLM
-    from engine.sampling import SamplingParams
 
     llm = LLM(model, **engine_kwargs)
     try:
         if warmup:
-            warm = [list(prompts[0][:4])] + ([list(prompts[0][:3])] if llm.compiled else [])
-            for batch in ([warm[:1], warm] if len(warm) > 1 else [warm]):
-                llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=3))
+            warm_up(llm, prompts)
         start, cpu = time.perf_counter(), time.process_time()
         outputs = llm.generate(list(prompts), params, on_step=on_step)
         wall, cpu = time.perf_counter() - start, time.process_time() - cpu
@@ -292,6 +286,17 @@ def run_engine(model: str, prompts: Sequence[list[int]], params, *, label: str,
     finally:
         del llm
         gc.collect()
+
+
+def warm_up(llm, prompts: Sequence[list[int]]) -> None:
+    """run_engine's warm-up: a short prompt from the workload's first (it shares no page with
+    the workload), and two at once on a compiling engine so that both of its compiled decode
+    graphs (batch 1 and the batch buckets, engine/decode_graph.py) exist."""
+    from engine.sampling import SamplingParams
+
+    warm = [list(prompts[0][:4])] + ([list(prompts[0][:3])] if llm.compiled else [])
+    for batch in ([warm[:1], warm] if len(warm) > 1 else [warm]):
+        llm.generate(batch, SamplingParams(temperature=0.0, max_tokens=3))
 
 
 def count(stats, *keys: str) -> int:

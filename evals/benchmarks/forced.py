@@ -3,11 +3,16 @@
 A long-document likelihood pass (the fidelity pass's shape: each document's continuation forced,
 with log-probabilities) runs under FullKV and under a compressing policy, each with
 `EngineConfig.chunked_forcing` on (a request's forced tokens up to its next page boundary run as
-one chunk, engine/scheduler.py) and off (one decode step per forced token), alternated in one
-process: on then off for the first policy of a repeat, off then on for the next, and so on. It
-prints tokens/s of each side and their ratio, over the whole run (the prompts' prefill, the same
-on both sides, included) and after the prompts (`decode_rate`). Both sides give the same tokens
-and, within fp32 rounding, the same log-probabilities and capacity events
+one chunk, engine/scheduler.py) and off (one decode step per forced token). The two sides of a
+policy run interleaved in one process, a page at a time: two engines, each advanced by
+`LLM.steps` until its documents hold one more page of forced tokens, then the other (which side
+takes the first turn alternates from turn to turn, and the first turn from repeat to repeat).
+Each side's time is the time of its own steps only, so both see the same spells of a shared
+machine within a second of each other, where whole runs one after the other (~3 s against ~25 s)
+met different ones. The ratio is token by token time / forced runs time over the whole run (the
+prompts' prefill, the same on both sides, included) and after each side's first step (the
+prompts' prefill and the first tokens): the forcing alone. Both sides give the same tokens and,
+within fp32 rounding, the same log-probabilities and capacity events
 (tests/test_forced_chunks.py holds it for every policy); the ratios table shows the largest
 log-probability difference as a check.
 
@@ -17,15 +22,17 @@ prompt and the next `forced_tokens` the forced continuation. The pool holds ever
 length, so nothing is preempted.
 
 Scale (default): 4 documents x 1024 forced tokens after 128-token prompts, block 16, FullKV and
-SnapKV at budget 256 (16 pages), one repeat: 4 engine runs.
+SnapKV at budget 256 (16 pages), one repeat: 2 interleaved pairs of engine runs.
 """
 
 from __future__ import annotations
 
+import gc
 import statistics
-from dataclasses import dataclass, replace
+import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import typer
 
@@ -38,7 +45,7 @@ from evals.benchmarks.common import (
     Table,
     ratio,
     run_bench_command,
-    run_engine,
+    warm_up,
 )
 from evals.benchmarks.options import ModelOpt, OutDirOpt, QuickOpt, ThreadsOpt
 from evals.benchmarks.workloads import PromptBuilder
@@ -49,7 +56,7 @@ SIDES = {True: "forced runs", False: "token by token"}
 @dataclass(frozen=True)
 class ForcedScale:
     """documents x forced_tokens scored after prompts of prompt_tokens; policy at budget (tokens)
-    beside FullKV; repeats: on/off pairs per policy, alternating which side goes first."""
+    beside FullKV; repeats: interleaved pairs per policy, alternating which side goes first."""
 
     documents: int = 4
     forced_tokens: int = 1024
@@ -84,11 +91,86 @@ def documents(builder: PromptBuilder, scale: ForcedScale) -> tuple[list[list[int
     return prompts, params
 
 
+@dataclass
+class SideRun(EngineRun):
+    """One side of an interleaved pair: `wall` and `cpu` are its own steps' time (the process's
+    CPU time during them); first_wall / first_tokens: its first step's (the prompts' prefill)."""
+
+    first_wall: float = 0.0
+    first_tokens: int = 0
+
+
+@dataclass
+class _Side:
+    """An engine's run of the workload, advanced a turn at a time (`LLM.steps`)."""
+
+    label: str
+    llm: object
+    steps: Iterator
+    tokens: int = 0
+    wall: float = 0.0
+    cpu: float = 0.0
+    first: tuple[float, int] | None = None
+    outputs: list = field(default_factory=list)
+    done: bool = False
+
+    def turn(self, goal: int) -> None:
+        """Steps until the documents hold `goal` output tokens in all (or the run ends)."""
+        while not self.done and self.tokens < goal:
+            start, cpu = time.perf_counter(), time.process_time()
+            try:
+                step = next(self.steps)
+            except StopIteration:
+                self.done = True
+            else:
+                self.tokens = step.output_tokens
+                self.outputs.extend(step.finished)
+            seconds = time.perf_counter() - start
+            self.wall += seconds
+            self.cpu += time.process_time() - cpu
+            if self.first is None:
+                self.first = (seconds, self.tokens)
+
+    def result(self) -> SideRun:
+        outputs = sorted(self.outputs, key=lambda o: o.index)
+        first_wall, first_tokens = self.first or (0.0, 0)
+        return SideRun(self.label, outputs, self.llm.last_stats, self.wall, self.cpu,
+                       first_wall, first_tokens)
+
+
+def run_pair(model_dir, prompts, params, *, policy: str, policy_args: dict, block_size: int,
+             pool: int, forced_first: bool) -> dict[bool, SideRun]:
+    """Both sides of one policy (forced runs: True), interleaved a page of every document at a
+    time (module docstring); `forced_first`: which side takes the first turn."""
+    from engine.llm import LLM
+
+    sides: dict[bool, _Side] = {}
+    try:
+        for chunked in (True, False):
+            llm = LLM(model_dir, policy=policy, policy_args=policy_args, block_size=block_size,
+                      kv_cache_tokens=pool, chunked_forcing=chunked)
+            warm_up(llm, prompts)
+            sides[chunked] = _Side(f"{policy} ({SIDES[chunked]})", llm,
+                                   llm.steps(list(prompts), params))
+        order = [sides[forced_first], sides[not forced_first]]
+        quantum, goal = block_size * len(prompts), 0
+        while not all(side.done for side in order):
+            goal += quantum
+            for side in order:
+                side.turn(goal)
+            order.reverse()
+        return {chunked: side.result() for chunked, side in sides.items()}
+    finally:
+        for side in sides.values():
+            side.steps.close()
+        sides.clear()
+        gc.collect()
+
+
 def run_forced(model: str = DEFAULT_MODEL, *, quick: bool = False, scale: ForcedScale | None = None,
                log: Callable[[str], None] = print) -> BenchResult:
     from engine.models.loader import load_tokenizer, resolve_model
     from engine.policies.base import build_policy, policy_fields
-    from evals.intervals import median_interval
 
     scale = scale or (QUICK if quick else ForcedScale())
     model_dir = resolve_model(model)
@@ -97,78 +179,88 @@ def run_forced(model: str = DEFAULT_MODEL, *, quick: bool = False, scale: Forced
     pool = scale.documents * -(-(scale.prompt_tokens + scale.forced_tokens) // b) * b
     budget = {"budget": scale.budget} if "budget" in policy_fields(build_policy(scale.policy)) else {}
     configs = [("full", {}), (scale.policy, budget)]
-    runs: dict[tuple[str, bool], list[EngineRun]] = {}
+    runs: dict[tuple[str, bool], list[SideRun]] = {}
     order_rows = []
     for repeat in range(scale.repeats):
         for k, (policy, args) in enumerate(configs):
             first = (repeat + k) % 2 == 0
+            pair = run_pair(model_dir, prompts, params, policy=policy, policy_args=args,
+                            block_size=b, pool=pool, forced_first=first)
             for chunked in (first, not first):
-                label = f"{policy} ({SIDES[chunked]})"
-                run = run_engine(model_dir, prompts, params, label=label, policy=policy,
-                                 policy_args=args, block_size=b, kv_cache_tokens=pool,
-                                 chunked_forcing=chunked)
+                run = pair[chunked]
                 runs.setdefault((policy, chunked), []).append(run)
                 row = side_row(policy, chunked, run, repeat)
                 order_rows.append(row)
-                log(f"{label}, repeat {repeat + 1}: {row['tps']:.1f} tok/s, {row['steps']} steps")
+                log(f"{run.label}, repeat {repeat + 1}: {row['tps']:.1f} tok/s, "
+                    f"{row['steps']} steps")
 
-    ratio_rows = []
-    for policy, _ in configs:
-        on, off = (max(runs[(policy, side)], key=tokens_per_second) for side in (True, False))
-        row_on, row_off = side_row(policy, True, on, 0), side_row(policy, False, off, 0)
-        paired = paired_ratios(runs[(policy, True)], runs[(policy, False)])
-        middle, (low, high) = statistics.median(paired), median_interval(paired)
-        ratio_rows.append({
-            "policy": policy, "tps_on": row_on["tps"], "tps_off": row_off["tps"],
-            "speedup": ratio(row_on["tps"], row_off["tps"]),
-            "paired_median": middle, "paired_low": low, "paired_high": high,
-            "paired": f"{middle:.2f} [{low:.2f}, {high:.2f}]",
-            "speedup_cpu": ratio(row_on["tps_cpu"], row_off["tps_cpu"]),
-            "speedup_decode": ratio(row_on["tps_decode"], row_off["tps_decode"]),
-            "steps_on": row_on["steps"], "steps_off": row_off["steps"],
-            "same_tokens": [o.token_ids for o in on.outputs] == [o.token_ids for o in off.outputs],
-            "same_events": events(on) == events(off),
-            "max_logprob_diff": max(abs(x - y) for a, c in zip(on.outputs, off.outputs)
-                                    for x, y in zip(a.token_logprobs, c.token_logprobs)),
-        })
-
-    runs_table = Table("runs", "Every run, in the order it ran", [
+    ratio_rows = [ratio_row(policy, runs[(policy, True)], runs[(policy, False)])
+                  for policy, _ in configs]
+    runs_table = Table("runs", "Every run, interleaved in pairs", [
         Column("repeat", "repeat", "d"), Column("policy", "policy"), Column("side", "forcing"),
         Column("tps", "tok/s", ".1f"), Column("tps_cpu", "tok/CPU-s", ".1f"),
         Column("tps_decode", "after prompts tok/s", ".1f"),
         Column("steps", "steps", "d"), Column("compactions", "compactions", "d"),
-        Column("wall_s", "wall s", ".2f")], order_rows,
-        "tok/s = forced tokens scored / wall time of generate() (prefill included); tok/CPU-s = "
-        "the same per process CPU second (steadier on a shared machine); after prompts tok/s = "
-        "the tokens after each document's first / the time from the first document's first token "
-        "to the last finish; steps = engine steps.")
+        Column("wall_s", "own steps s", ".2f")], order_rows,
+        "A repeat's two sides of a policy ran interleaved, a page of every document at a time, "
+        "the side listed first taking the first turn. tok/s = forced tokens scored / the time of "
+        "the side's own steps (the prompts' prefill included); tok/CPU-s = the same per process "
+        "CPU second during them; after prompts tok/s = the tokens after the side's first step "
+        "(the prompts' prefill and first tokens) over the time after it; steps = engine steps.")
     ratios_table = Table("ratios", "Forced runs against one decode step per forced token", [
         Column("policy", "policy"), Column("tps_on", "forced runs tok/s", ".1f"),
-        Column("tps_off", "token by token tok/s", ".1f"), Column("speedup", "ratio", ".2f"),
-        Column("paired", "repeats' ratios, median [interval]"),
+        Column("tps_off", "token by token tok/s", ".1f"),
+        Column("paired", "ratio, median [interval]"),
+        Column("after", "after prompts ratio, median [interval]"),
         Column("speedup_cpu", "CPU-s ratio", ".2f"),
-        Column("speedup_decode", "after prompts ratio", ".2f"),
         Column("steps_on", "steps (runs)", "d"),
         Column("steps_off", "steps (token)", "d"), Column("same_tokens", "same tokens"),
         Column("same_events", "same events"),
         Column("max_logprob_diff", "max |d logprob|", ".2e")], ratio_rows,
-        "Each side's fastest run, except the repeats' ratios: each repeat's forced runs tok/s / "
-        "its token by token tok/s (the two runs side by side), their median and its "
-        "distribution-free 95% interval (from 6 repeats; below 6 the range, which covers the "
-        "median less often: 75% at 3), which one slow or fast spell of the machine moves less "
-        "than the fastest runs' ratio. "
-        "ratio = forced runs tok/s / token by token tok/s; after prompts "
-        "ratio = the same over the tokens after the prompts' prefill; max |d logprob| "
-        "= the largest difference of a token's log-probability between the two sides (fp32 "
-        "rounding: the runs attend in the prefill path, token by token in the decode path).")
-    notes = [f"{r['policy']}: forced runs {r['speedup']:.2f}x token by token "
-             f"({r['tps_on']:.1f} vs {r['tps_off']:.1f} tok/s)"
-             + (f", {r['speedup_decode']:.2f}x after the prompts"
-                if r["speedup_decode"] is not None else "")
-             + f"; the repeats' ratios {r['paired']}" for r in ratio_rows]
+        "Each repeat's ratio is its token by token time over its forced runs time (the two sides "
+        "interleaved); median over the repeats and its distribution-free 95% interval (from 6 "
+        "repeats; below 6 the range, which covers the median less often: 75% at 3). tok/s and "
+        "the CPU-s ratio: medians over the repeats. after prompts: the same after each side's "
+        "first step (the prompts' prefill, the same work on both sides). max |d logprob| = the "
+        "largest difference of a token's log-probability between the two sides (fp32 rounding: "
+        "the runs attend in the prefill path, token by token in the decode path).")
+    notes = [f"{r['policy']}: forced runs {r['paired']} x token by token "
+             f"({r['tps_on']:.1f} vs {r['tps_off']:.1f} tok/s), {r['after']} after the prompts"
+             for r in ratio_rows]
     scale_dict = {**scale.__dict__, "model": str(model), "pool_tokens": pool}
     return BenchResult("forced", "Teacher forcing: forced runs vs one decode step per token",
                        scale_dict, [ratios_table, runs_table], notes=notes)
+
+
+def ratio_row(policy: str, forced: list[SideRun], token: list[SideRun]) -> dict:
+    """A policy's ratios over its repeats (both lists in repeat order) and the checks that both
+    sides scored the same tokens with the same events."""
+    from evals.intervals import median_interval
+
+    def summary(values: list[float]) -> tuple[float, float, float]:
+        low, high = median_interval(values)
+        return statistics.median(values), low, high
+
+    whole = summary(paired_ratios(forced, token))
+    after = summary([ratio(after_prompts_rate(f), after_prompts_rate(t))
+                     for f, t in zip(forced, token, strict=True)])
+    pairs = list(zip(forced, token))
+    return {
+        "policy": policy,
+        "tps_on": statistics.median(tokens_per_second(r) for r in forced),
+        "tps_off": statistics.median(tokens_per_second(r) for r in token),
+        "paired_median": whole[0], "paired_low": whole[1], "paired_high": whole[2],
+        "paired": f"{whole[0]:.2f} [{whole[1]:.2f}, {whole[2]:.2f}]",
+        "after_median": after[0], "after_low": after[1], "after_high": after[2],
+        "after": f"{after[0]:.2f} [{after[1]:.2f}, {after[2]:.2f}]",
+        "speedup_cpu": statistics.median(ratio(t.cpu, f.cpu) for f, t in pairs),
+        "steps_on": forced[-1].stats.num_steps, "steps_off": token[-1].stats.num_steps,
+        "same_tokens": all(f.token_ids == t.token_ids for f, t in pairs),
+        "same_events": all(events(f) == events(t) for f, t in pairs),
+        "max_logprob_diff": max(abs(x - y) for f, t in pairs
+                                for a, c in zip(f.outputs, t.outputs)
+                                for x, y in zip(a.token_logprobs, c.token_logprobs)),
+    }
 
 
 def paired_ratios(forced: list[EngineRun], token: list[EngineRun]) -> list[float]:
@@ -178,8 +270,16 @@ def paired_ratios(forced: list[EngineRun], token: list[EngineRun]) -> list[float
 
 
 def tokens_per_second(run: EngineRun) -> float | None:
-    """Forced tokens scored per second of the run's generate() (prefill included)."""
+    """Forced tokens scored per second of the run's own time (prefill included)."""
     return run.stats.output_tokens / run.wall if run.wall > 0 else None
+
+
+def after_prompts_rate(run: SideRun) -> float | None:
+    """Forced tokens per second after the side's first step (the prompts' prefill and each
+    document's first token, one step while the prompts fit `max_num_batched_tokens`, as at the
+    bench's scales): what the forcing itself changes. None without such time."""
+    tokens, seconds = run.stats.output_tokens - run.first_tokens, run.wall - run.first_wall
+    return tokens / seconds if seconds > 0 and tokens > 0 else None
 
 
 def events(run: EngineRun) -> list[list[tuple]]:
@@ -188,25 +288,12 @@ def events(run: EngineRun) -> list[list[tuple]]:
              for e in o.events] for o in run.outputs]
 
 
-def decode_rate(outputs: list) -> float | None:
-    """Forced tokens per second after the prompts: each document's tokens after its first (which
-    its prompt's prefill scores), over the time from the earliest first token to the last finish.
-    Starting at the earliest, the span holds any later document's prefill, so the rate is never
-    overstated; with one document it is that document's decode alone. None without a span."""
-    firsts = [o.first_token_time for o in outputs if o.first_token_time is not None]
-    if not firsts:
-        return None
-    span = max(o.finish_time for o in outputs) - min(firsts)
-    tokens = sum(max(o.num_output_tokens - 1, 0) for o in outputs)
-    return tokens / span if span > 0 and tokens else None
-
-
-def side_row(policy: str, chunked: bool, run: EngineRun, repeat: int) -> dict:
+def side_row(policy: str, chunked: bool, run: SideRun, repeat: int) -> dict:
     s = run.stats
     return {"repeat": repeat + 1, "policy": policy, "side": SIDES[chunked],
             "tps": tokens_per_second(run),
             "tps_cpu": s.output_tokens / run.cpu if run.cpu > 0 else None,
-            "tps_decode": decode_rate(run.outputs), "steps": s.num_steps,
+            "tps_decode": after_prompts_rate(run), "steps": s.num_steps,
             "compactions": s.compactions, "wall_s": run.wall}
 
 
