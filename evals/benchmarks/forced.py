@@ -309,7 +309,7 @@ def forced_command(
     block_size: int = typer.Option(None, help="KV page size (default: 16)."),
     policy: str = typer.Option(None, help="The compressing policy beside FullKV (default: snapkv)."),
     budget: int = typer.Option(None, help="Its KV budget in tokens (default: 256)."),
-    repeats: int = typer.Option(None, help="On/off pairs per policy (default: 1)."),
+    repeats: int = typer.Option(None, help="Interleaved pairs of runs per policy (default: 1)."),
     out_dir: Path = OutDirOpt,
 ):
     """Forced tokens in forced runs vs one decode step each: tokens/s and their ratio."""
