@@ -145,6 +145,7 @@ def run_pair(model_dir, prompts, params, *, policy: str, policy_args: dict, bloc
     from engine.llm import LLM
 
     sides: dict[bool, _Side] = {}
+    llm = None
     try:
         for chunked in (True, False):
             llm = LLM(model_dir, policy=policy, policy_args=policy_args, block_size=block_size,
@@ -164,6 +165,7 @@ def run_pair(model_dir, prompts, params, *, policy: str, policy_args: dict, bloc
         for side in sides.values():
             side.steps.close()
         sides.clear()
+        llm = None  # the last engine's reference too: both are freed before the next pair
         gc.collect()
 
 
