@@ -857,17 +857,21 @@ def test_forced_quick_interleaves_the_sides_and_writes_its_ratios(tiny_model, tm
 
 def test_forced_pairs_take_turns_a_page_of_every_document_at_a_time(tiny_model):
     """run_pair: the side named first takes the first turn, then the two alternate, each turn
-    adding a page of forced tokens to every document; each side's time is its own steps'."""
+    adding a page of forced tokens to every document; each side's time is its own steps'; both
+    engines are freed when it returns."""
+    import weakref
+
     from engine.models.loader import load_tokenizer
     from evals.benchmarks import forced
     from evals.benchmarks.workloads import PromptBuilder
 
     scale = forced.QUICK
     prompts, params = forced.documents(PromptBuilder(load_tokenizer(tiny_model)), scale)
-    turns = []
+    turns, engines = [], {}
     original = forced._Side.turn
 
     def logged(self, goal):
+        engines[self.label] = weakref.ref(self.llm)
         before = self.tokens
         original(self, goal)
         turns.append((self.label, goal, before, self.tokens))
@@ -889,6 +893,7 @@ def test_forced_pairs_take_turns_a_page_of_every_document_at_a_time(tiny_model):
         assert run.stats.output_tokens == total
         assert 0 < run.first_wall < run.wall and run.first_tokens == scale.documents
     assert runs[0].token_ids == runs[1].token_ids
+    assert len(engines) == 2 and all(engine() is None for engine in engines.values())
 
 
 def test_forced_paired_ratios_pair_each_repeats_two_sides():

@@ -141,11 +141,20 @@ class _Side:
 def run_pair(model_dir, prompts, params, *, policy: str, policy_args: dict, block_size: int,
              pool: int, forced_first: bool) -> dict[bool, SideRun]:
     """Both sides of one policy (forced runs: True), interleaved a page of every document at a
-    time (module docstring); `forced_first`: which side takes the first turn."""
+    time (module docstring); `forced_first`: which side takes the first turn. Both engines are
+    freed before it returns (their schedulers hold them in reference cycles: a collection)."""
+    try:
+        return _pair(model_dir, prompts, params, policy, policy_args, block_size, pool,
+                     forced_first)
+    finally:
+        gc.collect()
+
+
+def _pair(model_dir, prompts, params, policy: str, policy_args: dict, block_size: int, pool: int,
+          forced_first: bool) -> dict[bool, SideRun]:
     from engine.llm import LLM
 
     sides: dict[bool, _Side] = {}
-    llm = None
     try:
         for chunked in (True, False):
             llm = LLM(model_dir, policy=policy, policy_args=policy_args, block_size=block_size,
@@ -164,9 +173,6 @@ def run_pair(model_dir, prompts, params, *, policy: str, policy_args: dict, bloc
     finally:
         for side in sides.values():
             side.steps.close()
-        sides.clear()
-        llm = None  # the last engine's reference too: both are freed before the next pair
-        gc.collect()
 
 
 def run_forced(model: str = DEFAULT_MODEL, *, quick: bool = False, scale: ForcedScale | None = None,
