@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.kernels._common import upload
 from engine.kernels.paged_attention import DecodePlan
 from engine.kernels.store_kv import StorePlan
 
@@ -39,6 +40,13 @@ class KVCache:
     @property
     def block_size(self) -> int:
         return self.k.shape[3]
+
+    def flat_slots(self, table: list[int]) -> torch.Tensor:
+        """The flat slot of each physical slot of a block table: int64 `[len(table) * block_size]`
+        on the cache's device (one `take` or index maps a sequence's slots onto the cache)."""
+        bs = self.block_size
+        pages = upload(table, self.k.device)
+        return (pages[:, None] * bs + torch.arange(bs, device=self.k.device)).view(-1)
 
 
 @dataclass

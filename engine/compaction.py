@@ -43,7 +43,6 @@ import torch
 
 from engine.attention import KVCache
 from engine.block_manager import BlockManager
-from engine.kernels._common import upload
 from engine.policies.base import Action, Decision, HeadKeep, KVPolicy, PolicyView, StageTimer
 from engine.sequence import CapacityEvent, Sequence
 
@@ -123,19 +122,11 @@ def execute(job: CompactionJob, policy: KVPolicy, view: PolicyView, kv: KVCache,
                                  job.counts if counts is not None else None)
     with job.timer.stage("compaction"):
         keep = keep.to(device=kv.k.device, dtype=torch.long)
-        src = _flat_slots(seq.block_table, kv).take(keep)
-        dst = _flat_slots(job.new_table, kv)[:target]
+        src = kv.flat_slots(seq.block_table).take(keep)
+        dst = kv.flat_slots(job.new_table)[:target]
         move(kv.k, src, dst, kv.v)
         if kv.scores is not None:
             move(kv.scores, src, dst)
-
-
-def _flat_slots(table: list[int], kv: KVCache) -> torch.Tensor:
-    """The cache's flat slot of each of a block table's physical slots: int64 `[len(table) *
-    block_size]` on the cache's device (a map that one `take` reads for every kept entry)."""
-    bs = kv.block_size
-    pages = upload(table, kv.k.device)
-    return (pages[:, None] * bs + torch.arange(bs, device=kv.k.device)).view(-1)
 
 
 def _check_counts(policy: KVPolicy, counts: torch.Tensor, layers: int, heads: int,

@@ -97,12 +97,9 @@ class SeqView:
 
     def set_slot_scores(self, scores: torch.Tensor) -> None:
         """scores: [layers, kv_heads, physical_len] (cache: [layers, kv_heads, pages, block_size])."""
-        cache = self._runner.kv.scores
-        bs = self.block_size
-        n = self.seq.physical_len
-        table = torch.tensor(self.seq.block_table, dtype=torch.long, device=cache.device)
-        pos = torch.arange(n, device=cache.device)
-        slots = table[pos // bs] * bs + pos % bs
+        kv = self._runner.kv
+        cache = kv.scores
+        slots = kv.flat_slots(self.seq.block_table)[:self.seq.physical_len]
         flat = cache.view(cache.shape[0], cache.shape[1], -1)
         flat[:, :, slots] = scores.to(cache.dtype)
 
