@@ -276,6 +276,23 @@ def test_steps_yield_after_every_engine_step(llama_dir):
     assert llm.last_stats is not None and llm.last_stats.num_steps == 1
 
 
+def test_flat_slots_map_a_block_tables_slots_onto_the_cache():
+    """KVCache.flat_slots: physical slot i of a block table is page table[i // b]'s offset i % b,
+    built on the cache's device with no host tensor mixed in (the compaction's and the slot
+    scores' index path on CUDA)."""
+    from device_guard import DeviceGuard
+    from engine.attention import KVCache
+
+    cache = torch.empty(2, 3, 8, 4, 5)  # [layers, kv_heads, pages, block 4, head_dim]
+    assert KVCache(cache, cache).flat_slots([5, 2, 7]).tolist() == [
+        20, 21, 22, 23, 8, 9, 10, 11, 28, 29, 30, 31]
+    meta = KVCache(cache.to("meta"), cache.to("meta"))
+    keep = torch.zeros(2, 3, 6, dtype=torch.long, device="meta")
+    with DeviceGuard("meta"):
+        src = meta.flat_slots([5, 2]).take(keep)
+    assert src.device.type == "meta" and src.shape == keep.shape
+
+
 def test_decode_step_times_leave_out_steps_with_a_prefill():
     from engine.stats import StepRecord, run_stats
 
